@@ -1,0 +1,81 @@
+"""The model's hyperparameters: one frozen dataclass, stored as JSON in the model file's metadata.
+
+Every value the runtime needs is here, settled at conversion time; nothing is inferred from a
+file or folder name at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+ARCHS = ("llama", "mistral", "qwen2", "mixtral")
+WEIGHT_DTYPES = ("fp16", "fp8", "gf4")
+METADATA_KEY = "pycalm.config"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # one of ARCHS; informational: the quirks are settled by the converter
+    dim: int  # width of the residual stream
+    hidden_dim: int  # FFN inner width (per expert for MoE)
+    head_dim: int  # width of one attention head
+    n_layers: int
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention: n_heads % n_kv_heads == 0)
+    vocab_size: int
+    max_seq_len: int  # context length the model was trained for
+    rope_theta: float  # RoPE base; the per-pair frequencies are stored as the rope_freqs tensor
+    rotary_dim: int  # leading dims of each head that are rotated (== head_dim for Llama family)
+    norm_eps: float  # RMSNorm epsilon
+    bos_id: int  # -1: the tokenizer adds no BOS
+    eos_ids: tuple[int, ...]  # generation stops at any of these
+    qkv_bias: bool = False  # Qwen2: q/k/v projections have a bias
+    tied_embeddings: bool = False  # the classifier reuses tok_embeddings (no output tensor)
+    n_experts: int = 0  # 0: dense FFN; Mixtral: 8
+    n_experts_active: int = 0  # experts chosen per token (Mixtral: 2)
+    sliding_window: int = 0  # 0: full attention; Mistral: attend to the last W positions
+    weight_dtype: str = "fp16"  # one of WEIGHT_DTYPES: how matrices are stored
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r} (pycalm supports {', '.join(ARCHS)})")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"unsupported weight dtype {self.weight_dtype!r} (one of {', '.join(WEIGHT_DTYPES)})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.n_experts and not 0 < self.n_experts_active <= self.n_experts:
+            raise ValueError(f"n_experts_active {self.n_experts_active} must be in 1..{self.n_experts}")
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+    # derived sizes
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"model file config has unknown fields {unknown}: written by a newer pycalm?")
+        data["eos_ids"] = tuple(data.get("eos_ids", ()))
+        return cls(**data)
