@@ -10,6 +10,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from pycalm.errors import PycalmError
+
 ARCHS = ("llama", "mistral", "qwen2", "mixtral")
 WEIGHT_DTYPES = ("fp16", "fp8", "gf4")
 METADATA_KEY = "pycalm.config"
@@ -40,15 +42,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r} (pycalm supports {', '.join(ARCHS)})")
+            raise PycalmError(f"unsupported architecture {self.arch!r} (pycalm supports {', '.join(ARCHS)})")
         if self.weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"unsupported weight dtype {self.weight_dtype!r} (one of {', '.join(WEIGHT_DTYPES)})")
+            raise PycalmError(f"unsupported weight dtype {self.weight_dtype!r} (one of {WEIGHT_DTYPES})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+            raise PycalmError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+            raise PycalmError(f"rotary_dim {self.rotary_dim} must be even and <= head_dim {self.head_dim}")
         if self.n_experts and not 0 < self.n_experts_active <= self.n_experts:
-            raise ValueError(f"n_experts_active {self.n_experts_active} must be in 1..{self.n_experts}")
+            raise PycalmError(f"n_experts_active {self.n_experts_active} must be in 1..{self.n_experts}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
 
     # derived sizes
@@ -76,6 +78,6 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"model file config has unknown fields {unknown}: written by a newer pycalm?")
+            raise PycalmError(f"model file config has unknown fields {unknown}: written by a newer pycalm?")
         data["eos_ids"] = tuple(data.get("eos_ids", ()))
         return cls(**data)

@@ -128,7 +128,9 @@ def encode(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def decode(w: np.ndarray, dtype: str) -> np.ndarray:
-    """Decode a stored array back to float32 (..., cols)."""
+    """Decode a stored array back to float32 (..., cols). dtype "fp32": already decoded."""
+    if dtype == "fp32":
+        return np.asarray(w, dtype=np.float32)
     if dtype == "fp16":
         return fp16_decode(w)
     if dtype == "fp8":

@@ -1,0 +1,15 @@
+"""GPU kernels, one module per family. Each module holds, in order: a docstring (the math, the
+thread mapping, the bytes moved), the NumPy reference (`<op>_ref`), the `@cuda.jit` kernel(s)
+(`<op>_kernel`) and the launcher (`<op>`).
+
+The `_ref` functions need no GPU; the reference engine (pycalm.reference) is built from them.
+Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the shim in `_cudasim` adds the warp
+shuffles the simulator lacks, so the kernels run unmodified on a CPU.
+"""
+
+from numba import config as _numba_config
+
+if _numba_config.ENABLE_CUDASIM:
+    from pycalm.kernels import _cudasim
+
+    _cudasim.install()

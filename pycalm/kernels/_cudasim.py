@@ -1,0 +1,81 @@
+"""Warp intrinsics for numba's CUDA simulator, which lacks them.
+
+The simulator runs every thread of a block as a Python thread. A shuffle here is a rendezvous
+of the lanes of one warp: each lane posts its value in the warp's slot table, waits at a
+per-warp barrier until all lanes have posted, reads the source lane's slot, and waits again so
+that no lane overwrites a slot before everyone has read it. Like the hardware with a full mask,
+it expects every lane of the warp to take part (a partial last warp counts only its lanes).
+
+Only used when NUMBA_ENABLE_CUDASIM=1; the real GPU uses numba's own intrinsics.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_WARP = 32
+
+
+class _WarpExchange:
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self.slots: list[object] = [None] * _WARP
+        self.barrier = threading.Barrier(lanes)
+
+
+def _exchange_for(thread: threading.Thread) -> tuple[_WarpExchange, int]:
+    manager = thread._manager  # the simulator's BlockManager for the running block
+    lock = manager.__dict__.setdefault("_pycalm_lock", threading.Lock())
+    tid = thread.thread_id
+    warp, lane = divmod(tid, _WARP)
+    with lock:
+        table = manager.__dict__.setdefault("_pycalm_warps", {})
+        ex = table.get((thread.blockIdx.x, thread.blockIdx.y, thread.blockIdx.z, warp))
+        if ex is None:
+            bx, by, bz = manager._block_dim
+            n_threads = bx * by * bz
+            ex = _WarpExchange(min(_WARP, n_threads - warp * _WARP))
+            table[(thread.blockIdx.x, thread.blockIdx.y, thread.blockIdx.z, warp)] = ex
+    return ex, lane
+
+
+def _shuffle(value: object, src_of_lane) -> object:  # noqa: ANN001
+    thread = threading.current_thread()
+    ex, lane = _exchange_for(thread)
+    ex.slots[lane] = value
+    ex.barrier.wait()  # every lane has posted its value
+    src = src_of_lane(lane)
+    out = ex.slots[src] if 0 <= src < ex.lanes else value
+    ex.barrier.wait()  # every lane has read before any lane posts again
+    return out
+
+
+def shfl_sync(self, mask: int, value: object, src_lane: int) -> object:  # noqa: ANN001
+    return _shuffle(value, lambda lane: int(src_lane) % _WARP)
+
+
+def shfl_down_sync(self, mask: int, value: object, delta: int) -> object:  # noqa: ANN001
+    return _shuffle(value, lambda lane: lane + int(delta) if lane + int(delta) < _WARP else lane)
+
+
+def shfl_up_sync(self, mask: int, value: object, delta: int) -> object:  # noqa: ANN001
+    return _shuffle(value, lambda lane: lane - int(delta) if lane - int(delta) >= 0 else lane)
+
+
+def shfl_xor_sync(self, mask: int, value: object, lane_mask: int) -> object:  # noqa: ANN001
+    return _shuffle(value, lambda lane: lane ^ int(lane_mask))
+
+
+def syncwarp(self, mask: int = 0xFFFFFFFF) -> None:  # noqa: ANN001
+    _shuffle(0, lambda lane: lane)
+
+
+def install() -> None:
+    """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent)."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    FakeCUDAModule.shfl_sync = shfl_sync
+    FakeCUDAModule.shfl_down_sync = shfl_down_sync
+    FakeCUDAModule.shfl_up_sync = shfl_up_sync
+    FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
+    FakeCUDAModule.syncwarp = syncwarp
