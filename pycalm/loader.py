@@ -1,0 +1,412 @@
+"""The pycalm model file: its tensor list, a streaming writer, and a validating reader.
+
+The file is a plain safetensors file (docs/MODEL_FILE.md), so any safetensors tool can read it.
+Every tensor's name, shape and dtype follows from the config alone, which lets both sides be
+strict and cheap:
+
+- the writer computes the whole header before the first weight exists and then streams each
+  tensor's bytes in header order, so converting a model never holds the whole model in memory;
+  it writes `OUT.tmp` and renames it at the end, so an interrupted conversion never leaves a
+  half-written file under the final name;
+- the reader checks, from the header alone, that every expected tensor is present with the
+  stored shape and dtype the config demands and that the file is long enough to hold them, so a
+  truncated or mismatched file fails at open time with one line naming the file and the
+  problem, not later as a wrong answer or a deep traceback.
+
+Layout of a safetensors file: 8-byte little-endian header length N, N bytes of JSON header
+(`{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}`, offsets
+relative to the end of the header), then the tensor bytes, back to back with no holes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from pycalm import formats
+from pycalm.config import METADATA_KEY, ModelConfig
+from pycalm.errors import PycalmError
+
+FORMAT_VERSION = "1"
+TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger "length" means a corrupt file
+
+# numpy dtype -> safetensors dtype name, for the dtypes a pycalm file uses
+_ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint8): "U8"}
+_ST_DTYPE[np.dtype(np.uint32)] = "U32"
+_NP_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the model file: its name, stored dtype and stored shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def expected_tensors(config: ModelConfig, tokenizer_nbytes: int) -> list[TensorSpec]:
+    """Every tensor a model file for `config` holds, in file order (docs/MODEL_FILE.md).
+
+    Matrices use the stored shape of config.weight_dtype (gf4 packs 8 columns in one uint32);
+    norms, biases, the MoE router and the RoPE frequencies are float32.
+    """
+    wd = config.weight_dtype
+    w_dtype = formats.STORAGE_DTYPE[wd]
+    f32 = np.dtype(np.float32)
+
+    def matrix(name: str, rows: int, cols: int, lead: tuple[int, ...] = ()) -> TensorSpec:
+        try:
+            shape = formats.storage_shape(rows, cols, wd)
+        except ValueError as e:
+            raise PycalmError(f"{name}: {e}") from None
+        return TensorSpec(name, w_dtype, lead + shape)
+
+    specs = [
+        matrix("tok_embeddings", config.vocab_size, config.dim),
+        TensorSpec("rope_freqs", f32, (config.rotary_dim // 2,)),
+    ]
+    experts = (config.n_experts,) if config.n_experts else ()
+    for layer in range(config.n_layers):
+        p = f"layers.{layer}."
+        specs.append(TensorSpec(p + "attn_norm", f32, (config.dim,)))
+        specs.append(matrix(p + "wqkv", config.qkv_dim, config.dim))
+        if config.qkv_bias:
+            specs.append(TensorSpec(p + "bqkv", f32, (config.qkv_dim,)))
+        specs.append(matrix(p + "wo", config.dim, config.q_dim))
+        specs.append(TensorSpec(p + "ffn_norm", f32, (config.dim,)))
+        if config.n_experts:
+            specs.append(TensorSpec(p + "moe_gate", f32, (config.n_experts, config.dim)))
+        specs.append(matrix(p + "w1", config.hidden_dim, config.dim, experts))
+        specs.append(matrix(p + "w2", config.dim, config.hidden_dim, experts))
+        specs.append(matrix(p + "w3", config.hidden_dim, config.dim, experts))
+    specs.append(TensorSpec("norm", f32, (config.dim,)))
+    if not config.tied_embeddings:
+        specs.append(matrix("output", config.vocab_size, config.dim))
+    specs.append(TensorSpec("tokenizer", np.dtype(np.uint8), (tokenizer_nbytes,)))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors header parsing (shared with the converter, which reads HF shards with it)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as a safetensors header describes it; offsets are absolute file positions."""
+
+    name: str
+    dtype: str  # safetensors name: F32, F16, BF16, U8, U32, ...
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1}
+_ST_ITEMSIZE.update({"U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E5M2": 1, "F8_E4M3": 1})
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """Parse and validate a safetensors header: (tensors by name, __metadata__).
+
+    Checks what a truncated or corrupt file gets wrong: the length prefix, the JSON, each entry's
+    dtype, shape and offsets (which must agree with each other), and that the file is long enough
+    to hold every tensor. Reads only the header, so it is cheap on a multi-gigabyte file.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise PycalmError(f"{path}: not a safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or n + 8 > size:
+                raise PycalmError(
+                    f"{path}: not a safetensors file or truncated (header length {n}, file {size} bytes)"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise PycalmError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise PycalmError(f"{path}: corrupt safetensors header ({e})") from None
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise PycalmError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
+    entries: dict[str, HeaderEntry] = {}
+    data_start = 8 + n
+    for name, info in header.items():
+        try:
+            dtype = info["dtype"]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+            itemsize = _ST_ITEMSIZE[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise PycalmError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
+        if min(shape, default=0) < 0 or end - begin != itemsize * int(np.prod(shape, dtype=np.int64)):
+            raise PycalmError(
+                f"{path}: tensor {name!r}: offsets {begin}..{end} disagree with {dtype} {shape}"
+            )
+        if begin < 0 or data_start + end > size:
+            raise PycalmError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + end} but the file has {size}"
+            )
+        entries[name] = HeaderEntry(name, dtype, shape, data_start + begin, data_start + end)
+    return entries, {str(k): str(v) for k, v in meta.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+class ModelFile:
+    """An open pycalm model file: config, tokenizer, chat template, and lazy tensor reads.
+
+    Opening validates the header against the config (see open_model); tensor() then reads one
+    tensor at a time through safetensors, so a caller uploading weights to the GPU never holds
+    more than one tensor in host memory.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        config: ModelConfig,
+        tokenizer_kind: str,
+        chat_template: str,
+        entries: dict[str, HeaderEntry],
+    ) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self.config = config
+        self.tokenizer_kind = tokenizer_kind
+        self.chat_template = chat_template
+        self._entries = entries
+        try:
+            self._handle: Any = safe_open(str(path), framework="numpy")
+        except Exception as e:  # safetensors raises its own error types
+            raise PycalmError(f"{path}: safetensors cannot open it: {e}") from None
+        self.tokenizer_blob = self.tensor("tokenizer").tobytes()
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def has(self, name: str) -> bool:
+        return name in self._entries
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Read one tensor (stored dtype and shape, see docs/MODEL_FILE.md) into host memory."""
+        if name not in self._entries:
+            raise PycalmError(f"{self.path}: no tensor {name!r}")
+        try:
+            return self._handle.get_tensor(name)
+        except Exception as e:
+            raise PycalmError(f"{self.path}: cannot read tensor {name!r}: {e}") from None
+
+    def close(self) -> None:
+        self._handle = None
+
+    def __enter__(self) -> ModelFile:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_model(path: str | os.PathLike[str]) -> ModelFile:
+    """Open and validate a pycalm model file (header only: cheap even for a large model).
+
+    Raises PycalmError naming the file and the problem when the file is missing, is not a
+    safetensors file, is truncated, lacks pycalm metadata, or has a tensor that is missing or
+    whose stored shape/dtype differs from what the config requires.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PycalmError(f"model file not found: {path}")
+    entries, meta = read_safetensors_header(path)
+    version = meta.get("pycalm.format_version")
+    if version is None or METADATA_KEY not in meta:
+        raise PycalmError(
+            f"{path}: not a pycalm model file (no pycalm metadata); convert it with python -m pycalm.convert"
+        )
+    if version != FORMAT_VERSION:
+        raise PycalmError(f"{path}: pycalm format version {version!r}, this pycalm reads {FORMAT_VERSION!r}")
+    try:
+        config = ModelConfig.from_json(meta[METADATA_KEY])
+    except (ValueError, TypeError) as e:
+        raise PycalmError(f"{path}: bad model config in metadata: {e}") from None
+    kind = meta.get("pycalm.tokenizer", "")
+    if kind not in TOKENIZER_KINDS:
+        raise PycalmError(
+            f"{path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(TOKENIZER_KINDS)})"
+        )
+    tok = entries.get("tokenizer")
+    if tok is None or len(tok.shape) != 1:
+        raise PycalmError(f"{path}: missing tensor 'tokenizer'")
+    for spec in expected_tensors(config, tok.shape[0]):
+        got = entries.get(spec.name)
+        if got is None:
+            raise PycalmError(f"{path}: missing tensor {spec.name!r}")
+        want_dtype = _ST_DTYPE[spec.dtype]
+        if got.dtype != want_dtype or got.shape != spec.shape:
+            raise PycalmError(
+                f"{path}: tensor {spec.name!r} is {got.dtype} {list(got.shape)}, expected {want_dtype} "
+                f"{list(spec.shape)} for this config (weight dtype {config.weight_dtype})"
+            )
+    return ModelFile(path, config, kind, meta.get("pycalm.chat_template", ""), entries)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+class ModelWriter:
+    """Write a pycalm model file tensor by tensor, in the order expected_tensors() gives.
+
+    Usage:
+        with ModelWriter(out, config, "tokenizers-json", blob, template) as w:
+            for spec in w.pending():          # every tensor but `tokenizer`, in file order
+                w.write(spec.name, rows)      # one or more row chunks of the stored array
+    The header is written first, so each chunk goes straight to disk. `tokenizer` is written by
+    close(). On success the file is renamed from OUT.tmp to OUT; on an exception it is removed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: ModelConfig,
+        tokenizer_kind: str,
+        tokenizer_blob: bytes,
+        chat_template: str = "",
+    ) -> None:
+        if tokenizer_kind not in TOKENIZER_KINDS:
+            raise PycalmError(f"unknown tokenizer kind {tokenizer_kind!r}")
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.config = config
+        self._tokenizer_blob = bytes(tokenizer_blob)
+        self.specs = expected_tensors(config, len(self._tokenizer_blob))
+        header: dict[str, Any] = {
+            "__metadata__": {
+                "pycalm.format_version": FORMAT_VERSION,
+                METADATA_KEY: config.to_json(),
+                "pycalm.tokenizer": tokenizer_kind,
+                "pycalm.chat_template": chat_template or "",
+            }
+        }
+        offset = 0
+        for s in self.specs:
+            header[s.name] = {
+                "dtype": _ST_DTYPE[s.dtype],
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
+            offset += s.nbytes
+        self.total_bytes = offset
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header with spaces to 8-byte alignment
+        self._index = 0  # the tensor being written
+        self._written = 0  # bytes of it written so far
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+
+    def pending(self) -> Iterator[TensorSpec]:
+        """The tensors the caller writes (all but the tokenizer), in order."""
+        return iter(self.specs[:-1])
+
+    def write(self, name: str, data: np.ndarray) -> None:
+        """Append a chunk of rows of tensor `name` in its stored dtype.
+
+        A chunk is any array whose last axis is the tensor's last axis: its rows continue the
+        tensor in C order (for a 3-D expert stack, rows run through expert 0 first).
+        """
+        spec = self.specs[self._index]
+        if name != spec.name:
+            raise ValueError(f"writing {name!r} but the next tensor in the file is {spec.name!r}")
+        data = np.ascontiguousarray(data)
+        if data.dtype != spec.dtype or data.shape[-1:] != spec.shape[-1:]:
+            raise ValueError(
+                f"{name}: chunk {data.dtype} {data.shape} does not fit {spec.dtype} {spec.shape}"
+            )
+        nbytes = data.nbytes
+        if self._written + nbytes > spec.nbytes:
+            raise ValueError(f"{name}: more data than its shape {spec.shape} holds")
+        self._f.write(
+            memoryview(data.reshape(-1).view(np.uint8))
+        )  # little-endian hosts only, like safetensors
+        self._written += nbytes
+        if self._written == spec.nbytes:
+            self._index += 1
+            self._written = 0
+
+    def close(self) -> Path:
+        """Write the tokenizer, check every tensor is complete, and move the file into place."""
+        self.write("tokenizer", np.frombuffer(self._tokenizer_blob, dtype=np.uint8))
+        if self._index != len(self.specs):
+            raise ValueError(f"model file incomplete: tensor {self.specs[self._index].name!r} not written")
+        self._f.close()
+        os.replace(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file (called on any error, including KeyboardInterrupt)."""
+        self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ModelWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            try:
+                self.close()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
+def write_model(
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    tensors: Iterator[tuple[str, np.ndarray]],
+    tokenizer_kind: str,
+    tokenizer_blob: bytes,
+    chat_template: str = "",
+) -> Path:
+    """Write a whole model from (name, stored array or row chunk) pairs in file order.
+
+    A convenience over ModelWriter for tests and small models; the converter uses ModelWriter
+    directly to stream row chunks.
+    """
+    w = ModelWriter(path, config, tokenizer_kind, tokenizer_blob, chat_template)
+    try:
+        for name, arr in tensors:
+            w.write(name, arr)
+        return w.close()
+    except BaseException:
+        w.abort()
+        raise
