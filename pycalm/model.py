@@ -1,0 +1,309 @@
+"""The GPU engine: weights and buffers on the device, and the token step as one CUDA graph.
+
+forward() below is the whole token step, one kernel launch per line in data-flow order, like
+llama2.c's forward(). It is run once eagerly (which compiles every kernel), then captured once
+into a CUDA graph on the engine's stream; every later token, prompt tokens included, is one
+replay of that graph. Nothing per token is a launch argument: the token, the position and the
+prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
+The host only reads back the token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pycalm.config import ModelConfig
+from pycalm.engine import SamplingParams
+from pycalm.errors import PycalmError
+
+KV_FP8_ABOVE = 4096  # fp8 KV cache for contexts longer than this (ARCHITECTURE.md)
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA GPU can run the kernels, else why not (one line)."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return "the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1)"
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return "no CUDA GPU found"
+    except Exception as e:  # noqa: BLE001 - any driver failure means: no usable GPU
+        return f"no usable CUDA GPU ({type(e).__name__})"
+    return None
+
+
+def kv_dtype_for(kv: str, seq_len: int) -> str:
+    if kv == "auto":
+        return "fp8" if seq_len > KV_FP8_ABOVE else "fp16"
+    if kv not in ("fp16", "fp8"):
+        raise PycalmError(f"unsupported KV cache dtype {kv!r} on the GPU (fp16 or fp8)")
+    return kv
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: object  # (dim,) float32
+    wqkv: object  # (q_dim + 2 kv_dim, dim) stored
+    bqkv: object | None  # (q_dim + 2 kv_dim,) float32, Qwen2 only
+    wo: object  # (dim, q_dim) stored
+    ffn_norm: object  # (dim,) float32
+    w1: object  # (hidden_dim, dim) stored
+    w3: object  # (hidden_dim, dim) stored
+    w2: object  # (dim, hidden_dim) stored
+
+
+class GraphStep:
+    """A CUDA graph captured from the launches that a function makes on a numba stream."""
+
+    def __init__(self, stream: object, record: object) -> None:
+        from cuda.bindings import driver as cu
+
+        self._cu = cu
+        self.stream = stream
+        handle = stream.handle
+        _check(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        try:
+            record()
+        finally:
+            graph = _check(cu.cuStreamEndCapture(handle))
+        self.graph = graph
+        self.exec = _check(cu.cuGraphInstantiate(graph, 0))
+
+    def launch(self) -> None:
+        _check(self._cu.cuGraphLaunch(self.exec, self.stream.handle))
+
+
+def _check(result: tuple) -> object:
+    err, *rest = result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+class GpuEngine:
+    """forward(token, pos) on the GPU; generate() streams token ids from graph replays."""
+
+    device = "gpu"
+
+    def __init__(self, model: object, seq_len: int, kv_dtype: str = "auto") -> None:
+        from numba import cuda
+
+        from pycalm.kernels.attention import attention_scratch
+        from pycalm.kernels.step import STATE_SIZE
+
+        cfg: ModelConfig = model.config
+        self.config = cfg
+        self.seq_len = min(seq_len, cfg.max_seq_len)
+        self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
+        self.stream = cuda.stream()
+        self.bytes_per_step = 0  # filled in by forward(): weights + activations + KV touched
+
+        # weights: a model that makes its own device arrays (the benchmark's random weights)
+        # offers device_tensor(name); a model file is uploaded tensor by tensor
+        def dev(name: str) -> object:
+            if hasattr(model, "device_tensor"):
+                return model.device_tensor(name)
+            return cuda.to_device(np.ascontiguousarray(model.tensor(name)), stream=self.stream)
+
+        self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
+        self.rope_freqs = dev("rope_freqs")  # (rotary_dim // 2,) float32
+        self.layers = [
+            LayerWeights(
+                attn_norm=dev(f"layers.{i}.attn_norm"),
+                wqkv=dev(f"layers.{i}.wqkv"),
+                bqkv=dev(f"layers.{i}.bqkv") if cfg.qkv_bias else None,
+                wo=dev(f"layers.{i}.wo"),
+                ffn_norm=dev(f"layers.{i}.ffn_norm"),
+                w1=dev(f"layers.{i}.w1"),
+                w3=dev(f"layers.{i}.w3"),
+                w2=dev(f"layers.{i}.w2"),
+            )
+            for i in range(cfg.n_layers)
+        ]
+        if cfg.n_experts:
+            raise PycalmError("mixture-of-experts models do not run on the GPU engine yet; use --device cpu")
+        self.norm = dev("norm")  # (dim,) float32
+        self.output = (
+            self.tok_embeddings if cfg.tied_embeddings else dev("output")
+        )  # (vocab_size, dim) stored
+
+        # activations, float32
+        f32 = np.float32
+        self.x = cuda.device_array(cfg.dim, f32, stream=self.stream)  # (dim,) residual stream
+        self.q = cuda.device_array(cfg.q_dim, f32, stream=self.stream)  # (n_heads * head_dim,) query
+        self.att = cuda.device_array(
+            cfg.q_dim, f32, stream=self.stream
+        )  # (n_heads * head_dim,) attention out
+        self.h = cuda.device_array(cfg.hidden_dim, f32, stream=self.stream)  # (hidden_dim,) gated FFN
+        self.logits = cuda.device_array(cfg.vocab_size, f32, stream=self.stream)  # (vocab_size,)
+        # KV cache: per layer (seq_len, kv_dim), float16 or fp8 e5m2 bytes
+        kv_np = np.float16 if self.kv_dtype == "fp16" else np.uint8
+        self.key_cache = [
+            cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
+            for _ in range(cfg.n_layers)
+        ]
+        self.value_cache = [
+            cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
+            for _ in range(cfg.n_layers)
+        ]
+        self.att_scratch = attention_scratch(cfg.n_heads, cfg.head_dim, self.seq_len, stream=self.stream)
+        # per-token values on the device (see pycalm.kernels.step)
+        self.state = cuda.to_device(
+            np.zeros(STATE_SIZE, np.int32), stream=self.stream
+        )  # token, pos, feed_end
+        self.feed = cuda.to_device(
+            np.zeros(self.seq_len, np.int32), stream=self.stream
+        )  # (seq_len,) prompt by position
+        self.tokens = cuda.to_device(
+            np.zeros(self.seq_len, np.int32), stream=self.stream
+        )  # (seq_len,) token at each pos
+        self.coins = cuda.to_device(
+            np.zeros(self.seq_len, np.float32), stream=self.stream
+        )  # (seq_len,) uniform draws
+        self._state_host = cuda.pinned_array(STATE_SIZE, np.int32)
+        self._graphs: dict[SamplingParams, GraphStep] = {}
+        self.stream.synchronize()
+
+    # ---------------------------------------------------------------------------------------
+    def forward(self, sampling: SamplingParams) -> int:
+        """Enqueue one token step on self.stream; returns the bytes it moves."""
+        from pycalm.kernels.attention import attention
+        from pycalm.kernels.embed import embed
+        from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
+        from pycalm.kernels.qkv import qkv_rope
+        from pycalm.kernels.sample import argmax, sample
+        from pycalm.kernels.step import advance
+
+        cfg, dt, kv, s = self.config, self.config.weight_dtype, self.kv_dtype, self.stream
+        eps = cfg.norm_eps
+        n = 0
+        # x = embedding row of state[token]
+        n += embed(self.tok_embeddings, self.state, self.x, dt, stream=s)
+        for i, L in enumerate(self.layers):
+            kc, vc = self.key_cache[i], self.value_cache[i]
+            # q, k, v = Wqkv rmsnorm(x) (+ b); rotate q, k; k, v -> cache row pos
+            n += qkv_rope(
+                L.wqkv,
+                L.bqkv,
+                self.x,
+                L.attn_norm,
+                eps,
+                self.rope_freqs,
+                self.state,
+                self.q,
+                kc,
+                vc,
+                dt,
+                kv,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                stream=s,
+            )
+            # att = softmax(q k^T / sqrt(head_dim)) v over positions 0..pos (or the window)
+            n += attention(
+                self.q,
+                kc,
+                vc,
+                self.state,
+                self.att,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                kv,
+                cfg.sliding_window,
+                self.att_scratch,
+                stream=s,
+            )
+            # x += Wo att
+            n += matvec_residual(L.wo, self.att, self.x, dt, stream=s)
+            # h = silu(W1 rmsnorm(x)) * W3 rmsnorm(x)
+            n += ffn_gate(L.w1, L.w3, self.x, self.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
+            # x += W2 h
+            n += matvec_residual(L.w2, self.h, self.x, dt, stream=s)
+        # logits = Wout rmsnorm(x)
+        n += matvec(self.output, self.x, self.logits, dt, stream=s, norm_w=self.norm, eps=eps)
+        # state[token] = the next token, chosen on the device
+        if sampling.temperature == 0:
+            n += argmax(self.logits, self.state, stream=s)
+        else:
+            n += sample(
+                self.logits,
+                self.state,
+                self.coins,
+                sampling.temperature,
+                sampling.top_k,
+                sampling.top_p,
+                sampling.min_p,
+                stream=s,
+            )
+        # feed the prompt's next token instead while prefilling; pos += 1
+        n += advance(self.state, self.feed, self.tokens, stream=s)
+        return n
+
+    def graph(self, sampling: SamplingParams) -> GraphStep:
+        """The captured token step for these sampling settings (captured on first use)."""
+        key = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
+        g = self._graphs.get(key)
+        if g is None:
+            # run once eagerly on a scratch position so every kernel is compiled and loaded
+            self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
+            self.bytes_per_step = self.forward(key)
+            self.stream.synchronize()
+            g = GraphStep(self.stream, lambda: self.forward(key))
+            self._graphs[key] = g
+        return g
+
+    def _set_state(self, token: int, pos: int, feed_end: int) -> None:
+        host = np.zeros(self._state_host.shape[0], np.int32)
+        host[:3] = (token, pos, feed_end)
+        self.state.copy_to_device(host, stream=self.stream)
+
+    # ---------------------------------------------------------------------------------------
+    def logits(self, token: int, pos: int) -> np.ndarray:
+        """Logits (vocab_size,) float32 for `token` at `pos`, caching its keys and values."""
+        if not 0 <= pos < self.seq_len:
+            raise PycalmError(f"position {pos} is past the context length {self.seq_len}")
+        g = self.graph(SamplingParams())
+        self._set_state(token, pos, 0)
+        g.launch()
+        out = self.logits.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def generate(
+        self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
+    ) -> Iterator[int]:
+        if not ids:
+            raise PycalmError("nothing to feed: the prompt encodes to no tokens")
+        end = start_pos + len(ids)
+        if end > self.seq_len:
+            raise PycalmError(
+                f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
+            )
+        g = self.graph(sampling)
+        feed = np.asarray(ids, np.int32)
+        self.feed[start_pos:end].copy_to_device(feed, stream=self.stream)
+        if sampling.temperature > 0:
+            coins = (
+                np.random.default_rng(sampling.seed).random(self.seq_len, dtype=np.float64).astype(np.float32)
+            )
+            self.coins.copy_to_device(coins, stream=self.stream)
+        self._set_state(int(ids[0]), start_pos, end)
+        for _ in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
+            g.launch()
+        eos = set(self.config.eos_ids)
+        for _ in range(min(max_new, self.seq_len - end + 1)):
+            g.launch()
+            self.state.copy_to_host(self._state_host, stream=self.stream)
+            self.stream.synchronize()
+            token = int(self._state_host[0])
+            yield token
+            if token in eos:
+                return

@@ -1,0 +1,386 @@
+"""Decode benchmark on the GPU: tok/s, GB/s and % of the copy ceiling, per format and shape.
+
+Random weights are made directly on the GPU (no multi-GB files to move). For each shape and
+weight format it times, with CUDA events after warm-up:
+  - the first 256 tokens (positions 0..255) as graph replays,
+  - the last 32 at a 4000-token offset (positions 4000..4031: the KV cache read grows),
+  - each kernel role (qkv, attention, wo, ffn_gate, w2, classifier) alone: its launches for all
+    layers captured in a graph of their own, so GB/s per kernel excludes the others.
+The copy ceiling is measured in the same run (torch device-to-device copy when torch is there,
+else a numba uint64 copy), counting bytes read plus bytes written.
+
+    python scripts/bench.py                          # llama3-8b and tinyllama-1.1b, all formats
+    python scripts/bench.py --shapes tinyllama-1.1b --dtypes fp16 --tokens 64
+    python scripts/bench.py --shapes path/to/config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import cuda, uint32
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pycalm.config import ModelConfig  # noqa: E402
+from pycalm.engine import SamplingParams  # noqa: E402
+from pycalm.model import GpuEngine, GraphStep  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": dict(
+        arch="llama",
+        dim=4096,
+        hidden_dim=14336,
+        head_dim=128,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
+    "tinyllama-1.1b": dict(
+        arch="llama",
+        dim=2048,
+        hidden_dim=5632,
+        head_dim=64,
+        n_layers=22,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=32000,
+        rope_theta=10000.0,
+    ),
+    "smollm2-135m": dict(
+        arch="llama",
+        dim=576,
+        hidden_dim=1536,
+        head_dim=64,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        vocab_size=49152,
+        rope_theta=100000.0,
+    ),
+}
+CALM_H200 = {  # calm's own tok/s on this H200 (ARCHITECTURE.md)
+    ("llama3-8b", "fp16"): 193,
+    ("llama3-8b", "fp8"): 322,
+    ("llama3-8b", "gf4"): 266,
+    ("tinyllama-1.1b", "fp16"): 764,
+    ("tinyllama-1.1b", "fp8"): 1225,
+    ("tinyllama-1.1b", "gf4"): 1032,
+}
+
+
+def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
+    if shape.endswith(".json"):
+        hf = json.loads(Path(shape).read_text())
+        n_heads = hf["num_attention_heads"]
+        spec = dict(
+            arch="llama",
+            dim=hf["hidden_size"],
+            hidden_dim=hf["intermediate_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads", n_heads),
+            vocab_size=hf["vocab_size"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+        )
+    else:
+        spec = dict(SHAPES[shape])
+    return ModelConfig(
+        **spec,
+        max_seq_len=seq_len,
+        rotary_dim=spec["head_dim"],
+        norm_eps=1e-5,
+        bos_id=1,
+        eos_ids=(),
+        weight_dtype=dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# random weights made on the GPU
+
+
+@cuda.jit
+def _fill_words_kernel(out, seed, scale_bits):
+    # out: uint32 words. A hash of the index gives random bits; for fp16 pairs / fp8 quads the
+    # exponent field is forced into a narrow normal range so every value is finite and small.
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < out.shape[0]:
+        h = uint32(i) * uint32(0x9E3779B1) ^ uint32(seed)
+        h ^= h >> uint32(15)
+        h *= uint32(0x2C1B3C6D)
+        h ^= h >> uint32(12)
+        h *= uint32(0x297A2D39)
+        h ^= h >> uint32(15)
+        out[i] = h & uint32(scale_bits[0]) | uint32(scale_bits[1])
+        i += stride
+
+
+def random_words(n_words: int, seed: int, mask: int, bits: int) -> object:
+    out = cuda.device_array(n_words, np.uint32)
+    _fill_words_kernel[1024, 256](out, seed, cuda.to_device(np.array([mask, bits], np.uint32)))
+    return out
+
+
+# masks keep the sign and low mantissa bits random and pin the exponent to small normals
+# fp16 pair: exponent 01011 or 01010 (about 2^-4..2^-5); fp8 quad: same exponent in each byte
+_FP16_MASK, _FP16_BITS = 0x87FF87FF, 0x28002800
+_FP8_MASK, _FP8_BITS = 0x87878787, 0x28282828
+# gf4: random codes, scale byte fixed to e5m2 0x2C (0.0625)
+_GF4_MASK, _GF4_BITS = 0xFFFFFF00, 0x0000002C
+
+
+class RandomDeviceModel:
+    """What GpuEngine needs of a model (config, device_tensor), with random weights on the GPU."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self._seed = 1
+
+    def device_tensor(self, name: str) -> object:
+        c = self.config
+        self._seed += 1
+        if name == "rope_freqs":
+            i = np.arange(c.rotary_dim // 2, dtype=np.float64)
+            return cuda.to_device((c.rope_theta ** (-2 * i / c.rotary_dim)).astype(np.float32))
+        if name.endswith("norm"):
+            return cuda.to_device(np.ones(c.dim, np.float32))
+        if name.endswith("bqkv"):
+            return cuda.to_device(np.zeros(c.qkv_dim, np.float32))
+        rows, cols = {
+            "tok_embeddings": (c.vocab_size, c.dim),
+            "output": (c.vocab_size, c.dim),
+            "wqkv": (c.qkv_dim, c.dim),
+            "wo": (c.dim, c.q_dim),
+            "w1": (c.hidden_dim, c.dim),
+            "w3": (c.hidden_dim, c.dim),
+            "w2": (c.dim, c.hidden_dim),
+        }[name.split(".")[-1]]
+        dt = c.weight_dtype
+        if dt == "fp16":
+            w = random_words(rows * cols // 2, self._seed, _FP16_MASK, _FP16_BITS)
+            return w.view(np.float16).reshape(rows, cols)
+        if dt == "fp8":
+            w = random_words(rows * cols // 4, self._seed, _FP8_MASK, _FP8_BITS)
+            return w.view(np.uint8).reshape(rows, cols)
+        return random_words(rows * cols // 8, self._seed, _GF4_MASK, _GF4_BITS).reshape(rows, cols // 8)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_ceiling_gbs() -> tuple[float, str]:
+    """Device-to-device copy bandwidth (read + write), 2 GiB, median of 10."""
+    try:
+        import torch
+
+        a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        times = []
+        for _ in range(12):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        del a, b
+        return 2 * 2**30 / float(np.median(times[2:])) / 1e9, "torch copy"
+    except ImportError:
+        pass
+    a = cuda.device_array(2**27, np.uint64)
+    b = cuda.device_array(2**27, np.uint64)
+
+    @cuda.jit
+    def copy(src, dst):
+        i = cuda.grid(1)
+        while i < src.shape[0]:
+            dst[i] = src[i]
+            i += cuda.gridsize(1)
+
+    times = []
+    for _ in range(12):
+        s, e = cuda.event(timing=True), cuda.event(timing=True)
+        s.record()
+        copy[132 * 8, 512](a, b)
+        e.record()
+        e.synchronize()
+        times.append(cuda.event_elapsed_time(s, e) / 1e3)
+    return 2 * 8 * 2**27 / float(np.median(times[2:])) / 1e9, "numba uint64 copy"
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the weights one token reads: all matrices, norms, and one embedding row."""
+    per_weight = {"fp16": 2.0, "fp8": 1.0, "gf4": 0.5}[cfg.weight_dtype]
+    layer = cfg.qkv_dim * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.hidden_dim * cfg.dim
+    matrices = cfg.n_layers * layer + cfg.vocab_size * cfg.dim + cfg.dim
+    return int(matrices * per_weight + 4 * cfg.dim * (2 * cfg.n_layers + 1))
+
+
+def time_replays(engine: GpuEngine, graph: GraphStep, pos0: int, n: int) -> float:
+    """Seconds per replay of `graph` over n steps starting at position pos0."""
+    engine._set_state(token=1, pos=pos0, feed_end=0)
+    s, e = cuda.event(timing=True), cuda.event(timing=True)
+    s.record(engine.stream)
+    for _ in range(n):
+        graph.launch()
+    e.record(engine.stream)
+    e.synchronize()
+    return cuda.event_elapsed_time(s, e) / 1e3 / n
+
+
+def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
+    """Graphs of one kernel role each (all layers), and the bytes each moves."""
+    from pycalm.kernels.attention import attention
+    from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
+    from pycalm.kernels.qkv import qkv_rope
+
+    cfg, dt, kv, s = engine.config, engine.config.weight_dtype, engine.kv_dtype, engine.stream
+    eps = cfg.norm_eps
+    roles = {
+        "qkv_rope": lambda i, L: qkv_rope(
+            L.wqkv,
+            L.bqkv,
+            engine.x,
+            L.attn_norm,
+            eps,
+            engine.rope_freqs,
+            engine.state,
+            engine.q,
+            engine.key_cache[i],
+            engine.value_cache[i],
+            dt,
+            kv,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            stream=s,
+        ),
+        "attention": lambda i, L: attention(
+            engine.q,
+            engine.key_cache[i],
+            engine.value_cache[i],
+            engine.state,
+            engine.att,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            kv,
+            cfg.sliding_window,
+            engine.att_scratch,
+            stream=s,
+        ),
+        "wo+res": lambda i, L: matvec_residual(L.wo, engine.att, engine.x, dt, stream=s),
+        "ffn_gate": lambda i, L: ffn_gate(
+            L.w1, L.w3, engine.x, engine.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps
+        ),
+        "w2+res": lambda i, L: matvec_residual(L.w2, engine.h, engine.x, dt, stream=s),
+    }
+    out = {}
+    for name, fn in roles.items():
+        nbytes = [0]
+
+        def record(fn=fn, nbytes=nbytes) -> None:  # noqa: ANN001
+            for i, L in enumerate(engine.layers):
+                nbytes[0] += fn(i, L)
+
+        out[name] = (GraphStep(s, record), nbytes)
+    nb = [0]
+
+    def record_cls() -> None:
+        nb[0] += matvec(engine.output, engine.x, engine.logits, dt, stream=s, norm_w=engine.norm, eps=eps)
+
+    out["classifier"] = (GraphStep(s, record_cls), nb)
+    return {k: (g, n[0]) for k, (g, n) in out.items()}
+
+
+def bench_one(shape: str, dtype: str, tokens: int, ceiling: float) -> dict:
+    t0 = time.perf_counter()
+    cfg = config_for(shape, dtype, 4096)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16")
+    g = engine.graph(SamplingParams())
+    setup_s = time.perf_counter() - t0
+    time_replays(engine, g, 0, 16)  # warm-up
+    t_first = time_replays(engine, g, 0, tokens)
+    t_last = time_replays(engine, g, 4000, 32)
+    # bytes a token must read: every weight once (one embedding row) and the KV cache up to pos
+    w = weight_bytes(cfg)
+    kv_row = 2 * cfg.n_layers * cfg.kv_dim * (2 if engine.kv_dtype == "fp16" else 1)
+    bytes_first = w + kv_row * (tokens + 1) / 2
+    bytes_last = w + kv_row * 4016
+    roles = {}
+    for name, (graph, nbytes) in kernel_roles(engine).items():
+        engine._set_state(token=1, pos=128, feed_end=0)
+        graph.launch()
+        t = time_replays(engine, graph, 128, 20)
+        roles[name] = (t, nbytes / t / 1e9 if t > 0 else float("nan"))
+    res = dict(
+        shape=shape,
+        dtype=dtype,
+        tok_s=1 / t_first,
+        gbs=bytes_first / t_first / 1e9,
+        tok_s_4000=1 / t_last,
+        gbs_4000=bytes_last / t_last / 1e9,
+        ceiling=ceiling,
+        setup_s=setup_s,
+        roles=roles,
+        calm=CALM_H200.get((shape, dtype)),
+    )
+    del engine
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama3-8b,tinyllama-1.1b")
+    ap.add_argument("--dtypes", default="fp16,fp8,gf4")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    ceiling, how = copy_ceiling_gbs()
+    print(
+        f"copy ceiling: {ceiling:,.0f} GB/s ({how}); GPU: {cuda.get_current_device().name.decode()}",
+        flush=True,
+    )
+    results = []
+    for shape in args.shapes.split(","):
+        for dtype in args.dtypes.split(","):
+            r = bench_one(shape, dtype, args.tokens, ceiling)
+            results.append(r)
+            roles = "  ".join(f"{k} {v[1]:,.0f}" for k, v in r["roles"].items())
+            print(
+                f"{shape} {dtype}: {r['tok_s']:.0f} tok/s {r['gbs']:,.0f} GB/s; @4000 {r['tok_s_4000']:.0f} tok/s; per kernel GB/s: {roles}",
+                flush=True,
+            )
+    print()
+    print(
+        f"| shape | weights | tok/s (first {args.tokens}) | GB/s | % of copy | tok/s @4000 | @4000 vs first | calm tok/s | vs calm |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        calm = r["calm"]
+        vs = f"{r['tok_s'] / calm:.2f}x" if calm else "-"
+        print(
+            f"| {r['shape']} | {r['dtype']} | {r['tok_s']:.0f} | {r['gbs']:,.0f} | {100 * r['gbs'] / r['ceiling']:.0f}% | "
+            f"{r['tok_s_4000']:.0f} | {100 * (r['tok_s_4000'] / r['tok_s'] - 1):+.0f}% | {calm or '-'} | {vs} |"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                results, indent=1, default=lambda o: None if isinstance(o, float) and math.isnan(o) else o
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
