@@ -18,6 +18,7 @@ import numpy as np
 from pycalm.config import ModelConfig
 from pycalm.engine import SamplingParams
 from pycalm.errors import PycalmError
+from pycalm.graph import GraphStep
 
 KV_FP8_ABOVE = 4096  # fp8 KV cache for contexts longer than this (ARCHITECTURE.md)
 
@@ -56,34 +57,6 @@ class LayerWeights:
     w1: object  # (hidden_dim, dim) stored
     w3: object  # (hidden_dim, dim) stored
     w2: object  # (dim, hidden_dim) stored
-
-
-class GraphStep:
-    """A CUDA graph captured from the launches that a function makes on a numba stream."""
-
-    def __init__(self, stream: object, record: object) -> None:
-        from cuda.bindings import driver as cu
-
-        self._cu = cu
-        self.stream = stream
-        handle = stream.handle
-        _check(cu.cuStreamBeginCapture(handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        try:
-            record()
-        finally:
-            graph = _check(cu.cuStreamEndCapture(handle))
-        self.graph = graph
-        self.exec = _check(cu.cuGraphInstantiate(graph, 0))
-
-    def launch(self) -> None:
-        _check(self._cu.cuGraphLaunch(self.exec, self.stream.handle))
-
-
-def _check(result: tuple) -> object:
-    err, *rest = result
-    if int(err) != 0:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else (rest or None)
 
 
 class GpuEngine:

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pycalm.config import ModelConfig  # noqa: E402
 from pycalm.engine import SamplingParams  # noqa: E402
-from pycalm.model import GpuEngine, GraphStep  # noqa: E402
+from pycalm.graph import GraphStep  # noqa: E402
+from pycalm.model import GpuEngine  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(
