@@ -9,6 +9,9 @@ shuffles the simulator lacks, so the kernels run unmodified on a CPU.
 
 from numba import config as _numba_config
 
+# small grids are deliberate here (one-thread step kernels, per-head attention blocks)
+_numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+
 if _numba_config.ENABLE_CUDASIM:
     from pycalm.kernels import _cudasim
 
