@@ -484,7 +484,9 @@ class GGUFFile:
         try:
             self.reader = gguf.GGUFReader(path)
         except (ValueError, IndexError, KeyError, OSError, TypeError) as e:
-            raise PycalmError(f"{path}: not a readable GGUF file ({e or type(e).__name__})") from None
+            raise PycalmError(
+                f"{path}: not a readable GGUF file, truncated or corrupt ({e or type(e).__name__})"
+            ) from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.supported = _gguf_supported()
 

@@ -337,14 +337,17 @@ class ModelWriter:
     def write(self, name: str, data: np.ndarray) -> None:
         """Append a chunk of rows of tensor `name` in its stored dtype.
 
-        A chunk is any array whose last axis is the tensor's last axis: its rows continue the
-        tensor in C order (for a 3-D expert stack, rows run through expert 0 first).
+        A chunk is any array whose last axis is the tensor's last axis (any run of values, for a
+        1-D tensor): its rows continue the tensor in C order (for a 3-D expert stack, rows run
+        through expert 0 first).
         """
+        if self._index >= len(self.specs):
+            raise ValueError(f"writing {name!r} but every tensor is already written")
         spec = self.specs[self._index]
         if name != spec.name:
             raise ValueError(f"writing {name!r} but the next tensor in the file is {spec.name!r}")
         data = np.ascontiguousarray(data)
-        if data.dtype != spec.dtype or data.shape[-1:] != spec.shape[-1:]:
+        if data.dtype != spec.dtype or (len(spec.shape) > 1 and data.shape[-1:] != spec.shape[-1:]):
             raise ValueError(
                 f"{name}: chunk {data.dtype} {data.shape} does not fit {spec.dtype} {spec.shape}"
             )
@@ -361,9 +364,9 @@ class ModelWriter:
 
     def close(self) -> Path:
         """Write the tokenizer, check every tensor is complete, and move the file into place."""
-        self.write("tokenizer", np.frombuffer(self._tokenizer_blob, dtype=np.uint8))
-        if self._index != len(self.specs):
+        if self._index != len(self.specs) - 1 or self._written:
             raise ValueError(f"model file incomplete: tensor {self.specs[self._index].name!r} not written")
+        self.write("tokenizer", np.frombuffer(self._tokenizer_blob, dtype=np.uint8))
         self._f.close()
         os.replace(self.tmp, self.path)
         return self.path
