@@ -1,0 +1,164 @@
+"""The device helpers of pycalm.kernels.common against pycalm.formats, bit for bit."""
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from pycalm import formats
+from pycalm.kernels import common
+
+
+@cuda.jit
+def _decode_fp8_kernel(words, out):
+    # words: (n,) int32 holding 4 e5m2 bytes each; out: (4 n,) float32
+    i = cuda.grid(1)
+    if i < words.shape[0]:
+        f0, f1, f2, f3 = common.fp8x4_raw(words[i])
+        s = float32(common.FP_RAW_SCALE)
+        out[4 * i] = f0 * s
+        out[4 * i + 1] = f1 * s
+        out[4 * i + 2] = f2 * s
+        out[4 * i + 3] = f3 * s
+
+
+@cuda.jit
+def _decode_fp16_kernel(words, out, single):
+    # words: (n,) int32 holding 2 fp16 each; out: (2 n,) float32; single: (2 n,) float32
+    i = cuda.grid(1)
+    if i < words.shape[0]:
+        s = float32(common.FP_RAW_SCALE)
+        out[2 * i] = common.fp16_lo_raw(words[i]) * s
+        out[2 * i + 1] = common.fp16_hi_raw(words[i]) * s
+        single[2 * i] = common.fp16_decode_bits(words[i] & int32(0xFFFF))
+        single[2 * i + 1] = common.fp8_decode(words[i] & int32(0xFF))
+
+
+@cuda.jit
+def _decode_gf4_kernel(words, x, out, dots):
+    # words: (n,) int32 gf4 groups; out: (8 n,) float32 decoded; dots: (n,) group . x[8i:8i+8]
+    i = cuda.grid(1)
+    if i < words.shape[0]:
+        w = words[i]
+        for k in range(8):
+            out[8 * i + k] = common.gf4_decode(w, k)
+        b = 8 * i
+        dots[i] = common.gf4_dot8(
+            w, x[b], x[b + 1], x[b + 2], x[b + 3], x[b + 4], x[b + 5], x[b + 6], x[b + 7]
+        )
+
+
+@cuda.jit
+def _encode_kernel(x, out16, out8):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out16[i] = common.fp16_encode(x[i])
+        out8[i] = common.fp8_encode(x[i])
+
+
+@cuda.jit
+def _reduce_kernel(x, sums, maxs, bsum, bmax):
+    # one block; x: (blockDim,) float32
+    scratch = cuda.shared.array(32, float32)
+    t = cuda.threadIdx.x
+    v = x[t]
+    sums[t] = common.warp_reduce_sum(v)
+    maxs[t] = common.warp_reduce_max(v)
+    s = common.block_reduce_sum(v, scratch)
+    m = common.block_reduce_max(v, scratch)
+    bsum[t] = s
+    bmax[t] = m
+
+
+def _launch(kernel, n, *args):
+    kernel[(n + 127) // 128, 128](*args)
+    cuda.synchronize()
+
+
+def test_fp8_and_fp16_decoders_all_bytes():
+    b = np.arange(256, dtype=np.uint8)
+    words = b.view(np.int32)  # 64 words, bytes in little-endian order
+    out = cuda.to_device(np.full(256, np.nan, np.float32))
+    _launch(_decode_fp8_kernel, 64, cuda.to_device(words), out)
+    got, want = out.copy_to_host(), formats.fp8_decode(b)
+    finite = (b & 0x7C) != 0x7C  # exponent 31 (inf/NaN) never occurs in weights
+    assert finite.sum() == 248
+    np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+
+    rng = np.random.default_rng(1)
+    h = np.concatenate([np.arange(0, 0x7C00), np.arange(0x8000, 0xFC00)]).astype(np.uint16)  # finite
+    h = np.concatenate([h[:80], h[0x7B00:0x7C80], rng.choice(h, 2048)])  # subnormals, the top, random
+    words16 = h.view(np.int32)
+    out = cuda.to_device(np.full(len(h), np.nan, np.float32))
+    single = cuda.to_device(np.full(len(h), np.nan, np.float32))
+    _launch(_decode_fp16_kernel, len(words16), cuda.to_device(words16), out, single)
+    want16 = h.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), want16.view(np.uint32))
+    s = single.copy_to_host()
+    np.testing.assert_array_equal(s[0::2].view(np.uint32), want16[0::2].view(np.uint32))
+    lo_bytes = (h[0::2] & 0xFF).astype(np.uint8)
+    keep = (lo_bytes & 0x7C) != 0x7C
+    np.testing.assert_array_equal(s[1::2][keep], formats.fp8_decode(lo_bytes)[keep])
+
+
+def test_gf4_decoder_random_words():
+    rng = np.random.default_rng(2)
+    n = 256
+    w = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    w[(w & 0x7C) == 0x7C] &= ~np.uint32(0x40)  # finite scales only (as the encoder makes)
+    w[:8] = formats.gf4_encode(rng.standard_normal((1, 64)).astype(np.float32))[0]
+    x = rng.standard_normal(8 * n).astype(np.float32)
+    out = cuda.to_device(np.full(8 * n, np.nan, np.float32))
+    dots = cuda.to_device(np.full(n, np.nan, np.float32))
+    _launch(_decode_gf4_kernel, n, cuda.to_device(w.view(np.int32)), cuda.to_device(x), out, dots)
+    want = formats.gf4_decode(w[None, :])[0]
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+    want_dot = (want.astype(np.float64) * x).reshape(n, 8).sum(1)
+    scale = (np.abs(want.astype(np.float64) * x)).reshape(n, 8).sum(1)
+    np.testing.assert_allclose(dots.copy_to_host(), want_dot, rtol=0, atol=1e-6 * scale.max() + 0)
+    assert np.all(np.abs(dots.copy_to_host() - want_dot) <= 4e-7 * scale + 1e-30)
+
+
+def test_encoders_match_formats():
+    rng = np.random.default_rng(3)
+    # every fp8 value and the midpoints between neighbours (ties), fp16 ties, random magnitudes
+    # from subnormal to beyond saturation, both signs
+    b = np.arange(256, dtype=np.uint8)
+    v8 = np.sort(formats.fp8_decode(b[(b & 0x7C) != 0x7C]).astype(np.float64))
+    mids8 = (v8[1:] + v8[:-1]) / 2
+    h = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    mids16 = (h[1:] + h[:-1]) / 2
+    mags = np.exp2(rng.uniform(-30, 18, 1500)) * rng.choice([-1, 1], 1500)
+    bits = rng.integers(0, 0x7F800000, 1000).astype(np.uint32).view(np.float32)
+    x = np.concatenate(
+        [
+            v8,
+            mids8,
+            -mids8,
+            rng.choice(mids16, 800),
+            -rng.choice(mids16, 800),
+            mags,
+            bits,
+            -bits,
+            [0.0, -0.0, 57344, 61439, 61440, 1e6, 65504, 65520, 65536, -70000, np.inf, -np.inf],
+        ]
+    ).astype(np.float32)
+    # the float32 midpoints must be exactly representable for the ties to be ties
+    out16 = cuda.to_device(np.zeros(len(x), np.float16))
+    out8 = cuda.to_device(np.zeros(len(x), np.int32))
+    _launch(_encode_kernel, len(x), cuda.to_device(x), out16, out8)
+    np.testing.assert_array_equal(out8.copy_to_host().astype(np.uint8), formats.fp8_encode(x))
+    np.testing.assert_array_equal(
+        out16.copy_to_host().view(np.uint16), formats.fp16_encode(x).view(np.uint16)
+    )
+
+
+def test_reductions():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(96).astype(np.float32)
+    outs = [cuda.to_device(np.full(96, np.nan, np.float32)) for _ in range(4)]
+    _reduce_kernel[1, 96](cuda.to_device(x), *outs)
+    sums, maxs, bsum, bmax = (o.copy_to_host() for o in outs)
+    w = x.reshape(3, 32)
+    np.testing.assert_allclose(sums, np.repeat(w.sum(1), 32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(maxs, np.repeat(w.max(1), 32))
+    np.testing.assert_allclose(bsum, np.full(96, x.sum()), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(bmax, np.full(96, x.max()))
