@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import codecs
 import json
+import mmap
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pycalm.errors import PycalmError
 
@@ -79,8 +82,9 @@ def _byte_level_pre_tokenizer(pre: str) -> tuple[dict[str, Any], dict[str, Any] 
         digits = {"type": "Digits", "individual_digits": True}
         return {"type": "Sequence", "pretokenizers": [digits, gpt2]}, None, False
     if pre == "qwen2":
-        pre_tok = {"type": "Sequence", "pretokenizers": _byte_level_split(_QWEN2_PATTERN)}
-        return pre_tok, {"type": "NFC"}, False
+        # Qwen2's own tokenizer.json also NFC-normalizes; llama.cpp and transformers' GGUF loader
+        # do not, and pycalm follows them (it only matters for decomposed accents in the input).
+        return {"type": "Sequence", "pretokenizers": _byte_level_split(_QWEN2_PATTERN)}, None, False
     if pre == "llama-bpe":
         # Llama 3 looks a whole pre-token up in the vocabulary before merging (ignore_merges)
         return {"type": "Sequence", "pretokenizers": _byte_level_split(_LLAMA3_PATTERN)}, None, True
@@ -180,32 +184,35 @@ def _llama_json(fields: dict[str, Any], tokens: list[str], types: list[int]) -> 
     if unk is None:
         unk_ids = [i for i, t in enumerate(types) if t == TOKEN_UNKNOWN]
         unk = unk_ids[0] if unk_ids else None
-    prepend = "first" if fields.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    # sentencepiece puts a space in front of the text (add_dummy_prefix); llama.cpp does it again
+    # after every special token. A Prepend normalizer does both: it runs on each stretch of text
+    # between added tokens. (Metaspace's prepend_scheme would skip text that starts with a space.)
+    add_space = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    replace_spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    normalizer = (
+        {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, replace_spaces]}
+        if add_space
+        else replace_spaces
+    )
     # User-defined pieces are plain vocabulary entries to sentencepiece; only control tokens are
     # matched whole in the text.
     added = [t for t in _added_tokens(tokens, types) if t["special"]]
+    decoders: list[dict[str, Any]] = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_space:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "Metaspace",
-            "replacement": "\u2581",
-            "prepend_scheme": prepend,
-            "split": False,
-        },
+        "normalizer": normalizer,
+        "pre_tokenizer": None,
         "post_processor": None,
-        "decoder": {
-            "type": "Sequence",
-            "decoders": [
-                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-                {"type": "ByteFallback"},
-                {"type": "Fuse"},
-            ]
-            + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prepend == "first" else []),
-        },
+        "decoder": {"type": "Sequence", "decoders": decoders},
         "model": {
             "type": "BPE",
             "dropout": None,
@@ -265,23 +272,94 @@ def gguf_special_ids(fields: dict[str, Any]) -> tuple[int, tuple[int, ...]]:
     return bos_id, tuple(eos_ids)
 
 
-def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
-    """The tokenizer.* fields of a GGUF file as plain Python values (str, int, bool, list)."""
-    try:
-        from gguf import GGUFReader
+# GGUF metadata value types -> numpy dtypes (8 = string, 9 = array are handled apart)
+_GGUF_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 
-        reader = GGUFReader(str(path))
+
+class _GGUFMeta:
+    """Reads GGUF key/value metadata from a buffer (gguf.GGUFReader parses every array element
+    into its own numpy view, which takes tens of seconds for a 150k-token vocabulary)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.buf):
+            raise ValueError("file ends inside its metadata")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u32(self) -> int:
+        return int.from_bytes(self.take(4), "little")
+
+    def u64(self) -> int:
+        return int.from_bytes(self.take(8), "little")
+
+    def string(self) -> str:
+        return bytes(self.take(self.u64())).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            etype, count = self.u32(), self.u64()
+            if etype == _GGUF_STRING:
+                return [self.string() for _ in range(count)]
+            if etype == _GGUF_ARRAY:
+                return [self.value(_GGUF_ARRAY) for _ in range(count)]
+            dtype = np.dtype(_GGUF_SCALARS[etype])
+            values = np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
+            return [bool(v) for v in values] if etype == _GGUF_BOOL else values.tolist()
+        if vtype not in _GGUF_SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        dtype = np.dtype(_GGUF_SCALARS[vtype])
+        value = np.frombuffer(self.take(dtype.itemsize), dtype=dtype)[0].item()
+        return bool(value) if vtype == _GGUF_BOOL else value
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, list)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta = _GGUFMeta(memoryview(mm))
+            try:
+                if bytes(meta.take(4)) != b"GGUF":
+                    raise ValueError("not a GGUF file (bad magic)")
+                version = meta.u32()
+                if version not in (2, 3):
+                    raise ValueError(f"unsupported GGUF version {version}")
+                meta.u64()  # tensor count
+                fields = {}
+                for _ in range(meta.u64()):
+                    key = meta.string()
+                    fields[key] = meta.value(meta.u32())
+                return fields
+            finally:
+                meta.buf.release()
     except FileNotFoundError:
         raise PycalmError(f"GGUF file not found: {path}") from None
-    except (ValueError, OSError) as e:
+    except (ValueError, KeyError, OSError) as e:
         raise PycalmError(f"cannot read GGUF file {path}: {e}") from None
-    fields: dict[str, Any] = {}
-    for name in GGUF_FIELD_NAMES:
-        f = reader.fields.get(name)
-        if f is not None:
-            value = f.contents()
-            fields[name] = value
-    return fields
+
+
+def read_gguf_tokenizer_fields(path: str | Path) -> dict[str, Any]:
+    """The tokenizer.* fields of a GGUF file, ready for `tokenizer_json_from_gguf`."""
+    return {k: v for k, v in read_gguf_metadata(path).items() if k in GGUF_FIELD_NAMES}
 
 
 # =============================================================================================
