@@ -36,7 +36,7 @@ from pycalm.config import WEIGHT_DTYPES, ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.loader import ModelWriter, TensorSpec, read_safetensors_header
 
-CHUNK_ELEMS = 1 << 23  # values per encoded chunk: 32 MB of float32, a few times that in temporaries
+CHUNK_ELEMS = 1 << 21  # values per encoded chunk: 8 MB of float32; the encoders make float64 temporaries
 
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
