@@ -581,6 +581,8 @@ class Tokenizer:
         special = frozenset(i for i, t in added.items() if t.get("special"))
         decoders = _decoder_types(data.get("decoder"))
         byte_level = "ByteLevel" in decoders
+        model = data.get("model") or {}
+        byte_fallback = "ByteFallback" in decoders or bool(model.get("byte_fallback"))
         unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
         token_bytes = []
         for i in range(n):
@@ -591,11 +593,12 @@ class Tokenizer:
                 token_bytes.append(str(added[i]["content"]).encode())
             elif byte_level:
                 token_bytes.append(bytes(unicode_to_byte[c] for c in piece if c in unicode_to_byte))
-            elif "ByteFallback" in decoders and _BYTE_PIECE.fullmatch(piece):
+            elif byte_fallback and _BYTE_PIECE.fullmatch(piece):
                 token_bytes.append(bytes([int(piece[3:5], 16)]))
             else:
                 token_bytes.append(piece.replace("\u2581", " ").encode())
-        strip_first_space = "Strip" in decoders
+        # Llama-2 style JSON strips with a Strip decoder, newer ones with a Metaspace decoder
+        strip_first_space = "Strip" in decoders or _metaspace_strips(data.get("decoder"))
         return cls(
             "tokenizers-json",
             tok,
@@ -667,3 +670,14 @@ def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:
     if decoder.get("type") == "Sequence":
         return set().union(*(_decoder_types(d) for d in decoder.get("decoders", [])))
     return {str(decoder.get("type"))}
+
+
+def _metaspace_strips(decoder: dict[str, Any] | None) -> bool:
+    """Whether a Metaspace decoder (possibly inside a Sequence) drops the first piece's space."""
+    if not decoder:
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(_metaspace_strips(d) for d in decoder.get("decoders", []))
+    if decoder.get("type") != "Metaspace":
+        return False
+    return decoder.get("prepend_scheme", "always") != "never" and decoder.get("add_prefix_space", True)

@@ -96,7 +96,9 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(data, ensure_ascii=False, indent=1)
         # one line per id list, so a diff of the golden file reads string by string
-        text = re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + re.sub(r",\s*", ", ", m.group(1)) + "]", text)
+        text = re.sub(
+            r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + re.sub(r",\s*", ", ", m.group(1)) + "]", text
+        )
         out.write_text(text + "\n", encoding="utf-8")
         print(f"wrote {out} ({len(data['cases'])} strings)")
 

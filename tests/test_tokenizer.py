@@ -377,3 +377,24 @@ def test_gguf_llama_vocabulary_matches_sentencepiece(spm_models: dict[str, bytes
             assert tok.decode(ids[1:]) == sp.decode(ids), text
         stream = tok.stream()
         assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids), text
+
+
+def test_stream_with_metaspace_decoder(spm_models: dict[str, bytes]) -> None:
+    """tokenizers JSON files that decode with Metaspace (not Replace + Strip) stream the same text."""
+    fields = _spm_as_gguf_fields(spm_models["bpe"])
+    data = json.loads(tokenizer_json_from_gguf(fields))
+    data["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "ByteFallback"},
+            {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+        ],
+    }
+    tok = Tokenizer.from_blob("tokenizers-json", json.dumps(data).encode(), -1, (2,))
+    for text in TEXTS:
+        if "<s>" in text:
+            continue
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text, text
+        stream = tok.stream()
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == text, text
