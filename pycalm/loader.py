@@ -214,6 +214,8 @@ class ModelFile:
         """Read one tensor (stored dtype and shape, see docs/MODEL_FILE.md) into host memory."""
         if name not in self._entries:
             raise PycalmError(f"{self.path}: no tensor {name!r}")
+        if self._handle is None:
+            raise PycalmError(f"{self.path}: model file already closed")
         try:
             return self._handle.get_tensor(name)
         except Exception as e:

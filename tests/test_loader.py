@@ -79,6 +79,8 @@ def test_round_trip(tmp_path, dtype, moe):
             np.testing.assert_array_equal(got, arr)
         with pytest.raises(PycalmError, match="no tensor 'nope'"):
             m.tensor("nope")
+    with pytest.raises(PycalmError, match="already closed"):
+        m.tensor("norm")
     # plain safetensors: the library reads it, and the header is padded to 8 bytes
     assert set(load_file(path)) == set(tensors) | {"tokenizer"}
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
