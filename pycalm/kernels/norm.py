@@ -1,11 +1,19 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w.
 
 Reference here; on the GPU the norm is fused into the matvec that consumes it where possible.
+The standalone `rmsnorm_kernel` (final norm, tests, debugging) is one block of 1024 threads: a
+grid-stride sum of squares, a block reduction, then each thread scales its elements. Bytes: x
+and w read, y written (3 * dim * 4).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from numba import cuda, float32
+
+from pycalm.kernels.common import block_reduce_sum
 
 
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -13,3 +21,32 @@ def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = x.astype(np.float32)
     ms = np.float32(np.mean(x * x, dtype=np.float32))
     return (x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w).astype(np.float32)
+
+
+THREADS = 1024
+
+
+@cuda.jit
+def rmsnorm_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
+    """One block: out = x * rsqrt(mean(x^2) + eps) * w."""
+    scratch = cuda.shared.array(32, float32)
+    n = x.shape[0]
+    ss = float32(0.0)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        ss += x[i] * x[i]
+    ss = block_reduce_sum(ss, scratch)  # every thread gets the total (the call has barriers)
+    r = float32(1.0) / math.sqrt(ss / float32(n) + eps)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        out[i] = x[i] * r * w[i]
+
+
+def rmsnorm(x: object, w: object, eps: float, out: object, *, stream: object, threads: int = THREADS) -> int:
+    """out (dim,) = rmsnorm(x (dim,), w (dim,)); out may be x. Returns bytes moved.
+
+    threads: a multiple of 32 up to 1024 (tests use fewer: the simulator runs a thread per thread).
+    """
+    rmsnorm_kernel[1, threads, stream](x, w, float32(eps), out)
+    return 3 * x.shape[0] * 4
+
+
+COMPILE_CHECK = [(rmsnorm_kernel, "void(float32[::1], float32[::1], float32, float32[::1])")]
