@@ -40,6 +40,7 @@ WARP = 32
 FULL_MASK = 0xFFFFFFFF
 
 FP_RAW_SCALE = float(2.0**112)  # raw decoded fp16 / e5m2 floats times this are the values
+GF4_RAW_SCALE = float(-(2.0**110))  # raw gf4 sums times this: 2**112 / 4, and the minus of -s/4
 FP16_MAX = 65504.0
 FP8_MAX_BYTE = 0x7B  # e5m2 57344: exponent 30, mantissa 3
 # int32 masks keeping the sign and the fp16 (e5m10) / e5m2 fields after the >> 3 that moves them
@@ -186,7 +187,7 @@ def fp16_decode_bits(h: int) -> float:
 def gf4_scale(w: int) -> float:
     """The group factor -s/4 of a gf4 word (s: its low byte as e5m2), exact: weight k of the
     group is (q_k - 4) * gf4_scale(w)."""
-    return fp8_byte_raw(int32(w), 0) * float32(-(2.0**110))
+    return fp8_byte_raw(int32(w), 0) * float32(GF4_RAW_SCALE)
 
 
 @cuda.jit(device=True, inline=True)
@@ -211,10 +212,11 @@ def gf4_decode(w: int, k: int) -> float:
 
 
 @cuda.jit(device=True, inline=True)
-def gf4_dot8(
+def gf4_dot8_raw(
     w: int, x0: float, x1: float, x2: float, x3: float, x4: float, x5: float, x6: float, x7: float
 ) -> float:
-    """sum_k weight_k * x_k over one gf4 group: 8 FMAs on exact codes, then the scale once."""
+    """sum_k weight_k * x_k over one gf4 group, times -2**-110 * ... i.e. "raw": multiply by
+    GF4_RAW_SCALE once per row. 8 FMAs on exact codes q - 4, then the group's raw e5m2 scale."""
     w = int32(w)
     u = w >> int32(12)
     acc = (as_f32((w & int32(0x700)) | int32(142 << 23)) - float32(2.0**15 + 4.0)) * x0
@@ -225,7 +227,15 @@ def gf4_dot8(
     acc += (as_f32((u & int32(0x3800)) | int32(139 << 23)) - float32(2.0**12 + 4.0)) * x5
     acc += (as_f32((u & int32(0x1C000)) | int32(136 << 23)) - float32(2.0**9 + 4.0)) * x6
     acc += (as_f32((u & int32(0xE0000)) | int32(133 << 23)) - float32(2.0**6 + 4.0)) * x7
-    return acc * gf4_scale(w)
+    return acc * fp8_byte_raw(w, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def gf4_dot8(
+    w: int, x0: float, x1: float, x2: float, x3: float, x4: float, x5: float, x6: float, x7: float
+) -> float:
+    """sum_k weight_k * x_k over one gf4 group (the scale applied)."""
+    return gf4_dot8_raw(w, x0, x1, x2, x3, x4, x5, x6, x7) * float32(GF4_RAW_SCALE)
 
 
 # ---------------------------------------------------------------------------------------------
