@@ -59,15 +59,24 @@ class LayerWeights:
     w2: object  # (dim, hidden_dim) stored
 
 
+class EagerStep:
+    """The token step as plain launches (the CUDA simulator's stand-in for a graph)."""
+
+    def __init__(self, record: object) -> None:
+        self.launch = record
+
+
 class GpuEngine:
     """forward(token, pos) on the GPU; generate() streams token ids from graph replays."""
 
     device = "gpu"
 
-    def __init__(self, model: object, seq_len: int, kv_dtype: str = "auto") -> None:
-        from numba import cuda
+    def __init__(
+        self, model: object, seq_len: int, kv_dtype: str = "auto", use_graph: bool | None = None
+    ) -> None:
+        from numba import config, cuda
 
-        from pycalm.kernels.attention import attention_scratch
+        from pycalm.kernels.attention import attention_scratch_shape
         from pycalm.kernels.step import STATE_SIZE
 
         cfg: ModelConfig = model.config
@@ -75,6 +84,8 @@ class GpuEngine:
         self.seq_len = min(seq_len, cfg.max_seq_len)
         self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
         self.stream = cuda.stream()
+        # the CUDA simulator cannot capture graphs: there the step runs its launches eagerly
+        self.use_graph = not config.ENABLE_CUDASIM if use_graph is None else use_graph
         self.bytes_per_step = 0  # filled in by forward(): weights + activations + KV touched
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
@@ -125,7 +136,9 @@ class GpuEngine:
             cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
             for _ in range(cfg.n_layers)
         ]
-        self.att_scratch = attention_scratch(cfg.n_heads, cfg.head_dim, self.seq_len, stream=self.stream)
+        # (n_chunks, n_heads, head_dim + 2) float32: per-chunk partial attention, shared by the layers
+        part_shape = attention_scratch_shape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.seq_len)
+        self.att_scratch = cuda.device_array(part_shape, np.float32, stream=self.stream)
         # per-token values on the device (see pycalm.kernels.step)
         self.state = cuda.to_device(
             np.zeros(STATE_SIZE, np.int32), stream=self.stream
@@ -220,16 +233,21 @@ class GpuEngine:
         n += advance(self.state, self.feed, self.tokens, stream=s)
         return n
 
-    def graph(self, sampling: SamplingParams) -> GraphStep:
-        """The captured token step for these sampling settings (captured on first use)."""
+    def graph(self, sampling: SamplingParams) -> GraphStep | EagerStep:
+        """The token step for these sampling settings: captured on first use, then replayed."""
         key = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
         g = self._graphs.get(key)
         if g is None:
-            # run once eagerly on a scratch position so every kernel is compiled and loaded
-            self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
-            self.bytes_per_step = self.forward(key)
-            self.stream.synchronize()
-            g = GraphStep(self.stream, lambda: self.forward(key))
+            if not self.use_graph:
+                g = EagerStep(lambda: self.forward(key))
+            else:
+                # run once eagerly on a scratch position so every kernel is compiled and loaded
+                # (that writes one garbage KV row at the last position, which is rewritten
+                # before it is ever read); the state is reset by whoever replays the step
+                self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
+                self.bytes_per_step = self.forward(key)
+                self.stream.synchronize()
+                g = GraphStep(self.stream, lambda: self.forward(key))
             self._graphs[key] = g
         return g
 
@@ -264,9 +282,10 @@ class GpuEngine:
         feed = np.asarray(ids, np.int32)
         self.feed[start_pos:end].copy_to_device(feed, stream=self.stream)
         if sampling.temperature > 0:
-            coins = (
-                np.random.default_rng(sampling.seed).random(self.seq_len, dtype=np.float64).astype(np.float32)
-            )
+            # the i-th sampled token uses the i-th draw of the seeded generator, as the CPU
+            # Sampler does; the step at position p reads coins[p]
+            coins = np.zeros(self.seq_len, np.float32)
+            coins[end - 1 :] = np.random.default_rng(sampling.seed).random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
         self._set_state(int(ids[0]), start_pos, end)
         for _ in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
