@@ -1,0 +1,129 @@
+"""matvec / matvec_residual / ffn_gate kernels against their NumPy references, every weight dtype.
+
+Tolerance: the kernels decode exactly and accumulate in float32 in a different order than the
+reference, so each output may differ by a few float32 roundings of the row's |W| |x| sum;
+1e-5 of that sum is well above the accumulation error for these lengths (at most ~16k terms).
+"""
+
+import os
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pycalm import formats
+from pycalm.kernels.matvec import ffn_gate, matvec, matvec_ref, matvec_residual, silu_ref
+from pycalm.kernels.norm import rmsnorm_ref
+
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+DTYPES = ["fp16", "fp8", "gf4"]
+# rows odd, cols multiples of 8 that are not multiples of 16 (gf4 then reads uint32 groups) or
+# of 32; 144 is a multiple of 16 (gf4 reads uint64) but not of 32
+SHAPES = [(40, 72), (37, 136), (5, 144)]
+if GPU:
+    SHAPES += [(4099, 4104), (1023, 14344)]
+RTOL = 1e-5
+
+
+def _weights(rng, rows, cols, dtype):
+    w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
+    return w, formats.decode(w, dtype).astype(np.float64)
+
+
+def _check(got, want, scale):
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= RTOL * scale + 1e-30), f"max err / scale {np.max(err / scale):.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_matvec(dtype, rows, cols):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = cuda.to_device(np.full(rows, np.nan, np.float32))
+    n = matvec(cuda.to_device(w), cuda.to_device(x), y, dtype, stream=cuda.default_stream())
+    cuda.synchronize()
+    assert n == w.nbytes + x.nbytes + 4 * rows
+    want = wd @ x.astype(np.float64)
+    _check(y.copy_to_host(), want, np.abs(wd) @ np.abs(x))
+    # the NumPy reference agrees with the float64 product to the same tolerance
+    _check(matvec_ref(w, x, dtype), want, np.abs(wd) @ np.abs(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matvec_fused_norm(dtype):
+    rows, cols, eps = 37, 144, 1e-5
+    rng = np.random.default_rng(7)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = (3 * rng.standard_normal(cols)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    y = cuda.to_device(np.full(rows, np.nan, np.float32))
+    matvec(
+        cuda.to_device(w),
+        cuda.to_device(x),
+        y,
+        dtype,
+        stream=cuda.default_stream(),
+        norm_w=cuda.to_device(nw),
+        eps=eps,
+    )
+    cuda.synchronize()
+    xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
+    _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matvec_residual(dtype):
+    rows, cols = 37, 136
+    rng = np.random.default_rng(8)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    r = cuda.to_device(r0)
+    n = matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
+    cuda.synchronize()
+    assert n == w.nbytes + x.nbytes + 8 * rows
+    _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ffn_gate(dtype):
+    rows, cols, eps = 37, 72, 1e-6
+    rng = np.random.default_rng(9)
+    w1, w1d = _weights(rng, rows, cols, dtype)
+    w3, w3d = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    h = cuda.to_device(np.full(rows, np.nan, np.float32))
+    ffn_gate(
+        cuda.to_device(w1), cuda.to_device(w3), cuda.to_device(x), h, dtype,
+        stream=cuda.default_stream(), norm_w=cuda.to_device(nw), eps=eps,
+    )  # fmt: skip
+    cuda.synchronize()
+    xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
+    a, b = w1d @ xn, w3d @ xn
+    ta, tb = RTOL * (np.abs(w1d) @ np.abs(xn)), RTOL * (np.abs(w3d) @ np.abs(xn))
+    want = silu_ref(a) * b
+    got = h.copy_to_host().astype(np.float64)
+    assert np.all(np.isfinite(got))
+    # |d silu| <= 1.1 |da|: the gate's error from the two row errors
+    tol = 1.1 * ta * (np.abs(b) + tb) + (np.abs(a) + ta) * tb + 1e-6 * np.abs(want)
+    assert np.all(np.abs(got - want) <= tol)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "gf4"])
+def test_matvec_chunked_x(dtype):
+    """Rows longer than XCHUNK columns: x is staged in several chunks."""
+    from pycalm.kernels.matvec import XCHUNK
+
+    rows, cols = 3, XCHUNK + 144
+    rng = np.random.default_rng(10)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    r = cuda.to_device(r0)
+    matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
+    cuda.synchronize()
+    _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
