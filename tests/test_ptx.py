@@ -56,7 +56,7 @@ def _check(name: str) -> dict:
 def test_every_kernel_compiles_without_f64_or_spills():
     names = _modules()
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = dict(zip(names, pool.map(_check, names)))
+        results = dict(zip(names, pool.map(_check, names), strict=True))
     problems = [f"{name}: {p}" for name, r in results.items() for p in r["problems"]]
     assert not problems, "\n".join(problems)
     for name in ("matvec", "qkv"):
