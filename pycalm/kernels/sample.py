@@ -1,0 +1,359 @@
+"""Sampling on the GPU, so that only a token id crosses to the host each step.
+
+`argmax` (greedy) and `sample` (temperature with top-k / min-p / top-p) write the chosen token
+into state[STATE_TOKEN]; pycalm.kernels.step then records it in the token ring. The
+specification is pycalm.sampler.sample_ref (float64); this is the same walk in float32.
+
+The random number: `sample` reads coin = coins[state[STATE_POS]] from a device array of
+uniform [0, 1) numbers the host draws once per generation (e.g. from Sampler.next_coin(), one
+per position), so the captured graph needs no per-token host work. temperature / top_k / top_p
+/ min_p are launch arguments, fixed for a run.
+
+How (one block of 1024 threads over the whole vocabulary; the logits, up to 600 KB, stay in L2
+between passes):
+  * The walk order is "descending logit, lower id first": for T > 0, p = exp((l - max) / T) is
+    monotonic in the logit, so the order needs no probabilities. Each logit gets a 32-bit key
+    whose unsigned order is the float order.
+  * Every question the spec asks is "which element of the walk order is the first where a
+    running count reaches n (top-k / min-p), or a running mass reaches a target (top-p), or
+    exceeds one (the coin walk)?". A radix select answers it exactly in 4 passes of 8 bits:
+    each pass histograms (count, mass) of the elements that share the key prefix found so far
+    (shared-memory atomics), and one warp scans the 256 bins (shuffle prefix sums) for the
+    crossing bin. Equal keys (equal logits) are then ordered by id: the j-th smallest id among
+    them by an atomic min (j == 0, the usual case) or 3 more radix passes over the id bits.
+  * sample: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
+    (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
+    the walk (a mass select): 7 to 17 passes over the logits. argmax is 1 pass.
+Ties in floating point: the running sums are float32 sums in histogram order, not float64 sums
+in walk order, so a coin within ~1e-6 of a boundary between two tokens may pick the neighbour.
+
+Bytes moved: vocab_size * 4 per pass (from L2, counted as memory) plus a few words.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32
+
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import (
+    STATE_POS,
+    STATE_TOKEN,
+    as_f32,
+    as_i32,
+    block_reduce_max,
+    block_reduce_sum,
+)
+
+THREADS = 1024
+BINS = 256
+MODE_COUNT = 0  # first element where the running count >= n
+MODE_MASS_GE = 1  # first element where the running mass >= target (top-p)
+MODE_MASS_GT = 2  # first element where the running mass > target (the coin walk)
+SIGN = -2147483648  # 0x80000000 as int32
+
+
+@cuda.jit(device=True, inline=True)
+def _ukey(x):  # noqa: ANN001, ANN202
+    """float32 -> int32 whose UNSIGNED order (bit pattern) is the float order (radix digits)."""
+    u = as_i32(x)
+    if u < int32(0):
+        u = u ^ int32(0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    return u ^ int32(SIGN)
+
+
+@cuda.jit(device=True, inline=True)
+def _key_value(k):  # noqa: ANN001, ANN202
+    """Inverse of _ukey: the float32 with that key."""
+    u = k ^ int32(SIGN)
+    if u < int32(0):
+        u = u ^ int32(0x7FFFFFFF)
+    return as_f32(u)
+
+
+@cuda.jit(device=True, inline=True)
+def _crossed(mode, cnt, mass, tn, tm):  # noqa: ANN001, ANN202
+    if mode == MODE_COUNT:
+        return cnt >= tn
+    if mode == MODE_MASS_GE:
+        return mass >= tm
+    return mass > tm
+
+
+@cuda.jit(device=True, inline=True)
+def _scan_bins(hcnt, hmass, mode, tn, tm, base_c, base_s, ascending, sel, self_):  # noqa: ANN001, ANN202
+    """Warp 0 only: the crossing bin of a histogram walked from bin 255 down (bin 0 up when
+    ascending), the running count / mass starting at base_c / base_s (what lies before the
+    histogram in the walk). sel <- (bin, count before it, count in it); self_ <- (mass before
+    it,), both relative to the histogram. If nothing crosses (float rounding at the very end of
+    the walk), the last non-empty bin is taken, as the spec clamps to the last kept token."""
+    lane = cuda.threadIdx.x
+    c = int32(0)
+    s = float32(0.0)
+    for i in range(8):  # lane L owns walk positions 8L .. 8L+7
+        b = 8 * lane + i if ascending else 255 - 8 * lane - i
+        c += hcnt[b]
+        s += hmass[b]
+    own_c = c
+    off = 1
+    while off < 32:  # inclusive prefix sums over the lanes (every lane of warp 0 takes part)
+        c2 = cuda.shfl_up_sync(0xFFFFFFFF, c, off)
+        s2 = cuda.shfl_up_sync(0xFFFFFFFF, s, off)
+        if lane >= off:
+            c += c2
+            s += s2
+        off *= 2
+    total_c = cuda.shfl_sync(0xFFFFFFFF, c, 31)
+    total_s = cuda.shfl_sync(0xFFFFFFFF, s, 31)
+    ex_c = c - own_c
+    ex_s = cuda.shfl_up_sync(0xFFFFFFFF, s, 1)  # exclusive mass: the previous lane's inclusive
+    if lane == 0:
+        ex_s = float32(0.0)
+    mine = (not _crossed(mode, base_c + ex_c, base_s + ex_s, tn, tm)) and _crossed(
+        mode, base_c + c, base_s + s, tn, tm
+    )
+    fallback = (not _crossed(mode, base_c + total_c, base_s + total_s, tn, tm)) and own_c > 0 and total_c == c
+    if mine or fallback:
+        rc = ex_c
+        rs = ex_s
+        for i in range(8):
+            b = 8 * lane + i if ascending else 255 - 8 * lane - i
+            nc = rc + hcnt[b]
+            ns = rs + hmass[b]
+            if mine:
+                hit = _crossed(mode, base_c + nc, base_s + ns, tn, tm)
+            else:
+                hit = hcnt[b] > 0 and nc == total_c
+            if hit:
+                sel[0] = b
+                sel[1] = rc
+                sel[2] = hcnt[b]
+                self_[0] = rs
+                break
+            rc = nc
+            rs = ns
+
+
+@cuda.jit(device=True, inline=True)
+def _clear(hcnt, hmass):  # noqa: ANN001, ANN202
+    for b in range(cuda.threadIdx.x, BINS, cuda.blockDim.x):
+        hcnt[b] = int32(0)
+        hmass[b] = float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The element of the walk order where the running count reaches
+    tn (MODE_COUNT) or the running mass reaches / exceeds tm -> (its rank, its token id, the
+    running mass through it)."""
+    n = logits.shape[0]
+    tid = cuda.threadIdx.x
+    prefix = int32(0)  # key bits fixed so far
+    hi = int32(0)  # their mask
+    cnt_above = int32(0)  # elements before the prefix's ones in the walk
+    mass_above = float32(0.0)
+    ties = int32(0)
+    for p in range(4):
+        shift = int32(24 - 8 * p)
+        _clear(hcnt, hmass)
+        cuda.syncthreads()  # the histogram is clear before anyone adds to it
+        for i in range(tid, n, cuda.blockDim.x):
+            x = logits[i]
+            k = _ukey(x)
+            if (k & hi) == prefix:
+                d = (k >> shift) & int32(255)
+                cuda.atomic.add(hcnt, d, int32(1))
+                cuda.atomic.add(hmass, d, math.exp((x - m) * inv_t))  # count mode too: its mass is used
+        cuda.syncthreads()  # the histogram is complete
+        if tid < 32:
+            _scan_bins(hcnt, hmass, mode, tn, tm, cnt_above, mass_above, False, sel, self_)
+        cuda.syncthreads()  # sel holds the crossing bin (read by all before the next clear)
+        prefix |= sel[0] << shift
+        hi |= int32(255) << shift
+        cnt_above += sel[1]
+        mass_above += self_[0]
+        ties = sel[2]
+    # equal keys are equal logits: the crossing is at the j-th of them in id order
+    pk = math.exp((_key_value(prefix) - m) * inv_t)
+    if mode == MODE_COUNT:
+        j = tn - cnt_above - int32(1)
+    elif pk > float32(0.0):
+        r = (tm - mass_above) / pk
+        j = int32(math.ceil(r)) - int32(1) if mode == MODE_MASS_GE else int32(math.floor(r))
+    else:
+        j = ties - int32(1)
+    j = max(int32(0), min(j, ties - int32(1)))
+    if j == 0:  # the lowest id among the ties (the usual case: no ties at all)
+        if tid == 0:
+            best[0] = n
+        cuda.syncthreads()  # best is reset before the atomic min
+        for i in range(tid, n, cuda.blockDim.x):
+            if _ukey(logits[i]) == prefix:
+                cuda.atomic.min(best, 0, int32(i))
+        cuda.syncthreads()  # every candidate has gone into best
+        idx = best[0]
+    else:  # the j-th smallest id among the ties: radix select over the id bits, ascending
+        idx = int32(0)
+        ihi = int32(0)
+        below = int32(0)
+        for p in range(3):
+            shift = int32(16 - 8 * p)
+            _clear(hcnt, hmass)
+            cuda.syncthreads()  # the histogram is clear before anyone adds to it
+            for i in range(tid, n, cuda.blockDim.x):
+                if (int32(i) & ihi) == idx and _ukey(logits[i]) == prefix:
+                    cuda.atomic.add(hcnt, (int32(i) >> shift) & int32(255), int32(1))
+            cuda.syncthreads()  # the histogram is complete
+            if tid < 32:
+                _scan_bins(
+                    hcnt, hmass, MODE_COUNT, j + int32(1), float32(0.0), below, float32(0.0), True, sel, self_
+                )
+            cuda.syncthreads()  # sel holds the bin
+            idx |= sel[0] << shift
+            ihi |= int32(255) << shift
+            below += sel[1]
+    cuda.syncthreads()  # everyone has read sel / best before a later select rewrites them
+    return cnt_above + j, idx, mass_above + float32(j + 1) * pk
+
+
+@cuda.jit
+def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
+    """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
+    scratch = cuda.shared.array(32, float32)
+    hcnt = cuda.shared.array(BINS, int32)
+    hmass = cuda.shared.array(BINS, float32)
+    sel = cuda.shared.array(4, int32)
+    self_ = cuda.shared.array(2, float32)
+    best = cuda.shared.array(1, int32)
+    n = logits.shape[0]
+    tid = cuda.threadIdx.x
+    mx = float32(-math.inf)
+    for i in range(tid, n, cuda.blockDim.x):
+        mx = max(mx, logits[i])
+    m = block_reduce_max(mx, scratch)
+    # p relative to the largest (which is 1): total mass and the min-p count in one pass
+    z = float32(0.0)
+    c = float32(0.0)
+    for i in range(tid, n, cuda.blockDim.x):
+        p = math.exp((logits[i] - m) * inv_t)
+        z += p
+        if p >= min_p:
+            c += float32(1.0)
+    z = block_reduce_sum(z, scratch)
+    c = block_reduce_sum(c, scratch)  # exact: counts below 2^24
+    n0 = int32(n)
+    if top_k > 0:
+        n0 = min(n0, top_k)
+    if min_p > float32(0.0):
+        n0 = min(n0, int32(c))
+    n0 = max(n0, int32(1))
+    cut = int32(n)  # tokens kept: the first `cut` of the walk order
+    mass = z  # their mass
+    last = int32(0)  # the id of the last kept token (when cut < n)
+    if n0 < cut:
+        _, last, mass = _select(logits, m, inv_t, MODE_COUNT, n0, float32(0.0), hcnt, hmass, sel, self_, best)
+        cut = n0
+    if top_p < float32(1.0):
+        r, idx, mp = _select(
+            logits, m, inv_t, MODE_MASS_GE, int32(0), top_p * mass, hcnt, hmass, sel, self_, best
+        )
+        if r + int32(1) < cut:
+            cut = r + int32(1)
+            mass = mp
+            last = idx
+    coin = coins[state[STATE_POS]]
+    r, idx, _ = _select(logits, m, inv_t, MODE_MASS_GT, int32(0), coin * mass, hcnt, hmass, sel, self_, best)
+    if r >= cut:  # coin * mass rounded past the kept tokens: the spec takes the last kept one
+        idx = last
+    if tid == 0:
+        state[STATE_TOKEN] = idx
+
+
+@cuda.jit
+def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
+    """One block. state[STATE_TOKEN] <- argmax(logits), the lowest id among equal maxima."""
+    sv = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    n = logits.shape[0]
+    tid = cuda.threadIdx.x
+    bv = float32(-math.inf)
+    bi = int32(n)
+    for i in range(tid, n, cuda.blockDim.x):  # ascending ids: strict > keeps the first
+        v = logits[i]
+        if v > bv:
+            bv = v
+            bi = int32(i)
+    off = 16
+    while off > 0:  # warp butterfly on (value, id) pairs; every lane ends with the warp's best
+        ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
+        oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, off)
+        if ov > bv or (ov == bv and oi < bi):
+            bv = ov
+            bi = oi
+        off //= 2
+    warp = tid // 32
+    lane = tid % 32
+    if lane == 0:
+        sv[warp] = bv
+        si[warp] = bi
+    cuda.syncthreads()  # every warp's best is in sv / si
+    if warp == 0:
+        n_warps = cuda.blockDim.x // 32
+        bv = sv[lane] if lane < n_warps else float32(-math.inf)
+        bi = si[lane] if lane < n_warps else int32(n)
+        off = 16
+        while off > 0:
+            ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
+            oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, off)
+            if ov > bv or (ov == bv and oi < bi):
+                bv = ov
+                bi = oi
+            off //= 2
+        if lane == 0:
+            state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
+
+
+def argmax(logits: object, state: object, *, stream: object, threads: int = THREADS) -> int:
+    """state[STATE_TOKEN] = argmax(logits (vocab_size,) float32), lowest id on ties.
+
+    threads: a multiple of 32 up to 1024 (tests use fewer under the simulator). Returns bytes moved.
+    """
+    argmax_kernel[1, threads, stream](logits, state)
+    return logits.shape[0] * 4 + 4
+
+
+def sample(
+    logits: object,
+    state: object,
+    coins: object,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    *,
+    stream: object,
+    threads: int = THREADS,
+) -> int:
+    """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) with
+    coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform [0, 1), drawn by the host
+    once). temperature 0 launches argmax. No scratch: the block's working set is shared memory.
+
+    Returns the bytes moved at the most passes (see the module docstring).
+    """
+    if not (temperature >= 0.0 and math.isfinite(temperature)):
+        raise PycalmError(f"temperature must be a finite number >= 0, got {temperature}")
+    if temperature == 0.0:
+        return argmax(logits, state, stream=stream, threads=threads)
+    if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
+        raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
+    sample_kernel[1, threads, stream](
+        logits, state, coins, float32(1.0 / temperature), int32(top_k), float32(top_p), float32(min_p)
+    )
+    return 17 * logits.shape[0] * 4 + 8
+
+
+COMPILE_CHECK = [
+    (argmax_kernel, "void(float32[::1], int32[::1])"),
+    (sample_kernel, "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)"),
+]

@@ -1,0 +1,78 @@
+"""GPU argmax / sample against pycalm.sampler.sample_ref, token for token.
+
+Random logits have no ties, and the coins are random: a coin that lands within float32 rounding
+(~1e-6 of the kept mass) of a boundary between two tokens could legitimately differ from the
+float64 spec, which these small vocabularies make improbable (~1e-4 per draw in total).
+The kernels run with 64 threads here (the simulator runs a Python thread per thread).
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pycalm.kernels.sample import argmax, sample
+from pycalm.sampler import sample_ref
+
+THREADS = 64
+
+
+def _argmax_gpu(logits):
+    state = cuda.to_device(np.array([-1, 0, 0, 0], np.int32))
+    stream = cuda.stream()
+    argmax(cuda.to_device(logits), state, stream=stream, threads=THREADS)
+    stream.synchronize()
+    return int(state.copy_to_host()[0])
+
+
+def test_argmax_lowest_id_on_ties():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(1000).astype(np.float32)
+    assert _argmax_gpu(logits) == int(np.argmax(logits))
+    logits[[17, 400, 999]] = 9.0  # three equal maxima: the lowest id wins
+    assert _argmax_gpu(logits) == 17
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),  # plain temperature sampling: the walk over the whole vocabulary
+        (0.7, 20, 1.0, 0.0),  # top-k
+        (1.3, 0, 0.9, 0.0),  # top-p
+        (1.0, 0, 1.0, 0.05),  # min-p
+        (0.8, 40, 0.95, 0.02),  # all three
+    ],
+)
+def test_sample_matches_ref(temperature, top_k, top_p, min_p):
+    rng = np.random.default_rng(top_k + int(100 * top_p))
+    vocab = 301
+    steps = 4
+    logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    coins = rng.random(steps).astype(np.float32)
+    coins[0] = 0.0  # the first kept token
+    # the end of the walk: with top-k the last kept token (its p is far above float32 rounding);
+    # over the whole vocabulary the tail holds p ~ 1e-9, where float32 cannot follow float64
+    coins[1] = np.nextafter(np.float32(1.0), np.float32(0.0)) if top_k else 0.999
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for step in range(steps):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))  # the coin index is state[1]
+        sample(d_logits, state, d_coins, temperature, top_k, top_p, min_p, stream=stream, threads=THREADS)
+        stream.synchronize()
+        want = sample_ref(logits, temperature, top_k, top_p, min_p, float(coins[step]))
+        assert int(state.copy_to_host()[0]) == want, (step, float(coins[step]))
+
+
+def test_sample_orders_equal_logits_by_id():
+    # ten equal top logits: the walk takes them in id order, so coin c picks the floor(10c)-th
+    logits = np.full(300, -5.0, np.float32)
+    ids = np.array([250, 3, 77, 120, 9, 199, 44, 160, 281, 60])
+    logits[ids] = 20.0
+    coins = np.array([0.05, 0.35, 0.95], np.float32)
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for step, coin in enumerate(coins):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+        sample(d_logits, state, d_coins, 1.0, 0, 1.0, 0.0, stream=stream, threads=THREADS)
+        stream.synchronize()
+        assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, coin=float(coin))
+        assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * 10)]
