@@ -313,9 +313,9 @@ def attention(
     head_dim: int,
     kv_dtype: str,
     window: int,
+    part: object,
     *,
     stream: object,
-    part: object,
 ) -> int:
     """out (n_heads*head_dim,) f32 = attention of q over positions [start, state[STATE_POS]].
 
