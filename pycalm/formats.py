@@ -55,8 +55,42 @@ def fp16_decode(w: np.ndarray) -> np.ndarray:
 # fp8 e5m2
 
 
+FP8_MAX_BYTE = 0x7B  # 57344: exponent field 30, mantissa 3 (0x7C.. are inf and NaN)
+FP8_NAN_BYTE = 0x7F
+_FP8_MIN_NORMAL = np.float32(2.0**-14)  # smallest normal e5m2; below it the quantum is 2**-16
+
+
 def fp8_encode(x: np.ndarray) -> np.ndarray:
-    """float -> e5m2 byte (uint8), round to nearest even from the source, saturating."""
+    """float -> e5m2 byte (uint8), round to nearest even from the source, saturating.
+
+    float16 and float32 inputs take an integer path on the float32 bits (no float64 copy of the
+    tensor, about 4x faster); other inputs take the float64 path, which is the same definition.
+    """
+    x = np.asarray(x)
+    if x.dtype not in (np.float16, np.float32):
+        return _fp8_encode_f64(x)
+    x = x.astype(np.float32, copy=False)
+    bits = x.view(np.uint32)
+    sign = ((bits >> 24) & 0x80).astype(np.uint8)
+    mag = bits & np.uint32(0x7FFFFFFF)  # |x| as bits; monotone in |x|
+    # Normal range (|x| >= 2**-14): keep the top 2 of float32's 23 mantissa bits, rounding the
+    # 21 dropped bits to nearest even by adding 0xFFFFF plus the lowest kept bit; a carry moves
+    # into the exponent, which is right. Then rebias the exponent from 127 to 15 (112 << 2).
+    kept = (mag + (np.uint32(0xFFFFF) + ((mag >> 21) & 1))) >> 21
+    normal = np.minimum(kept, np.uint32(FP8_MAX_BYTE + (112 << 2))) - np.uint32(112 << 2)
+    # Below 2**-14 the step is 2**-16: |x| * 2**16 is exact in float32, and rint rounds it to
+    # nearest even; the result 0..4 is the byte itself (4 is the smallest normal, 2**-14).
+    ax = np.abs(x)
+    small = np.rint(np.fmin(ax, _FP8_MIN_NORMAL) * np.float32(65536.0))  # fmin: no overflow, NaN -> 4
+    out = np.where(ax < _FP8_MIN_NORMAL, small, normal).astype(np.uint8) | sign
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = FP8_NAN_BYTE  # converters reject NaN weights before this
+    return out
+
+
+def _fp8_encode_f64(x: np.ndarray) -> np.ndarray:
+    """The same encoding through float64 arithmetic, for inputs wider than float32."""
     x = np.asarray(x, dtype=np.float64)
     ax = np.abs(x)
     _, e = np.frexp(ax)  # ax = m * 2**e, 0.5 <= m < 1, so floor(log2 ax) = e - 1
@@ -68,7 +102,7 @@ def fp8_encode(x: np.ndarray) -> np.ndarray:
     y = np.copysign(y, x)
     bits = y.astype(np.float16).view(np.uint16)  # exact: y is representable in e5m2
     out = (bits >> 8).astype(np.uint8)
-    out[np.isnan(x)] = 0x7F  # a NaN pattern; converters reject NaN weights before this
+    out[np.isnan(x)] = FP8_NAN_BYTE
     return out
 
 
