@@ -60,11 +60,9 @@ def qkv_ref(
 # Bytes moved: Wqkv, x, norm_w, the bias, q written (4 q_dim) and one cache row of k and v.
 # =============================================================================================
 
-import math  # noqa: E402
-
 from numba import cuda, float32, uint8  # noqa: E402
 
-from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, warp_reduce_sum  # noqa: E402
+from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, sincos, warp_reduce_sum  # noqa: E402
 from pycalm.kernels.matvec import (  # noqa: E402
     N_WARPS,
     ROW_SCALE,
@@ -127,8 +125,7 @@ def _make_qkv_kernel(word_dtype: str, kv_dtype: str, has_bias: bool):  # noqa: A
                     i = (r0 % head_dim) // 2  # the rotary pair within the head
                     if r0 < q_dim + kv_dim and i < freqs.shape[0]:
                         angle = float32(pos) * freqs[i]
-                        cs = math.cos(angle)
-                        sn = math.sin(angle)
+                        sn, cs = sincos(angle)
                         a, b = a * cs - b * sn, a * sn + b * cs
                     if r0 < q_dim:
                         q[r0] = a
