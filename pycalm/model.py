@@ -125,7 +125,7 @@ class GpuEngine:
             cfg.q_dim, f32, stream=self.stream
         )  # (n_heads * head_dim,) attention out
         self.h = cuda.device_array(cfg.hidden_dim, f32, stream=self.stream)  # (hidden_dim,) gated FFN
-        self.logits = cuda.device_array(cfg.vocab_size, f32, stream=self.stream)  # (vocab_size,)
+        self.logits_buf = cuda.device_array(cfg.vocab_size, f32, stream=self.stream)  # (vocab_size,)
         # KV cache: per layer (seq_len, kv_dim), float16 or fp8 e5m2 bytes
         kv_np = np.float16 if self.kv_dtype == "fp16" else np.uint8
         self.key_cache = [
@@ -214,13 +214,13 @@ class GpuEngine:
             # x += W2 h
             n += matvec_residual(L.w2, self.h, self.x, dt, stream=s)
         # logits = Wout rmsnorm(x)
-        n += matvec(self.output, self.x, self.logits, dt, stream=s, norm_w=self.norm, eps=eps)
+        n += matvec(self.output, self.x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
         # state[token] = the next token, chosen on the device
         if sampling.temperature == 0:
-            n += argmax(self.logits, self.state, stream=s)
+            n += argmax(self.logits_buf, self.state, stream=s)
         else:
             n += sample(
-                self.logits,
+                self.logits_buf,
                 self.state,
                 self.coins,
                 sampling.temperature,
@@ -264,7 +264,7 @@ class GpuEngine:
         g = self.graph(SamplingParams())
         self._set_state(token, pos, 0)
         g.launch()
-        out = self.logits.copy_to_host(stream=self.stream)
+        out = self.logits_buf.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
 

@@ -299,7 +299,7 @@ def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
     nb = [0]
 
     def record_cls() -> None:
-        nb[0] += matvec(engine.output, engine.x, engine.logits, dt, stream=s, norm_w=engine.norm, eps=eps)
+        nb[0] += matvec(engine.output, engine.x, engine.logits_buf, dt, stream=s, norm_w=engine.norm, eps=eps)
 
     out["classifier"] = (GraphStep(s, record_cls), nb)
     return {k: (g, n[0]) for k, (g, n) in out.items()}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
+#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [real GGUF GOLDEN]   (default: tests kernels bench)
+# Expects the numpy/gguf wheels in .whl/ (bash ../shared/gpu/get-wheels.sh). Logs go to $OUT (or ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}; mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests kernels bench)
+i=0
+while [ $i -lt ${#steps[@]} ]; do
+  step=${steps[$i]}; i=$((i + 1))
+  echo "=== $step $(date +%T)"
+  case $step in
+    tests)   PYCALM_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider tests/test_common.py tests/test_matvec.py \
+               tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_norm.py tests/test_sample.py \
+               tests/test_model.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
+    kernels) python3 scripts/bench_kernels.py --check 2>&1 | tee "$out/bench_kernels.log" | tail -40
+             python3 scripts/bench_attention.py 2>&1 | tee "$out/bench_attention.log" | tail -25 ;;
+    bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
+    real)    gguf=${steps[$i]}; golden=${steps[$((i + 1))]}; i=$((i + 2))
+             python3 scripts/check_real_gpu.py "$gguf" "$golden" 2>&1 | tee -a "$out/real.log" | tail -20 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
