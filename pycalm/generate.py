@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -171,8 +172,16 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
 # -------------------------------------------------------------------------------------------
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one 'error: ...' line, like every other pycalm
+    error, instead of the usage block first (--help still shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m pycalm.generate",
         description="Generate text with a Llama-family model. Flags follow calm and llama2.c.",
         epilog="Environment: XDG_CACHE_HOME sets where converted and fetched models are cached "

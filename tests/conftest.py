@@ -8,3 +8,81 @@ import os
 
 if os.environ.get("PYCALM_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models converted once, shared by test_models.py and test_cli.py.
+#
+# A conversion is cached next to the fetched GGUF (tests/realmodels.py's cache folder) under a key
+# made of the GGUF's sha256 and the sources of the modules that decide the file's bytes, so CI
+# reruns reuse it while any change to the converter makes a fresh one (older ones are removed).
+
+import hashlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+_CONVERTER_MODULES = ("convert.py", "formats.py", "loader.py", "tokenizer.py", "config.py")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def converted_model(gguf: Path, dtype: str) -> Path:
+    """The pycalm file of `gguf` in `dtype`, converted on first use and cached between runs."""
+    import realmodels
+
+    from pycalm.convert import convert
+
+    pkg = Path(__file__).resolve().parent.parent / "pycalm"
+    code = hashlib.sha256(b"".join((pkg / m).read_bytes() for m in _CONVERTER_MODULES)).hexdigest()
+    key = f"{_sha256(gguf)[:16]}-{code[:12]}"
+    folder = realmodels.cache_dir() / "converted"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{gguf.stem}-{dtype}-{key}.pycalm"
+    if not out.exists():
+        for old in folder.glob(f"{gguf.stem}-{dtype}-*.pycalm"):
+            old.unlink()
+        tmp = out.with_name(out.name + ".partial")
+        convert(gguf, tmp, dtype, progress=False)
+        tmp.replace(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    import realmodels
+
+    return realmodels.smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def qwen2_gguf_path() -> Path:
+    import realmodels
+
+    return realmodels.qwen2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp16(smollm2_gguf_path: Path) -> Path:
+    return converted_model(smollm2_gguf_path, "fp16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp8(smollm2_gguf_path: Path) -> Path:
+    return converted_model(smollm2_gguf_path, "fp8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gf4(smollm2_gguf_path: Path) -> Path:
+    return converted_model(smollm2_gguf_path, "gf4")
+
+
+@pytest.fixture(scope="session")
+def qwen2_fp16(qwen2_gguf_path: Path) -> Path:
+    return converted_model(qwen2_gguf_path, "fp16")
