@@ -88,6 +88,8 @@ def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable
 
 def run_prompt(engine: object, tok: object, prompt: str, steps: int, sampling: SamplingParams) -> None:
     ids = tok.encode(prompt, add_bos=True)
+    if not ids:
+        raise PycalmError("empty prompt and the model has no BOS token to start from: give a prompt with -i")
     if len(ids) >= engine.seq_len:
         raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {engine.seq_len}")
     stream = tok.stream()
@@ -155,7 +157,11 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
     p = Path(path)
     if not p.is_file():
         raise PycalmError(f"perplexity text not found: {path}")
-    ids = tok.encode(p.read_text(encoding="utf-8"), add_bos=True)[: engine.seq_len]
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PycalmError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    ids = tok.encode(text, add_bos=True)[: engine.seq_len]
     if len(ids) < 2:
         raise PycalmError(f"{path}: too short to measure perplexity (needs 2 tokens or more)")
     nll = 0.0
@@ -282,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_prompt(engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling)
     except PycalmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # unreadable file, full disk, ...: the OS's own message names the path
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

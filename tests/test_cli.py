@@ -339,8 +339,18 @@ def test_prompt_longer_than_context(tiny):
     assert proc.stdout == ""
 
 
-def test_perplexity_file_missing(tiny, tmp_path):
+def test_perplexity_file_missing_or_not_text(tiny, tmp_path):
     assert_one_error_line(run(tiny, "-x", tmp_path / "missing.txt", "--device", "cpu"), "missing.txt")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"ab\x90\xff" * 10)
+    assert_one_error_line(run(tiny, "-x", binary, "--device", "cpu"), "binary.txt", "UTF-8")
+
+
+def test_empty_prompt_without_bos(tmp_path):
+    # a model whose tokenizer adds no BOS has nothing to start an empty prompt from
+    src = make_gguf(tmp_path, add_bos=False)
+    model = convert(src.path, tmp_path / "nobos.pycalm", "fp16", progress=False)
+    assert_one_error_line(run(model, "-n", "3", "--device", "cpu"), "empty prompt", "-i")
 
 
 @pytest.mark.parametrize(
