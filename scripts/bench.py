@@ -350,7 +350,7 @@ def main() -> None:
     args = ap.parse_args()
     ceiling, how = copy_ceiling_gbs()
     print(
-        f"copy ceiling: {ceiling:,.0f} GB/s ({how}); GPU: {cuda.get_current_device().name.decode()}",
+        f"copy ceiling: {ceiling:,.0f} GB/s ({how}); GPU: {cuda.get_current_device().name}",
         flush=True,
     )
     results = []
