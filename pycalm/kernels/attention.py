@@ -9,30 +9,38 @@ GPU: flash-decoding in two kernels.
 
 1. `attention_chunk_kernel`, grid (n_chunks, n_kv_heads), 128 threads. Block (c, g) takes the
    c-th chunk of the positions for kv head g and ALL the query heads of its group, so each K and
-   V row is read from memory once for the whole group. The threads form teams of `lanes` (8 for
-   head_dim 64 and 128) lanes; a team takes one position at a time, each lane reads interleaved
-   int64 words of the row (8 lanes x 8 bytes = 64 contiguous bytes per load instruction) and
-   keeps its slice of the group's queries in registers. Scores: per-lane partial dots, a
-   3-shuffle xor reduction inside the team, into shared memory. The block then takes the
-   chunk's max and sum of exp per head (one warp per head), and the teams accumulate
-   p_t * v_t into registers, reduced across teams (shuffles, then shared memory) at the end. The
-   block writes (unnormalised out, max, sum) per head to `part[c]`.
-2. `attention_combine_kernel`, grid n_heads, head_dim threads: the log-sum-exp merge of the
-   chunks' partial results into out.
+   V row is read from memory once for the whole group. A warp is split into teams of `lanes`
+   lanes (8 for the usual head_dim 64 / 128); a team takes one position per step (the block
+   16 positions a step), each lane reading interleaved int64 words of that position's K AND V
+   rows up front (K and V loads in flight together; 8 lanes x 8 bytes = 64 contiguous bytes a
+   load). The lane keeps its slice of the group's queries and its slice of each head's output
+   in registers, and runs an online softmax per team: the score is reduced inside the team by
+   log2(lanes) xor shuffles (every lane gets it), and the running max is raised lazily (the
+   output is rescaled only when a score beats it, which is rare after the first few steps). No
+   shared memory and no barrier per position: the teams of a warp are merged by xor shuffles
+   and the warps through shared memory ONCE at the end, and the block writes (unnormalised
+   out, max, sum of exp) per head to `part[c]`.
+2. `attention_combine_kernel`, grid n_heads, 256 threads: warp 0 turns the chunk maxima into
+   weights (shared memory), then every thread sums weight * partial over a slice of the chunks
+   with 8 independent loads in flight, and the slices are added in shared memory.
+
+Why the first version was slow (14 us a layer at 256 positions, 30-38 us at 4000): its combine
+kernel walked the chunks one dependent L2 load at a time (2 x live chunks x ~0.3 us of L2
+latency per thread), and its chunk kernel wrote every score to shared memory and passed three
+barriers per block with K and V read in separate phases; its decoders also computed in int64.
 
 How positions are split (the grid is captured once, so it cannot depend on pos): the grid has a
-fixed n_chunks = about 512 / n_kv_heads (enough blocks to fill 132 SMs ~4 deep), and the chunk
-length adapts on the device: clen = max(16, ceil(n / n_chunks)) for the n positions attended;
-blocks past ceil(n / clen) exit at once. At 4000 positions every block works on ~63 positions
-(Llama-3-8B: 64 chunks x 8 kv heads), so all SMs stream the cache; at 256 positions only 16
-chunks of 16 are live, so the combine reads 16 partials per head, not 64. A fixed chunk length
-with a grid sized for seq_len would either starve the SMs at 256 positions (long chunks) or
-make the combine read many partials at 4000 (short chunks); this adapts to both.
+fixed n_chunks = about TARGET_BLOCKS / n_kv_heads, and the chunk length adapts on the device:
+clen = max(MIN_CHUNK, ceil(n / n_chunks)) rounded up to the block's positions per step, for the
+n positions attended; blocks past ceil(n / clen) exit at once. At 4000 positions every block
+works on ~63 positions (Llama-3-8B: 64 chunks x 8 kv heads), so all SMs stream the cache; at
+256 positions only 16 chunks of 16 are live and the combine reads 16 partials per head.
 
 Decode of the caches in registers: fp16 and e5m2 are both "sign, 5-bit exponent, mantissa",
 so shifting the bits into an fp32 (sign to bit 31, the rest to bits 13 / 21 on) gives the
 value / 2^112 exactly (subnormals included). The 2^112 is folded into q (for scores) and into
-p (for the V sum), so the inner loops are shift, mask and FMA.
+the final output, so the inner loops are 2-3 integer ops and G FMAs per element. The decoders
+here wrap every shift in int32() (real numba computes int32 shifts in int64).
 
 Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element, plus q, the
 partials (written and read) and out.
@@ -50,9 +58,7 @@ from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
     FP_RAW_SCALE,
     STATE_POS,
-    fp8_byte_raw,
-    fp16_hi_raw,
-    fp16_lo_raw,
+    as_f32,
     warp_reduce_max,
     warp_reduce_sum,
 )
@@ -89,36 +95,33 @@ def attention_ref(
 # ---------------------------------------------------------------------------------------------
 # GPU kernels
 
+# Tuning knobs, read by the launchers and attention_scratch_shape (scripts/bench_attention.py
+# varies them; the scratch must be allocated with the values the launches use).
 MIN_CHUNK = 16  # fewest positions a chunk takes: below this the per-block overhead dominates
 TARGET_BLOCKS = 512  # chunk blocks to aim for at long context: ~4 per SM on a 132-SM H200
-MAX_SCORE_BYTES = 32 * 1024  # dynamic shared memory for one block's scores (no opt-in needed)
+STEPS = 1  # positions a team loads per step before using them (loads in flight: 2 * STEPS rows)
 THREADS = 128  # threads of a chunk block: 4 warps
 WARPS = THREADS // 32
+COMBINE_THREADS = 256
+UNROLL = 8  # independent partial loads in flight per combine thread
+REG_BUDGET = 32  # floats of queries (and as many of outputs) a lane holds: ~128 registers, 4 blocks an SM
+NEG = -1.0e30  # "no score yet": finite, so that merging two empty runs gives 0 * 1, not NaN
 KV_DTYPES = ("fp16", "fp8")
+_MASK_FP16 = 0x8FFFE000 - (1 << 32)  # int32: sign and the e5m10 fields after an arithmetic >> 3
+_MASK_E5M2 = 0x8FE00000 - (1 << 32)  # int32: sign and the e5m2 fields after an arithmetic >> 3
 
 
 def attention_chunks(n_heads: int, n_kv_heads: int, seq_len: int) -> int:
-    """How many chunks (blocks per kv head) the grid has; fixed for a run (module docstring).
-
-    TARGET_BLOCKS / n_kv_heads, no more than seq_len needs at MIN_CHUNK positions a chunk, and
-    enough that one chunk's scores (group x chunk length floats) fit MAX_SCORE_BYTES.
-    """
-    group = n_heads // n_kv_heads
-    n = max(1, min(-(-TARGET_BLOCKS // n_kv_heads), -(-seq_len // MIN_CHUNK)))
-    while group * _max_chunk_len(seq_len, n) * 4 > MAX_SCORE_BYTES:
-        n *= 2
-    return n
-
-
-def _max_chunk_len(seq_len: int, n_chunks: int) -> int:
-    return max(MIN_CHUNK, -(-seq_len // n_chunks))
+    """How many chunks (blocks per kv head) the grid has; fixed for a run (module docstring):
+    TARGET_BLOCKS / n_kv_heads, no more than seq_len needs at MIN_CHUNK positions a chunk."""
+    return max(1, min(-(-TARGET_BLOCKS // n_kv_heads), -(-seq_len // MIN_CHUNK)))
 
 
 def attention_scratch_shape(
     n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int
 ) -> tuple[int, int, int]:
     """Shape of the float32 scratch `part` that the caller allocates once (one serves every
-    layer: the layers run one after another on one stream).
+    layer: the layers run one after another on one stream). No initial contents are needed.
 
     (n_chunks, n_heads, head_dim + 2): per chunk and query head the unnormalised sum of p*V
     (head_dim floats), then the chunk's score max and its sum of exp(score - max).
@@ -127,72 +130,96 @@ def attention_scratch_shape(
 
 
 @cuda.jit(device=True, inline=True)
-def _chunk_range(state, window, n_chunks, c):  # noqa: ANN001, ANN202
-    """(first position, end position, live chunks) of chunk c: the same formula in both kernels."""
-    n_pos = state[STATE_POS] + 1
+def _chunk_range(state, window, min_chunk, n_chunks, c):  # noqa: ANN001, ANN202
+    """(first position, end position, live chunks) of chunk c: the same formula in both kernels.
+    min_chunk is a multiple of the chunk kernel's positions per step."""
+    n_pos = int32(state[STATE_POS] + 1)
     start = int32(0)
     if window > 0 and n_pos > window:
-        start = n_pos - window
-    n = n_pos - start
-    clen = max(int32(MIN_CHUNK), (n + n_chunks - 1) // n_chunks)
-    live = (n + clen - 1) // clen
-    t0 = start + c * clen
-    return t0, min(t0 + clen, n_pos), live
+        start = int32(n_pos - window)
+    n = int32(n_pos - start)
+    clen = int32((n + n_chunks - 1) // n_chunks)
+    clen = int32((clen + min_chunk - 1) // min_chunk) * min_chunk
+    live = int32((n + clen - 1) // clen)
+    t0 = int32(start + c * clen)
+    return t0, min(int32(t0 + clen), n_pos), live
 
 
 @cuda.jit(device=True, inline=True)
-def _decode_word(w, e, fp8):  # noqa: ANN001, ANN202
+def _decode(w, e, fp8):  # noqa: ANN001, ANN202
     """Element e (a constant after unrolling) of an int64 word of the cache, 4 fp16 or 8 e5m2
-    from the lowest address up, as value * 2**-112 (common's raw decoders)."""
-    x = int32(w >> int64(32)) if e >= (4 if fp8 else 2) else int32(w)
+    from the lowest address up, as value * 2**-112. Every shift is wrapped in int32(): real
+    numba computes int32 << / >> in int64, and the sign must come from bit 31 of the word."""
+    half = e >= (4 if fp8 else 2)
+    x = int32(w >> 32) if half else int32(w)
     if fp8:
-        return fp8_byte_raw(x, e & 3)
-    return fp16_hi_raw(x) if e & 1 else fp16_lo_raw(x)
+        k = e & 3
+        if k < 3:
+            x = int32(x << int32(24 - 8 * k))
+        return as_f32(int32(x >> int32(3)) & int32(_MASK_E5M2))
+    if (e & 1) == 0:
+        x = int32(x << int32(16))
+    return as_f32(int32(x >> int32(3)) & int32(_MASK_FP16))
 
 
-def team_lanes(head_dim: int, kv_dtype: str) -> int:
-    """Lanes per position team: up to 8, a power of two dividing the int64 words of a row."""
-    words = head_dim // (8 if kv_dtype == "fp8" else 4)
-    lanes = 8
+def team_lanes(head_dim: int, group: int, kv_dtype: str) -> int:
+    """Lanes per position team: the fewest (4 to 32, a power of two dividing the int64 words
+    of a row) that keep a lane's group x slice of queries within REG_BUDGET floats (read at
+    call time: the benchmark varies it)."""
+    epw = 8 if kv_dtype == "fp8" else 4
+    words = head_dim // epw
+    for lanes in (4, 8, 16, 32):
+        if words % lanes == 0 and group * (words // lanes) * epw <= REG_BUDGET:
+            return lanes
+    lanes = 32
     while words % lanes:
         lanes //= 2
     return lanes
 
 
 @functools.cache
-def attention_kernels(head_dim: int, group: int, kv_dtype: str) -> tuple[object, object]:
-    """(chunk kernel, combine kernel) specialised for a head_dim, group size and KV dtype.
+def attention_kernels(
+    head_dim: int, group: int, kv_dtype: str, steps: int, lanes: int
+) -> tuple[object, object]:
+    """(chunk kernel, combine kernel) specialised for a head_dim, group size, KV dtype, steps
+    (positions a team loads before using them) and lanes per team (team_lanes).
 
     The sizes are compile-time constants so the per-lane query slice and accumulators are
     fixed-size local arrays the compiler keeps in registers (all loops over them unroll).
     """
     FP8 = kv_dtype == "fp8"
     EPW = 8 if FP8 else 4  # elements per int64 word
-    LANES = team_lanes(head_dim, kv_dtype)
+    LANES = lanes
     W = head_dim // EPW // LANES  # words per lane per row
     D = W * EPW  # elements per lane per row
     G = group
-    TEAMS = THREADS // LANES
+    TPW = 32 // LANES  # teams per warp
+    P = THREADS // LANES  # positions per step of the block, per STEPS
+    S = steps
+    SW = steps * (head_dim // EPW // LANES)
     HEAD_WORDS = head_dim // EPW
     HD = head_dim
-    GHD = group * head_dim
+    HD2 = head_dim + 2
     GD = group * D
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
+    SLICES = COMBINE_THREADS // HD if HD <= COMBINE_THREADS else 1
+    CT = SLICES * HD if HD <= COMBINE_THREADS else COMBINE_THREADS
+    U = UNROLL
 
     @cuda.jit(fastmath=False)
-    def attention_chunk_kernel(q, k_cache, v_cache, state, part, window, score_stride):  # noqa: ANN001, ANN202
+    def attention_chunk_kernel(q, k_cache, v_cache, state, part, window, min_chunk):  # noqa: ANN001, ANN202
         # q (n_heads*HD,) f32; caches (seq_len, kv_words) int64; part (n_chunks, n_heads, HD+2)
         c = cuda.blockIdx.x
         g = cuda.blockIdx.y
-        n_chunks = cuda.gridDim.x
-        t0, t1, live = _chunk_range(state, window, n_chunks, c)
+        t0, t1, live = _chunk_range(state, window, min_chunk, cuda.gridDim.x, c)
         if c >= live:
             return  # the whole block leaves together: no barrier is left waiting
         tid = cuda.threadIdx.x
-        team = tid // LANES
-        lane = tid % LANES
-        scores = cuda.shared.array(0, float32)  # (G, score_stride): this chunk's scores, then p
-        red = cuda.shared.array((WARPS, GHD), float32)  # per-warp V sums
+        warp = tid // 32
+        wl = tid % 32
+        lane = wl % LANES
+        slot = warp * TPW + wl // LANES  # this team's position within a step
+        red = cuda.shared.array((WARPS, G, HD2), float32)  # per-warp (out, max, sum)
 
         # this lane's slice of the group's queries, times Q_SCALE
         qs = float32(Q_SCALE)
@@ -201,103 +228,138 @@ def attention_kernels(head_dim: int, group: int, kv_dtype: str) -> tuple[object,
             for j in range(W):
                 for e in range(EPW):
                     qr[h * D + j * EPW + e] = q[(g * G + h) * HD + (lane + LANES * j) * EPW + e] * qs
-
-        # scores: a team per position; the loop bound is uniform so every lane shuffles
-        w0 = g * HEAD_WORDS + lane
-        kw = cuda.local.array(W, int64)
-        acc = cuda.local.array(G, float32)
-        for base in range(t0, t1, TEAMS):
-            t = base + team
-            for j in range(W):
-                kw[j] = k_cache[t, w0 + LANES * j] if t < t1 else int64(0)
-            for h in range(G):
-                acc[h] = float32(0.0)
-            for j in range(W):
-                for e in range(EPW):
-                    x = _decode_word(kw[j], e, FP8)
-                    for h in range(G):
-                        acc[h] += qr[h * D + j * EPW + e] * x
-            for h in range(G):
-                s = acc[h]
-                off = LANES // 2
-                while off > 0:  # xor tree inside the team: every lane ends with the dot
-                    s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-                    off //= 2
-                if lane == 0 and t < t1:
-                    scores[h * score_stride + t - t0] = s
-        cuda.syncthreads()  # all scores of the chunk are in shared memory
-
-        # softmax statistics: warp w takes heads w, w + WARPS, ...
-        n = t1 - t0
-        warp = tid // 32
-        wl = tid % 32
-        for h in range(warp, G, WARPS):
-            m = float32(-math.inf)
-            for i in range(wl, n, 32):
-                m = max(m, scores[h * score_stride + i])
-            m = warp_reduce_max(m)
-            lsum = float32(0.0)
-            for i in range(wl, n, 32):
-                p = math.exp(scores[h * score_stride + i] - m)
-                scores[h * score_stride + i] = p * float32(FP_RAW_SCALE)
-                lsum += p
-            lsum = warp_reduce_sum(lsum)
-            if wl == 0:
-                part[c, g * G + h, HD] = m
-                part[c, g * G + h, HD + 1] = lsum
-        cuda.syncthreads()  # p (times 2^112) replaces the scores
-
-        # V: each team sums p_t v_t over its positions in registers
+        m = cuda.local.array(G, float32)
+        lsum = cuda.local.array(G, float32)
         o = cuda.local.array(GD, float32)
+        for h in range(G):
+            m[h] = float32(NEG)
+            lsum[h] = float32(0.0)
         for i in range(GD):
             o[i] = float32(0.0)
-        vw = cuda.local.array(W, int64)
-        for t in range(t0 + team, t1, TEAMS):
-            for j in range(W):
-                vw[j] = v_cache[t, w0 + LANES * j]
-            for j in range(W):
-                for e in range(EPW):
-                    x = _decode_word(vw[j], e, FP8)
-                    for h in range(G):
-                        o[h * D + j * EPW + e] += scores[h * score_stride + t - t0] * x
-        # reduce over the teams of a warp: lanes lane, lane + LANES, ... hold the same dims
-        for i in range(GD):
-            s = o[i]
-            off = 16
-            while off >= LANES:
-                s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-                off //= 2
-            o[i] = s
-        wl = tid % 32
-        if wl < LANES:
+
+        w0 = g * HEAD_WORDS + lane
+        kw = cuda.local.array(SW, int64)
+        vw = cuda.local.array(SW, int64)
+        acc = cuda.local.array(G, float32)
+        p = cuda.local.array(G, float32)
+        last = t1 - 1
+        for base in range(t0, t1, P * S):  # uniform trip count: every lane takes the shuffles
+            for s in range(S):  # all K and V loads of the step first: 2 * S * W in flight
+                t = min(base + s * P + slot, last)
+                for j in range(W):
+                    kw[s * W + j] = k_cache[t, w0 + LANES * j]
+                    vw[s * W + j] = v_cache[t, w0 + LANES * j]
+            for s in range(S):
+                valid = base + s * P + slot <= last
+                for h in range(G):
+                    acc[h] = float32(0.0)
+                for j in range(W):
+                    for e in range(EPW):
+                        x = _decode(kw[s * W + j], e, FP8)
+                        for h in range(G):
+                            acc[h] += qr[h * D + j * EPW + e] * x
+                for h in range(G):
+                    sc = acc[h]
+                    off = LANES // 2
+                    while off > 0:  # xor tree inside the team: every lane ends with the score
+                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, off)
+                        off //= 2
+                    if valid and sc > m[h]:  # a new max: rescale what was summed (rare)
+                        a = math.exp(m[h] - sc)
+                        lsum[h] *= a
+                        for i in range(D):
+                            o[h * D + i] *= a
+                        m[h] = sc
+                    p[h] = math.exp(sc - m[h]) if valid else float32(0.0)
+                    lsum[h] += p[h]
+                for j in range(W):
+                    for e in range(EPW):
+                        x = _decode(vw[s * W + j], e, FP8)
+                        for h in range(G):
+                            o[h * D + j * EPW + e] += p[h] * x
+
+        # merge the teams of a warp (xor over the team bits of the lane id)
+        off = LANES
+        while off < 32:
+            for h in range(G):
+                m2 = cuda.shfl_xor_sync(0xFFFFFFFF, m[h], off)
+                l2 = cuda.shfl_xor_sync(0xFFFFFFFF, lsum[h], off)
+                mm = max(m[h], m2)
+                a = math.exp(m[h] - mm)
+                b = math.exp(m2 - mm)
+                lsum[h] = lsum[h] * a + l2 * b
+                m[h] = mm
+                for i in range(D):
+                    o2 = cuda.shfl_xor_sync(0xFFFFFFFF, o[h * D + i], off)
+                    o[h * D + i] = o[h * D + i] * a + o2 * b
+            off *= 2
+        if wl < LANES:  # the first team holds the warp's result
             for h in range(G):
                 for j in range(W):
                     for e in range(EPW):
-                        red[warp, h * HD + (lane + LANES * j) * EPW + e] = o[h * D + j * EPW + e]
-        cuda.syncthreads()  # every warp's sums are in `red`
+                        red[warp, h, (lane + LANES * j) * EPW + e] = o[h * D + j * EPW + e]
+                if lane == 0:
+                    red[warp, h, HD] = m[h]
+                    red[warp, h, HD + 1] = lsum[h]
+        cuda.syncthreads()  # every warp's (out, max, sum) is in `red`
         for i in range(tid, G * HD, THREADS):
-            s = float32(0.0)
+            h = i // HD
+            d = i % HD
+            mm = red[0, h, HD]
+            for w in range(1, WARPS):
+                mm = max(mm, red[w, h, HD])
+            so = float32(0.0)
+            sl = float32(0.0)
             for w in range(WARPS):
-                s += red[w, i]
-            part[c, g * G + i // HD, i % HD] = s
+                f = math.exp(red[w, h, HD] - mm)
+                so += f * red[w, h, d]
+                sl += f * red[w, h, HD + 1]
+            part[c, g * G + h, d] = so * float32(FP_RAW_SCALE)
+            if d == 0:
+                part[c, g * G + h, HD] = mm
+                part[c, g * G + h, HD + 1] = sl
 
     @cuda.jit(fastmath=False)
-    def attention_combine_kernel(part, state, out, window):  # noqa: ANN001, ANN202
-        # block h: one query head; thread d: one output element
+    def attention_combine_kernel(part, state, out, window, min_chunk):  # noqa: ANN001, ANN202
+        # block h: one query head; thread (slice s, dim d) sums chunks s*U.., S*U apart
         h = cuda.blockIdx.x
-        d = cuda.threadIdx.x
+        tid = cuda.threadIdx.x
         n_chunks = part.shape[0]
-        _, _, live = _chunk_range(state, window, n_chunks, 0)
-        m = float32(-math.inf)
-        for c in range(live):
-            m = max(m, part[c, h, HD])
-        num = float32(0.0)
-        den = float32(0.0)
-        for c in range(live):
-            f = math.exp(part[c, h, HD] - m)
-            num += f * part[c, h, d]
-            den += f * part[c, h, HD + 1]
-        out[h * HD + d] = num / den
+        _, _, live = _chunk_range(state, window, min_chunk, n_chunks, 0)
+        wsh = cuda.shared.array(0, float32)  # (n_chunks,) chunk weights exp(m_c - M)
+        inv = cuda.shared.array(1, float32)
+        red = cuda.shared.array((SLICES, HD), float32)
+        if tid < 32:
+            mm = float32(NEG)
+            for c in range(tid, live, 32):
+                mm = max(mm, part[c, h, HD])
+            mm = warp_reduce_max(mm)
+            den = float32(0.0)
+            for c in range(tid, live, 32):
+                f = math.exp(part[c, h, HD] - mm)
+                wsh[c] = f
+                den += f * part[c, h, HD + 1]
+            den = warp_reduce_sum(den)
+            if tid == 0:
+                inv[0] = float32(1.0) / den
+        cuda.syncthreads()  # weights and 1 / denominator are in shared memory
+        if tid < CT:
+            s = tid // HD
+            d = tid % HD
+            acc = float32(0.0)
+            for c0 in range(s * U, live, SLICES * U):
+                for u in range(U):  # U independent loads; past-the-end ones read chunk live-1
+                    c = c0 + u
+                    cc = min(c, live - 1)
+                    x = wsh[cc] * part[cc, h, d]
+                    acc += x if c < live else float32(0.0)
+            red[s, d] = acc
+        cuda.syncthreads()  # every slice's sum is in `red`
+        for d in range(tid, HD, CT):
+            acc = float32(0.0)
+            for s in range(SLICES):
+                acc += red[s, d]
+            out[h * HD + d] = acc * inv[0]
 
     return attention_chunk_kernel, attention_combine_kernel
 
@@ -331,14 +393,14 @@ def attention(
     group = n_heads // n_kv_heads
     seq_len = k_cache.shape[0]
     n_chunks = part.shape[0]
-    chunk, combine = attention_kernels(head_dim, group, kv_dtype)
+    lanes = team_lanes(head_dim, group, kv_dtype)
+    chunk, combine = attention_kernels(head_dim, group, kv_dtype, STEPS, lanes)
+    pstep = THREADS // lanes * STEPS  # positions a block covers per step
+    min_chunk = int32(-(-MIN_CHUNK // pstep) * pstep)
     k64 = k_cache.view(np.int64)
     v64 = v_cache.view(np.int64)
-    stride = _max_chunk_len(seq_len, n_chunks)
-    chunk[(n_chunks, n_kv_heads), THREADS, stream, group * stride * 4](
-        q, k64, v64, state, part, int32(window), int32(stride)
-    )
-    combine[n_heads, head_dim, stream](part, state, out, int32(window))
+    chunk[(n_chunks, n_kv_heads), THREADS, stream](q, k64, v64, state, part, int32(window), min_chunk)
+    combine[n_heads, COMBINE_THREADS, stream, n_chunks * 4](part, state, out, int32(window), min_chunk)
     return attention_bytes(seq_len, n_heads, n_kv_heads, head_dim, kv_dtype, n_chunks)
 
 
@@ -351,19 +413,19 @@ def attention_bytes(
     return kv + partials + 2 * n_heads * head_dim * 4
 
 
+_CHUNK_SIG = "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32, int32)"
+_COMBINE_SIG = "void(float32[:, :, ::1], int32[::1], float32[::1], int32, int32)"
+
+
 def _compile_check() -> list[tuple[object, str]]:
     """Every kernel variant the models in use need: head_dim 64 / 128, groups 1..8, both KV dtypes."""
     checks = []
     for kv_dtype in KV_DTYPES:
         for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
-            chunk, combine = attention_kernels(head_dim, group, kv_dtype)
-            checks.append(
-                (
-                    chunk,
-                    "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32, int32)",
-                )
-            )
-            checks.append((combine, "void(float32[:, :, ::1], int32[::1], float32[::1], int32)"))
+            lanes = team_lanes(head_dim, group, kv_dtype)
+            chunk, combine = attention_kernels(head_dim, group, kv_dtype, STEPS, lanes)
+            checks.append((chunk, _CHUNK_SIG))
+            checks.append((combine, _COMBINE_SIG))
     return checks
 
 
