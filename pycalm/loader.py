@@ -6,7 +6,7 @@ strict and cheap:
 
 - the writer computes the whole header before the first weight exists and then streams each
   tensor's bytes in header order, so converting a model never holds the whole model in memory;
-  it writes `OUT.tmp` and renames it at the end, so an interrupted conversion never leaves a
+  it writes `OUT.<pid>.tmp` and renames it at the end, so an interrupted conversion never leaves a
   half-written file under the final name;
 - the reader checks, from the header alone, that every expected tensor is present with the
   stored shape and dtype the config demands and that the file is long enough to hold them, so a
@@ -288,7 +288,7 @@ class ModelWriter:
             for spec in w.pending():          # every tensor but `tokenizer`, in file order
                 w.write(spec.name, rows)      # one or more row chunks of the stored array
     The header is written first, so each chunk goes straight to disk. `tokenizer` is written by
-    close(). On success the file is renamed from OUT.tmp to OUT; on an exception it is removed.
+    close(). On success the file is renamed from OUT.<pid>.tmp to OUT; on an exception it is removed.
     """
 
     def __init__(
@@ -302,7 +302,8 @@ class ModelWriter:
         if tokenizer_kind not in TOKENIZER_KINDS:
             raise PycalmError(f"unknown tokenizer kind {tokenizer_kind!r}")
         self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        # a name of its own per process, so that two conversions to the same OUT never share a file
+        self.tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         self.config = config
         self._tokenizer_blob = bytes(tokenizer_blob)
         self.specs = expected_tensors(config, len(self._tokenizer_blob))

