@@ -16,20 +16,24 @@ from pycalm.sampler import sample_ref
 THREADS = 64
 
 
-def _argmax_gpu(logits):
+def _argmax_gpu(logits, blocks=0):
     state = cuda.to_device(np.array([-1, 0, 0, 0], np.int32))
     stream = cuda.stream()
-    argmax(cuda.to_device(logits), state, stream=stream, threads=THREADS)
+    scratch = cuda.to_device(np.full((2, blocks), -7, np.int32)) if blocks else None
+    argmax(cuda.to_device(logits), state, stream=stream, threads=THREADS, scratch=scratch)
     stream.synchronize()
     return int(state.copy_to_host()[0])
 
 
-def test_argmax_lowest_id_on_ties():
+@pytest.mark.parametrize("blocks", [0, 5])  # one block; two passes over 5 blocks (via scratch)
+def test_argmax_lowest_id_on_ties(blocks):
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(1000).astype(np.float32)
-    assert _argmax_gpu(logits) == int(np.argmax(logits))
-    logits[[17, 400, 999]] = 9.0  # three equal maxima: the lowest id wins
-    assert _argmax_gpu(logits) == 17
+    assert _argmax_gpu(logits, blocks) == int(np.argmax(logits))
+    logits[[400, 999, 17]] = 9.0  # three equal maxima in different blocks: the lowest id wins
+    assert _argmax_gpu(logits, blocks) == 17
+    logits[:] = -np.inf  # nothing finite: token 0
+    assert _argmax_gpu(logits, blocks) == 0
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,13 @@ uniform [0, 1) numbers the host draws once per generation (e.g. from Sampler.nex
 per position), so the captured graph needs no per-token host work. temperature / top_k / top_p
 / min_p are launch arguments, fixed for a run.
 
-How (one block of 1024 threads over the whole vocabulary; the logits, up to 600 KB, stay in L2
-between passes):
+argmax with scratch: pass 1, ARGMAX_BLOCKS blocks each take a grid-stride share of the logits
+and write their best (value, id) pair to scratch; pass 2, one block picks the best pair (largest
+value, then lowest id). One block alone (the fallback without scratch) is latency-bound at
+~20 us for 128k logits; the two passes spread the loads over the SMs.
+
+sample, how (one block of 512 threads over the whole vocabulary; the logits, up to 600 KB, stay
+in L2 between passes; 1024 threads need more registers than an SM has for one block):
   * The walk order is "descending logit, lower id first": for T > 0, p = exp((l - max) / T) is
     monotonic in the logit, so the order needs no probabilities. Each logit gets a 32-bit key
     whose unsigned order is the float order.
@@ -23,7 +28,8 @@ between passes):
     them by an atomic min (j == 0, the usual case) or 3 more radix passes over the id bits.
   * sample: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
     (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
-    the walk (a mass select): 7 to 17 passes over the logits. argmax is 1 pass.
+    the walk (a mass select): 7 to 17 passes over the logits. The three selects share one
+    call site in a loop over stages (the select is compiled once: half the PTX).
 Ties in floating point: the running sums are float32 sums in histogram order, not float64 sums
 in walk order, so a coin within ~1e-6 of a boundary between two tokens may pick the neighbour.
 
@@ -46,7 +52,8 @@ from pycalm.kernels.common import (
     block_reduce_sum,
 )
 
-THREADS = 1024
+THREADS = 1024  # the one-block argmax
+SAMPLE_THREADS = 512  # the sample kernel needs ~86 registers a thread: 1024 would not launch
 BINS = 256
 MODE_COUNT = 0  # first element where the running count >= n
 MODE_MASS_GE = 1  # first element where the running mass >= target (top-p)
@@ -251,49 +258,67 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
     cut = int32(n)  # tokens kept: the first `cut` of the walk order
     mass = z  # their mass
     last = int32(0)  # the id of the last kept token (when cut < n)
-    if n0 < cut:
-        _, last, mass = _select(logits, m, inv_t, MODE_COUNT, n0, float32(0.0), hcnt, hmass, sel, self_, best)
-        cut = n0
-    if top_p < float32(1.0):
-        r, idx, mp = _select(
-            logits, m, inv_t, MODE_MASS_GE, int32(0), top_p * mass, hcnt, hmass, sel, self_, best
-        )
-        if r + int32(1) < cut:
-            cut = r + int32(1)
+    coin = coins[state[STATE_POS]]
+    # Three selects: the top-k / min-p cut (stage 0, only when it cuts), the top-p cut (stage 1,
+    # only when top_p < 1), the coin walk (stage 2). One call site in a loop whose trip count
+    # is known only at run time, so the (large) select is compiled once, not three times.
+    # Every thread computes the same stage sequence, so the select's barriers stay uniform.
+    stage = int32(0) if n0 < cut else int32(1)
+    while stage < int32(3):
+        if stage == int32(1) and top_p >= float32(1.0):
+            stage = int32(2)
+        if stage == int32(0):
+            mode = MODE_COUNT
+            tn = n0
+            tm = float32(0.0)
+        elif stage == int32(1):
+            mode = MODE_MASS_GE
+            tn = int32(0)
+            tm = top_p * mass
+        else:
+            mode = MODE_MASS_GT
+            tn = int32(0)
+            tm = coin * mass
+        r, idx, mp = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best)
+        if stage == int32(0):
+            cut = n0
             mass = mp
             last = idx
-    coin = coins[state[STATE_POS]]
-    r, idx, _ = _select(logits, m, inv_t, MODE_MASS_GT, int32(0), coin * mass, hcnt, hmass, sel, self_, best)
-    if r >= cut:  # coin * mass rounded past the kept tokens: the spec takes the last kept one
-        idx = last
-    if tid == 0:
-        state[STATE_TOKEN] = idx
+        elif stage == int32(1):
+            if r + int32(1) < cut:
+                cut = r + int32(1)
+                mass = mp
+                last = idx
+        else:
+            if r >= cut:  # coin * mass rounded past the kept tokens: the spec takes the last kept
+                idx = last
+            if tid == 0:
+                state[STATE_TOKEN] = idx
+        stage += int32(1)
 
 
-@cuda.jit
-def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
-    """One block. state[STATE_TOKEN] <- argmax(logits), the lowest id among equal maxima."""
-    sv = cuda.shared.array(32, float32)
-    si = cuda.shared.array(32, int32)
-    n = logits.shape[0]
-    tid = cuda.threadIdx.x
-    bv = float32(-math.inf)
-    bi = int32(n)
-    for i in range(tid, n, cuda.blockDim.x):  # ascending ids: strict > keeps the first
-        v = logits[i]
-        if v > bv:
-            bv = v
-            bi = int32(i)
+@cuda.jit(device=True, inline=True)
+def _warp_best(bv, bi):  # noqa: ANN001, ANN202
+    """Warp butterfly on (value, id) pairs: every lane ends with the warp's largest value and,
+    among equal values, the lowest id. All 32 lanes must call it."""
     off = 16
-    while off > 0:  # warp butterfly on (value, id) pairs; every lane ends with the warp's best
+    while off > 0:
         ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
         oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, off)
         if ov > bv or (ov == bv and oi < bi):
             bv = ov
             bi = oi
         off //= 2
-    warp = tid // 32
-    lane = tid % 32
+    return bv, bi
+
+
+@cuda.jit(device=True, inline=True)
+def _block_best(bv, bi, sv, si, n):  # noqa: ANN001, ANN202
+    """The block's best (value, id) pair, valid in warp 0 (every thread must call: a barrier).
+    sv / si: float32 / int32 shared arrays of 32; n: the id that means "none"."""
+    bv, bi = _warp_best(bv, bi)
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
     if lane == 0:
         sv[warp] = bv
         si[warp] = bi
@@ -302,25 +327,95 @@ def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
         n_warps = cuda.blockDim.x // 32
         bv = sv[lane] if lane < n_warps else float32(-math.inf)
         bi = si[lane] if lane < n_warps else int32(n)
-        off = 16
-        while off > 0:
-            ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
-            oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, off)
-            if ov > bv or (ov == bv and oi < bi):
-                bv = ov
-                bi = oi
-            off //= 2
-        if lane == 0:
-            state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
+        bv, bi = _warp_best(bv, bi)
+    return bv, bi
 
 
-def argmax(logits: object, state: object, *, stream: object, threads: int = THREADS) -> int:
+@cuda.jit
+def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
+    """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
+    lowest id among equal maxima."""
+    sv = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    n = logits.shape[0]
+    bv = float32(-math.inf)
+    bi = int32(n)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):  # ascending ids: strict > keeps the first
+        v = logits[i]
+        if v > bv:
+            bv = v
+            bi = int32(i)
+    bv, bi = _block_best(bv, bi, sv, si, n)
+    if cuda.threadIdx.x == 0:
+        state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
+
+
+@cuda.jit
+def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
+    """Pass 1 of the many-block argmax: block b -> scratch[0, b] (its best value's bits) and
+    scratch[1, b] (its id). Threads take elements grid-stride: ascending ids per thread."""
+    sv = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    n = logits.shape[0]
+    bv = float32(-math.inf)
+    bi = int32(n)
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        v = logits[i]
+        if v > bv:
+            bv = v
+            bi = int32(i)
+    bv, bi = _block_best(bv, bi, sv, si, n)
+    if cuda.threadIdx.x == 0:
+        scratch[0, cuda.blockIdx.x] = as_i32(bv)
+        scratch[1, cuda.blockIdx.x] = bi
+
+
+@cuda.jit
+def argmax_final_kernel(scratch, state, n):  # noqa: ANN001, ANN201
+    """Pass 2: one block over the blocks' pairs -> state[STATE_TOKEN]."""
+    sv = cuda.shared.array(32, float32)
+    si = cuda.shared.array(32, int32)
+    bv = float32(-math.inf)
+    bi = int32(n)
+    for b in range(cuda.threadIdx.x, scratch.shape[1], cuda.blockDim.x):
+        v = as_f32(scratch[0, b])
+        i = scratch[1, b]
+        if v > bv or (v == bv and i < bi):
+            bv = v
+            bi = i
+    bv, bi = _block_best(bv, bi, sv, si, n)
+    if cuda.threadIdx.x == 0:
+        state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
+
+
+ARGMAX_BLOCKS = 128  # pass-1 blocks: ~1 per SM, each ~1000 logits with 512 threads
+ARGMAX_THREADS = 512
+
+
+def argmax_scratch_shape() -> tuple[int, int]:
+    """Shape of the int32 device scratch for the many-block argmax (no initial contents needed):
+    (2, ARGMAX_BLOCKS), one (value bits, id) pair per pass-1 block."""
+    return 2, ARGMAX_BLOCKS
+
+
+def argmax(
+    logits: object, state: object, *, stream: object, threads: int = THREADS, scratch: object = None
+) -> int:
     """state[STATE_TOKEN] = argmax(logits (vocab_size,) float32), lowest id on ties.
 
+    scratch: int32 device array of argmax_scratch_shape() (or (2, B) for B pass-1 blocks): two
+    kernels, B blocks of ARGMAX_THREADS then one block (~3 us on the H200 for 128k logits).
+    Without it, one block of `threads` threads does everything (~20 us for 128k logits).
     threads: a multiple of 32 up to 1024 (tests use fewer under the simulator). Returns bytes moved.
     """
-    argmax_kernel[1, threads, stream](logits, state)
-    return logits.shape[0] * 4 + 4
+    n = logits.shape[0]
+    if scratch is None:
+        argmax_kernel[1, threads, stream](logits, state)
+        return n * 4 + 4
+    blocks = scratch.shape[1]
+    argmax_part_kernel[blocks, min(threads, ARGMAX_THREADS), stream](logits, scratch)
+    argmax_final_kernel[1, min(1024, 32 * -(-blocks // 32)), stream](scratch, state, int32(n))
+    return n * 4 + 2 * scratch.size * 4 + 4
 
 
 def sample(
@@ -333,18 +428,20 @@ def sample(
     min_p: float,
     *,
     stream: object,
-    threads: int = THREADS,
+    threads: int = SAMPLE_THREADS,
+    scratch: object = None,
 ) -> int:
     """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) with
     coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform [0, 1), drawn by the host
-    once). temperature 0 launches argmax. No scratch: the block's working set is shared memory.
+    once). temperature 0 launches argmax (with `scratch`, see argmax). The sampling block's
+    working set is shared memory.
 
     Returns the bytes moved at the most passes (see the module docstring).
     """
     if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise PycalmError(f"temperature must be a finite number >= 0, got {temperature}")
     if temperature == 0.0:
-        return argmax(logits, state, stream=stream, threads=threads)
+        return argmax(logits, state, stream=stream, threads=threads, scratch=scratch)
     if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
         raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
     sample_kernel[1, threads, stream](
@@ -355,5 +452,7 @@ def sample(
 
 COMPILE_CHECK = [
     (argmax_kernel, "void(float32[::1], int32[::1])"),
+    (argmax_part_kernel, "void(float32[::1], int32[:, ::1])"),
+    (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)"),
     (sample_kernel, "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)"),
 ]
