@@ -77,6 +77,7 @@ class GpuEngine:
         from numba import config, cuda
 
         from pycalm.kernels.attention import attention_scratch_shape
+        from pycalm.kernels.sample import argmax_scratch_shape
         from pycalm.kernels.step import STATE_SIZE
 
         cfg: ModelConfig = model.config
@@ -139,6 +140,8 @@ class GpuEngine:
         # (n_chunks, n_heads, head_dim + 2) float32: per-chunk partial attention, shared by the layers
         part_shape = attention_scratch_shape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.seq_len)
         self.att_scratch = cuda.device_array(part_shape, np.float32, stream=self.stream)
+        # (2, blocks) int32: per-block (value bits, id) of the many-block argmax
+        self.argmax_scratch = cuda.device_array(argmax_scratch_shape(), np.int32, stream=self.stream)
         # per-token values on the device (see pycalm.kernels.step)
         self.state = cuda.to_device(
             np.zeros(STATE_SIZE, np.int32), stream=self.stream
@@ -217,7 +220,7 @@ class GpuEngine:
         n += matvec(self.output, self.x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
         # state[token] = the next token, chosen on the device
         if sampling.temperature == 0:
-            n += argmax(self.logits_buf, self.state, stream=s)
+            n += argmax(self.logits_buf, self.state, stream=s, scratch=self.argmax_scratch)
         else:
             n += sample(
                 self.logits_buf,
