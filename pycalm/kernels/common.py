@@ -20,7 +20,10 @@ Decoding without conversion instructions (ARCHITECTURE.md, "the arithmetic budge
   group of 8.
 
 All integer work is in int32 (arithmetic right shifts, no signed/unsigned mixing: numba promotes
-int32 op uint32 to int64, and uint64 op int64 to float64). Every literal is typed.
+int32 op uint32 to int64, and uint64 op int64 to float64). Every literal is typed, and every
+shift is wrapped in int32() (shl32 / sar32): real numba computes int32 op int32 in int64, so an
+unwrapped (w << 24) >> 3 keeps bit 31 of w << 24 in bit 32 and the sign comes out wrong on the
+GPU while the simulator (int32 arithmetic) passes.
 
 Under the simulator (NUMBA_ENABLE_CUDASIM=1) libdevice is missing, so the two bit casts fall
 back to NumPy views; everything else is the same code.
@@ -41,7 +44,8 @@ STATE_POS = 1  # state[1]: the current position pos, 0-based; attention spans 0.
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
 
-FP_RAW_SCALE = float(2.0**112)  # raw decoded fp16 / e5m2 floats times this are the values
+# raw fp16 / e5m2 floats from the shift decoders times this are the values (cvt decoders: exact)
+FP_RAW_SCALE = float(2.0**112)
 GF4_RAW_SCALE = float(-(2.0**110))  # raw gf4 sums times this: 2**112 / 4, and the minus of -s/4
 FP16_MAX = 65504.0
 FP8_MAX_BYTE = 0x7B  # e5m2 57344: exponent 30, mantissa 3
@@ -62,6 +66,32 @@ if _numba_config.ENABLE_CUDASIM:
         """float32 -> its int32 bit pattern (simulator: a NumPy view)."""
         return np.array(f, dtype=np.float32).view(np.int32)[()]
 
+    def ldg128(a: np.ndarray, r: int, j: int) -> tuple[np.uint64, np.uint64]:
+        """16-byte unit j of row r of a uint64 array (simulator: two element reads)."""
+        return a[r, 2 * j], a[r, 2 * j + 1]
+
+    def h2f2(w: int) -> tuple[np.float32, np.float32]:
+        """The two fp16 halves of an int32 (low half first) as float32 (simulator: views)."""
+        h = np.array([int(w) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16)
+        return np.float32(h[0]), np.float32(h[1])
+
+    def prmt(a: int, b: int, sel: int) -> np.int32:
+        """Byte permute (PTX prmt.b32, default mode): byte i of the result is byte
+        (sel >> 4 i) & 7 of the 8 bytes b:a, sign-replicated when bit 3 of that nibble is set."""
+        src = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
+        out = 0
+        for i in range(4):
+            nib = (int(sel) >> (4 * i)) & 0xF
+            byte = (src >> (8 * (nib & 7))) & 0xFF
+            if nib & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
+        return np.array(out, dtype=np.uint32).view(np.int32)[()]
+
+    def and_or(a: int, m: int, e: int) -> np.int32:
+        """(a & m) | e on int32 (the GPU does it in one LOP3)."""
+        return np.int32((np.int32(a) & np.int32(m)) | np.int32(e))
+
     def _sin_fast(r: float) -> np.float32:
         return np.float32(np.sin(np.float32(r)))
 
@@ -69,7 +99,84 @@ if _numba_config.ENABLE_CUDASIM:
         return np.float32(np.cos(np.float32(r)))
 
 else:
-    from numba.cuda import libdevice
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils, libdevice
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def ldg128(typingctx: object, a: object, r: object, j: object) -> object:
+        """ldg128(a, r, j) -> (a[r, 2j], a[r, 2j + 1]): one 16-byte load (ld.global.nc.v2.u64)
+        from a 2-D C-contiguous uint64 array whose rows are 16-byte aligned (the caller checks).
+
+        numba itself only emits loads as wide as an element (uint64 at most); a 16-byte load
+        halves the load instructions and doubles the bytes in flight a load. The weights are
+        read once and never written while a kernel runs, so the read-only (.nc) path is safe;
+        L1::no_allocate keeps them from evicting anything useful from L1."""
+        if not (isinstance(a, types.Array) and a.ndim == 2 and a.dtype == types.uint64):
+            return None
+        sig = types.UniTuple(types.uint64, 2)(a, r, j)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            aty, rty, jty = sig.args
+            av, rv, jv = args
+            rv = context.cast(builder, rv, rty, types.intp)
+            jv = context.cast(builder, jv, jty, types.intp)
+            jv = builder.shl(jv, ir.Constant(jv.type, 1))  # uint64 element 2j
+            ary = context.make_array(aty)(context, builder, value=av)
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [rv, jv], wraparound=False)
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.LiteralStructType([i64, i64]), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v2.u64 {$0, $1}, [$2];", "=l,=l,l")
+            res = builder.call(asm, [ptr])
+            parts = [builder.extract_value(res, 0), builder.extract_value(res, 1)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    def _asm_i32(typingctx: object, args: tuple, asm: str, constraints: str) -> object:
+        """An int32 -> int32 inline-PTX intrinsic body (every argument cast to int32)."""
+        sig = types.int32(*args)
+
+        def codegen(context: object, builder: object, sig: object, vals: object) -> object:
+            i32 = ir.IntType(32)
+            vals = [context.cast(builder, v, t, types.int32) for v, t in zip(vals, sig.args, strict=True)]
+            fn = ir.InlineAsm(ir.FunctionType(i32, [i32] * len(vals)), asm, constraints)
+            return builder.call(fn, vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def prmt(typingctx: object, a: object, b: object, sel: object) -> object:
+        """prmt.b32 (byte permute; numba has no byte shuffle): one instruction builds a word
+        from any bytes of b:a, e.g. two e5m2 bytes moved into the top bytes of two fp16 halves."""
+        return _asm_i32(typingctx, (a, b, sel), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+
+    @intrinsic
+    def and_or(typingctx: object, a: object, m: object, e: object) -> object:
+        """(a & m) | e in one lop3.b32. Written in C or numba with two constants, ptxas emits two
+        LOP3s (one immediate each); the inline lop3 keeps one constant in a register."""
+        return _asm_i32(typingctx, (a, m, e), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+
+    @intrinsic
+    def h2f2(typingctx: object, w: object) -> object:
+        """The two fp16 halves of an int32 (low half first) -> two float32, exact: cvt.f32.f16,
+        which Hopper runs as HADD2.F32 (one instruction a weight, no shift or mask)."""
+        sig = types.UniTuple(types.float32, 2)(w)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            f32 = ir.FloatType()
+            v = context.cast(builder, args[0], sig.args[0], types.int32)
+            fn = ir.InlineAsm(
+                ir.FunctionType(ir.LiteralStructType([f32, f32]), [ir.IntType(32)]),
+                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                "=f,=f,r",
+            )
+            res = builder.call(fn, [v])
+            parts = [builder.extract_value(res, 0), builder.extract_value(res, 1)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
 
     @cuda.jit(device=True, inline=True)
     def _sin_fast(r: float) -> float:
@@ -168,36 +275,70 @@ def block_reduce_max(v: float, scratch: cuda.devicearray) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# 32-bit integer helpers
+#
+# Real numba types int32 <op> int32 as int64 (intp), shifts included, while the simulator keeps
+# int32 (NumPy rules). A shift whose result must wrap at 32 bits (w << 24 moving a byte into the
+# sign bit) or an arithmetic right shift of such a result is therefore wrapped in int32() at
+# every step: the cast makes the real compiler truncate, and LLVM then narrows the whole chain
+# to 32-bit PTX (shl.b32 / shr.s32 / and.b32; tests/test_ptx.py checks that no 64-bit shift or
+# logic op is left in the decoders).
+
+
+@cuda.jit(device=True, inline=True)
+def shl32(a: int, n: int) -> int:
+    """int32 a << n, wrapping at 32 bits (n a constant 0..31)."""
+    return int32(int32(a) << int32(n))
+
+
+@cuda.jit(device=True, inline=True)
+def sar32(a: int, n: int) -> int:
+    """int32 a >> n, arithmetic (the sign bit copied down), n a constant 0..31."""
+    return int32(int32(a) >> int32(n))
+
+
+# ---------------------------------------------------------------------------------------------
 # decoders: "raw" results are value * 2**-112 (multiply by FP_RAW_SCALE once, outside loops)
 
 
 @cuda.jit(device=True, inline=True)
 def fp16_hi_raw(w: int) -> float:
     """The fp16 in bits 16-31 of the int32 w -> float32 value * 2**-112 (2 int ops)."""
-    return as_f32((int32(w) >> int32(3)) & int32(_MASK_FP16))
+    return as_f32(int32(sar32(w, 3) & int32(_MASK_FP16)))
 
 
 @cuda.jit(device=True, inline=True)
 def fp16_lo_raw(w: int) -> float:
     """The fp16 in bits 0-15 of the int32 w -> float32 value * 2**-112 (3 int ops)."""
-    return as_f32(((int32(w) << int32(16)) >> int32(3)) & int32(_MASK_FP16))
+    return as_f32(int32(sar32(shl32(w, 16), 3) & int32(_MASK_FP16)))
 
 
 @cuda.jit(device=True, inline=True)
 def fp8_byte_raw(w: int, k: int) -> float:
-    """Byte k (0..3, k a constant after inlining) of the int32 w as e5m2 -> value * 2**-112."""
-    return as_f32(((int32(w) << int32(24 - 8 * k)) >> int32(3)) & int32(_MASK_E5M2))
+    """Byte k (0..3, k a constant after inlining) of the int32 w as e5m2 -> value * 2**-112:
+    the byte moved to the top (a left shift, none for byte 3), then >> 3 and the mask."""
+    return as_f32(int32(sar32(shl32(w, 24 - 8 * k), 3) & int32(_MASK_E5M2)))
 
 
 @cuda.jit(device=True, inline=True)
 def fp8x4_raw(w: int) -> tuple[float, float, float, float]:
-    """Four e5m2 bytes of the int32 w (byte 0 first) -> four floats, value * 2**-112 each."""
+    """Four e5m2 bytes of the int32 w (byte 0 first) -> four floats, value * 2**-112 each.
+    11 integer ops for 4 weights: byte 3 needs no left shift."""
     m = int32(_MASK_E5M2)  # 0x8FE00000: sign, then the 5 + 2 exponent / mantissa bits
-    w = int32(w)
-    f3 = as_f32((w >> int32(3)) & m)
-    f2 = as_f32(((w << int32(8)) >> int32(3)) & m)
-    f1 = as_f32(((w << int32(16)) >> int32(3)) & m)
-    f0 = as_f32(((w << int32(24)) >> int32(3)) & m)
+    f3 = as_f32(int32(sar32(w, 3) & m))
+    f2 = as_f32(int32(sar32(shl32(w, 8), 3) & m))
+    f1 = as_f32(int32(sar32(shl32(w, 16), 3) & m))
+    f0 = as_f32(int32(sar32(shl32(w, 24), 3) & m))
+    return f0, f1, f2, f3
+
+
+@cuda.jit(device=True, inline=True)
+def fp8x4_cvt(w: int) -> tuple[float, float, float, float]:
+    """Four e5m2 bytes of the int32 w (byte 0 first) -> four exact float32 VALUES (no 2**-112):
+    two byte permutes make two fp16 pairs (an e5m2 byte is the top byte of an fp16), and four
+    cvt.f32.f16 widen them. 6 instructions for 4 weights (the shift decoder: 11)."""
+    f0, f1 = h2f2(prmt(w, int32(0), int32(0x1404)))  # bytes 0, 1 -> top bytes of the halves
+    f2, f3 = h2f2(prmt(w, int32(0), int32(0x3424)))  # bytes 2, 3
     return f0, f1, f2, f3
 
 
@@ -227,12 +368,12 @@ def gf4_code(w: int, k: int) -> float:
     Codes 5..7 (bits 23..31) are moved down 12 bits first so that their mantissa fits."""
     w = int32(w)
     if k >= 5:
-        w = w >> int32(12)  # arithmetic: the copied sign bits land above bit 22, masked off
+        w = sar32(w, 12)  # the copied sign bits land above bit 22, masked off
         p = 8 + 3 * k - 12
     else:
         p = 8 + 3 * k
-    e = int32(150 - p) << int32(23)  # exponent field: the mantissa unit becomes 1
-    return (as_f32((w & (int32(7) << int32(p))) | e) - as_f32(e)) - float32(4.0)
+    e = int32(150 - p) << int32(23)  # exponent field: the mantissa unit becomes 1 (fits int32)
+    return (as_f32(int32((w & (int32(7) << int32(p))) | e)) - as_f32(int32(e))) - float32(4.0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -245,18 +386,20 @@ def gf4_decode(w: int, k: int) -> float:
 def gf4_dot8_raw(
     w: int, x0: float, x1: float, x2: float, x3: float, x4: float, x5: float, x6: float, x7: float
 ) -> float:
-    """sum_k weight_k * x_k over one gf4 group, times -2**-110 * ... i.e. "raw": multiply by
-    GF4_RAW_SCALE once per row. 8 FMAs on exact codes q - 4, then the group's raw e5m2 scale."""
+    """sum_k (q_k - 4) x_k * s_raw over one gf4 group (s_raw = s * 2**-112, the raw e5m2
+    scale): multiply by GF4_RAW_SCALE (-2**110) once per row. Each code is masked in place and
+    ORed with an exponent (one LOP3), the exact float subtraction of 2**(23-p) + 4 leaves q - 4,
+    then one FMA: 3 instructions a weight, the scale once a group."""
     w = int32(w)
-    u = w >> int32(12)
-    acc = (as_f32((w & int32(0x700)) | int32(142 << 23)) - float32(2.0**15 + 4.0)) * x0
-    acc += (as_f32((w & int32(0x3800)) | int32(139 << 23)) - float32(2.0**12 + 4.0)) * x1
-    acc += (as_f32((w & int32(0x1C000)) | int32(136 << 23)) - float32(2.0**9 + 4.0)) * x2
-    acc += (as_f32((w & int32(0xE0000)) | int32(133 << 23)) - float32(2.0**6 + 4.0)) * x3
-    acc += (as_f32((w & int32(0x700000)) | int32(130 << 23)) - float32(2.0**3 + 4.0)) * x4
-    acc += (as_f32((u & int32(0x3800)) | int32(139 << 23)) - float32(2.0**12 + 4.0)) * x5
-    acc += (as_f32((u & int32(0x1C000)) | int32(136 << 23)) - float32(2.0**9 + 4.0)) * x6
-    acc += (as_f32((u & int32(0xE0000)) | int32(133 << 23)) - float32(2.0**6 + 4.0)) * x7
+    u = sar32(w, 12)  # codes 5..7 moved down so that their mantissa fits
+    acc = (as_f32(and_or(w, int32(0x700), int32(142 << 23))) - float32(2.0**15 + 4.0)) * x0
+    acc += (as_f32(and_or(w, int32(0x3800), int32(139 << 23))) - float32(2.0**12 + 4.0)) * x1
+    acc += (as_f32(and_or(w, int32(0x1C000), int32(136 << 23))) - float32(2.0**9 + 4.0)) * x2
+    acc += (as_f32(and_or(w, int32(0xE0000), int32(133 << 23))) - float32(2.0**6 + 4.0)) * x3
+    acc += (as_f32(and_or(w, int32(0x700000), int32(130 << 23))) - float32(2.0**3 + 4.0)) * x4
+    acc += (as_f32(and_or(u, int32(0x3800), int32(139 << 23))) - float32(2.0**12 + 4.0)) * x5
+    acc += (as_f32(and_or(u, int32(0x1C000), int32(136 << 23))) - float32(2.0**9 + 4.0)) * x6
+    acc += (as_f32(and_or(u, int32(0xE0000), int32(133 << 23))) - float32(2.0**6 + 4.0)) * x7
     return acc * fp8_byte_raw(w, 0)
 
 
@@ -282,18 +425,18 @@ def fp16_encode(x: float) -> float:
 def fp8_encode(x: float) -> int:
     """float32 -> e5m2 byte (int32 0..255): round to nearest even straight from the float32,
     saturating to +-57344 (formats.fp8_encode). NaN -> 0x7F."""
-    u = as_i32(float32(x))
-    sign = (u >> int32(24)) & int32(0x80)
-    a = u & int32(0x7FFFFFFF)
+    u = int32(as_i32(float32(x)))
+    sign = int32(sar32(u, 24) & int32(0x80))
+    a = int32(u & int32(0x7FFFFFFF))
     if a > int32(0x7F800000):  # NaN
         return int32(0x7F)
     if a >= int32(0x47600000):  # >= 57344 (and inf): saturate
-        return sign | int32(FP8_MAX_BYTE)
+        return int32(sign | int32(FP8_MAX_BYTE))
     if a >= int32(0x38800000):  # >= 2**-14: normal in e5m2; round the low 21 bits to even
-        r = a + int32(0xFFFFF) + ((a >> int32(21)) & int32(1))
-        return sign | ((r >> int32(21)) - int32(448))  # 448 = (127 - 15) << 2, the exponent rebias
+        r = int32(a + int32(0xFFFFF) + int32(sar32(a, 21) & int32(1)))  # a < 0x47600000: no wrap
+        return int32(sign | int32(sar32(r, 21) - int32(448)))  # 448 = (127 - 15) << 2, the rebias
     # subnormal in e5m2: a multiple of 2**-16; round |x| * 2**16 (exact) to an integer, ties to
     # even, with the 1.5 * 2**23 magic: the float32 add rounds to nearest even and leaves the
     # integer in the low mantissa bits
     y = as_f32(a) * float32(65536.0)
-    return sign | (as_i32(y + float32(12582912.0)) - int32(0x4B400000))
+    return int32(sign | int32(as_i32(y + float32(12582912.0)) - int32(0x4B400000)))

@@ -36,195 +36,280 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # =============================================================================================
 # GPU kernels
 #
-# Thread mapping. Every warp computes the dot products of TWO weight rows with the same x (a
-# "row pair": rows 2p, 2p+1 of one matrix for matvec / matvec_residual / QKV, row p of W1 and of
-# W3 for ffn_gate), so each x value read from shared memory serves two rows and the pair's
-# epilogue (SiLU gate, RoPE rotation) needs no barrier. Lane l reads the uint64 words
-# l, l + 32, l + 64, ... of both rows (coalesced: a warp reads 256 contiguous bytes a row per
-# step), two words a row per step, so four independent 8-byte loads are in flight per lane
-# before the first use. A word holds 4 fp16, 8 fp8 or 16 gf4 weights (two groups).
+# Thread mapping. A warp computes the dot products of R weight rows with the same x (a "row
+# group": rows R g .. R g + R - 1 of one matrix for matvec / matvec_residual, rows (R/2) g ..
+# of W1 and the same rows of W3 for ffn_gate), so every x value read from shared memory serves R
+# rows and the epilogue (SiLU gate, RoPE rotation) needs no barrier. Lane l reads the words
+# l, l + 32, l + 64, ... of each row (uint64 words: 4 fp16, 8 fp8 or 16 gf4 weights; coalesced,
+# a warp reads 256 contiguous bytes a row per load), U words a row per step, all R * U loads
+# issued before the first use (with PF, the next step's loads are issued before this step's
+# arithmetic, so up to 2 R U loads a lane are in flight). Warps loop over row groups (grid-stride)
+# in a grid sized so that every warp gets the same number of groups.
 #
 # x is staged once per block in shared memory (times the RMSNorm weight when the norm is fused;
-# the scalar rsqrt(mean(x^2) + eps) factors out of the dot product and is applied at the end).
-# It is stored transposed by word, xs[e * CW + j] = x[j * E + e] (E weights a word, CW words a
-# chunk), so that when the 32 lanes read element e of 32 consecutive words they hit 32
-# consecutive banks: no bank conflicts. Rows longer than XCHUNK columns are done in chunks
-# (a barrier before and after each restage); then each warp does exactly one pair.
+# the scalar rsqrt(mean(x^2) + eps) factors out of the dot product and is applied at the end),
+# as uint64 pairs of floats transposed by word: xs[p * CW + j] = (x[j E + 2p], x[j E + 2p + 1])
+# (E weights a word, CW words a chunk), so one 64-bit shared load gives two x values and the 32
+# lanes, reading pair p of 32 consecutive words, read 256 contiguous bytes (no bank conflicts).
+# Rows longer than XCHUNK columns are done chunk by chunk: each block stages chunk c, its warps
+# add their groups' partial sums for chunk c into the output (PLAIN: the first chunk writes),
+# then the next chunk is staged; one warp owns each output row, so this is deterministic.
+# ffn_gate and qkv_rope need whole rows (the gate, the rotation), so their x is one chunk.
 #
-# Decoding (see pycalm.kernels.common): fp16 / fp8 need 2-3 integer ops a weight and no
+# Decoding (see pycalm.kernels.common): fp16 2.5 and fp8 2.75 integer ops a weight, no
 # conversion; their raw products carry a factor 2**-112 that is multiplied back once per row.
-# gf4 is one logic op and one float add a weight (exact q - 4), the group scale once a group.
+# gf4 is one LOP3 and one exact float subtraction a weight (q - 4), the group scale once a group.
 #
-# Bytes moved: the weights, x once (it is re-read per block from L2, not counted), and y
-# (written, or read and written for the residual).
+# Bytes moved: the weights, x once (it is re-read per block from L2, not counted), and the
+# output (written, or read and written for the residual).
 # =============================================================================================
 
+import functools  # noqa: E402
 import math  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
-from numba import cuda, float32, int32, uint64  # noqa: E402
+from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
+from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.common import (  # noqa: E402
     FP_RAW_SCALE,
     GF4_RAW_SCALE,
     WARP,
+    as_f32,
+    as_i32,
     block_reduce_sum,
+    fp8x4_cvt,
     fp8x4_raw,
     fp16_hi_raw,
     fp16_lo_raw,
     gf4_dot8_raw,
+    h2f2,
+    ldg128,
     warp_reduce_sum,
 )
 
-XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB)
-N_WARPS = 8  # warps a block (256 threads)
-BLOCKS_PER_SM = 8  # grid cap for single-chunk rows: blocks loop over pairs beyond it
-N_SM = 132  # H200; only sizes the grid cap
-
-# weights per stored word: fp16 / fp8 / gf4 read as uint64, "gf4w" = gf4 read one uint32 group
-# at a time (rows whose gf4 word count is odd cannot be read as aligned uint64)
-WORD_WEIGHTS = {"fp16": 4, "fp8": 8, "gf4": 16, "gf4w": 8}
-CW16, CW8, CWG, CWGW = (XCHUNK // WORD_WEIGHTS[k] for k in ("fp16", "fp8", "gf4", "gf4w"))
+XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
+XPAIRS = XCHUNK // 2
 
 
-@cuda.jit(device=True, inline=True)
-def _word2_fp16(acc_a: float, acc_b: float, ua: int, ub: int, xs: cuda.devicearray, j: int) -> tuple:
-    """Add word j of two fp16 rows (uint64 ua, ub: 4 weights each) times x to two raw sums."""
-    x0 = xs[j]
-    x1 = xs[j + uint64(CW16)]
-    x2 = xs[j + uint64(2 * CW16)]
-    x3 = xs[j + uint64(3 * CW16)]
-    lo, hi = int32(ua), int32(ua >> uint64(32))
-    acc_a += fp16_lo_raw(lo) * x0
-    acc_a += fp16_hi_raw(lo) * x1
-    acc_a += fp16_lo_raw(hi) * x2
-    acc_a += fp16_hi_raw(hi) * x3
-    lo, hi = int32(ub), int32(ub >> uint64(32))
-    acc_b += fp16_lo_raw(lo) * x0
-    acc_b += fp16_hi_raw(lo) * x1
-    acc_b += fp16_lo_raw(hi) * x2
-    acc_b += fp16_hi_raw(hi) * x3
-    return acc_a, acc_b
+class Kind(NamedTuple):
+    """How a kernel reads a weight format: the bytes one load brings a lane, the weights in them."""
+
+    dtype: str  # fp16, fp8, gf4
+    load_bytes: int  # 16: ldg128 (two uint64), 8: one uint64, 4: one uint32
+    weights: int  # weights a load
 
 
-@cuda.jit(device=True, inline=True)
-def _word2_fp8(acc_a: float, acc_b: float, ua: int, ub: int, xs: cuda.devicearray, j: int) -> tuple:
-    """Add word j of two fp8 rows (uint64 ua, ub: 8 weights each) times x to two raw sums."""
-    x0 = xs[j]
-    x1 = xs[j + uint64(CW8)]
-    x2 = xs[j + uint64(2 * CW8)]
-    x3 = xs[j + uint64(3 * CW8)]
-    x4 = xs[j + uint64(4 * CW8)]
-    x5 = xs[j + uint64(5 * CW8)]
-    x6 = xs[j + uint64(6 * CW8)]
-    x7 = xs[j + uint64(7 * CW8)]
-    f0, f1, f2, f3 = fp8x4_raw(int32(ua))
-    f4, f5, f6, f7 = fp8x4_raw(int32(ua >> uint64(32)))
-    acc_a += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7
-    f0, f1, f2, f3 = fp8x4_raw(int32(ub))
-    f4, f5, f6, f7 = fp8x4_raw(int32(ub >> uint64(32)))
-    acc_b += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3 + f4 * x4 + f5 * x5 + f6 * x6 + f7 * x7
-    return acc_a, acc_b
+# "fp16" / "fp8" / "gf4": 16-byte loads, used whenever a row is a multiple of 16 bytes (every real
+# model shape); "fp8n" / "gf4n": the narrow fallbacks for other rows (test shapes); "fp16n" and
+# "gf4m": 8-byte loads, for the benchmark's comparison only
+KINDS = {
+    "fp16": Kind("fp16", 16, 8),
+    "fp8": Kind("fp8", 16, 16),
+    "gf4": Kind("gf4", 16, 32),
+    "fp8n": Kind("fp8", 8, 8),
+    "gf4n": Kind("gf4", 4, 8),
+    "fp16n": Kind("fp16", 8, 4),
+    "gf4m": Kind("gf4", 8, 16),
+}
+_NARROW = {"fp16": "fp16n", "fp8": "fp8n", "gf4": "gf4m"}
+# weights in one int32 part of a load
+_PART_WEIGHTS = {"fp16": 2, "fp8": 4, "gf4": 8}
+
+# modes of the matvec kernel family (a runtime argument: one compiled kernel serves all three)
+PLAIN, RESIDUAL, GATE = 0, 1, 2
 
 
-@cuda.jit(device=True, inline=True)
-def _word2_gf4(acc_a: float, acc_b: float, ua: int, ub: int, xs: cuda.devicearray, j: int) -> tuple:
-    """Add word j of two gf4 rows (uint64 ua, ub: two groups of 8 each) times x to two sums."""
-    x0 = xs[j]
-    x1 = xs[j + uint64(CWG)]
-    x2 = xs[j + uint64(2 * CWG)]
-    x3 = xs[j + uint64(3 * CWG)]
-    x4 = xs[j + uint64(4 * CWG)]
-    x5 = xs[j + uint64(5 * CWG)]
-    x6 = xs[j + uint64(6 * CWG)]
-    x7 = xs[j + uint64(7 * CWG)]
-    acc_a += gf4_dot8_raw(int32(ua), x0, x1, x2, x3, x4, x5, x6, x7)
-    acc_b += gf4_dot8_raw(int32(ub), x0, x1, x2, x3, x4, x5, x6, x7)
-    x0 = xs[j + uint64(8 * CWG)]
-    x1 = xs[j + uint64(9 * CWG)]
-    x2 = xs[j + uint64(10 * CWG)]
-    x3 = xs[j + uint64(11 * CWG)]
-    x4 = xs[j + uint64(12 * CWG)]
-    x5 = xs[j + uint64(13 * CWG)]
-    x6 = xs[j + uint64(14 * CWG)]
-    x7 = xs[j + uint64(15 * CWG)]
-    acc_a += gf4_dot8_raw(int32(ua >> uint64(32)), x0, x1, x2, x3, x4, x5, x6, x7)
-    acc_b += gf4_dot8_raw(int32(ub >> uint64(32)), x0, x1, x2, x3, x4, x5, x6, x7)
-    return acc_a, acc_b
+class Variant(NamedTuple):
+    """Compile-time shape of the inner loop (R, U, PF, wide) and the launch shape."""
+
+    rows: int = 2  # R: rows a warp (2 or 4)
+    unroll: int = 2  # U: loads a row a lane per step
+    prefetch: bool = False  # PF: issue the next step's loads before this step's arithmetic
+    n_warps: int = 8  # warps a block
+    blocks_per_sm: int = 4  # grid cap: blocks an SM (the warps then loop over row groups)
+    wide: bool = True  # 16-byte loads where the rows allow them (False: 8 bytes, a comparison)
+    cvt: bool = True  # fp16 / fp8: decode with cvt.f32.f16 (HADD2.F32) instead of shifts and masks
 
 
-@cuda.jit(device=True, inline=True)
-def _word2_gf4w(acc_a: float, acc_b: float, ua: int, ub: int, xs: cuda.devicearray, j: int) -> tuple:
-    """Add group j of two gf4 rows read as uint32 (ua, ub) times x to two sums."""
-    x0 = xs[j]
-    x1 = xs[j + uint64(CWGW)]
-    x2 = xs[j + uint64(2 * CWGW)]
-    x3 = xs[j + uint64(3 * CWGW)]
-    x4 = xs[j + uint64(4 * CWGW)]
-    x5 = xs[j + uint64(5 * CWGW)]
-    x6 = xs[j + uint64(6 * CWGW)]
-    x7 = xs[j + uint64(7 * CWGW)]
-    acc_a += gf4_dot8_raw(int32(ua), x0, x1, x2, x3, x4, x5, x6, x7)
-    acc_b += gf4_dot8_raw(int32(ub), x0, x1, x2, x3, x4, x5, x6, x7)
-    return acc_a, acc_b
+# per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU
+DEFAULT_VARIANT = {
+    "fp16": Variant(2, 2, False),
+    "fp8": Variant(2, 2, False),
+    "gf4": Variant(4, 1, False),
+}
+FALLBACK_VARIANT = Variant(2, 1, False)  # the narrow kinds (test shapes)
 
 
-_WORD2 = {"fp16": _word2_fp16, "fp8": _word2_fp8, "gf4": _word2_gf4, "gf4w": _word2_gf4w}
-# what a row's raw sum is multiplied by: the 2**112 of the raw fp16 / e5m2 decode (gf4: / -4)
-ROW_SCALE = {"fp16": FP_RAW_SCALE, "fp8": FP_RAW_SCALE, "gf4": GF4_RAW_SCALE, "gf4w": GF4_RAW_SCALE}
+def row_scale(dtype: str, cvt: bool) -> float:
+    """What a row's raw sum is multiplied by: the 2**112 of the shift decoders of fp16 / e5m2
+    (1 with cvt, which gives the values), for gf4 -2**110 (2**112 / 4 and the minus of -s/4)."""
+    if dtype == "gf4":
+        return GF4_RAW_SCALE
+    return 1.0 if cvt else FP_RAW_SCALE
 
 
-def make_pair_dot(word_dtype: str):  # noqa: ANN201
-    """-> device fn pair_dot(wa, ra, wb, rb, xs, j0, n_words, lane) -> (lane sum a, lane sum b):
-    this lane's part of row ra of wa and row rb of wb (word arrays) over words
-    j0 .. j0 + n_words - 1, x staged in xs (chunk-local word index). Raw: times ROW_SCALE."""
-    word2 = _WORD2[word_dtype]
-
-    @cuda.jit(device=True, inline=True)
-    def pair_dot(wa, ra, wb, rb, xs, j0, n_words, lane):  # noqa: ANN001, ANN202
-        acc_a = float32(0.0)
-        acc_b = float32(0.0)
-        # unsigned indices: numba adds no negative-index wraparound code for them
-        rau = uint64(ra)
-        rbu = uint64(rb)
-        j = uint64(lane)
-        j0 = uint64(j0)
-        n_words = uint64(n_words)
-        w32 = uint64(WARP)
-        # two words a row per step: four independent loads in flight before the first use
-        while j + w32 < n_words:
-            ua0 = wa[rau, j0 + j]
-            ub0 = wb[rbu, j0 + j]
-            ua1 = wa[rau, j0 + j + w32]
-            ub1 = wb[rbu, j0 + j + w32]
-            acc_a, acc_b = word2(acc_a, acc_b, ua0, ub0, xs, j)
-            acc_a, acc_b = word2(acc_a, acc_b, ua1, ub1, xs, j + w32)
-            j += uint64(2 * WARP)
-        if j < n_words:
-            acc_a, acc_b = word2(acc_a, acc_b, wa[rau, j0 + j], wb[rbu, j0 + j], xs, j)
-        return acc_a, acc_b
-
-    return pair_dot
+# ---------------------------------------------------------------------------------------------
+# device code, generated per (kind, R, U, PF): the R rows' accumulators and the R * U loaded
+# words are plain local variables (registers), which numba cannot index by a loop variable, so
+# the unrolled bodies are written out as source once and compiled.
 
 
-def make_stage_x(word_dtype: str, normed: bool):  # noqa: ANN201
-    """-> device fn stage_x(x, norm_w, xs, c0, n) that copies x[c0 : c0 + n] into xs in the
-    transposed word layout (times norm_w when `normed`). All threads of the block call it;
-    the caller puts the barriers around it."""
-    e_w = WORD_WEIGHTS[word_dtype]
+def _word_source(kind: str, n_rows: int, cvt: bool) -> str:
+    """word(xs, j, a0.., w0..): add load j (chunk-local) of R rows (w_r: what load() returned)
+    times x to the raw sums a_r. The x values are loaded once (E/2 64-bit shared loads) for all
+    R rows."""
+    dtype, nbytes, e_w = KINDS[kind]
+    cw = XCHUNK // e_w
+    accs = ", ".join(f"a{r}" for r in range(n_rows))
+    words = ", ".join(f"w{r}" for r in range(n_rows))
+    src = [f"def word(xs, j, {accs}, {words}):"]
+    for p in range(e_w // 2):
+        src.append(f"    v = xs[j + uint64({p * cw})]")
+        src.append(f"    x{2 * p} = as_f32(v)")
+        src.append(f"    x{2 * p + 1} = as_f32(v >> uint64(32))")
+    for r in range(n_rows):
+        a, w = f"a{r}", f"w{r}"
+        if nbytes == 16:
+            src.append(f"    lo, hi = {w}")
+            parts = ["lo", "lo >> uint64(32)", "hi", "hi >> uint64(32)"]
+        elif nbytes == 8:
+            parts = [w, f"{w} >> uint64(32)"]
+        else:
+            parts = [w]
+        pw = _PART_WEIGHTS[dtype]
+        for i, part in enumerate(parts):
+            xk = [f"x{pw * i + k}" for k in range(pw)]
+            src.append(f"    t = int32({part})")
+            if dtype == "fp16" and cvt:
+                src.append("    f0, f1 = h2f2(t)")
+                src += [f"    {a} += f{k} * {xk[k]}" for k in range(2)]
+            elif dtype == "fp16":
+                src.append(f"    {a} += fp16_lo_raw(t) * {xk[0]}")
+                src.append(f"    {a} += fp16_hi_raw(t) * {xk[1]}")
+            elif dtype == "fp8":
+                src.append(f"    f0, f1, f2, f3 = {'fp8x4_cvt' if cvt else 'fp8x4_raw'}(t)")
+                src += [f"    {a} += f{k} * {xk[k]}" for k in range(4)]
+            else:
+                src.append(f"    {a} += gf4_dot8_raw(t, {', '.join(xk)})")
+    src.append(f"    return {accs}")
+    return "\n".join(src)
+
+
+def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool) -> str:
+    """group_dot(m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of row
+    r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index)."""
+    wide = KINDS[kind].load_bytes == 16
+    rr = range(n_rows)
+    accs = ", ".join(f"a{r}" for r in rr)
+    args = ", ".join(f"m{r}, r{r}" for r in rr)
+    src = [f"def group_dot({args}, xs, j0, n, lane):"]
+    src += [f"    a{r} = float32(0.0)" for r in rr]
+    # unsigned indices: numba adds no negative-index wraparound code for them
+    src += [f"    r{r} = uint64(r{r})" for r in rr]
+    src += ["    j = uint64(lane)", "    j0 = uint64(j0)", "    n = uint64(n)"]
+    span = f"uint64({WARP * (unroll - 1)})"
+
+    def load(r: int, at: str) -> str:
+        return f"ldg128(m{r}, r{r}, {at})" if wide else f"m{r}[r{r}, {at}]"
+
+    def loads(prefix: str, at: str, ind: str) -> list[str]:
+        return [
+            f"{ind}{prefix}{r}_{u} = {load(r, f'j0 + {at} + uint64({WARP * u})')}"
+            for u in range(unroll)
+            for r in rr
+        ]
+
+    def steps(prefix: str, ind: str) -> list[str]:
+        return [
+            f"{ind}{accs}, = word(xs, j + uint64({WARP * u}), {accs}, "
+            + ", ".join(f"{prefix}{r}_{u}" for r in rr)
+            + ")"
+            for u in range(unroll)
+        ]
+
+    if not prefetch:
+        src.append(f"    while j + {span} < n:")
+        src += loads("c", "j", "        ")  # all R * U loads before the first use
+        src += steps("c", "        ")
+        src.append(f"        j += uint64({WARP * unroll})")
+    else:
+        src.append(f"    if j + {span} < n:")
+        src += loads("c", "j", "        ")
+        src.append("        while True:")
+        src.append(f"            jn = j + uint64({WARP * unroll})")
+        src.append(f"            more = jn + {span} < n")
+        src.append("            jl = jn if more else j  # past the end: a harmless reload")
+        src += loads("p", "jl", "            ")  # the next step's loads, issued first
+        src += steps("c", "            ")
+        src.append("            j = jn")
+        src.append("            if not more:")
+        src.append("                break")
+        src += [f"            c{r}_{u} = p{r}_{u}" for u in range(unroll) for r in rr]
+    if unroll > 1:
+        src.append("    while j < n:  # the last loads, one a step")
+        src.append(f"        {accs}, = word(xs, j, {accs}, " + ", ".join(load(r, "j0 + j") for r in rr) + ")")
+        src.append(f"        j += uint64({WARP})")
+    src.append(f"    return {accs}")
+    return "\n".join(src)
+
+
+def _compile_source(src: str, name: str, env: dict) -> object:
+    """exec a generated function and wrap it as an inlined numba device function."""
+    scope = dict(env)
+    exec(compile(src, f"<pycalm.kernels.matvec generated {name}>", "exec"), scope)  # noqa: S102
+    return cuda.jit(device=True, inline=True)(scope[name])
+
+
+_ENV = {
+    "uint64": uint64,
+    "int32": int32,
+    "float32": float32,
+    "as_f32": as_f32,
+    "ldg128": ldg128,
+    "fp16_lo_raw": fp16_lo_raw,
+    "fp16_hi_raw": fp16_hi_raw,
+    "fp8x4_raw": fp8x4_raw,
+    "fp8x4_cvt": fp8x4_cvt,
+    "h2f2": h2f2,
+    "gf4_dot8_raw": gf4_dot8_raw,
+}
+
+
+@functools.cache
+def make_group_dot(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool):  # noqa: ANN201
+    """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
+    (times row_scale(dtype, cvt) for the values)."""
+    word = _compile_source(_word_source(kind, n_rows, cvt), "word", _ENV)
+    return _compile_source(
+        _group_dot_source(kind, n_rows, unroll, prefetch), "group_dot", {**_ENV, "word": word}
+    )
+
+
+@functools.cache
+def make_stage_x(kind: str):  # noqa: ANN201
+    """-> device fn stage_x(x, norm_w, xs, c0, n, normed) that copies x[c0 : c0 + n] into xs as
+    transposed float pairs (times norm_w when `normed`). All threads of the block call it; the
+    caller puts the barriers around it. n is a multiple of 8 (rows of every format are)."""
+    e_w = KINDS[kind].weights
     cw = XCHUNK // e_w
 
     @cuda.jit(device=True, inline=True)
-    def stage_x(x, norm_w, xs, c0, n):  # noqa: ANN001, ANN202
-        # walk the destination slots in order (conflict-free shared stores)
-        for d in range(cuda.threadIdx.x, XCHUNK, cuda.blockDim.x):
-            e = d // cw
-            j = d - e * cw
-            i = j * e_w + e
+    def stage_x(x, norm_w, xs, c0, n, normed):  # noqa: ANN001, ANN202
+        nj = (n + e_w - 1) // e_w  # loads of this chunk (n is a multiple of 8, e_w of 2)
+        # walk only the pairs this chunk fills, pair p of all loads j before pair p + 1
+        # (consecutive threads store consecutive slots: conflict-free shared stores)
+        for d in range(cuda.threadIdx.x, nj * (e_w // 2), cuda.blockDim.x):
+            p = d // nj
+            j = d - p * nj
+            i = j * e_w + 2 * p  # x index of the pair's first value
             if i < n:
+                lo = x[c0 + i]
+                hi = x[c0 + i + 1]
                 if normed:
-                    xs[d] = x[c0 + i] * norm_w[c0 + i]
-                else:
-                    xs[d] = x[c0 + i]
+                    lo *= norm_w[c0 + i]
+                    hi *= norm_w[c0 + i + 1]
+                xs[p * cw + j] = uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
 
     return stage_x
 
@@ -241,109 +326,170 @@ def rms_factor(x: cuda.devicearray, eps: float, scratch: cuda.devicearray) -> fl
     return float32(1.0) / math.sqrt(s / float32(x.shape[0]) + float32(eps))
 
 
-# modes of the matvec kernel family
-PLAIN, RESIDUAL, GATE = 0, 1, 2
+@cuda.jit(device=True, inline=True)
+def silu_gate(a: float, b: float) -> float:
+    """silu(a) * b in float32."""
+    return a / (float32(1.0) + math.exp(-a)) * b
 
 
-def _make_matvec_kernel(word_dtype: str, mode: int, normed: bool):  # noqa: ANN202
-    """One kernel of the family for a weight word type, a mode and whether RMSNorm is fused.
-
-    wa, wb: (rows, words) word arrays (wb is wa except for GATE); x (cols,) float32;
-    norm_w (cols,) float32 (ignored unless normed); out (rows_out,) float32.
-    PLAIN: out = W x; RESIDUAL: out += W x; GATE: out = silu(Wa x) * (Wb x).
-    """
-    pair_dot = make_pair_dot(word_dtype)
-    stage_x = make_stage_x(word_dtype, normed)
-    e_w = WORD_WEIGHTS[word_dtype]
-    row_scale = ROW_SCALE[word_dtype]
-
-    @cuda.jit
-    def matvec_kernel(wa, wb, x, norm_w, eps, out):  # noqa: ANN001, ANN202
-        xs = cuda.shared.array(XCHUNK, float32)  # x chunk, transposed by word
-        scratch = cuda.shared.array(32, float32)  # block reduction
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        n_warps = cuda.blockDim.x // WARP
-        rows = wa.shape[0]
-        cols = x.shape[0]
-        n_pairs = rows if mode == GATE else (rows + 1) // 2
-        n_chunks = (cols + XCHUNK - 1) // XCHUNK
-        scale = float32(row_scale)
-        if normed:
-            scale *= rms_factor(x, eps, scratch)
-        per_round = cuda.gridDim.x * n_warps
-        n_rounds = (n_pairs + per_round - 1) // per_round  # the same for every warp: barriers
-        for rnd in range(n_rounds):
-            p = rnd * per_round + cuda.blockIdx.x * n_warps + warp
-            if mode == GATE:
-                ra = p
-                rb = p
-            else:
-                ra = 2 * p
-                rb = min(2 * p + 1, rows - 1)  # odd row count: the last warp repeats a row
-            acc_a = float32(0.0)
-            acc_b = float32(0.0)
-            for c in range(n_chunks):
-                if rnd == 0 or n_chunks > 1:
-                    c0 = c * XCHUNK
-                    cuda.syncthreads()  # every warp is done with the previous chunk of xs
-                    stage_x(x, norm_w, xs, c0, min(XCHUNK, cols - c0))
-                    cuda.syncthreads()  # xs holds this chunk for every warp
-                if p < n_pairs:
-                    j0 = c * (XCHUNK // e_w)
-                    n_words = min(XCHUNK // e_w, wa.shape[1] - j0)
-                    da, db = pair_dot(wa, ra, wb, rb, xs, j0, n_words, lane)
-                    acc_a += da
-                    acc_b += db
-            if p < n_pairs:
-                # every lane gets both row sums (the butterfly), lane 0 writes
-                acc_a = warp_reduce_sum(acc_a) * scale
-                acc_b = warp_reduce_sum(acc_b) * scale
-                if lane == 0:
-                    if mode == GATE:
-                        out[p] = acc_a / (float32(1.0) + math.exp(-acc_a)) * acc_b
-                    elif mode == RESIDUAL:
-                        out[ra] += acc_a
-                        if 2 * p + 1 < rows:
-                            out[rb] += acc_b
-                    else:
-                        out[ra] = acc_a
-                        if 2 * p + 1 < rows:
-                            out[rb] = acc_b
-
-    return matvec_kernel
+def _matvec_source(n_rows: int) -> str:
+    """The matvec family kernel for R rows a warp (mode and normed are runtime arguments)."""
+    rr = range(n_rows)
+    half = n_rows // 2
+    accs = ", ".join(f"a{r}" for r in rr)
+    src = [
+        "def matvec_kernel(wa, wb, x, norm_w, eps, out, mode, normed):",
+        "    xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by word",
+        "    scratch = cuda.shared.array(32, float32)  # block reduction",
+        "    lane = cuda.threadIdx.x % WARP",
+        "    warp = cuda.threadIdx.x // WARP",
+        "    n_warps = cuda.blockDim.x // WARP",
+        "    rows = wa.shape[0]",
+        "    cols = x.shape[0]",
+        "    n_words = wa.shape[1] // UNIT  # loads a row",
+        f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}",
+        "    scale = float32(ROW_SCALE)",
+        "    if normed:",
+        "        scale *= rms_factor(x, eps, scratch)",
+        "    for c in range((cols + XCHUNK - 1) // XCHUNK):",
+        "        c0 = c * XCHUNK",
+        "        cuda.syncthreads()  # every warp is done with the previous chunk of xs",
+        "        stage_x(x, norm_w, xs, c0, min(XCHUNK, cols - c0), normed)",
+        "        cuda.syncthreads()  # xs holds this chunk for every warp",
+        "        j0 = c * CW",
+        "        nw = min(CW, n_words - j0)",
+        "        g = cuda.blockIdx.x * n_warps + warp",
+        "        while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+        "            if mode == GATE:",
+    ]
+    # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped for the loads
+    src += [f"                r{i} = min({half} * g + {i % half}, rows - 1)" for i in rr]
+    src.append("            else:")
+    src += [f"                r{i} = min({n_rows} * g + {i}, rows - 1)" for i in rr]
+    # PLAIN / RESIDUAL pass wb = wa, so the second half of the rows may always come from wb
+    mats = ", ".join(f"{'wa' if i < half else 'wb'}, r{i}" for i in rr)
+    src.append(f"            {accs}, = group_dot({mats}, xs, j0, nw, lane)")
+    src += [f"            a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
+    src.append("            if lane == 0:")
+    src.append("                if mode == GATE:")
+    for i in range(half):
+        src.append(f"                    if {half} * g + {i} < rows:")
+        src.append(f"                        out[{half} * g + {i}] = silu_gate(a{i}, a{i + half})")
+    src.append("                else:")
+    for i in rr:
+        src.append(f"                    if {n_rows} * g + {i} < rows:")
+        src.append("                        if mode == RESIDUAL or c > 0:")
+        src.append(f"                            out[r{i}] += a{i}")
+        src.append("                        else:")
+        src.append(f"                            out[r{i}] = a{i}")
+    src.append("            g += cuda.gridDim.x * n_warps")
+    return "\n".join(src)
 
 
-# kernels by (word dtype, mode, normed), compiled lazily by numba on first launch
-MATVEC_KERNELS = {
-    (wd, mode, normed): _make_matvec_kernel(wd, mode, normed)
-    for wd in WORD_WEIGHTS
-    for mode, normed in ((PLAIN, False), (PLAIN, True), (RESIDUAL, False), (GATE, True))
-}
+@functools.cache
+def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool):  # noqa: ANN201
+    """The matvec family kernel (compiled by numba on first launch) for a weight kind and inner
+    loop shape. Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,)
+    float32; norm_w (cols,) float32 (read only when normed); eps float32; out float32;
+    mode (PLAIN: out = W x, RESIDUAL: out += W x, GATE: out = silu(Wa x) * (Wb x)); normed."""
+    k = KINDS[kind]
+    env = {
+        **_ENV,
+        "cuda": cuda,
+        "WARP": WARP,
+        "XPAIRS": XPAIRS,
+        "XCHUNK": XCHUNK,
+        "CW": XCHUNK // k.weights,  # loads a chunk
+        "UNIT": max(1, k.load_bytes // 8),  # array elements a load (n_units = shape[1] // UNIT)
+        "GATE": GATE,
+        "RESIDUAL": RESIDUAL,
+        "ROW_SCALE": row_scale(k.dtype, cvt),
+        "rms_factor": rms_factor,
+        "silu_gate": silu_gate,
+        "warp_reduce_sum": warp_reduce_sum,
+        "stage_x": make_stage_x(kind),
+        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt),
+    }
+    scope = dict(env)
+    name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}"
+    exec(compile(_matvec_source(n_rows), f"<pycalm.kernels.matvec generated {name}>", "exec"), scope)  # noqa: S102
+    fn = scope["matvec_kernel"]
+    fn.__name__ = fn.__qualname__ = name
+    return cuda.jit(fn)
 
-_NP_WORD = {"fp16": np.uint64, "fp8": np.uint64, "gf4": np.uint64, "gf4w": np.uint32}
+
+def kernel_for_variant(kind: str, v: Variant):  # noqa: ANN201
+    """The matvec family kernel that runs variant v on weights of this kind."""
+    return matvec_kernel_for(kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4")
 
 
-def word_view(w: object, dtype: str) -> tuple[object, str]:
-    """A stored weight array (device) -> (its word view, the word dtype the kernels use).
-    gf4 rows with an odd number of groups are read one uint32 at a time ("gf4w")."""
+def weight_kind(w: object, dtype: str, wide: bool = True) -> tuple[object, str]:
+    """A stored weight array (device) -> (its view for the kernels, the kind they read it as).
+    16-byte loads need rows of a multiple of 16 bytes; other rows take the narrow kinds."""
     if dtype not in ("fp16", "fp8", "gf4"):
-        raise ValueError(f"unknown weight dtype {dtype!r}")
-    wd = "gf4w" if dtype == "gf4" and w.shape[1] % 2 else dtype
-    return w.view(_NP_WORD[wd]), wd
+        raise PycalmError(f"unsupported weight dtype {dtype!r} (one of fp16, fp8, gf4)")
+    row_bytes = w.shape[1] * w.dtype.itemsize
+    if row_bytes % 16 == 0:
+        kind = dtype if wide else _NARROW[dtype]
+    else:
+        kind = {"fp16": "fp16n", "fp8": "fp8n", "gf4": "gf4n"}[dtype]  # fp16 rows never get here
+    return w.view(np.uint32 if KINDS[kind].load_bytes == 4 else np.uint64), kind
 
 
-def grid_for(n_pairs: int, cols: int, n_warps: int = N_WARPS, blocks_per_sm: int = BLOCKS_PER_SM) -> int:
-    """Blocks for n_pairs row pairs: one pair a warp when x needs chunks (each block restages
-    x per pair); otherwise capped so that blocks loop over pairs and stage x only once."""
-    blocks = (n_pairs + n_warps - 1) // n_warps
-    if cols > XCHUNK:
-        return blocks
-    return max(1, min(blocks, N_SM * blocks_per_sm))
+def variant_for(kind: str, variant: Variant | None) -> Variant:
+    """The variant a kind runs: the narrow fallbacks keep one small shape (test sizes only)."""
+    v = variant or DEFAULT_VARIANT[KINDS[kind].dtype]
+    if kind in ("fp8n", "gf4n"):
+        v = v._replace(rows=FALLBACK_VARIANT.rows, unroll=FALLBACK_VARIANT.unroll, prefetch=False)
+    return v
 
 
-def _bytes(w: object, x: object, out_bytes: int) -> int:
-    return int(w.nbytes) + int(x.nbytes) + out_bytes
+@functools.cache
+def n_sm() -> int:
+    """Streaming multiprocessors of the current GPU (132 on an H200; the simulator has none)."""
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # noqa: BLE001  (simulator: no such attribute)
+        return 132
+
+
+def grid_for(n_groups: int, v: Variant) -> int:
+    """Blocks for n_groups row groups: at most blocks_per_sm an SM, and sized so that every warp
+    loops over the same number of groups (no warp does one more group than the others)."""
+    resident = n_sm() * v.blocks_per_sm * v.n_warps
+    per_warp = max(1, -(-n_groups // resident))
+    return max(1, -(-n_groups // (v.n_warps * per_warp)))
+
+
+def launch_family(
+    wa: object,
+    wb: object,
+    x: object,
+    norm_w: object,
+    eps: float,
+    out: object,
+    dtype: str,
+    mode: int,
+    *,
+    stream: object,
+    variant: Variant | None = None,
+) -> None:
+    """Launch the matvec family kernel (the launchers below, and the benchmark's variants).
+    wa, wb: stored weight arrays (wb is wa except for GATE); norm_w None: no fused RMSNorm."""
+    wide = variant.wide if variant is not None else True
+    wav, kind = weight_kind(wa, dtype, wide)
+    wbv = wav if wb is wa else weight_kind(wb, dtype, wide)[0]
+    v = variant_for(kind, variant)
+    cols = x.shape[0]
+    if mode == GATE and cols > XCHUNK:
+        raise PycalmError(f"ffn_gate: dim {cols} is above the {XCHUNK} columns one block stages")
+    rows = wa.shape[0]
+    n_groups = -(-rows // (v.rows // 2)) if mode == GATE else -(-rows // v.rows)
+    kernel = kernel_for_variant(kind, v)
+    normed = norm_w is not None
+    kernel[grid_for(n_groups, v), v.n_warps * WARP, stream](
+        wav, wbv, x, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed)
+    )
 
 
 def matvec(
@@ -351,23 +497,14 @@ def matvec(
 ) -> int:
     """y = W x, or y = W rmsnorm(x) * norm_w when norm_w is given (the final classifier).
     w: stored (rows, cols) device array, x (cols,) float32, y (rows,) float32. -> bytes moved."""
-    wv, wd = word_view(w, dtype)
-    rows = w.shape[0]
-    normed = norm_w is not None
-    kernel = MATVEC_KERNELS[(wd, PLAIN, normed)]
-    blocks = grid_for((rows + 1) // 2, x.shape[0])
-    kernel[blocks, N_WARPS * WARP, stream](wv, wv, x, norm_w if normed else x, np.float32(eps), y)
-    return _bytes(w, x, 4 * rows) + (int(norm_w.nbytes) if normed else 0)
+    launch_family(w, w, x, norm_w, eps, y, dtype, PLAIN, stream=stream)
+    return int(w.nbytes) + int(x.nbytes) + 4 * w.shape[0] + (int(norm_w.nbytes) if norm_w is not None else 0)
 
 
 def matvec_residual(w: object, x: object, r: object, dtype: str, *, stream: object) -> int:
     """r += W x (wo and w2: the residual add fused). -> bytes moved (r read and written)."""
-    wv, wd = word_view(w, dtype)
-    rows = w.shape[0]
-    kernel = MATVEC_KERNELS[(wd, RESIDUAL, False)]
-    blocks = grid_for((rows + 1) // 2, x.shape[0])
-    kernel[blocks, N_WARPS * WARP, stream](wv, wv, x, x, np.float32(0.0), r)
-    return _bytes(w, x, 8 * rows)
+    launch_family(w, w, x, None, 0.0, r, dtype, RESIDUAL, stream=stream)
+    return int(w.nbytes) + int(x.nbytes) + 8 * w.shape[0]
 
 
 def ffn_gate(
@@ -375,20 +512,18 @@ def ffn_gate(
 ) -> int:
     """h = silu(W1 xn) * (W3 xn), xn = rmsnorm(x) * norm_w. w1, w3: stored (hidden_dim, dim),
     x (dim,), h (hidden_dim,) float32. -> bytes moved."""
-    w1v, wd = word_view(w1, dtype)
-    w3v, _ = word_view(w3, dtype)
-    rows = w1.shape[0]
-    kernel = MATVEC_KERNELS[(wd, GATE, True)]
-    blocks = grid_for(rows, x.shape[0])
-    kernel[blocks, N_WARPS * WARP, stream](w1v, w3v, x, norm_w, np.float32(eps), h)
-    return _bytes(w1, x, 4 * rows) + int(w3.nbytes) + int(norm_w.nbytes)
+    launch_family(w1, w3, x, norm_w, eps, h, dtype, GATE, stream=stream)
+    return int(w1.nbytes) + int(w3.nbytes) + int(x.nbytes) + int(norm_w.nbytes) + 4 * w1.shape[0]
 
 
-_SIG_WORD = {"fp16": "uint64", "fp8": "uint64", "gf4": "uint64", "gf4w": "uint32"}
+def kernel_sig(kind: str) -> str:
+    """The numba signature of the matvec family kernel for a kind (COMPILE_CHECK)."""
+    t = "uint32" if KINDS[kind].load_bytes == 4 else "uint64"
+    return f"void({t}[:, ::1], {t}[:, ::1], float32[::1], float32[::1], float32, float32[::1], int32, int32)"
+
+
+# every kernel the launchers use (one per kind: mode and normed are runtime arguments)
 COMPILE_CHECK = [
-    (
-        k,
-        f"void({_SIG_WORD[wd]}[:, ::1], {_SIG_WORD[wd]}[:, ::1], float32[::1], float32[::1], float32, float32[::1])",
-    )
-    for (wd, _mode, _normed), k in MATVEC_KERNELS.items()
+    (kernel_for_variant(kind, variant_for(kind, None)), kernel_sig(kind))
+    for kind in ("fp16", "fp8", "gf4", "fp8n", "gf4n")
 ]

@@ -51,108 +51,131 @@ def qkv_ref(
 # =============================================================================================
 # GPU kernel: RMSNorm + QKV matvec + bias + RoPE + KV-cache write, one launch
 #
-# Thread mapping: the row-pair matvec of pycalm.kernels.matvec (one warp, rows 2p and 2p + 1 of
-# Wqkv, x = rmsnorm(x) * norm_w staged in shared memory). head_dim is even, so a pair never
-# straddles a head and is exactly one rotary pair (i = (row % head_dim) / 2): the warp holds
-# both values after its reduction and rotates them with no barrier. Lane 0 writes q, or
-# encodes k / v to the cache dtype and writes them at row pos = state[STATE_POS].
+# Thread mapping: the row-group matvec of pycalm.kernels.matvec (one warp, R consecutive rows of
+# Wqkv, x = rmsnorm(x) * norm_w staged in shared memory once: dim <= XCHUNK). head_dim is even,
+# so the rows 2i, 2i + 1 of a group never straddle a head and are exactly one rotary pair
+# (i = (row % head_dim) / 2): the warp holds both values after its reduction and rotates them
+# with no barrier. Lane 0 writes q, or encodes k / v to the cache dtype and writes them at row
+# pos = state[STATE_POS]. The bias is a runtime flag (a missing bias passes x as a dummy), so
+# one kernel a weight kind and KV dtype serves models with and without q/k/v biases.
 #
 # Bytes moved: Wqkv, x, norm_w, the bias, q written (4 q_dim) and one cache row of k and v.
 # =============================================================================================
 
-from numba import cuda, float32, uint8  # noqa: E402
+import functools  # noqa: E402
 
+from numba import cuda, float32, uint8, uint64  # noqa: E402
+
+from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, sincos, warp_reduce_sum  # noqa: E402
 from pycalm.kernels.matvec import (  # noqa: E402
-    N_WARPS,
-    ROW_SCALE,
-    WORD_WEIGHTS,
+    KINDS,
     XCHUNK,
+    XPAIRS,
+    Variant,
     grid_for,
-    make_pair_dot,
+    make_group_dot,
     make_stage_x,
     rms_factor,
-    word_view,
+    row_scale,
+    variant_for,
+    weight_kind,
 )
 
 
-def _make_qkv_kernel(word_dtype: str, kv_dtype: str, has_bias: bool):  # noqa: ANN202
-    pair_dot = make_pair_dot(word_dtype)
-    stage_x = make_stage_x(word_dtype, True)
-    e_w = WORD_WEIGHTS[word_dtype]
-    row_scale = ROW_SCALE[word_dtype]
-    fp8_kv = kv_dtype == "fp8"
+def _make_store(fp8_kv: bool):  # noqa: ANN202
+    @cuda.jit(device=True, inline=True)
+    def store_pair(a, b, r0, bias, has_bias, freqs, pos, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
+        """Rows r0, r0 + 1 (values a, b): bias, RoPE for q and k, then q or the caches."""
+        if has_bias:
+            a += bias[r0]
+            b += bias[r0 + 1]
+        i = (r0 % head_dim) // 2  # the rotary pair within the head
+        if r0 < q_dim + kv_dim and i < freqs.shape[0]:
+            sn, cs = sincos(float32(pos) * freqs[i])
+            a, b = a * cs - b * sn, a * sn + b * cs
+        if r0 < q_dim:
+            q[r0] = a
+            q[r0 + 1] = b
+        else:
+            if r0 < q_dim + kv_dim:
+                c = r0 - q_dim
+                cache = k_cache
+            else:
+                c = r0 - q_dim - kv_dim
+                cache = v_cache
+            if fp8_kv:
+                cache[pos, c] = uint8(fp8_encode(a))
+                cache[pos, c + 1] = uint8(fp8_encode(b))
+            else:
+                cache[pos, c] = fp16_encode(a)
+                cache[pos, c + 1] = fp16_encode(b)
 
-    @cuda.jit
-    def qkv_rope_kernel(w, bias, x, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
-        xs = cuda.shared.array(XCHUNK, float32)  # x chunk, transposed by word
-        scratch = cuda.shared.array(32, float32)  # block reduction
-        lane = cuda.threadIdx.x % WARP
-        warp = cuda.threadIdx.x // WARP
-        n_warps = cuda.blockDim.x // WARP
-        rows = w.shape[0]
-        cols = x.shape[0]
-        n_pairs = rows // 2
-        n_chunks = (cols + XCHUNK - 1) // XCHUNK
-        pos = state[STATE_POS]
-        scale = float32(row_scale) * rms_factor(x, eps, scratch)
-        per_round = cuda.gridDim.x * n_warps
-        n_rounds = (n_pairs + per_round - 1) // per_round  # the same for every warp: barriers
-        for rnd in range(n_rounds):
-            p = rnd * per_round + cuda.blockIdx.x * n_warps + warp
-            r0 = 2 * p
-            acc_a = float32(0.0)
-            acc_b = float32(0.0)
-            for c in range(n_chunks):
-                if rnd == 0 or n_chunks > 1:
-                    c0 = c * XCHUNK
-                    cuda.syncthreads()  # every warp is done with the previous chunk of xs
-                    stage_x(x, norm_w, xs, c0, min(XCHUNK, cols - c0))
-                    cuda.syncthreads()  # xs holds this chunk for every warp
-                if p < n_pairs:
-                    j0 = c * (XCHUNK // e_w)
-                    n_words = min(XCHUNK // e_w, w.shape[1] - j0)
-                    da, db = pair_dot(w, r0, w, r0 + 1, xs, j0, n_words, lane)
-                    acc_a += da
-                    acc_b += db
-            if p < n_pairs:
-                a = warp_reduce_sum(acc_a) * scale  # row r0, every lane has it
-                b = warp_reduce_sum(acc_b) * scale  # row r0 + 1
-                if lane == 0:
-                    if has_bias:
-                        a += bias[r0]
-                        b += bias[r0 + 1]
-                    i = (r0 % head_dim) // 2  # the rotary pair within the head
-                    if r0 < q_dim + kv_dim and i < freqs.shape[0]:
-                        angle = float32(pos) * freqs[i]
-                        sn, cs = sincos(angle)
-                        a, b = a * cs - b * sn, a * sn + b * cs
-                    if r0 < q_dim:
-                        q[r0] = a
-                        q[r0 + 1] = b
-                    else:
-                        if r0 < q_dim + kv_dim:
-                            c = r0 - q_dim
-                            cache = k_cache
-                        else:
-                            c = r0 - q_dim - kv_dim
-                            cache = v_cache
-                        if fp8_kv:
-                            cache[pos, c] = uint8(fp8_encode(a))
-                            cache[pos, c + 1] = uint8(fp8_encode(b))
-                        else:
-                            cache[pos, c] = fp16_encode(a)
-                            cache[pos, c + 1] = fp16_encode(b)
-
-    return qkv_rope_kernel
+    return store_pair
 
 
-QKV_KERNELS = {
-    (wd, kv, bias): _make_qkv_kernel(wd, kv, bias)
-    for wd in WORD_WEIGHTS
-    for kv in ("fp16", "fp8")
-    for bias in (False, True)
-}
+def _qkv_source(n_rows: int) -> str:
+    rr = range(n_rows)
+    accs = ", ".join(f"a{r}" for r in rr)
+    src = [
+        "def qkv_rope_kernel(w, bias, x, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim,",
+        "                    head_dim, has_bias):",
+        "    xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by word",
+        "    scratch = cuda.shared.array(32, float32)  # block reduction",
+        "    lane = cuda.threadIdx.x % WARP",
+        "    warp = cuda.threadIdx.x // WARP",
+        "    n_warps = cuda.blockDim.x // WARP",
+        "    rows = w.shape[0]",
+        "    cols = x.shape[0]",
+        f"    n_groups = (rows + {n_rows - 1}) // {n_rows}",
+        "    pos = state[STATE_POS]",
+        "    scale = float32(ROW_SCALE) * rms_factor(x, eps, scratch)  # contains barriers",
+        "    stage_x(x, norm_w, xs, 0, cols, 1)",
+        "    cuda.syncthreads()  # xs holds x * norm_w for every warp",
+        "    g = cuda.blockIdx.x * n_warps + warp",
+        "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+    ]
+    src += [f"        r{i} = min({n_rows} * g + {i}, rows - 1)" for i in rr]
+    src.append(
+        f"        {accs}, = group_dot({', '.join(f'w, r{i}' for i in rr)}, xs, 0, w.shape[1] // UNIT, lane)"
+    )
+    src += [f"        a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
+    src.append("        if lane == 0:")
+    for p in range(n_rows // 2):
+        src.append(f"            if {n_rows} * g + {2 * p} < rows:  # rows is even: the pair is whole")
+        src.append(
+            f"                store_pair(a{2 * p}, a{2 * p + 1}, {n_rows} * g + {2 * p}, bias, has_bias, freqs, pos, q,"
+        )
+        src.append("                           k_cache, v_cache, q_dim, kv_dim, head_dim)")
+    src.append("        g += cuda.gridDim.x * n_warps")
+    return "\n".join(src)
+
+
+@functools.cache
+def qkv_kernel_for(kind: str, v: Variant, kv_dtype: str):  # noqa: ANN201
+    """The fused QKV kernel for a weight kind, inner-loop variant and KV-cache dtype."""
+    k = KINDS[kind]
+    cvt = v.cvt and k.dtype != "gf4"
+    scope = {
+        "cuda": cuda,
+        "float32": float32,
+        "uint64": uint64,
+        "WARP": WARP,
+        "XPAIRS": XPAIRS,
+        "UNIT": max(1, k.load_bytes // 8),
+        "STATE_POS": STATE_POS,
+        "ROW_SCALE": row_scale(k.dtype, cvt),
+        "rms_factor": rms_factor,
+        "warp_reduce_sum": warp_reduce_sum,
+        "stage_x": make_stage_x(kind),
+        "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt),
+        "store_pair": _make_store(kv_dtype == "fp8"),
+    }
+    name = f"qkv_rope_kernel_{kind}_r{v.rows}u{v.unroll}{'p' if v.prefetch else ''}{'c' if cvt else ''}_{kv_dtype}"
+    exec(compile(_qkv_source(v.rows), f"<pycalm.kernels.qkv generated {name}>", "exec"), scope)  # noqa: S102
+    fn = scope["qkv_rope_kernel"]
+    fn.__name__ = fn.__qualname__ = name
+    return cuda.jit(fn)
 
 
 def qkv_rope(
@@ -181,31 +204,62 @@ def qkv_rope(
     q (q_dim,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8 ("fp8").
     -> bytes moved.
     """
+    return qkv_rope_variant(
+        wqkv, bqkv, x, norm_w, eps, rope_freqs, state, q, k_cache, v_cache, dtype, kv_dtype,
+        n_heads, n_kv_heads, head_dim, stream=stream, variant=None,
+    )  # fmt: skip
+
+
+def qkv_rope_variant(
+    wqkv: object,
+    bqkv: object,
+    x: object,
+    norm_w: object,
+    eps: float,
+    rope_freqs: object,
+    state: object,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    dtype: str,
+    kv_dtype: str,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    stream: object,
+    variant: Variant | None,
+) -> int:
+    """qkv_rope with the inner-loop variant chosen (the benchmark's); None: the default."""
     if kv_dtype not in ("fp16", "fp8"):
-        raise ValueError(f"unknown KV-cache dtype {kv_dtype!r}")
-    wv, wd = word_view(wqkv, dtype)
+        raise PycalmError(f"unsupported KV-cache dtype {kv_dtype!r} (fp16 or fp8)")
+    if x.shape[0] > XCHUNK:
+        raise PycalmError(f"qkv_rope: dim {x.shape[0]} is above the {XCHUNK} columns one block stages")
+    wv, kind = weight_kind(wqkv, dtype, variant.wide if variant is not None else True)
+    v = variant_for(kind, variant)
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     rows = wqkv.shape[0]
     assert rows == q_dim + 2 * kv_dim and head_dim % 2 == 0
     has_bias = bqkv is not None
-    kernel = QKV_KERNELS[(wd, kv_dtype, has_bias)]
-    blocks = grid_for(rows // 2, x.shape[0])
-    kernel[blocks, N_WARPS * WARP, stream](
+    kernel = qkv_kernel_for(kind, v, kv_dtype)
+    blocks = grid_for(-(-rows // v.rows), v)
+    kernel[blocks, v.n_warps * WARP, stream](
         wv, bqkv if has_bias else x, x, norm_w, np.float32(eps), rope_freqs, state, q, k_cache, v_cache,
-        q_dim, kv_dim, head_dim,
+        q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
     kv_row = 2 * kv_dim * k_cache.dtype.itemsize
     extra = int(bqkv.nbytes) if has_bias else 0
     return int(wqkv.nbytes) + int(x.nbytes) + int(norm_w.nbytes) + extra + 4 * q_dim + kv_row
 
 
-_SIG_WORD = {"fp16": "uint64", "fp8": "uint64", "gf4": "uint64", "gf4w": "uint32"}
 _SIG_KV = {"fp16": "float16", "fp8": "uint8"}
 COMPILE_CHECK = [
     (
-        k,
-        f"void({_SIG_WORD[wd]}[:, ::1], float32[::1], float32[::1], float32[::1], float32, float32[::1], "
-        f"int32[::1], float32[::1], {_SIG_KV[kv]}[:, ::1], {_SIG_KV[kv]}[:, ::1], int64, int64, int64)",
+        qkv_kernel_for(kind, variant_for(kind, None), kv),
+        f"void({'uint32' if KINDS[kind].load_bytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], "
+        f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {_SIG_KV[kv]}[:, ::1], "
+        f"{_SIG_KV[kv]}[:, ::1], int64, int64, int64, int32)",
     )
-    for (wd, kv, _bias), k in QKV_KERNELS.items()
+    for kind in ("fp16", "fp8", "gf4", "fp8n", "gf4n")
+    for kv in ("fp16", "fp8")
 ]
