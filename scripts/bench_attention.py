@@ -1,19 +1,25 @@
-"""Attention and sampling on the GPU (run on the H200, simulator off; about half a minute).
+"""Attention and sampling on the GPU (run on the H200, simulator off; ~40 s with the defaults).
 
-    python scripts/bench_attention.py
+    python scripts/bench_attention.py [--variants all|NAME,NAME] [--check]
 
 Attention: for each model shape x KV dtype x n_pos, one CUDA graph of LAYERS attention calls,
 each over its own layer's cache (so the 50 MB L2 does not hold the cache between calls, as in a
-real token step), replayed RUNS times and timed with CUDA events. Per-layer time includes the
-~1 us a kernel that a graph costs (two kernels a call). GB/s counts the KV bytes read at n_pos
-(K and V rows of the attended positions); the ceiling is a uint64 grid-stride copy measured in
-the same run (bytes read + written). Caches hold random finite fp16 / e5m2 bit patterns made on
-the GPU. Also: argmax and sample (temperature 0.8, top-k 40, top-p 0.95; and plain temperature)
-over 128256 logits, each as a graph of 32 launches.
+real token step), replayed RUNS times and timed with CUDA events (median). Per-layer time
+includes the ~1 us a kernel that a graph costs (two kernels a call). GB/s counts the KV bytes
+read at n_pos (K and V rows of the attended positions); the ceiling is a uint64 grid-stride copy
+measured in the same run (bytes read + written). Caches hold random finite fp16 / e5m2 bit
+patterns made on the GPU. With --check, every variant's output for layer 0 is compared with
+attention_ref on the host-decoded cache (max abs error over max |ref|; float32 order only).
+
+Variants (--variants) set attention.py's tuning knobs (REG_BUDGET: lanes per position team via
+registers; STEPS: positions a team loads before using them; TARGET_BLOCKS / MIN_CHUNK: the
+split of the positions). Also: argmax (two passes with scratch, and one block) and sample
+over 128256 logits, each as a graph of 32 launches. The last lines are a summary table.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 
@@ -22,16 +28,24 @@ os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 import numpy as np  # noqa: E402
 from numba import cuda, uint32  # noqa: E402
 
+from pycalm import formats  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
-from pycalm.kernels.attention import attention, attention_scratch_shape  # noqa: E402
-from pycalm.kernels.sample import argmax, sample  # noqa: E402
+from pycalm.kernels import attention as att  # noqa: E402
+from pycalm.kernels.sample import argmax, argmax_scratch_shape, sample  # noqa: E402
 
 SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
 N_POS = (256, 4000)
 SEQ_LEN = 4096
 LAYERS = 16
-RUNS = 10
+RUNS = 15
+VOCAB = 128256
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF}  # clear an exponent bit: finite values only
+VARIANTS = {  # name -> attention.py knobs
+    "default": {},
+    "steps2": {"STEPS": 2},
+    "lanes8": {"REG_BUDGET": 64},
+    "blocks1k": {"TARGET_BLOCKS": 1024},
+}
 
 
 @cuda.jit
@@ -82,20 +96,31 @@ def copy_ceiling(stream):
     return 2 * n * 8 / t / 1e9
 
 
+def set_knobs(knobs):
+    defaults = {"STEPS": 1, "REG_BUDGET": 32, "TARGET_BLOCKS": 512, "MIN_CHUNK": 16}
+    for k, v in {**defaults, **knobs}.items():
+        setattr(att, k, v)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="default", help="'all' or names: " + ",".join(VARIANTS))
+    ap.add_argument("--check", action="store_true", help="compare each variant with attention_ref")
+    args = ap.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     stream = cuda.stream()
     ceiling = copy_ceiling(stream)
-    print(f"copy ceiling (uint64 grid-stride, read + write): {ceiling:,.0f} GB/s")
-    print(f"{'model':11s} {'kv':5s} {'n_pos':>6s} {'us/layer':>9s} {'KV GB/s':>8s} {'% ceil':>7s}")
+    print(f"device: {cuda.get_current_device().name}")
+    print(f"copy ceiling (uint64 grid-stride, read + write): {ceiling:,.0f} GB/s", flush=True)
+    rows = []
     for name, (n_heads, n_kv_heads, head_dim) in SHAPES.items():
         kv_dim = n_kv_heads * head_dim
-        part = cuda.device_array(attention_scratch_shape(n_heads, n_kv_heads, head_dim, SEQ_LEN), np.float32)
-        q = cuda.to_device(
-            np.random.default_rng(0).standard_normal(n_heads * head_dim).astype(np.float32) * 0.3
-        )
+        q_host = np.random.default_rng(0).standard_normal(n_heads * head_dim).astype(np.float32) * 0.3
+        q = cuda.to_device(q_host)
         out = cuda.device_array(n_heads * head_dim, np.float32)
         for kv_dtype in ("fp16", "fp8"):
             elt = 2 if kv_dtype == "fp16" else 1
+            dt = np.float16 if kv_dtype == "fp16" else np.uint8
             caches = []
             for layer in range(LAYERS):
                 pair = []
@@ -104,58 +129,100 @@ def main():
                     fill_kernel[1024, 256, stream](
                         words, uint32(2 * layer + which + 1), uint32(MASK[kv_dtype])
                     )
-                    dt = np.float16 if kv_dtype == "fp16" else np.uint8
-                    pair.append(_as(words, dt, kv_dim))
+                    pair.append(words.view(dt).reshape(SEQ_LEN, kv_dim))
                 caches.append(pair)
-            for n_pos in N_POS:
-                state = cuda.to_device(np.array([0, n_pos - 1, 0, 0], np.int32))
-
-                record = functools.partial(
-                    _attention_layers,
-                    caches,
-                    q,
-                    state,
-                    out,
-                    (n_heads, n_kv_heads, head_dim),
-                    kv_dtype,
-                    part,
-                    stream,
-                )
-                t = timed(stream, record) / LAYERS
-                kv_bytes = n_pos * kv_dim * 2 * elt
-                gbs = kv_bytes / t / 1e9
-                print(
-                    f"{name:11s} {kv_dtype:5s} {n_pos:6d} {t * 1e6:9.2f} {gbs:8,.0f} {100 * gbs / ceiling:6.1f}%"
-                )
-    vocab = 128256
+            ref_kv = None
+            if args.check:
+                stream.synchronize()
+                ref_kv = [formats.decode(c.copy_to_host(), kv_dtype).astype(np.float32) for c in caches[0]]
+            for vname in names:
+                set_knobs(VARIANTS[vname])
+                shape = att.attention_scratch_shape(n_heads, n_kv_heads, head_dim, SEQ_LEN)
+                part = cuda.device_array(shape, np.float32)
+                for n_pos in N_POS:
+                    state = cuda.to_device(np.array([0, n_pos - 1, 0, 0], np.int32))
+                    err = float("nan")
+                    if ref_kv is not None:
+                        out.copy_to_device(np.full(n_heads * head_dim, np.nan, np.float32))
+                        att.attention(
+                            q,
+                            *caches[0],
+                            state,
+                            out,
+                            n_heads,
+                            n_kv_heads,
+                            head_dim,
+                            kv_dtype,
+                            0,
+                            part,
+                            stream=stream,
+                        )
+                        stream.synchronize()
+                        want = att.attention_ref(q_host, *ref_kv, n_pos, n_heads, n_kv_heads, head_dim)
+                        err = float(np.max(np.abs(out.copy_to_host() - want)) / np.max(np.abs(want)))
+                    record = functools.partial(
+                        _attention_layers,
+                        caches,
+                        q,
+                        state,
+                        out,
+                        (n_heads, n_kv_heads, head_dim),
+                        kv_dtype,
+                        part,
+                        stream,
+                    )
+                    t = timed(stream, record) / LAYERS
+                    gbs = n_pos * kv_dim * 2 * elt / t / 1e9
+                    rows.append(
+                        (name, kv_dtype, vname, n_pos, t * 1e6, gbs, 100 * gbs / ceiling, err, shape[0])
+                    )
+                    print(
+                        f"{name:11s} {kv_dtype:5s} {vname:9s} {n_pos:6d} {t * 1e6:8.2f} us {gbs:8,.0f} GB/s "
+                        f"err {err:.1e} chunks {shape[0]}",
+                        flush=True,
+                    )
+            del caches
+    set_knobs({})
+    vocab = VOCAB
     logits = cuda.to_device((np.random.default_rng(1).standard_normal(vocab) * 3).astype(np.float32))
     coins = cuda.to_device(np.random.default_rng(2).random(SEQ_LEN).astype(np.float32))
     state = cuda.to_device(np.array([0, 7, 0, 0], np.int32))
+    scratch = cuda.device_array(argmax_scratch_shape(), np.int32)
     reps = 32
-    t = timed(stream, lambda: [argmax(logits, state, stream=stream) for _ in range(reps)]) / reps
-    print(f"argmax over {vocab}: {t * 1e6:.1f} us")
+    other = []
+    t = timed(stream, lambda: [argmax(logits, state, stream=stream, scratch=scratch) for _ in range(reps)])
+    got = int(state.copy_to_host()[0])
+    other.append(
+        f"argmax over {vocab}, two passes: {t / reps * 1e6:.2f} us (token {got}, "
+        f"want {int(np.argmax(logits.copy_to_host()))})"
+    )
+    t = timed(stream, lambda: [argmax(logits, state, stream=stream) for _ in range(reps)])
+    other.append(f"argmax over {vocab}, one block: {t / reps * 1e6:.2f} us")
     for opts in ((0.8, 40, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05)):
-        t = (
-            timed(
-                stream,
-                lambda opts=opts: [sample(logits, state, coins, *opts, stream=stream) for _ in range(reps)],
-            )
-            / reps
+        t = timed(
+            stream, lambda o=opts: [sample(logits, state, coins, *o, stream=stream) for _ in range(reps)]
         )
+        other.append(
+            f"sample T={opts[0]} top_k={opts[1]} top_p={opts[2]} min_p={opts[3]}: {t / reps * 1e6:.1f} us"
+        )
+    print("\n=== summary (us per layer; KV GB/s; % of the copy ceiling; max rel err vs attention_ref) ===")
+    print(f"copy ceiling {ceiling:,.0f} GB/s")
+    print(
+        f"{'model':11s} {'kv':5s} {'variant':9s} {'n_pos':>6s} {'us/layer':>9s} {'KV GB/s':>8s} {'% ceil':>7s} "
+        f"{'err':>8s} {'chunks':>6s}"
+    )
+    for r in rows:
         print(
-            f"sample T={opts[0]} top_k={opts[1]} top_p={opts[2]} min_p={opts[3]} over {vocab}: {t * 1e6:.1f} us"
+            f"{r[0]:11s} {r[1]:5s} {r[2]:9s} {r[3]:6d} {r[4]:9.2f} {r[5]:8,.0f} {r[6]:6.1f}% {r[7]:8.1e} {r[8]:6d}"
         )
+    for line in other:
+        print(line)
 
 
 def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream):
     """The launches of one graph: attention over every layer's cache."""
     for k, v in caches:
-        attention(q, k, v, state, out, *shape, kv_dtype, 0, stream=stream, part=part)
-
-
-def _as(words, dt, kv_dim):
-    """A (SEQ_LEN, kv_dim) view of the uint32 words in the cache dtype."""
-    return words.view(dt).reshape(SEQ_LEN, kv_dim)
+        att.attention(q, k, v, state, out, *shape, kv_dtype, 0, part, stream=stream)
 
 
 if __name__ == "__main__":
