@@ -47,10 +47,8 @@ def converted_model(gguf: Path, dtype: str) -> Path:
     out = folder / f"{gguf.stem}-{dtype}-{key}.pycalm"
     if not out.exists():
         for old in folder.glob(f"{gguf.stem}-{dtype}-*.pycalm"):
-            old.unlink()
-        tmp = out.with_name(out.name + ".partial")
-        convert(gguf, tmp, dtype, progress=False)
-        tmp.replace(out)
+            old.unlink(missing_ok=True)  # another xdist worker may be removing it too
+        convert(gguf, out, dtype, progress=False)  # written under a per-process name, then renamed
     return out
 
 
