@@ -1,14 +1,22 @@
 """Bandwidth of the weight-reading kernels on the GPU (run on the H200, simulator off).
 
-    python scripts/bench_kernels.py            # matvec, every shape x dtype, plus knob variants
-    python scripts/bench_kernels.py --check    # first compare a big shape with float64 NumPy
-    python scripts/bench_kernels.py --all      # also matvec_residual, ffn_gate (more compiles)
+    python scripts/bench_kernels.py            # every shape x dtype, the fused kernels, variants
+    python scripts/bench_kernels.py --check    # first compare with float64 NumPy (one big shape)
+    python scripts/bench_kernels.py --quick    # default variants only (fewer compiles)
+
+Timing: each measurement is a CUDA graph of back-to-back launches of one kernel, rotating over
+enough weight copies (at least 4x the 50 MB L2) that no launch finds its weights in L2, replayed
+REPLAYS times between two events; the median replay divided by the launches is the time of one
+kernel as the token step's graph runs it (no Python launch cost, ~1 us of graph launch gap).
+GB/s counts the bytes the launcher reports; the ceiling is a uint64 grid-stride copy timed the
+same way (bytes read + written).
 
 Weights are random bit patterns made on the GPU by a hash kernel (finite values only), so no
-large host arrays cross the bus. Each launch is timed with CUDA events after warm-up; the
-median of RUNS launches is reported, rotating over COPIES weight copies so that the 50 MB L2
-does not hold the weights between launches. GB/s counts the bytes the launcher reports; the
-ceiling is a uint64 grid-stride copy measured in the same run (bytes read + written).
+large host arrays cross the bus. The shapes are the Llama-3-8B layer matrices (wq/wo 4096x4096,
+w1/w3 14336x4096, w2 4096x14336, fused qkv 6144x4096) and TinyLlama-1.1B's (2048x2048,
+5632x2048, 2560x2048 qkv). Variants (pycalm.kernels.matvec.Variant: rows a warp, loads a row a
+step, prefetch, cvt decode, 16- or 8-byte loads, warps a block, blocks an SM) are timed on a
+few shapes so one run compares them; every variant costs a compile (~2-5 s).
 """
 
 from __future__ import annotations
@@ -23,12 +31,27 @@ import numpy as np  # noqa: E402
 from numba import cuda, uint32  # noqa: E402
 
 from pycalm import formats  # noqa: E402
+from pycalm.graph import GraphStep  # noqa: E402
 from pycalm.kernels import matvec as mv  # noqa: E402
+from pycalm.kernels import qkv as qk  # noqa: E402
+from pycalm.kernels.common import STATE_POS  # noqa: E402
+from pycalm.kernels.norm import rmsnorm_ref  # noqa: E402
 
-SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (2048, 2048), (5632, 2048)]
+LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
+TINY = [(2048, 2048), (5632, 2048), (2560, 2048)]
 DTYPES = ["fp16", "fp8", "gf4"]
-RUNS = 20
-COPIES = 3
+ROTATE_BYTES = 200e6  # weight copies a graph cycles through: 4x the L2
+REPLAYS = 7
+V = mv.Variant
+# variants compared (each one compile) on VARIANT_SHAPES; the defaults are mv.DEFAULT_VARIANT
+VARIANTS = {
+    "fp16": [V(2, 2, cvt=False), V(2, 2, wide=False), V(4, 1)],
+    "fp8": [V(2, 2, cvt=False), V(2, 4), V(4, 2)],
+    "gf4": [V(2, 2), V(4, 1, prefetch=True), V(4, 2)],
+}
+VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (2048, 2048)]
+# launch shapes (no compile: warps a block, blocks an SM) tried with the default kernels
+LAUNCH_KNOBS = [(4, 8), (8, 2), (8, 4), (16, 2), (16, 4)]
 # finite-value masks on random uint32 words: clear one exponent bit of each fp16 / e5m2 / scale
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
 
@@ -59,131 +82,219 @@ def copy_kernel(src, dst):
 
 
 def random_weights(rows: int, cols: int, dtype: str, seed: int) -> object:
-    shape = formats.storage_shape(rows, cols, dtype)
-    w = cuda.device_array(shape, formats.STORAGE_DTYPE[dtype])
-    words = w.reshape(-1).view(np.uint32)
-    fill_kernel[1024, 256](words, seed, MASK[dtype])
+    w = cuda.device_array(formats.storage_shape(rows, cols, dtype), formats.STORAGE_DTYPE[dtype])
+    fill_kernel[1024, 256](w.reshape(-1).view(np.uint32), seed, MASK[dtype])
     return w
 
 
-def time_launches(launch, n_args: int) -> float:
-    """Median seconds of one launch; launch(i) uses weight copy i % n_args."""
-    for i in range(3):
-        launch(i % n_args)
-    cuda.synchronize()
+def n_copies(rows: int, cols: int, dtype: str) -> int:
+    one = rows * cols * {"fp16": 2, "fp8": 1, "gf4": 0.5}[dtype]
+    return int(min(48, max(2, -(-ROTATE_BYTES // one))))
+
+
+def timed(stream: object, launch: object, n_launches: int) -> float:
+    """Seconds per launch: a graph of n_launches calls launch(i), replayed; the median replay."""
+    launch(0)  # compiles the kernel (and its occupancy query) outside the capture
+    stream.synchronize()
+    g = GraphStep(stream, lambda: [launch(i) for i in range(n_launches)])
+    g.launch()
+    stream.synchronize()
     times = []
-    for i in range(RUNS):
-        a, b = cuda.event(timing=True), cuda.event(timing=True)
-        a.record()
-        launch(i % n_args)
-        b.record()
+    for _ in range(REPLAYS):
+        a, b = cuda.event(), cuda.event()
+        a.record(stream)
+        g.launch()
+        b.record(stream)
         b.synchronize()
-        times.append(cuda.event_elapsed_time(a, b) / 1e3)
+        times.append(cuda.event_elapsed_time(a, b) / 1e3 / n_launches)
     return float(np.median(times))
 
 
-def copy_ceiling() -> float:
-    n = 1 << 27  # 1 GiB of uint64
+def copy_ceiling(stream: object) -> float:
+    n = 32 << 20  # 256 MB of uint64 each way
     src = cuda.device_array(n, np.uint64)
     dst = cuda.device_array(n, np.uint64)
-    fill_kernel[1024, 256](src.view(np.uint32), 1, 0xFFFFFFFF)
-    t = time_launches(lambda i: copy_kernel[132 * 16, 256](src, dst), 1)
-    return 2 * n * 8 / t / 1e9
+    return 2 * n * 8 / timed(stream, lambda i: copy_kernel[132 * 16, 256, stream](src, dst), 4) / 1e9
 
 
-def check(rows: int, cols: int) -> None:
-    """Compare the launchers with float64 NumPy on a big random shape."""
+def _rel_err(got: np.ndarray, want: np.ndarray, scale: np.ndarray) -> float:
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got.astype(np.float64) - want) / scale))
+
+
+def check(stream: object) -> bool:
+    """The launchers against float64 NumPy at one big shape a dtype (x in two chunks for the
+    plain / normed / residual products; ffn_gate and qkv_rope at their Llama-3-8B shapes)."""
     rng = np.random.default_rng(0)
-    s = cuda.default_stream()
+    ok_all = True
     for dtype in DTYPES:
+        rows, cols = 4096, 14336
         w = random_weights(rows, cols, dtype, 7)
         wh = formats.decode(w.copy_to_host(), dtype).astype(np.float64)
         x = rng.standard_normal(cols).astype(np.float32)
         nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+        xd, nwd = cuda.to_device(x), cuda.to_device(nw)
         y = cuda.to_device(np.full(rows, np.nan, np.float32))
-        mv.matvec(w, cuda.to_device(x), y, dtype, stream=s)
-        got = y.copy_to_host()
-        err = np.max(np.abs(got - wh @ x) / (np.abs(wh) @ np.abs(x)))
-        mv.matvec(w, cuda.to_device(x), y, dtype, stream=s, norm_w=cuda.to_device(nw), eps=1e-5)
-        xn = x.astype(np.float64) / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-5) * nw
-        errn = np.max(np.abs(y.copy_to_host() - wh @ xn) / (np.abs(wh) @ np.abs(xn)))
-        ok = err < 1e-5 and errn < 1e-5 and np.all(np.isfinite(got))
+        errs = {}
+        mv.matvec(w, xd, y, dtype, stream=stream)
+        stream.synchronize()
+        errs["plain"] = _rel_err(y.copy_to_host(), wh @ x, np.abs(wh) @ np.abs(x))
+        mv.matvec(w, xd, y, dtype, stream=stream, norm_w=nwd, eps=1e-5)
+        stream.synchronize()
+        xn = rmsnorm_ref(x, nw, 1e-5).astype(np.float64)
+        errs["normed"] = _rel_err(y.copy_to_host(), wh @ xn, np.abs(wh) @ np.abs(xn))
+        r0 = rng.standard_normal(rows).astype(np.float32)
+        r = cuda.to_device(r0)
+        mv.matvec_residual(w, xd, r, dtype, stream=stream)
+        stream.synchronize()
+        errs["residual"] = _rel_err(r.copy_to_host(), r0 + wh @ x, np.abs(wh) @ np.abs(x) + np.abs(r0))
+        del w, wh
+        # ffn_gate 14336x4096: compare the gate's two products through h / silu-free bounds
+        w1, w3 = random_weights(14336, 4096, dtype, 8), random_weights(14336, 4096, dtype, 9)
+        w1h = formats.decode(w1.copy_to_host(), dtype).astype(np.float64)
+        w3h = formats.decode(w3.copy_to_host(), dtype).astype(np.float64)
+        x4 = rng.standard_normal(4096).astype(np.float32)
+        nw4 = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
+        h = cuda.to_device(np.full(14336, np.nan, np.float32))
+        mv.ffn_gate(w1, w3, cuda.to_device(x4), h, dtype, stream=stream, norm_w=cuda.to_device(nw4), eps=1e-5)
+        stream.synchronize()
+        xn4 = rmsnorm_ref(x4, nw4, 1e-5).astype(np.float64)
+        a, b = w1h @ xn4, w3h @ xn4
+        want = a / (1 + np.exp(-a)) * b
+        scale = (np.abs(w1h) @ np.abs(xn4)) * (np.abs(b) + 1) + (np.abs(a) + 1) * (np.abs(w3h) @ np.abs(xn4))
+        errs["ffn_gate"] = _rel_err(h.copy_to_host(), want, scale)
+        del w1, w3, w1h, w3h
+        # qkv_rope 6144x4096 (32 heads, 8 KV heads, head_dim 128), pos 100: q against float64
+        wq = random_weights(6144, 4096, dtype, 10)
+        wqh = formats.decode(wq.copy_to_host(), dtype).astype(np.float64)
+        freqs = (1.0 / 500000.0 ** (np.arange(64) / 64)).astype(np.float32)
+        state = cuda.to_device(np.array([1, 100, 0, 0], np.int32))
+        q = cuda.to_device(np.full(4096, np.nan, np.float32))
+        kc = cuda.device_array((128, 1024), np.float16)
+        vc = cuda.device_array((128, 1024), np.float16)
+        qk.qkv_rope(
+            wq, None, cuda.to_device(x4), cuda.to_device(nw4), 1e-5, cuda.to_device(freqs), state, q, kc, vc,
+            dtype, "fp16", 32, 8, 128, stream=stream,
+        )  # fmt: skip
+        stream.synchronize()
+        raw = (wqh @ xn4)[:4096].reshape(32, 64, 2)
+        ang = 100.0 * freqs.astype(np.float64)
+        qr = np.stack(
+            [
+                raw[..., 0] * np.cos(ang) - raw[..., 1] * np.sin(ang),
+                raw[..., 0] * np.sin(ang) + raw[..., 1] * np.cos(ang),
+            ],
+            -1,
+        ).reshape(-1)
+        row_scale = (np.abs(wqh) @ np.abs(xn4))[:4096].reshape(-1, 2).sum(1).repeat(2)
+        errs["qkv q"] = _rel_err(q.copy_to_host(), qr, row_scale)
+        vh = kc.copy_to_host()  # k row written at pos 100
+        assert STATE_POS == 1
+        del wq, wqh
+        ok = all(e < 1e-5 for e in errs.values()) and np.all(np.isfinite(vh[100].astype(np.float32)))
+        ok_all &= bool(ok)
         print(
-            f"check {dtype} {rows}x{cols}: max err/|W||x| plain {err:.2e} normed {errn:.2e} {'OK' if ok else 'FAIL'}"
+            f"check {dtype}: max err / |W||x| " + " ".join(f"{k} {v:.1e}" for k, v in errs.items()),
+            "OK" if ok else "FAIL",
         )
+    return ok_all
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--all", action="store_true", help="also matvec_residual and ffn_gate")
+    ap.add_argument("--check", action="store_true", help="first compare with float64 NumPy")
+    ap.add_argument("--quick", action="store_true", help="default variants only")
     args = ap.parse_args()
     t0 = time.time()
-    s = cuda.default_stream()
+    s = cuda.stream()
+    print(f"device: {cuda.get_current_device().name}", flush=True)
     if args.check:
-        check(14336, 4104)  # cols not a multiple of 16: also the uint32 gf4 path
-        check(4099, 14336)  # x in two chunks
-    ceiling = copy_ceiling()
-    print(f"uint64 copy ceiling: {ceiling:,.0f} GB/s (read + write)   [{time.time() - t0:.0f} s]")
-    rows_out = []
+        ok = check(s)
+        print(f"check {'OK' if ok else 'FAILED'}   [{time.time() - t0:.0f} s]", flush=True)
+    ceiling = copy_ceiling(s)
+    print(f"uint64 copy ceiling: {ceiling:,.0f} GB/s (read + write)   [{time.time() - t0:.0f} s]", flush=True)
+    table = []
 
     def report(name: str, dtype: str, shape: tuple, nbytes: int, t: float) -> None:
         gbs = nbytes / t / 1e9
-        rows_out.append((name, dtype, f"{shape[0]}x{shape[1]}", t * 1e6, gbs, 100 * gbs / ceiling))
-        print(f"{name:28s} {dtype:5s} {shape[0]:>6}x{shape[1]:<6} {t * 1e6:8.1f} us {gbs:7.0f} GB/s "
-              f"{100 * gbs / ceiling:5.1f}%", flush=True)  # fmt: skip
+        table.append((name, dtype, f"{shape[0]}x{shape[1]}", t * 1e6, gbs))
+        print(f"{name:34s} {dtype:5s} {shape[0]:>6}x{shape[1]:<6} {t * 1e6:8.2f} us {gbs:7.0f} GB/s "
+              f"{100 * gbs / ceiling:5.1f}%   [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
 
+    rng = np.random.default_rng(1)
     for dtype in DTYPES:
-        for rows, cols in SHAPES:
-            ws = [random_weights(rows, cols, dtype, c) for c in range(COPIES)]
-            x = cuda.to_device(np.random.default_rng(1).standard_normal(cols).astype(np.float32))
+        for rows, cols in LLAMA + TINY:
+            c = n_copies(rows, cols, dtype)
+            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
+            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
             y = cuda.device_array(rows, np.float32)
-            nbytes = mv.matvec(ws[0], x, y, dtype, stream=s)
-            t = time_launches(
-                lambda i, dtype=dtype, ws=ws, x=x, y=y: mv.matvec(ws[i], x, y, dtype, stream=s), COPIES
-            )
-            report("matvec", dtype, (rows, cols), nbytes, t)
-            if (rows, cols) == (14336, 4096):
-                # knobs: warps a block x grid cap (blocks an SM); the kernel reads both from the launch
-                wvs = [mv.word_view(w, dtype) for w in ws]
-                kernel = mv.MATVEC_KERNELS[(wvs[0][1], mv.PLAIN, False)]
-                for n_warps in (4, 8, 16):
-                    for bps in (1, 2, 4, 8, 64):
-                        blocks = mv.grid_for((rows + 1) // 2, cols, n_warps, bps)
+            nb = mv.matvec(ws[0], x, y, dtype, stream=s)
+            n = max(c, 16)
 
-                        def launch(i, kernel=kernel, blocks=blocks, n_warps=n_warps, wvs=wvs, x=x, y=y):
-                            kernel[blocks, 32 * n_warps, s](wvs[i][0], wvs[i][0], x, x, np.float32(0), y)
+            def plain(
+                i: int, v: object = None, ws: list = ws, x: object = x, y: object = y, dtype: str = dtype
+            ) -> None:
+                mv.launch_family(
+                    ws[i % len(ws)], ws[i % len(ws)], x, None, 0.0, y, dtype, mv.PLAIN, stream=s, variant=v
+                )
 
-                        report(
-                            f"  knob warps={n_warps} bps={bps}",
-                            dtype,
-                            (rows, cols),
-                            nbytes,
-                            time_launches(launch, COPIES),
-                        )
-            if args.all and (rows, cols) in ((14336, 4096), (4096, 14336)):
-                r = cuda.device_array(rows, np.float32)
-                nb = mv.matvec_residual(ws[0], x, r, dtype, stream=s)
-                t = time_launches(
-                    lambda i, dtype=dtype, ws=ws, x=x, r=r: mv.matvec_residual(ws[i], x, r, dtype, stream=s),
-                    COPIES,
+            report("matvec", dtype, (rows, cols), nb, timed(s, plain, n))
+            if not args.quick and (rows, cols) in VARIANT_SHAPES:
+                d = mv.DEFAULT_VARIANT[dtype]
+                for v in VARIANTS[dtype]:
+                    name = f"  R{v.rows} U{v.unroll}{' pf' if v.prefetch else ''}{'' if v.cvt else ' shift'}"
+                    name += "" if v.wide else " 8B"
+                    report(name, dtype, (rows, cols), nb, timed(s, lambda i, v=v: plain(i, v), n))
+                if (rows, cols) == VARIANT_SHAPES[0]:
+                    for n_warps, bps in LAUNCH_KNOBS:
+                        v = d._replace(n_warps=n_warps, blocks_per_sm=bps)
+                        t = timed(s, lambda i, v=v: plain(i, v), n)
+                        report(f"  default warps={n_warps} bps<={bps}", dtype, (rows, cols), nb, t)
+            if (rows, cols) in ((4096, 14336), (4096, 4096)):
+                nb = mv.matvec_residual(ws[0], x, y, dtype, stream=s)
+                t = timed(
+                    s,
+                    lambda i, ws=ws, x=x, y=y, dtype=dtype: mv.matvec_residual(
+                        ws[i % len(ws)], x, y, dtype, stream=s
+                    ),
+                    n,
                 )
                 report("matvec_residual", dtype, (rows, cols), nb, t)
-                if (rows, cols) == (14336, 4096):
-                    nw = cuda.to_device(np.ones(cols, np.float32))
-                    nb = mv.ffn_gate(ws[0], ws[1], x, y, dtype, stream=s, norm_w=nw, eps=1e-5)
-                    t = time_launches(
-                        lambda i, dtype=dtype, ws=ws, x=x, y=y, nw=nw: mv.ffn_gate(
-                            ws[i], ws[(i + 1) % COPIES], x, y, dtype, stream=s, norm_w=nw, eps=1e-5
-                        ),
-                        COPIES,
-                    )
-                    report("ffn_gate (w1+w3)", dtype, (rows, cols), nb, t)
+            if (rows, cols) == (14336, 4096):
+                nw = cuda.to_device(np.ones(cols, np.float32))
+                nb = mv.ffn_gate(ws[0], ws[1], x, y, dtype, stream=s, norm_w=nw, eps=1e-5)
+                t = timed(
+                    s,
+                    lambda i, ws=ws, x=x, y=y, nw=nw, dtype=dtype: mv.ffn_gate(
+                        ws[i % len(ws)], ws[(i + 1) % len(ws)], x, y, dtype, stream=s, norm_w=nw, eps=1e-5
+                    ),
+                    n,
+                )
+                report("ffn_gate (w1+w3, norm)", dtype, (rows, cols), nb, t)
+            if (rows, cols) == (6144, 4096):
+                nw = cuda.to_device(np.ones(cols, np.float32))
+                freqs = cuda.to_device((1.0 / 500000.0 ** (np.arange(64) / 64)).astype(np.float32))
+                state = cuda.to_device(np.array([1, 100, 0, 0], np.int32))
+                q = cuda.device_array(4096, np.float32)
+                kc = cuda.device_array((4096, 1024), np.float16)
+                vc = cuda.device_array((4096, 1024), np.float16)
+
+                def qkv(i: int, ws: list = ws, x: object = x, nw: object = nw, freqs: object = freqs,
+                        state: object = state, q: object = q, kc: object = kc, vc: object = vc,
+                        dtype: str = dtype) -> int:  # fmt: skip
+                    return qk.qkv_rope(
+                        ws[i % len(ws)], None, x, nw, 1e-5, freqs, state, q, kc, vc, dtype, "fp16", 32, 8, 128,
+                        stream=s,
+                    )  # fmt: skip
+
+                nb = qkv(0)
+                report("qkv_rope (norm, rope, kv fp16)", dtype, (rows, cols), nb, timed(s, qkv, n))
             del ws
     print(f"\n== summary (copy ceiling {ceiling:,.0f} GB/s, total {time.time() - t0:.0f} s) ==")
-    print(f"{'kernel':28s} {'dtype':5s} {'shape':>12s} {'us':>8s} {'GB/s':>7s} {'%ceil':>6s}")
-    for name, dtype, shape, us, gbs, pct in rows_out:
-        print(f"{name:28s} {dtype:5s} {shape:>12s} {us:8.1f} {gbs:7.0f} {pct:6.1f}")
+    print(f"{'kernel':34s} {'dtype':5s} {'shape':>12s} {'us':>8s} {'GB/s':>7s} {'%ceil':>6s}")
+    for name, dtype, shape, us, gbs in table:
+        print(f"{name:34s} {dtype:5s} {shape:>12s} {us:8.2f} {gbs:7.0f} {100 * gbs / ceiling:6.1f}")
 
 
 if __name__ == "__main__":

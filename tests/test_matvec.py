@@ -17,11 +17,13 @@ from pycalm.kernels.norm import rmsnorm_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4"]
-# rows odd, cols multiples of 8 that are not multiples of 16 (gf4 then reads uint32 groups) or
-# of 32; 144 is a multiple of 16 (gf4 reads uint64) but not of 32
-SHAPES = [(40, 72), (37, 136), (5, 144)]
+# Rows of a multiple of 16 bytes take the 16-byte-load kernels (fp16 always; fp8 when cols is a
+# multiple of 16, gf4 of 32), other rows the narrow fallbacks: 72 and 136 columns (fp8, gf4
+# narrow), 144 (fp8 wide, gf4 narrow), 256 (every dtype wide; 19 rows: gf4's groups of 4 rows
+# end in a partial group). Rows odd, so the last row group is partial.
+SHAPES = [(40, 72), (37, 136), (5, 144), (19, 256)]
 if GPU:
-    SHAPES += [(4099, 4104), (1023, 14344)]
+    SHAPES += [(4099, 4104), (1023, 14344), (4099, 4096), (1021, 14336)]
 RTOL = 1e-5
 
 
@@ -90,7 +92,7 @@ def test_matvec_residual(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ffn_gate(dtype):
-    rows, cols, eps = 37, 72, 1e-6
+    rows, cols, eps = 37, 256, 1e-6  # wide loads (gf4: 4 rows a warp, 2 of W1 and 2 of W3)
     rng = np.random.default_rng(9)
     w1, w1d = _weights(rng, rows, cols, dtype)
     w3, w3d = _weights(rng, rows, cols, dtype)

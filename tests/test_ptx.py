@@ -1,10 +1,18 @@
 """Real compilation of every kernel in COMPILE_CHECK lists (sm_90), without a GPU.
 
-Each pycalm.kernels module lists its kernels and numba signatures in COMPILE_CHECK. A
-subprocess (the simulator must be off before numba is imported) compiles each with
-cuda.compile_ptx and reports: a compile error (typing the simulator lets through), `.f64`
-(an untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an array spilled
-to local memory). Modules are compiled in parallel, one subprocess each.
+Each pycalm.kernels module lists its kernels and numba signatures in COMPILE_CHECK. Worker
+subprocesses (the simulator must be off before numba is imported) compile them with
+cuda.compile_ptx and report: a compile error (typing the simulator lets through), `.f64` (an
+untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an array spilled to
+local memory).
+
+They also compile small kernels around the bit-level decoders and encoders of
+pycalm.kernels.common and require 32-bit integer PTX: real numba computes int32 op int32 in
+int64, so an unwrapped shift compiles to shl.b64 / shr.s64 (wrong bits, and twice the
+instructions) while the simulator, with NumPy's int32 rules, passes.
+
+Compiling is the cost (a few seconds a kernel): every distinct (kernel, signature) is compiled
+once, the list split over as many worker processes as there are cores.
 """
 
 import json
@@ -13,28 +21,68 @@ import pkgutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from importlib import import_module
 
 import pycalm.kernels
 
 MINE = {"common", "matvec", "qkv"}  # modules that must have COMPILE_CHECK entries (common: via users)
 
 _SCRIPT = r"""
-import importlib, json, sys
-from numba import cuda
-mod = importlib.import_module("pycalm.kernels." + sys.argv[1])
-out = {"has": hasattr(mod, "COMPILE_CHECK"), "n": 0, "problems": []}
-for kernel, sig in getattr(mod, "COMPILE_CHECK", []):
-    fn = getattr(kernel, "py_func", kernel)
+import importlib, json, re, sys
+from numba import cuda, float32, int32
+from pycalm.kernels import common as c
+
+INT64 = re.compile(r"\b(shl|shr|and|or|xor)\.[bsu]64\b")
+out = {"n": 0, "problems": []}
+
+
+def ptx_of(fn, sig, label):
     try:
-        ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(getattr(fn, "py_func", fn), sig, cc=(9, 0))
     except Exception as e:  # noqa: BLE001
-        out["problems"].append(f"{fn.__name__} {sig}: {type(e).__name__}: {str(e)[:300]}")
-        continue
+        out["problems"].append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+        return None
     out["n"] += 1
     if ".f64" in ptx:
-        out["problems"].append(f"{fn.__name__} {sig}: float64 in PTX")
+        out["problems"].append(f"{label}: float64 in PTX")
     if "ld.local" in ptx or "st.local" in ptx:
-        out["problems"].append(f"{fn.__name__} {sig}: local-memory spill in PTX")
+        out["problems"].append(f"{label}: local-memory spill in PTX")
+    return ptx
+
+
+for mod_name, index in json.loads(sys.argv[1]):
+    kernel, sig = importlib.import_module("pycalm.kernels." + mod_name).COMPILE_CHECK[index]
+    ptx_of(kernel, sig, f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}")
+
+if sys.argv[2] == "decoders":
+    # scalar arguments and fixed output slots: no address arithmetic, so any 64-bit shift or
+    # logic op in the PTX is the decoders' own data path
+    def fp(w, out):
+        out[0] = c.fp16_hi_raw(w)
+        out[1] = c.fp16_lo_raw(w)
+        out[2] = c.fp8_byte_raw(w, 1)
+        out[3] = c.fp8_decode(w)
+        out[4] = c.fp16_decode_bits(w)
+
+    def fp8(w, out):
+        f0, f1, f2, f3 = c.fp8x4_raw(w)
+        g0, g1, g2, g3 = c.fp8x4_cvt(w)
+        out[0] = f0 + f1 + f2 + f3
+        out[1] = g0 + g1 + g2 + g3
+
+    def gf4(w, x, out):
+        out[0] = c.gf4_dot8(w, x, x, x, x, x, x, x, x)
+        out[1] = c.gf4_decode(w, 6) + c.gf4_decode(w, 2) + c.gf4_scale(w)
+
+    def enc(x, out):
+        out[0] = c.fp8_encode(x)
+
+    for fn, sig in ((fp, "void(int32, float32[::1])"), (fp8, "void(int32, float32[::1])"),
+                    (gf4, "void(int32, float32, float32[::1])"), (enc, "void(float32, int32[::1])")):
+        ptx = ptx_of(fn, sig, f"decoder kernel {fn.__name__}")
+        if ptx is not None and INT64.search(ptx):
+            ops = sorted(set(m.group(0) for m in INT64.finditer(ptx)))
+            out["problems"].append(f"decoder kernel {fn.__name__}: 64-bit integer ops {ops} in PTX")
 print("RESULT" + json.dumps(out))
 """
 
@@ -43,22 +91,39 @@ def _modules() -> list[str]:
     return [m.name for m in pkgutil.iter_modules(pycalm.kernels.__path__) if not m.name.startswith("_")]
 
 
-def _check(name: str) -> dict:
+def _run(work: list, extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, name], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, "-c", _SCRIPT, json.dumps(work), extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
     )
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
-    assert p.returncode == 0 and lines, f"{name}: import or compile crashed:\n{p.stderr[-2000:]}"
+    assert p.returncode == 0 and lines, f"compile worker crashed:\n{p.stderr[-3000:]}"
     return json.loads(lines[-1][len("RESULT") :])
 
 
-def test_every_kernel_compiles_without_f64_or_spills():
+def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
+    # the entries, counted here under the simulator (same lists), each distinct one once
     names = _modules()
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = dict(zip(names, pool.map(_check, names), strict=True))
-    problems = [f"{name}: {p}" for name, r in results.items() for p in r["problems"]]
-    assert not problems, "\n".join(problems)
+    work, seen, counts = [], set(), {}
+    for name in names:
+        entries = getattr(import_module("pycalm.kernels." + name), "COMPILE_CHECK", [])
+        counts[name] = len(entries)
+        for i, (kernel, sig) in enumerate(entries):
+            key = (getattr(kernel, "py_func", kernel), sig)
+            if key not in seen:
+                seen.add(key)
+                work.append((name, i))
     for name in ("matvec", "qkv"):
-        assert results[name]["has"] and results[name]["n"] > 0, f"{name} has no COMPILE_CHECK entries"
+        assert counts.get(name, 0) > 0, f"{name} has no COMPILE_CHECK entries"
     assert MINE <= set(names)
+    n_workers = max(1, min(os.cpu_count() or 1, len(work)))
+    shares = [work[k::n_workers] for k in range(n_workers)]  # round-robin: similar mixes
+    with ThreadPoolExecutor(max_workers=n_workers) as pool:
+        results = list(pool.map(_run, shares, ["decoders"] + ["none"] * (n_workers - 1)))
+    problems = [p for r in results for p in r["problems"]]
+    assert not problems, "\n".join(problems)
+    assert sum(r["n"] for r in results) == len(work) + 4  # + the 4 decoder kernels

@@ -21,6 +21,7 @@ RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_ma
         ("gf4", "fp16", False, 144, 3),  # partial rotary: rotary_dim 6 of head_dim 8
         ("gf4", "fp8", True, 72, 4),
         ("fp16", "fp8", False, 136, 3),
+        ("gf4", "fp16", True, 256, 4),  # gf4 16-byte loads: 4 rows (two rotary pairs) a warp
     ],
 )
 def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):

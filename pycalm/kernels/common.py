@@ -38,6 +38,58 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 from numba.types import float16
 
+
+def _linear_singly_assigned_variables() -> None:
+    """Make numba-cuda's lowering find its singly assigned variables in linear time.
+
+    Lower._find_singly_assigned_variable rescans a variable's whole basic block for every
+    variable, which is quadratic in the block size; the unrolled matvec loop bodies are blocks
+    of thousands of statements, and this one scan took half of their compile time (tens of
+    seconds each). The replacement counts each block's assignments once and returns the same
+    set. numba-cuda is pinned (0.30.4); if its lowering ever lacks the method, nothing is
+    patched."""
+    try:
+        from collections import Counter, defaultdict
+
+        from numba.cuda import lowering
+    except ImportError:  # pragma: no cover
+        return
+    if not hasattr(lowering.Lower, "_find_singly_assigned_variable"):  # pragma: no cover
+        return
+    ir_mod = lowering.ir
+
+    def _find_singly_assigned_variable(self: object) -> None:
+        sav = set()
+        if not self.func_ir.func_id.is_generator:
+            blocks = self.func_ir.blocks
+            use_defs = lowering.compute_use_defs(blocks)
+            alloca_vars = lowering.must_use_alloca(blocks)
+            var_assign_map = defaultdict(set)
+            for blk, vl in use_defs.defmap.items():
+                for var in vl:
+                    var_assign_map[var].add(blk)
+            var_use_map = defaultdict(set)
+            for blk, vl in use_defs.usemap.items():
+                for var in vl:
+                    var_use_map[var].add(blk)
+            counts: dict = {}  # block -> how often each name is assigned in it
+            for var, blks in var_assign_map.items():
+                if var not in alloca_vars and len(blks) == 1 and not var_use_map[var]:
+                    [defblk] = blks
+                    if defblk not in counts:
+                        insts = self.blocks[defblk].find_insts(ir_mod.assign_types)
+                        counts[defblk] = Counter(stmt.target.name for stmt in insts)
+                    if counts[defblk][var] == 1:
+                        sav.add(var)
+        self._singly_assigned_vars = sav
+        self._blk_local_varmap = {}
+
+    lowering.Lower._find_singly_assigned_variable = _find_singly_assigned_variable
+
+
+if not _numba_config.ENABLE_CUDASIM:
+    _linear_singly_assigned_variables()
+
 STATE_TOKEN = 0  # state[0]: the current token id (int32, device memory)
 STATE_POS = 1  # state[1]: the current position pos, 0-based; attention spans 0..pos
 
@@ -186,15 +238,33 @@ else:
     def _cos_fast(r: float) -> float:
         return libdevice.fast_cosf(float32(r))
 
-    @cuda.jit(device=True, inline=True)
-    def as_f32(i: int) -> float:
-        """int32 bit pattern -> float32 (a register move on the GPU)."""
-        return libdevice.int_as_float(int32(i))
+    @intrinsic
+    def as_f32(typingctx: object, i: object) -> object:
+        """int32 bit pattern -> float32 (a register move on the GPU; any integer is cast to int32
+        first). An intrinsic, not a device function: the generated kernels call it hundreds of
+        times, and numba's IR-level inlining of device functions is what makes compiles slow."""
+        if not isinstance(i, types.Integer):
+            return None
+        sig = types.float32(i)
 
-    @cuda.jit(device=True, inline=True)
-    def as_i32(f: float) -> int:
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            v = context.cast(builder, args[0], sig.args[0], types.int32)
+            return builder.bitcast(v, ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def as_i32(typingctx: object, f: object) -> object:
         """float32 -> its int32 bit pattern (a register move on the GPU)."""
-        return libdevice.float_as_int(float32(f))
+        if not isinstance(f, types.Float):
+            return None
+        sig = types.int32(f)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            v = context.cast(builder, args[0], sig.args[0], types.float32)
+            return builder.bitcast(v, ir.IntType(32))
+
+        return sig, codegen
 
 
 @cuda.jit(device=True, inline=True)

@@ -68,6 +68,7 @@ import functools  # noqa: E402
 import math  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
+from numba import config as _numba_config  # noqa: E402
 from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from pycalm.errors import PycalmError  # noqa: E402
@@ -75,16 +76,13 @@ from pycalm.kernels.common import (  # noqa: E402
     FP_RAW_SCALE,
     GF4_RAW_SCALE,
     WARP,
+    and_or,
     as_f32,
     as_i32,
     block_reduce_sum,
-    fp8x4_cvt,
-    fp8x4_raw,
-    fp16_hi_raw,
-    fp16_lo_raw,
-    gf4_dot8_raw,
     h2f2,
     ldg128,
+    prmt,
     warp_reduce_sum,
 )
 
@@ -127,7 +125,7 @@ class Variant(NamedTuple):
     unroll: int = 2  # U: loads a row a lane per step
     prefetch: bool = False  # PF: issue the next step's loads before this step's arithmetic
     n_warps: int = 8  # warps a block
-    blocks_per_sm: int = 4  # grid cap: blocks an SM (the warps then loop over row groups)
+    blocks_per_sm: int = 8  # grid cap: blocks an SM (also capped by the kernel's occupancy)
     wide: bool = True  # 16-byte loads where the rows allow them (False: 8 bytes, a comparison)
     cvt: bool = True  # fp16 / fp8: decode with cvt.f32.f16 (HADD2.F32) instead of shifts and masks
 
@@ -155,23 +153,71 @@ def row_scale(dtype: str, cvt: bool) -> float:
 # the unrolled bodies are written out as source once and compiled.
 
 
-def _word_source(kind: str, n_rows: int, cvt: bool) -> str:
-    """word(xs, j, a0.., w0..): add load j (chunk-local) of R rows (w_r: what load() returned)
-    times x to the raw sums a_r. The x values are loaded once (E/2 64-bit shared loads) for all
-    R rows."""
+_MASK_E5M2 = 0x8FE00000 - (1 << 32)  # int32: sign and the 5 + 2 e5m2 bits after the >> 3
+_MASK_FP16 = 0x8FFFE000 - (1 << 32)  # int32: sign and the 5 + 10 fp16 bits after the >> 3
+# gf4 codes 0..4 in place (bits 8 + 3k) and codes 5..7 after >> 12: (mask, exponent word, the
+# float 2**(23-p) + 4 that the exact subtraction removes), see pycalm.kernels.common
+_GF4_CODES = [
+    (0x700, 142 << 23, 2.0**15 + 4.0),
+    (0x3800, 139 << 23, 2.0**12 + 4.0),
+    (0x1C000, 136 << 23, 2.0**9 + 4.0),
+    (0xE0000, 133 << 23, 2.0**6 + 4.0),
+    (0x700000, 130 << 23, 2.0**3 + 4.0),
+    (0x3800, 139 << 23, 2.0**12 + 4.0),
+    (0x1C000, 136 << 23, 2.0**9 + 4.0),
+    (0xE0000, 133 << 23, 2.0**6 + 4.0),
+]
+
+
+def _sar_mask(expr: str, shl: int, mask: int) -> str:
+    """as_f32(((expr << shl) >> 3) & mask) on int32, each step wrapped in int32() (real numba
+    computes int32 op int32 in int64; the casts make it 32-bit, see pycalm.kernels.common)."""
+    v = f"int32({expr} << int32({shl}))" if shl else expr
+    return f"as_f32(int32(int32({v} >> int32(3)) & int32({mask})))"
+
+
+def _part_lines(dtype: str, cvt: bool, acc: str, xk: list[str]) -> list[str]:
+    """Lines adding the weights of the int32 `t` (2 fp16, 4 e5m2 or one gf4 group) times the x
+    values xk to the raw sum acc. The decoders of pycalm.kernels.common, written out: the
+    kernels are generated source, and inlining hundreds of device-function calls made numba's
+    compile take minutes."""
+    if dtype == "fp16" and cvt:
+        return ["f0, f1 = h2f2(t)", f"{acc} += f0 * {xk[0]}", f"{acc} += f1 * {xk[1]}"]
+    if dtype == "fp16":
+        return [
+            f"{acc} += {_sar_mask('t', 16, _MASK_FP16)} * {xk[0]}",
+            f"{acc} += {_sar_mask('t', 0, _MASK_FP16)} * {xk[1]}",
+        ]
+    if dtype == "fp8" and cvt:
+        return [
+            "f0, f1 = h2f2(prmt(t, int32(0), int32(0x1404)))  # bytes 0, 1 -> top bytes of two fp16",
+            "f2, f3 = h2f2(prmt(t, int32(0), int32(0x3424)))  # bytes 2, 3",
+        ] + [f"{acc} += f{k} * {xk[k]}" for k in range(4)]
+    if dtype == "fp8":
+        return [f"{acc} += {_sar_mask('t', 24 - 8 * k, _MASK_E5M2)} * {xk[k]}" for k in range(4)]
+    lines = ["u = int32(t >> int32(12))  # codes 5..7 moved down so that their mantissa fits"]
+    for k, (mask, e, c) in enumerate(_GF4_CODES):
+        src = "t" if k < 5 else "u"
+        term = f"(as_f32(and_or({src}, int32({mask}), int32({e}))) - float32({c!r})) * {xk[k]}"
+        lines.append(f"g {'=' if k == 0 else '+='} {term}")
+    lines.append(f"{acc} += g * {_sar_mask('t', 24, _MASK_E5M2)}  # the group's raw e5m2 scale")
+    return lines
+
+
+def _word_lines(kind: str, n_rows: int, cvt: bool, j: str, words: list[str], ind: str) -> list[str]:
+    """Lines adding load j (chunk-local) of R rows (words[r]: what the load returned) times x to
+    the raw sums a0.. The x values are loaded once (E/2 64-bit shared loads) for all R rows."""
     dtype, nbytes, e_w = KINDS[kind]
     cw = XCHUNK // e_w
-    accs = ", ".join(f"a{r}" for r in range(n_rows))
-    words = ", ".join(f"w{r}" for r in range(n_rows))
-    src = [f"def word(xs, j, {accs}, {words}):"]
+    src = []
     for p in range(e_w // 2):
-        src.append(f"    v = xs[j + uint64({p * cw})]")
-        src.append(f"    x{2 * p} = as_f32(v)")
-        src.append(f"    x{2 * p + 1} = as_f32(v >> uint64(32))")
+        src.append(f"v = xs[{j} + uint64({p * cw})]")
+        src.append(f"x{2 * p} = as_f32(v)")
+        src.append(f"x{2 * p + 1} = as_f32(v >> uint64(32))")
     for r in range(n_rows):
-        a, w = f"a{r}", f"w{r}"
+        w = words[r]
         if nbytes == 16:
-            src.append(f"    lo, hi = {w}")
+            src.append(f"lo, hi = {w}")
             parts = ["lo", "lo >> uint64(32)", "hi", "hi >> uint64(32)"]
         elif nbytes == 8:
             parts = [w, f"{w} >> uint64(32)"]
@@ -179,24 +225,12 @@ def _word_source(kind: str, n_rows: int, cvt: bool) -> str:
             parts = [w]
         pw = _PART_WEIGHTS[dtype]
         for i, part in enumerate(parts):
-            xk = [f"x{pw * i + k}" for k in range(pw)]
-            src.append(f"    t = int32({part})")
-            if dtype == "fp16" and cvt:
-                src.append("    f0, f1 = h2f2(t)")
-                src += [f"    {a} += f{k} * {xk[k]}" for k in range(2)]
-            elif dtype == "fp16":
-                src.append(f"    {a} += fp16_lo_raw(t) * {xk[0]}")
-                src.append(f"    {a} += fp16_hi_raw(t) * {xk[1]}")
-            elif dtype == "fp8":
-                src.append(f"    f0, f1, f2, f3 = {'fp8x4_cvt' if cvt else 'fp8x4_raw'}(t)")
-                src += [f"    {a} += f{k} * {xk[k]}" for k in range(4)]
-            else:
-                src.append(f"    {a} += gf4_dot8_raw(t, {', '.join(xk)})")
-    src.append(f"    return {accs}")
-    return "\n".join(src)
+            src.append(f"t = int32({part})")
+            src += _part_lines(dtype, cvt, f"a{r}", [f"x{pw * i + k}" for k in range(pw)])
+    return [ind + ln for ln in src]
 
 
-def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool) -> str:
+def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool) -> str:
     """group_dot(m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of row
     r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index)."""
     wide = KINDS[kind].load_bytes == 16
@@ -221,12 +255,12 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool) -> st
         ]
 
     def steps(prefix: str, ind: str) -> list[str]:
-        return [
-            f"{ind}{accs}, = word(xs, j + uint64({WARP * u}), {accs}, "
-            + ", ".join(f"{prefix}{r}_{u}" for r in rr)
-            + ")"
-            for u in range(unroll)
-        ]
+        out = []
+        for u in range(unroll):
+            out += _word_lines(
+                kind, n_rows, cvt, f"(j + uint64({WARP * u}))", [f"{prefix}{r}_{u}" for r in rr], ind
+            )
+        return out
 
     if not prefetch:
         src.append(f"    while j + {span} < n:")
@@ -248,7 +282,8 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool) -> st
         src += [f"            c{r}_{u} = p{r}_{u}" for u in range(unroll) for r in rr]
     if unroll > 1:
         src.append("    while j < n:  # the last loads, one a step")
-        src.append(f"        {accs}, = word(xs, j, {accs}, " + ", ".join(load(r, "j0 + j") for r in rr) + ")")
+        src += [f"        e{r} = {load(r, 'j0 + j')}" for r in rr]
+        src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ")
         src.append(f"        j += uint64({WARP})")
     src.append(f"    return {accs}")
     return "\n".join(src)
@@ -267,12 +302,9 @@ _ENV = {
     "float32": float32,
     "as_f32": as_f32,
     "ldg128": ldg128,
-    "fp16_lo_raw": fp16_lo_raw,
-    "fp16_hi_raw": fp16_hi_raw,
-    "fp8x4_raw": fp8x4_raw,
-    "fp8x4_cvt": fp8x4_cvt,
     "h2f2": h2f2,
-    "gf4_dot8_raw": gf4_dot8_raw,
+    "prmt": prmt,
+    "and_or": and_or,
 }
 
 
@@ -280,10 +312,7 @@ _ENV = {
 def make_group_dot(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool):  # noqa: ANN201
     """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
     (times row_scale(dtype, cvt) for the values)."""
-    word = _compile_source(_word_source(kind, n_rows, cvt), "word", _ENV)
-    return _compile_source(
-        _group_dot_source(kind, n_rows, unroll, prefetch), "group_dot", {**_ENV, "word": word}
-    )
+    return _compile_source(_group_dot_source(kind, n_rows, unroll, prefetch, cvt), "group_dot", _ENV)
 
 
 @functools.cache
@@ -453,12 +482,28 @@ def n_sm() -> int:
         return 132
 
 
-def grid_for(n_groups: int, v: Variant) -> int:
-    """Blocks for n_groups row groups: at most blocks_per_sm an SM, and sized so that every warp
-    loops over the same number of groups (no warp does one more group than the others)."""
-    resident = n_sm() * v.blocks_per_sm * v.n_warps
-    per_warp = max(1, -(-n_groups // resident))
+def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
+    """Blocks for n_groups row groups: at most min(blocks_per_sm, the kernel's occupancy) an
+    SM, so that every block is resident at once, and sized so that every warp loops over the
+    same number of groups (no warp does one more group than the others)."""
+    bps = min(v.blocks_per_sm, resident) if resident else v.blocks_per_sm
+    per_warp = max(1, -(-n_groups // (n_sm() * bps * v.n_warps)))
     return max(1, -(-n_groups // (v.n_warps * per_warp)))
+
+
+_RESIDENT: dict = {}
+
+
+def resident_blocks(kernel: object, args: tuple, n_threads: int) -> int | None:
+    """Blocks of `kernel` an SM can hold at once (registers, shared memory), from the CUDA
+    occupancy calculator; compiles the kernel for args on first use. None under the simulator."""
+    if _numba_config.ENABLE_CUDASIM:
+        return None
+    key = (kernel, n_threads)
+    if key not in _RESIDENT:
+        compiled = kernel._compile_for_args(*args)  # numba's own launch path does the same
+        _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(n_threads) // n_sm())
+    return _RESIDENT[key]
 
 
 def launch_family(
@@ -487,9 +532,9 @@ def launch_family(
     n_groups = -(-rows // (v.rows // 2)) if mode == GATE else -(-rows // v.rows)
     kernel = kernel_for_variant(kind, v)
     normed = norm_w is not None
-    kernel[grid_for(n_groups, v), v.n_warps * WARP, stream](
-        wav, wbv, x, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed)
-    )
+    args = (wav, wbv, x, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed))
+    n_threads = v.n_warps * WARP
+    kernel[grid_for(n_groups, v, resident_blocks(kernel, args, n_threads)), n_threads, stream](*args)
 
 
 def matvec(

@@ -76,6 +76,7 @@ from pycalm.kernels.matvec import (  # noqa: E402
     grid_for,
     make_group_dot,
     make_stage_x,
+    resident_blocks,
     rms_factor,
     row_scale,
     variant_for,
@@ -242,11 +243,14 @@ def qkv_rope_variant(
     assert rows == q_dim + 2 * kv_dim and head_dim % 2 == 0
     has_bias = bqkv is not None
     kernel = qkv_kernel_for(kind, v, kv_dtype)
-    blocks = grid_for(-(-rows // v.rows), v)
-    kernel[blocks, v.n_warps * WARP, stream](
+    args = (
         wv, bqkv if has_bias else x, x, norm_w, np.float32(eps), rope_freqs, state, q, k_cache, v_cache,
         q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
+    n_threads = v.n_warps * WARP
+    kernel[grid_for(-(-rows // v.rows), v, resident_blocks(kernel, args, n_threads)), n_threads, stream](
+        *args
+    )
     kv_row = 2 * kv_dim * k_cache.dtype.itemsize
     extra = int(bqkv.nbytes) if has_bias else 0
     return int(wqkv.nbytes) + int(x.nbytes) + int(norm_w.nbytes) + extra + 4 * q_dim + kv_row
