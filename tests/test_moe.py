@@ -1,0 +1,293 @@
+"""Mixtral routing: the engines against an independent NumPy forward pass written here.
+
+What Mixtral's sparse MoE block computes (transformers' MixtralSparseMoeBlock, reread in NumPy):
+  router logits = G xb  (G: (n_experts, dim));  probs = softmax over ALL experts;
+  the k largest probs chosen, renormalised to sum to 1 (= a softmax over the chosen logits);
+  out = sum over chosen e of weight_e * w2_e (silu(w1_e xb) * w3_e xb).
+`numpy_forward` below is the whole model written from the Hugging Face source tensors (float64,
+rotate-half RoPE as transformers applies it, softmax over all experts then top-k, as
+transformers does), sharing no code with pycalm: it checks the converter's expert stacking and
+q/k permutation as much as the engine's routing.
+
+The engines hold fp16 matrices, so the independent forward uses the same fp16-rounded matrices
+(the router stays float32, as the converter keeps it). With a float32 KV cache the only
+difference left is float32 against float64 arithmetic; with the fp16 KV cache the independent
+forward rounds keys and values to fp16 at the same point.
+
+ENGINES lists the engines under test: the GPU engine (pycalm.model.GpuEngine, under the CUDA
+simulator in CI) joins with ("gpu", "fp16") once it runs MoE models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import TinyModel, make_hf_llama, write_safetensors
+
+from pycalm.convert import convert
+from pycalm.engine import CpuEngine
+from pycalm.kernels.moe import moe_route_ref
+from pycalm.loader import open_model
+
+N_EXPERTS = 4
+TOP_K = 2
+TOKENS = [5, 17, 3, 42, 9, 30]
+
+# (engine, KV cache dtype, relative L2 tolerance on each position's logits). Measured on the CPU
+# engine: 4.0e-7 (fp32 KV) and 4.4e-7 (fp16 KV; the independent forward rounds its keys and values
+# to fp16 as the cache does, and not doing so costs 1e-3): float32 vs float64 arithmetic only.
+ENGINES = [("cpu", "fp32", 1e-5), ("cpu", "fp16", 1e-5)]
+
+
+def make_engine(kind: str, model: object, seq_len: int, kv: str) -> object:
+    if kind == "cpu":
+        return CpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+    from pycalm.model import GpuEngine
+
+    return GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent forward pass (Hugging Face layout and conventions, float64)
+
+
+def fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float64)
+
+
+def held_weights(tiny: TinyModel) -> dict[str, np.ndarray]:
+    """The source tensors as the fp16 engines hold them: matrices fp16-rounded, the router,
+    norms (and biases) float32, all as float64 arrays."""
+    out = {}
+    for name, w in tiny.weights.items():
+        is_router = name.endswith("block_sparse_moe.gate.weight")
+        out[name] = fp16(w) if w.ndim == 2 and not is_router else w.astype(np.float64)
+    return out
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def rope(x: np.ndarray, pos: int, theta: float) -> np.ndarray:
+    """transformers' rotate-half RoPE on (n_heads, head_dim): pairs (i, i + head_dim/2)."""
+    hd = x.shape[-1]
+    freqs = pos * theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    cos, sin = np.cos(np.concatenate([freqs, freqs])), np.sin(np.concatenate([freqs, freqs]))
+    rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+def moe_block(w: dict[str, np.ndarray], prefix: str, xb: np.ndarray, k: int) -> tuple[np.ndarray, list]:
+    """-> (block output, [(expert, weight), ...] in descending weight order)."""
+    logits = w[prefix + "gate.weight"] @ xb
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    chosen = np.argsort(-probs, kind="stable")[:k]
+    weights = probs[chosen] / probs[chosen].sum()
+    out = np.zeros_like(xb)
+    for e, g in zip(chosen, weights, strict=True):
+        ex = f"{prefix}experts.{e}."
+        h = silu(w[ex + "w1.weight"] @ xb) * (w[ex + "w3.weight"] @ xb)
+        out += g * (w[ex + "w2.weight"] @ h)
+    return out, list(zip(chosen.tolist(), weights.tolist(), strict=True))
+
+
+def numpy_forward(
+    w: dict[str, np.ndarray], cfg: dict, tokens: list[int], kv16: bool
+) -> tuple[np.ndarray, list[list]]:
+    """Logits (len(tokens), vocab) of the whole causal sequence, and the routing of every
+    (layer, position): routes[layer][pos] = [(expert, weight), ...]."""
+    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim, eps, theta = cfg["hidden_size"], cfg["rms_norm_eps"], cfg["rope_theta"]
+    hd = dim // n_heads
+    x = np.stack([w["model.embed_tokens.weight"][t] for t in tokens])  # (T, dim)
+    T = len(tokens)
+    routes = []
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        xb = np.stack([rmsnorm(r, w[p + "input_layernorm.weight"], eps) for r in x])
+        q = (xb @ w[p + "self_attn.q_proj.weight"].T).reshape(T, n_heads, hd)
+        k = (xb @ w[p + "self_attn.k_proj.weight"].T).reshape(T, n_kv, hd)
+        v = (xb @ w[p + "self_attn.v_proj.weight"].T).reshape(T, n_kv, hd)
+        q = np.stack([rope(q[t], t, theta) for t in range(T)])
+        k = np.stack([rope(k[t], t, theta) for t in range(T)])
+        if kv16:  # the KV cache stores fp16
+            k, v = fp16(k), fp16(v)
+        att = np.zeros((T, n_heads, hd))
+        for t in range(T):
+            for h in range(n_heads):
+                g = h // (n_heads // n_kv)
+                s = k[: t + 1, g] @ q[t, h] / np.sqrt(hd)
+                pr = np.exp(s - s.max())
+                att[t, h] = (pr / pr.sum()) @ v[: t + 1, g]
+        x = x + att.reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        layer_routes = []
+        for t in range(T):
+            xb = rmsnorm(x[t], w[p + "post_attention_layernorm.weight"], eps)
+            out, route = moe_block(w, p + "block_sparse_moe.", xb, cfg["num_experts_per_tok"])
+            x[t] = x[t] + out
+            layer_routes.append(route)
+        routes.append(layer_routes)
+    x = np.stack([rmsnorm(r, w["model.norm.weight"], eps) for r in x])
+    return x @ w["lm_head.weight"].T, routes
+
+
+def layer0_moe_input(w: dict[str, np.ndarray], cfg: dict, token: int) -> np.ndarray:
+    """xb entering layer 0's MoE block at position 0 (attention over one position is its value)."""
+    n_heads, n_kv, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
+    p = "model.layers.0."
+    x = w["model.embed_tokens.weight"][token]
+    v = w[p + "self_attn.v_proj.weight"] @ rmsnorm(x, w[p + "input_layernorm.weight"], eps)
+    att = np.repeat(v.reshape(n_kv, -1), n_heads // n_kv, axis=0).reshape(-1)
+    x = x + w[p + "self_attn.o_proj.weight"] @ att
+    return rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_mixtral(tmp_path: Path, name: str = "mixtral", seed: int = 0) -> TinyModel:
+    return make_hf_llama(
+        tmp_path,
+        arch="mixtral",
+        dim=32,
+        hidden_dim=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=64,
+        n_experts=N_EXPERTS,
+        seed=seed,
+        name=name,
+    )
+
+
+def rewrite(tiny: TinyModel, changes: dict[str, np.ndarray]) -> None:
+    """Replace source tensors (the folder is float32) and keep tiny.weights in step."""
+    tiny.weights.update({k: v.astype(np.float32) for k, v in changes.items()})
+    write_safetensors(tiny.path / "model.safetensors", {k: ("F32", v) for k, v in tiny.weights.items()})
+
+
+def converted(tiny: TinyModel, tmp_path: Path) -> object:
+    return open_model(convert(tiny.path, tmp_path / f"{tiny.path.name}.pycalm", "fp16", progress=False))
+
+
+def engine_logits(kind: str, model: object, kv: str, tokens: list[int]) -> np.ndarray:
+    engine = make_engine(kind, model, len(tokens), kv)
+    return np.stack([engine.logits(t, pos) for pos, t in enumerate(tokens)]).astype(np.float64)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
+    err = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert err.max() < rtol, f"relative error per position {err}"
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_route_ref on crafted router logits
+
+
+def test_route_ref_crafted_logits():
+    # x = first unit vector: the router logits are exactly column 0 of the gate
+    logits = np.array([0.5, 3.0, -1.0, 2.0, 2.9, -4.0, 0.0, 1.0], np.float32)
+    gate = np.zeros((8, 5), np.float32)
+    gate[:, 0] = logits
+    x = np.eye(5, dtype=np.float32)[0]
+    ids, w = moe_route_ref(gate, x, 2)
+    assert ids.tolist() == [1, 4]  # descending logit order
+    e = np.exp([3.0 - 3.0, 2.9 - 3.0])
+    np.testing.assert_allclose(w, e / e.sum(), rtol=1e-6)
+    # softmax over the chosen == softmax over all experts, then renormalised over the top k
+    p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    np.testing.assert_allclose(w, p[[1, 4]] / p[[1, 4]].sum(), rtol=1e-6)
+    ids, w = moe_route_ref(gate, x, 1)
+    assert ids.tolist() == [1] and w.tolist() == [1.0]
+    ids, w = moe_route_ref(gate, x, 8)
+    assert ids.tolist() == [1, 4, 3, 7, 0, 6, 2, 5]
+    np.testing.assert_allclose(w, p[ids], rtol=1e-6)
+    # the softmax must not overflow on large logits
+    ids, w = moe_route_ref(gate * 100, x, 2)
+    assert ids.tolist() == [1, 4] and np.isfinite(w).all()
+    np.testing.assert_allclose(w, [1 / (1 + np.exp(-10.0)), 1 / (1 + np.exp(10.0))], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# whole tiny Mixtral: engines vs the independent forward
+
+
+@pytest.mark.parametrize("kind,kv,rtol", ENGINES)
+def test_mixtral_matches_numpy(tmp_path, kind, kv, rtol):
+    tiny = tiny_mixtral(tmp_path)
+    model = converted(tiny, tmp_path)
+    assert model.config.n_experts == N_EXPERTS and model.config.n_experts_active == TOP_K
+    want, routes = numpy_forward(held_weights(tiny), tiny.config, TOKENS, kv16=kv == "fp16")
+    got = engine_logits(kind, model, kv, TOKENS)
+    assert_close(got, want, rtol)
+    # the routes are varied (otherwise a routing bug could hide): several experts are used
+    used = {e for layer in routes for route in layer for e, _ in route}
+    assert len(used) >= 3, used
+
+
+@pytest.mark.parametrize("kind,kv,rtol", ENGINES)
+def test_mixtral_forced_experts(tmp_path, kind, kv, rtol):
+    """Layer 0's router crafted so that, at position 0, experts 3 and 0 are chosen with weights
+    softmax([2, 1]) = (0.731, 0.269): the engine must follow it, and its logits at position 0
+    must equal the independent forward's and differ from those of other routings."""
+    tiny = tiny_mixtral(tmp_path)
+    w = held_weights(tiny)
+    xb = layer0_moe_input(w, tiny.config, TOKENS[0])
+    target = np.array([1.0, -3.0, -2.0, 2.0])  # router logits wanted at (layer 0, position 0)
+    router = np.outer(target, xb) / (xb @ xb)  # G xb == target
+    rewrite(tiny, {"model.layers.0.block_sparse_moe.gate.weight": router})
+    w = held_weights(tiny)
+    want, routes = numpy_forward(w, tiny.config, TOKENS, kv16=kv == "fp16")
+    (e0, g0), (e1, g1) = routes[0][0]
+    assert (e0, e1) == (3, 0)
+    np.testing.assert_allclose([g0, g1], [1 / (1 + np.exp(-1.0)), 1 / (1 + np.exp(1.0))], rtol=1e-4)
+
+    model = converted(tiny, tmp_path)
+    # the converted router gives the crafted logits, and moe_route_ref picks the same experts
+    gate = model.tensor("layers.0.moe_gate")
+    ids, weights = moe_route_ref(gate, xb.astype(np.float32), TOP_K)
+    assert ids.tolist() == [3, 0]
+    np.testing.assert_allclose(weights, [g0, g1], rtol=1e-4)
+
+    got = engine_logits(kind, model, kv, TOKENS)
+    assert_close(got, want, rtol)
+
+    # the check has teeth: the same model with experts 3 and 0 weighted equally (no softmax over
+    # the chosen), or with experts 3 and 2 instead, gives different logits at position 0
+    def with_route(route: list) -> np.ndarray:
+        out = np.zeros_like(xb)
+        p = "model.layers.0.block_sparse_moe."
+        for e, g in route:
+            ex = f"{p}experts.{e}."
+            out += g * (w[ex + "w2.weight"] @ (silu(w[ex + "w1.weight"] @ xb) * (w[ex + "w3.weight"] @ xb)))
+        return out
+
+    good = with_route([(3, g0), (0, g1)])
+    for wrong in ([(3, 0.5), (0, 0.5)], [(3, g0), (2, g1)]):
+        diff = np.linalg.norm(with_route(wrong) - good) / np.linalg.norm(good)
+        assert diff > 0.05, diff
+
+
+def test_config_json_round_trip(tmp_path):
+    """The converter reads the routing hyperparameters from config.json, not from defaults."""
+    tiny = tiny_mixtral(tmp_path)
+    cfg = json.loads((tiny.path / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 3
+    (tiny.path / "config.json").write_text(json.dumps(cfg))
+    model = converted(tiny, tmp_path)
+    assert (model.config.n_experts, model.config.n_experts_active) == (N_EXPERTS, 3)
+    tiny.config["num_experts_per_tok"] = 3
+    want, routes = numpy_forward(held_weights(tiny), tiny.config, TOKENS[:3], kv16=False)
+    assert all(len(r) == 3 for layer in routes for r in layer)
+    assert_close(engine_logits("cpu", model, "fp32", TOKENS[:3]), want, 1e-5)
