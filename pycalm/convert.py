@@ -369,7 +369,10 @@ def from_hf(folder: Path, dtype: str) -> Converted:
     rotary_dim = int(head_dim * partial)
     theta, inv_freq = _hf_rope(cfg, rotary_dim)
     sliding = 0
-    if arch in ("mistral", "mixtral") or (arch == "qwen2" and cfg.get("use_sliding_window")):
+    if arch == "qwen2" and cfg.get("use_sliding_window"):
+        # transformers windows only layers >= max_window_layers; pycalm has one window for all
+        raise PycalmError(f"{folder}: Qwen2 with use_sliding_window (per-layer windows) is not supported")
+    if arch in ("mistral", "mixtral"):
         sliding = int(cfg.get("sliding_window") or 0)
     n_experts = int(cfg.get("num_local_experts") or 0) if arch == "mixtral" else 0
 
