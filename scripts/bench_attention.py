@@ -106,6 +106,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="default", help="'all' or names: " + ",".join(VARIANTS))
     ap.add_argument("--check", action="store_true", help="compare each variant with attention_ref")
+    ap.add_argument("--diag", action="store_true", help="time the chunk and combine kernels alone")
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     stream = cuda.stream()
@@ -176,6 +177,25 @@ def main():
                     rows.append(
                         (name, kv_dtype, vname, n_pos, t * 1e6, gbs, 100 * gbs / ceiling, err, shape[0])
                     )
+                    if args.diag and vname == names[0]:
+                        for what in ("chunk", "combine", "noop"):
+                            rec = functools.partial(
+                                _one_kernel,
+                                what,
+                                caches,
+                                q,
+                                state,
+                                out,
+                                (n_heads, n_kv_heads, head_dim),
+                                kv_dtype,
+                                part,
+                                stream,
+                            )
+                            td = timed(stream, rec) / LAYERS
+                            print(
+                                f"  diag {name} {kv_dtype} {n_pos}: {what} alone {td * 1e6:.2f} us",
+                                flush=True,
+                            )
                     print(
                         f"{name:11s} {kv_dtype:5s} {vname:9s} {n_pos:6d} {t * 1e6:8.2f} us {gbs:8,.0f} GB/s "
                         f"err {err:.1e} chunks {shape[0]}",
@@ -217,6 +237,33 @@ def main():
         )
     for line in other:
         print(line)
+
+
+@cuda.jit
+def noop_kernel(q, k, v, state, part, window, min_chunk):
+    if cuda.grid(1) == 1 << 30:
+        state[0] = 0
+
+
+def _one_kernel(what, caches, q, state, out, shape, kv_dtype, part, stream):
+    """One of the attention's two kernels (or an empty kernel of the chunk kernel's signature
+    and grid) per layer, launched as the launcher does."""
+    n_heads, n_kv_heads, head_dim = shape
+    lanes = att.team_lanes(head_dim, n_heads // n_kv_heads, kv_dtype)
+    chunk, combine = att.attention_kernels(head_dim, n_heads // n_kv_heads, kv_dtype, att.STEPS, lanes)
+    pstep = att.THREADS // lanes * att.STEPS
+    min_chunk = np.int32(-(-att.MIN_CHUNK // pstep) * pstep)
+    n_chunks = part.shape[0]
+    for k, v in caches:
+        args = (q, k.view(np.int64), v.view(np.int64), state, part, np.int32(0), min_chunk)
+        if what == "chunk":
+            chunk[(n_chunks, n_kv_heads), att.THREADS, stream](*args)
+        elif what == "noop":
+            noop_kernel[(n_chunks, n_kv_heads), att.THREADS, stream](*args)
+        else:
+            combine[n_heads, att.COMBINE_THREADS, stream, n_chunks * 4](
+                part, state, out, np.int32(0), min_chunk
+            )
 
 
 def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream):
