@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
-#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [real GGUF GOLDEN]   (default: tests kernels bench)
+#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [verify] [real GGUF GOLDEN] [cli GGUF]
+#   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash ../shared/gpu/get-wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +14,16 @@ while [ $i -lt ${#steps[@]} ]; do
   step=${steps[$i]}; i=$((i + 1))
   echo "=== $step $(date +%T)"
   case $step in
-    tests)   PYCALM_TEST_GPU=1 python3 -m pytest -q -x -p no:cacheprovider tests/test_common.py tests/test_matvec.py \
+    tests)   PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_common.py tests/test_matvec.py \
                tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_norm.py tests/test_sample.py \
                tests/test_model.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels) python3 scripts/bench_kernels.py --check 2>&1 | tee "$out/bench_kernels.log" | tail -40
              python3 scripts/bench_attention.py 2>&1 | tee "$out/bench_attention.log" | tail -25 ;;
     bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
+    verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
+    cli)     gguf=${steps[$i]}; i=$((i + 1))
+             python3 -m pycalm.generate "$gguf" --cache-dir /tmp/pycalm-cache -i "The capital of France is" -n 64 -t 0 2>&1 | tee "$out/cli.log"
+             python3 -m pycalm.generate "$gguf" --cache-dir /tmp/pycalm-cache -i "Once upon a time" -n 200 -s 7 2>&1 | tee -a "$out/cli.log" ;;
     real)    gguf=${steps[$i]}; golden=${steps[$((i + 1))]}; i=$((i + 2))
              python3 scripts/check_real_gpu.py "$gguf" "$golden" 2>&1 | tee -a "$out/real.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;
