@@ -45,13 +45,13 @@ REPLAYS = 7
 V = mv.Variant
 # variants compared (each one compile) on VARIANT_SHAPES; the defaults are mv.DEFAULT_VARIANT
 VARIANTS = {
-    "fp16": [V(2, 2, cvt=False), V(2, 2, wide=False), V(4, 1)],
-    "fp8": [V(2, 2, cvt=False), V(2, 4), V(4, 2)],
-    "gf4": [V(2, 2), V(4, 1, prefetch=True), V(4, 2)],
+    "fp16": [V(2, 2, n_warps=16, early=False), V(2, 2, n_warps=16, wide=False)],
+    "fp8": [V(2, 2, n_warps=16, early=False), V(2, 4, n_warps=16)],
+    "gf4": [V(4, 1, prefetch=True, n_warps=16, early=False), V(4, 2, n_warps=16), V(2, 2, n_warps=16)],
 }
-VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (2048, 2048)]
+VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (2048, 2048)]
 # launch shapes (no compile: warps a block, blocks an SM) tried with the default kernels
-LAUNCH_KNOBS = [(4, 8), (8, 2), (8, 4), (16, 2), (16, 4)]
+LAUNCH_KNOBS = [(8, 8), (8, 2), (16, 1), (16, 8)]
 # finite-value masks on random uint32 words: clear one exponent bit of each fp16 / e5m2 / scale
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
 
@@ -244,9 +244,9 @@ def main() -> None:
                 d = mv.DEFAULT_VARIANT[dtype]
                 for v in VARIANTS[dtype]:
                     name = f"  R{v.rows} U{v.unroll}{' pf' if v.prefetch else ''}{'' if v.cvt else ' shift'}"
-                    name += "" if v.wide else " 8B"
+                    name += ("" if v.wide else " 8B") + ("" if v.early else " late") + f" w{v.n_warps}"
                     report(name, dtype, (rows, cols), nb, timed(s, lambda i, v=v: plain(i, v), n))
-                if (rows, cols) == VARIANT_SHAPES[0]:
+                if (rows, cols) in (VARIANT_SHAPES[0], (4096, 4096)):
                     for n_warps, bps in LAUNCH_KNOBS:
                         v = d._replace(n_warps=n_warps, blocks_per_sm=bps)
                         t = timed(s, lambda i, v=v: plain(i, v), n)

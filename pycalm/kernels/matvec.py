@@ -128,13 +128,14 @@ class Variant(NamedTuple):
     blocks_per_sm: int = 8  # grid cap: blocks an SM (also capped by the kernel's occupancy)
     wide: bool = True  # 16-byte loads where the rows allow them (False: 8 bytes, a comparison)
     cvt: bool = True  # fp16 / fp8: decode with cvt.f32.f16 (HADD2.F32) instead of shifts and masks
+    early: bool = True  # issue a group's first loads before staging x / reducing the last group
 
 
 # per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU
 DEFAULT_VARIANT = {
-    "fp16": Variant(2, 2, False),
-    "fp8": Variant(2, 2, False),
-    "gf4": Variant(4, 1, False),
+    "fp16": Variant(2, 2, n_warps=16),
+    "fp8": Variant(2, 2, n_warps=16),
+    "gf4": Variant(4, 1, prefetch=True, n_warps=16),
 }
 FALLBACK_VARIANT = Variant(2, 1, False)  # the narrow kinds (test shapes)
 
@@ -206,50 +207,68 @@ def _part_lines(dtype: str, cvt: bool, acc: str, xk: list[str]) -> list[str]:
 
 def _word_lines(kind: str, n_rows: int, cvt: bool, j: str, words: list[str], ind: str) -> list[str]:
     """Lines adding load j (chunk-local) of R rows (words[r]: what the load returned) times x to
-    the raw sums a0.. The x values are loaded once (E/2 64-bit shared loads) for all R rows."""
+    the raw sums a0.. Part by part (an int32 of every row at a time): the part's x values are
+    loaded once (64-bit shared loads) for all R rows, and only they are live, which keeps the
+    register count (and so the warps an SM holds) where it is with one row."""
     dtype, nbytes, e_w = KINDS[kind]
     cw = XCHUNK // e_w
+    pw = _PART_WEIGHTS[dtype]
     src = []
-    for p in range(e_w // 2):
-        src.append(f"v = xs[{j} + uint64({p * cw})]")
-        src.append(f"x{2 * p} = as_f32(v)")
-        src.append(f"x{2 * p + 1} = as_f32(v >> uint64(32))")
     for r in range(n_rows):
-        w = words[r]
         if nbytes == 16:
-            src.append(f"lo, hi = {w}")
-            parts = ["lo", "lo >> uint64(32)", "hi", "hi >> uint64(32)"]
-        elif nbytes == 8:
-            parts = [w, f"{w} >> uint64(32)"]
-        else:
-            parts = [w]
-        pw = _PART_WEIGHTS[dtype]
-        for i, part in enumerate(parts):
+            src.append(f"lo{r}, hi{r} = {words[r]}")
+    n_parts = {16: 4, 8: 2, 4: 1}[nbytes]
+    for i in range(n_parts):
+        for p in range(pw * i // 2, pw * (i + 1) // 2):
+            src.append(f"v = xs[{j} + uint64({p * cw})]")
+            src.append(f"x{2 * p} = as_f32(v)")
+            src.append(f"x{2 * p + 1} = as_f32(v >> uint64(32))")
+        for r in range(n_rows):
+            w = f"lo{r}" if nbytes == 16 and i < 2 else f"hi{r}" if nbytes == 16 else words[r]
+            part = w if i % 2 == 0 else f"{w} >> uint64(32)"
             src.append(f"t = int32({part})")
             src += _part_lines(dtype, cvt, f"a{r}", [f"x{pw * i + k}" for k in range(pw)])
     return [ind + ln for ln in src]
 
 
-def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool) -> str:
-    """group_dot(m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of row
-    r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index)."""
-    wide = KINDS[kind].load_bytes == 16
+def _load(kind: str, r: int, at: str) -> str:
+    return f"ldg128(m{r}, r{r}, {at})" if KINDS[kind].load_bytes == 16 else f"m{r}[r{r}, {at}]"
+
+
+def _preload_source(kind: str, n_rows: int, unroll: int) -> str:
+    """preload(m0, r0, .., j0, n, lane) -> the first step's R * U loads (indices clamped to the
+    row, so always valid; group_dot uses them only when the step is whole). Issued before x is
+    staged or the previous group reduced, so the weights stream in meanwhile."""
+    rr = range(n_rows)
+    src = [f"def preload({', '.join(f'm{r}, r{r}' for r in rr)}, j0, n, lane):"]
+    src += [f"    r{r} = uint64(r{r})" for r in rr]
+    src += ["    j0 = uint64(j0)", "    last = uint64(n - 1)"]
+    for u in range(unroll):
+        src.append(f"    j = min(uint64(lane + {WARP * u}), last)")
+        src += [f"    c{r}_{u} = {_load(kind, r, 'j0 + j')}" for r in rr]
+    src.append("    return " + ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr))
+    return "\n".join(src)
+
+
+def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool) -> str:
+    """group_dot(c.., m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of
+    row r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index);
+    c..: the first step's loads, from preload() (early), or none (loaded here)."""
     rr = range(n_rows)
     accs = ", ".join(f"a{r}" for r in rr)
+    cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
     args = ", ".join(f"m{r}, r{r}" for r in rr)
-    src = [f"def group_dot({args}, xs, j0, n, lane):"]
+    src = [f"def group_dot({cs + ', ' if early else ''}{args}, xs, j0, n, lane):"]
     src += [f"    a{r} = float32(0.0)" for r in rr]
     # unsigned indices: numba adds no negative-index wraparound code for them
     src += [f"    r{r} = uint64(r{r})" for r in rr]
     src += ["    j = uint64(lane)", "    j0 = uint64(j0)", "    n = uint64(n)"]
     span = f"uint64({WARP * (unroll - 1)})"
-
-    def load(r: int, at: str) -> str:
-        return f"ldg128(m{r}, r{r}, {at})" if wide else f"m{r}[r{r}, {at}]"
+    step = f"uint64({WARP * unroll})"
 
     def loads(prefix: str, at: str, ind: str) -> list[str]:
         return [
-            f"{ind}{prefix}{r}_{u} = {load(r, f'j0 + {at} + uint64({WARP * u})')}"
+            f"{ind}{prefix}{r}_{u} = {_load(kind, r, f'j0 + {at} + uint64({WARP * u})')}"
             for u in range(unroll)
             for r in rr
         ]
@@ -262,16 +281,19 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
             )
         return out
 
-    if not prefetch:
-        src.append(f"    while j + {span} < n:")
-        src += loads("c", "j", "        ")  # all R * U loads before the first use
-        src += steps("c", "        ")
-        src.append(f"        j += uint64({WARP * unroll})")
-    else:
-        src.append(f"    if j + {span} < n:")
+    src.append(f"    if j + {span} < n:  # the first step: the preloaded words")
+    if not early:
         src += loads("c", "j", "        ")
+    if not prefetch:
+        src += steps("c", "        ")
+        src.append(f"        j += {step}")
+        src.append(f"        while j + {span} < n:")
+        src += loads("c", "j", "            ")  # all R * U loads before the first use
+        src += steps("c", "            ")
+        src.append(f"            j += {step}")
+    else:
         src.append("        while True:")
-        src.append(f"            jn = j + uint64({WARP * unroll})")
+        src.append(f"            jn = j + {step}")
         src.append(f"            more = jn + {span} < n")
         src.append("            jl = jn if more else j  # past the end: a harmless reload")
         src += loads("p", "jl", "            ")  # the next step's loads, issued first
@@ -280,11 +302,10 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
         src.append("            if not more:")
         src.append("                break")
         src += [f"            c{r}_{u} = p{r}_{u}" for u in range(unroll) for r in rr]
-    if unroll > 1:
-        src.append("    while j < n:  # the last loads, one a step")
-        src += [f"        e{r} = {load(r, 'j0 + j')}" for r in rr]
-        src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ")
-        src.append(f"        j += uint64({WARP})")
+    src.append("    while j < n:  # the last loads, one a step")
+    src += [f"        e{r} = {_load(kind, r, 'j0 + j')}" for r in rr]
+    src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ")
+    src.append(f"        j += uint64({WARP})")
     src.append(f"    return {accs}")
     return "\n".join(src)
 
@@ -309,38 +330,52 @@ _ENV = {
 
 
 @functools.cache
-def make_group_dot(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool):  # noqa: ANN201
+def make_group_dot(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool):  # noqa: ANN201
     """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
     (times row_scale(dtype, cvt) for the values)."""
-    return _compile_source(_group_dot_source(kind, n_rows, unroll, prefetch, cvt), "group_dot", _ENV)
+    return _compile_source(_group_dot_source(kind, n_rows, unroll, prefetch, cvt, early), "group_dot", _ENV)
+
+
+@functools.cache
+def make_preload(kind: str, n_rows: int, unroll: int):  # noqa: ANN201
+    """-> device fn preload(m0, r0, .., j0, n_loads, lane) -> the first step's loads (a tuple)."""
+    return _compile_source(_preload_source(kind, n_rows, unroll), "preload", _ENV)
+
+
+def _stage_source(kind: str) -> str:
+    """stage_x(x64, norm_w, xs, c0, n, normed): every thread takes loads j = tid, tid + blockDim,
+    .. of the chunk and copies their E/2 float pairs (E/2 consecutive uint64 of x64, all loads
+    issued together) to the slots xs[p * CW + j]: consecutive threads store consecutive slots
+    (no bank conflicts), and no division is needed."""
+    e_w = KINDS[kind].weights
+    cw = XCHUNK // e_w
+    src = [
+        "def stage_x(x64, norm_w, xs, c0, n, normed):",
+        f"    for j in range(cuda.threadIdx.x, n // {e_w}, cuda.blockDim.x):",
+        f"        b = c0 // 2 + j * {e_w // 2}  # x64 index of the load's first pair",
+    ]
+    src += [f"        v{p} = x64[b + {p}]" for p in range(e_w // 2)]
+    src.append("        if normed:")
+    src += [f"            v{p} = _pair_times(v{p}, norm_w, 2 * (b + {p}))" for p in range(e_w // 2)]
+    src += [f"        xs[j + {p * cw}] = v{p}" for p in range(e_w // 2)]
+    return "\n".join(src)
 
 
 @functools.cache
 def make_stage_x(kind: str):  # noqa: ANN201
-    """-> device fn stage_x(x, norm_w, xs, c0, n, normed) that copies x[c0 : c0 + n] into xs as
-    transposed float pairs (times norm_w when `normed`). All threads of the block call it; the
-    caller puts the barriers around it. n is a multiple of 8 (rows of every format are)."""
-    e_w = KINDS[kind].weights
-    cw = XCHUNK // e_w
+    """-> device fn stage_x(x64, norm_w, xs, c0, n, normed) that copies x[c0 : c0 + n] into xs as
+    transposed float pairs (times norm_w when `normed`). x64 is x viewed as uint64 pairs: one
+    8-byte load is one slot. All threads of the block call it; the caller puts the barriers
+    around it. n is a multiple of the weights a load (rows of every kind are)."""
+    return _compile_source(_stage_source(kind), "stage_x", {**_ENV, "cuda": cuda, "_pair_times": _pair_times})
 
-    @cuda.jit(device=True, inline=True)
-    def stage_x(x, norm_w, xs, c0, n, normed):  # noqa: ANN001, ANN202
-        nj = (n + e_w - 1) // e_w  # loads of this chunk (n is a multiple of 8, e_w of 2)
-        # walk only the pairs this chunk fills, pair p of all loads j before pair p + 1
-        # (consecutive threads store consecutive slots: conflict-free shared stores)
-        for d in range(cuda.threadIdx.x, nj * (e_w // 2), cuda.blockDim.x):
-            p = d // nj
-            j = d - p * nj
-            i = j * e_w + 2 * p  # x index of the pair's first value
-            if i < n:
-                lo = x[c0 + i]
-                hi = x[c0 + i + 1]
-                if normed:
-                    lo *= norm_w[c0 + i]
-                    hi *= norm_w[c0 + i + 1]
-                xs[p * cw + j] = uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
 
-    return stage_x
+@cuda.jit(device=True, inline=True)
+def _pair_times(v: int, norm_w: cuda.devicearray, i: int) -> int:
+    """A uint64 pair of floats (x[i], x[i + 1]) times (norm_w[i], norm_w[i + 1]), repacked."""
+    lo = as_f32(v) * norm_w[i]
+    hi = as_f32(v >> uint64(32)) * norm_w[i + 1]
+    return uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
 
 
 @cuda.jit(device=True, inline=True)
@@ -361,13 +396,25 @@ def silu_gate(a: float, b: float) -> float:
     return a / (float32(1.0) + math.exp(-a)) * b
 
 
-def _matvec_source(n_rows: int) -> str:
+def _matvec_source(n_rows: int, unroll: int, early: bool) -> str:
     """The matvec family kernel for R rows a warp (mode and normed are runtime arguments)."""
     rr = range(n_rows)
     half = n_rows // 2
     accs = ", ".join(f"a{r}" for r in rr)
+    cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
+    # PLAIN / RESIDUAL pass wb = wa, so the second half of the rows may always come from wb
+    mats = ", ".join(f"{'wa' if i < half else 'wb'}, r{i}" for i in rr)
+
+    def rows_of(g: str, ind: str) -> list[str]:
+        # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped for the loads
+        out = [f"{ind}if mode == GATE:"]
+        out += [f"{ind}    r{i} = min({half} * {g} + {i % half}, rows - 1)" for i in rr]
+        out.append(f"{ind}else:")
+        out += [f"{ind}    r{i} = min({n_rows} * {g} + {i}, rows - 1)" for i in rr]
+        return out
+
     src = [
-        "def matvec_kernel(wa, wb, x, norm_w, eps, out, mode, normed):",
+        "def matvec_kernel(wa, wb, x, x64, norm_w, eps, out, mode, normed):",
         "    xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by word",
         "    scratch = cuda.shared.array(32, float32)  # block reduction",
         "    lane = cuda.threadIdx.x % WARP",
@@ -377,27 +424,31 @@ def _matvec_source(n_rows: int) -> str:
         "    cols = x.shape[0]",
         "    n_words = wa.shape[1] // UNIT  # loads a row",
         f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}",
+        "    stride = cuda.gridDim.x * n_warps",
         "    scale = float32(ROW_SCALE)",
-        "    if normed:",
-        "        scale *= rms_factor(x, eps, scratch)",
         "    for c in range((cols + XCHUNK - 1) // XCHUNK):",
         "        c0 = c * XCHUNK",
-        "        cuda.syncthreads()  # every warp is done with the previous chunk of xs",
-        "        stage_x(x, norm_w, xs, c0, min(XCHUNK, cols - c0), normed)",
-        "        cuda.syncthreads()  # xs holds this chunk for every warp",
         "        j0 = c * CW",
         "        nw = min(CW, n_words - j0)",
         "        g = cuda.blockIdx.x * n_warps + warp",
-        "        while g < n_groups:  # warp-uniform: the shuffles below see every lane",
-        "            if mode == GATE:",
     ]
-    # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped for the loads
-    src += [f"                r{i} = min({half} * g + {i % half}, rows - 1)" for i in rr]
-    src.append("            else:")
-    src += [f"                r{i} = min({n_rows} * g + {i}, rows - 1)" for i in rr]
-    # PLAIN / RESIDUAL pass wb = wa, so the second half of the rows may always come from wb
-    mats = ", ".join(f"{'wa' if i < half else 'wb'}, r{i}" for i in rr)
-    src.append(f"            {accs}, = group_dot({mats}, xs, j0, nw, lane)")
+    src += rows_of("min(g, n_groups - 1)", "        ")
+    if early:
+        src.append(f"        {cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
+    src += [
+        "        if c == 0 and normed:",
+        "            scale *= rms_factor(x, eps, scratch)  # contains barriers",
+        "        cuda.syncthreads()  # every warp is done with the previous chunk of xs",
+        "        stage_x(x64, norm_w, xs, c0, min(XCHUNK, cols - c0), normed)",
+        "        cuda.syncthreads()  # xs holds this chunk for every warp",
+        "        while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+        f"            {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, lane)",
+    ]
+    src += [f"            s{i} = r{i}  # this group's rows (the next group's replace r)" for i in rr]
+    src.append("            gn = g + stride")
+    src += rows_of("min(gn, n_groups - 1)", "            ")
+    if early:
+        src.append(f"            {cs}, = preload({mats}, j0, nw, lane)  # the next group's first step")
     src += [f"            a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
     src.append("            if lane == 0:")
     src.append("                if mode == GATE:")
@@ -408,15 +459,17 @@ def _matvec_source(n_rows: int) -> str:
     for i in rr:
         src.append(f"                    if {n_rows} * g + {i} < rows:")
         src.append("                        if mode == RESIDUAL or c > 0:")
-        src.append(f"                            out[r{i}] += a{i}")
+        src.append(f"                            out[s{i}] += a{i}")
         src.append("                        else:")
-        src.append(f"                            out[r{i}] = a{i}")
-    src.append("            g += cuda.gridDim.x * n_warps")
-    return "\n".join(src)
+        src.append(f"                            out[s{i}] = a{i}")
+    src.append("            g = gn")
+    return "\n".join(src).replace(
+        "            rw = r0  # this group's rows, before the next group's replace them\n", ""
+    )
 
 
 @functools.cache
-def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool):  # noqa: ANN201
+def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool):  # noqa: ANN201
     """The matvec family kernel (compiled by numba on first launch) for a weight kind and inner
     loop shape. Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,)
     float32; norm_w (cols,) float32 (read only when normed); eps float32; out float32;
@@ -437,11 +490,15 @@ def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
         "silu_gate": silu_gate,
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
-        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt),
+        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early),
+        "preload": make_preload(kind, n_rows, unroll),
     }
     scope = dict(env)
-    name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}"
-    exec(compile(_matvec_source(n_rows), f"<pycalm.kernels.matvec generated {name}>", "exec"), scope)  # noqa: S102
+    name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}{'e' if early else ''}"
+    exec(
+        compile(_matvec_source(n_rows, unroll, early), f"<pycalm.kernels.matvec generated {name}>", "exec"),
+        scope,
+    )  # noqa: S102
     fn = scope["matvec_kernel"]
     fn.__name__ = fn.__qualname__ = name
     return cuda.jit(fn)
@@ -449,7 +506,9 @@ def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
 
 def kernel_for_variant(kind: str, v: Variant):  # noqa: ANN201
     """The matvec family kernel that runs variant v on weights of this kind."""
-    return matvec_kernel_for(kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4")
+    return matvec_kernel_for(
+        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early
+    )
 
 
 def weight_kind(w: object, dtype: str, wide: bool = True) -> tuple[object, str]:
@@ -532,7 +591,8 @@ def launch_family(
     n_groups = -(-rows // (v.rows // 2)) if mode == GATE else -(-rows // v.rows)
     kernel = kernel_for_variant(kind, v)
     normed = norm_w is not None
-    args = (wav, wbv, x, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed))
+    x64 = x.view(np.uint64)  # float pairs: one 8-byte load a shared-memory slot
+    args = (wav, wbv, x, x64, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed))
     n_threads = v.n_warps * WARP
     kernel[grid_for(n_groups, v, resident_blocks(kernel, args, n_threads)), n_threads, stream](*args)
 
@@ -564,7 +624,7 @@ def ffn_gate(
 def kernel_sig(kind: str) -> str:
     """The numba signature of the matvec family kernel for a kind (COMPILE_CHECK)."""
     t = "uint32" if KINDS[kind].load_bytes == 4 else "uint64"
-    return f"void({t}[:, ::1], {t}[:, ::1], float32[::1], float32[::1], float32, float32[::1], int32, int32)"
+    return f"void({t}[:, ::1], {t}[:, ::1], float32[::1], uint64[::1], float32[::1], float32, float32[::1], int32, int32)"
 
 
 # every kernel the launchers use (one per kind: mode and normed are runtime arguments)

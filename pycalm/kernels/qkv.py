@@ -75,6 +75,7 @@ from pycalm.kernels.matvec import (  # noqa: E402
     Variant,
     grid_for,
     make_group_dot,
+    make_preload,
     make_stage_x,
     resident_blocks,
     rms_factor,
@@ -115,11 +116,13 @@ def _make_store(fp8_kv: bool):  # noqa: ANN202
     return store_pair
 
 
-def _qkv_source(n_rows: int) -> str:
+def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
     rr = range(n_rows)
     accs = ", ".join(f"a{r}" for r in rr)
+    cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
+    mats = ", ".join(f"w, r{i}" for i in rr)
     src = [
-        "def qkv_rope_kernel(w, bias, x, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim,",
+        "def qkv_rope_kernel(w, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim,",
         "                    head_dim, has_bias):",
         "    xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by word",
         "    scratch = cuda.shared.array(32, float32)  # block reduction",
@@ -128,18 +131,26 @@ def _qkv_source(n_rows: int) -> str:
         "    n_warps = cuda.blockDim.x // WARP",
         "    rows = w.shape[0]",
         "    cols = x.shape[0]",
+        "    nw = w.shape[1] // UNIT  # loads a row",
         f"    n_groups = (rows + {n_rows - 1}) // {n_rows}",
+        "    stride = cuda.gridDim.x * n_warps",
         "    pos = state[STATE_POS]",
-        "    scale = float32(ROW_SCALE) * rms_factor(x, eps, scratch)  # contains barriers",
-        "    stage_x(x, norm_w, xs, 0, cols, 1)",
-        "    cuda.syncthreads()  # xs holds x * norm_w for every warp",
         "    g = cuda.blockIdx.x * n_warps + warp",
-        "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
     ]
-    src += [f"        r{i} = min({n_rows} * g + {i}, rows - 1)" for i in rr]
-    src.append(
-        f"        {accs}, = group_dot({', '.join(f'w, r{i}' for i in rr)}, xs, 0, w.shape[1] // UNIT, lane)"
-    )
+    src += [f"    r{i} = min({n_rows} * min(g, n_groups - 1) + {i}, rows - 1)" for i in rr]
+    if early:
+        src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
+    src += [
+        "    scale = float32(ROW_SCALE) * rms_factor(x, eps, scratch)  # contains barriers",
+        "    stage_x(x64, norm_w, xs, 0, cols, 1)",
+        "    cuda.syncthreads()  # xs holds x * norm_w for every warp",
+        "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+        f"        {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, 0, nw, lane)",
+        "        gn = g + stride",
+    ]
+    src += [f"        r{i} = min({n_rows} * min(gn, n_groups - 1) + {i}, rows - 1)" for i in rr]
+    if early:
+        src.append(f"        {cs}, = preload({mats}, 0, nw, lane)  # the next group's first step")
     src += [f"        a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
     src.append("        if lane == 0:")
     for p in range(n_rows // 2):
@@ -148,7 +159,7 @@ def _qkv_source(n_rows: int) -> str:
             f"                store_pair(a{2 * p}, a{2 * p + 1}, {n_rows} * g + {2 * p}, bias, has_bias, freqs, pos, q,"
         )
         src.append("                           k_cache, v_cache, q_dim, kv_dim, head_dim)")
-    src.append("        g += cuda.gridDim.x * n_warps")
+    src.append("        g = gn")
     return "\n".join(src)
 
 
@@ -169,11 +180,15 @@ def qkv_kernel_for(kind: str, v: Variant, kv_dtype: str):  # noqa: ANN201
         "rms_factor": rms_factor,
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
-        "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt),
+        "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt, v.early),
         "store_pair": _make_store(kv_dtype == "fp8"),
+        "preload": make_preload(kind, v.rows, v.unroll),
     }
-    name = f"qkv_rope_kernel_{kind}_r{v.rows}u{v.unroll}{'p' if v.prefetch else ''}{'c' if cvt else ''}_{kv_dtype}"
-    exec(compile(_qkv_source(v.rows), f"<pycalm.kernels.qkv generated {name}>", "exec"), scope)  # noqa: S102
+    name = f"qkv_rope_kernel_{kind}_r{v.rows}u{v.unroll}{'p' if v.prefetch else ''}{'c' if cvt else ''}{'e' if v.early else ''}_{kv_dtype}"
+    exec(
+        compile(_qkv_source(v.rows, v.unroll, v.early), f"<pycalm.kernels.qkv generated {name}>", "exec"),
+        scope,
+    )  # noqa: S102
     fn = scope["qkv_rope_kernel"]
     fn.__name__ = fn.__qualname__ = name
     return cuda.jit(fn)
@@ -244,7 +259,8 @@ def qkv_rope_variant(
     has_bias = bqkv is not None
     kernel = qkv_kernel_for(kind, v, kv_dtype)
     args = (
-        wv, bqkv if has_bias else x, x, norm_w, np.float32(eps), rope_freqs, state, q, k_cache, v_cache,
+        wv, bqkv if has_bias else x, x, x.view(np.uint64), norm_w, np.float32(eps), rope_freqs, state, q,
+        k_cache, v_cache,
         q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
     n_threads = v.n_warps * WARP
@@ -260,7 +276,7 @@ _SIG_KV = {"fp16": "float16", "fp8": "uint8"}
 COMPILE_CHECK = [
     (
         qkv_kernel_for(kind, variant_for(kind, None), kv),
-        f"void({'uint32' if KINDS[kind].load_bytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], "
+        f"void({'uint32' if KINDS[kind].load_bytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], uint64[::1], "
         f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {_SIG_KV[kv]}[:, ::1], "
         f"{_SIG_KV[kv]}[:, ::1], int64, int64, int64, int32)",
     )
