@@ -20,7 +20,6 @@ reader already reverses GGUF's ne[] order into numpy order).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -33,7 +32,7 @@ import numpy as np
 
 from pycalm import formats
 from pycalm.config import WEIGHT_DTYPES, ModelConfig
-from pycalm.errors import PycalmError
+from pycalm.errors import OneLineParser, PycalmError
 from pycalm.loader import ModelWriter, TensorSpec, read_safetensors_header
 
 CHUNK_ELEMS = 1 << 21  # values per encoded chunk: 8 MB of float32; the encoders make float64 temporaries
@@ -771,7 +770,7 @@ def convert(src: str | Path, out: str | Path, dtype: str = "fp16", progress: boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m pycalm.convert",
         description="Convert an HF folder or GGUF file to a pycalm model file.",
     )

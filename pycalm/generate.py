@@ -20,13 +20,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 
 from pycalm.config import WEIGHT_DTYPES
 from pycalm.engine import CpuEngine, SamplingParams
-from pycalm.errors import PycalmError
+from pycalm.errors import OneLineParser, PycalmError
 from pycalm.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_gguf
 
 # -------------------------------------------------------------------------------------------
@@ -176,14 +175,6 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one 'error: ...' line, like every other pycalm
-    error, instead of the usage block first (--help still shows it)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -356,14 +356,7 @@ def test_empty_prompt_without_bos(tmp_path):
 @pytest.mark.parametrize(
     "module",
     [
-        pytest.param(
-            "pycalm.convert",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="pycalm/convert.py's argparse prints its usage block before the error line; "
-                "fix: build its parser with pycalm.generate.OneLineParser",
-            ),
-        ),
+        "pycalm.convert",
         "pycalm.generate",
     ],
 )
