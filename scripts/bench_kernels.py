@@ -47,7 +47,7 @@ V = mv.Variant
 VARIANTS = {
     "fp16": [V(2, 2, n_warps=16, early=False), V(2, 2, n_warps=16, wide=False)],
     "fp8": [V(2, 2, n_warps=16, early=False), V(2, 4, n_warps=16)],
-    "gf4": [V(4, 1, prefetch=True, n_warps=16, early=False), V(4, 2, n_warps=16), V(2, 2, n_warps=16)],
+    "gf4": [V(4, 1, prefetch=True, n_warps=16), V(2, 2, n_warps=8), V(2, 4, n_warps=16)],
 }
 VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (2048, 2048)]
 # launch shapes (no compile: warps a block, blocks an SM) tried with the default kernels

@@ -39,26 +39,31 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # Thread mapping. A warp computes the dot products of R weight rows with the same x (a "row
 # group": rows R g .. R g + R - 1 of one matrix for matvec / matvec_residual, rows (R/2) g ..
 # of W1 and the same rows of W3 for ffn_gate), so every x value read from shared memory serves R
-# rows and the epilogue (SiLU gate, RoPE rotation) needs no barrier. Lane l reads the words
-# l, l + 32, l + 64, ... of each row (uint64 words: 4 fp16, 8 fp8 or 16 gf4 weights; coalesced,
-# a warp reads 256 contiguous bytes a row per load), U words a row per step, all R * U loads
-# issued before the first use (with PF, the next step's loads are issued before this step's
-# arithmetic, so up to 2 R U loads a lane are in flight). Warps loop over row groups (grid-stride)
-# in a grid sized so that every warp gets the same number of groups.
+# rows and the epilogue (SiLU gate, RoPE rotation) needs no barrier. Lane l reads the 16-byte
+# units l, l + 32, l + 64, ... of each row (ldg128: 8 fp16, 16 fp8 or 32 gf4 weights; a warp
+# reads 512 contiguous bytes a row per load), U units a row per step, all R * U loads issued
+# before the first use. The first step's loads of a group are issued before x is staged (and,
+# for the next group, before this group's warp reduction), so the weights stream in meanwhile.
+# Warps loop over row groups (grid-stride) in a grid sized so that every block is resident and
+# every warp gets the same number of groups. Rows that are not a multiple of 16 bytes (test
+# shapes) take narrow kinds (8-byte fp8, 4-byte gf4 loads).
 #
 # x is staged once per block in shared memory (times the RMSNorm weight when the norm is fused;
 # the scalar rsqrt(mean(x^2) + eps) factors out of the dot product and is applied at the end),
-# as uint64 pairs of floats transposed by word: xs[p * CW + j] = (x[j E + 2p], x[j E + 2p + 1])
-# (E weights a word, CW words a chunk), so one 64-bit shared load gives two x values and the 32
-# lanes, reading pair p of 32 consecutive words, read 256 contiguous bytes (no bank conflicts).
+# as uint64 pairs of floats transposed by load: xs[p * CW + j] = (x[j E + 2p], x[j E + 2p + 1])
+# (E weights a load, CW loads a chunk), so one 64-bit shared load gives two x values and the 32
+# lanes, reading pair p of 32 consecutive loads, read 256 contiguous bytes (no bank conflicts).
 # Rows longer than XCHUNK columns are done chunk by chunk: each block stages chunk c, its warps
 # add their groups' partial sums for chunk c into the output (PLAIN: the first chunk writes),
 # then the next chunk is staged; one warp owns each output row, so this is deterministic.
 # ffn_gate and qkv_rope need whole rows (the gate, the rotation), so their x is one chunk.
 #
-# Decoding (see pycalm.kernels.common): fp16 2.5 and fp8 2.75 integer ops a weight, no
-# conversion; their raw products carry a factor 2**-112 that is multiplied back once per row.
-# gf4 is one LOP3 and one exact float subtraction a weight (q - 4), the group scale once a group.
+# Decoding (pycalm.kernels.common; SASS of the inner loop on sm_90, per weight): fp16 one
+# cvt.f32.f16 (HADD2.F32) and one FFMA (3.2 instructions a weight with the x loads and
+# addressing); fp8 half a PRMT (two e5m2 bytes into the top bytes of two fp16), one HADD2.F32,
+# one FFMA (3.2); gf4 one LOP3 (code masked and given an exponent), one exact FADD (q - 4), one
+# FFMA, the group scale once a group (4.1). The shift-and-mask decoders (value * 2**-112, no
+# conversion) cost 2.5 / 2.75 integer ops a weight (fp8: 4.45 instructions a weight).
 #
 # Bytes moved: the weights, x once (it is re-read per block from L2, not counted), and the
 # output (written, or read and written for the residual).
@@ -131,11 +136,15 @@ class Variant(NamedTuple):
     early: bool = True  # issue a group's first loads before staging x / reducing the last group
 
 
-# per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU
+# per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU. Measured on the
+# H200 (CUDA graph of back-to-back launches, GB/s at 14336x4096 / 4096x14336 / 4096x4096):
+#   fp16 R2 U2 w16: 3610 / 3580 / 2788   (8-byte loads: 3553 / 2764 / 2351; shift decode -2..5%)
+#   fp8  R2 U2 w16: 2990 / 2648 / 1830   (R2 U4: 3026 / 2575 / 1601; loads after staging: 2525)
+#   gf4  R2 U2 w16: 1574 / 1291 / 899    (R4 U1 prefetch: 1618 / 983 / 785; R4 U2: 1593 / 1015)
 DEFAULT_VARIANT = {
     "fp16": Variant(2, 2, n_warps=16),
     "fp8": Variant(2, 2, n_warps=16),
-    "gf4": Variant(4, 1, prefetch=True, n_warps=16),
+    "gf4": Variant(2, 2, n_warps=16),
 }
 FALLBACK_VARIANT = Variant(2, 1, False)  # the narrow kinds (test shapes)
 
