@@ -18,6 +18,7 @@ if os.environ.get("PYCALM_TEST_GPU") != "1":
 # reruns reuse it while any change to the converter makes a fresh one (older ones are removed).
 
 import hashlib  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -45,10 +46,18 @@ def converted_model(gguf: Path, dtype: str) -> Path:
     folder = realmodels.cache_dir() / "converted"
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / f"{gguf.stem}-{dtype}-{key}.pycalm"
-    if not out.exists():
-        for old in folder.glob(f"{gguf.stem}-{dtype}-*.pycalm"):
-            old.unlink(missing_ok=True)  # another xdist worker may be removing it too
-        convert(gguf, out, dtype, progress=False)  # written under a per-process name, then renamed
+    if out.exists():
+        os.utime(out)  # mtime = last use, so a concurrent run's cleanup below leaves it alone
+        return out
+    # conversions by other converter versions, unused for an hour (a test run on older code may
+    # still be reading a recent one: on a shared machine two checkouts can run at once)
+    for old in folder.glob(f"{gguf.stem}-{dtype}-*.pycalm"):
+        try:
+            if time.time() - old.stat().st_mtime > 3600:
+                old.unlink()
+        except FileNotFoundError:  # another xdist worker removed it first
+            pass
+    convert(gguf, out, dtype, progress=False)  # written under a per-process name, then renamed
     return out
 
 
