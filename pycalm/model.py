@@ -140,8 +140,12 @@ class GpuEngine:
         # (n_chunks, n_heads, head_dim + 2) float32: per-chunk partial attention, shared by the layers
         part_shape = attention_scratch_shape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.seq_len)
         self.att_scratch = cuda.device_array(part_shape, np.float32, stream=self.stream)
-        # (2, blocks) int32: per-block (value bits, id) of the many-block argmax
-        self.argmax_scratch = cuda.device_array(argmax_scratch_shape(), np.int32, stream=self.stream)
+        # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
+        # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
+        self.argmax_scratch = cuda.device_array(
+            (2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32, stream=self.stream
+        )
+        self._threads = {"threads": 64} if config.ENABLE_CUDASIM else {}  # argmax / sample block size
         # per-token values on the device (see pycalm.kernels.step)
         self.state = cuda.to_device(
             np.zeros(STATE_SIZE, np.int32), stream=self.stream
@@ -220,7 +224,7 @@ class GpuEngine:
         n += matvec(self.output, self.x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
         # state[token] = the next token, chosen on the device
         if sampling.temperature == 0:
-            n += argmax(self.logits_buf, self.state, stream=s, scratch=self.argmax_scratch)
+            n += argmax(self.logits_buf, self.state, stream=s, scratch=self.argmax_scratch, **self._threads)
         else:
             n += sample(
                 self.logits_buf,
@@ -231,6 +235,7 @@ class GpuEngine:
                 sampling.top_p,
                 sampling.min_p,
                 stream=s,
+                **self._threads,
             )
         # feed the prompt's next token instead while prefilling; pos += 1
         n += advance(self.state, self.feed, self.tokens, stream=s)

@@ -64,12 +64,14 @@ def qkv_ref(
 
 import functools  # noqa: E402
 
+from numba import config as _numba_config  # noqa: E402
 from numba import cuda, float32, uint8, uint64  # noqa: E402
 
 from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, sincos, warp_reduce_sum  # noqa: E402
 from pycalm.kernels.matvec import (  # noqa: E402
     KINDS,
+    SIM_WARPS,
     XCHUNK,
     XPAIRS,
     Variant,
@@ -263,6 +265,8 @@ def qkv_rope_variant(
         k_cache, v_cache,
         q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
+    if _numba_config.ENABLE_CUDASIM:
+        v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP
     kernel[grid_for(-(-rows // v.rows), v, resident_blocks(kernel, args, n_threads)), n_threads, stream](
         *args
