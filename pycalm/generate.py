@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pycalm import __version__
 from pycalm.config import WEIGHT_DTYPES
 from pycalm.engine import CpuEngine, SamplingParams
 from pycalm.errors import OneLineParser, PycalmError
@@ -56,7 +57,10 @@ def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str],
             return src
     src = src.resolve()
     stat = src.stat()
-    key = hashlib.sha256(f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:12]
+    # the pycalm version is part of the key: a newer converter never reuses an older file
+    key = hashlib.sha256(
+        f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{__version__}".encode()
+    ).hexdigest()[:12]
     out = cache / f"{src.stem}-{dtype}-{key}.pycalm"
     if not out.exists():
         from pycalm.convert import convert
