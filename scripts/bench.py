@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from numba import cuda, uint32
+from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpubench import copy_ceiling, fill  # noqa: E402
 
 from pycalm.config import ModelConfig  # noqa: E402
 from pycalm.engine import SamplingParams  # noqa: E402
@@ -110,27 +112,8 @@ def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
 # random weights made on the GPU
 
 
-@cuda.jit
-def _fill_words_kernel(out, seed, scale_bits):
-    # out: uint32 words. A hash of the index gives random bits; for fp16 pairs / fp8 quads the
-    # exponent field is forced into a narrow normal range so every value is finite and small.
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.shape[0]:
-        h = uint32(i) * uint32(0x9E3779B1) ^ uint32(seed)
-        h ^= h >> uint32(15)
-        h *= uint32(0x2C1B3C6D)
-        h ^= h >> uint32(12)
-        h *= uint32(0x297A2D39)
-        h ^= h >> uint32(15)
-        out[i] = h & uint32(scale_bits[0]) | uint32(scale_bits[1])
-        i += stride
-
-
 def random_words(n_words: int, seed: int, mask: int, bits: int) -> object:
-    out = cuda.device_array(n_words, np.uint32)
-    _fill_words_kernel[1024, 256](out, seed, cuda.to_device(np.array([mask, bits], np.uint32)))
-    return out
+    return fill(cuda.device_array(n_words, np.uint32), seed, mask, bits)
 
 
 # masks keep the sign and low mantissa bits random and pin the exponent to small normals
@@ -199,25 +182,7 @@ def copy_ceiling_gbs() -> tuple[float, str]:
         return 2 * 2**30 / float(np.median(times[2:])) / 1e9, "torch copy"
     except ImportError:
         pass
-    a = cuda.device_array(2**27, np.uint64)
-    b = cuda.device_array(2**27, np.uint64)
-
-    @cuda.jit
-    def copy(src, dst):
-        i = cuda.grid(1)
-        while i < src.shape[0]:
-            dst[i] = src[i]
-            i += cuda.gridsize(1)
-
-    times = []
-    for _ in range(12):
-        s, e = cuda.event(timing=True), cuda.event(timing=True)
-        s.record()
-        copy[132 * 8, 512](a, b)
-        e.record()
-        e.synchronize()
-        times.append(cuda.event_elapsed_time(s, e) / 1e3)
-    return 2 * 8 * 2**27 / float(np.median(times[2:])) / 1e9, "numba uint64 copy"
+    return copy_ceiling(cuda.stream()), "numba uint64 copy"
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

@@ -26,10 +26,10 @@ import os
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 import numpy as np  # noqa: E402
-from numba import cuda, uint32  # noqa: E402
+from gpubench import copy_ceiling, fill, graph_seconds  # noqa: E402
+from numba import cuda  # noqa: E402
 
 from pycalm import formats  # noqa: E402
-from pycalm.graph import GraphStep  # noqa: E402
 from pycalm.kernels import attention as att  # noqa: E402
 from pycalm.kernels.sample import argmax, argmax_scratch_shape, sample  # noqa: E402
 
@@ -48,52 +48,9 @@ VARIANTS = {  # name -> attention.py knobs
 }
 
 
-@cuda.jit
-def fill_kernel(words, seed, mask):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < words.shape[0]:
-        h = uint32(i) * uint32(0x9E3779B9) + uint32(seed)
-        h ^= h >> uint32(16)
-        h *= uint32(0x7FEB352D)
-        h ^= h >> uint32(15)
-        h *= uint32(0x846CA68B)
-        h ^= h >> uint32(16)
-        words[i] = h & uint32(mask)
-        i += stride
-
-
-@cuda.jit
-def copy_kernel(src, dst):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < src.shape[0]:
-        dst[i] = src[i]
-        i += stride
-
-
 def timed(stream, record, runs=RUNS):
     """Seconds per replay of a graph of `record`'s launches (median of runs)."""
-    g = GraphStep(stream, record)
-    g.launch()
-    stream.synchronize()
-    times = []
-    for _ in range(runs):
-        a, b = cuda.event(), cuda.event()
-        a.record(stream)
-        g.launch()
-        b.record(stream)
-        b.synchronize()
-        times.append(cuda.event_elapsed_time(a, b) / 1e3)
-    return float(np.median(times))
-
-
-def copy_ceiling(stream):
-    n = 64 << 20  # 512 MB of uint64
-    src = cuda.device_array(n, np.uint64)
-    dst = cuda.device_array(n, np.uint64)
-    t = timed(stream, lambda: copy_kernel[132 * 16, 256, stream](src, dst))
-    return 2 * n * 8 / t / 1e9
+    return graph_seconds(stream, record, runs)
 
 
 def set_knobs(knobs):
@@ -127,9 +84,7 @@ def main():
                 pair = []
                 for which in range(2):
                     words = cuda.device_array(SEQ_LEN * kv_dim * elt // 4, np.uint32)
-                    fill_kernel[1024, 256, stream](
-                        words, uint32(2 * layer + which + 1), uint32(MASK[kv_dtype])
-                    )
+                    fill(words, 2 * layer + which + 1, MASK[kv_dtype], stream=stream)
                     pair.append(words.view(dt).reshape(SEQ_LEN, kv_dim))
                 caches.append(pair)
             ref_kv = None

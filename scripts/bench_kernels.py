@@ -28,10 +28,10 @@ import time
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 import numpy as np  # noqa: E402
-from numba import cuda, uint32  # noqa: E402
+from gpubench import copy_ceiling, fill, graph_seconds  # noqa: E402
+from numba import cuda  # noqa: E402
 
 from pycalm import formats  # noqa: E402
-from pycalm.graph import GraphStep  # noqa: E402
 from pycalm.kernels import matvec as mv  # noqa: E402
 from pycalm.kernels import qkv as qk  # noqa: E402
 from pycalm.kernels.common import STATE_POS  # noqa: E402
@@ -56,34 +56,9 @@ LAUNCH_KNOBS = [(8, 8), (8, 2), (16, 1), (16, 8)]
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
 
 
-@cuda.jit
-def fill_kernel(words, seed, mask):
-    """words[i] = hash(i, seed) & mask (a 32-bit integer hash, lowbias32)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < words.shape[0]:
-        h = uint32(i) * uint32(0x9E3779B9) + uint32(seed)
-        h ^= h >> uint32(16)
-        h *= uint32(0x7FEB352D)
-        h ^= h >> uint32(15)
-        h *= uint32(0x846CA68B)
-        h ^= h >> uint32(16)
-        words[i] = h & uint32(mask)
-        i += stride
-
-
-@cuda.jit
-def copy_kernel(src, dst):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < src.shape[0]:
-        dst[i] = src[i]
-        i += stride
-
-
 def random_weights(rows: int, cols: int, dtype: str, seed: int) -> object:
     w = cuda.device_array(formats.storage_shape(rows, cols, dtype), formats.STORAGE_DTYPE[dtype])
-    fill_kernel[1024, 256](w.reshape(-1).view(np.uint32), seed, MASK[dtype])
+    fill(w.reshape(-1).view(np.uint32), seed, MASK[dtype])
     return w
 
 
@@ -94,27 +69,7 @@ def n_copies(rows: int, cols: int, dtype: str) -> int:
 
 def timed(stream: object, launch: object, n_launches: int) -> float:
     """Seconds per launch: a graph of n_launches calls launch(i), replayed; the median replay."""
-    launch(0)  # compiles the kernel (and its occupancy query) outside the capture
-    stream.synchronize()
-    g = GraphStep(stream, lambda: [launch(i) for i in range(n_launches)])
-    g.launch()
-    stream.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = cuda.event(), cuda.event()
-        a.record(stream)
-        g.launch()
-        b.record(stream)
-        b.synchronize()
-        times.append(cuda.event_elapsed_time(a, b) / 1e3 / n_launches)
-    return float(np.median(times))
-
-
-def copy_ceiling(stream: object) -> float:
-    n = 32 << 20  # 256 MB of uint64 each way
-    src = cuda.device_array(n, np.uint64)
-    dst = cuda.device_array(n, np.uint64)
-    return 2 * n * 8 / timed(stream, lambda i: copy_kernel[132 * 16, 256, stream](src, dst), 4) / 1e9
+    return graph_seconds(stream, lambda: [launch(i) for i in range(n_launches)], REPLAYS) / n_launches
 
 
 def _rel_err(got: np.ndarray, want: np.ndarray, scale: np.ndarray) -> float:
