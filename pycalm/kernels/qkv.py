@@ -214,41 +214,16 @@ def qkv_rope(
     head_dim: int,
     *,
     stream: object,
+    variant: Variant | None = None,
 ) -> int:
     """q = rope(Wq xn + bq); k_cache[pos] = enc(rope(Wk xn + bk)); v_cache[pos] = enc(Wv xn + bv).
 
     wqkv: stored (q_dim + 2 kv_dim, dim); bqkv (q_dim + 2 kv_dim,) float32 or None; x, norm_w
     (dim,) float32; rope_freqs (rotary_dim // 2,) float32; state int32 (pos = state[STATE_POS]);
-    q (q_dim,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8 ("fp8").
+    q (q_dim,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8 ("fp8"); variant:
+    the inner loop's shape (the benchmark's alternatives), None for the default.
     -> bytes moved.
     """
-    return qkv_rope_variant(
-        wqkv, bqkv, x, norm_w, eps, rope_freqs, state, q, k_cache, v_cache, dtype, kv_dtype,
-        n_heads, n_kv_heads, head_dim, stream=stream, variant=None,
-    )  # fmt: skip
-
-
-def qkv_rope_variant(
-    wqkv: object,
-    bqkv: object,
-    x: object,
-    norm_w: object,
-    eps: float,
-    rope_freqs: object,
-    state: object,
-    q: object,
-    k_cache: object,
-    v_cache: object,
-    dtype: str,
-    kv_dtype: str,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    *,
-    stream: object,
-    variant: Variant | None,
-) -> int:
-    """qkv_rope with the inner-loop variant chosen (the benchmark's); None: the default."""
     if kv_dtype not in ("fp16", "fp8"):
         raise PycalmError(f"unsupported KV-cache dtype {kv_dtype!r} (fp16 or fp8)")
     if x.shape[0] > XCHUNK:
