@@ -414,7 +414,7 @@ def from_hf(folder: Path, dtype: str) -> Converted:
             sliding_window=sliding,
             weight_dtype=dtype,
         )
-    except ValueError as e:
+    except PycalmError as e:  # ModelConfig's own checks: name the file they came from
         raise PycalmError(f"{cfg_path}: {e}") from None
 
     q_perm = rotary_perm(n_heads, head_dim, rotary_dim)
@@ -615,7 +615,7 @@ def from_gguf(path: Path, dtype: str) -> Converted:
             sliding_window=0,
             weight_dtype=dtype,
         )
-    except ValueError as e:
+    except PycalmError as e:  # ModelConfig's own checks: name the file they came from
         raise PycalmError(f"{path}: {e}") from None
 
     # llama.cpp stores llama q/k already interleaved; qwen2 (NEOX rope) keeps rotate-half order
