@@ -45,6 +45,10 @@ VARIANTS = {  # name -> attention.py knobs
     "steps2": {"STEPS": 2},
     "lanes8": {"REG_BUDGET": 64},
     "blocks1k": {"TARGET_BLOCKS": 1024},
+    "steps4": {"STEPS": 4},
+    "steps4_1k": {"STEPS": 4, "TARGET_BLOCKS": 1024},
+    "chunk64": {"STEPS": 4, "MIN_CHUNK": 64},
+    "blocks256": {"TARGET_BLOCKS": 256, "STEPS": 2},
 }
 
 
@@ -216,9 +220,7 @@ def _one_kernel(what, caches, q, state, out, shape, kv_dtype, part, stream):
         elif what == "noop":
             noop_kernel[(n_chunks, n_kv_heads), att.THREADS, stream](*args)
         else:
-            combine[n_heads, att.COMBINE_THREADS, stream, n_chunks * 4](
-                part, state, out, np.int32(0), min_chunk
-            )
+            combine[n_heads, att.COMBINE_THREADS, stream](part, state, out, np.int32(0), min_chunk)
 
 
 def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream):

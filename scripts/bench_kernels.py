@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py            # every shape x dtype, the fused kernels, variants
     python scripts/bench_kernels.py --check    # first compare with float64 NumPy (one big shape)
     python scripts/bench_kernels.py --quick    # default variants only (fewer compiles)
+    python scripts/bench_kernels.py --sweep    # only: rows x loads x warps a block, every shape
 
 Timing: each measurement is a CUDA graph of back-to-back launches of one kernel, rotating over
 enough weight copies (at least 4x the 50 MB L2) that no launch finds its weights in L2, replayed
@@ -156,14 +157,61 @@ def check(stream: object) -> bool:
     return ok_all
 
 
+SWEEP_RU = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
+SWEEP_WARPS = [4, 8, 16]
+
+
+def sweep(s: object, dtypes: list[str]) -> None:
+    """Time plain matvec for every (rows, loads, warps a block) on every shape; print the best."""
+    rng = np.random.default_rng(1)
+    for dtype in dtypes:
+        for rows, cols in LLAMA + TINY:
+            c = n_copies(rows, cols, dtype)
+            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
+            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
+            y = cuda.device_array(rows, np.float32)
+            nb = mv.matvec(ws[0], x, y, dtype, stream=s)
+            res = []
+            for r, u in SWEEP_RU:
+                for w in SWEEP_WARPS:
+                    v = V(r, u, n_warps=w)
+
+                    def run(
+                        i: int, v: object = v, ws: list = ws, x: object = x, y: object = y, dtype: str = dtype
+                    ) -> None:
+                        mv.launch_family(
+                            ws[i % len(ws)],
+                            ws[i % len(ws)],
+                            x,
+                            None,
+                            0.0,
+                            y,
+                            dtype,
+                            mv.PLAIN,
+                            stream=s,
+                            variant=v,
+                        )
+
+                    t = timed(s, run, max(c, 16))
+                    res.append((nb / t / 1e9, t * 1e6, f"R{r}U{u}w{w}"))
+            res.sort(reverse=True)
+            line = " ".join(f"{n}:{g:.0f}" for g, _, n in res)
+            print(f"sweep {dtype} {rows}x{cols}: {line}", flush=True)
+            del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="first compare with float64 NumPy")
     ap.add_argument("--quick", action="store_true", help="default variants only")
+    ap.add_argument("--sweep", default="", help="only sweep variants for these dtypes (fp8,gf4)")
     args = ap.parse_args()
     t0 = time.time()
     s = cuda.stream()
     print(f"device: {cuda.get_current_device().name}", flush=True)
+    if args.sweep:
+        sweep(s, args.sweep.split(","))
+        return
     if args.check:
         ok = check(s)
         print(f"check {'OK' if ok else 'FAILED'}   [{time.time() - t0:.0f} s]", flush=True)

@@ -1,4 +1,4 @@
-"""Warp intrinsics for numba's CUDA simulator, which lacks them.
+"""Warp intrinsics (and libdevice's fast_expf) for numba's CUDA simulator, which lacks them.
 
 The simulator runs every thread of a block as a Python thread. A shuffle here is a rendezvous
 of the lanes of one warp: each lane posts its value in the warp's slot table, waits at a
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+import numpy as np
 
 _WARP = 32
 
@@ -71,6 +73,11 @@ def syncwarp(self, mask: int = 0xFFFFFFFF) -> None:  # noqa: ANN001
     _shuffle(0, lambda lane: lane)
 
 
+def fast_expf(x: float) -> float:
+    """libdevice's fast_expf (ex2.approx on the GPU), which the simulator only declares."""
+    return np.exp(np.float32(x))
+
+
 def _yielding_is_alive(self: threading.Thread) -> bool:
     """The simulator's block loop polls every thread's is_alive() without pause, holding the
     GIL against the very threads it waits for; a zero sleep hands the GIL over at each poll
@@ -82,6 +89,7 @@ def _yielding_is_alive(self: threading.Thread) -> bool:
 def install() -> None:
     """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent), and make
     the simulator's block loop yield the GIL while it polls."""
+    from numba.cuda import libdevice
     from numba.cuda.simulator.kernel import BlockThread
     from numba.cuda.simulator.kernelapi import FakeCUDAModule
 
@@ -91,3 +99,4 @@ def install() -> None:
     FakeCUDAModule.shfl_up_sync = shfl_up_sync
     FakeCUDAModule.shfl_xor_sync = shfl_xor_sync
     FakeCUDAModule.syncwarp = syncwarp
+    libdevice.fast_expf = fast_expf

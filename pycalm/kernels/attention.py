@@ -52,7 +52,8 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
+from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
@@ -102,7 +103,7 @@ TARGET_BLOCKS = 512  # chunk blocks to aim for at long context: ~4 per SM on a 1
 STEPS = 1  # positions a team loads per step before using them (loads in flight: 2 * STEPS rows)
 THREADS = 128  # threads of a chunk block: 4 warps
 WARPS = THREADS // 32
-COMBINE_THREADS = 256
+COMBINE_THREADS = 512
 UNROLL = 8  # independent partial loads in flight per combine thread
 REG_BUDGET = 32  # floats of queries (and as many of outputs) a lane holds: ~128 registers, 4 blocks an SM
 NEG = -1.0e30  # "no score yet": finite, so that merging two empty runs gives 0 * 1, not NaN
@@ -130,6 +131,26 @@ def attention_scratch_shape(
 
 
 @cuda.jit(device=True, inline=True)
+def _exp(x):  # noqa: ANN001, ANN202
+    """exp(x) as ex2.approx(x log2 e): two instructions instead of the accurate expf's ~10
+    (relative error ~1e-7 for the |x| < 20 that carry weight in a softmax; 0 for -1e30)."""
+    return libdevice.fast_expf(x)
+
+
+@cuda.jit(device=True, inline=True)
+def _div(a, b):  # noqa: ANN001, ANN202
+    """a // b for 0 <= a, 0 < b < 2**24, in 32-bit arithmetic: a float quotient corrected by one
+    either way. (Python's // on int32 compiles to a 64-bit division, a ~100-instruction
+    subroutine that every block, even one that exits at once, would pay three times.)"""
+    f = int32(float32(a) / float32(b))
+    if int32(f * b) > a:
+        f = int32(f - 1)
+    if int32((f + 1) * b) <= a:
+        f = int32(f + 1)
+    return f
+
+
+@cuda.jit(device=True, inline=True)
 def _chunk_range(state, window, min_chunk, n_chunks, c):  # noqa: ANN001, ANN202
     """(first position, end position, live chunks) of chunk c: the same formula in both kernels.
     min_chunk is a multiple of the chunk kernel's positions per step."""
@@ -138,9 +159,9 @@ def _chunk_range(state, window, min_chunk, n_chunks, c):  # noqa: ANN001, ANN202
     if window > 0 and n_pos > window:
         start = int32(n_pos - window)
     n = int32(n_pos - start)
-    clen = int32((n + n_chunks - 1) // n_chunks)
-    clen = int32((clen + min_chunk - 1) // min_chunk) * min_chunk
-    live = int32((n + clen - 1) // clen)
+    clen = _div(int32(n + n_chunks - 1), int32(n_chunks))
+    clen = int32(_div(int32(clen + min_chunk - 1), min_chunk) * min_chunk)
+    live = _div(int32(n + clen - 1), clen)
     t0 = int32(start + c * clen)
     return t0, min(int32(t0 + clen), n_pos), live
 
@@ -245,10 +266,10 @@ def attention_kernels(
         last = t1 - 1
         for base in range(t0, t1, P * S):  # uniform trip count: every lane takes the shuffles
             for s in range(S):  # all K and V loads of the step first: 2 * S * W in flight
-                t = min(base + s * P + slot, last)
+                t = uint32(min(base + s * P + slot, last))  # unsigned: no negative-index code
                 for j in range(W):
-                    kw[s * W + j] = k_cache[t, w0 + LANES * j]
-                    vw[s * W + j] = v_cache[t, w0 + LANES * j]
+                    kw[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
+                    vw[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
             for s in range(S):
                 valid = base + s * P + slot <= last
                 for h in range(G):
@@ -265,12 +286,12 @@ def attention_kernels(
                         sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, off)
                         off //= 2
                     if valid and sc > m[h]:  # a new max: rescale what was summed (rare)
-                        a = math.exp(m[h] - sc)
+                        a = _exp(m[h] - sc)
                         lsum[h] *= a
                         for i in range(D):
                             o[h * D + i] *= a
                         m[h] = sc
-                    p[h] = math.exp(sc - m[h]) if valid else float32(0.0)
+                    p[h] = _exp(sc - m[h]) if valid else float32(0.0)
                     lsum[h] += p[h]
                 for j in range(W):
                     for e in range(EPW):
@@ -285,8 +306,8 @@ def attention_kernels(
                 m2 = cuda.shfl_xor_sync(0xFFFFFFFF, m[h], off)
                 l2 = cuda.shfl_xor_sync(0xFFFFFFFF, lsum[h], off)
                 mm = max(m[h], m2)
-                a = math.exp(m[h] - mm)
-                b = math.exp(m2 - mm)
+                a = _exp(m[h] - mm)
+                b = _exp(m2 - mm)
                 lsum[h] = lsum[h] * a + l2 * b
                 m[h] = mm
                 for i in range(D):
@@ -311,7 +332,7 @@ def attention_kernels(
             so = float32(0.0)
             sl = float32(0.0)
             for w in range(WARPS):
-                f = math.exp(red[w, h, HD] - mm)
+                f = _exp(red[w, h, HD] - mm)
                 so += f * red[w, h, d]
                 sl += f * red[w, h, HD + 1]
             part[c, g * G + h, d] = so * float32(FP_RAW_SCALE)
@@ -321,28 +342,23 @@ def attention_kernels(
 
     @cuda.jit(fastmath=False)
     def attention_combine_kernel(part, state, out, window, min_chunk):  # noqa: ANN001, ANN202
-        # block h: one query head; thread (slice s, dim d) sums chunks s*U.., S*U apart
+        # block h: one query head; thread (slice s, dim d) sums chunks s*U.., SLICES*U apart
         h = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        lane = tid % 32
         n_chunks = part.shape[0]
         _, _, live = _chunk_range(state, window, min_chunk, n_chunks, 0)
-        wsh = cuda.shared.array(0, float32)  # (n_chunks,) chunk weights exp(m_c - M)
-        inv = cuda.shared.array(1, float32)
         red = cuda.shared.array((SLICES, HD), float32)
-        if tid < 32:
-            mm = float32(NEG)
-            for c in range(tid, live, 32):
-                mm = max(mm, part[c, h, HD])
-            mm = warp_reduce_max(mm)
-            den = float32(0.0)
-            for c in range(tid, live, 32):
-                f = math.exp(part[c, h, HD] - mm)
-                wsh[c] = f
-                den += f * part[c, h, HD + 1]
-            den = warp_reduce_sum(den)
-            if tid == 0:
-                inv[0] = float32(1.0) / den
-        cuda.syncthreads()  # weights and 1 / denominator are in shared memory
+        # every warp computes the max of the chunk maxima and the softmax denominator itself
+        # (a few loads a lane, L1 hits after the first warp): no barrier before the sums
+        mm = float32(NEG)
+        for c in range(lane, live, 32):
+            mm = max(mm, part[c, h, HD])
+        mm = warp_reduce_max(mm)
+        den = float32(0.0)
+        for c in range(lane, live, 32):
+            den += _exp(part[c, h, HD] - mm) * part[c, h, HD + 1]
+        den = warp_reduce_sum(den)
         if tid < CT:
             s = tid // HD
             d = tid % HD
@@ -351,7 +367,7 @@ def attention_kernels(
                 for u in range(U):  # U independent loads; past-the-end ones read chunk live-1
                     c = c0 + u
                     cc = min(c, live - 1)
-                    x = wsh[cc] * part[cc, h, d]
+                    x = _exp(part[cc, h, HD] - mm) * part[cc, h, d]
                     acc += x if c < live else float32(0.0)
             red[s, d] = acc
         cuda.syncthreads()  # every slice's sum is in `red`
@@ -359,7 +375,7 @@ def attention_kernels(
             acc = float32(0.0)
             for s in range(SLICES):
                 acc += red[s, d]
-            out[h * HD + d] = acc * inv[0]
+            out[h * HD + d] = acc / den
 
     return attention_chunk_kernel, attention_combine_kernel
 
@@ -400,7 +416,7 @@ def attention(
     k64 = k_cache.view(np.int64)
     v64 = v_cache.view(np.int64)
     chunk[(n_chunks, n_kv_heads), THREADS, stream](q, k64, v64, state, part, int32(window), min_chunk)
-    combine[n_heads, COMBINE_THREADS, stream, n_chunks * 4](part, state, out, int32(window), min_chunk)
+    combine[n_heads, COMBINE_THREADS, stream](part, state, out, int32(window), min_chunk)
     return attention_bytes(seq_len, n_heads, n_kv_heads, head_dim, kv_dtype, n_chunks)
 
 
