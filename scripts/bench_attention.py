@@ -49,6 +49,8 @@ VARIANTS = {  # name -> attention.py knobs
     "steps4_1k": {"STEPS": 4, "TARGET_BLOCKS": 1024},
     "chunk64": {"STEPS": 4, "MIN_CHUNK": 64},
     "blocks256": {"TARGET_BLOCKS": 256, "STEPS": 2},
+    "min8": {"MIN_CHUNK": 8},
+    "min32": {"MIN_CHUNK": 32},
 }
 
 

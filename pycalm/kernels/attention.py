@@ -12,17 +12,24 @@ GPU: flash-decoding in two kernels.
    V row is read from memory once for the whole group. A warp is split into teams of `lanes`
    lanes (8 for the usual head_dim 64 / 128); a team takes one position per step (the block
    16 positions a step), each lane reading interleaved int64 words of that position's K AND V
-   rows up front (K and V loads in flight together; 8 lanes x 8 bytes = 64 contiguous bytes a
-   load). The lane keeps its slice of the group's queries and its slice of each head's output
+   rows (K and V loads in flight together; 8 lanes x 8 bytes = 64 contiguous bytes a load), the
+   next step's loads issued before this step's arithmetic (double-buffered). The lane keeps its slice of the group's queries and its slice of each head's output
    in registers, and runs an online softmax per team: the score is reduced inside the team by
    log2(lanes) xor shuffles (every lane gets it), and the running max is raised lazily (the
    output is rescaled only when a score beats it, which is rare after the first few steps). No
    shared memory and no barrier per position: the teams of a warp are merged by xor shuffles
    and the warps through shared memory ONCE at the end, and the block writes (unnormalised
    out, max, sum of exp) per head to `part[c]`.
-2. `attention_combine_kernel`, grid n_heads, 256 threads: warp 0 turns the chunk maxima into
-   weights (shared memory), then every thread sums weight * partial over a slice of the chunks
-   with 8 independent loads in flight, and the slices are added in shared memory.
+2. `attention_combine_kernel`, grid n_heads, 512 threads: every warp finds the largest chunk
+   maximum and the softmax denominator itself (a few loads a lane, then shuffles: no barrier),
+   then every thread sums weight * partial over a slice of the chunks with 8 independent loads
+   in flight, and the slices are added in shared memory (one barrier).
+
+What a live block costs at short context, measured with Nsight Compute on the H200: not the
+bytes but its chain of ~2,000 dependent instructions a warp at 6-7 cycles each (one or two
+live warps a scheduler, nothing to hide latency behind). Hence the 32-bit chunk arithmetic
+(Python's // on int32 compiled to a 64-bit division subroutine, paid three times by every block,
+even those that exit at once), ex2.approx for exp, and the prefetch of the next step.
 
 Why the first version was slow (14 us a layer at 256 positions, 30-38 us at 4000): its combine
 kernel walked the chunks one dependent L2 load at a time (2 x live chunks x ~0.3 us of L2
@@ -259,17 +266,27 @@ def attention_kernels(
             o[i] = float32(0.0)
 
         w0 = g * HEAD_WORDS + lane
-        kw = cuda.local.array(SW, int64)
+        kw = cuda.local.array(SW, int64)  # this step's K and V words
         vw = cuda.local.array(SW, int64)
+        kn = cuda.local.array(SW, int64)  # the next step's, loading while this one is used
+        vn = cuda.local.array(SW, int64)
         acc = cuda.local.array(G, float32)
         p = cuda.local.array(G, float32)
         last = t1 - 1
+        for s in range(S):  # the first step's K and V loads: 2 * S * W in flight
+            t = uint32(min(t0 + s * P + slot, last))  # unsigned: no negative-index code
+            for j in range(W):
+                kn[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
+                vn[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
         for base in range(t0, t1, P * S):  # uniform trip count: every lane takes the shuffles
-            for s in range(S):  # all K and V loads of the step first: 2 * S * W in flight
-                t = uint32(min(base + s * P + slot, last))  # unsigned: no negative-index code
+            for i in range(SW):
+                kw[i] = kn[i]
+                vw[i] = vn[i]
+            for s in range(S):  # issue the next step's loads first (past the end: reloads of last)
+                t = uint32(min(base + P * S + s * P + slot, last))
                 for j in range(W):
-                    kw[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
-                    vw[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
+                    kn[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
+                    vn[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
             for s in range(S):
                 valid = base + s * P + slot <= last
                 for h in range(G):
