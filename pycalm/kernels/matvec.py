@@ -58,6 +58,15 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # then the next chunk is staged; one warp owns each output row, so this is deterministic.
 # ffn_gate and qkv_rope need whole rows (the gate, the rotation), so their x is one chunk.
 #
+# Expert slots (mixture of experts, pycalm.kernels.moe): the same kernel runs the chosen experts
+# of a stacked (n_experts, rows, cols) weight, slot after slot. The expert of slot s is read from
+# device memory (route_ids[s], written by the routing kernel: a captured graph follows the
+# routing) and only moves the row base of the loads, so the inner loop is the dense one. GATE
+# writes slot s's part of h times the routing weight route_w[s] (x, staged once, serves every
+# slot); RESIDUAL stages slot s's part of h as x and adds W_e h_s into the residual, the warp that
+# owns a row owning it for every slot (a fixed order of the adds). A dense launch is one slot at
+# row 0: the slots cost a few scalar ops a block.
+#
 # Decoding (pycalm.kernels.common; SASS of the inner loop on sm_90, per weight): fp16 one
 # cvt.f32.f16 (HADD2.F32) and one FFMA (3.2 instructions a weight with the x loads and
 # addressing); fp8 half a PRMT (two e5m2 bytes into the top bytes of two fp16), one HADD2.F32,
@@ -65,8 +74,8 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # FFMA, the group scale once a group (4.1). The shift-and-mask decoders (value * 2**-112, no
 # conversion) cost 2.5 / 2.75 integer ops a weight (fp8: 4.45 instructions a weight).
 #
-# Bytes moved: the weights, x once (it is re-read per block from L2, not counted), and the
-# output (written, or read and written for the residual).
+# Bytes moved: the weights (with slots: the chosen experts' matrices only), x once (it is re-read
+# per block from L2, not counted), and the output (written, or read and written for the residual).
 # =============================================================================================
 
 import functools  # noqa: E402
@@ -407,8 +416,11 @@ def silu_gate(a: float, b: float) -> float:
     return a / (float32(1.0) + math.exp(-a)) * b
 
 
-def _matvec_source(n_rows: int, unroll: int, early: bool) -> str:
-    """The matvec family kernel for R rows a warp (mode and normed are runtime arguments)."""
+def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
+    """The matvec family kernel for R rows a warp (mode and normed are runtime arguments).
+    slots: the expert-slot kernel (pycalm.kernels.moe). The dense kernel is generated without
+    the slot loop (slot and base the constant 0), so its code is what it was before slots: a
+    runtime slot loop cost it 8 registers."""
     rr = range(n_rows)
     half = n_rows // 2
     accs = ", ".join(f"a{r}" for r in rr)
@@ -417,74 +429,113 @@ def _matvec_source(n_rows: int, unroll: int, early: bool) -> str:
     mats = ", ".join(f"{'wa' if i < half else 'wb'}, r{i}" for i in rr)
 
     def rows_of(g: str, ind: str) -> list[str]:
-        # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped for the loads
+        # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped to the matrix
+        # for the loads; base: the matrix's first row in the stack (dense: 0)
         out = [f"{ind}if mode == GATE:"]
-        out += [f"{ind}    r{i} = min({half} * {g} + {i % half}, rows - 1)" for i in rr]
+        out += [f"{ind}    r{i} = base + min({half} * {g} + {i % half}, rows - 1)" for i in rr]
         out.append(f"{ind}else:")
-        out += [f"{ind}    r{i} = min({n_rows} * {g} + {i}, rows - 1)" for i in rr]
+        out += [f"{ind}    r{i} = base + min({n_rows} * {g} + {i}, rows - 1)" for i in rr]
         return out
 
     src = [
-        "def matvec_kernel(wa, wb, x, x64, norm_w, eps, out, mode, normed):",
+        "def matvec_kernel(wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots,",
+        "                  expert_rows):",
         "    xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by word",
         "    scratch = cuda.shared.array(32, float32)  # block reduction",
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
-        "    rows = wa.shape[0]",
-        "    cols = x.shape[0]",
+    ]
+    if slots:
+        src += [
+            "    rows = expert_rows  # rows of one expert's matrix",
+            "    # GATE: x is shared by the slots; RESIDUAL: x holds one vector a slot (h of each expert)",
+            "    cols = x.shape[0] // n_slots if mode == RESIDUAL else x.shape[0]",
+        ]
+    else:
+        src += ["    rows = wa.shape[0]", "    cols = x.shape[0]"]
+    src += [
         "    n_words = wa.shape[1] // UNIT  # loads a row",
         f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}",
         "    stride = cuda.gridDim.x * n_warps",
         "    scale = float32(ROW_SCALE)",
-        "    for c in range((cols + XCHUNK - 1) // XCHUNK):",
-        "        c0 = c * XCHUNK",
-        "        j0 = c * CW",
-        "        nw = min(CW, n_words - j0)",
-        "        g = cuda.blockIdx.x * n_warps + warp",
+        "    n_chunks = (cols + XCHUNK - 1) // XCHUNK",
     ]
-    src += rows_of("min(g, n_groups - 1)", "        ")
-    if early:
-        src.append(f"        {cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
-    src += [
-        "        if c == 0 and normed:",
-        "            scale *= rms_factor(x, eps, scratch)  # contains barriers",
-        "        cuda.syncthreads()  # every warp is done with the previous chunk of xs",
-        "        stage_x(x64, norm_w, xs, c0, min(XCHUNK, cols - c0), normed)",
-        "        cuda.syncthreads()  # xs holds this chunk for every warp",
-        "        while g < n_groups:  # warp-uniform: the shuffles below see every lane",
-        f"            {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, lane)",
+    if slots:
+        src += [
+            "    for t in range(n_slots * n_chunks):  # (slot, chunk) pairs, slot by slot",
+            "        slot = t // n_chunks",
+            "        c = t - slot * n_chunks",
+            "        base = route_ids[slot] * rows  # read on the device: a captured graph follows the routing",
+            "        gw = route_w[slot] if mode == GATE else float32(1.0)  # the routing weight",
+        ]
+    else:
+        src += [
+            "    slot = 0",
+            "    base = 0",
+            "    gw = float32(1.0)",
+            "    for c in range(n_chunks):",
+        ]
+    body = [
+        "c0 = c * XCHUNK",
+        "j0 = c * CW",
+        "nw = min(CW, n_words - j0)",
+        "g = cuda.blockIdx.x * n_warps + warp",
     ]
-    src += [f"            s{i} = r{i}  # this group's rows (the next group's replace r)" for i in rr]
-    src.append("            gn = g + stride")
-    src += rows_of("min(gn, n_groups - 1)", "            ")
+    body += rows_of("min(g, n_groups - 1)", "")
     if early:
-        src.append(f"            {cs}, = preload({mats}, j0, nw, lane)  # the next group's first step")
-    src += [f"            a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
-    src.append("            if lane == 0:")
-    src.append("                if mode == GATE:")
+        body.append(f"{cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
+    body += [
+        "if slot == 0 and c == 0 and normed:",
+        "    scale *= rms_factor(x, eps, scratch)  # contains barriers",
+        "if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot",
+        "    cuda.syncthreads()  # every warp is done with the previous chunk of xs",
+        "    stage_x(x64, norm_w, xs, slot * cols + c0, min(XCHUNK, cols - c0), normed)",
+        "    cuda.syncthreads()  # xs holds this chunk for every warp",
+        "while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+        f"    {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, lane)",
+        "    gn = g + stride",
+    ]
+    body += rows_of("min(gn, n_groups - 1)", "    ")
+    if early:
+        body.append(f"    {cs}, = preload({mats}, j0, nw, lane)  # the next group's first step")
+    body += [f"    a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
+    body.append("    if lane == 0:")
+    body.append("        if mode == GATE:  # slot s writes its part of out, times its routing weight")
     for i in range(half):
-        src.append(f"                    if {half} * g + {i} < rows:")
-        src.append(f"                        out[{half} * g + {i}] = silu_gate(a{i}, a{i + half})")
-    src.append("                else:")
+        body.append(f"            if {half} * g + {i} < rows:")
+        body.append(
+            f"                out[slot * rows + {half} * g + {i}] = silu_gate(a{i}, a{i + half}) * gw"
+        )
+    # one warp owns each output row through every chunk and slot: a fixed order of the adds
+    body.append("        else:")
     for i in rr:
-        src.append(f"                    if {n_rows} * g + {i} < rows:")
-        src.append("                        if mode == RESIDUAL or c > 0:")
-        src.append(f"                            out[s{i}] += a{i}")
-        src.append("                        else:")
-        src.append(f"                            out[s{i}] = a{i}")
-    src.append("            g = gn")
-    return "\n".join(src).replace(
-        "            rw = r0  # this group's rows, before the next group's replace them\n", ""
-    )
+        body.append(f"            if {n_rows} * g + {i} < rows:")
+        body.append("                if mode == RESIDUAL or slot > 0 or c > 0:")
+        body.append(f"                    out[{n_rows} * g + {i}] += a{i}")
+        body.append("                else:")
+        body.append(f"                    out[{n_rows} * g + {i}] = a{i}")
+    body.append("    g = gn")
+    return "\n".join(src + ["        " + ln for ln in body])
 
 
 @functools.cache
-def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool):  # noqa: ANN201
+def matvec_kernel_for(  # noqa: ANN201
+    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, slots: bool = False
+):
     """The matvec family kernel (compiled by numba on first launch) for a weight kind and inner
     loop shape. Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,)
     float32; norm_w (cols,) float32 (read only when normed); eps float32; out float32;
-    mode (PLAIN: out = W x, RESIDUAL: out += W x, GATE: out = silu(Wa x) * (Wb x)); normed."""
+    mode (PLAIN: out = W x, RESIDUAL: out += W x, GATE: out = silu(Wa x) * (Wb x)); normed;
+    route_ids (int32), route_w (float32), n_slots, expert_rows: the expert slots, read only by
+    the kernel compiled with `slots` (the dense one takes them and never reads them: any arrays
+    of the right types will do).
+
+    Slots (mixture of experts): wa, wb are stacks of experts viewed as (n_experts * expert_rows,
+    units); slot s uses the expert_rows rows from route_ids[s] * expert_rows (read from device
+    memory, so a captured graph follows the routing). GATE: out[s * expert_rows + r] =
+    route_w[s] * silu(Wa_e x) * (Wb_e x), x shared by the slots; RESIDUAL: out += W_e x_s with
+    x_s = x[s * cols : (s + 1) * cols], the slots one after another (one warp owns a row)."""
     k = KINDS[kind]
     env = {
         **_ENV,
@@ -506,8 +557,11 @@ def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
     }
     scope = dict(env)
     name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}{'e' if early else ''}"
+    name += "_slots" if slots else ""
     exec(
-        compile(_matvec_source(n_rows, unroll, early), f"<pycalm.kernels.matvec generated {name}>", "exec"),
+        compile(
+            _matvec_source(n_rows, unroll, early, slots), f"<pycalm.kernels.matvec generated {name}>", "exec"
+        ),
         scope,
     )  # noqa: S102
     fn = scope["matvec_kernel"]
@@ -515,10 +569,11 @@ def matvec_kernel_for(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
     return cuda.jit(fn)
 
 
-def kernel_for_variant(kind: str, v: Variant):  # noqa: ANN201
-    """The matvec family kernel that runs variant v on weights of this kind."""
+def kernel_for_variant(kind: str, v: Variant, slots: bool = False):  # noqa: ANN201
+    """The matvec family kernel that runs variant v on weights of this kind (slots: the
+    expert-slot kernel, see matvec_kernel_for)."""
     return matvec_kernel_for(
-        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early
+        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early, slots
     )
 
 
@@ -588,9 +643,16 @@ def launch_family(
     *,
     stream: object,
     variant: Variant | None = None,
+    route_ids: object = None,
+    route_w: object = None,
+    n_slots: int = 0,
+    expert_rows: int = 0,
 ) -> None:
-    """Launch the matvec family kernel (the launchers below, and the benchmark's variants).
-    wa, wb: stored weight arrays (wb is wa except for GATE); norm_w None: no fused RMSNorm."""
+    """Launch the matvec family kernel (the launchers below, pycalm.kernels.moe's, and the
+    benchmark's variants). wa, wb: stored weight arrays (wb is wa except for GATE); norm_w None:
+    no fused RMSNorm. n_slots > 0: wa, wb are expert stacks viewed as (n_experts * expert_rows,
+    cols), the slots' experts are route_ids (n_slots,) int32 and GATE's weights route_w
+    (n_slots,) float32, both device arrays (see matvec_kernel_for)."""
     wide = variant.wide if variant is not None else True
     wav, kind = weight_kind(wa, dtype, wide)
     wbv = wav if wb is wa else weight_kind(wb, dtype, wide)[0]
@@ -598,12 +660,19 @@ def launch_family(
     cols = x.shape[0]
     if mode == GATE and cols > XCHUNK:
         raise PycalmError(f"ffn_gate: dim {cols} is above the {XCHUNK} columns one block stages")
-    rows = wa.shape[0]
+    if n_slots and mode == PLAIN:
+        raise PycalmError("expert slots run GATE (w1, w3) and RESIDUAL (w2) launches only")
+    rows = expert_rows if n_slots else wa.shape[0]  # rows of one matrix (a slot's expert)
     n_groups = -(-rows // (v.rows // 2)) if mode == GATE else -(-rows // v.rows)
-    kernel = kernel_for_variant(kind, v)
+    kernel = kernel_for_variant(kind, v, n_slots > 0)
     normed = norm_w is not None
     x64 = x.view(np.uint64)  # float pairs: one 8-byte load a shared-memory slot
-    args = (wav, wbv, x, x64, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed))
+    if not n_slots:  # dense: arrays of the right types that the dense kernel never reads
+        route_ids, route_w = x.view(np.int32), x
+    args = (
+        wav, wbv, x, x64, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed),
+        route_ids, route_w, np.int32(n_slots), np.int32(expert_rows),
+    )  # fmt: skip
     if _numba_config.ENABLE_CUDASIM:
         v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP
@@ -637,11 +706,16 @@ def ffn_gate(
 def kernel_sig(kind: str) -> str:
     """The numba signature of the matvec family kernel for a kind (COMPILE_CHECK)."""
     t = "uint32" if KINDS[kind].load_bytes == 4 else "uint64"
-    return f"void({t}[:, ::1], {t}[:, ::1], float32[::1], uint64[::1], float32[::1], float32, float32[::1], int32, int32)"
+    return (
+        f"void({t}[:, ::1], {t}[:, ::1], float32[::1], uint64[::1], float32[::1], float32, float32[::1], int32, "
+        "int32, int32[::1], float32[::1], int32, int32)"
+    )
 
 
-# every kernel the launchers use (one per kind: mode and normed are runtime arguments)
+# every kernel the launchers use (one per kind, and its expert-slot twin for pycalm.kernels.moe:
+# mode and normed are runtime arguments)
 COMPILE_CHECK = [
-    (kernel_for_variant(kind, variant_for(kind, None)), kernel_sig(kind))
+    (kernel_for_variant(kind, variant_for(kind, None), slots), kernel_sig(kind))
+    for slots in (False, True)
     for kind in ("fp16", "fp8", "gf4", "fp8n", "gf4n")
 ]
