@@ -54,9 +54,10 @@ class LayerWeights:
     bqkv: object | None  # (q_dim + 2 kv_dim,) float32, Qwen2 only
     wo: object  # (dim, q_dim) stored
     ffn_norm: object  # (dim,) float32
-    w1: object  # (hidden_dim, dim) stored
-    w3: object  # (hidden_dim, dim) stored
-    w2: object  # (dim, hidden_dim) stored
+    w1: object  # (hidden_dim, dim) stored; MoE: (n_experts, hidden_dim, dim)
+    w3: object  # (hidden_dim, dim) stored; MoE: (n_experts, hidden_dim, dim)
+    w2: object  # (dim, hidden_dim) stored; MoE: (n_experts, dim, hidden_dim)
+    moe_gate: object | None = None  # (n_experts, dim) float32, the router; MoE only
 
 
 class EagerStep:
@@ -108,11 +109,10 @@ class GpuEngine:
                 w1=dev(f"layers.{i}.w1"),
                 w3=dev(f"layers.{i}.w3"),
                 w2=dev(f"layers.{i}.w2"),
+                moe_gate=dev(f"layers.{i}.moe_gate") if cfg.n_experts else None,
             )
             for i in range(cfg.n_layers)
         ]
-        if cfg.n_experts:
-            raise PycalmError("mixture-of-experts models do not run on the GPU engine yet; use --device cpu")
         self.norm = dev("norm")  # (dim,) float32
         self.output = (
             self.tok_embeddings if cfg.tied_embeddings else dev("output")
@@ -125,7 +125,14 @@ class GpuEngine:
         self.att = cuda.device_array(
             cfg.q_dim, f32, stream=self.stream
         )  # (n_heads * head_dim,) attention out
-        self.h = cuda.device_array(cfg.hidden_dim, f32, stream=self.stream)  # (hidden_dim,) gated FFN
+        # (hidden_dim,) gated FFN; MoE: (k * hidden_dim,), one part a chosen expert (a slot)
+        self.k = cfg.n_experts_active if cfg.n_experts else 1
+        self.h = cuda.device_array(self.k * cfg.hidden_dim, f32, stream=self.stream)
+        # MoE: the current layer's chosen experts, in descending router logit order, and their
+        # routing weights: written by the routing kernel, read by the expert matvecs
+        moe = cfg.n_experts > 0
+        self.route_ids = cuda.device_array(self.k, np.int32, stream=self.stream) if moe else None  # (k,)
+        self.route_w = cuda.device_array(self.k, f32, stream=self.stream) if moe else None  # (k,)
         self.logits_buf = cuda.device_array(cfg.vocab_size, f32, stream=self.stream)  # (vocab_size,)
         # KV cache: per layer (seq_len, kv_dim), float16 or fp8 e5m2 bytes
         kv_np = np.float16 if self.kv_dtype == "fp16" else np.uint8
@@ -169,6 +176,7 @@ class GpuEngine:
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
+        from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
         from pycalm.kernels.qkv import qkv_rope
         from pycalm.kernels.sample import argmax, sample
         from pycalm.kernels.step import advance
@@ -216,10 +224,23 @@ class GpuEngine:
             )
             # x += Wo att
             n += matvec_residual(L.wo, self.att, self.x, dt, stream=s)
-            # h = silu(W1 rmsnorm(x)) * W3 rmsnorm(x)
-            n += ffn_gate(L.w1, L.w3, self.x, self.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
-            # x += W2 h
-            n += matvec_residual(L.w2, self.h, self.x, dt, stream=s)
+            if cfg.n_experts:
+                # route_ids, route_w = the top k of Wg rmsnorm(x), and the softmax over their logits
+                n += moe_route(
+                    L.moe_gate, self.x, L.ffn_norm, eps, self.k, self.route_ids, self.route_w, stream=s
+                )
+                # h[slot] = route_w[slot] * silu(W1_e rmsnorm(x)) * W3_e rmsnorm(x), e = route_ids[slot]
+                n += moe_ffn_gate(
+                    L.w1, L.w3, self.x, self.h, dt, self.route_ids, self.route_w, self.k,
+                    stream=s, norm_w=L.ffn_norm, eps=eps,
+                )  # fmt: skip
+                # x += sum over the slots of W2_e h[slot]
+                n += moe_matvec_residual(L.w2, self.h, self.x, dt, self.route_ids, self.k, stream=s)
+            else:
+                # h = silu(W1 rmsnorm(x)) * W3 rmsnorm(x)
+                n += ffn_gate(L.w1, L.w3, self.x, self.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
+                # x += W2 h
+                n += matvec_residual(L.w2, self.h, self.x, dt, stream=s)
         # logits = Wout rmsnorm(x)
         n += matvec(self.output, self.x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
         # state[token] = the next token, chosen on the device

@@ -14,22 +14,38 @@ The engines hold fp16 matrices, so the independent forward uses the same fp16-ro
 difference left is float32 against float64 arithmetic; with the fp16 KV cache the independent
 forward rounds keys and values to fp16 at the same point.
 
-ENGINES lists the engines under test: the GPU engine (pycalm.model.GpuEngine, under the CUDA
-simulator in CI) joins with ("gpu", "fp16") once it runs MoE models.
+ENGINES lists the engines under test, the GPU engine (pycalm.model.GpuEngine) among them: on the
+GPU (PYCALM_TEST_GPU=1) on every case; under the CUDA simulator in CI (about a minute a token
+step here) on the crafted routing of test_mixtral_forced_experts only, over SIM_GPU_TOKENS.
+
+The kernels of the MoE block (pycalm.kernels.moe: routing, expert slots) are tested against
+their NumPy references in the middle section.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from numba import cuda
 from tiny_models import TinyModel, make_hf_llama, write_safetensors
 
+from pycalm import formats
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine
-from pycalm.kernels.moe import moe_route_ref
+from pycalm.kernels.matvec import XCHUNK, silu_ref
+from pycalm.kernels.moe import (
+    moe_ffn_gate,
+    moe_ffn_gate_ref,
+    moe_matvec_residual,
+    moe_matvec_residual_ref,
+    moe_route,
+    moe_route_ref,
+)
+from pycalm.kernels.norm import rmsnorm_ref
 from pycalm.loader import open_model
 
 N_EXPERTS = 4
@@ -39,7 +55,19 @@ TOKENS = [5, 17, 3, 42, 9, 30]
 # (engine, KV cache dtype, relative L2 tolerance on each position's logits). Measured on the CPU
 # engine: 4.0e-7 (fp32 KV) and 4.4e-7 (fp16 KV; the independent forward rounds its keys and values
 # to fp16 as the cache does, and not doing so costs 1e-3): float32 vs float64 arithmetic only.
-ENGINES = [("cpu", "fp32", 1e-5), ("cpu", "fp16", 1e-5)]
+# The GPU engine (fp16 KV; it has no float32 cache): measured 2.6e-7 / 3.5e-7 on the first two
+# positions under the simulator (the CPU engine: 3.1e-7 / 2.2e-7), float32 arithmetic in another
+# order only, so the CPU engine's bound holds for it too.
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+GPU_ONLY = pytest.mark.skipif(not GPU, reason="simulator time: GPU only")
+ENGINES = [("cpu", "fp32", 1e-5), ("cpu", "fp16", 1e-5), ("gpu", "fp16", 1e-5)]
+# positions the GPU engine runs under the simulator: the first (whose routing at layer 0 the
+# forced-experts test crafts) and the second (a second KV row, routes that differ from the first)
+SIM_GPU_TOKENS = 2
+
+
+def tokens_for(kind: str) -> list[int]:
+    return TOKENS if kind == "cpu" or GPU else TOKENS[:SIM_GPU_TOKENS]
 
 
 def make_engine(kind: str, model: object, seq_len: int, kv: str) -> object:
@@ -220,10 +248,189 @@ def test_route_ref_crafted_logits():
 
 
 # ---------------------------------------------------------------------------------------------
+# the GPU kernels (the CUDA simulator in CI) against the NumPy references
+
+
+def route_gpu(gate: np.ndarray, x: np.ndarray, nw: np.ndarray, eps: float, k: int, threads: int):
+    ids = cuda.to_device(np.full(k, -1, np.int32))
+    w = cuda.to_device(np.full(k, np.nan, np.float32))
+    n = moe_route(
+        cuda.to_device(gate), cuda.to_device(x), cuda.to_device(nw), eps, k, ids, w,
+        stream=cuda.default_stream(), threads=threads,
+    )  # fmt: skip
+    cuda.synchronize()
+    assert n == gate.nbytes + x.nbytes + nw.nbytes + 8 * k
+    return ids.copy_to_host(), w.copy_to_host()
+
+
+@pytest.mark.parametrize(
+    "dim,n_experts,k,threads",
+    # odd sizes; 32 threads: one warp; 64 and 96: the warps' partial sums, rows not a multiple of
+    # the block; 32 experts: the most the kernel takes
+    [(72, 8, 2, 64), (40, 5, 3, 32), (136, 8, 8, 96), (24, 32, 4, 64)],
+)
+def test_route_kernel_matches_ref(dim, n_experts, k, threads):
+    rng = np.random.default_rng(dim * 100 + n_experts)
+    eps = 1e-5
+    gate = rng.standard_normal((n_experts, dim)).astype(np.float32)
+    x = (2 * rng.standard_normal(dim)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    xn = rmsnorm_ref(x, nw, eps)
+    want_ids, want_w = moe_route_ref(gate, xn, k)
+    ids, w = route_gpu(gate, x, nw, eps, k, threads)
+    # the logits differ from the reference's by float32 summation order (and where the norm's
+    # factor is applied): a few roundings of |G| |xn|; 1e-6 of it bounds that for these lengths
+    dl = 1e-6 * np.max(np.abs(gate) @ np.abs(xn))
+    # the seeds give picks apart by more than that (else the comparison of ids would be a tie)
+    logits = np.sort(gate.astype(np.float64) @ xn)[::-1]
+    gaps = -np.diff(logits[: min(k + 1, n_experts)])
+    assert gaps.min() > 4 * dl, gaps
+    assert ids.tolist() == want_ids.tolist()
+    # softmax over the picks: |d w_j| <= w_j (|d l_j| + max |d l|) <= 2 max |d l|
+    np.testing.assert_allclose(w, want_w, rtol=0, atol=2 * dl + 1e-7)
+    assert abs(float(w.sum()) - 1.0) < 1e-6
+
+
+def test_route_kernel_ties():
+    """Equal router logits: the lower expert index is picked first, as moe_route_ref does. The
+    arithmetic is exact on both sides (x all ones and eps 0: rmsnorm(x) is x; the gate weights
+    are multiples of 2**-7 with exact sums), so the ties are ties for both."""
+    rng = np.random.default_rng(3)
+    dim = 72
+    gate = (rng.integers(-1, 2, (8, dim)) / 128).astype(np.float32)  # logits within +-0.5625
+    gate[[1, 6]] = 1 / 32  # experts 1 and 6 tie for the largest logit, 2.25
+    gate[[2, 5]] = 1 / 64  # experts 2 and 5 for the next, 1.125
+    x, nw = np.ones(dim, np.float32), np.ones(dim, np.float32)
+    want_ids, want_w = moe_route_ref(gate, x, 4)
+    assert want_ids.tolist() == [1, 6, 2, 5]
+    ids, w = route_gpu(gate, x, nw, 0.0, 4, 64)
+    assert ids.tolist() == [1, 6, 2, 5]
+    assert w[0] == w[1] and w[2] == w[3] and w[1] > w[2]
+    np.testing.assert_allclose(w, want_w, rtol=0, atol=1e-7)
+    ids, _ = route_gpu(gate, x, nw, 0.0, 3, 64)
+    assert ids.tolist() == [1, 6, 2]  # a tie at the k-th place goes to the lower index too
+
+
+def expert_stack(rng, n_experts: int, rows: int, cols: int, dtype: str, chosen: list[int]) -> np.ndarray:
+    """A stored (n_experts, rows, cols) stack of random experts; the experts not in `chosen` are
+    all 0x7F bytes: NaN in every format (fp16 0x7F7F, e5m2 0x7F, gf4 a NaN group scale), so an
+    output that read any of their weights is not finite."""
+    w = np.stack(
+        [
+            formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
+            for _ in range(n_experts)
+        ]
+    )
+    for e in set(range(n_experts)) - set(chosen):
+        w[e].view(np.uint8)[...] = 0x7F
+        assert np.isnan(formats.decode(w[e], dtype)).all()
+    return w
+
+
+# (dtype, n_experts, hidden_dim, dim): (32, 64) takes the wide (16-byte load) kernels of every
+# dtype, (24, 40) the narrow fp8 / gf4 ones (rows of 40 and 24 columns are not whole 16-byte
+# loads; fp16 rows of them are). Small, because the simulator's cost is per block (a Python
+# thread per CUDA thread): about 0.3 s a block of 64 threads.
+MOE_CASES = [
+    ("fp16", 4, 32, 64),
+    ("fp8", 4, 32, 64),
+    ("gf4", 4, 32, 64),
+    ("fp8", 4, 24, 40),
+    ("gf4", 4, 24, 40),
+]
+
+
+@pytest.mark.parametrize("dtype,n_experts,hidden_dim,dim", MOE_CASES)
+def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
+    """moe_ffn_gate and moe_matvec_residual on experts 3 and 1 of 4 (route ids in device memory):
+    values against float64 products of the decoded weights, and the other experts never read."""
+    rng = np.random.default_rng(hidden_dim + dim)
+    eps, chosen = 1e-5, [3, 1]
+    w1, w3 = (expert_stack(rng, n_experts, hidden_dim, dim, dtype, chosen) for _ in range(2))
+    w2 = expert_stack(rng, n_experts, dim, hidden_dim, dtype, chosen)
+    x = (2 * rng.standard_normal(dim)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    ids, gw = np.array(chosen, np.int32), np.array([0.7, 0.3], np.float32)
+    k = len(chosen)
+    d_ids, d_gw = cuda.to_device(ids), cuda.to_device(gw)
+    h = cuda.to_device(np.full(k * hidden_dim, np.nan, np.float32))
+    n = moe_ffn_gate(
+        cuda.to_device(w1), cuda.to_device(w3), cuda.to_device(x), h, dtype, d_ids, d_gw, k,
+        stream=cuda.default_stream(), norm_w=cuda.to_device(nw), eps=eps,
+    )  # fmt: skip
+    cuda.synchronize()
+    # the bytes of the 2 chosen experts of 4 only
+    assert n == (w1.nbytes + w3.nbytes) // 2 + x.nbytes + nw.nbytes + 4 * k * hidden_dim + 8 * k
+    got = h.copy_to_host().astype(np.float64)
+    assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read, or h not written"
+    # float64 want and the tolerance of tests/test_matvec.py's test_ffn_gate, per slot
+    xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
+    for s, e in enumerate(chosen):
+        w1d, w3d = (
+            formats.decode(w1[e], dtype).astype(np.float64),
+            formats.decode(w3[e], dtype).astype(np.float64),
+        )
+        a, b = w1d @ xn, w3d @ xn
+        ta, tb = 1e-5 * (np.abs(w1d) @ np.abs(xn)), 1e-5 * (np.abs(w3d) @ np.abs(xn))
+        want = gw[s] * silu_ref(a) * b
+        tol = gw[s] * (1.1 * ta * (np.abs(b) + tb) + (np.abs(a) + ta) * tb) + 1e-6 * np.abs(want)
+        part = got[s * hidden_dim : (s + 1) * hidden_dim]
+        assert np.all(np.abs(part - want) <= tol), f"slot {s}: max err {np.max(np.abs(part - want)):.3g}"
+    # the NumPy reference agrees with it (float32, the reference's own order)
+    ref_h = moe_ffn_gate_ref(w1, w3, rmsnorm_ref(x, nw, eps), dtype, ids, gw)
+    np.testing.assert_allclose(ref_h, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
+
+    # x += W2_3 h[0] + W2_1 h[1], with h as the gate wrote it
+    hv = h.copy_to_host()
+    r0 = rng.standard_normal(dim).astype(np.float32)
+    r = cuda.to_device(r0)
+    n = moe_matvec_residual(cuda.to_device(w2), h, r, dtype, d_ids, k, stream=cuda.default_stream())
+    cuda.synchronize()
+    assert n == w2.nbytes // 2 + hv.nbytes + 8 * dim + 4 * k
+    got = r.copy_to_host().astype(np.float64)
+    assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read"
+    want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
+    for s, e in enumerate(chosen):
+        w2d, hs = formats.decode(w2[e], dtype).astype(np.float64), hv[s * hidden_dim : (s + 1) * hidden_dim]
+        want = want + w2d @ hs
+        scale = scale + np.abs(w2d) @ np.abs(hs)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale), (
+        f"max err / scale {np.max(np.abs(got - want) / scale):.3g}"
+    )
+    ref_r = moe_matvec_residual_ref(w2, hv, dtype, ids, r0)
+    assert np.all(np.abs(ref_r - want) <= 1e-5 * scale)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "gf4"])
+def test_expert_residual_chunked(dtype):
+    """hidden_dim above XCHUNK (Mixtral's 14336): each slot's h is staged in two chunks."""
+    rng = np.random.default_rng(11)
+    n_experts, dim, hidden_dim, chosen = 3, 3, XCHUNK + 144, [2, 0]
+    w2 = expert_stack(rng, n_experts, dim, hidden_dim, dtype, chosen)
+    hv = rng.standard_normal(2 * hidden_dim).astype(np.float32)
+    r0 = rng.standard_normal(dim).astype(np.float32)
+    r = cuda.to_device(r0)
+    ids = np.array(chosen, np.int32)
+    moe_matvec_residual(
+        cuda.to_device(w2), cuda.to_device(hv), r, dtype, cuda.to_device(ids), 2, stream=cuda.default_stream()
+    )
+    cuda.synchronize()
+    got = r.copy_to_host().astype(np.float64)
+    want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
+    for s, e in enumerate(chosen):
+        w2d, hs = formats.decode(w2[e], dtype).astype(np.float64), hv[s * hidden_dim : (s + 1) * hidden_dim]
+        want, scale = want + w2d @ hs, scale + np.abs(w2d) @ np.abs(hs)
+    assert np.isfinite(got).all()
+    assert np.all(np.abs(got - want) <= 1e-5 * scale)
+
+
+# ---------------------------------------------------------------------------------------------
 # whole tiny Mixtral: engines vs the independent forward
 
 
-@pytest.mark.parametrize("kind,kv,rtol", ENGINES)
+@pytest.mark.parametrize(
+    "kind,kv,rtol", [pytest.param(*e, marks=GPU_ONLY) if e[0] == "gpu" else e for e in ENGINES]
+)
 def test_mixtral_matches_numpy(tmp_path, kind, kv, rtol):
     tiny = tiny_mixtral(tmp_path)
     model = converted(tiny, tmp_path)
@@ -241,6 +448,7 @@ def test_mixtral_forced_experts(tmp_path, kind, kv, rtol):
     """Layer 0's router crafted so that, at position 0, experts 3 and 0 are chosen with weights
     softmax([2, 1]) = (0.731, 0.269): the engine must follow it, and its logits at position 0
     must equal the independent forward's and differ from those of other routings."""
+    tokens = tokens_for(kind)
     tiny = tiny_mixtral(tmp_path)
     w = held_weights(tiny)
     xb = layer0_moe_input(w, tiny.config, TOKENS[0])
@@ -248,7 +456,7 @@ def test_mixtral_forced_experts(tmp_path, kind, kv, rtol):
     router = np.outer(target, xb) / (xb @ xb)  # G xb == target
     rewrite(tiny, {"model.layers.0.block_sparse_moe.gate.weight": router})
     w = held_weights(tiny)
-    want, routes = numpy_forward(w, tiny.config, TOKENS, kv16=kv == "fp16")
+    want, routes = numpy_forward(w, tiny.config, tokens, kv16=kv == "fp16")
     (e0, g0), (e1, g1) = routes[0][0]
     assert (e0, e1) == (3, 0)
     np.testing.assert_allclose([g0, g1], [1 / (1 + np.exp(-1.0)), 1 / (1 + np.exp(1.0))], rtol=1e-4)
@@ -260,8 +468,12 @@ def test_mixtral_forced_experts(tmp_path, kind, kv, rtol):
     assert ids.tolist() == [3, 0]
     np.testing.assert_allclose(weights, [g0, g1], rtol=1e-4)
 
-    got = engine_logits(kind, model, kv, TOKENS)
+    got = engine_logits(kind, model, kv, tokens)
     assert_close(got, want, rtol)
+    # the routes over these positions are varied: several experts, and not one pair throughout
+    used = {e for layer in routes for route in layer for e, _ in route}
+    pairs = {tuple(e for e, _ in route) for layer in routes for route in layer}
+    assert len(used) >= 3 and len(pairs) >= 3, routes
 
     # the check has teeth: the same model with experts 3 and 0 weighted equally (no softmax over
     # the chosen), or with experts 3 and 2 instead, gives different logits at position 0

@@ -1,13 +1,47 @@
-"""Mixture-of-experts routing (Mixtral): router logits, top-k, softmax over the chosen k.
+"""Mixture of experts (Mixtral): routing, and the chosen experts' FFN on the matvec kernels.
 
-  logits = G x  (G: (n_experts, dim) float32);  chosen = the k largest (ties: lower index first)
-  weights = softmax(logits[chosen]);  out = sum_j weights_j * w2_e(silu(w1_e x) * w3_e x)
+  xb = rmsnorm(x) * ffn_norm
+  logits = G xb  (G: (n_experts, dim) float32);  chosen = the k largest (ties: lower index first)
+  weights = softmax(logits[chosen]);  x += sum_j weights_j * W2_e(silu(W1_e xb) * W3_e xb)
 Only the chosen experts' weights are read.
+
+On the GPU a layer's MoE block is three launches, with no host round trip (the token step is
+one captured CUDA graph, so the chosen experts live in device memory, never in launch
+arguments):
+  moe_route            route_ids (k,) int32, route_w (k,) float32        (one block)
+  moe_ffn_gate         h[s] = route_w[s] * silu(W1_e xb) * (W3_e xb), e = route_ids[s]
+  moe_matvec_residual  x += sum over slots s of W2_e h[s]
+h is (k * hidden_dim,) float32, slot by slot; it carries the routing weight, so that the W2
+launch adds every slot straight into the residual. The two expert launches are the matvec
+family's expert-slot kernels (pycalm.kernels.matvec, "Expert slots"): a stack (n_experts, rows,
+cols) is viewed as (n_experts * rows, cols) and slot s reads the rows of expert route_ids[s].
+
+Routing kernel, thread mapping: one block. Thread t takes columns t, t + blockDim, ... of x; for
+each it loads x, norm_w and the n_experts gate weights of the column (the kernel is compiled per
+n_experts, so the n_experts partial sums are registers and their loads are in flight together)
+and adds x^2 for the norm. Each warp reduces its n_experts partial sums with shuffles into
+shared memory ([expert, warp]); thread e then adds expert e's warp sums in warp order (so the
+logits are deterministic) and scales them by rsqrt(mean(x^2) + eps), as the matvec kernels'
+rms_factor does (the norm factors out of the dot products). Thread 0 picks the top k by scans
+(strict >: ties go to the lower index; the picks come out in descending order) and takes the
+softmax over them.
+
+Bytes moved: routing G (4 n_experts dim), x and norm_w (8 dim), the route (8 k); the expert
+launches k / n_experts of each stack (the chosen experts' matrices only) and the activations.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
+from numba import config as _numba_config
+from numba import cuda, float32, int32
+
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import WARP, block_reduce_sum, warp_reduce_sum
+from pycalm.kernels.matvec import GATE, RESIDUAL, launch_family, matvec_ref, silu_ref
 
 
 def moe_route_ref(gate: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -17,3 +51,183 @@ def moe_route_ref(gate: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, 
     chosen = logits[order]
     w = np.exp(chosen - chosen.max())
     return order.astype(np.int32), (w / w.sum()).astype(np.float32)
+
+
+def moe_ffn_gate_ref(
+    w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str, ids: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """w1, w3: stored (n_experts, hidden_dim, dim) stacks; x (dim,) float32 (normed already);
+    ids, weights (k,) -> h (k * hidden_dim,) float32: slot s is weights[s] * silu(W1_e x) * (W3_e x)."""
+    h = [
+        w * silu_ref(matvec_ref(w1[e], x, dtype)) * matvec_ref(w3[e], x, dtype)
+        for e, w in zip(ids, weights, strict=True)
+    ]
+    return np.concatenate(h).astype(np.float32)
+
+
+def moe_matvec_residual_ref(
+    w2: np.ndarray, h: np.ndarray, dtype: str, ids: np.ndarray, residual: np.ndarray
+) -> np.ndarray:
+    """w2: stored (n_experts, dim, hidden_dim) stack; h (k * hidden_dim,) -> residual + sum over
+    slots s of W2_e h[s] (slot by slot, as the kernel adds them)."""
+    hidden_dim = h.shape[0] // len(ids)
+    out = residual.astype(np.float32)
+    for s, e in enumerate(ids):
+        out = (out + matvec_ref(w2[e], h[s * hidden_dim : (s + 1) * hidden_dim], dtype)).astype(np.float32)
+    return out
+
+
+# =============================================================================================
+# GPU kernels
+
+MAX_EXPERTS = 32  # a warp's worth: thread e < n_experts finishes logit e
+THREADS = 1024  # routing block (the simulator runs a Python thread per thread: fewer there)
+SIM_THREADS = 64
+
+
+@functools.cache
+def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
+    """The routing kernel for n_experts experts (a compile-time size: the partial sums are
+    registers). Arguments: gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,)
+    float32, eps float32, k int32, route_ids (k,) int32 and route_w (k,) float32 (written)."""
+    n = n_experts
+
+    def moe_route_kernel(gate, x, norm_w, eps, k, route_ids, route_w):
+        part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
+        logits = cuda.shared.array(MAX_EXPERTS, float32)
+        chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked
+        scratch = cuda.shared.array(WARP, float32)  # block reduction
+        t = cuda.threadIdx.x
+        lane = t % WARP
+        warp = t // WARP
+        dim = x.shape[0]
+        acc = cuda.local.array(n, float32)  # constant indices after unrolling: registers
+        for e in range(n):
+            acc[e] = float32(0.0)
+        ss = float32(0.0)
+        for i in range(t, dim, cuda.blockDim.x):
+            v = x[i]
+            ss += v * v
+            xn = v * norm_w[i]  # rmsnorm(x) * norm_w, the rsqrt factor applied to the sums
+            for e in range(n):
+                acc[e] += gate[e, i] * xn
+        for e in range(n):
+            s = warp_reduce_sum(acc[e])  # every lane gets the warp's sum
+            if lane == 0:
+                part[e, warp] = s
+        # its first barrier also makes every warp's part visible to the block
+        ss = block_reduce_sum(ss, scratch)
+        if t < n:
+            s = float32(0.0)
+            for w in range(cuda.blockDim.x // WARP):
+                s += part[t, w]
+            logits[t] = s * (float32(1.0) / math.sqrt(ss / float32(dim) + eps))
+            chosen[t] = 0
+        cuda.syncthreads()  # every logit is written and no expert is marked chosen
+        if t == 0:
+            for j in range(k):  # the largest unpicked logit; strict >: ties to the lower index
+                best = -1
+                for e in range(n):
+                    if chosen[e] == 0 and (best < 0 or logits[e] > logits[best]):
+                        best = e
+                chosen[best] = 1
+                route_ids[j] = best
+            top = logits[route_ids[0]]  # the first pick is the largest: exp(l - top) <= 1
+            total = float32(0.0)
+            for j in range(k):
+                p = math.exp(logits[route_ids[j]] - top)
+                route_w[j] = p
+                total += p
+            for j in range(k):
+                route_w[j] = route_w[j] / total
+
+    moe_route_kernel.__name__ = moe_route_kernel.__qualname__ = f"moe_route_kernel_{n}"
+    return cuda.jit(moe_route_kernel)
+
+
+def moe_route(
+    gate: object,
+    x: object,
+    norm_w: object,
+    eps: float,
+    k: int,
+    route_ids: object,
+    route_w: object,
+    *,
+    stream: object,
+    threads: int | None = None,
+) -> int:
+    """route_ids, route_w = the top k experts of G (rmsnorm(x) * norm_w) and the softmax over
+    their logits. gate: (n_experts, dim) float32 device array; x, norm_w (dim,) float32;
+    route_ids (k,) int32, route_w (k,) float32 (written). threads: a multiple of 32 up to 1024
+    (default THREADS; SIM_THREADS under the simulator). -> bytes moved."""
+    n_experts, dim = gate.shape
+    if not 0 < n_experts <= MAX_EXPERTS:
+        raise PycalmError(f"moe_route: {n_experts} experts; the routing kernel takes 1..{MAX_EXPERTS}")
+    if not 0 < k <= n_experts:
+        raise PycalmError(f"moe_route: k = {k} experts of {n_experts}")
+    if threads is None:
+        threads = SIM_THREADS if _numba_config.ENABLE_CUDASIM else THREADS
+    kernel = moe_route_kernel_for(n_experts)
+    kernel[1, threads, stream](gate, x, norm_w, np.float32(eps), np.int32(k), route_ids, route_w)
+    return 4 * n_experts * dim + 8 * dim + 8 * k
+
+
+def _stack_2d(w: object) -> object:
+    """(n_experts, rows, cols) stack -> its (n_experts * rows, cols) view (no copy)."""
+    return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+
+
+def moe_ffn_gate(
+    w1: object,
+    w3: object,
+    x: object,
+    h: object,
+    dtype: str,
+    route_ids: object,
+    route_w: object,
+    k: int,
+    *,
+    stream: object,
+    norm_w: object,
+    eps: float,
+) -> int:
+    """h[s * hidden_dim + r] = route_w[s] * (silu(W1_e xn) * (W3_e xn))[r], e = route_ids[s],
+    xn = rmsnorm(x) * norm_w, for the k slots. w1, w3: stored (n_experts, hidden_dim, dim)
+    device stacks; x, norm_w (dim,) float32; h (k * hidden_dim,) float32; route_ids (k,) int32,
+    route_w (k,) float32 device arrays. -> bytes moved (the k chosen experts' rows only)."""
+    n_experts, hidden_dim = w1.shape[0], w1.shape[1]
+    assert h.shape[0] == k * hidden_dim and route_ids.shape[0] >= k and route_w.shape[0] >= k
+    launch_family(
+        _stack_2d(w1), _stack_2d(w3), x, norm_w, eps, h, dtype, GATE, stream=stream,
+        route_ids=route_ids, route_w=route_w, n_slots=k, expert_rows=hidden_dim,
+    )  # fmt: skip
+    weights = k * (int(w1.nbytes) + int(w3.nbytes)) // n_experts
+    return weights + int(x.nbytes) + int(norm_w.nbytes) + 4 * k * hidden_dim + 8 * k
+
+
+def moe_matvec_residual(
+    w2: object, h: object, r: object, dtype: str, route_ids: object, k: int, *, stream: object
+) -> int:
+    """r += sum over the k slots s of W2_e h[s * hidden_dim : (s + 1) * hidden_dim], e =
+    route_ids[s]. w2: stored (n_experts, dim, hidden_dim) device stack; h (k * hidden_dim,)
+    float32; r (dim,) float32. -> bytes moved (the k chosen experts' matrices only; r read and
+    written once: the later slots' adds find it in cache)."""
+    n_experts, dim = w2.shape[0], w2.shape[1]
+    assert r.shape[0] == dim and route_ids.shape[0] >= k and h.shape[0] % k == 0
+    w = _stack_2d(w2)
+    launch_family(
+        w, w, h, None, 0.0, r, dtype, RESIDUAL, stream=stream,
+        route_ids=route_ids, route_w=h, n_slots=k, expert_rows=dim,
+    )  # fmt: skip
+    return k * int(w2.nbytes) // n_experts + int(h.nbytes) + 8 * dim + 4 * k
+
+
+# the routing kernel for Mixtral's 8 experts (the expert-slot matvec kernels are listed in
+# pycalm.kernels.matvec's COMPILE_CHECK)
+COMPILE_CHECK = [
+    (
+        moe_route_kernel_for(8),
+        "void(float32[:, ::1], float32[::1], float32[::1], float32, int32, int32[::1], float32[::1])",
+    )
+]
