@@ -157,8 +157,10 @@ def check(stream: object) -> bool:
     return ok_all
 
 
-SWEEP_RU = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
-SWEEP_WARPS = [4, 8, 16]
+# staged x (shared memory) and direct x (read through L1, launches without a fused norm)
+SWEEP = [V(r, u, n_warps=w) for r, u in ((2, 2), (2, 4), (4, 2)) for w in (4, 8, 16)] + [
+    V(r, u, n_warps=w, direct=True) for r, u in ((2, 2), (2, 4), (4, 1), (4, 2)) for w in (2, 4, 8)
+]
 
 
 def sweep(s: object, dtypes: list[str]) -> None:
@@ -172,28 +174,18 @@ def sweep(s: object, dtypes: list[str]) -> None:
             y = cuda.device_array(rows, np.float32)
             nb = mv.matvec(ws[0], x, y, dtype, stream=s)
             res = []
-            for r, u in SWEEP_RU:
-                for w in SWEEP_WARPS:
-                    v = V(r, u, n_warps=w)
+            for v in SWEEP:
 
-                    def run(
-                        i: int, v: object = v, ws: list = ws, x: object = x, y: object = y, dtype: str = dtype
-                    ) -> None:
-                        mv.launch_family(
-                            ws[i % len(ws)],
-                            ws[i % len(ws)],
-                            x,
-                            None,
-                            0.0,
-                            y,
-                            dtype,
-                            mv.PLAIN,
-                            stream=s,
-                            variant=v,
-                        )
+                def run(
+                    i: int, v: object = v, ws: list = ws, x: object = x, y: object = y, dtype: str = dtype
+                ) -> None:
+                    w = ws[i % len(ws)]
+                    mv.launch_family(w, w, x, None, 0.0, y, dtype, mv.PLAIN, stream=s, variant=v)
 
-                    t = timed(s, run, max(c, 16))
-                    res.append((nb / t / 1e9, t * 1e6, f"R{r}U{u}w{w}"))
+                t = timed(s, run, max(c, 16))
+                res.append(
+                    (nb / t / 1e9, t * 1e6, f"R{v.rows}U{v.unroll}w{v.n_warps}{'d' if v.direct else ''}")
+                )
             res.sort(reverse=True)
             line = " ".join(f"{n}:{g:.0f}" for g, _, n in res)
             print(f"sweep {dtype} {rows}x{cols}: {line}", flush=True)

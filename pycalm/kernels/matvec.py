@@ -143,6 +143,7 @@ class Variant(NamedTuple):
     wide: bool = True  # 16-byte loads where the rows allow them (False: 8 bytes, a comparison)
     cvt: bool = True  # fp16 / fp8: decode with cvt.f32.f16 (HADD2.F32) instead of shifts and masks
     early: bool = True  # issue a group's first loads before staging x / reducing the last group
+    direct: bool = False  # x from global memory, no staging (launches without a fused norm only)
 
 
 # per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU. Measured on the
@@ -225,10 +226,13 @@ def _part_lines(dtype: str, cvt: bool, acc: str, xk: list[str]) -> list[str]:
     return lines
 
 
-def _word_lines(kind: str, n_rows: int, cvt: bool, j: str, words: list[str], ind: str) -> list[str]:
+def _word_lines(
+    kind: str, n_rows: int, cvt: bool, j: str, words: list[str], ind: str, direct: bool = False
+) -> list[str]:
     """Lines adding load j (chunk-local) of R rows (words[r]: what the load returned) times x to
     the raw sums a0.. Part by part (an int32 of every row at a time): the part's x values are
-    loaded once (64-bit shared loads) for all R rows, and only they are live, which keeps the
+    loaded once (64-bit shared loads, or with `direct` 64-bit global loads of x itself, which L1
+    serves after the first warp) for all R rows, and only they are live, which keeps the
     register count (and so the warps an SM holds) where it is with one row."""
     dtype, nbytes, e_w = KINDS[kind]
     cw = XCHUNK // e_w
@@ -240,7 +244,10 @@ def _word_lines(kind: str, n_rows: int, cvt: bool, j: str, words: list[str], ind
     n_parts = {16: 4, 8: 2, 4: 1}[nbytes]
     for i in range(n_parts):
         for p in range(pw * i // 2, pw * (i + 1) // 2):
-            src.append(f"v = xs[{j} + uint64({p * cw})]")
+            if direct:  # xs is x64 itself: pair p of load j0 + j
+                src.append(f"v = xs[(j0 + {j}) * uint64({e_w // 2}) + uint64({p})]")
+            else:
+                src.append(f"v = xs[{j} + uint64({p * cw})]")
             src.append(f"x{2 * p} = as_f32(v)")
             src.append(f"x{2 * p + 1} = as_f32(v >> uint64(32))")
         for r in range(n_rows):
@@ -270,7 +277,9 @@ def _preload_source(kind: str, n_rows: int, unroll: int) -> str:
     return "\n".join(src)
 
 
-def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool) -> str:
+def _group_dot_source(
+    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, direct: bool = False
+) -> str:
     """group_dot(c.., m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of
     row r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index);
     c..: the first step's loads, from preload() (early), or none (loaded here)."""
@@ -297,7 +306,7 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
         out = []
         for u in range(unroll):
             out += _word_lines(
-                kind, n_rows, cvt, f"(j + uint64({WARP * u}))", [f"{prefix}{r}_{u}" for r in rr], ind
+                kind, n_rows, cvt, f"(j + uint64({WARP * u}))", [f"{prefix}{r}_{u}" for r in rr], ind, direct
             )
         return out
 
@@ -324,7 +333,7 @@ def _group_dot_source(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: 
         src += [f"            c{r}_{u} = p{r}_{u}" for u in range(unroll) for r in rr]
     src.append("    while j < n:  # the last loads, one a step")
     src += [f"        e{r} = {_load(kind, r, 'j0 + j')}" for r in rr]
-    src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ")
+    src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ", direct)
     src.append(f"        j += uint64({WARP})")
     src.append(f"    return {accs}")
     return "\n".join(src)
@@ -350,10 +359,14 @@ _ENV = {
 
 
 @functools.cache
-def make_group_dot(kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool):  # noqa: ANN201
+def make_group_dot(  # noqa: ANN201
+    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, direct: bool = False
+):
     """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
     (times row_scale(dtype, cvt) for the values)."""
-    return _compile_source(_group_dot_source(kind, n_rows, unroll, prefetch, cvt, early), "group_dot", _ENV)
+    return _compile_source(
+        _group_dot_source(kind, n_rows, unroll, prefetch, cvt, early, direct), "group_dot", _ENV
+    )
 
 
 @functools.cache
@@ -363,21 +376,26 @@ def make_preload(kind: str, n_rows: int, unroll: int):  # noqa: ANN201
 
 
 def _stage_source(kind: str) -> str:
-    """stage_x(x64, norm_w, xs, c0, n, normed): every thread takes loads j = tid, tid + blockDim,
-    .. of the chunk and copies their E/2 float pairs (E/2 consecutive uint64 of x64, all loads
-    issued together) to the slots xs[p * CW + j]: consecutive threads store consecutive slots
-    (no bank conflicts), and no division is needed."""
+    """stage_x(x64, norm_w, xs, c0, n, normed) -> this thread's sum of x^2 over what it staged
+    (0 unless normed): every thread takes loads j = tid, tid + blockDim, .. of the chunk and
+    copies their E/2 float pairs (E/2 consecutive uint64 of x64, all loads issued together) to
+    the slots xs[p * CW + j]: consecutive threads store consecutive slots (no bank conflicts),
+    and no division is needed. The sum of squares lets staged_rms() finish the RMSNorm factor
+    with no second pass over x."""
     e_w = KINDS[kind].weights
     cw = XCHUNK // e_w
     src = [
         "def stage_x(x64, norm_w, xs, c0, n, normed):",
+        "    ss = float32(0.0)",
         f"    for j in range(cuda.threadIdx.x, n // {e_w}, cuda.blockDim.x):",
         f"        b = c0 // 2 + j * {e_w // 2}  # x64 index of the load's first pair",
     ]
     src += [f"        v{p} = x64[b + {p}]" for p in range(e_w // 2)]
     src.append("        if normed:")
+    src += [f"            ss += _pair_sq(v{p})" for p in range(e_w // 2)]
     src += [f"            v{p} = _pair_times(v{p}, norm_w, 2 * (b + {p}))" for p in range(e_w // 2)]
     src += [f"        xs[j + {p * cw}] = v{p}" for p in range(e_w // 2)]
+    src.append("    return ss")
     return "\n".join(src)
 
 
@@ -387,7 +405,11 @@ def make_stage_x(kind: str):  # noqa: ANN201
     transposed float pairs (times norm_w when `normed`). x64 is x viewed as uint64 pairs: one
     8-byte load is one slot. All threads of the block call it; the caller puts the barriers
     around it. n is a multiple of the weights a load (rows of every kind are)."""
-    return _compile_source(_stage_source(kind), "stage_x", {**_ENV, "cuda": cuda, "_pair_times": _pair_times})
+    return _compile_source(
+        _stage_source(kind),
+        "stage_x",
+        {**_ENV, "cuda": cuda, "_pair_times": _pair_times, "_pair_sq": _pair_sq},
+    )
 
 
 @cuda.jit(device=True, inline=True)
@@ -396,6 +418,29 @@ def _pair_times(v: int, norm_w: cuda.devicearray, i: int) -> int:
     lo = as_f32(v) * norm_w[i]
     hi = as_f32(v >> uint64(32)) * norm_w[i + 1]
     return uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
+
+
+@cuda.jit(device=True, inline=True)
+def _pair_sq(v: int) -> float:
+    """x[i]^2 + x[i + 1]^2 of a uint64 pair of floats."""
+    lo = as_f32(v)
+    hi = as_f32(v >> uint64(32))
+    return lo * lo + hi * hi
+
+
+@cuda.jit(device=True, inline=True)
+def staged_rms(ss: float, n: int, eps: float, scratch: cuda.devicearray) -> float:
+    """rsqrt(mean(x^2) + eps) from every thread's stage_x sum of squares over all n values of
+    x. Its barrier also publishes what stage_x wrote to shared memory, so a kernel pays no
+    extra pass over x and no extra barrier for a fused RMSNorm. All threads must call it."""
+    ss = warp_reduce_sum(ss)
+    if cuda.threadIdx.x % WARP == 0:
+        scratch[cuda.threadIdx.x // WARP] = ss
+    cuda.syncthreads()  # the warps' sums, and the staged x, are in shared memory
+    t = float32(0.0)
+    for w in range(cuda.blockDim.x // WARP):
+        t += scratch[w]
+    return float32(1.0) / math.sqrt(t / float32(n) + float32(eps))
 
 
 @cuda.jit(device=True, inline=True)
@@ -416,11 +461,13 @@ def silu_gate(a: float, b: float) -> float:
     return a / (float32(1.0) + math.exp(-a)) * b
 
 
-def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
+def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: bool = False) -> str:
     """The matvec family kernel for R rows a warp (mode and normed are runtime arguments).
     slots: the expert-slot kernel (pycalm.kernels.moe). The dense kernel is generated without
     the slot loop (slot and base the constant 0), so its code is what it was before slots: a
-    runtime slot loop cost it 8 registers."""
+    runtime slot loop cost it 8 registers. direct: x read from global memory (L1) instead of
+    staged in shared memory: no shared memory, no barrier, one whole row a group; for the
+    launches without a fused norm (wo, w2), where a block's staging is pure latency."""
     rr = range(n_rows)
     half = n_rows // 2
     accs = ", ".join(f"a{r}" for r in rr)
@@ -440,8 +487,15 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
     src = [
         "def matvec_kernel(wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots,",
         "                  expert_rows):",
-        "    xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by word",
-        "    scratch = cuda.shared.array(32, float32)  # block reduction",
+    ]
+    if direct:
+        src += ["    xs = x64  # x itself, read through L1"]
+    else:
+        src += [
+            "    xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by word",
+            "    scratch = cuda.shared.array(32, float32)  # block reduction",
+        ]
+    src += [
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
@@ -459,7 +513,7 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
         f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}",
         "    stride = cuda.gridDim.x * n_warps",
         "    scale = float32(ROW_SCALE)",
-        "    n_chunks = (cols + XCHUNK - 1) // XCHUNK",
+        "    n_chunks = 1" if direct else "    n_chunks = (cols + XCHUNK - 1) // XCHUNK",
     ]
     if slots:
         src += [
@@ -479,19 +533,25 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
     body = [
         "c0 = c * XCHUNK",
         "j0 = c * CW",
-        "nw = min(CW, n_words - j0)",
+        "nw = n_words" if direct else "nw = min(CW, n_words - j0)",
         "g = cuda.blockIdx.x * n_warps + warp",
     ]
     body += rows_of("min(g, n_groups - 1)", "")
     if early:
         body.append(f"{cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
+    if not direct:
+        body += [
+            "if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot",
+            "    cuda.syncthreads()  # every warp is done with the previous chunk of xs",
+            "    ss = stage_x(x64, norm_w, xs, slot * cols + c0, min(XCHUNK, cols - c0), normed)",
+            "    if normed and n_chunks == 1:  # all of x staged: its sum of squares is complete",
+            "        scale = float32(ROW_SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs",
+            "    else:",
+            "        if normed and slot == 0 and c == 0:  # x longer than a chunk: a pass of its own",
+            "            scale *= rms_factor(x, eps, scratch)  # contains barriers",
+            "        cuda.syncthreads()  # xs holds this chunk for every warp",
+        ]
     body += [
-        "if slot == 0 and c == 0 and normed:",
-        "    scale *= rms_factor(x, eps, scratch)  # contains barriers",
-        "if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot",
-        "    cuda.syncthreads()  # every warp is done with the previous chunk of xs",
-        "    stage_x(x64, norm_w, xs, slot * cols + c0, min(XCHUNK, cols - c0), normed)",
-        "    cuda.syncthreads()  # xs holds this chunk for every warp",
         "while g < n_groups:  # warp-uniform: the shuffles below see every lane",
         f"    {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, lane)",
         "    gn = g + stride",
@@ -521,7 +581,14 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool) -> str:
 
 @functools.cache
 def matvec_kernel_for(  # noqa: ANN201
-    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, slots: bool = False
+    kind: str,
+    n_rows: int,
+    unroll: int,
+    prefetch: bool,
+    cvt: bool,
+    early: bool,
+    slots: bool = False,
+    direct: bool = False,
 ):
     """The matvec family kernel (compiled by numba on first launch) for a weight kind and inner
     loop shape. Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,)
@@ -552,15 +619,18 @@ def matvec_kernel_for(  # noqa: ANN201
         "silu_gate": silu_gate,
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
-        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early),
+        "staged_rms": staged_rms,
+        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early, direct),
         "preload": make_preload(kind, n_rows, unroll),
     }
     scope = dict(env)
     name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}{'e' if early else ''}"
-    name += "_slots" if slots else ""
+    name += ("_slots" if slots else "") + ("_direct" if direct else "")
     exec(
         compile(
-            _matvec_source(n_rows, unroll, early, slots), f"<pycalm.kernels.matvec generated {name}>", "exec"
+            _matvec_source(n_rows, unroll, early, slots, direct),
+            f"<pycalm.kernels.matvec generated {name}>",
+            "exec",
         ),
         scope,
     )  # noqa: S102
@@ -573,7 +643,7 @@ def kernel_for_variant(kind: str, v: Variant, slots: bool = False):  # noqa: ANN
     """The matvec family kernel that runs variant v on weights of this kind (slots: the
     expert-slot kernel, see matvec_kernel_for)."""
     return matvec_kernel_for(
-        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early, slots
+        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early, slots, v.direct
     )
 
 
@@ -614,6 +684,20 @@ def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
     bps = min(v.blocks_per_sm, resident) if resident else v.blocks_per_sm
     per_warp = max(1, -(-n_groups // (n_sm() * bps * v.n_warps)))
     return max(1, -(-n_groups // (v.n_warps * per_warp)))
+
+
+def fill_sms(n_groups: int, cols: int, v: Variant) -> Variant:
+    """The default variant with fewer warps a block (16 -> 8 -> 4) while its grid would leave
+    SMs without a block: a 2048-row matrix in blocks of 16 warps (two rows each) is 64 blocks
+    for 132 SMs. Rows longer than one x chunk keep their blocks (each block restages x per
+    chunk). Measured on the H200 (scripts/bench_kernels.py --sweep), fp8 / gf4 GB/s:
+    2048x2048 776 -> 883 / 346 -> 369, 2560x2048 926 -> 995 / 399 -> 418, 4096x4096 1781 ->
+    1797 / 879 -> 840."""
+    if cols > XCHUNK:
+        return v
+    while v.n_warps > 4 and -(-n_groups // v.n_warps) < n_sm():
+        v = v._replace(n_warps=v.n_warps // 2)
+    return v
 
 
 _RESIDENT: dict = {}
@@ -664,8 +748,12 @@ def launch_family(
         raise PycalmError("expert slots run GATE (w1, w3) and RESIDUAL (w2) launches only")
     rows = expert_rows if n_slots else wa.shape[0]  # rows of one matrix (a slot's expert)
     n_groups = -(-rows // (v.rows // 2)) if mode == GATE else -(-rows // v.rows)
-    kernel = kernel_for_variant(kind, v, n_slots > 0)
     normed = norm_w is not None
+    if v.direct and (normed or mode == GATE or n_slots):
+        v = v._replace(direct=False)  # the direct kernel has no staging to fuse a norm into
+    if variant is None:
+        v = fill_sms(n_groups, cols, v)
+    kernel = kernel_for_variant(kind, v, n_slots > 0)
     x64 = x.view(np.uint64)  # float pairs: one 8-byte load a shared-memory slot
     if not n_slots:  # dense: arrays of the right types that the dense kernel never reads
         route_ids, route_w = x.view(np.int32), x
@@ -676,7 +764,11 @@ def launch_family(
     if _numba_config.ENABLE_CUDASIM:
         v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP
-    kernel[grid_for(n_groups, v, resident_blocks(kernel, args, n_threads)), n_threads, stream](*args)
+    if v.direct:  # no shared memory, no barrier: one group a warp, the hardware balances the blocks
+        grid = -(-n_groups // v.n_warps)
+    else:
+        grid = grid_for(n_groups, v, resident_blocks(kernel, args, n_threads))
+    kernel[grid, n_threads, stream](*args)
 
 
 def matvec(

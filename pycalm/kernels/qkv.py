@@ -75,13 +75,14 @@ from pycalm.kernels.matvec import (  # noqa: E402
     XCHUNK,
     XPAIRS,
     Variant,
+    fill_sms,
     grid_for,
     make_group_dot,
     make_preload,
     make_stage_x,
     resident_blocks,
-    rms_factor,
     row_scale,
+    staged_rms,
     variant_for,
     weight_kind,
 )
@@ -143,9 +144,8 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
     if early:
         src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
     src += [
-        "    scale = float32(ROW_SCALE) * rms_factor(x, eps, scratch)  # contains barriers",
-        "    stage_x(x64, norm_w, xs, 0, cols, 1)",
-        "    cuda.syncthreads()  # xs holds x * norm_w for every warp",
+        "    ss = stage_x(x64, norm_w, xs, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2",
+        "    scale = float32(ROW_SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs",
         "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
         f"        {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, 0, nw, lane)",
         "        gn = g + stride",
@@ -179,7 +179,7 @@ def qkv_kernel_for(kind: str, v: Variant, kv_dtype: str):  # noqa: ANN201
         "UNIT": max(1, k.load_bytes // 8),
         "STATE_POS": STATE_POS,
         "ROW_SCALE": row_scale(k.dtype, cvt),
-        "rms_factor": rms_factor,
+        "staged_rms": staged_rms,
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
         "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt, v.early),
@@ -234,6 +234,8 @@ def qkv_rope(
     rows = wqkv.shape[0]
     assert rows == q_dim + 2 * kv_dim and head_dim % 2 == 0
     has_bias = bqkv is not None
+    if variant is None:
+        v = fill_sms(-(-rows // v.rows), x.shape[0], v)
     kernel = qkv_kernel_for(kind, v, kv_dtype)
     args = (
         wv, bqkv if has_bias else x, x, x.view(np.uint64), norm_w, np.float32(eps), rope_freqs, state, q,
