@@ -11,7 +11,11 @@ else a numba uint64 copy), counting bytes read plus bytes written.
 
     python scripts/bench.py                          # llama3-8b and tinyllama-1.1b, all formats
     python scripts/bench.py --shapes tinyllama-1.1b --dtypes fp16 --tokens 64
+    python scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4
     python scripts/bench.py --shapes path/to/config.json
+
+Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the k active experts'
+matrices of every layer (and the float32 router), not the whole expert stacks.
 """
 
 from __future__ import annotations
@@ -69,6 +73,19 @@ SHAPES = {
         vocab_size=49152,
         rope_theta=100000.0,
     ),
+    "mixtral-8x7b": dict(
+        arch="mixtral",
+        dim=4096,
+        hidden_dim=14336,
+        head_dim=128,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        rope_theta=1000000.0,
+        n_experts=8,
+        n_experts_active=2,
+    ),
 }
 CALM_H200 = {  # calm's own tok/s on this H200 (ARCHITECTURE.md)
     ("llama3-8b", "fp16"): 193,
@@ -78,6 +95,9 @@ CALM_H200 = {  # calm's own tok/s on this H200 (ARCHITECTURE.md)
     ("tinyllama-1.1b", "fp8"): 1225,
     ("tinyllama-1.1b", "gf4"): 1032,
 }
+# calm's published figures measured on an H100, where no H200 figure exists: printed with the GPU
+# named and not compared (a different GPU)
+CALM_H100 = {("mixtral-8x7b", "fp8"): 200}
 
 
 def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
@@ -95,6 +115,10 @@ def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
             rope_theta=float(hf.get("rope_theta", 10000.0)),
         )
+        if hf.get("num_local_experts"):
+            spec.update(
+                arch="mixtral", n_experts=hf["num_local_experts"], n_experts_active=hf["num_experts_per_tok"]
+            )
     else:
         spec = dict(SHAPES[shape])
     return ModelConfig(
@@ -141,6 +165,11 @@ class RandomDeviceModel:
             return cuda.to_device(np.ones(c.dim, np.float32))
         if name.endswith("bqkv"):
             return cuda.to_device(np.zeros(c.qkv_dim, np.float32))
+        if name.endswith("moe_gate"):  # (n_experts, dim) float32 router, small random weights
+            rng = np.random.default_rng(self._seed)
+            return cuda.to_device(
+                (rng.standard_normal((c.n_experts, c.dim)) / np.sqrt(c.dim)).astype(np.float32)
+            )
         rows, cols = {
             "tok_embeddings": (c.vocab_size, c.dim),
             "output": (c.vocab_size, c.dim),
@@ -150,14 +179,17 @@ class RandomDeviceModel:
             "w3": (c.hidden_dim, c.dim),
             "w2": (c.dim, c.hidden_dim),
         }[name.split(".")[-1]]
+        # MoE: w1, w3, w2 are stacks (n_experts, rows, cols)
+        stack = (c.n_experts,) if c.n_experts and name.split(".")[-1] in ("w1", "w2", "w3") else ()
+        n = int(np.prod(stack, dtype=np.int64)) * rows * cols
         dt = c.weight_dtype
         if dt == "fp16":
-            w = random_words(rows * cols // 2, self._seed, _FP16_MASK, _FP16_BITS)
-            return w.view(np.float16).reshape(rows, cols)
+            w = random_words(n // 2, self._seed, _FP16_MASK, _FP16_BITS)
+            return w.view(np.float16).reshape(*stack, rows, cols)
         if dt == "fp8":
-            w = random_words(rows * cols // 4, self._seed, _FP8_MASK, _FP8_BITS)
-            return w.view(np.uint8).reshape(rows, cols)
-        return random_words(rows * cols // 8, self._seed, _GF4_MASK, _GF4_BITS).reshape(rows, cols // 8)
+            w = random_words(n // 4, self._seed, _FP8_MASK, _FP8_BITS)
+            return w.view(np.uint8).reshape(*stack, rows, cols)
+        return random_words(n // 8, self._seed, _GF4_MASK, _GF4_BITS).reshape(*stack, rows, cols // 8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +218,14 @@ def copy_ceiling_gbs() -> tuple[float, str]:
 
 
 def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the weights one token reads: all matrices, norms, and one embedding row."""
+    """Bytes of the weights one token reads: all matrices, norms, and one embedding row. MoE:
+    the k active experts' w1, w3, w2 only (k of n_experts), and the float32 router."""
     per_weight = {"fp16": 2.0, "fp8": 1.0, "gf4": 0.5}[cfg.weight_dtype]
-    layer = cfg.qkv_dim * cfg.dim + cfg.dim * cfg.q_dim + 3 * cfg.hidden_dim * cfg.dim
+    ffn = 3 * cfg.hidden_dim * cfg.dim * (cfg.n_experts_active if cfg.n_experts else 1)
+    layer = cfg.qkv_dim * cfg.dim + cfg.dim * cfg.q_dim + ffn
     matrices = cfg.n_layers * layer + cfg.vocab_size * cfg.dim + cfg.dim
-    return int(matrices * per_weight + 4 * cfg.dim * (2 * cfg.n_layers + 1))
+    router = 4 * cfg.n_experts * cfg.dim * cfg.n_layers
+    return int(matrices * per_weight + 4 * cfg.dim * (2 * cfg.n_layers + 1) + router)
 
 
 def time_replays(engine: GpuEngine, graph: GraphStep, pos0: int, n: int) -> float:
@@ -209,6 +244,7 @@ def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
     """Graphs of one kernel role each (all layers), and the bytes each moves."""
     from pycalm.kernels.attention import attention
     from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
+    from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
     from pycalm.kernels.qkv import qkv_rope
 
     cfg, dt, kv, s = engine.config, engine.config.weight_dtype, engine.kv_dtype, engine.stream
@@ -252,6 +288,16 @@ def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
         ),
         "w2+res": lambda i, L: matvec_residual(L.w2, engine.h, engine.x, dt, stream=s),
     }
+    if cfg.n_experts:  # the MoE block instead (the experts' launches read the chosen k only)
+        k, ids, rw = engine.k, engine.route_ids, engine.route_w
+        del roles["ffn_gate"], roles["w2+res"]
+        roles["moe_route"] = lambda i, L: moe_route(
+            L.moe_gate, engine.x, L.ffn_norm, eps, k, ids, rw, stream=s
+        )
+        roles["ffn_gate"] = lambda i, L: moe_ffn_gate(
+            L.w1, L.w3, engine.x, engine.h, dt, ids, rw, k, stream=s, norm_w=L.ffn_norm, eps=eps
+        )
+        roles["w2+res"] = lambda i, L: moe_matvec_residual(L.w2, engine.h, engine.x, dt, ids, k, stream=s)
     out = {}
     for name, fn in roles.items():
         nbytes = [0]
@@ -301,6 +347,9 @@ def bench_one(shape: str, dtype: str, tokens: int, ceiling: float) -> dict:
         setup_s=setup_s,
         roles=roles,
         calm=CALM_H200.get((shape, dtype)),
+        calm_h100=CALM_H100.get((shape, dtype)),
+        # MoE: the bytes (GB/s) count the active experts only
+        experts=f"{cfg.n_experts_active} of {cfg.n_experts} experts" if cfg.n_experts else None,
     )
     del engine
     return res
@@ -324,8 +373,9 @@ def main() -> None:
             r = bench_one(shape, dtype, args.tokens, ceiling)
             results.append(r)
             roles = "  ".join(f"{k} {v[1]:,.0f}" for k, v in r["roles"].items())
+            moe = f" (bytes of the {r['experts']} active a token)" if r["experts"] else ""
             print(
-                f"{shape} {dtype}: {r['tok_s']:.0f} tok/s {r['gbs']:,.0f} GB/s; @4000 {r['tok_s_4000']:.0f} tok/s; per kernel GB/s: {roles}",
+                f"{shape} {dtype}: {r['tok_s']:.0f} tok/s {r['gbs']:,.0f} GB/s{moe}; @4000 {r['tok_s_4000']:.0f} tok/s; per kernel GB/s: {roles}",
                 flush=True,
             )
     print()
@@ -336,10 +386,15 @@ def main() -> None:
     for r in results:
         calm = r["calm"]
         vs = f"{r['tok_s'] / calm:.2f}x" if calm else "-"
+        # an H100 figure is shown with its GPU and not compared
+        calm_txt = str(calm) if calm else f"~{r['calm_h100']} (H100)" if r["calm_h100"] else "-"
+        shape = f"{r['shape']} ({r['experts']} active)" if r["experts"] else r["shape"]
         print(
-            f"| {r['shape']} | {r['dtype']} | {r['tok_s']:.0f} | {r['gbs']:,.0f} | {100 * r['gbs'] / r['ceiling']:.0f}% | "
-            f"{r['tok_s_4000']:.0f} | {100 * (r['tok_s_4000'] / r['tok_s'] - 1):+.0f}% | {calm or '-'} | {vs} |"
+            f"| {shape} | {r['dtype']} | {r['tok_s']:.0f} | {r['gbs']:,.0f} | {100 * r['gbs'] / r['ceiling']:.0f}% | "
+            f"{r['tok_s_4000']:.0f} | {100 * (r['tok_s_4000'] / r['tok_s'] - 1):+.0f}% | {calm_txt} | {vs} |"
         )
+    if any(r["experts"] for r in results):
+        print("\nMoE rows: GB/s counts the bytes a token reads, the active experts' weights only.")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
