@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
-#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [verify] [real GGUF GOLDEN] [cli GGUF]
+#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash ../shared/gpu/get-wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -16,10 +16,11 @@ while [ $i -lt ${#steps[@]} ]; do
   case $step in
     tests)   PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_common.py tests/test_matvec.py \
                tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_norm.py tests/test_sample.py \
-               tests/test_model.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
+               tests/test_model.py tests/test_moe.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels) python3 scripts/bench_kernels.py --check 2>&1 | tee "$out/bench_kernels.log" | tail -40
              python3 scripts/bench_attention.py 2>&1 | tee "$out/bench_attention.log" | tail -25 ;;
     bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
+    mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))
              python3 -m pycalm.generate "$gguf" --cache-dir /tmp/pycalm-cache -i "The capital of France is" -n 64 -t 0 2>&1 | tee "$out/cli.log"
