@@ -163,16 +163,21 @@ SWEEP = [V(r, u, n_warps=w) for r, u in ((2, 2), (2, 4), (4, 2)) for w in (4, 8,
 ]
 
 
+def shape_setup(rows: int, cols: int, dtype: str, rng: object, s: object) -> tuple:
+    """-> (copies, the rotating weight copies, x, y, the bytes one matvec moves) for a shape."""
+    c = n_copies(rows, cols, dtype)
+    ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
+    x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
+    y = cuda.device_array(rows, np.float32)
+    return c, ws, x, y, mv.matvec(ws[0], x, y, dtype, stream=s)
+
+
 def sweep(s: object, dtypes: list[str]) -> None:
     """Time plain matvec for every (rows, loads, warps a block) on every shape; print the best."""
     rng = np.random.default_rng(1)
     for dtype in dtypes:
         for rows, cols in LLAMA + TINY:
-            c = n_copies(rows, cols, dtype)
-            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
-            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
-            y = cuda.device_array(rows, np.float32)
-            nb = mv.matvec(ws[0], x, y, dtype, stream=s)
+            c, ws, x, y, nb = shape_setup(rows, cols, dtype, rng, s)
             res = []
             for v in SWEEP:
 
@@ -220,11 +225,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     for dtype in DTYPES:
         for rows, cols in LLAMA + TINY:
-            c = n_copies(rows, cols, dtype)
-            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
-            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
-            y = cuda.device_array(rows, np.float32)
-            nb = mv.matvec(ws[0], x, y, dtype, stream=s)
+            c, ws, x, y, nb = shape_setup(rows, cols, dtype, rng, s)
             n = max(c, 16)
 
             def plain(
