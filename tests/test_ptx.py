@@ -25,7 +25,7 @@ from importlib import import_module
 
 import pycalm.kernels
 
-MINE = {"common", "matvec", "qkv"}  # modules that must have COMPILE_CHECK entries (common: via users)
+MINE = {"common", "matvec", "qkv", "moe"}  # modules that must have COMPILE_CHECK entries (common: via users)
 
 _SCRIPT = r"""
 import importlib, json, re, sys
@@ -117,7 +117,7 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
             if key not in seen:
                 seen.add(key)
                 work.append((name, i))
-    for name in ("matvec", "qkv"):
+    for name in ("matvec", "qkv", "moe"):
         assert counts.get(name, 0) > 0, f"{name} has no COMPILE_CHECK entries"
     assert MINE <= set(names)
     n_workers = max(1, min(os.cpu_count() or 1, len(work)))
