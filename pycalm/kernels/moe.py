@@ -20,11 +20,12 @@ Routing kernel, thread mapping: one block. Thread t takes columns t, t + blockDi
 each it loads x, norm_w and the n_experts gate weights of the column (the kernel is compiled per
 n_experts, so the n_experts partial sums are registers and their loads are in flight together)
 and adds x^2 for the norm. Each warp reduces its n_experts partial sums with shuffles into
-shared memory ([expert, warp]); thread e then adds expert e's warp sums in warp order (so the
-logits are deterministic) and scales them by rsqrt(mean(x^2) + eps), as the matvec kernels'
-rms_factor does (the norm factors out of the dot products). Thread 0 picks the top k by scans
-(strict >: ties go to the lower index; the picks come out in descending order) and takes the
-softmax over them.
+shared memory ([expert, warp]); warp e then reduces expert e's warp sums the same way (a fixed
+butterfly order: the logits are deterministic) and scales them by rsqrt(mean(x^2) + eps), as the
+matvec kernels' rms_factor does (the norm factors out of the dot products). Thread 0 picks the
+top k by scans of the logits in shared memory (strict >: ties go to the lower index; the picks
+come out in descending order), takes the softmax over them and writes route_ids and route_w; it
+reads nothing back from global memory (each read-after-write there is a round trip to L2).
 
 Bytes moved: routing G (4 n_experts dim), x and norm_w (8 dim), the route (8 k); the expert
 launches k / n_experts of each stack (the chosen experts' matrices only) and the activations.
@@ -96,6 +97,7 @@ def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
         part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
         logits = cuda.shared.array(MAX_EXPERTS, float32)
         chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked
+        pick = cuda.shared.array(MAX_EXPERTS, int32)  # the picks in order (no global round trip)
         scratch = cuda.shared.array(WARP, float32)  # block reduction
         t = cuda.threadIdx.x
         lane = t % WARP
@@ -117,12 +119,13 @@ def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
                 part[e, warp] = s
         # its first barrier also makes every warp's part visible to the block
         ss = block_reduce_sum(ss, scratch)
-        if t < n:
-            s = float32(0.0)
-            for w in range(cuda.blockDim.x // WARP):
-                s += part[t, w]
-            logits[t] = s * (float32(1.0) / math.sqrt(ss / float32(dim) + eps))
-            chosen[t] = 0
+        rms = float32(1.0) / math.sqrt(ss / float32(dim) + eps)
+        n_warps = cuda.blockDim.x // WARP
+        for e in range(warp, n, n_warps):  # warp-uniform: warp e sums expert e's warp sums
+            s = warp_reduce_sum(part[e, lane] if lane < n_warps else float32(0.0))
+            if lane == 0:
+                logits[e] = s * rms
+                chosen[e] = 0
         cuda.syncthreads()  # every logit is written and no expert is marked chosen
         if t == 0:
             for j in range(k):  # the largest unpicked logit; strict >: ties to the lower index
@@ -131,15 +134,14 @@ def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
                     if chosen[e] == 0 and (best < 0 or logits[e] > logits[best]):
                         best = e
                 chosen[best] = 1
-                route_ids[j] = best
-            top = logits[route_ids[0]]  # the first pick is the largest: exp(l - top) <= 1
+                pick[j] = best
+            top = logits[pick[0]]  # the first pick is the largest: exp(l - top) <= 1
             total = float32(0.0)
             for j in range(k):
-                p = math.exp(logits[route_ids[j]] - top)
-                route_w[j] = p
-                total += p
-            for j in range(k):
-                route_w[j] = route_w[j] / total
+                total += math.exp(logits[pick[j]] - top)
+            for j in range(k):  # the only global writes: nothing is read back
+                route_ids[j] = pick[j]
+                route_w[j] = math.exp(logits[pick[j]] - top) / total
 
     moe_route_kernel.__name__ = moe_route_kernel.__qualname__ = f"moe_route_kernel_{n}"
     return cuda.jit(moe_route_kernel)
