@@ -59,6 +59,7 @@ import functools
 import math
 
 import numpy as np
+from numba import config as _numba_config
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
@@ -108,9 +109,10 @@ def attention_ref(
 MIN_CHUNK = 16  # fewest positions a chunk takes: below this the per-block overhead dominates
 TARGET_BLOCKS = 512  # chunk blocks to aim for at long context: ~4 per SM on a 132-SM H200
 STEPS = 1  # positions a team loads per step before using them (loads in flight: 2 * STEPS rows)
-THREADS = 128  # threads of a chunk block: 4 warps
+# under the CUDA simulator (a Python thread per CUDA thread) smaller blocks of the same kernels
+THREADS = 64 if _numba_config.ENABLE_CUDASIM else 128  # threads of a chunk block: 4 warps
 WARPS = THREADS // 32
-COMBINE_THREADS = 512
+COMBINE_THREADS = 64 if _numba_config.ENABLE_CUDASIM else 512
 UNROLL = 8  # independent partial loads in flight per combine thread
 REG_BUDGET = 32  # floats of queries (and as many of outputs) a lane holds: ~128 registers, 4 blocks an SM
 NEG = -1.0e30  # "no score yet": finite, so that merging two empty runs gives 0 * 1, not NaN

@@ -157,8 +157,10 @@ DEFAULT_VARIANT = {
     "gf4": Variant(2, 2, n_warps=16),
 }
 FALLBACK_VARIANT = Variant(2, 1, False)  # the narrow kinds (test shapes)
-# under the CUDA simulator every thread is a Python thread: small blocks keep idle ones few
+# under the CUDA simulator every thread is a Python thread: small blocks keep idle ones few, and
+# few blocks (the warps loop over the row groups) keep the per-block start-up cost down
 SIM_WARPS = 2
+SIM_BLOCKS = 2
 
 
 def row_scale(dtype: str, cvt: bool) -> float:
@@ -768,6 +770,8 @@ def launch_family(
         grid = -(-n_groups // v.n_warps)
     else:
         grid = grid_for(n_groups, v, resident_blocks(kernel, args, n_threads))
+    if _numba_config.ENABLE_CUDASIM:
+        grid = min(grid, SIM_BLOCKS)
     kernel[grid, n_threads, stream](*args)
 
 
