@@ -682,10 +682,12 @@ def n_sm() -> int:
 def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
     """Blocks for n_groups row groups: at most min(blocks_per_sm, the kernel's occupancy) an
     SM, so that every block is resident at once, and sized so that every warp loops over the
-    same number of groups (no warp does one more group than the others)."""
+    same number of groups (no warp does one more group than the others). Under the simulator at
+    most SIM_BLOCKS (the warps loop over the groups)."""
     bps = min(v.blocks_per_sm, resident) if resident else v.blocks_per_sm
     per_warp = max(1, -(-n_groups // (n_sm() * bps * v.n_warps)))
-    return max(1, -(-n_groups // (v.n_warps * per_warp)))
+    blocks = max(1, -(-n_groups // (v.n_warps * per_warp)))
+    return min(blocks, SIM_BLOCKS) if _numba_config.ENABLE_CUDASIM else blocks
 
 
 def fill_sms(n_groups: int, cols: int, v: Variant) -> Variant:
@@ -770,8 +772,6 @@ def launch_family(
         grid = -(-n_groups // v.n_warps)
     else:
         grid = grid_for(n_groups, v, resident_blocks(kernel, args, n_threads))
-    if _numba_config.ENABLE_CUDASIM:
-        grid = min(grid, SIM_BLOCKS)
     kernel[grid, n_threads, stream](*args)
 
 

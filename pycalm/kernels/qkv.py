@@ -71,7 +71,6 @@ from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, sincos, warp_reduce_sum  # noqa: E402
 from pycalm.kernels.matvec import (  # noqa: E402
     KINDS,
-    SIM_BLOCKS,
     SIM_WARPS,
     XCHUNK,
     XPAIRS,
@@ -247,8 +246,6 @@ def qkv_rope(
         v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP
     grid = grid_for(-(-rows // v.rows), v, resident_blocks(kernel, args, n_threads))
-    if _numba_config.ENABLE_CUDASIM:
-        grid = min(grid, SIM_BLOCKS)
     kernel[grid, n_threads, stream](*args)
     kv_row = 2 * kv_dim * k_cache.dtype.itemsize
     extra = int(bqkv.nbytes) if has_bias else 0
