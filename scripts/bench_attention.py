@@ -122,8 +122,7 @@ def main():
                         stream.synchronize()
                         want = att.attention_ref(q_host, *ref_kv, n_pos, n_heads, n_kv_heads, head_dim)
                         err = float(np.max(np.abs(out.copy_to_host() - want)) / np.max(np.abs(want)))
-                    record = functools.partial(
-                        _attention_layers,
+                    launch_args = (
                         caches,
                         q,
                         state,
@@ -133,6 +132,7 @@ def main():
                         part,
                         stream,
                     )
+                    record = functools.partial(_attention_layers, *launch_args)
                     t = timed(stream, record) / LAYERS
                     gbs = n_pos * kv_dim * 2 * elt / t / 1e9
                     rows.append(
@@ -140,18 +140,7 @@ def main():
                     )
                     if args.diag and vname == names[0]:
                         for what in ("chunk", "combine", "noop"):
-                            rec = functools.partial(
-                                _one_kernel,
-                                what,
-                                caches,
-                                q,
-                                state,
-                                out,
-                                (n_heads, n_kv_heads, head_dim),
-                                kv_dtype,
-                                part,
-                                stream,
-                            )
+                            rec = functools.partial(_one_kernel, what, *launch_args)
                             td = timed(stream, rec) / LAYERS
                             print(
                                 f"  diag {name} {kv_dtype} {n_pos}: {what} alone {td * 1e6:.2f} us",

@@ -83,6 +83,16 @@ class Case:
     seed: int = 0
 
 
+_QWEN2 = dict(
+    hidden_size=224,
+    intermediate_size=608,
+    num_hidden_layers=3,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=1000000.0,
+    use_sliding_window=False,
+)
 CASES = [
     # 8 query heads on 2 KV heads (4:1), head_dim 32, hidden 160, tied embeddings
     Case(
@@ -118,39 +128,8 @@ CASES = [
         seed=2,
     ),
     # 14 heads on 2 (7:1, as Qwen2.5-0.5B), head_dim 32 (q_dim 448 != hidden 224), q/k/v biases
-    Case(
-        "qwen2",
-        "qwen2",
-        dict(
-            hidden_size=224,
-            intermediate_size=608,
-            num_hidden_layers=3,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            head_dim=32,
-            rope_theta=1000000.0,
-            use_sliding_window=False,
-            tie_word_embeddings=False,
-        ),
-        seed=3,
-    ),
-    Case(
-        "qwen2-bf16",
-        "qwen2",
-        dict(
-            hidden_size=224,
-            intermediate_size=608,
-            num_hidden_layers=3,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            head_dim=32,
-            rope_theta=1000000.0,
-            use_sliding_window=False,
-            tie_word_embeddings=True,
-        ),
-        save_dtype="bfloat16",
-        seed=4,
-    ),
+    Case("qwen2", "qwen2", dict(_QWEN2, tie_word_embeddings=False), seed=3),
+    Case("qwen2-bf16", "qwen2", dict(_QWEN2, tie_word_embeddings=True), save_dtype="bfloat16", seed=4),
     # 8 experts, top 2; 12 heads on 4 (3:1), head_dim 32, hidden 120
     Case(
         "mixtral",
