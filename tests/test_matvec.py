@@ -129,3 +129,24 @@ def test_matvec_chunked_x(dtype):
     matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
     cuda.synchronize()
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(19, 256), (37, 136)])
+def test_matvec_direct_variant(dtype, rows, cols):
+    """The benchmark's direct-x variant (x read from global memory, no staging), R2 and R4, as a
+    residual launch: the same values as the staged kernels."""
+    from pycalm.kernels.matvec import RESIDUAL, Variant, launch_family
+
+    rng = np.random.default_rng(rows + cols)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    wdev, xdev = cuda.to_device(w), cuda.to_device(x)
+    for v in (Variant(2, 2, n_warps=2, direct=True), Variant(4, 1, n_warps=2, direct=True)):
+        r = cuda.to_device(r0)
+        launch_family(
+            wdev, wdev, xdev, None, 0.0, r, dtype, RESIDUAL, stream=cuda.default_stream(), variant=v
+        )
+        cuda.synchronize()
+        _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
