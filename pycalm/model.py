@@ -77,7 +77,7 @@ class GpuEngine:
     ) -> None:
         from numba import config, cuda
 
-        from pycalm.kernels.attention import attention_scratch_shape
+        from pycalm.kernels.attention import attention_scratch
         from pycalm.kernels.sample import argmax_scratch_shape
         from pycalm.kernels.step import STATE_SIZE
 
@@ -144,9 +144,10 @@ class GpuEngine:
             cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
             for _ in range(cfg.n_layers)
         ]
-        # (n_chunks, n_heads, head_dim + 2) float32: per-chunk partial attention, shared by the layers
-        part_shape = attention_scratch_shape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.seq_len)
-        self.att_scratch = cuda.device_array(part_shape, np.float32, stream=self.stream)
+        # per-chunk partial attention and per-head chunk counters, shared by the layers
+        self.att_scratch = attention_scratch(
+            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, stream=self.stream
+        )
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
         self.argmax_scratch = cuda.device_array(

@@ -8,12 +8,12 @@ real token step), replayed RUNS times and timed with CUDA events (median). Per-l
 includes the ~1 us a kernel that a graph costs (two kernels a call). GB/s counts the KV bytes
 read at n_pos (K and V rows of the attended positions); the ceiling is a uint64 grid-stride copy
 measured in the same run (bytes read + written). Caches hold random finite fp16 / e5m2 bit
-patterns made on the GPU. With --check, every variant's output for layer 0 is compared with
+patterns made on the GPU. N_POS includes 64 (a short context: most tokens of a short chat) and
+the chunk length + 1 (the shortest context that goes through the last-block combine). With --check, every variant's output for layer 0 is compared with
 attention_ref on the host-decoded cache (max abs error over max |ref|; float32 order only).
 
-Variants (--variants) set attention.py's tuning knobs (REG_BUDGET: lanes per position team via
-registers; STEPS: positions a team loads before using them; TARGET_BLOCKS / MIN_CHUNK: the
-split of the positions). Also: argmax (two passes with scratch, and one block) and sample
+Variants (--variants) set attention.py's tuning knobs (THREADS a block; MAX_CHUNK and REG_WORDS:
+the positions a block takes; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample
 over 128256 logits, each as a graph of 32 launches. The last lines are a summary table.
 """
 
@@ -34,7 +34,7 @@ from pycalm.kernels import attention as att  # noqa: E402
 from pycalm.kernels.sample import argmax, argmax_scratch_shape, sample  # noqa: E402
 
 SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
-N_POS = (256, 4000)
+N_POS = (64, 256, 4000)
 SEQ_LEN = 4096
 LAYERS = 16
 RUNS = 15
@@ -42,15 +42,16 @@ VOCAB = 128256
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF}  # clear an exponent bit: finite values only
 VARIANTS = {  # name -> attention.py knobs
     "default": {},
-    "steps2": {"STEPS": 2},
-    "lanes8": {"REG_BUDGET": 64},
-    "blocks1k": {"TARGET_BLOCKS": 1024},
-    "steps4": {"STEPS": 4},
-    "steps4_1k": {"STEPS": 4, "TARGET_BLOCKS": 1024},
-    "chunk64": {"STEPS": 4, "MIN_CHUNK": 64},
-    "blocks256": {"TARGET_BLOCKS": 256, "STEPS": 2},
-    "min8": {"MIN_CHUNK": 8},
-    "min32": {"MIN_CHUNK": 32},
+    "t128": {"THREADS": 128},
+    "t512": {"THREADS": 512},
+    "c128": {"MAX_CHUNK": 128},
+    "c64": {"MAX_CHUNK": 64},
+    "c64t128": {"MAX_CHUNK": 64, "THREADS": 128},
+    "c512": {"MAX_CHUNK": 512, "REG_WORDS": 32},
+    "kw2": {"K_WORDS": 2},
+    "kw8": {"K_WORDS": 8},
+    "vw4": {"V_WORDS": 4},
+    "vw1": {"V_WORDS": 1},
 }
 
 
@@ -60,7 +61,7 @@ def timed(stream, record, runs=RUNS):
 
 
 def set_knobs(knobs):
-    defaults = {"STEPS": 1, "REG_BUDGET": 32, "TARGET_BLOCKS": 512, "MIN_CHUNK": 16}
+    defaults = {"THREADS": 256, "MAX_CHUNK": 256, "REG_WORDS": 16, "K_WORDS": 4, "V_WORDS": 2}
     for k, v in {**defaults, **knobs}.items():
         setattr(att, k, v)
 
@@ -99,9 +100,8 @@ def main():
                 ref_kv = [formats.decode(c.copy_to_host(), kv_dtype).astype(np.float32) for c in caches[0]]
             for vname in names:
                 set_knobs(VARIANTS[vname])
-                shape = att.attention_scratch_shape(n_heads, n_kv_heads, head_dim, SEQ_LEN)
-                part = cuda.device_array(shape, np.float32)
-                for n_pos in N_POS:
+                part = att.attention_scratch(n_heads, head_dim, kv_dtype, SEQ_LEN, stream=stream)
+                for n_pos in (*N_POS, part.chunk + 1):
                     state = cuda.to_device(np.array([0, n_pos - 1, 0, 0], np.int32))
                     err = float("nan")
                     if ref_kv is not None:
@@ -136,10 +136,10 @@ def main():
                     t = timed(stream, record) / LAYERS
                     gbs = n_pos * kv_dim * 2 * elt / t / 1e9
                     rows.append(
-                        (name, kv_dtype, vname, n_pos, t * 1e6, gbs, 100 * gbs / ceiling, err, shape[0])
+                        (name, kv_dtype, vname, n_pos, t * 1e6, gbs, 100 * gbs / ceiling, err, part.chunk)
                     )
                     if args.diag and vname == names[0]:
-                        for what in ("chunk", "combine", "noop"):
+                        for what in ("noop",):
                             rec = functools.partial(_one_kernel, what, *launch_args)
                             td = timed(stream, rec) / LAYERS
                             print(
@@ -148,7 +148,7 @@ def main():
                             )
                     print(
                         f"{name:11s} {kv_dtype:5s} {vname:9s} {n_pos:6d} {t * 1e6:8.2f} us {gbs:8,.0f} GB/s "
-                        f"err {err:.1e} chunks {shape[0]}",
+                        f"err {err:.1e} chunk {part.chunk}",
                         flush=True,
                     )
             del caches
@@ -179,7 +179,7 @@ def main():
     print(f"copy ceiling {ceiling:,.0f} GB/s")
     print(
         f"{'model':11s} {'kv':5s} {'variant':9s} {'n_pos':>6s} {'us/layer':>9s} {'KV GB/s':>8s} {'% ceil':>7s} "
-        f"{'err':>8s} {'chunks':>6s}"
+        f"{'err':>8s} {'chunk':>6s}"
     )
     for r in rows:
         print(
@@ -190,28 +190,18 @@ def main():
 
 
 @cuda.jit
-def noop_kernel(q, k, v, state, part, window, min_chunk):
+def noop_kernel(q, k, v, state, part, count, out, window):
     if cuda.grid(1) == 1 << 30:
         state[0] = 0
 
 
 def _one_kernel(what, caches, q, state, out, shape, kv_dtype, part, stream):
-    """One of the attention's two kernels (or an empty kernel of the chunk kernel's signature
-    and grid) per layer, launched as the launcher does."""
-    n_heads, n_kv_heads, head_dim = shape
-    lanes = att.team_lanes(head_dim, n_heads // n_kv_heads, kv_dtype)
-    chunk, combine = att.attention_kernels(head_dim, n_heads // n_kv_heads, kv_dtype, att.STEPS, lanes)
-    pstep = att.THREADS // lanes * att.STEPS
-    min_chunk = np.int32(-(-att.MIN_CHUNK // pstep) * pstep)
-    n_chunks = part.shape[0]
+    """An empty kernel of the attention kernel's signature and grid per layer: what a graph
+    costs for the launch alone."""
+    n_heads = shape[0]
     for k, v in caches:
-        args = (q, k.view(np.int64), v.view(np.int64), state, part, np.int32(0), min_chunk)
-        if what == "chunk":
-            chunk[(n_chunks, n_kv_heads), att.THREADS, stream](*args)
-        elif what == "noop":
-            noop_kernel[(n_chunks, n_kv_heads), att.THREADS, stream](*args)
-        else:
-            combine[n_heads, att.COMBINE_THREADS, stream](part, state, out, np.int32(0), min_chunk)
+        args = (q, k.view(np.int64), v.view(np.int64), state, part.part, part.count, out, np.int32(0))
+        noop_kernel[(n_heads, part.part.shape[1]), att.THREADS, stream](*args)
 
 
 def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream):

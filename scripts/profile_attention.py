@@ -36,23 +36,18 @@ def main() -> None:
     ]
     q = cuda.to_device(np.random.default_rng(0).standard_normal(n_heads * hd).astype(np.float32))
     out = cuda.device_array(n_heads * hd, np.float32)
-    part = cuda.device_array(att.attention_scratch_shape(n_heads, n_kv, hd, 4096), np.float32)
+    part = att.attention_scratch(n_heads, hd, "fp16", 4096, stream=s)
     state = cuda.to_device(np.array([0, n_pos - 1, 0, 0], np.int32))
     for _ in range(3):
         att.attention(q, *caches, state, out, n_heads, n_kv, hd, "fp16", 0, part, stream=s)
     s.synchronize()
     if len(sys.argv) > 3:
-        lanes = att.team_lanes(hd, n_heads // n_kv, "fp16")
-        for name, kern in zip(
-            ("chunk", "combine"),
-            att.attention_kernels(hd, n_heads // n_kv, "fp16", att.STEPS, lanes),
-            strict=True,
-        ):
-            sass = kern.inspect_sass()
-            text = sass if isinstance(sass, str) else "\n".join(sass.values())
-            with open(os.path.join(sys.argv[3], f"{name}_{sys.argv[1]}.sass"), "w") as f:
-                f.write(text)
-            print(name, "SASS lines", text.count("\n"))
+        kern = att.attention_kernel(hd, n_heads // n_kv, "fp16", part.chunk, att.THREADS)
+        sass = kern.inspect_sass()
+        text = sass if isinstance(sass, str) else "\n".join(sass.values())
+        with open(os.path.join(sys.argv[3], f"attention_{sys.argv[1]}.sass"), "w") as f:
+            f.write(text)
+        print("attention SASS lines", text.count("\n"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""attention (flash-decoding chunk + combine kernels) against attention_ref.
+"""attention (one kernel: chunk blocks, the last one of a head combines) against attention_ref.
 
-Shapes stay small for the simulator but cover: odd n_pos (chunks that end mid-team), several
-live chunks and blocks that exit early, a sliding window, both KV dtypes, GQA groups 1, 3, 7.
+Shapes stay small for the simulator (chunks of CHUNK = 16 positions, on the GPU too) but cover: odd
+n_pos (chunks that end mid-team), one live chunk (no partials) and several (the last-block
+combine, run twice on one scratch so a counter left non-zero would show), blocks that exit
+early, a sliding window, both KV dtypes, GQA groups 1, 3, 7.
 Tolerance: float32 dots of head_dim terms and sums of up to n_pos terms in a different order
 than NumPy's: 2e-5 absolute on outputs of size ~1 (values are convex mixes of V rows in [-1, 1]).
 """
@@ -11,16 +13,18 @@ import pytest
 from numba import cuda
 
 from pycalm import formats
+from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
-    MIN_CHUNK,
     attention,
-    attention_chunks,
+    attention_chunk_len,
     attention_ref,
-    attention_scratch_shape,
+    attention_scratch,
 )
 
+CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
 
-def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed):
+
+def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, chunk=CHUNK):
     rng = np.random.default_rng(seed)
     kv_dim = n_kv_heads * head_dim
     q = rng.standard_normal(n_heads * head_dim).astype(np.float32)
@@ -40,28 +44,19 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed):
         window,
     )
     state = np.array([0, n_pos - 1, 0, 0], np.int32)
-    part = np.full(attention_scratch_shape(n_heads, n_kv_heads, head_dim, seq_len), np.nan, np.float32)
-    out = np.full(n_heads * head_dim, np.nan, np.float32)
-    d_out = cuda.to_device(out)
     stream = cuda.stream()
-    nbytes = attention(
-        cuda.to_device(q),
-        cuda.to_device(kq),
-        cuda.to_device(vq),
-        cuda.to_device(state),
-        d_out,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        kv_dtype,
-        window,
-        stream=stream,
-        part=cuda.to_device(part),
-    )
-    stream.synchronize()
-    got = d_out.copy_to_host()
-    assert nbytes > 0
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    scratch = attention_scratch(n_heads, head_dim, kv_dtype, seq_len, chunk=chunk, stream=stream)
+    scratch.part.copy_to_device(np.full(scratch.part.shape, np.nan, np.float32), stream=stream)
+    args = (cuda.to_device(q), cuda.to_device(kq), cuda.to_device(vq), cuda.to_device(state))
+    for _ in range(2):  # the second launch finds the counters the first one left
+        d_out = cuda.to_device(np.full(n_heads * head_dim, np.nan, np.float32))
+        nbytes = attention(
+            *args, d_out, n_heads, n_kv_heads, head_dim, kv_dtype, window, scratch, stream=stream
+        )
+        stream.synchronize()
+        assert nbytes > 0
+        np.testing.assert_allclose(d_out.copy_to_host(), want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(scratch.count.copy_to_host(), 0)
 
 
 @pytest.mark.parametrize(
@@ -69,19 +64,41 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed):
     [
         (2, 2, 32, "fp16", 5, 0),  # group 1, one chunk, most teams idle
         (3, 1, 32, "fp8", 37, 0),  # group 3, fp8, three chunks, the last one partial
-        (7, 1, 16, "fp16", 21, 0),  # group 7, 4 lanes a team, two chunks
+        (7, 1, 16, "fp16", 21, 0),  # group 7, 2 lanes a K team, two chunks
         (3, 1, 64, "fp8", 41, 20),  # sliding window: start = 21, two chunks
         (4, 1, 32, "fp16", 35, 100),  # window longer than the context: no effect
+        (2, 1, 128, "fp16", 50, 0),  # head_dim > threads of a simulated block: dims loop
     ],
 )
 def test_attention_matches_ref(n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, window):
     _run(n_heads, n_kv_heads, head_dim, 64, n_pos, kv_dtype, window, seed=n_pos)
 
 
-def test_chunk_count_is_fixed_and_bounded():
-    # fixed by shapes only; never more chunks than seq_len needs at MIN_CHUNK positions each
-    assert attention_chunks(32, 8, 8192) == 64
-    assert attention_chunks(14, 2, 32768) == 256
-    assert attention_chunks(32, 8, 100) == -(-100 // MIN_CHUNK)
-    # the combine kernel's chunk weights (n_chunks floats of shared memory) stay small
-    assert attention_chunks(32, 1, 1 << 20) * 4 <= 4096
+def test_default_chunk_is_one_block_per_head_at_short_context():
+    # the model's scratch: one live chunk (no combine) up to MAX_CHUNK positions, 256 on the GPU
+    _run(3, 1, 32, 64, 50, "fp16", 0, seed=1, chunk=None)
+
+
+def test_chunk_len_fits_registers():
+    # a power of two, and a thread's share of the chunk's K words stays within REG_WORDS
+    from pycalm.kernels import attention as att
+
+    for head_dim, kv_dtype in ((64, "fp16"), (128, "fp16"), (128, "fp8"), (256, "fp16")):
+        chunk = attention_chunk_len(head_dim, kv_dtype)
+        assert chunk & (chunk - 1) == 0
+        words = head_dim // (8 if kv_dtype == "fp8" else 4)
+        assert chunk * words <= att.REG_WORDS * att.THREADS or chunk == 1
+
+
+def test_bad_arguments_are_named():
+    stream = cuda.stream()
+    scratch = attention_scratch(4, 32, "fp16", 16, chunk=CHUNK, stream=stream)
+    q = cuda.to_device(np.zeros(4 * 32, np.float32))
+    cache = cuda.to_device(np.zeros((64, 64), np.float16))
+    state = cuda.to_device(np.zeros(4, np.int32))
+    with pytest.raises(PycalmError, match="scratch"):  # made for 16 positions, cache holds 64
+        attention(q, cache, cache, state, q, 4, 2, 32, "fp16", 0, scratch, stream=stream)
+    with pytest.raises(PycalmError, match="KV cache dtype"):
+        attention(q, cache, cache, state, q, 4, 2, 32, "bf16", 0, scratch, stream=stream)
+    with pytest.raises(PycalmError, match="power of two"):
+        attention_scratch(4, 32, "fp16", 16, chunk=24)

@@ -5,58 +5,52 @@ For query head h (kv head g = h // (n_heads // n_kv_heads)) and cached positions
   score_t = q_h . k_t,g / sqrt(head_dim);  p = softmax(score);  out_h = sum_t p_t v_t,g
 The caches hold (seq_len, n_kv_heads * head_dim) per layer, fp16 or fp8 e5m2.
 
-GPU: flash-decoding in two kernels.
+GPU: one kernel, grid (n_heads, n_chunks), THREADS threads a block. Block (h, c) takes query head
+h and the c-th chunk of CHUNK positions (a power of two, sized so that a thread's share of the
+chunk's K and V rows fits in REG_WORDS int64 registers each); blocks past the live chunks exit
+at once (the grid is captured once, so it cannot depend on pos). A block:
 
-1. `attention_chunk_kernel`, grid (n_chunks, n_kv_heads), 128 threads. Block (c, g) takes the
-   c-th chunk of the positions for kv head g and ALL the query heads of its group, so each K and
-   V row is read from memory once for the whole group. A warp is split into teams of `lanes`
-   lanes (8 for the usual head_dim 64 / 128); a team takes one position per step (the block
-   16 positions a step), each lane reading interleaved int64 words of that position's K AND V
-   rows (K and V loads in flight together; 8 lanes x 8 bytes = 64 contiguous bytes a load), the
-   next step's loads issued before this step's arithmetic (double-buffered). The lane keeps its slice of the group's queries and its slice of each head's output
-   in registers, and runs an online softmax per team: the score is reduced inside the team by
-   log2(lanes) xor shuffles (every lane gets it), and the running max is raised lazily (the
-   output is rescaled only when a score beats it, which is rare after the first few steps). No
-   shared memory and no barrier per position: the teams of a warp are merged by xor shuffles
-   and the warps through shared memory ONCE at the end, and the block writes (unnormalised
-   out, max, sum of exp) per head to `part[c]`.
-2. `attention_combine_kernel`, grid n_heads, 512 threads: every warp finds the largest chunk
-   maximum and the softmax denominator itself (a few loads a lane, then shuffles: no barrier),
-   then every thread sums weight * partial over a slice of the chunks with 8 independent loads
-   in flight, and the slices are added in shared memory (one barrier).
+1. issues ALL its K and V loads first, before any arithmetic: one DRAM round trip for the chunk.
+   K: teams of TL lanes, one position a team, each lane KW interleaved int64 words of the row
+   (~4: a few shuffles per position). V: teams of VL lanes, VW words a lane (~2).
+2. scores: each team dots its K row with the lane's slice of q (held in registers, times
+   1/sqrt(head_dim)), xor-shuffles the partial dots inside the team, and writes the score to
+   shared memory. One barrier.
+3. softmax: EVERY warp reads the chunk's scores and computes their max m and sum of
+   exp(score - m) itself (a few shared loads a lane, then shuffles): no second barrier.
+4. p V: each V team takes its positions, p = exp(score - m) (read back from shared memory),
+   and accumulates p * v for its slice of the row; the teams of a warp are added by xor
+   shuffles, the warps through shared memory (one barrier).
+5. one live chunk (every context up to CHUNK positions): out = sum / sum of exp, done. Several:
+   the block writes (unnormalised out, m, sum) to its slot of `part`, and the LAST block of the
+   head to finish (a per-head atomic counter) combines the chunks' partials and resets the
+   counter. Each (head, chunk) slot of `part` is padded to whole 128-byte lines, so no line the
+   combining block reads was ever cached in its SM's L1 before it was written.
 
-What a live block costs at short context, measured with Nsight Compute on the H200: not the
-bytes but its chain of ~2,000 dependent instructions a warp at 6-7 cycles each (one or two
-live warps a scheduler, nothing to hide latency behind). Hence the 32-bit chunk arithmetic
-(Python's // on int32 compiled to a 64-bit division subroutine, paid three times by every block,
-even those that exit at once), ex2.approx for exp, and the prefetch of the next step.
-
-Why the first version was slow (14 us a layer at 256 positions, 30-38 us at 4000): its combine
-kernel walked the chunks one dependent L2 load at a time (2 x live chunks x ~0.3 us of L2
-latency per thread), and its chunk kernel wrote every score to shared memory and passed three
-barriers per block with K and V read in separate phases; its decoders also computed in int64.
-
-How positions are split (the grid is captured once, so it cannot depend on pos): the grid has a
-fixed n_chunks = about TARGET_BLOCKS / n_kv_heads, and the chunk length adapts on the device:
-clen = max(MIN_CHUNK, ceil(n / n_chunks)) rounded up to the block's positions per step, for the
-n positions attended; blocks past ceil(n / clen) exit at once. At 4000 positions every block
-works on ~63 positions (Llama-3-8B: 64 chunks x 8 kv heads), so all SMs stream the cache; at
-256 positions only 16 chunks of 16 are live and the combine reads 16 partials per head.
+Why this shape: at short context attention costs not bytes but latency (the KV read of
+TinyLlama at 256 positions is 128 KB a layer). The previous design (flash-decoding with 8 query
+heads of a group a block and a separate combine kernel) spent 10.4 us a layer there: Nsight
+Compute showed ~1,850 dependent instructions a live warp at 6-7 cycles each, and the combine
+kernel's launch and barrier. Here every load is in flight at once, a warp's chain is a few
+hundred instructions, and at up to CHUNK positions there is one kernel and no partials.
+The G query heads of a group read the same K and V rows: the first block brings them into L2,
+the others read them from there.
 
 Decode of the caches in registers: fp16 and e5m2 are both "sign, 5-bit exponent, mantissa",
 so shifting the bits into an fp32 (sign to bit 31, the rest to bits 13 / 21 on) gives the
 value / 2^112 exactly (subnormals included). The 2^112 is folded into q (for scores) and into
-the final output, so the inner loops are 2-3 integer ops and G FMAs per element. The decoders
+the final output, so the inner loops are 2-3 integer ops and an FMA per element. The decoders
 here wrap every shift in int32() (real numba computes int32 shifts in int64).
 
-Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element, plus q, the
-partials (written and read) and out.
+Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM (plus
+(G - 1) times that from L2), q, the partials of a multi-chunk context (written and read) and out.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
@@ -102,41 +96,78 @@ def attention_ref(
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU kernels
+# GPU kernel
 
-# Tuning knobs, read by the launchers and attention_scratch_shape (scripts/bench_attention.py
-# varies them; the scratch must be allocated with the values the launches use).
-MIN_CHUNK = 16  # fewest positions a chunk takes: below this the per-block overhead dominates
-TARGET_BLOCKS = 512  # chunk blocks to aim for at long context: ~4 per SM on a 132-SM H200
-STEPS = 1  # positions a team loads per step before using them (loads in flight: 2 * STEPS rows)
-# under the CUDA simulator (a Python thread per CUDA thread) smaller blocks of the same kernels
-THREADS = 64 if _numba_config.ENABLE_CUDASIM else 128  # threads of a chunk block: 4 warps
-WARPS = THREADS // 32
-COMBINE_THREADS = 64 if _numba_config.ENABLE_CUDASIM else 512
-UNROLL = 8  # independent partial loads in flight per combine thread
-REG_BUDGET = 32  # floats of queries (and as many of outputs) a lane holds: ~128 registers, 4 blocks an SM
-NEG = -1.0e30  # "no score yet": finite, so that merging two empty runs gives 0 * 1, not NaN
+# Tuning knobs, read when a scratch is made and at launch (scripts/bench_attention.py varies
+# them; a launch takes the chunk length its scratch was made for).
+# under the CUDA simulator (a Python thread per CUDA thread) smaller blocks and chunks of the
+# same kernel, so that the tests' short contexts still cover several chunks
+THREADS = 64 if _numba_config.ENABLE_CUDASIM else 256  # threads a block
+MAX_CHUNK = 16 if _numba_config.ENABLE_CUDASIM else 256  # most positions a block takes
+REG_WORDS = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
+K_WORDS = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
+V_WORDS = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
+UNROLL = 8  # independent partial loads in flight per thread of the combine
+NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0, not NaN
 KV_DTYPES = ("fp16", "fp8")
 _MASK_FP16 = 0x8FFFE000 - (1 << 32)  # int32: sign and the e5m10 fields after an arithmetic >> 3
 _MASK_E5M2 = 0x8FE00000 - (1 << 32)  # int32: sign and the e5m2 fields after an arithmetic >> 3
+_LINE = 32  # floats in a 128-byte cache line
 
 
-def attention_chunks(n_heads: int, n_kv_heads: int, seq_len: int) -> int:
-    """How many chunks (blocks per kv head) the grid has; fixed for a run (module docstring):
-    TARGET_BLOCKS / n_kv_heads, no more than seq_len needs at MIN_CHUNK positions a chunk."""
-    return max(1, min(-(-TARGET_BLOCKS // n_kv_heads), -(-seq_len // MIN_CHUNK)))
+def _elems_per_word(kv_dtype: str) -> int:
+    return 8 if kv_dtype == "fp8" else 4
 
 
-def attention_scratch_shape(
-    n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int
-) -> tuple[int, int, int]:
-    """Shape of the float32 scratch `part` that the caller allocates once (one serves every
-    layer: the layers run one after another on one stream). No initial contents are needed.
+def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
+    """Positions a block takes: MAX_CHUNK, or fewer (a power of two) where a thread's share of
+    the chunk's K words (chunk x words a row / THREADS) would exceed REG_WORDS."""
+    row_words = head_dim // _elems_per_word(kv_dtype)
+    chunk = MAX_CHUNK
+    while chunk > 1 and chunk * row_words > REG_WORDS * THREADS:
+        chunk //= 2
+    return chunk
 
-    (n_chunks, n_heads, head_dim + 2): per chunk and query head the unnormalised sum of p*V
-    (head_dim floats), then the chunk's score max and its sum of exp(score - max).
+
+@dataclass(frozen=True)
+class AttentionScratch:
+    """Device scratch one engine allocates once; every layer shares it (the layers run one
+    after another on one stream).
+
+    part: (n_heads, n_chunks, padded head_dim + 2) float32, per head and chunk the unnormalised
+      sum of p*V, then the chunk's score max and its sum of exp(score - max); padded to 128-byte
+      lines. Written before it is read: no initial contents needed.
+    count: (n_heads,) int32, chunks of the head finished in the running launch; zero between
+      launches (the last block resets it), so it must start zeroed.
+    chunk: positions a block takes (attention_chunk_len when the scratch was made).
     """
-    return attention_chunks(n_heads, n_kv_heads, seq_len), n_heads, head_dim + 2
+
+    part: object
+    count: object
+    chunk: int
+
+
+def attention_scratch(
+    n_heads: int,
+    head_dim: int,
+    kv_dtype: str,
+    seq_len: int,
+    *,
+    chunk: int | None = None,
+    stream: object = 0,
+) -> AttentionScratch:
+    """Allocate the scratch for contexts of up to seq_len positions (see AttentionScratch).
+    chunk: positions a block takes, a power of two no larger than attention_chunk_len (the
+    default); the tests take short chunks to cover the combine at short contexts."""
+    longest = attention_chunk_len(head_dim, kv_dtype)
+    chunk = longest if chunk is None else chunk
+    if chunk < 1 or chunk & (chunk - 1) or chunk > longest:
+        raise PycalmError(f"attention chunk {chunk} is not a power of two up to {longest}")
+    n_chunks = -(-seq_len // chunk)
+    padded = -(-(head_dim + 2) // _LINE) * _LINE
+    part = cuda.device_array((n_heads, n_chunks, padded), np.float32, stream=stream)
+    count = cuda.to_device(np.zeros(n_heads, np.int32), stream=stream)
+    return AttentionScratch(part, count, chunk)
 
 
 @cuda.jit(device=True, inline=True)
@@ -144,35 +175,6 @@ def _exp(x):  # noqa: ANN001, ANN202
     """exp(x) as ex2.approx(x log2 e): two instructions instead of the accurate expf's ~10
     (relative error ~1e-7 for the |x| < 20 that carry weight in a softmax; 0 for -1e30)."""
     return libdevice.fast_expf(x)
-
-
-@cuda.jit(device=True, inline=True)
-def _div(a, b):  # noqa: ANN001, ANN202
-    """a // b for 0 <= a, 0 < b < 2**24, in 32-bit arithmetic: a float quotient corrected by one
-    either way. (Python's // on int32 compiles to a 64-bit division, a ~100-instruction
-    subroutine that every block, even one that exits at once, would pay three times.)"""
-    f = int32(float32(a) / float32(b))
-    if int32(f * b) > a:
-        f = int32(f - 1)
-    if int32((f + 1) * b) <= a:
-        f = int32(f + 1)
-    return f
-
-
-@cuda.jit(device=True, inline=True)
-def _chunk_range(state, window, min_chunk, n_chunks, c):  # noqa: ANN001, ANN202
-    """(first position, end position, live chunks) of chunk c: the same formula in both kernels.
-    min_chunk is a multiple of the chunk kernel's positions per step."""
-    n_pos = int32(state[STATE_POS] + 1)
-    start = int32(0)
-    if window > 0 and n_pos > window:
-        start = int32(n_pos - window)
-    n = int32(n_pos - start)
-    clen = _div(int32(n + n_chunks - 1), int32(n_chunks))
-    clen = int32(_div(int32(clen + min_chunk - 1), min_chunk) * min_chunk)
-    live = _div(int32(n + clen - 1), clen)
-    t0 = int32(start + c * clen)
-    return t0, min(int32(t0 + clen), n_pos), live
 
 
 @cuda.jit(device=True, inline=True)
@@ -192,211 +194,195 @@ def _decode(w, e, fp8):  # noqa: ANN001, ANN202
     return as_f32(int32(x >> int32(3)) & int32(_MASK_FP16))
 
 
-def team_lanes(head_dim: int, group: int, kv_dtype: str) -> int:
-    """Lanes per position team: the fewest (4 to 32, a power of two dividing the int64 words
-    of a row) that keep a lane's group x slice of queries within REG_BUDGET floats (read at
-    call time: the benchmark varies it)."""
-    epw = 8 if kv_dtype == "fp8" else 4
-    words = head_dim // epw
-    for lanes in (4, 8, 16, 32):
-        if words % lanes == 0 and group * (words // lanes) * epw <= REG_BUDGET:
-            return lanes
-    lanes = 32
-    while words % lanes:
-        lanes //= 2
+def _team(row_words: int, words_a_lane: int) -> int:
+    """Lanes a team: a power of two (1 to 32) dividing the words of a row, about
+    row_words / words_a_lane of them."""
+    lanes = 1
+    while lanes < 32 and row_words % (2 * lanes) == 0 and row_words // (2 * lanes) >= words_a_lane:
+        lanes *= 2
     return lanes
 
 
 @functools.cache
-def attention_kernels(
-    head_dim: int, group: int, kv_dtype: str, steps: int, lanes: int
-) -> tuple[object, object]:
-    """(chunk kernel, combine kernel) specialised for a head_dim, group size, KV dtype, steps
-    (positions a team loads before using them) and lanes per team (team_lanes).
-
-    The sizes are compile-time constants so the per-lane query slice and accumulators are
-    fixed-size local arrays the compiler keeps in registers (all loops over them unroll).
-    """
+def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threads: int) -> object:
+    """The kernel specialised for a head_dim, group size, KV dtype, chunk length (a power of
+    two) and block size. The sizes are compile-time constants so the per-lane loads, query
+    slice and accumulators are fixed-size local arrays that the compiler keeps in registers
+    (all loops over them unroll)."""
     FP8 = kv_dtype == "fp8"
-    EPW = 8 if FP8 else 4  # elements per int64 word
-    LANES = lanes
-    W = head_dim // EPW // LANES  # words per lane per row
-    D = W * EPW  # elements per lane per row
-    G = group
-    TPW = 32 // LANES  # teams per warp
-    P = THREADS // LANES  # positions per step of the block, per STEPS
-    S = steps
-    SW = steps * (head_dim // EPW // LANES)
-    HEAD_WORDS = head_dim // EPW
+    EPW = _elems_per_word(kv_dtype)  # elements per int64 word
     HD = head_dim
-    HD2 = head_dim + 2
-    GD = group * D
+    HW = head_dim // EPW  # words a row
+    G = group
+    NT = threads
+    NW = threads // 32
+    CH = chunk
+    CH_LOG = chunk.bit_length() - 1
+    TL = _team(HW, K_WORDS)  # K: lanes a position, words a lane, positions a block step, steps
+    KW = HW // TL
+    KD = KW * EPW
+    P1 = NW * (32 // TL)
+    KS = -(-CH // P1)
+    KSW = KS * KW  # K words a lane
+    VL = _team(HW, V_WORDS)  # V: the same
+    VW = HW // VL
+    VD = VW * EPW
+    P3 = NW * (32 // VL)
+    VS = -(-CH // P3)
+    VSW = VS * VW  # V words a lane
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
-    SLICES = COMBINE_THREADS // HD if HD <= COMBINE_THREADS else 1
-    CT = SLICES * HD if HD <= COMBINE_THREADS else COMBINE_THREADS
+    SLICES = max(1, NT // HD)  # combine: thread (slice, d) sums every SLICES-th chunk
     U = UNROLL
 
     @cuda.jit(fastmath=False)
-    def attention_chunk_kernel(q, k_cache, v_cache, state, part, window, min_chunk):  # noqa: ANN001, ANN202
-        # q (n_heads*HD,) f32; caches (seq_len, kv_words) int64; part (n_chunks, n_heads, HD+2)
-        c = cuda.blockIdx.x
-        g = cuda.blockIdx.y
-        t0, t1, live = _chunk_range(state, window, min_chunk, cuda.gridDim.x, c)
+    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
+        # q (n_heads*HD,) f32; caches (seq_len, kv_words) int64; part (n_heads, n_chunks, >= HD+2)
+        # f32; count (n_heads,) i32; out (n_heads*HD,) f32
+        h = cuda.blockIdx.x
+        c = cuda.blockIdx.y
+        n_pos = int32(state[STATE_POS] + 1)
+        start = int32(0)
+        if window > 0 and n_pos > window:
+            start = int32(n_pos - window)
+        live = int32(int32(n_pos - start + CH - 1) >> int32(CH_LOG))
         if c >= live:
             return  # the whole block leaves together: no barrier is left waiting
+        t0 = int32(start + c * CH)
+        nc = min(int32(n_pos - t0), int32(CH))  # positions of this chunk
+        last = int32(t0 + nc - 1)
+        g = int32(h // G)
         tid = cuda.threadIdx.x
         warp = tid // 32
         wl = tid % 32
-        lane = wl % LANES
-        slot = warp * TPW + wl // LANES  # this team's position within a step
-        red = cuda.shared.array((WARPS, G, HD2), float32)  # per-warp (out, max, sum)
+        kl = wl % TL  # lane in its K team, and the team's position in a step
+        kteam = warp * (32 // TL) + wl // TL
+        vl = wl % VL  # the same for V
+        vteam = warp * (32 // VL) + wl // VL
+        sc = cuda.shared.array(CH, float32)  # the chunk's scores
+        red = cuda.shared.array((NW, HD), float32)  # per-warp sum of p*v
+        red2 = cuda.shared.array((SLICES, HD), float32)  # combine: per-slice sums
+        flag = cuda.shared.array(1, int32)  # combine: 1 in the last block of the head
 
-        # this lane's slice of the group's queries, times Q_SCALE
-        qs = float32(Q_SCALE)
-        qr = cuda.local.array(GD, float32)
-        for h in range(G):
-            for j in range(W):
+        # 1. every K and V load of the chunk (past the end: reloads of the last row)
+        kw = cuda.local.array(KSW, int64)
+        vw = cuda.local.array(VSW, int64)
+        kbase = g * HW + kl
+        vbase = g * HW + vl
+        for s in range(KS):
+            t = uint32(min(t0 + s * P1 + kteam, last))  # unsigned: no negative-index code
+            for j in range(KW):
+                kw[s * KW + j] = k_cache[t, uint32(kbase + TL * j)]
+        for s in range(VS):
+            t = uint32(min(t0 + s * P3 + vteam, last))
+            for j in range(VW):
+                vw[s * VW + j] = v_cache[t, uint32(vbase + VL * j)]
+        qr = cuda.local.array(KD, float32)  # this lane's slice of q, times Q_SCALE
+        for j in range(KW):
+            for e in range(EPW):
+                qr[j * EPW + e] = q[h * HD + (kl + TL * j) * EPW + e] * float32(Q_SCALE)
+
+        # 2. scores
+        for s in range(KS):
+            acc = float32(0.0)
+            for j in range(KW):
                 for e in range(EPW):
-                    qr[h * D + j * EPW + e] = q[(g * G + h) * HD + (lane + LANES * j) * EPW + e] * qs
-        m = cuda.local.array(G, float32)
-        lsum = cuda.local.array(G, float32)
-        o = cuda.local.array(GD, float32)
-        for h in range(G):
-            m[h] = float32(NEG)
-            lsum[h] = float32(0.0)
-        for i in range(GD):
+                    acc += qr[j * EPW + e] * _decode(kw[s * KW + j], e, FP8)
+            off = TL // 2
+            while off > 0:  # xor tree inside the team: every lane ends with the score
+                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+                off //= 2
+            tl = s * P1 + kteam
+            if kl == 0 and tl < CH:
+                sc[tl] = acc
+        cuda.syncthreads()  # every score of the chunk is in sc
+
+        # 3. the chunk's max and sum of exp, by every warp
+        m = float32(NEG)
+        for i in range(wl, nc, 32):
+            m = max(m, sc[i])
+        m = warp_reduce_max(m)
+        ls = float32(0.0)
+        for i in range(wl, nc, 32):
+            ls += _exp(sc[i] - m)
+        ls = warp_reduce_sum(ls)
+
+        # 4. sum of p * v
+        o = cuda.local.array(VD, float32)
+        for i in range(VD):
             o[i] = float32(0.0)
-
-        w0 = g * HEAD_WORDS + lane
-        kw = cuda.local.array(SW, int64)  # this step's K and V words
-        vw = cuda.local.array(SW, int64)
-        kn = cuda.local.array(SW, int64)  # the next step's, loading while this one is used
-        vn = cuda.local.array(SW, int64)
-        acc = cuda.local.array(G, float32)
-        p = cuda.local.array(G, float32)
-        last = t1 - 1
-        for s in range(S):  # the first step's K and V loads: 2 * S * W in flight
-            t = uint32(min(t0 + s * P + slot, last))  # unsigned: no negative-index code
-            for j in range(W):
-                kn[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
-                vn[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
-        for base in range(t0, t1, P * S):  # uniform trip count: every lane takes the shuffles
-            for i in range(SW):
-                kw[i] = kn[i]
-                vw[i] = vn[i]
-            for s in range(S):  # issue the next step's loads first (past the end: reloads of last)
-                t = uint32(min(base + P * S + s * P + slot, last))
-                for j in range(W):
-                    kn[s * W + j] = k_cache[t, uint32(w0 + LANES * j)]
-                    vn[s * W + j] = v_cache[t, uint32(w0 + LANES * j)]
-            for s in range(S):
-                valid = base + s * P + slot <= last
-                for h in range(G):
-                    acc[h] = float32(0.0)
-                for j in range(W):
-                    for e in range(EPW):
-                        x = _decode(kw[s * W + j], e, FP8)
-                        for h in range(G):
-                            acc[h] += qr[h * D + j * EPW + e] * x
-                for h in range(G):
-                    sc = acc[h]
-                    off = LANES // 2
-                    while off > 0:  # xor tree inside the team: every lane ends with the score
-                        sc += cuda.shfl_xor_sync(0xFFFFFFFF, sc, off)
-                        off //= 2
-                    if valid and sc > m[h]:  # a new max: rescale what was summed (rare)
-                        a = _exp(m[h] - sc)
-                        lsum[h] *= a
-                        for i in range(D):
-                            o[h * D + i] *= a
-                        m[h] = sc
-                    p[h] = _exp(sc - m[h]) if valid else float32(0.0)
-                    lsum[h] += p[h]
-                for j in range(W):
-                    for e in range(EPW):
-                        x = _decode(vw[s * W + j], e, FP8)
-                        for h in range(G):
-                            o[h * D + j * EPW + e] += p[h] * x
-
-        # merge the teams of a warp (xor over the team bits of the lane id)
-        off = LANES
-        while off < 32:
-            for h in range(G):
-                m2 = cuda.shfl_xor_sync(0xFFFFFFFF, m[h], off)
-                l2 = cuda.shfl_xor_sync(0xFFFFFFFF, lsum[h], off)
-                mm = max(m[h], m2)
-                a = _exp(m[h] - mm)
-                b = _exp(m2 - mm)
-                lsum[h] = lsum[h] * a + l2 * b
-                m[h] = mm
-                for i in range(D):
-                    o2 = cuda.shfl_xor_sync(0xFFFFFFFF, o[h * D + i], off)
-                    o[h * D + i] = o[h * D + i] * a + o2 * b
+        for s in range(VS):
+            tl = s * P3 + vteam
+            p = _exp(sc[min(tl, nc - 1)] - m)
+            p = p if tl < nc else float32(0.0)
+            for j in range(VW):
+                for e in range(EPW):
+                    o[j * EPW + e] += p * _decode(vw[s * VW + j], e, FP8)
+        off = VL
+        while off < 32:  # add the teams of a warp (xor over the team bits of the lane id)
+            for i in range(VD):
+                o[i] += cuda.shfl_xor_sync(0xFFFFFFFF, o[i], off)
             off *= 2
-        if wl < LANES:  # the first team holds the warp's result
-            for h in range(G):
-                for j in range(W):
-                    for e in range(EPW):
-                        red[warp, h, (lane + LANES * j) * EPW + e] = o[h * D + j * EPW + e]
-                if lane == 0:
-                    red[warp, h, HD] = m[h]
-                    red[warp, h, HD + 1] = lsum[h]
-        cuda.syncthreads()  # every warp's (out, max, sum) is in `red`
-        for i in range(tid, G * HD, THREADS):
-            h = i // HD
-            d = i % HD
-            mm = red[0, h, HD]
-            for w in range(1, WARPS):
-                mm = max(mm, red[w, h, HD])
-            so = float32(0.0)
-            sl = float32(0.0)
-            for w in range(WARPS):
-                f = _exp(red[w, h, HD] - mm)
-                so += f * red[w, h, d]
-                sl += f * red[w, h, HD + 1]
-            part[c, g * G + h, d] = so * float32(FP_RAW_SCALE)
-            if d == 0:
-                part[c, g * G + h, HD] = mm
-                part[c, g * G + h, HD + 1] = sl
+        if wl < VL:  # the first team holds the warp's sum
+            for j in range(VW):
+                for e in range(EPW):
+                    red[warp, (vl + VL * j) * EPW + e] = o[j * EPW + e]
+        cuda.syncthreads()  # every warp's sum is in red
 
-    @cuda.jit(fastmath=False)
-    def attention_combine_kernel(part, state, out, window, min_chunk):  # noqa: ANN001, ANN202
-        # block h: one query head; thread (slice s, dim d) sums chunks s*U.., SLICES*U apart
-        h = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        n_chunks = part.shape[0]
-        _, _, live = _chunk_range(state, window, min_chunk, n_chunks, 0)
-        red = cuda.shared.array((SLICES, HD), float32)
-        # every warp computes the max of the chunk maxima and the softmax denominator itself
-        # (a few loads a lane, L1 hits after the first warp): no barrier before the sums
+        # 5. one chunk: the output; several: this chunk's partial, and the last block combines
+        if live == 1:
+            scale = float32(FP_RAW_SCALE) / ls
+            for d in range(tid, HD, NT):
+                acc = float32(0.0)
+                for w in range(NW):
+                    acc += red[w, d]
+                out[h * HD + d] = acc * scale
+            return
+        for d in range(tid, HD, NT):
+            acc = float32(0.0)
+            for w in range(NW):
+                acc += red[w, d]
+            part[h, c, d] = acc * float32(FP_RAW_SCALE)
+        if tid == 0:
+            part[h, c, HD] = m
+            part[h, c, HD + 1] = ls
+        cuda.threadfence()  # this thread's part of the partial is visible device-wide ...
+        cuda.syncthreads()  # ... for every thread, before the chunk is counted
+        if tid == 0:
+            done = cuda.atomic.add(count, h, 1)
+            flag[0] = int32(1) if done == live - 1 else int32(0)
+        cuda.syncthreads()  # flag is set
+        if flag[0] == 0:
+            return
+        cuda.threadfence()  # the other chunks' partials are read after their count
+        # every warp finds the largest chunk max and the denominator itself (no barrier)
         mm = float32(NEG)
-        for c in range(lane, live, 32):
-            mm = max(mm, part[c, h, HD])
+        for cc in range(wl, live, 32):
+            mm = max(mm, part[h, cc, HD])
         mm = warp_reduce_max(mm)
         den = float32(0.0)
-        for c in range(lane, live, 32):
-            den += _exp(part[c, h, HD] - mm) * part[c, h, HD + 1]
+        for cc in range(wl, live, 32):
+            den += _exp(part[h, cc, HD] - mm) * part[h, cc, HD + 1]
         den = warp_reduce_sum(den)
-        if tid < CT:
-            s = tid // HD
-            d = tid % HD
+        for i in range(tid, SLICES * HD, NT):
+            sl = i // HD
+            d = i % HD
             acc = float32(0.0)
-            for c0 in range(s * U, live, SLICES * U):
+            for c0 in range(sl * U, live, SLICES * U):
                 for u in range(U):  # U independent loads; past-the-end ones read chunk live-1
-                    c = c0 + u
-                    cc = min(c, live - 1)
-                    x = _exp(part[cc, h, HD] - mm) * part[cc, h, d]
-                    acc += x if c < live else float32(0.0)
-            red[s, d] = acc
-        cuda.syncthreads()  # every slice's sum is in `red`
-        for d in range(tid, HD, CT):
+                    cc = min(c0 + u, live - 1)
+                    x = _exp(part[h, cc, HD] - mm) * part[h, cc, d]
+                    acc += x if c0 + u < live else float32(0.0)
+            red2[sl, d] = acc
+        cuda.syncthreads()  # every slice's sum is in red2
+        for d in range(tid, HD, NT):
             acc = float32(0.0)
-            for s in range(SLICES):
-                acc += red[s, d]
+            for sl in range(SLICES):
+                acc += red2[sl, d]
             out[h * HD + d] = acc / den
+        if tid == 0:
+            count[h] = 0  # for the next launch (the next layer)
 
-    return attention_chunk_kernel, attention_combine_kernel
+    return attention_kernel
 
 
 def attention(
@@ -410,46 +396,50 @@ def attention(
     head_dim: int,
     kv_dtype: str,
     window: int,
-    part: object,
+    scratch: AttentionScratch,
     *,
     stream: object,
 ) -> int:
     """out (n_heads*head_dim,) f32 = attention of q over positions [start, state[STATE_POS]].
 
     k_cache / v_cache: this layer's (seq_len, n_kv_heads*head_dim) float16 or uint8 (e5m2);
-    part: float32 scratch of attention_scratch_shape(n_heads, n_kv_heads, head_dim, seq_len).
+    scratch: from attention_scratch(n_heads, head_dim, kv_dtype, >= seq_len).
     Returns the bytes moved at the longest context the cache holds (the real figure depends on
     pos, which lives on the device); bench_attention computes it per n_pos.
     """
     if kv_dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
-    if head_dim % (8 if kv_dtype == "fp8" else 4):
+    if head_dim % _elems_per_word(kv_dtype):
         raise PycalmError(f"head_dim {head_dim} is not a multiple of 8 (fp8 KV) or 4 (fp16 KV)")
-    group = n_heads // n_kv_heads
+    if n_heads % n_kv_heads:
+        raise PycalmError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
     seq_len = k_cache.shape[0]
-    n_chunks = part.shape[0]
-    lanes = team_lanes(head_dim, group, kv_dtype)
-    chunk, combine = attention_kernels(head_dim, group, kv_dtype, STEPS, lanes)
-    pstep = THREADS // lanes * STEPS  # positions a block covers per step
-    min_chunk = int32(-(-MIN_CHUNK // pstep) * pstep)
+    part = scratch.part
+    n_chunks = part.shape[1]
+    if part.shape[0] != n_heads or n_chunks * scratch.chunk < seq_len or part.shape[2] < head_dim + 2:
+        raise PycalmError(
+            f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
+        )
+    kern = attention_kernel(head_dim, n_heads // n_kv_heads, kv_dtype, scratch.chunk, THREADS)
     k64 = k_cache.view(np.int64)
     v64 = v_cache.view(np.int64)
-    chunk[(n_chunks, n_kv_heads), THREADS, stream](q, k64, v64, state, part, int32(window), min_chunk)
-    combine[n_heads, COMBINE_THREADS, stream](part, state, out, int32(window), min_chunk)
+    kern[(n_heads, n_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, int32(window))
     return attention_bytes(seq_len, n_heads, n_kv_heads, head_dim, kv_dtype, n_chunks)
 
 
 def attention_bytes(
     n_pos: int, n_heads: int, n_kv_heads: int, head_dim: int, kv_dtype: str, n_chunks: int
 ) -> int:
-    """Bytes the two kernels move at n_pos attended positions (all chunks live: an upper bound)."""
+    """Bytes from DRAM at n_pos attended positions (all chunks live: an upper bound)."""
     kv = n_pos * n_kv_heads * head_dim * 2 * (1 if kv_dtype == "fp8" else 2)
-    partials = 2 * n_chunks * n_heads * (head_dim + 2) * 4
+    partials = 2 * n_chunks * n_heads * (head_dim + 2) * 4 if n_chunks > 1 else 0
     return kv + partials + 2 * n_heads * head_dim * 4
 
 
-_CHUNK_SIG = "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32, int32)"
-_COMBINE_SIG = "void(float32[:, :, ::1], int32[::1], float32[::1], int32, int32)"
+_SIG = (
+    "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32[::1],"
+    " float32[::1], int32)"
+)
 
 
 def _compile_check() -> list[tuple[object, str]]:
@@ -457,10 +447,8 @@ def _compile_check() -> list[tuple[object, str]]:
     checks = []
     for kv_dtype in KV_DTYPES:
         for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
-            lanes = team_lanes(head_dim, group, kv_dtype)
-            chunk, combine = attention_kernels(head_dim, group, kv_dtype, STEPS, lanes)
-            checks.append((chunk, _CHUNK_SIG))
-            checks.append((combine, _COMBINE_SIG))
+            chunk = attention_chunk_len(head_dim, kv_dtype)
+            checks.append((attention_kernel(head_dim, group, kv_dtype, chunk, THREADS), _SIG))
     return checks
 
 
