@@ -158,8 +158,8 @@ def check(stream: object) -> bool:
 
 
 # staged x (shared memory) and direct x (read through L1, launches without a fused norm)
-SWEEP = [V(r, u, n_warps=w) for r, u in ((2, 2), (2, 4), (4, 2)) for w in (4, 8, 16)] + [
-    V(r, u, n_warps=w, direct=True) for r, u in ((2, 2), (2, 4), (4, 1), (4, 2)) for w in (2, 4, 8)
+SWEEP = [V(r, u, n_warps=w) for r, u in ((1, 2), (1, 4), (2, 2), (2, 4), (4, 2)) for w in (4, 8, 16)] + [
+    V(r, u, n_warps=w, direct=True) for r, u in ((1, 2), (1, 4), (2, 2), (4, 1)) for w in (2, 4, 8)
 ]
 
 
@@ -172,11 +172,11 @@ def shape_setup(rows: int, cols: int, dtype: str, rng: object, s: object) -> tup
     return c, ws, x, y, mv.matvec(ws[0], x, y, dtype, stream=s)
 
 
-def sweep(s: object, dtypes: list[str]) -> None:
+def sweep(s: object, dtypes: list[str], shapes: list[tuple[int, int]]) -> None:
     """Time plain matvec for every (rows, loads, warps a block) on every shape; print the best."""
     rng = np.random.default_rng(1)
     for dtype in dtypes:
-        for rows, cols in LLAMA + TINY:
+        for rows, cols in shapes:
             c, ws, x, y, nb = shape_setup(rows, cols, dtype, rng, s)
             res = []
             for v in SWEEP:
@@ -202,12 +202,13 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="first compare with float64 NumPy")
     ap.add_argument("--quick", action="store_true", help="default variants only")
     ap.add_argument("--sweep", default="", help="only sweep variants for these dtypes (fp8,gf4)")
+    ap.add_argument("--tiny", action="store_true", help="sweep the TinyLlama shapes only")
     args = ap.parse_args()
     t0 = time.time()
     s = cuda.stream()
     print(f"device: {cuda.get_current_device().name}", flush=True)
     if args.sweep:
-        sweep(s, args.sweep.split(","))
+        sweep(s, args.sweep.split(","), TINY if args.tiny else LLAMA + TINY)
         return
     if args.check:
         ok = check(s)

@@ -134,8 +134,8 @@ def test_matvec_chunked_x(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,cols", [(19, 256), (37, 136)])
 def test_matvec_direct_variant(dtype, rows, cols):
-    """The benchmark's direct-x variant (x read from global memory, no staging), R2 and R4, as a
-    residual launch: the same values as the staged kernels."""
+    """The benchmark's direct-x variant (x read from global memory, no staging), R1, R2 and R4,
+    and the staged R1 variant, as a residual launch: the same values as the default kernels."""
     from pycalm.kernels.matvec import RESIDUAL, Variant, launch_family
 
     rng = np.random.default_rng(rows + cols)
@@ -143,7 +143,12 @@ def test_matvec_direct_variant(dtype, rows, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     wdev, xdev = cuda.to_device(w), cuda.to_device(x)
-    for v in (Variant(2, 2, n_warps=2, direct=True), Variant(4, 1, n_warps=2, direct=True)):
+    for v in (
+        Variant(2, 2, n_warps=2, direct=True),
+        Variant(4, 1, n_warps=2, direct=True),
+        Variant(1, 4, n_warps=2, direct=True),
+        Variant(1, 2, n_warps=2),
+    ):
         r = cuda.to_device(r0)
         launch_family(
             wdev, wdev, xdev, None, 0.0, r, dtype, RESIDUAL, stream=cuda.default_stream(), variant=v

@@ -269,13 +269,15 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
         kbase = g * HW + kl
         vbase = g * HW + vl
         for s in range(KS):
-            t = uint32(min(t0 + s * P1 + kteam, last))  # unsigned: no negative-index code
-            for j in range(KW):
-                kw[s * KW + j] = k_cache[t, uint32(kbase + TL * j)]
+            if s * P1 < nc:  # block-uniform: a short chunk issues (and later uses) fewer steps
+                t = uint32(min(t0 + s * P1 + kteam, last))  # unsigned: no negative-index code
+                for j in range(KW):
+                    kw[s * KW + j] = k_cache[t, uint32(kbase + TL * j)]
         for s in range(VS):
-            t = uint32(min(t0 + s * P3 + vteam, last))
-            for j in range(VW):
-                vw[s * VW + j] = v_cache[t, uint32(vbase + VL * j)]
+            if s * P3 < nc:
+                t = uint32(min(t0 + s * P3 + vteam, last))
+                for j in range(VW):
+                    vw[s * VW + j] = v_cache[t, uint32(vbase + VL * j)]
         qr = cuda.local.array(KD, float32)  # this lane's slice of q, times Q_SCALE
         for j in range(KW):
             for e in range(EPW):
@@ -283,6 +285,8 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
 
         # 2. scores
         for s in range(KS):
+            if s * P1 >= nc:
+                continue  # block-uniform: every lane of a team skips together
             acc = float32(0.0)
             for j in range(KW):
                 for e in range(EPW):
@@ -311,6 +315,8 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
         for i in range(VD):
             o[i] = float32(0.0)
         for s in range(VS):
+            if s * P3 >= nc:
+                continue  # block-uniform
             tl = s * P3 + vteam
             p = _exp(sc[min(tl, nc - 1)] - m)
             p = p if tl < nc else float32(0.0)

@@ -135,7 +135,7 @@ PLAIN, RESIDUAL, GATE = 0, 1, 2
 class Variant(NamedTuple):
     """Compile-time shape of the inner loop (R, U, PF, wide) and the launch shape."""
 
-    rows: int = 2  # R: rows a warp (2 or 4)
+    rows: int = 2  # R: rows a warp (1, 2 or 4; GATE takes 2 at least)
     unroll: int = 2  # U: loads a row a lane per step
     prefetch: bool = False  # PF: issue the next step's loads before this step's arithmetic
     n_warps: int = 8  # warps a block
@@ -275,7 +275,7 @@ def _preload_source(kind: str, n_rows: int, unroll: int) -> str:
     for u in range(unroll):
         src.append(f"    j = min(uint64(lane + {WARP * u}), last)")
         src += [f"    c{r}_{u} = {_load(kind, r, 'j0 + j')}" for r in rr]
-    src.append("    return " + ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr))
+    src.append("    return (" + ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr) + ",)")
     return "\n".join(src)
 
 
@@ -337,7 +337,7 @@ def _group_dot_source(
     src += [f"        e{r} = {_load(kind, r, 'j0 + j')}" for r in rr]
     src += _word_lines(kind, n_rows, cvt, "j", [f"e{r}" for r in rr], "        ", direct)
     src.append(f"        j += uint64({WARP})")
-    src.append(f"    return {accs}")
+    src.append(f"    return ({accs},)  # a tuple even for one row")
     return "\n".join(src)
 
 
@@ -479,7 +479,10 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
 
     def rows_of(g: str, ind: str) -> list[str]:
         # GATE: rows (R/2) g + i of W1 and of W3; otherwise rows R g + i; clamped to the matrix
-        # for the loads; base: the matrix's first row in the stack (dense: 0)
+        # for the loads; base: the matrix's first row in the stack (dense: 0). R1 has no GATE
+        # (the launcher gives GATE two rows a warp at least)
+        if n_rows == 1:
+            return [f"{ind}r0 = base + min({g}, rows - 1)"]
         out = [f"{ind}if mode == GATE:"]
         out += [f"{ind}    r{i} = base + min({half} * {g} + {i % half}, rows - 1)" for i in rr]
         out.append(f"{ind}else:")
@@ -512,7 +515,11 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
         src += ["    rows = wa.shape[0]", "    cols = x.shape[0]"]
     src += [
         "    n_words = wa.shape[1] // UNIT  # loads a row",
-        f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}",
+        (
+            f"    n_groups = (rows + {half - 1}) // {half} if mode == GATE else (rows + {n_rows - 1}) // {n_rows}"
+            if n_rows > 1
+            else "    n_groups = rows"
+        ),
         "    stride = cuda.gridDim.x * n_warps",
         "    scale = float32(ROW_SCALE)",
         "    n_chunks = 1" if direct else "    n_chunks = (cols + XCHUNK - 1) // XCHUNK",
@@ -564,6 +571,8 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
     body += [f"    a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
     body.append("    if lane == 0:")
     body.append("        if mode == GATE:  # slot s writes its part of out, times its routing weight")
+    if n_rows == 1:
+        body.append("            pass  # R1: no GATE launches")
     for i in range(half):
         body.append(f"            if {half} * g + {i} < rows:")
         body.append(
@@ -745,6 +754,8 @@ def launch_family(
     wav, kind = weight_kind(wa, dtype, wide)
     wbv = wav if wb is wa else weight_kind(wb, dtype, wide)[0]
     v = variant_for(kind, variant)
+    if mode == GATE and v.rows < 2:
+        v = v._replace(rows=2)  # a GATE group is a row of W1 and a row of W3
     cols = x.shape[0]
     if mode == GATE and cols > XCHUNK:
         raise PycalmError(f"ffn_gate: dim {cols} is above the {XCHUNK} columns one block stages")
