@@ -39,7 +39,7 @@ from pycalm.kernels.common import STATE_POS  # noqa: E402
 from pycalm.kernels.norm import rmsnorm_ref  # noqa: E402
 
 LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
-TINY = [(2048, 2048), (5632, 2048), (2560, 2048)]
+TINY = [(2048, 2048), (5632, 2048), (2560, 2048), (2048, 5632)]
 DTYPES = ["fp16", "fp8", "gf4"]
 ROTATE_BYTES = 200e6  # weight copies a graph cycles through: 4x the L2
 REPLAYS = 7

@@ -700,16 +700,16 @@ def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
 
 
 def fill_sms(n_groups: int, cols: int, v: Variant) -> Variant:
-    """The default variant with fewer warps a block (16 -> 8 -> 4) while its grid would leave
-    SMs without a block: a 2048-row matrix in blocks of 16 warps (two rows each) is 64 blocks
-    for 132 SMs. Rows longer than one x chunk keep their blocks (each block restages x per
-    chunk). Measured on the H200 (scripts/bench_kernels.py --sweep), fp8 / gf4 GB/s:
-    2048x2048 776 -> 883 / 346 -> 369, 2560x2048 926 -> 995 / 399 -> 418, 4096x4096 1781 ->
-    1797 / 879 -> 840."""
+    """The default variant with 8 warps a block instead of 16 where 16 would leave SMs without a
+    block: a 2048-row matrix in blocks of 16 warps (two rows each) is 64 blocks for 132 SMs.
+    Rows longer than one x chunk keep their blocks (each block restages x per chunk). Measured
+    on the H200 (scripts/bench_kernels.py --sweep), fp8 / gf4 GB/s, 16 -> 8 warps: 2048x2048
+    781 -> 894 / 346 -> 382, 2560x2048 911 -> 991 / 402 -> 424; going on to 4 warps is no
+    better there and worse for TinyLlama's w2: 2048x5632 1416 -> 1312 / 671 -> 582."""
     if cols > XCHUNK:
         return v
-    while v.n_warps > 4 and -(-n_groups // v.n_warps) < n_sm():
-        v = v._replace(n_warps=v.n_warps // 2)
+    if v.n_warps > 8 and -(-n_groups // v.n_warps) < n_sm():
+        v = v._replace(n_warps=8)
     return v
 
 
