@@ -73,7 +73,12 @@ class GpuEngine:
     device = "gpu"
 
     def __init__(
-        self, model: object, seq_len: int, kv_dtype: str = "auto", use_graph: bool | None = None
+        self,
+        model: object,
+        seq_len: int,
+        kv_dtype: str = "auto",
+        use_graph: bool | None = None,
+        programmatic: bool = False,
     ) -> None:
         from numba import config, cuda
 
@@ -88,6 +93,9 @@ class GpuEngine:
         self.stream = cuda.stream()
         # the CUDA simulator cannot capture graphs: there the step runs its launches eagerly
         self.use_graph = not config.ENABLE_CUDASIM if use_graph is None else use_graph
+        # graph edges as programmatic dependencies (pycalm.graph; Hopper and up): not yet the
+        # default, pending its measurement on the H200
+        self.programmatic = programmatic
         self.bytes_per_step = 0  # filled in by forward(): weights + activations + KV touched
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
@@ -277,7 +285,7 @@ class GpuEngine:
                 self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
                 self.bytes_per_step = self.forward(key)
                 self.stream.synchronize()
-                g = GraphStep(self.stream, lambda: self.forward(key))
+                g = GraphStep(self.stream, lambda: self.forward(key), programmatic=self.programmatic)
             self._graphs[key] = g
         return g
 

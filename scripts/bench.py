@@ -21,6 +21,7 @@ matrices of every layer (and the float32 router), not the whole expert stacks.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -307,15 +308,20 @@ def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
     return {k: (g, n[0]) for k, (g, n) in out.items()}
 
 
-def bench_one(shape: str, dtype: str, tokens: int, ceiling: float) -> dict:
+def bench_one(shape: str, dtype: str, tokens: int, ceiling: float, programmatic: bool = False) -> dict:
     t0 = time.perf_counter()
     cfg = config_for(shape, dtype, 4096)
-    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16")
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", programmatic=programmatic)
     g = engine.graph(SamplingParams())
     setup_s = time.perf_counter() - t0
     time_replays(engine, g, 0, 16)  # warm-up
     t_first = time_replays(engine, g, 0, tokens)
     t_last = time_replays(engine, g, 4000, 32)
+    t_plain = None
+    if programmatic:  # the same step with plain edges, timed alongside
+        plain = GraphStep(engine.stream, functools.partial(engine.forward, SamplingParams()))
+        time_replays(engine, plain, 0, 16)
+        t_plain = time_replays(engine, plain, 0, tokens)
     # bytes a token must read: every weight once (one embedding row) and the KV cache up to pos
     w = weight_bytes(cfg)
     kv_row = 2 * cfg.n_layers * cfg.kv_dim * (2 if engine.kv_dtype == "fp16" else 1)
@@ -333,6 +339,8 @@ def bench_one(shape: str, dtype: str, tokens: int, ceiling: float) -> dict:
         tok_s=1 / t_first,
         gbs=bytes_first / t_first / 1e9,
         tok_s_4000=1 / t_last,
+        programmatic=programmatic,
+        tok_s_plain=1 / t_plain if t_plain else None,
         gbs_4000=bytes_last / t_last / 1e9,
         ceiling=ceiling,
         setup_s=setup_s,
@@ -352,6 +360,9 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp16,fp8,gf4")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument(
+        "--pdl", action="store_true", help="programmatic graph edges (and the plain step timed alongside)"
+    )
     args = ap.parse_args()
     ceiling, how = copy_ceiling_gbs()
     print(
@@ -361,10 +372,12 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
-            r = bench_one(shape, dtype, args.tokens, ceiling)
+            r = bench_one(shape, dtype, args.tokens, ceiling, args.pdl)
             results.append(r)
             roles = "  ".join(f"{k} {v[1]:,.0f}" for k, v in r["roles"].items())
             moe = f" (bytes of the {r['experts']} active a token)" if r["experts"] else ""
+            if r["tok_s_plain"]:
+                moe += f" [programmatic edges; plain edges {r['tok_s_plain']:.0f} tok/s]"
             print(
                 f"{shape} {dtype}: {r['tok_s']:.0f} tok/s {r['gbs']:,.0f} GB/s{moe}; @4000 {r['tok_s_4000']:.0f} tok/s; per kernel GB/s: {roles}",
                 flush=True,

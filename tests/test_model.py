@@ -64,9 +64,13 @@ def test_gpu_engine_matches_reference(tmp_path, arch, dtype, kv):
 @pytest.mark.skipif(
     os.environ.get("PYCALM_TEST_GPU") != "1", reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)"
 )
-@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])
-def test_gpu_engine_realistic_shape(tmp_path, dtype):
-    """Many blocks per kernel, chunked attention, GQA 8:1, head_dim 128, a 150-token context."""
+@pytest.mark.parametrize(
+    "dtype,programmatic", [("fp16", False), ("fp8", False), ("gf4", False), ("fp8", True), ("gf4", True)]
+)
+def test_gpu_engine_realistic_shape(tmp_path, dtype, programmatic):
+    """Many blocks per kernel, chunked attention, GQA 8:1, head_dim 128, a 150-token context;
+    also with the graph's edges programmatic (each kernel may start before the one before it
+    ends, and waits for it after loading its weights)."""
     tiny = make_hf_llama(
         tmp_path,
         arch="llama",
@@ -79,7 +83,7 @@ def test_gpu_engine_realistic_shape(tmp_path, dtype):
     )
     model = open_model(convert(tiny.path, tmp_path / f"big-{dtype}.pycalm", dtype, progress=False))
     cpu = CpuEngine(model, seq_len=160)
-    gpu = GpuEngine(model, seq_len=160)
+    gpu = GpuEngine(model, seq_len=160, programmatic=programmatic)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, 4096, 150)]
     greedy = SamplingParams(temperature=0.0)

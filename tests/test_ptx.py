@@ -6,6 +6,10 @@ cuda.compile_ptx and report: a compile error (typing the simulator lets through)
 untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an array spilled to
 local memory).
 
+Every listed kernel must also contain griddepcontrol.wait and griddepcontrol.launch_dependents
+(pycalm.kernels.common.dependent_start): in a graph with programmatic edges a kernel without the
+wait could read what the kernel before it has not finished writing.
+
 They also compile small kernels around the bit-level decoders and encoders of
 pycalm.kernels.common and require 32-bit integer PTX: real numba computes int32 op int32 in
 int64, so an unwrapped shift compiles to shl.b64 / shr.s64 (wrong bits, and twice the
@@ -52,7 +56,12 @@ def ptx_of(fn, sig, label):
 
 for mod_name, index in json.loads(sys.argv[1]):
     kernel, sig = importlib.import_module("pycalm.kernels." + mod_name).COMPILE_CHECK[index]
-    ptx_of(kernel, sig, f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}")
+    label = f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}"
+    ptx = ptx_of(kernel, sig, label)
+    # every kernel of the token step may be a programmatic dependent (pycalm.graph)
+    for inst in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
+        if ptx is not None and inst not in ptx:
+            out["problems"].append(f"{label}: no {inst} (a programmatic graph would race)")
 
 if sys.argv[2] == "decoders":
     # scalar arguments and fixed output slots: no address arithmetic, so any 64-bit shift or

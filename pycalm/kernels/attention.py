@@ -65,6 +65,7 @@ from pycalm.kernels.common import (
     FP_RAW_SCALE,
     STATE_POS,
     as_f32,
+    dependent_start,
     warp_reduce_max,
     warp_reduce_sum,
 )
@@ -239,6 +240,7 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
 
     @cuda.jit(fastmath=False)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (n_heads*HD,) f32; caches (seq_len, kv_words) int64; part (n_heads, n_chunks, >= HD+2)
         # f32; count (n_heads,) i32; out (n_heads*HD,) f32
         h = cuda.blockIdx.x

@@ -31,12 +31,23 @@ back to NumPy views; everything else is the same code.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32
 from numba.types import float16
+
+
+@functools.cache
+def sm90() -> bool:
+    """Whether kernels compile for a GPU with griddepcontrol (compute capability 9.0 and up): the
+    current GPU's, or, with none (CI compiling for sm_90 without a GPU), yes."""
+    try:
+        return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
+    except Exception:  # noqa: BLE001  (no GPU, no driver)
+        return True
 
 
 def _linear_singly_assigned_variables() -> None:
@@ -150,6 +161,12 @@ if _numba_config.ENABLE_CUDASIM:
     def _cos_fast(r: float) -> np.float32:
         return np.float32(np.cos(np.float32(r)))
 
+    def grid_dependency_wait() -> None:
+        """(simulator: kernels run one after another, there is nothing to wait for)"""
+
+    def launch_dependents() -> None:
+        """(simulator: no programmatic launches)"""
+
 else:
     from llvmlite import ir
     from numba import types
@@ -185,6 +202,38 @@ else:
             return context.make_tuple(builder, sig.return_type, parts)
 
         return sig, codegen
+
+    def _ptx_sm90(text: str, doc: str) -> object:
+        """A no-argument intrinsic that emits the PTX instruction `text` where the GPU has it
+        (sm_90 and up: griddepcontrol) and nothing elsewhere (an older GPU, where a kernel is
+        never a programmatic dependent)."""
+
+        def impl(typingctx: object) -> object:
+            def codegen(context: object, builder: object, sig: object, args: object) -> object:
+                if sm90():
+                    fnty = ir.FunctionType(ir.VoidType(), [])
+                    builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        impl.__doc__ = doc
+        return intrinsic(impl)
+
+    grid_dependency_wait = _ptx_sm90(
+        "griddepcontrol.wait;",
+        """Wait until the kernels this one depends on have finished and their writes are
+        visible. A no-op unless the kernel was launched as a programmatic dependent (a graph
+        captured with programmatic edges, pycalm.graph): then it may start while the kernel
+        before it runs, and must read nothing that kernel (or any before it) writes before
+        this call. Weights, which nothing writes, may be loaded before it.""",
+    )
+    launch_dependents = _ptx_sm90(
+        "griddepcontrol.launch_dependents;",
+        """Let the next kernel, if it is a programmatic dependent, launch once every block of
+        this one has called this (or exited): its blocks then load their weights while this
+        kernel finishes, and wait (grid_dependency_wait) for its results.""",
+    )
 
     def _asm_i32(typingctx: object, args: tuple, asm: str, constraints: str) -> object:
         """An int32 -> int32 inline-PTX intrinsic body (every argument cast to int32)."""
@@ -265,6 +314,15 @@ else:
             return builder.bitcast(v, ir.IntType(32))
 
         return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def dependent_start() -> None:
+    """The start of a kernel whose first reads are what earlier kernels wrote: let a programmatic
+    next kernel launch (launch_dependents), then wait for the earlier ones (grid_dependency_wait).
+    Both are no-ops outside a graph with programmatic edges (pycalm.graph)."""
+    launch_dependents()
+    grid_dependency_wait()
 
 
 @cuda.jit(device=True, inline=True)

@@ -13,7 +13,7 @@ from numba import cuda, float32, int32
 
 from pycalm import formats
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import STATE_TOKEN, fp8_decode, gf4_decode
+from pycalm.kernels.common import STATE_TOKEN, dependent_start, fp8_decode, gf4_decode
 
 
 def embed_ref(table: np.ndarray, token: int, dtype: str) -> np.ndarray:
@@ -27,6 +27,7 @@ THREADS = 256
 @cuda.jit
 def embed_kernel_fp16(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) float16 -> x (dim,) float32; thread i: element i."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] = float32(table[state[STATE_TOKEN], i])
@@ -35,6 +36,7 @@ def embed_kernel_fp16(table, state, x):  # noqa: ANN001, ANN201
 @cuda.jit
 def embed_kernel_fp8(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) uint8 e5m2 -> x (dim,) float32; thread i: element i."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] = fp8_decode(int32(table[state[STATE_TOKEN], i]))
@@ -43,6 +45,7 @@ def embed_kernel_fp8(table, state, x):  # noqa: ANN001, ANN201
 @cuda.jit
 def embed_kernel_gf4(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim/8) uint32 gf4 -> x (dim,) float32; thread i: group i (8 elements)."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     i = cuda.grid(1)
     if i < table.shape[1]:
         w = int32(table[state[STATE_TOKEN], i])  # the same bits, read as int32 for common's decoders

@@ -94,7 +94,9 @@ from pycalm.kernels.common import (  # noqa: E402
     as_f32,
     as_i32,
     block_reduce_sum,
+    grid_dependency_wait,
     h2f2,
+    launch_dependents,
     ldg128,
     prmt,
     warp_reduce_sum,
@@ -501,10 +503,13 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
             "    scratch = cuda.shared.array(32, float32)  # block reduction",
         ]
     src += [
+        "    launch_dependents()  # a programmatic next kernel may launch and load its weights",
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
     ]
+    if slots:
+        src.append("    grid_dependency_wait()  # route_ids, x and out come from earlier kernels")
     if slots:
         src += [
             "    rows = expert_rows  # rows of one expert's matrix",
@@ -548,6 +553,11 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
     body += rows_of("min(g, n_groups - 1)", "")
     if early:
         body.append(f"{cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
+    if not slots:
+        body += [
+            "if c == 0:  # x and out come from earlier kernels: read them after they finish",
+            "    grid_dependency_wait()  # (the weights' first loads above are already in flight)",
+        ]
     if not direct:
         body += [
             "if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot",
@@ -631,6 +641,8 @@ def matvec_kernel_for(  # noqa: ANN201
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
         "staged_rms": staged_rms,
+        "grid_dependency_wait": grid_dependency_wait,
+        "launch_dependents": launch_dependents,
         "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early, direct),
         "preload": make_preload(kind, n_rows, unroll),
     }

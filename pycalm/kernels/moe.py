@@ -41,7 +41,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import WARP, block_reduce_sum, warp_reduce_sum
+from pycalm.kernels.common import WARP, block_reduce_sum, dependent_start, warp_reduce_sum
 from pycalm.kernels.matvec import GATE, RESIDUAL, launch_family, matvec_ref, silu_ref
 
 
@@ -94,6 +94,7 @@ def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
     n = n_experts
 
     def moe_route_kernel(gate, x, norm_w, eps, k, route_ids, route_w):
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
         part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
         logits = cuda.shared.array(MAX_EXPERTS, float32)
         chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked

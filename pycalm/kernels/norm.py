@@ -13,7 +13,7 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from pycalm.kernels.common import block_reduce_sum
+from pycalm.kernels.common import block_reduce_sum, dependent_start
 
 
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -29,6 +29,7 @@ THREADS = 1024
 @cuda.jit
 def rmsnorm_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
     """One block: out = x * rsqrt(mean(x^2) + eps) * w."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(32, float32)
     n = x.shape[0]
     ss = float32(0.0)

@@ -68,7 +68,16 @@ from numba import config as _numba_config  # noqa: E402
 from numba import cuda, float32, uint8, uint64  # noqa: E402
 
 from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.kernels.common import STATE_POS, WARP, fp8_encode, fp16_encode, sincos, warp_reduce_sum  # noqa: E402
+from pycalm.kernels.common import (  # noqa: E402
+    STATE_POS,
+    WARP,
+    fp8_encode,
+    fp16_encode,
+    grid_dependency_wait,
+    launch_dependents,
+    sincos,
+    warp_reduce_sum,
+)
 from pycalm.kernels.matvec import (  # noqa: E402
     KINDS,
     SIM_WARPS,
@@ -129,6 +138,7 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         "                    head_dim, has_bias):",
         "    xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by word",
         "    scratch = cuda.shared.array(32, float32)  # block reduction",
+        "    launch_dependents()  # a programmatic next kernel may launch and load its weights",
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
@@ -137,12 +147,15 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         "    nw = w.shape[1] // UNIT  # loads a row",
         f"    n_groups = (rows + {n_rows - 1}) // {n_rows}",
         "    stride = cuda.gridDim.x * n_warps",
-        "    pos = state[STATE_POS]",
         "    g = cuda.blockIdx.x * n_warps + warp",
     ]
     src += [f"    r{i} = min({n_rows} * min(g, n_groups - 1) + {i}, rows - 1)" for i in rr]
     if early:
         src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
+    src += [
+        "    grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish",
+        "    pos = state[STATE_POS]",
+    ]
     src += [
         "    ss = stage_x(x64, norm_w, xs, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2",
         "    scale = float32(ROW_SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs",
@@ -180,6 +193,8 @@ def qkv_kernel_for(kind: str, v: Variant, kv_dtype: str):  # noqa: ANN201
         "STATE_POS": STATE_POS,
         "ROW_SCALE": row_scale(k.dtype, cvt),
         "staged_rms": staged_rms,
+        "grid_dependency_wait": grid_dependency_wait,
+        "launch_dependents": launch_dependents,
         "warp_reduce_sum": warp_reduce_sum,
         "stage_x": make_stage_x(kind),
         "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt, v.early),

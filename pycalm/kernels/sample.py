@@ -50,6 +50,7 @@ from pycalm.kernels.common import (
     as_i32,
     block_reduce_max,
     block_reduce_sum,
+    dependent_start,
 )
 
 THREADS = 1024  # the one-block argmax
@@ -247,6 +248,7 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # n
 @cuda.jit
 def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
     """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(32, float32)
     hcnt = cuda.shared.array(BINS, int32)
     hmass = cuda.shared.array(BINS, float32)
@@ -355,6 +357,7 @@ def _block_best(bv, bi, sv, si, n):  # noqa: ANN001, ANN202
 def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
     """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
     lowest id among equal maxima."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     sv = cuda.shared.array(32, float32)
     si = cuda.shared.array(32, int32)
     n = logits.shape[0]
@@ -374,6 +377,7 @@ def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
 def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
     """Pass 1 of the many-block argmax: block b -> scratch[0, b] (its best value's bits) and
     scratch[1, b] (its id). Threads take elements grid-stride: ascending ids per thread."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     sv = cuda.shared.array(32, float32)
     si = cuda.shared.array(32, int32)
     n = logits.shape[0]
@@ -393,6 +397,7 @@ def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
 @cuda.jit
 def argmax_final_kernel(scratch, state, n):  # noqa: ANN001, ANN201
     """Pass 2: one block over the blocks' pairs -> state[STATE_TOKEN]."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     sv = cuda.shared.array(32, float32)
     si = cuda.shared.array(32, int32)
     bv = float32(-math.inf)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pycalm.kernels.common import STATE_POS, STATE_TOKEN
+from pycalm.kernels.common import STATE_POS, STATE_TOKEN, dependent_start
 
 STATE_FEED_END = 2  # state[2]: positions below it are fed from `feed` (see the docstring)
 STATE_SIZE = 4
@@ -32,6 +32,7 @@ def advance_ref(state: np.ndarray, feed: np.ndarray, tokens: np.ndarray) -> None
 
 @cuda.jit
 def advance_kernel(state, feed, tokens):  # noqa: ANN001
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     if cuda.grid(1) == 0:
         nxt = state[STATE_POS] + 1
         if nxt < state[STATE_FEED_END]:
