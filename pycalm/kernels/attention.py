@@ -24,13 +24,14 @@ at once (the grid is captured once, so it cannot depend on pos). A block:
 5. one live chunk (every context up to CHUNK positions): out = sum / sum of exp, done. Several:
    the block writes (unnormalised out, m, sum) to its slot of `part`, and the LAST block of the
    head to finish (a per-head atomic counter) combines the chunks' partials and resets the
-   counter.
+   counter. Each (head, chunk) slot of `part` is padded to whole 128-byte lines, so no line the
+   combining block reads was ever cached in its SM's L1 before it was written.
 
 With at most BLOCKS_A_HEAD live blocks a head (a knob; by default as many blocks as chunks), a
 block takes several consecutive chunks in turn: steps 2-4 per chunk with a running max and sum
 of exp (the sums so far rescaled when the max rises), the next chunk's K loads issued after the
-scores and its V loads after p V, so that they are in flight while the block works. Each (head, chunk) slot of `part` is padded to whole 128-byte lines, so no line the
-   combining block reads was ever cached in its SM's L1 before it was written.
+scores and its V loads after p V, so that they are in flight while the block works; a barrier
+after each chunk keeps the scores in shared memory until every warp has read them.
 
 Why this shape: at short context attention costs not bytes but latency (the KV read of
 TinyLlama at 256 positions is 128 KB a layer). The previous design (flash-decoding with 8 query
