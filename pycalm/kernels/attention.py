@@ -377,19 +377,17 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
         cuda.syncthreads()  # every warp's sum is in red
 
         # 5. one live block: the output; several: this block's partial, and the last one combines
-        if live == 1:
-            scale = float32(FP_RAW_SCALE) / ls
-            for d in range(tid, HD, NT):
-                acc = float32(0.0)
-                for w in range(NW):
-                    acc += red[w, d]
-                out[h * HD + d] = acc * scale
-            return
         for d in range(tid, HD, NT):
             acc = float32(0.0)
             for w in range(NW):
                 acc += red[w, d]
-            part[h, c, d] = acc * float32(FP_RAW_SCALE)
+            acc *= float32(FP_RAW_SCALE)
+            if live == 1:
+                out[h * HD + d] = acc / ls
+            else:
+                part[h, c, d] = acc
+        if live == 1:
+            return
         if tid == 0:
             part[h, c, HD] = m
             part[h, c, HD + 1] = ls
