@@ -90,6 +90,9 @@ def test_gpu_engine_realistic_shape(tmp_path, dtype, programmatic):
     want = list(cpu.generate(prompt, 0, 8, greedy))
     got = list(gpu.generate(prompt, 0, 8, greedy))
     assert got == want
+    # the step's graph really has programmatic edges (one between each two kernels) or none
+    edges = gpu.graph(greedy).programmatic_edges
+    assert edges > 10 if programmatic else edges == 0
     for pos, tok in [(len(prompt) + len(want) - 1, want[-1])]:  # the last sampled token was never fed
         w, g = cpu.logits(tok, pos), gpu.logits(tok, pos)
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-4 * np.abs(w).max())
