@@ -13,8 +13,7 @@ the chunk length + 1 (the shortest context that goes through the last-block comb
 attention_ref on the host-decoded cache (max abs error over max |ref|; float32 order only).
 
 Variants (--variants) set attention.py's tuning knobs (THREADS a block; MAX_CHUNK and REG_WORDS:
-the positions a block takes; BLOCKS_A_HEAD: live blocks a head, each taking several chunks in
-turn past it; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample
+the positions a block takes; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample
 over 128256 logits, each as a graph of 32 launches. The last lines are a summary table.
 """
 
@@ -43,11 +42,6 @@ VOCAB = 128256
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF}  # clear an exponent bit: finite values only
 VARIANTS = {  # name -> attention.py knobs
     "default": {},
-    "bh4": {"BLOCKS_A_HEAD": 4},
-    "bh8": {"BLOCKS_A_HEAD": 8},
-    "bh16": {"BLOCKS_A_HEAD": 16},
-    "bh4c128": {"BLOCKS_A_HEAD": 4, "MAX_CHUNK": 128},
-    "c64bh8": {"BLOCKS_A_HEAD": 8, "MAX_CHUNK": 64},
     "t128": {"THREADS": 128},
     "t512": {"THREADS": 512},
     "c128": {"MAX_CHUNK": 128},
@@ -67,16 +61,10 @@ def timed(stream, record, runs=RUNS):
 
 
 def set_knobs(knobs):
-    defaults = {
-        "BLOCKS_A_HEAD": 1 << 16,
-        "THREADS": 256,
-        "MAX_CHUNK": 256,
-        "REG_WORDS": 16,
-        "K_WORDS": 4,
-        "V_WORDS": 2,
-    }
+    defaults = {"THREADS": 256, "MAX_CHUNK": 256, "REG_WORDS": 16, "K_WORDS": 4, "V_WORDS": 2}
     for k, v in {**defaults, **knobs}.items():
         setattr(att, k, v)
+    att.attention_kernel.cache_clear()  # K_WORDS / V_WORDS / REG_WORDS are not in its cache key
 
 
 def main():
@@ -203,7 +191,7 @@ def main():
 
 
 @cuda.jit
-def noop_kernel(q, k, v, state, part, count, out, window, per_head):
+def noop_kernel(q, k, v, state, part, count, out, window):
     if cuda.grid(1) == 1 << 30:
         state[0] = 0
 
@@ -213,17 +201,7 @@ def _one_kernel(what, caches, q, state, out, shape, kv_dtype, part, stream):
     costs for the launch alone."""
     n_heads = shape[0]
     for k, v in caches:
-        args = (
-            q,
-            k.view(np.int64),
-            v.view(np.int64),
-            state,
-            part.part,
-            part.count,
-            out,
-            np.int32(0),
-            np.int32(1),
-        )
+        args = (q, k.view(np.int64), v.view(np.int64), state, part.part, part.count, out, np.int32(0))
         noop_kernel[(n_heads, part.part.shape[1]), att.THREADS, stream](*args)
 
 

@@ -74,22 +74,6 @@ def test_attention_matches_ref(n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, w
     _run(n_heads, n_kv_heads, head_dim, 64, n_pos, kv_dtype, window, seed=n_pos)
 
 
-@pytest.mark.parametrize(
-    "n_heads,n_kv_heads,head_dim,kv_dtype,n_pos,window,blocks",
-    [
-        (3, 1, 32, "fp8", 41, 0, 2),  # 3 chunks, 2 blocks a head: chunks 0-1 and 2, then combined
-        (2, 2, 64, "fp16", 50, 0, 1),  # 4 chunks, one block takes them all: no partials
-        (4, 2, 32, "fp16", 61, 30, 1),  # sliding window: start = 31, chunks from there, one block
-    ],
-)
-def test_several_chunks_a_block(monkeypatch, n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, window, blocks):
-    # at most `blocks` live blocks a head: each takes several chunks in turn (running softmax)
-    from pycalm.kernels import attention as att
-
-    monkeypatch.setattr(att, "BLOCKS_A_HEAD", blocks)
-    _run(n_heads, n_kv_heads, head_dim, 64, n_pos, kv_dtype, window, seed=n_pos + 2)
-
-
 def test_default_chunk_is_one_block_per_head_at_short_context():
     # the model's scratch: one live chunk (no combine) up to MAX_CHUNK positions, 256 on the GPU
     _run(3, 1, 32, 64, 50, "fp16", 0, seed=1, chunk=None)

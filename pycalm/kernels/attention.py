@@ -27,12 +27,6 @@ at once (the grid is captured once, so it cannot depend on pos). A block:
    counter. Each (head, chunk) slot of `part` is padded to whole 128-byte lines, so no line the
    combining block reads was ever cached in its SM's L1 before it was written.
 
-With at most BLOCKS_A_HEAD live blocks a head (a knob; by default as many blocks as chunks), a
-block takes several consecutive chunks in turn: steps 2-4 per chunk with a running max and sum
-of exp (the sums so far rescaled when the max rises), the next chunk's K loads issued after the
-scores and its V loads after p V, so that they are in flight while the block works; a barrier
-after each chunk keeps the scores in shared memory until every warp has read them.
-
 Why this shape: at short context attention costs not bytes but latency (the KV read of
 TinyLlama at 256 positions is 128 KB a layer). The previous design (flash-decoding with 8 query
 heads of a group a block and a separate combine kernel) spent 10.4 us a layer there: Nsight
@@ -117,8 +111,6 @@ MAX_CHUNK = 16 if _numba_config.ENABLE_CUDASIM else 256  # most positions a bloc
 REG_WORDS = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
 K_WORDS = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
 V_WORDS = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
-BLOCKS_A_HEAD = 1 << 16  # most live blocks a head: past it a block takes several chunks in turn
-# (the next one's loads in flight while it works on one); the default: one chunk a block
 UNROLL = 8  # independent partial loads in flight per thread of the combine
 NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0, not NaN
 KV_DTYPES = ("fp16", "fp8")
@@ -190,18 +182,6 @@ def _exp(x):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _div(a, b):  # noqa: ANN001, ANN202
-    """a // b for 0 <= a < 2**31, 0 < b < 2**24, in 32-bit arithmetic: a float quotient corrected
-    by one either way. (Python's // on int32 compiles to a 64-bit division subroutine.)"""
-    f = int32(float32(a) / float32(b))
-    if int32(f * b) > a:
-        f = int32(f - 1)
-    if int32((f + 1) * b) <= a:
-        f = int32(f + 1)
-    return f
-
-
-@cuda.jit(device=True, inline=True)
 def _decode(w, e, fp8):  # noqa: ANN001, ANN202
     """Element e (a constant after unrolling) of an int64 word of the cache, 4 fp16 or 8 e5m2
     from the lowest address up, as value * 2**-112. Every shift is wrapped in int32(): real
@@ -259,7 +239,7 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
     U = UNROLL
 
     @cuda.jit(fastmath=False)
-    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, per_head):  # noqa: ANN001, ANN202
+    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (n_heads*HD,) f32; caches (seq_len, kv_words) int64; part (n_heads, n_chunks, >= HD+2)
         # f32; count (n_heads,) i32; out (n_heads*HD,) f32
@@ -269,13 +249,12 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
         start = int32(0)
         if window > 0 and n_pos > window:
             start = int32(n_pos - window)
-        n_sub = int32(int32(n_pos - start + CH - 1) >> int32(CH_LOG))  # chunks of CH positions
-        spb = _div(int32(n_sub + per_head - 1), per_head)  # chunks a block: <= per_head blocks live
-        live = _div(int32(n_sub + spb - 1), spb)
+        live = int32(int32(n_pos - start + CH - 1) >> int32(CH_LOG))
         if c >= live:
             return  # the whole block leaves together: no barrier is left waiting
-        sub0 = int32(c * spb)  # this block's chunks: sub0 .. sub1 - 1
-        sub1 = min(int32(sub0 + spb), n_sub)
+        t0 = int32(start + c * CH)
+        nc = min(int32(n_pos - t0), int32(CH))  # positions of this chunk
+        last = int32(t0 + nc - 1)
         g = int32(h // G)
         tid = cuda.threadIdx.x
         warp = tid // 32
@@ -288,83 +267,67 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
         red = cuda.shared.array((NW, HD), float32)  # per-warp sum of p*v
         red2 = cuda.shared.array((SLICES, HD), float32)  # combine: per-slice sums
         flag = cuda.shared.array(1, int32)  # combine: 1 in the last block of the head
-        kw = cuda.local.array(KSW, int64)  # a chunk's K and V words (past the end: the last row's)
+
+        # 1. every K and V load of the chunk (past the end: reloads of the last row)
+        kw = cuda.local.array(KSW, int64)
         vw = cuda.local.array(VSW, int64)
         kbase = g * HW + kl
         vbase = g * HW + vl
+        for s in range(KS):
+            if s * P1 < nc:  # block-uniform: a short chunk issues (and later uses) fewer steps
+                t = uint32(min(t0 + s * P1 + kteam, last))  # unsigned: no negative-index code
+                for j in range(KW):
+                    kw[s * KW + j] = k_cache[t, uint32(kbase + TL * j)]
+        for s in range(VS):
+            if s * P3 < nc:
+                t = uint32(min(t0 + s * P3 + vteam, last))
+                for j in range(VW):
+                    vw[s * VW + j] = v_cache[t, uint32(vbase + VL * j)]
         qr = cuda.local.array(KD, float32)  # this lane's slice of q, times Q_SCALE
         for j in range(KW):
             for e in range(EPW):
                 qr[j * EPW + e] = q[h * HD + (kl + TL * j) * EPW + e] * float32(Q_SCALE)
-        m = float32(NEG)  # running max of the scores, sum of exp(score - m), sum of p * v
+
+        # 2. scores
+        for s in range(KS):
+            if s * P1 >= nc:
+                continue  # block-uniform: every lane of a team skips together
+            acc = float32(0.0)
+            for j in range(KW):
+                for e in range(EPW):
+                    acc += qr[j * EPW + e] * _decode(kw[s * KW + j], e, FP8)
+            off = TL // 2
+            while off > 0:  # xor tree inside the team: every lane ends with the score
+                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+                off //= 2
+            tl = s * P1 + kteam
+            if kl == 0 and tl < CH:
+                sc[tl] = acc
+        cuda.syncthreads()  # every score of the chunk is in sc
+
+        # 3. the chunk's max and sum of exp, by every warp
+        m = float32(NEG)
+        for i in range(wl, nc, 32):
+            m = max(m, sc[i])
+        m = warp_reduce_max(m)
         ls = float32(0.0)
+        for i in range(wl, nc, 32):
+            ls += _exp(sc[i] - m)
+        ls = warp_reduce_sum(ls)
+
+        # 4. sum of p * v
         o = cuda.local.array(VD, float32)
         for i in range(VD):
             o[i] = float32(0.0)
-
-        # chunk `it` is used in iteration it while chunk it + 1's loads are in flight; iteration
-        # sub0 - 1 only issues the first chunk's loads (block-uniform branches throughout)
-        nc = int32(0)
-        for it in range(sub0 - 1, sub1):
-            nxt = int32(it + 1)
-            t0n = int32(start + nxt * CH)
-            ncn = min(int32(n_pos - t0n), int32(CH))
-            lastn = int32(t0n + ncn - 1)
-            if it >= sub0:  # 2. scores
-                for s in range(KS):
-                    if s * P1 >= nc:
-                        continue  # a short chunk uses (and loaded) fewer steps
-                    acc = float32(0.0)
-                    for j in range(KW):
-                        for e in range(EPW):
-                            acc += qr[j * EPW + e] * _decode(kw[s * KW + j], e, FP8)
-                    off = TL // 2
-                    while off > 0:  # xor tree inside the team: every lane ends with the score
-                        acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
-                        off //= 2
-                    tl = s * P1 + kteam
-                    if kl == 0 and tl < CH:
-                        sc[tl] = acc
-            if nxt < sub1:  # 1. the next chunk's K loads, in flight during this one's p * v
-                for s in range(KS):
-                    if s * P1 < ncn:
-                        t = uint32(min(t0n + s * P1 + kteam, lastn))  # unsigned: no wraparound code
-                        for j in range(KW):
-                            kw[s * KW + j] = k_cache[t, uint32(kbase + TL * j)]
-            if it >= sub0:
-                cuda.syncthreads()  # every score of the chunk is in sc
-                # 3. the running max and sum of exp, by every warp
-                mc = float32(NEG)
-                for i in range(wl, nc, 32):
-                    mc = max(mc, sc[i])
-                mc = max(m, warp_reduce_max(mc))
-                a = _exp(m - mc)  # rescales what earlier chunks summed (0 before the first)
-                lc = float32(0.0)
-                for i in range(wl, nc, 32):
-                    lc += _exp(sc[i] - mc)
-                ls = ls * a + warp_reduce_sum(lc)
-                m = mc
-                for i in range(VD):
-                    o[i] *= a
-                # 4. sum of p * v
-                for s in range(VS):
-                    if s * P3 >= nc:
-                        continue
-                    tl = s * P3 + vteam
-                    p = _exp(sc[min(tl, nc - 1)] - m)
-                    p = p if tl < nc else float32(0.0)
-                    for j in range(VW):
-                        for e in range(EPW):
-                            o[j * EPW + e] += p * _decode(vw[s * VW + j], e, FP8)
-            if nxt < sub1:  # 1. the next chunk's V loads
-                for s in range(VS):
-                    if s * P3 < ncn:
-                        t = uint32(min(t0n + s * P3 + vteam, lastn))
-                        for j in range(VW):
-                            vw[s * VW + j] = v_cache[t, uint32(vbase + VL * j)]
-            if it >= sub0 and nxt < sub1:
-                cuda.syncthreads()  # every warp has read sc before the next chunk's scores
-            nc = ncn
+        for s in range(VS):
+            if s * P3 >= nc:
+                continue  # block-uniform
+            tl = s * P3 + vteam
+            p = _exp(sc[min(tl, nc - 1)] - m)
+            p = p if tl < nc else float32(0.0)
+            for j in range(VW):
+                for e in range(EPW):
+                    o[j * EPW + e] += p * _decode(vw[s * VW + j], e, FP8)
         off = VL
         while off < 32:  # add the teams of a warp (xor over the team bits of the lane id)
             for i in range(VD):
@@ -376,7 +339,7 @@ def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int, threa
                     red[warp, (vl + VL * j) * EPW + e] = o[j * EPW + e]
         cuda.syncthreads()  # every warp's sum is in red
 
-        # 5. one live block: the output; several: this block's partial, and the last one combines
+        # 5. one chunk: the output; several: this chunk's partial, and the last block combines
         for d in range(tid, HD, NT):
             acc = float32(0.0)
             for w in range(NW):
@@ -469,8 +432,7 @@ def attention(
     kern = attention_kernel(head_dim, n_heads // n_kv_heads, kv_dtype, scratch.chunk, THREADS)
     k64 = k_cache.view(np.int64)
     v64 = v_cache.view(np.int64)
-    args = (q, k64, v64, state, part, scratch.count, out, int32(window), int32(BLOCKS_A_HEAD))
-    kern[(n_heads, n_chunks), THREADS, stream](*args)
+    kern[(n_heads, n_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, int32(window))
     return attention_bytes(seq_len, n_heads, n_kv_heads, head_dim, kv_dtype, n_chunks)
 
 
@@ -485,7 +447,7 @@ def attention_bytes(
 
 _SIG = (
     "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32[::1],"
-    " float32[::1], int32, int32)"
+    " float32[::1], int32)"
 )
 
 
