@@ -155,3 +155,28 @@ def test_matvec_direct_variant(dtype, rows, cols):
         )
         cuda.synchronize()
         _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+
+
+def _resident(regs):
+    """blocks an SM holds for a kernel of `regs` registers a thread (64k registers an SM)"""
+    return lambda threads: 65536 // (threads * regs)
+
+
+def test_launch_warps_balances_one_group_a_warp():
+    """Warps a block (pure arithmetic, 132 SMs): where every warp can take one row group, the
+    launch spreads the groups evenly (TinyLlama's qkv: 1280 groups -> 10 warps, 128 blocks, not
+    fill_sms's 8 warps in 160 blocks); where warps take several groups it keeps fill_sms's rule;
+    a block that would not fit an SM (registers) is never chosen; long rows keep the variant.
+    (132 SMs: n_sm() under the simulator, and the H200's count on the GPU.)"""
+    from pycalm.kernels.matvec import Variant, balance_warps, fill_sms, launch_warps
+
+    v = Variant(2, 2, n_warps=16)
+    res = _resident(56)
+    got = launch_warps(1280, 2048, v, res)
+    assert got.n_warps == 10  # 128 blocks of 10 warps, one group each
+    assert launch_warps(1024, 2048, v, _resident(80)).n_warps == 8  # 128 blocks of 8 already even
+    assert launch_warps(5632, 2048, v, _resident(80)) == fill_sms(5632, 2048, v)  # 3 groups a warp
+    assert launch_warps(1280, 16384, v, res) == v  # rows of two x chunks: unchanged
+    balanced, per_warp = balance_warps(5632, v, _resident(96))
+    assert per_warp > 1 and balanced.n_warps * 32 * 96 <= 65536  # the block fits
+    assert balance_warps(100, v, lambda threads: 0) == (v, 0)  # nothing fits: unchanged

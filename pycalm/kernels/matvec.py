@@ -80,6 +80,7 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 
 import functools  # noqa: E402
 import math  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 from numba import config as _numba_config  # noqa: E402
@@ -503,13 +504,13 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
             "    scratch = cuda.shared.array(32, float32)  # block reduction",
         ]
     src += [
-        "    launch_dependents()  # a programmatic next kernel may launch and load its weights",
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
     ]
     if slots:
         src.append("    grid_dependency_wait()  # route_ids, x and out come from earlier kernels")
+        src.append("    launch_dependents()  # now the next kernel may launch and load its weights")
     if slots:
         src += [
             "    rows = expert_rows  # rows of one expert's matrix",
@@ -557,6 +558,7 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
         body += [
             "if c == 0:  # x and out come from earlier kernels: read them after they finish",
             "    grid_dependency_wait()  # (the weights' first loads above are already in flight)",
+            "    launch_dependents()  # now the next kernel may launch and load its weights",
         ]
     if not direct:
         body += [
@@ -705,7 +707,7 @@ def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
     SM, so that every block is resident at once, and sized so that every warp loops over the
     same number of groups (no warp does one more group than the others). Under the simulator at
     most SIM_BLOCKS (the warps loop over the groups)."""
-    bps = min(v.blocks_per_sm, resident) if resident else v.blocks_per_sm
+    bps = min(v.blocks_per_sm, max(1, resident)) if resident is not None else v.blocks_per_sm
     per_warp = max(1, -(-n_groups // (n_sm() * bps * v.n_warps)))
     blocks = max(1, -(-n_groups // (v.n_warps * per_warp)))
     return min(blocks, SIM_BLOCKS) if _numba_config.ENABLE_CUDASIM else blocks
@@ -725,6 +727,42 @@ def fill_sms(n_groups: int, cols: int, v: Variant) -> Variant:
     return v
 
 
+MIN_WARPS, MAX_WARPS = 4, 32  # the warps a block balance_warps chooses from
+
+
+def balance_warps(n_groups: int, v: Variant, resident: Callable[[int], int | None]) -> tuple[Variant, int]:
+    """(v with the warps a block, MIN_WARPS..MAX_WARPS, that put the fewest row groups on the
+    busiest SM with every block resident at once, the row groups a warp then takes).
+    resident(threads): blocks an SM holds. Ties: fewer groups a warp (shorter chains), then
+    fewer blocks (fewer x stagings)."""
+    best: tuple[tuple[int, int, int], int] | None = None
+    for w in range(MIN_WARPS, MAX_WARPS + 1):
+        bps = min(v.blocks_per_sm, resident(w * WARP) or 0)
+        if bps < 1:
+            continue  # a block of w warps does not fit an SM (registers)
+        per_warp = -(-n_groups // (n_sm() * bps * w))
+        blocks = -(-n_groups // (w * per_warp))
+        busiest = -(-blocks // n_sm()) * w * per_warp  # row groups on the busiest SM
+        key = (busiest, per_warp, blocks)
+        if best is None or key < best[0]:
+            best = (key, w)
+    return (v, 0) if best is None else (v._replace(n_warps=best[1]), best[0][1])
+
+
+def launch_warps(n_groups: int, cols: int, v: Variant, resident: Callable[[int], int | None]) -> Variant:
+    """The default variant's warps a block for a launch: balance_warps's where that gives every
+    warp one row group, else fill_sms's rule. Rows longer than one x chunk keep their variant.
+    Measured on the H200 (graph of a layer's launches, us a token): TinyLlama's qkv (1280 groups:
+    fill_sms's 8 warps make 160 blocks, so 28 SMs take two; 10 warps make 128 blocks) fp8 146 ->
+    129, gf4 182 -> 154, fp16 164 -> 156. For launches of several groups a warp the balanced
+    shape was worse: TinyLlama's ffn_gate (5632 groups) in 22-warp blocks fp8 254 -> 277, fp16
+    347 -> 363."""
+    if cols > XCHUNK or resident(v.n_warps * WARP) is None:
+        return v
+    balanced, per_warp = balance_warps(n_groups, v, resident)
+    return balanced if per_warp == 1 else fill_sms(n_groups, cols, v)
+
+
 _RESIDENT: dict = {}
 
 
@@ -736,7 +774,7 @@ def resident_blocks(kernel: object, args: tuple, n_threads: int) -> int | None:
     key = (kernel, n_threads)
     if key not in _RESIDENT:
         compiled = kernel._compile_for_args(*args)  # numba's own launch path does the same
-        _RESIDENT[key] = max(1, compiled.max_cooperative_grid_blocks(n_threads) // n_sm())
+        _RESIDENT[key] = compiled.max_cooperative_grid_blocks(n_threads) // n_sm()  # 0: does not fit
     return _RESIDENT[key]
 
 
@@ -778,8 +816,6 @@ def launch_family(
     normed = norm_w is not None
     if v.direct and (normed or mode == GATE or n_slots):
         v = v._replace(direct=False)  # the direct kernel has no staging to fuse a norm into
-    if variant is None:
-        v = fill_sms(n_groups, cols, v)
     kernel = kernel_for_variant(kind, v, n_slots > 0)
     x64 = x.view(np.uint64)  # float pairs: one 8-byte load a shared-memory slot
     if not n_slots:  # dense: arrays of the right types that the dense kernel never reads
@@ -788,6 +824,8 @@ def launch_family(
         wav, wbv, x, x64, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed),
         route_ids, route_w, np.int32(n_slots), np.int32(expert_rows),
     )  # fmt: skip
+    if variant is None:
+        v = launch_warps(n_groups, cols, v, functools.partial(resident_blocks, kernel, args))
     if _numba_config.ENABLE_CUDASIM:
         v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP

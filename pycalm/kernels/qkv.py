@@ -84,8 +84,8 @@ from pycalm.kernels.matvec import (  # noqa: E402
     XCHUNK,
     XPAIRS,
     Variant,
-    fill_sms,
     grid_for,
+    launch_warps,
     make_group_dot,
     make_preload,
     make_stage_x,
@@ -138,7 +138,6 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         "                    head_dim, has_bias):",
         "    xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by word",
         "    scratch = cuda.shared.array(32, float32)  # block reduction",
-        "    launch_dependents()  # a programmatic next kernel may launch and load its weights",
         "    lane = cuda.threadIdx.x % WARP",
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
@@ -154,6 +153,7 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
     src += [
         "    grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish",
+        "    launch_dependents()  # now the next kernel may launch and load its weights",
         "    pos = state[STATE_POS]",
     ]
     src += [
@@ -249,14 +249,14 @@ def qkv_rope(
     rows = wqkv.shape[0]
     assert rows == q_dim + 2 * kv_dim and head_dim % 2 == 0
     has_bias = bqkv is not None
-    if variant is None:
-        v = fill_sms(-(-rows // v.rows), x.shape[0], v)
-    kernel = qkv_kernel_for(kind, v, kv_dtype)
+    kernel = qkv_kernel_for(kind, v, kv_dtype)  # (the warps a block are not compiled in)
     args = (
         wv, bqkv if has_bias else x, x, x.view(np.uint64), norm_w, np.float32(eps), rope_freqs, state, q,
         k_cache, v_cache,
         q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
+    if variant is None:
+        v = launch_warps(-(-rows // v.rows), x.shape[0], v, functools.partial(resident_blocks, kernel, args))
     if _numba_config.ENABLE_CUDASIM:
         v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
     n_threads = v.n_warps * WARP
