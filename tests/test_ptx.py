@@ -6,6 +6,12 @@ cuda.compile_ptx and report: a compile error (typing the simulator lets through)
 untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an array spilled to
 local memory).
 
+Each PTX then goes through ptxas (the NVVM wheel's own, sm_90) for what only the machine code
+shows: any spill to local memory, and, for a module that sets MAX_REGISTERS, a register count
+above it (pycalm.kernels.attention: two blocks of THREADS an SM; a restructured kernel at 154-188
+registers once ran at one block an SM, up to 1.8x slower at long context, while the PTX looked
+clean).
+
 Every listed kernel must also contain griddepcontrol.wait and griddepcontrol.launch_dependents
 (pycalm.kernels.common.dependent_start): in a graph with programmatic edges a kernel without the
 wait could read what the kernel before it has not finished writing.
@@ -32,12 +38,46 @@ import pycalm.kernels
 MINE = {"common", "matvec", "qkv", "moe"}  # modules that must have COMPILE_CHECK entries (common: via users)
 
 _SCRIPT = r"""
-import importlib, json, re, sys
+import importlib, json, os, re, shutil, subprocess, sys, tempfile
 from numba import cuda, float32, int32
 from pycalm.kernels import common as c
 
 INT64 = re.compile(r"\b(shl|shr|and|or|xor)\.[bsu]64\b")
-out = {"n": 0, "problems": []}
+out = {"n": 0, "problems": [], "sass": 0}
+
+
+def ptxas_path():
+    try:
+        import nvidia.cuda_nvcc as nvcc  # the wheel that brings NVVM also brings ptxas
+        path = os.path.join(list(nvcc.__path__)[0], "bin", "ptxas")
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    return shutil.which("ptxas")
+
+
+def sass_check(ptx, label, max_regs):
+    # ptxas -v on the PTX: spills, and registers against max_regs (None: no limit)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([PTXAS, "-arch=sm_90", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", r.stderr)]
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    if r.returncode != 0 or not regs:
+        out["problems"].append(f"{label}: ptxas failed: {r.stderr[-300:]}")
+        return
+    out["sass"] += 1
+    if any(spills):
+        out["problems"].append(f"{label}: ptxas spills {max(spills)} bytes to local memory")
+    if max_regs is not None and max(regs) > max_regs:
+        out["problems"].append(f"{label}: {max(regs)} registers a thread, above {max_regs}")
+
+
+PTXAS = ptxas_path()
 
 
 def ptx_of(fn, sig, label):
@@ -58,6 +98,12 @@ for mod_name, index in json.loads(sys.argv[1]):
     kernel, sig = importlib.import_module("pycalm.kernels." + mod_name).COMPILE_CHECK[index]
     label = f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}"
     ptx = ptx_of(kernel, sig, label)
+    if ptx is not None:
+        if PTXAS is None:
+            out["problems"].append("no ptxas (the nvidia-cuda-nvcc wheel's bin/ptxas, or on PATH)")
+        else:
+            max_regs = getattr(importlib.import_module("pycalm.kernels." + mod_name), "MAX_REGISTERS", None)
+            sass_check(ptx, label, max_regs)
     # every kernel of the token step may be a programmatic dependent (pycalm.graph)
     for inst in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         if ptx is not None and inst not in ptx:
@@ -136,3 +182,4 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
     assert sum(r["n"] for r in results) == len(work) + 4  # + the 4 decoder kernels
+    assert sum(r["sass"] for r in results) == len(work)  # every listed kernel through ptxas

@@ -111,6 +111,9 @@ MAX_CHUNK = 16 if _numba_config.ENABLE_CUDASIM else 256  # most positions a bloc
 REG_WORDS = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
 K_WORDS = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
 V_WORDS = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
+# registers a thread at most, so that two blocks of THREADS fit an SM's 64k (tests/test_ptx.py
+# checks it with ptxas): one block an SM runs the blocks of a long context in twice the waves
+MAX_REGISTERS = 65536 // (2 * THREADS)
 UNROLL = 8  # independent partial loads in flight per thread of the combine
 NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0, not NaN
 KV_DTYPES = ("fp16", "fp8")
