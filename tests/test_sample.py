@@ -37,18 +37,18 @@ def test_argmax_lowest_id_on_ties(blocks):
 
 
 @pytest.mark.parametrize(
-    "temperature,top_k,top_p,min_p",
+    "temperature,top_k,top_p,min_p,vocab",
     [
-        (1.0, 0, 1.0, 0.0),  # plain temperature sampling: the walk over the whole vocabulary
-        (0.7, 20, 1.0, 0.0),  # top-k
-        (1.3, 0, 0.9, 0.0),  # top-p
-        (1.0, 0, 1.0, 0.05),  # min-p
-        (0.8, 40, 0.95, 0.02),  # all three
+        (1.0, 0, 1.0, 0.0, 301),  # plain temperature sampling: the walk over the whole vocabulary
+        (0.7, 20, 1.0, 0.0, 301),  # top-k
+        (1.3, 0, 0.9, 0.0, 301),  # top-p
+        (1.0, 0, 1.0, 0.05, 301),  # min-p
+        (0.8, 40, 0.95, 0.02, 301),  # all three
+        (0.8, 40, 0.95, 0.02, 1237),  # a thread's loads come in several batches, the last partial
     ],
 )
-def test_sample_matches_ref(temperature, top_k, top_p, min_p):
-    rng = np.random.default_rng(top_k + int(100 * top_p))
-    vocab = 301
+def test_sample_matches_ref(temperature, top_k, top_p, min_p, vocab):
+    rng = np.random.default_rng(top_k + int(100 * top_p) + vocab)
     steps = 4
     logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
     coins = rng.random(steps).astype(np.float32)
