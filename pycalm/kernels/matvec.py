@@ -753,10 +753,10 @@ def launch_warps(n_groups: int, cols: int, v: Variant, resident: Callable[[int],
     """The default variant's warps a block for a launch: balance_warps's where that gives every
     warp one row group, else fill_sms's rule. Rows longer than one x chunk keep their variant.
     Measured on the H200 (graph of a layer's launches, us a token): TinyLlama's qkv (1280 groups:
-    fill_sms's 8 warps make 160 blocks, so 28 SMs take two; 10 warps make 128 blocks) fp8 146 ->
-    129, gf4 182 -> 154, fp16 164 -> 156. For launches of several groups a warp the balanced
+    fill_sms's 8 warps make 160 blocks, so 28 SMs take two; 10 warps make 128 blocks) fp8 145 ->
+    130, gf4 181 -> 154, fp16 162 -> 154. For launches of several groups a warp the balanced
     shape was worse: TinyLlama's ffn_gate (5632 groups) in 22-warp blocks fp8 254 -> 277, fp16
-    347 -> 363."""
+    347 -> 363. (MoE launches have several groups a warp or long rows: unchanged.)"""
     if cols > XCHUNK or resident(v.n_warps * WARP) is None:
         return v
     balanced, per_warp = balance_warps(n_groups, v, resident)
