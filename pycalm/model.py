@@ -93,8 +93,8 @@ class GpuEngine:
         self.stream = cuda.stream()
         # the CUDA simulator cannot capture graphs: there the step runs its launches eagerly
         self.use_graph = not config.ENABLE_CUDASIM if use_graph is None else use_graph
-        # graph edges as programmatic dependencies (pycalm.graph; Hopper and up): not yet the
-        # default, pending its measurement on the H200
+        # graph edges as programmatic dependencies (pycalm.graph; Hopper and up): off by default,
+        # measured slower on TinyLlama fp8 / gf4 (pycalm.kernels.common.dependent_start)
         self.programmatic = programmatic
         self.bytes_per_step = 0  # filled in by forward(): weights + activations + KV touched
 

@@ -736,13 +736,14 @@ def balance_warps(n_groups: int, v: Variant, resident: Callable[[int], int | Non
     resident(threads): blocks an SM holds. Ties: fewer groups a warp (shorter chains), then
     fewer blocks (fewer x stagings)."""
     best: tuple[tuple[int, int, int], int] | None = None
+    sms = n_sm()
     for w in range(MIN_WARPS, MAX_WARPS + 1):
         bps = min(v.blocks_per_sm, resident(w * WARP) or 0)
         if bps < 1:
             continue  # a block of w warps does not fit an SM (registers)
-        per_warp = -(-n_groups // (n_sm() * bps * w))
+        per_warp = -(-n_groups // (sms * bps * w))
         blocks = -(-n_groups // (w * per_warp))
-        busiest = -(-blocks // n_sm()) * w * per_warp  # row groups on the busiest SM
+        busiest = -(-blocks // sms) * w * per_warp  # row groups on the busiest SM
         key = (busiest, per_warp, blocks)
         if best is None or key < best[0]:
             best = (key, w)
@@ -761,6 +762,23 @@ def launch_warps(n_groups: int, cols: int, v: Variant, resident: Callable[[int],
         return v
     balanced, per_warp = balance_warps(n_groups, v, resident)
     return balanced if per_warp == 1 else fill_sms(n_groups, cols, v)
+
+
+def launch_shape(
+    kernel: object, args: tuple, n_groups: int, cols: int, v: Variant, tuned: bool
+) -> tuple[int, int]:
+    """(blocks, threads) of a row-group launch of `kernel` on `args` (the matvec family's and
+    qkv's): tuned (the default variant), the warps a block from launch_warps; under the
+    simulator SIM_WARPS; the blocks from grid_for, or one group a warp for a direct variant."""
+    resident = functools.partial(resident_blocks, kernel, args)
+    if tuned:
+        v = launch_warps(n_groups, cols, v, resident)
+    if _numba_config.ENABLE_CUDASIM:
+        v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
+    n_threads = v.n_warps * WARP
+    if v.direct:  # no shared memory, no barrier: one group a warp, the hardware balances the blocks
+        return -(-n_groups // v.n_warps), n_threads
+    return grid_for(n_groups, v, resident(n_threads)), n_threads
 
 
 _RESIDENT: dict = {}
@@ -824,15 +842,7 @@ def launch_family(
         wav, wbv, x, x64, norm_w if normed else x, np.float32(eps), out, np.int32(mode), np.int32(normed),
         route_ids, route_w, np.int32(n_slots), np.int32(expert_rows),
     )  # fmt: skip
-    if variant is None:
-        v = launch_warps(n_groups, cols, v, functools.partial(resident_blocks, kernel, args))
-    if _numba_config.ENABLE_CUDASIM:
-        v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
-    n_threads = v.n_warps * WARP
-    if v.direct:  # no shared memory, no barrier: one group a warp, the hardware balances the blocks
-        grid = -(-n_groups // v.n_warps)
-    else:
-        grid = grid_for(n_groups, v, resident_blocks(kernel, args, n_threads))
+    grid, n_threads = launch_shape(kernel, args, n_groups, cols, v, variant is None)
     kernel[grid, n_threads, stream](*args)
 
 

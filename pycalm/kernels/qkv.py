@@ -64,7 +64,6 @@ def qkv_ref(
 
 import functools  # noqa: E402
 
-from numba import config as _numba_config  # noqa: E402
 from numba import cuda, float32, uint8, uint64  # noqa: E402
 
 from pycalm.errors import PycalmError  # noqa: E402
@@ -80,16 +79,13 @@ from pycalm.kernels.common import (  # noqa: E402
 )
 from pycalm.kernels.matvec import (  # noqa: E402
     KINDS,
-    SIM_WARPS,
     XCHUNK,
     XPAIRS,
     Variant,
-    grid_for,
-    launch_warps,
+    launch_shape,
     make_group_dot,
     make_preload,
     make_stage_x,
-    resident_blocks,
     row_scale,
     staged_rms,
     variant_for,
@@ -255,12 +251,8 @@ def qkv_rope(
         k_cache, v_cache,
         q_dim, kv_dim, head_dim, np.int32(has_bias),
     )  # fmt: skip
-    if variant is None:
-        v = launch_warps(-(-rows // v.rows), x.shape[0], v, functools.partial(resident_blocks, kernel, args))
-    if _numba_config.ENABLE_CUDASIM:
-        v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
-    n_threads = v.n_warps * WARP
-    grid = grid_for(-(-rows // v.rows), v, resident_blocks(kernel, args, n_threads))
+    v = v._replace(direct=False)  # qkv always stages x (and its norm)
+    grid, n_threads = launch_shape(kernel, args, -(-rows // v.rows), x.shape[0], v, variant is None)
     kernel[grid, n_threads, stream](*args)
     kv_row = 2 * kv_dim * k_cache.dtype.itemsize
     extra = int(bqkv.nbytes) if has_bias else 0
