@@ -1,9 +1,12 @@
 """The GPU engine: weights and buffers on the device, and the token step as one CUDA graph.
 
 forward() below is the whole token step, one kernel launch per line in data-flow order, like
-llama2.c's forward(). It is run once eagerly (which compiles every kernel), then captured once
-into a CUDA graph on the engine's stream; every later token, prompt tokens included, is one
-replay of that graph. Nothing per token is a launch argument: the token, the position and the
+llama2.c's forward(). It is run once eagerly (which compiles every kernel), then captured into
+CUDA graphs on the engine's stream, one for each attention span: the positions that attention's
+grid covers, a power-of-two multiple of its chunk (at 4096 positions of cache and chunks of
+256: 5 graphs; a single graph over the whole cache would launch 16 blocks a head where a short
+context has one live). Every later token, prompt tokens included, is one replay of the graph
+for its position. Nothing per token is a launch argument: the token, the position and the
 prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
 The host only reads back the token ids.
 """
@@ -19,6 +22,7 @@ from pycalm.config import ModelConfig
 from pycalm.engine import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.graph import GraphStep
+from pycalm.kernels.attention import attention_span
 
 KV_FP8_ABOVE = 4096  # fp8 KV cache for contexts longer than this (ARCHITECTURE.md)
 
@@ -79,6 +83,7 @@ class GpuEngine:
         kv_dtype: str = "auto",
         use_graph: bool | None = None,
         programmatic: bool = False,
+        attention_chunk: int | None = None,
     ) -> None:
         from numba import config, cuda
 
@@ -152,9 +157,11 @@ class GpuEngine:
             cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
             for _ in range(cfg.n_layers)
         ]
-        # per-chunk partial attention and per-head chunk counters, shared by the layers
+        # per-chunk partial attention and per-head chunk counters, shared by the layers;
+        # attention_chunk: positions an attention block takes (default the longest that fits;
+        # the tests take short ones so that a few steps cross several spans)
         self.att_scratch = attention_scratch(
-            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, stream=self.stream
+            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, chunk=attention_chunk, stream=self.stream
         )
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
@@ -176,12 +183,13 @@ class GpuEngine:
             np.zeros(self.seq_len, np.float32), stream=self.stream
         )  # (seq_len,) uniform draws
         self._state_host = cuda.pinned_array(STATE_SIZE, np.int32)
-        self._graphs: dict[SamplingParams, GraphStep] = {}
+        self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
         self.stream.synchronize()
 
     # ---------------------------------------------------------------------------------------
-    def forward(self, sampling: SamplingParams) -> int:
-        """Enqueue one token step on self.stream; returns the bytes it moves."""
+    def forward(self, sampling: SamplingParams, span: int | None = None) -> int:
+        """Enqueue one token step on self.stream for positions below span (default: seq_len,
+        see pycalm.kernels.attention.attention_span); returns the bytes it moves."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
@@ -230,6 +238,7 @@ class GpuEngine:
                 cfg.sliding_window,
                 self.att_scratch,
                 stream=s,
+                span=span,
             )
             # x += Wo att
             n += matvec_residual(L.wo, self.att, self.x, dt, stream=s)
@@ -271,22 +280,30 @@ class GpuEngine:
         n += advance(self.state, self.feed, self.tokens, stream=s)
         return n
 
-    def graph(self, sampling: SamplingParams) -> GraphStep | EagerStep:
-        """The token step for these sampling settings: captured on first use, then replayed."""
+    def span(self, pos: int) -> int:
+        """The attention span of the step at pos: its grid holds the live chunks at most twice."""
+        return attention_span(pos, self.att_scratch.chunk, self.seq_len)
+
+    def graph(self, sampling: SamplingParams, pos: int = 0) -> GraphStep | EagerStep:
+        """The token step for these sampling settings at pos: one for each span (see span()),
+        captured on first use, then replayed. Capturing changes no state, except that a new
+        sampling setting's first step runs once eagerly at the span's last position."""
         key = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
-        g = self._graphs.get(key)
+        span = self.span(pos)
+        g = self._graphs.get((key, span))
         if g is None:
             if not self.use_graph:
-                g = EagerStep(lambda: self.forward(key))
+                g = EagerStep(lambda: self.forward(key, span))
             else:
-                # run once eagerly on a scratch position so every kernel is compiled and loaded
-                # (that writes one garbage KV row at the last position, which is rewritten
-                # before it is ever read); the state is reset by whoever replays the step
-                self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
-                self.bytes_per_step = self.forward(key)
-                self.stream.synchronize()
-                g = GraphStep(self.stream, lambda: self.forward(key), programmatic=self.programmatic)
-            self._graphs[key] = g
+                if not any(k == key for k, _ in self._graphs):
+                    # run once eagerly so every kernel is compiled and loaded; that writes one
+                    # garbage KV row at the span's last position, rewritten before it is ever
+                    # read, and moves the state, which whoever replays the step sets
+                    self._set_state(token=0, pos=span - 1, feed_end=0)
+                    self.bytes_per_step = self.forward(key, span)
+                    self.stream.synchronize()
+                g = GraphStep(self.stream, lambda: self.forward(key, span), programmatic=self.programmatic)
+            self._graphs[(key, span)] = g
         return g
 
     def _set_state(self, token: int, pos: int, feed_end: int) -> None:
@@ -299,7 +316,7 @@ class GpuEngine:
         """Logits (vocab_size,) float32 for `token` at `pos`, caching its keys and values."""
         if not 0 <= pos < self.seq_len:
             raise PycalmError(f"position {pos} is past the context length {self.seq_len}")
-        g = self.graph(SamplingParams())
+        g = self.graph(SamplingParams(), pos)
         self._set_state(token, pos, 0)
         g.launch()
         out = self.logits_buf.copy_to_host(stream=self.stream)
@@ -316,7 +333,9 @@ class GpuEngine:
             raise PycalmError(
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
-        g = self.graph(sampling)
+        last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
+        # every step this call runs, captured before the state is set
+        steps = [self.graph(sampling, p) for p in range(start_pos, last + 1)]
         feed = np.asarray(ids, np.int32)
         self.feed[start_pos:end].copy_to_device(feed, stream=self.stream)
         if sampling.temperature > 0:
@@ -326,11 +345,11 @@ class GpuEngine:
             coins[end - 1 :] = np.random.default_rng(sampling.seed).random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
         self._set_state(int(ids[0]), start_pos, end)
-        for _ in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
-            g.launch()
+        for i in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
+            steps[i].launch()
         eos = set(self.config.eos_ids)
-        for _ in range(min(max_new, self.seq_len - end + 1)):
-            g.launch()
+        for i in range(len(ids) - 1, len(ids) - 1 + min(max_new, self.seq_len - end + 1)):
+            steps[i].launch()  # position start_pos + i
             self.state.copy_to_host(self._state_host, stream=self.stream)
             self.stream.synchronize()
             token = int(self._state_host[0])

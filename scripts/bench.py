@@ -28,6 +28,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -229,27 +230,50 @@ def weight_bytes(cfg: ModelConfig) -> int:
     return int(matrices * per_weight + 4 * cfg.dim * (2 * cfg.n_layers + 1) + router)
 
 
-def time_replays(engine: GpuEngine, graph: GraphStep, pos0: int, n: int) -> float:
-    """Seconds per replay of `graph` over n steps starting at position pos0."""
+def time_replays(engine: GpuEngine, step: Callable[[int], GraphStep], pos0: int, n: int) -> float:
+    """Seconds per step over n steps starting at position pos0; step(pos) is the graph to
+    replay at pos (the engine's step for pos's attention span, or one graph throughout)."""
+    graphs = [step(p) for p in range(pos0, pos0 + n)]  # captured before the timing
     engine._set_state(token=1, pos=pos0, feed_end=0)
     s, e = cuda.event(timing=True), cuda.event(timing=True)
     s.record(engine.stream)
-    for _ in range(n):
-        graph.launch()
+    for g in graphs:
+        g.launch()
     e.record(engine.stream)
     e.synchronize()
     return cuda.event_elapsed_time(s, e) / 1e3 / n
 
 
-def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
-    """Graphs of one kernel role each (all layers), and the bytes each moves."""
-    from pycalm.kernels.attention import attention
+def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
+    """Graphs of one kernel role each (all layers) for steps at pos, and the bytes each moves."""
+    from pycalm.kernels.attention import attention, attention_bytes
     from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
     from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
     from pycalm.kernels.qkv import qkv_rope
 
     cfg, dt, kv, s = engine.config, engine.config.weight_dtype, engine.kv_dtype, engine.stream
     eps = cfg.norm_eps
+    live_chunks = -(-(pos + 1) // engine.att_scratch.chunk)
+
+    def attend(i: int, L: object) -> int:  # noqa: N803
+        attention(
+            engine.q,
+            engine.key_cache[i],
+            engine.value_cache[i],
+            engine.state,
+            engine.att,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            kv,
+            cfg.sliding_window,
+            engine.att_scratch,
+            stream=s,
+            span=engine.span(pos),
+        )
+        # the bytes at pos (attention returns the span's upper bound)
+        return attention_bytes(pos + 1, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, live_chunks)
+
     roles = {
         "qkv_rope": lambda i, L: qkv_rope(
             L.wqkv,
@@ -269,20 +293,7 @@ def kernel_roles(engine: GpuEngine) -> dict[str, tuple[object, int]]:
             cfg.head_dim,
             stream=s,
         ),
-        "attention": lambda i, L: attention(
-            engine.q,
-            engine.key_cache[i],
-            engine.value_cache[i],
-            engine.state,
-            engine.att,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            kv,
-            cfg.sliding_window,
-            engine.att_scratch,
-            stream=s,
-        ),
+        "attention": attend,
         "wo+res": lambda i, L: matvec_residual(L.wo, engine.att, engine.x, dt, stream=s),
         "ffn_gate": lambda i, L: ffn_gate(
             L.w1, L.w3, engine.x, engine.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps
@@ -321,26 +332,28 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool = False) -
     t0 = time.perf_counter()
     cfg = config_for(shape, dtype, 4096)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", programmatic=programmatic)
-    g = engine.graph(SamplingParams())
+    step = functools.partial(engine.graph, SamplingParams())  # pos -> the step's graph
+    step(0)
     setup_s = time.perf_counter() - t0
-    time_replays(engine, g, 0, 16)  # warm-up
-    t_first = time_replays(engine, g, 0, tokens)
-    t_last = time_replays(engine, g, 4000, 32)
+    time_replays(engine, step, 0, 16)  # warm-up
+    t_first = time_replays(engine, step, 0, tokens)
+    t_last = time_replays(engine, step, 4000, 32)
     t_plain = None
     if programmatic:  # the same step with plain edges, timed alongside
-        plain = GraphStep(engine.stream, functools.partial(engine.forward, SamplingParams()))
-        time_replays(engine, plain, 0, 16)
-        t_plain = time_replays(engine, plain, 0, tokens)
+        span = engine.span(tokens - 1)
+        plain = GraphStep(engine.stream, functools.partial(engine.forward, SamplingParams(), span))
+        time_replays(engine, lambda p: plain, 0, 16)
+        t_plain = time_replays(engine, lambda p: plain, 0, tokens)
     # bytes a token must read: every weight once (one embedding row) and the KV cache up to pos
     w = weight_bytes(cfg)
     kv_row = 2 * cfg.n_layers * cfg.kv_dim * (2 if engine.kv_dtype == "fp16" else 1)
     bytes_first = w + kv_row * (tokens + 1) / 2
     bytes_last = w + kv_row * 4016
     roles = {}
-    for name, (graph, nbytes) in kernel_roles(engine).items():
+    for name, (graph, nbytes) in kernel_roles(engine, 128).items():
         engine._set_state(token=1, pos=128, feed_end=0)
         graph.launch()
-        t = time_replays(engine, graph, 128, 20)
+        t = time_replays(engine, lambda p, g=graph: g, 128, 20)
         roles[name] = (t, nbytes / t / 1e9 if t > 0 else float("nan"))
     res = dict(
         shape=shape,

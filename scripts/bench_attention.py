@@ -11,6 +11,7 @@ measured in the same run (bytes read + written). Caches hold random finite fp16 
 patterns made on the GPU. N_POS includes 64 (a short context: most tokens of a short chat) and
 the chunk length + 1 (the shortest context that goes through the last-block combine). With --check, every variant's output for layer 0 is compared with
 attention_ref on the host-decoded cache (max abs error over max |ref|; float32 order only).
+Each n_pos is timed with the engine's grid (attention_span) and with a grid over the whole cache.
 
 Variants (--variants) set attention.py's tuning knobs (THREADS a block; MAX_CHUNK and REG_WORDS:
 the positions a block takes; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample
@@ -104,6 +105,7 @@ def main():
                 part = att.attention_scratch(n_heads, head_dim, kv_dtype, SEQ_LEN, stream=stream)
                 for n_pos in (*N_POS, part.chunk + 1):
                     state = cuda.to_device(np.array([0, n_pos - 1, 0, 0], np.int32))
+                    span = att.attention_span(n_pos - 1, part.chunk, SEQ_LEN)  # the engine's grid
                     err = float("nan")
                     if ref_kv is not None:
                         out.copy_to_device(np.full(n_heads * head_dim, np.nan, np.float32))
@@ -119,6 +121,7 @@ def main():
                             0,
                             part,
                             stream=stream,
+                            span=span,
                         )
                         stream.synchronize()
                         want = att.attention_ref(q_host, *ref_kv, n_pos, n_heads, n_kv_heads, head_dim)
@@ -133,11 +136,22 @@ def main():
                         part,
                         stream,
                     )
-                    record = functools.partial(_attention_layers, *launch_args)
-                    t = timed(stream, record) / LAYERS
+                    t = timed(stream, functools.partial(_attention_layers, *launch_args, span)) / LAYERS
+                    t_whole = timed(stream, functools.partial(_attention_layers, *launch_args, None)) / LAYERS
                     gbs = n_pos * kv_dim * 2 * elt / t / 1e9
                     rows.append(
-                        (name, kv_dtype, vname, n_pos, t * 1e6, gbs, 100 * gbs / ceiling, err, part.chunk)
+                        (
+                            name,
+                            kv_dtype,
+                            vname,
+                            n_pos,
+                            t * 1e6,
+                            gbs,
+                            100 * gbs / ceiling,
+                            err,
+                            part.chunk,
+                            t_whole * 1e6,
+                        )
                     )
                     if args.diag and vname == names[0]:
                         for what in ("noop",):
@@ -149,7 +163,7 @@ def main():
                             )
                     print(
                         f"{name:11s} {kv_dtype:5s} {vname:9s} {n_pos:6d} {t * 1e6:8.2f} us {gbs:8,.0f} GB/s "
-                        f"err {err:.1e} chunk {part.chunk}",
+                        f"err {err:.1e} chunk {part.chunk}; whole-cache grid {t_whole * 1e6:.2f} us",
                         flush=True,
                     )
             del caches
@@ -180,11 +194,11 @@ def main():
     print(f"copy ceiling {ceiling:,.0f} GB/s")
     print(
         f"{'model':11s} {'kv':5s} {'variant':9s} {'n_pos':>6s} {'us/layer':>9s} {'KV GB/s':>8s} {'% ceil':>7s} "
-        f"{'err':>8s} {'chunk':>6s}"
+        f"{'err':>8s} {'chunk':>6s} {'whole-cache grid us':>20s}"
     )
     for r in rows:
         print(
-            f"{r[0]:11s} {r[1]:5s} {r[2]:9s} {r[3]:6d} {r[4]:9.2f} {r[5]:8,.0f} {r[6]:6.1f}% {r[7]:8.1e} {r[8]:6d}"
+            f"{r[0]:11s} {r[1]:5s} {r[2]:9s} {r[3]:6d} {r[4]:9.2f} {r[5]:8,.0f} {r[6]:6.1f}% {r[7]:8.1e} {r[8]:6d} {r[9]:20.2f}"
         )
     for line in other:
         print(line)
@@ -205,10 +219,11 @@ def _one_kernel(what, caches, q, state, out, shape, kv_dtype, part, stream):
         noop_kernel[(n_heads, part.part.shape[1]), att.THREADS, stream](*args)
 
 
-def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream):
-    """The launches of one graph: attention over every layer's cache."""
+def _attention_layers(caches, q, state, out, shape, kv_dtype, part, stream, span):
+    """The launches of one graph: attention over every layer's cache, the grid over span
+    positions (None: the whole cache, SEQ_LEN)."""
     for k, v in caches:
-        att.attention(q, k, v, state, out, *shape, kv_dtype, 0, part, stream=stream)
+        att.attention(q, k, v, state, out, *shape, kv_dtype, 0, part, stream=stream, span=span)
 
 
 if __name__ == "__main__":

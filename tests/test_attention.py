@@ -3,7 +3,8 @@
 Shapes stay small for the simulator (chunks of CHUNK = 16 positions, on the GPU too) but cover: odd
 n_pos (chunks that end mid-team), one live chunk (no partials) and several (the last-block
 combine, run twice on one scratch so a counter left non-zero would show), blocks that exit
-early, a sliding window, both KV dtypes, GQA groups 1, 3, 7.
+early, a grid over a span shorter than the cache, rows past pos that hold NaN, a sliding
+window, both KV dtypes, GQA groups 1, 3, 7.
 Tolerance: float32 dots of head_dim terms and sums of up to n_pos terms in a different order
 than NumPy's: 2e-5 absolute on outputs of size ~1 (values are convex mixes of V rows in [-1, 1]).
 """
@@ -19,12 +20,13 @@ from pycalm.kernels.attention import (
     attention_chunk_len,
     attention_ref,
     attention_scratch,
+    attention_span,
 )
 
 CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
 
 
-def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, chunk=CHUNK):
+def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, chunk=CHUNK, span=None):
     rng = np.random.default_rng(seed)
     kv_dim = n_kv_heads * head_dim
     q = rng.standard_normal(n_heads * head_dim).astype(np.float32)
@@ -33,6 +35,10 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, 
     # a few large scores so the softmax is not flat and the per-chunk maxima differ
     k[rng.integers(0, n_pos, 3)] *= 4
     kq, vq = formats.encode(k, kv_dtype), formats.encode(v, kv_dtype)
+    # rows past pos hold all-ones bits (NaN as fp16 / e5m2; stale rows of an earlier context),
+    # which must not reach the output
+    kq.view(np.uint8)[n_pos:] = 0xFF
+    vq.view(np.uint8)[n_pos:] = 0xFF
     want = attention_ref(
         q,
         formats.decode(kq, kv_dtype),
@@ -51,7 +57,7 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, 
     for _ in range(2):  # the second launch finds the counters the first one left
         d_out = cuda.to_device(np.full(n_heads * head_dim, np.nan, np.float32))
         nbytes = attention(
-            *args, d_out, n_heads, n_kv_heads, head_dim, kv_dtype, window, scratch, stream=stream
+            *args, d_out, n_heads, n_kv_heads, head_dim, kv_dtype, window, scratch, stream=stream, span=span
         )
         stream.synchronize()
         assert nbytes > 0
@@ -72,6 +78,37 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, 
 )
 def test_attention_matches_ref(n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, window):
     _run(n_heads, n_kv_heads, head_dim, 64, n_pos, kv_dtype, window, seed=n_pos)
+
+
+@pytest.mark.parametrize("n_pos,span", [(37, 48), (37, 37), (16, 16), (50, 64)])
+def test_attention_over_a_span(n_pos, span):
+    # a grid of ceil(span / 16) chunks a head on a cache of 64 positions: 3 chunks with 3 live,
+    # 1 partial chunk of 5, one chunk, the whole cache
+    _run(3, 1, 32, 64, n_pos, "fp8", 0, seed=n_pos + span, span=span)
+
+
+def test_attention_span_covers_the_position():
+    # chunk times the smallest power of two past pos, at most seq_len
+    assert [attention_span(p, 16, 100) for p in (0, 15, 16, 31, 32, 63, 64, 99)] == [
+        16,
+        16,
+        32,
+        32,
+        64,
+        64,
+        100,
+        100,
+    ]
+    assert attention_span(0, 256, 100) == 100
+    want = [256, 256, 512, 512, 1024, 4096]
+    assert [attention_span(p, 256, 4096) for p in (0, 255, 256, 511, 512, 4095)] == want
+    for seq_len in (1, 7, 300, 4096):
+        for pos in range(seq_len):
+            span = attention_span(pos, 16, seq_len)
+            assert pos < span <= min(seq_len, max(16, 2 * (pos + 1)))
+            assert span == seq_len or span & (span - 1) == 0
+    with pytest.raises(PycalmError, match="position 100"):
+        attention_span(100, 16, 100)
 
 
 def test_default_chunk_is_one_block_per_head_at_short_context():
@@ -102,3 +139,7 @@ def test_bad_arguments_are_named():
         attention(q, cache, cache, state, q, 4, 2, 32, "bf16", 0, scratch, stream=stream)
     with pytest.raises(PycalmError, match="power of two"):
         attention_scratch(4, 32, "fp16", 16, chunk=24)
+    scratch = attention_scratch(4, 32, "fp16", 64, chunk=CHUNK, stream=stream)
+    for span in (0, 65):
+        with pytest.raises(PycalmError, match="span"):
+            attention(q, cache, cache, state, q, 4, 2, 32, "fp16", 0, scratch, stream=stream, span=span)

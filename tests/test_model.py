@@ -52,13 +52,16 @@ def test_gpu_engine_matches_reference(tmp_path, arch, dtype, kv):
         scale = np.abs(want).max()
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * scale)
 
-    # greedy generation from a fresh cache: the prompt fed by graph replays, tokens sampled on the device
+    # greedy generation from a fresh cache: the prompt fed by graph replays, tokens sampled on the
+    # device; attention chunks of 2 positions, so that the steps at positions 0, 1 (one live
+    # chunk) and 2 (two, the combine) are the steps of two attention spans, 2 and 4
     cpu = CpuEngine(model, seq_len=12, kv_dtype=kv)
-    gpu = GpuEngine(model, seq_len=12, kv_dtype=kv)
+    gpu = GpuEngine(model, seq_len=12, kv_dtype=kv, attention_chunk=2)
     greedy = SamplingParams(temperature=0.0)
     want = list(cpu.generate(PROMPT, 0, 2, greedy))
     got = list(gpu.generate(PROMPT, 0, 2, greedy))
-    assert got == want and len(got) >= 1
+    assert sorted(span for _, span in gpu._graphs) == [2, 4]
+    assert got == want and len(got) == 2  # no end-of-sequence token: the step at 2 ran
 
 
 @pytest.mark.skipif(

@@ -7,8 +7,9 @@ The caches hold (seq_len, n_kv_heads * head_dim) per layer, fp16 or fp8 e5m2.
 
 GPU: one kernel, grid (n_heads, n_chunks), THREADS threads a block. Block (h, c) takes query head
 h and the c-th chunk of CHUNK positions (a power of two, sized so that a thread's share of the
-chunk's K and V rows fits in REG_WORDS int64 registers each); blocks past the live chunks exit
-at once (the grid is captured once, so it cannot depend on pos). A block:
+chunk's K and V rows fits in REG_WORDS int64 registers each). A captured grid cannot depend on
+pos, so n_chunks covers a span of positions (attention_span: the engine captures a step for
+each power-of-two multiple of CHUNK) and blocks past the live chunks exit at once. A block:
 
 1. issues ALL its K and V loads first, before any arithmetic: one DRAM round trip for the chunk.
    K: teams of TL lanes, one position a team, each lane KW interleaved int64 words of the row
@@ -411,12 +412,17 @@ def attention(
     scratch: AttentionScratch,
     *,
     stream: object,
+    span: int | None = None,
 ) -> int:
     """out (n_heads*head_dim,) f32 = attention of q over positions [start, state[STATE_POS]].
 
     k_cache / v_cache: this layer's (seq_len, n_kv_heads*head_dim) float16 or uint8 (e5m2);
     scratch: from attention_scratch(n_heads, head_dim, kv_dtype, >= seq_len).
-    Returns the bytes moved at the longest context the cache holds (the real figure depends on
+    span: the grid covers positions 0..span-1 (ceil(span / chunk) blocks a head; default the
+    whole cache): the launch is right only while state[STATE_POS] < span. A graph captured at
+    seq_len 4096 would otherwise launch 16 blocks a head where a short context has one live
+    (attention_span: the spans an engine captures).
+    Returns the bytes moved at the longest context the span holds (the real figure depends on
     pos, which lives on the device); bench_attention computes it per n_pos.
     """
     if kv_dtype not in KV_DTYPES:
@@ -432,11 +438,27 @@ def attention(
         raise PycalmError(
             f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
         )
+    span = seq_len if span is None else span
+    if not 0 < span <= seq_len:
+        raise PycalmError(f"attention span {span} is outside the cache's 1..{seq_len} positions")
+    grid_chunks = -(-span // scratch.chunk)
     kern = attention_kernel(head_dim, n_heads // n_kv_heads, kv_dtype, scratch.chunk, THREADS)
     k64 = k_cache.view(np.int64)
     v64 = v_cache.view(np.int64)
-    kern[(n_heads, n_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, int32(window))
-    return attention_bytes(seq_len, n_heads, n_kv_heads, head_dim, kv_dtype, n_chunks)
+    kern[(n_heads, grid_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, int32(window))
+    return attention_bytes(span, n_heads, n_kv_heads, head_dim, kv_dtype, grid_chunks)
+
+
+def attention_span(pos: int, chunk: int, seq_len: int) -> int:
+    """The span (see attention) of a step at pos: chunk times the smallest power of two that
+    covers pos + 1, at most seq_len. An engine captures one step a span: at most
+    log2(seq_len / chunk) + 1 of them, and a grid at most twice the live chunks."""
+    if not 0 <= pos < seq_len:
+        raise PycalmError(f"position {pos} is outside the context of {seq_len} positions")
+    span = chunk
+    while span <= pos:
+        span *= 2
+    return min(span, seq_len)
 
 
 def attention_bytes(
