@@ -80,3 +80,15 @@ def test_sample_orders_equal_logits_by_id():
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, coin=float(coin))
         assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * 10)]
+
+
+def test_sample_block_size_is_checked():
+    # one histogram a warp in shared memory: at most SAMPLE_THREADS threads, whole warps
+    from pycalm.errors import PycalmError
+    from pycalm.kernels.sample import SAMPLE_THREADS
+
+    d = cuda.to_device(np.zeros(64, np.float32))
+    state = cuda.to_device(np.zeros(4, np.int32))
+    for threads in (SAMPLE_THREADS + 32, 48, 0):
+        with pytest.raises(PycalmError, match="threads"):
+            sample(d, state, d, 1.0, 0, 1.0, 0.0, stream=cuda.stream(), threads=threads)
