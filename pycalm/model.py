@@ -1,4 +1,4 @@
-"""The GPU engine: weights and buffers on the device, and the token step as one CUDA graph.
+"""The GPU engine: weights and buffers on the device, and the token step as CUDA graphs.
 
 forward() below is the whole token step, one kernel launch per line in data-flow order, like
 llama2.c's forward(). It is run once eagerly (which compiles every kernel), then captured into
@@ -101,7 +101,6 @@ class GpuEngine:
         # graph edges as programmatic dependencies (pycalm.graph; Hopper and up): off by default,
         # measured slower on TinyLlama fp8 / gf4 (pycalm.kernels.common.dependent_start)
         self.programmatic = programmatic
-        self.bytes_per_step = 0  # filled in by forward(): weights + activations + KV touched
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
         # offers device_tensor(name); a model file is uploaded tensor by tensor
@@ -300,7 +299,7 @@ class GpuEngine:
                     # garbage KV row at the span's last position, rewritten before it is ever
                     # read, and moves the state, which whoever replays the step sets
                     self._set_state(token=0, pos=span - 1, feed_end=0)
-                    self.bytes_per_step = self.forward(key, span)
+                    self.forward(key, span)
                     self.stream.synchronize()
                 g = GraphStep(self.stream, lambda: self.forward(key, span), programmatic=self.programmatic)
             self._graphs[(key, span)] = g
