@@ -3,7 +3,9 @@
 Random logits have no ties, and the coins are random: a coin that lands within float32 rounding
 (~1e-6 of the kept mass) of a boundary between two tokens could legitimately differ from the
 float64 spec, which these small vocabularies make improbable (~1e-4 per draw in total).
-The kernels run with 64 threads here (the simulator runs a Python thread per thread).
+The kernels run with 64 threads here (the simulator runs a Python thread per thread). The coin
+walk sorts the kept tokens when they are at most KEPT (32 under the simulator: top-k 20 and
+min-p here; top-k 40 and the whole vocabulary take the radix passes).
 """
 
 import numpy as np
@@ -80,6 +82,24 @@ def test_sample_orders_equal_logits_by_id():
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, coin=float(coin))
         assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * 10)]
+
+
+@pytest.mark.parametrize("top_k", [5, 12])
+def test_sample_kept_ties_walk_in_id_order(top_k):
+    # ten equal top logits and a top-k cut: the kept tokens (the five lowest ids of the ten, or
+    # all ten and two of the next logit) are few, so the walk sorts them (ties by id)
+    logits = np.full(300, -5.0, np.float32)
+    ids = np.array([250, 3, 77, 120, 9, 199, 44, 160, 281, 60])
+    logits[ids] = 20.0
+    logits[[5, 290, 100]] = 19.5
+    coins = np.array([0.0, 0.05, 0.35, 0.5, 0.95, 0.999], np.float32)
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for step, coin in enumerate(coins):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+        sample(d_logits, state, d_coins, 1.0, top_k, 1.0, 0.0, stream=stream, threads=THREADS)
+        stream.synchronize()
+        assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, top_k, coin=float(coin)), coin
 
 
 def test_sample_block_size_is_checked():

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32
+from numba import config as _numba_config
+from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
@@ -64,6 +65,9 @@ THREADS = 1024  # the one-block argmax
 SAMPLE_THREADS = 512  # the sample kernel needs ~86 registers a thread: 1024 would not launch
 BINS = 256
 HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (summed into the first)
+# the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
+# passes (_walk_kept); fewer under the simulator, so that the tests cover both ways
+KEPT = 32 if _numba_config.ENABLE_CUDASIM else 512
 BATCH = 8  # logits a thread loads at once in the sample kernel's passes (one L2 round trip)
 MODE_COUNT = 0  # first element where the running count >= n
 MODE_MASS_GE = 1  # first element where the running mass >= target (top-p)
@@ -288,6 +292,81 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # n
     return cnt_above + j, idx, mass_above + float32(j + 1) * pk
 
 
+@cuda.jit(device=True, inline=True)
+def _walk_kept(logits, m, inv_t, coin, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The coin walk over the kept tokens, when they are few: the
+    first cut of the walk order, whose last is token `last` (at most KEPT of them). One pass
+    gathers them (key above last's, or equal and an id up to last) into hmass / hcnt [0, K),
+    each finds its rank in the walk order by comparing with all the others (K^2 shared loads,
+    broadcast) and puts its p there in hmass / hcnt [KEPT, KEPT + K); warp 0 adds the p's in
+    rank order and finds the first running sum above coin times their total. -> the token id."""
+    n = logits.shape[0]
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    kl = uint32(_ukey(logits[last]))
+    if tid == 0:
+        best[0] = int32(0)
+    cuda.syncthreads()  # the slot counter is zero before anyone takes a slot
+    xs = cuda.local.array(BATCH, float32)
+    for i0 in range(tid, n, nt * BATCH):
+        _batch(logits, i0, nt, xs)
+        for u in range(BATCH):
+            i = i0 + u * nt
+            k = uint32(_ukey(xs[u]))
+            if i < n and (k > kl or (k == kl and i <= last)):
+                slot = cuda.atomic.add(best, 0, int32(1))
+                if slot < KEPT:
+                    hmass[slot] = xs[u]
+                    hcnt[slot] = int32(i)
+    cuda.syncthreads()  # every kept token is in its slot
+    nk = min(best[0], int32(KEPT))
+    cuda.syncthreads()  # everyone has read the count before best is reused
+    for e in range(tid, nk, nt):
+        xe = hmass[e]
+        ke = uint32(_ukey(xe))
+        ie = hcnt[e]
+        r = int32(0)
+        for f in range(nk):  # every thread reads the same f: shared-memory broadcast
+            kf = uint32(_ukey(hmass[f]))
+            if kf > ke or (kf == ke and hcnt[f] < ie):
+                r += int32(1)
+        hmass[KEPT + r] = math.exp((xe - m) * inv_t)
+        hcnt[KEPT + r] = ie
+    if tid == 0:
+        best[0] = nk - int32(1)  # the spec's last kept token, if rounding carries the walk past it
+    cuda.syncthreads()  # the kept tokens are in walk order
+    if tid < 32:  # warp 0: lane l adds ranks [lo, hi) in order, then a prefix sum over the lanes
+        per = (nk + int32(31)) // int32(32)
+        lo = min(tid * per, nk)
+        hi = min(lo + per, nk)
+        own = float32(0.0)
+        for r in range(lo, hi):
+            own += hmass[KEPT + r]
+        inc = own
+        off = 1
+        while off < 32:
+            v = cuda.shfl_up_sync(0xFFFFFFFF, inc, off)
+            if tid >= off:
+                inc += v
+            off *= 2
+        target = coin * cuda.shfl_sync(0xFFFFFFFF, inc, 31)
+        ex = cuda.shfl_up_sync(0xFFFFFFFF, inc, 1)
+        if tid == 0:
+            ex = float32(0.0)
+        if ex <= target:  # the crossing may lie in this lane's ranks
+            pick = hi - int32(1) if inc > target else int32(-1)
+            run = ex
+            for r in range(lo, hi):
+                run += hmass[KEPT + r]
+                if run > target:
+                    pick = int32(r)
+                    break
+            if pick >= int32(0):
+                cuda.atomic.min(best, 0, pick)  # the first crossing, whatever the rounding
+    cuda.syncthreads()  # best holds the rank
+    return hcnt[KEPT + best[0]]
+
+
 @cuda.jit
 def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
     """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
@@ -351,7 +430,13 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
             mode = MODE_MASS_GT
             tn = int32(0)
             tm = coin * mass
-        r, idx, mp = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best)
+        if stage == int32(2) and cut <= int32(KEPT) and cut < int32(n):
+            # a few kept tokens: sort them instead of four radix passes over the vocabulary
+            idx = _walk_kept(logits, m, inv_t, coin, last, hcnt, hmass, best)
+            r = int32(0)
+            mp = mass
+        else:
+            r, idx, mp = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best)
         if stage == int32(0):
             cut = n0
             mass = mp
