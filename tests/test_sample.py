@@ -4,8 +4,9 @@ Random logits have no ties, and the coins are random: a coin that lands within f
 (~1e-6 of the kept mass) of a boundary between two tokens could legitimately differ from the
 float64 spec, which these small vocabularies make improbable (~1e-4 per draw in total).
 The kernels run with 64 threads here (the simulator runs a Python thread per thread). The coin
-walk sorts the kept tokens when they are at most KEPT (32 under the simulator: top-k 20 and
-min-p here; top-k 40 and the whole vocabulary take the radix passes).
+walk (and a top-p cut after a top-k / min-p cut) sorts the kept tokens when they are at most
+KEPT (32 under the simulator: top-k 20 and min-p here; top-k 40 and the whole vocabulary take
+the radix passes).
 """
 
 import numpy as np
@@ -46,6 +47,7 @@ def test_argmax_lowest_id_on_ties(blocks):
         (1.3, 0, 0.9, 0.0, 301),  # top-p
         (1.0, 0, 1.0, 0.05, 301),  # min-p
         (0.8, 40, 0.95, 0.02, 301),  # all three
+        (0.9, 20, 0.8, 0.0, 301),  # top-p within a few kept tokens (the sorted walk's own cut)
         (0.8, 40, 0.95, 0.02, 1237),  # a thread's loads come in several batches, the last partial
     ],
 )

@@ -30,6 +30,11 @@ in L2 between passes; 1024 threads need more registers than an SM has for one bl
     (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
     the walk (a mass select): 7 to 17 passes over the logits. The three selects share one
     call site in a loop over stages (the select is compiled once: half the PTX).
+  * Once a cut leaves at most KEPT tokens (top-k, min-p or top-p keep a few dozen of a real
+    model's vocabulary), one more pass gathers them into shared memory, each finds its rank by
+    comparing with the others, and warp 0 finds the top-p cut (if not yet made) and the coin's
+    crossing in walk order, with float32 sums in walk order as the spec's (_walk_kept): the
+    remaining selects' radix passes are skipped.
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
     loads its logits BATCH at a time (_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
@@ -293,13 +298,66 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # n
 
 
 @cuda.jit(device=True, inline=True)
-def _walk_kept(logits, m, inv_t, coin, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
-    """All threads of the block. The coin walk over the kept tokens, when they are few: the
-    first cut of the walk order, whose last is token `last` (at most KEPT of them). One pass
-    gathers them (key above last's, or equal and an id up to last) into hmass / hcnt [0, K),
-    each finds its rank in the walk order by comparing with all the others (K^2 shared loads,
-    broadcast) and puts its p there in hmass / hcnt [KEPT, KEPT + K); warp 0 adds the p's in
-    rank order and finds the first running sum above coin times their total. -> the token id."""
+def _warp_first(p, k, target, ge):  # noqa: ANN001, ANN202
+    """Warp 0 (all 32 lanes). The first rank r < k where the running sum of p[0..r] reaches
+    target (ge) or exceeds it (not ge); k - 1 if none does (float rounding at the very end).
+    Lane l adds ranks [lo, hi) in order, a shuffle prefix sum gives each lane its start, the
+    lanes that may hold the crossing walk their ranks, and the lowest rank found wins."""
+    lane = cuda.threadIdx.x
+    per = (k + int32(31)) // int32(32)
+    lo = min(lane * per, k)
+    hi = min(lo + per, k)
+    own = float32(0.0)
+    for r in range(lo, hi):
+        own += p[r]
+    inc = own
+    off = 1
+    while off < 32:
+        v = cuda.shfl_up_sync(0xFFFFFFFF, inc, off)
+        if lane >= off:
+            inc += v
+        off *= 2
+    ex = cuda.shfl_up_sync(0xFFFFFFFF, inc, 1)
+    if lane == 0:
+        ex = float32(0.0)
+    pick = k
+    if not (ex >= target if ge else ex > target):
+        if inc >= target if ge else inc > target:
+            pick = hi - int32(1)  # the prefix sum says so, whatever the lane's own rounding
+        run = ex
+        for r in range(lo, hi):
+            run += p[r]
+            if run >= target if ge else run > target:
+                pick = int32(r)
+                break
+    off = 16
+    while off > 0:  # the lowest pick of the warp
+        pick = min(pick, cuda.shfl_xor_sync(0xFFFFFFFF, pick, off))
+        off //= 2
+    return min(pick, k - int32(1))
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_total(p, k):  # noqa: ANN001, ANN202
+    """Warp 0 (all 32 lanes): p[0] + .. + p[k - 1], in every lane."""
+    s = float32(0.0)
+    for r in range(cuda.threadIdx.x, k, 32):
+        s += p[r]
+    off = 16
+    while off > 0:
+        s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
+        off //= 2
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def _walk_kept(logits, m, inv_t, coin, top_p, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The top-p cut (top_p < 1) and the coin walk over the kept
+    tokens, when they are few: the first cut of the walk order, whose last is token `last` (at
+    most KEPT of them). One pass gathers them (key above last's, or equal and an id up to last)
+    into hmass / hcnt [0, K); each finds its rank in the walk order by comparing with all the
+    others (K^2 shared loads, broadcast) and puts its p there in hmass / hcnt [KEPT, KEPT + K);
+    warp 0 finds the top-p cut and the coin's crossing in rank order. -> the token id."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -332,37 +390,15 @@ def _walk_kept(logits, m, inv_t, coin, last, hcnt, hmass, best):  # noqa: ANN001
                 r += int32(1)
         hmass[KEPT + r] = math.exp((xe - m) * inv_t)
         hcnt[KEPT + r] = ie
-    if tid == 0:
-        best[0] = nk - int32(1)  # the spec's last kept token, if rounding carries the walk past it
     cuda.syncthreads()  # the kept tokens are in walk order
-    if tid < 32:  # warp 0: lane l adds ranks [lo, hi) in order, then a prefix sum over the lanes
-        per = (nk + int32(31)) // int32(32)
-        lo = min(tid * per, nk)
-        hi = min(lo + per, nk)
-        own = float32(0.0)
-        for r in range(lo, hi):
-            own += hmass[KEPT + r]
-        inc = own
-        off = 1
-        while off < 32:
-            v = cuda.shfl_up_sync(0xFFFFFFFF, inc, off)
-            if tid >= off:
-                inc += v
-            off *= 2
-        target = coin * cuda.shfl_sync(0xFFFFFFFF, inc, 31)
-        ex = cuda.shfl_up_sync(0xFFFFFFFF, inc, 1)
+    if tid < 32:
+        p = hmass[KEPT:]
+        keep = nk
+        if top_p < float32(1.0):  # the first prefix whose share reaches top_p
+            keep = _warp_first(p, nk, top_p * _warp_total(p, nk), True) + int32(1)
+        r = _warp_first(p, keep, coin * _warp_total(p, keep), False)
         if tid == 0:
-            ex = float32(0.0)
-        if ex <= target:  # the crossing may lie in this lane's ranks
-            pick = hi - int32(1) if inc > target else int32(-1)
-            run = ex
-            for r in range(lo, hi):
-                run += hmass[KEPT + r]
-                if run > target:
-                    pick = int32(r)
-                    break
-            if pick >= int32(0):
-                cuda.atomic.min(best, 0, pick)  # the first crossing, whatever the rounding
+            best[0] = r
     cuda.syncthreads()  # best holds the rank
     return hcnt[KEPT + best[0]]
 
@@ -414,10 +450,15 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
     # only when top_p < 1), the coin walk (stage 2). One call site in a loop whose trip count
     # is known only at run time, so the (large) select is compiled once, not three times.
     # Every thread computes the same stage sequence, so the select's barriers stay uniform.
+    # Once a cut leaves at most KEPT tokens, _walk_kept sorts them and does the rest.
     stage = int32(0) if n0 < cut else int32(1)
+    small_top_p = float32(1.0)  # the top-p cut, when the kept-token walk takes it
     while stage < int32(3):
         if stage == int32(1) and top_p >= float32(1.0):
             stage = int32(2)
+        if stage == int32(1) and cut <= int32(KEPT) and cut < int32(n):
+            stage = int32(2)  # few tokens after the top-k / min-p cut: the walk below cuts too
+            small_top_p = top_p
         if stage == int32(0):
             mode = MODE_COUNT
             tn = n0
@@ -432,7 +473,7 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
             tm = coin * mass
         if stage == int32(2) and cut <= int32(KEPT) and cut < int32(n):
             # a few kept tokens: sort them instead of four radix passes over the vocabulary
-            idx = _walk_kept(logits, m, inv_t, coin, last, hcnt, hmass, best)
+            idx = _walk_kept(logits, m, inv_t, coin, small_top_p, last, hcnt, hmass, best)
             r = int32(0)
             mp = mass
         else:
