@@ -6,7 +6,8 @@ float64 spec, which these small vocabularies make improbable (~1e-4 per draw in 
 The kernels run with 64 threads here (the simulator runs a Python thread per thread). The coin
 walk (and a top-p cut after a top-k / min-p cut) sorts the kept tokens when they are at most
 KEPT (32 under the simulator: top-k 20 and min-p here; top-k 40 and the whole vocabulary take
-the radix passes).
+the radix passes), and a top-p select alone stops once a pass leaves at most KEPT candidates
+(the peaked distributions).
 """
 
 import numpy as np
@@ -102,6 +103,25 @@ def test_sample_kept_ties_walk_in_id_order(top_k):
         sample(d_logits, state, d_coins, 1.0, top_k, 1.0, 0.0, stream=stream, threads=THREADS)
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, top_k, coin=float(coin)), coin
+
+
+@pytest.mark.parametrize("temperature,top_p,tie", [(1.0, 0.9, False), (0.7, 0.6, False), (1.0, 0.5, True)])
+def test_sample_top_p_alone_over_a_peaked_distribution(temperature, top_p, tie):
+    # a few logits far above the rest (as a language model's): the top-p select stops once a
+    # pass leaves at most KEPT candidates and sorts them; with `tie` ten of them are equal
+    rng = np.random.default_rng(int(100 * top_p))
+    logits = rng.standard_normal(1237).astype(np.float32)
+    top = rng.choice(1237, 10, replace=False)
+    logits[top] = 20.0 if tie else (20.0 + rng.random(10)).astype(np.float32)
+    coins = np.array([0.0, 0.1, 0.45, 0.7, 0.93, 0.999], np.float32)
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for step, coin in enumerate(coins):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+        sample(d_logits, state, d_coins, temperature, 0, top_p, 0.0, stream=stream, threads=THREADS)
+        stream.synchronize()
+        want = sample_ref(logits, temperature, 0, top_p, 0.0, float(coin))
+        assert int(state.copy_to_host()[0]) == want, coin
 
 
 def test_sample_block_size_is_checked():

@@ -34,7 +34,10 @@ in L2 between passes; 1024 threads need more registers than an SM has for one bl
     model's vocabulary), one more pass gathers them into shared memory, each finds its rank by
     comparing with the others, and warp 0 finds the top-p cut (if not yet made) and the coin's
     crossing in walk order, with float32 sums in walk order as the spec's (_walk_kept): the
-    remaining selects' radix passes are skipped.
+    remaining selects' radix passes are skipped. A top-p select with nothing cut before it
+    (the CLI's default) stops as soon as a pass leaves at most KEPT candidates (the elements
+    before its crossing bin and in it) and hands them to the same sorted walk, its top-p share
+    taken of the whole vocabulary's mass (not yet timed on the GPU).
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
     loads its logits BATCH at a time (_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
@@ -196,10 +199,12 @@ def _merge(hcnt, hmass):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # noqa: ANN001, ANN202
+def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few):  # noqa: ANN001, ANN202
     """All threads of the block. The element of the walk order where the running count reaches
     tn (MODE_COUNT) or the running mass reaches / exceeds tm -> (its rank, its token id, the
-    running mass through it)."""
+    running mass through it, 0). Or, as soon as a pass leaves at most `few` candidates (the
+    elements before the crossing bin and in it: a prefix of the walk order, every key at least
+    the bin's lowest), -> (their count, -1, 0, that lowest key) for the caller to sort them."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -252,6 +257,8 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # n
         cnt_above += sel[1]
         mass_above += self_[0]
         ties = sel[2]
+        if cnt_above + ties <= few and prefix != int32(0):
+            return cnt_above + ties, int32(-1), float32(0.0), prefix  # block-uniform (sel)
     # equal keys are equal logits: the crossing is at the j-th of them in id order
     pk = math.exp((_key_value(prefix) - m) * inv_t)
     if mode == MODE_COUNT:
@@ -294,7 +301,7 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best):  # n
             ihi = int32(ihi | (int32(255) << shift))
             below += sel[1]
     cuda.syncthreads()  # everyone has read sel / best before a later select rewrites them
-    return cnt_above + j, idx, mass_above + float32(j + 1) * pk
+    return cnt_above + j, idx, mass_above + float32(j + 1) * pk, int32(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -351,17 +358,19 @@ def _warp_total(p, k):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _walk_kept(logits, m, inv_t, coin, top_p, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
-    """All threads of the block. The top-p cut (top_p < 1) and the coin walk over the kept
-    tokens, when they are few: the first cut of the walk order, whose last is token `last` (at
-    most KEPT of them). One pass gathers them (key above last's, or equal and an id up to last)
-    into hmass / hcnt [0, K); each finds its rank in the walk order by comparing with all the
-    others (K^2 shared loads, broadcast) and puts its p there in hmass / hcnt [KEPT, KEPT + K);
-    warp 0 finds the top-p cut and the coin's crossing in rank order. -> the token id."""
+def _walk_kept(logits, m, inv_t, coin, top_p, denom, kl, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The top-p cut (top_p < 1) and the coin walk over a few
+    candidates (at most KEPT): a prefix of the walk order, every token whose key (unsigned) is
+    above kl, or equal to it with an id up to `last`. Either the kept tokens themselves (kl:
+    the last kept token's key, last: its id; denom 0: the top-p share is of their own total) or
+    a top-p select's candidates (kl: one below their lowest key, last -1; denom: the total mass
+    the share is of). One pass gathers them into hmass / hcnt [0, K); each finds its rank in the
+    walk order by comparing with all the others (K^2 shared loads, broadcast) and puts its p
+    there in hmass / hcnt [KEPT, KEPT + K); warp 0 finds the top-p cut and the coin's crossing
+    in rank order. -> the token id."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    kl = uint32(_ukey(logits[last]))
     if tid == 0:
         best[0] = int32(0)
     cuda.syncthreads()  # the slot counter is zero before anyone takes a slot
@@ -395,7 +404,8 @@ def _walk_kept(logits, m, inv_t, coin, top_p, last, hcnt, hmass, best):  # noqa:
         p = hmass[KEPT:]
         keep = nk
         if top_p < float32(1.0):  # the first prefix whose share reaches top_p
-            keep = _warp_first(p, nk, top_p * _warp_total(p, nk), True) + int32(1)
+            total = denom if denom > float32(0.0) else _warp_total(p, nk)
+            keep = _warp_first(p, nk, top_p * total, True) + int32(1)
         r = _warp_first(p, keep, coin * _warp_total(p, keep), False)
         if tid == 0:
             best[0] = r
@@ -473,11 +483,19 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
             tm = coin * mass
         if stage == int32(2) and cut <= int32(KEPT) and cut < int32(n):
             # a few kept tokens: sort them instead of four radix passes over the vocabulary
-            idx = _walk_kept(logits, m, inv_t, coin, small_top_p, last, hcnt, hmass, best)
+            kl = uint32(_ukey(logits[last]))
+            idx = _walk_kept(logits, m, inv_t, coin, small_top_p, float32(0.0), kl, last, hcnt, hmass, best)
             r = int32(0)
             mp = mass
         else:
-            r, idx, mp = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best)
+            # top-p with nothing cut before it: stop the select once a pass leaves few candidates
+            few = int32(KEPT) if stage == int32(1) and cut == int32(n) else int32(0)
+            r, idx, mp, low = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few)
+            if idx < int32(0):  # they hold the top-p cut: sort them, cut and walk
+                kl = uint32(low) - uint32(1)  # keys >= low (low is never 0)
+                idx = _walk_kept(logits, m, inv_t, coin, top_p, mass, kl, int32(-1), hcnt, hmass, best)
+                r = int32(0)
+                stage = int32(2)  # the walk is done too
         if stage == int32(0):
             cut = n0
             mass = mp
