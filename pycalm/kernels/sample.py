@@ -67,6 +67,8 @@ from pycalm.kernels.common import (
     block_reduce_max,
     block_reduce_sum,
     dependent_start,
+    warp_reduce_max,
+    warp_reduce_sum,
 )
 
 THREADS = 1024  # the one-block argmax
@@ -114,6 +116,20 @@ def _crossed(mode, cnt, mass, tn, tm):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
+def _warp_prefix(v):  # noqa: ANN001, ANN202
+    """Inclusive prefix sum of v over the lanes of warp 0, and the exclusive one (the previous
+    lane's inclusive, 0 in lane 0). Every lane of warp 0 must call it."""
+    off = 1
+    while off < 32:
+        u = cuda.shfl_up_sync(0xFFFFFFFF, v, off)
+        if cuda.threadIdx.x >= off:
+            v += u
+        off *= 2
+    ex = cuda.shfl_up_sync(0xFFFFFFFF, v, 1)
+    return v, ex if cuda.threadIdx.x > 0 else ex - ex  # ex - ex: a zero of v's type
+
+
+@cuda.jit(device=True, inline=True)
 def _scan_bins(hcnt, hmass, mode, tn, tm, base_c, base_s, ascending, sel, self_):  # noqa: ANN001, ANN202
     """Warp 0 only: the crossing bin of a histogram walked from bin 255 down (bin 0 up when
     ascending), the running count / mass starting at base_c / base_s (what lies before the
@@ -128,20 +144,10 @@ def _scan_bins(hcnt, hmass, mode, tn, tm, base_c, base_s, ascending, sel, self_)
         c += hcnt[b]
         s += hmass[b]
     own_c = c
-    off = 1
-    while off < 32:  # inclusive prefix sums over the lanes (every lane of warp 0 takes part)
-        c2 = cuda.shfl_up_sync(0xFFFFFFFF, c, off)
-        s2 = cuda.shfl_up_sync(0xFFFFFFFF, s, off)
-        if lane >= off:
-            c += c2
-            s += s2
-        off *= 2
+    c, ex_c = _warp_prefix(c)  # over the lanes (every lane of warp 0 takes part)
+    s, ex_s = _warp_prefix(s)
     total_c = cuda.shfl_sync(0xFFFFFFFF, c, 31)
     total_s = cuda.shfl_sync(0xFFFFFFFF, s, 31)
-    ex_c = c - own_c
-    ex_s = cuda.shfl_up_sync(0xFFFFFFFF, s, 1)  # exclusive mass: the previous lane's inclusive
-    if lane == 0:
-        ex_s = float32(0.0)
     mine = (not _crossed(mode, base_c + ex_c, base_s + ex_s, tn, tm)) and _crossed(
         mode, base_c + c, base_s + s, tn, tm
     )
@@ -305,11 +311,11 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few):
 
 
 @cuda.jit(device=True, inline=True)
-def _warp_first(p, k, target, ge):  # noqa: ANN001, ANN202
+def _warp_first(p, k, target, mode):  # noqa: ANN001, ANN202
     """Warp 0 (all 32 lanes). The first rank r < k where the running sum of p[0..r] reaches
-    target (ge) or exceeds it (not ge); k - 1 if none does (float rounding at the very end).
-    Lane l adds ranks [lo, hi) in order, a shuffle prefix sum gives each lane its start, the
-    lanes that may hold the crossing walk their ranks, and the lowest rank found wins."""
+    target (MODE_MASS_GE) or exceeds it (MODE_MASS_GT); k - 1 if none does (float rounding at
+    the very end). Lane l adds ranks [lo, hi) in order, a prefix sum over the lanes gives each
+    its start, the lanes that may hold the crossing walk their ranks, the lowest rank wins."""
     lane = cuda.threadIdx.x
     per = (k + int32(31)) // int32(32)
     lo = min(lane * per, k)
@@ -317,30 +323,18 @@ def _warp_first(p, k, target, ge):  # noqa: ANN001, ANN202
     own = float32(0.0)
     for r in range(lo, hi):
         own += p[r]
-    inc = own
-    off = 1
-    while off < 32:
-        v = cuda.shfl_up_sync(0xFFFFFFFF, inc, off)
-        if lane >= off:
-            inc += v
-        off *= 2
-    ex = cuda.shfl_up_sync(0xFFFFFFFF, inc, 1)
-    if lane == 0:
-        ex = float32(0.0)
+    inc, ex = _warp_prefix(own)
     pick = k
-    if not (ex >= target if ge else ex > target):
-        if inc >= target if ge else inc > target:
+    if not _crossed(mode, 0, ex, 0, target):
+        if _crossed(mode, 0, inc, 0, target):
             pick = hi - int32(1)  # the prefix sum says so, whatever the lane's own rounding
         run = ex
         for r in range(lo, hi):
             run += p[r]
-            if run >= target if ge else run > target:
+            if _crossed(mode, 0, run, 0, target):
                 pick = int32(r)
                 break
-    off = 16
-    while off > 0:  # the lowest pick of the warp
-        pick = min(pick, cuda.shfl_xor_sync(0xFFFFFFFF, pick, off))
-        off //= 2
+    pick = -warp_reduce_max(-pick)  # the lowest pick of the warp
     return min(pick, k - int32(1))
 
 
@@ -350,11 +344,7 @@ def _warp_total(p, k):  # noqa: ANN001, ANN202
     s = float32(0.0)
     for r in range(cuda.threadIdx.x, k, 32):
         s += p[r]
-    off = 16
-    while off > 0:
-        s += cuda.shfl_xor_sync(0xFFFFFFFF, s, off)
-        off //= 2
-    return s
+    return warp_reduce_sum(s)
 
 
 @cuda.jit(device=True, inline=True)
@@ -405,8 +395,8 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, kl, last, hcnt, hmass, best
         keep = nk
         if top_p < float32(1.0):  # the first prefix whose share reaches top_p
             total = denom if denom > float32(0.0) else _warp_total(p, nk)
-            keep = _warp_first(p, nk, top_p * total, True) + int32(1)
-        r = _warp_first(p, keep, coin * _warp_total(p, keep), False)
+            keep = _warp_first(p, nk, top_p * total, MODE_MASS_GE) + int32(1)
+        r = _warp_first(p, keep, coin * _warp_total(p, keep), MODE_MASS_GT)
         if tid == 0:
             best[0] = r
     cuda.syncthreads()  # best holds the rank
