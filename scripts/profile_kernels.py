@@ -6,11 +6,15 @@
     ncu --kernel-name regex:matvec --launch-skip 2 --launch-count 1 --section WarpStateStats \\
         --section MemoryWorkloadAnalysis python3 scripts/profile_kernels.py matvec 2048x2048 fp8 residual
     python3 scripts/profile_kernels.py attention tiny 4000 OUTDIR   # also writes the SASS to OUTDIR
+    ncu --profile-from-start off --cache-control none --clock-control none --csv \\
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
+        python3 scripts/profile_kernels.py step tinyllama-1.1b fp8 128
 
 attention 8b|tiny N_POS: attention three times over a random fp16 cache (Llama-3-8B or TinyLlama
 heads) at N_POS positions. matvec ROWSxCOLS DTYPE plain|residual|gate: the matvec family's
 default launch three times on random weights (gate: W1 and W3 of that shape, with the fused
-norm). The figures in pycalm/kernels/attention.py's docstring and docs/BENCHMARKS.md came from
+norm). step SHAPE DTYPE POS: one replay of bench.py's whole token step (random weights) at
+POS, after warm-up, between cudaProfilerStart and Stop: each kernel of the step alone. The figures in pycalm/kernels/attention.py's docstring and docs/BENCHMARKS.md came from
 these.
 """
 
@@ -78,14 +82,35 @@ def matvec(shape: str, dtype: str, mode: str, outdir: str | None) -> None:
         write_sass(mv.kernel_for_variant(kind, v), outdir, f"matvec_{dtype}_{shape}")
 
 
+def step(shape: str, dtype: str, pos: int) -> None:
+    from bench import RandomDeviceModel, config_for
+
+    from pycalm.engine import SamplingParams
+    from pycalm.model import GpuEngine
+
+    engine = GpuEngine(RandomDeviceModel(config_for(shape, dtype, 4096)), seq_len=4096, kv_dtype="fp16")
+    graph = engine.graph(SamplingParams(), pos)
+    for _ in range(3):
+        engine._set_state(token=1, pos=pos, feed_end=0)
+        graph.launch()
+    engine._set_state(token=1, pos=pos, feed_end=0)
+    engine.stream.synchronize()
+    cuda.profile_start()
+    graph.launch()
+    engine.stream.synchronize()
+    cuda.profile_stop()
+
+
 def main() -> None:
     what, args = sys.argv[1], sys.argv[2:]
     if what == "attention":
         attention(args[0], int(args[1]), args[2] if len(args) > 2 else None)
     elif what == "matvec":
         matvec(args[0], args[1], args[2], args[3] if len(args) > 3 else None)
+    elif what == "step":
+        step(args[0], args[1], int(args[2]))
     else:
-        sys.exit(f"unknown target {what!r}: attention or matvec")
+        sys.exit(f"unknown target {what!r}: attention, matvec or step")
 
 
 if __name__ == "__main__":
