@@ -82,7 +82,7 @@ class GpuEngine:
         seq_len: int,
         kv_dtype: str = "auto",
         use_graph: bool | None = None,
-        programmatic: bool = False,
+        programmatic: bool | None = None,
         attention_chunk: int | None = None,
     ) -> None:
         from numba import config, cuda
@@ -98,8 +98,11 @@ class GpuEngine:
         self.stream = cuda.stream()
         # the CUDA simulator cannot capture graphs: there the step runs its launches eagerly
         self.use_graph = not config.ENABLE_CUDASIM if use_graph is None else use_graph
-        # graph edges as programmatic dependencies (pycalm.graph; Hopper and up): off by default,
-        # measured slower on TinyLlama fp8 / gf4 (pycalm.kernels.common.dependent_start)
+        # graph edges as programmatic dependencies (pycalm.graph), by default where the GPU has
+        # them (compute capability 9.0 and up): each kernel launches and loads its first weights
+        # while the one before it finishes (pycalm.kernels.common.dependent_start)
+        if programmatic is None:
+            programmatic = self.use_graph and cuda.get_current_device().compute_capability >= (9, 0)
         self.programmatic = programmatic
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)

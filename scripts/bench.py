@@ -327,7 +327,7 @@ def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
     return {k: (g, n[0]) for k, (g, n) in out.items()}
 
 
-def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool = False) -> dict:
+def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = None) -> dict:
     t0 = time.perf_counter()
     cfg = config_for(shape, dtype, 4096)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", programmatic=programmatic)
@@ -338,7 +338,7 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool = False) -
     t_first = time_replays(engine, step, 0, tokens)
     t_last = time_replays(engine, step, 4000, 32)
     t_plain = None
-    if programmatic:  # the same step with plain edges, timed alongside
+    if engine.programmatic:  # the same step with plain edges, timed alongside
         span = engine.span(tokens - 1)
         plain = GraphStep(engine.stream, functools.partial(engine.forward, SamplingParams(), span))
         time_replays(engine, lambda p: plain, 0, 16)
@@ -360,7 +360,7 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool = False) -
         tok_s=1 / t_first,
         gbs=bytes_first / t_first / 1e9,
         tok_s_4000=1 / t_last,
-        programmatic=programmatic,
+        programmatic=engine.programmatic,
         tok_s_plain=1 / t_plain if t_plain else None,
         gbs_4000=bytes_last / t_last / 1e9,
         ceiling=float("nan"),  # main fills it in after the cells
@@ -382,14 +382,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument(
-        "--pdl", action="store_true", help="programmatic graph edges (and the plain step timed alongside)"
+        "--plain",
+        action="store_true",
+        help="plain graph edges only (default: programmatic edges where the GPU has them, and the"
+        " plain-edge step timed alongside)",
     )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
     results = []
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
-            r = bench_one(shape, dtype, args.tokens, args.pdl)
+            r = bench_one(shape, dtype, args.tokens, False if args.plain else None)
             results.append(r)
             roles = "  ".join(f"{k} {v[1]:,.0f}" for k, v in r["roles"].items())
             moe = f" (bytes of the {r['experts']} active a token)" if r["experts"] else ""

@@ -197,16 +197,82 @@ def sweep(s: object, dtypes: list[str], shapes: list[tuple[int, int]]) -> None:
             del ws
 
 
+# TinyLlama's launches as the token step makes them (mode, fused norm), and the split variants
+# (row groups shared by S warps) timed against the default launch (variant None)
+SPLIT_LAUNCHES = [
+    ("wo", 2048, 2048, mv.RESIDUAL),
+    ("w2", 2048, 5632, mv.RESIDUAL),
+    ("ffn_gate", 5632, 2048, mv.GATE),
+    ("classifier", 32000, 2048, mv.PLAIN),
+    ("llama3 w2", 4096, 14336, mv.RESIDUAL),
+    ("llama3 ffn_gate", 14336, 4096, mv.GATE),
+]
+SPLIT_VARIANTS = [None] + [
+    V(r, u, n_warps=w, split=sp, max_regs=m)
+    for r, u, w, sp, m in (
+        (2, 2, 16, 2, 0),
+        (2, 4, 16, 1, 0),
+        (2, 4, 8, 1, 0),
+        (4, 2, 16, 1, 0),
+        (2, 2, 8, 1, 64),
+        (2, 2, 16, 1, 64),
+        (2, 1, 16, 1, 0),
+        (2, 2, 16, 2, 64),
+        (2, 4, 16, 2, 0),
+        (1, 4, 16, 1, 0),
+    )
+]
+
+
+def split_sweep(s: object, dtypes: list[str], only: str = "", n_variants: int = 0) -> None:
+    """Time the token step's TinyLlama launches (wo, w2 residual; ffn_gate with its norm; the
+    classifier with its norm) for the default launch and the split / prefetch variants."""
+    rng = np.random.default_rng(1)
+    for dtype in dtypes:
+        for name, rows, cols, mode in SPLIT_LAUNCHES:
+            if only and name not in only.split(","):
+                continue
+            c = n_copies(rows, cols, dtype)
+            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
+            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
+            y = cuda.to_device(np.zeros(rows, np.float32))
+            nw = cuda.to_device(np.ones(cols, np.float32)) if mode != mv.RESIDUAL else None
+            nb = ws[0].nbytes * (2 if mode == mv.GATE else 1)
+            res = []
+            for v in SPLIT_VARIANTS[: n_variants or None]:
+
+                def run(i: int, v: object = v, ws: list = ws, x: object = x, y: object = y,
+                        nw: object = nw, mode: int = mode, dtype: str = dtype) -> None:  # fmt: skip
+                    w = ws[i % len(ws)]
+                    w3 = ws[(i + 1) % len(ws)] if mode == mv.GATE else w
+                    mv.launch_family(w, w3, x, nw, 1e-5, y, dtype, mode, stream=s, variant=v)
+
+                t = timed(s, run, max(c, 16))
+                label = "default" if v is None else (
+                    f"R{v.rows}U{v.unroll}{'p' if v.prefetch else ''}w{v.n_warps}s{v.split}m{v.max_regs}"
+                )  # fmt: skip
+                res.append((t * 1e6, nb / t / 1e9, label))
+            line = "  ".join(f"{lab} {us:.2f}us/{g:.0f}" for us, g, lab in res)
+            print(f"split {dtype} {name} {rows}x{cols}: {line}", flush=True)
+            del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="first compare with float64 NumPy")
     ap.add_argument("--quick", action="store_true", help="default variants only")
     ap.add_argument("--sweep", default="", help="only sweep variants for these dtypes (fp8,gf4)")
     ap.add_argument("--tiny", action="store_true", help="sweep the TinyLlama shapes only")
+    ap.add_argument("--split", default="", help="only time TinyLlama's launches, split variants (fp8)")
+    ap.add_argument("--launches", default="", help="with --split: these launches only (wo,w2,..)")
+    ap.add_argument("--n-variants", type=int, default=0, help="with --split: the first N variants only")
     args = ap.parse_args()
     t0 = time.time()
     s = cuda.stream()
     print(f"device: {cuda.get_current_device().name}", flush=True)
+    if args.split:
+        split_sweep(s, args.split.split(","), args.launches, args.n_variants)
+        return
     if args.sweep:
         sweep(s, args.sweep.split(","), TINY if args.tiny else LLAMA + TINY)
         return

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
-#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [pdl] [attention] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF]
+#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash ../shared/gpu/get-wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -20,7 +20,7 @@ while [ $i -lt ${#steps[@]} ]; do
     kernels) python3 scripts/bench_kernels.py --check 2>&1 | tee "$out/bench_kernels.log" | tail -40
              python3 scripts/bench_attention.py 2>&1 | tee "$out/bench_attention.log" | tail -25 ;;
     bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
-    pdl)     python3 scripts/bench.py --pdl --json "$out/bench_pdl.json" 2>&1 | tee "$out/bench_pdl.log" | tail -20 ;;
+    plain)   python3 scripts/bench.py --plain --json "$out/bench_plain.json" 2>&1 | tee "$out/bench_plain.log" | tail -20 ;;
     attention) python3 scripts/bench_attention.py --check 2>&1 | tee "$out/bench_attention.log" | grep -A40 "=== summary" ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;

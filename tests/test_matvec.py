@@ -76,9 +76,14 @@ def test_matvec_fused_norm(dtype):
     _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
 
 
+RESIDUAL_SHAPES = [(37, 136)]
+if GPU:  # long rows: the default launch shares each row group by two warps (split_rows)
+    RESIDUAL_SHAPES += [(2047, 5632), (1021, 14336)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matvec_residual(dtype):
-    rows, cols = 37, 136
+@pytest.mark.parametrize("rows,cols", RESIDUAL_SHAPES)
+def test_matvec_residual(dtype, rows, cols):
     rng = np.random.default_rng(8)
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
@@ -155,6 +160,61 @@ def test_matvec_direct_variant(dtype, rows, cols):
         )
         cuda.synchronize()
         _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matvec_split_variant(dtype):
+    """Row groups shared by 2 and 3 warps (split): residual, fused-norm and gate launches give
+    the references' values; 13 rows, so a block's warps loop over several groups (the sums'
+    buffer halves alternate) and the last group is partial. 1288 columns: 161 loads a row (fp16 wide, fp8 / gf4 narrow),
+    so every part has whole steps, a partial one and, for some, none at the end."""
+    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, Variant, launch_family
+
+    rows, cols, eps = 13, 1288, 1e-5
+    rng = np.random.default_rng(11)
+    w, wd = _weights(rng, rows, cols, dtype)
+    w3, w3d = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    nw = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
+    s = cuda.default_stream()
+    wdev, w3dev, xdev, nwdev = cuda.to_device(w), cuda.to_device(w3), cuda.to_device(x), cuda.to_device(nw)
+    for v in (
+        Variant(2, 2, split=2),
+        Variant(2, 1, n_warps=6, split=3),
+        Variant(1, 2, split=2, prefetch=True),
+    ):
+        r = cuda.to_device(r0)
+        launch_family(wdev, wdev, xdev, None, 0.0, r, dtype, RESIDUAL, stream=s, variant=v)
+        y = cuda.to_device(np.full(rows, np.nan, np.float32))
+        launch_family(wdev, wdev, xdev, nwdev, eps, y, dtype, PLAIN, stream=s, variant=v)
+        h = cuda.to_device(np.full(rows, np.nan, np.float32))
+        launch_family(wdev, w3dev, xdev, nwdev, eps, h, dtype, GATE, stream=s, variant=v)
+        cuda.synchronize()
+        _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+        _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
+        a, b = wd @ xn, w3d @ xn
+        want = a / (1 + np.exp(-a)) * b
+        scale = (np.abs(wd) @ np.abs(xn)) * (np.abs(w3d) @ np.abs(xn)) + np.abs(want)
+        _check(h.copy_to_host(), want, scale)
+
+
+def test_split_rows_takes_long_residual_rows():
+    """Which default launches share a row group by two warps: dense residual launches of fp8
+    rows of at least SPLIT_LOADS loads a lane (w2), nothing else."""
+    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, Variant, split_rows
+
+    v = Variant(2, 2, n_warps=8)
+    assert split_rows(v, "fp8", RESIDUAL, 5632, 0) == v._replace(split=2, n_warps=16)  # 11 loads a lane
+    assert split_rows(v, "fp8", RESIDUAL, 4608, 0).split == 2  # 9 loads a lane
+    assert split_rows(v, "fp8", RESIDUAL, 4096, 0) == v  # 8
+    assert split_rows(v, "fp16", RESIDUAL, 14336, 0) == v
+    assert split_rows(v, "fp8", RESIDUAL, 2048, 0) == v  # wo: 4 loads a lane
+    assert split_rows(v, "gf4", RESIDUAL, 14336, 0) == v
+    assert split_rows(v, "fp8", GATE, 5632, 0) == v
+    assert split_rows(v, "fp8", PLAIN, 5632, 0) == v
+    assert split_rows(v, "fp8", RESIDUAL, 5632, 2) == v  # expert slots
 
 
 def _resident(regs):

@@ -105,6 +105,7 @@ from pycalm.kernels.common import (  # noqa: E402
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2
+RED_HALF = 32 * 4  # split sums of one group a block: up to 32 warps of up to 4 rows
 
 
 class Kind(NamedTuple):
@@ -147,6 +148,8 @@ class Variant(NamedTuple):
     cvt: bool = True  # fp16 / fp8: decode with cvt.f32.f16 (HADD2.F32) instead of shifts and masks
     early: bool = True  # issue a group's first loads before staging x / reducing the last group
     direct: bool = False  # x from global memory, no staging (launches without a fused norm only)
+    split: int = 1  # S: warps that share a row group, each taking every S-th step of its loads
+    max_regs: int = 0  # registers a thread at most (0: ptxas's choice), for more warps an SM
 
 
 # per weight dtype; scripts/bench_kernels.py times the alternatives on the GPU. Measured on the
@@ -283,11 +286,20 @@ def _preload_source(kind: str, n_rows: int, unroll: int) -> str:
 
 
 def _group_dot_source(
-    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, direct: bool = False
+    kind: str,
+    n_rows: int,
+    unroll: int,
+    prefetch: bool,
+    cvt: bool,
+    early: bool,
+    direct: bool = False,
+    split: int = 1,
 ) -> str:
     """group_dot(c.., m0, r0, .., xs, j0, n, lane) -> (a0, ..): this lane's raw partial sums of
     row r_r of matrix m_r over loads j0 .. j0 + n - 1, x staged in xs (chunk-local load index);
-    c..: the first step's loads, from preload() (early), or none (loaded here)."""
+    c..: the first step's loads, from preload() (early), or none (loaded here). lane: the
+    lane's first load; with split S, warp p of the S that share the group passes lane + p U 32
+    and the S warps take the steps of U 32 loads in turn (a step of S U 32 loads a warp)."""
     rr = range(n_rows)
     accs = ", ".join(f"a{r}" for r in rr)
     cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
@@ -298,7 +310,7 @@ def _group_dot_source(
     src += [f"    r{r} = uint64(r{r})" for r in rr]
     src += ["    j = uint64(lane)", "    j0 = uint64(j0)", "    n = uint64(n)"]
     span = f"uint64({WARP * (unroll - 1)})"
-    step = f"uint64({WARP * unroll})"
+    step = f"uint64({WARP * unroll * split})"
 
     def loads(prefix: str, at: str, ind: str) -> list[str]:
         return [
@@ -365,12 +377,19 @@ _ENV = {
 
 @functools.cache
 def make_group_dot(  # noqa: ANN201
-    kind: str, n_rows: int, unroll: int, prefetch: bool, cvt: bool, early: bool, direct: bool = False
+    kind: str,
+    n_rows: int,
+    unroll: int,
+    prefetch: bool,
+    cvt: bool,
+    early: bool,
+    direct: bool = False,
+    split: int = 1,
 ):
     """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
     (times row_scale(dtype, cvt) for the values)."""
     return _compile_source(
-        _group_dot_source(kind, n_rows, unroll, prefetch, cvt, early, direct), "group_dot", _ENV
+        _group_dot_source(kind, n_rows, unroll, prefetch, cvt, early, direct, split), "group_dot", _ENV
     )
 
 
@@ -466,14 +485,22 @@ def silu_gate(a: float, b: float) -> float:
     return a / (float32(1.0) + math.exp(-a)) * b
 
 
-def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: bool = False) -> str:
+def _matvec_source(
+    n_rows: int, unroll: int, early: bool, slots: bool, direct: bool = False, split: int = 1
+) -> str:
     """The matvec family kernel for R rows a warp (mode and normed are runtime arguments).
     slots: the expert-slot kernel (pycalm.kernels.moe). The dense kernel is generated without
     the slot loop (slot and base the constant 0), so its code is what it was before slots: a
     runtime slot loop cost it 8 registers. direct: x read from global memory (L1) instead of
     staged in shared memory: no shared memory, no barrier, one whole row a group; for the
-    launches without a fused norm (wo, w2), where a block's staging is pure latency."""
+    launches without a fused norm (wo, w2), where a block's staging is pure latency. split S:
+    S consecutive warps of a block share each row group (see group_dot), and add their sums
+    through shared memory in a fixed order (one barrier a group; the loop is block-uniform)."""
+    if direct and split > 1:
+        raise PycalmError("a direct matvec variant has no shared memory to add split sums in")
     rr = range(n_rows)
+    first = "first" if split > 1 else "lane"  # the lane's first load of a step
+    who, teams = ("team", "n_teams") if split > 1 else ("warp", "n_warps")
     half = n_rows // 2
     accs = ", ".join(f"a{r}" for r in rr)
     cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
@@ -508,6 +535,15 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
         "    warp = cuda.threadIdx.x // WARP",
         "    n_warps = cuda.blockDim.x // WARP",
     ]
+    if split > 1:
+        src += [
+            f"    team = warp // {split}  # the warps of a row group: {split} consecutive ones",
+            f"    part = warp - team * {split}",
+            f"    first = lane + part * {WARP * unroll}",
+            f"    n_teams = n_warps // {split}",
+            f"    red = cuda.shared.array({2 * RED_HALF}, float32)  # the parts' sums, two groups' worth",
+            "    rb = 0  # the half of red this group uses",
+        ]
     if slots:
         src.append("    grid_dependency_wait()  # route_ids, x and out come from earlier kernels")
         src.append("    launch_dependents()  # now the next kernel may launch and load its weights")
@@ -526,7 +562,7 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
             if n_rows > 1
             else "    n_groups = rows"
         ),
-        "    stride = cuda.gridDim.x * n_warps",
+        f"    stride = cuda.gridDim.x * {teams}",
         "    scale = float32(ROW_SCALE)",
         "    n_chunks = 1" if direct else "    n_chunks = (cols + XCHUNK - 1) // XCHUNK",
     ]
@@ -549,16 +585,15 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
         "c0 = c * XCHUNK",
         "j0 = c * CW",
         "nw = n_words" if direct else "nw = min(CW, n_words - j0)",
-        "g = cuda.blockIdx.x * n_warps + warp",
+        f"g = cuda.blockIdx.x * {teams} + {who}",
     ]
     body += rows_of("min(g, n_groups - 1)", "")
     if early:
-        body.append(f"{cs}, = preload({mats}, j0, nw, lane)  # streams in while x is staged")
+        body.append(f"{cs}, = preload({mats}, j0, nw, {first})  # streams in while x is staged")
     if not slots:
         body += [
             "if c == 0:  # x and out come from earlier kernels: read them after they finish",
             "    grid_dependency_wait()  # (the weights' first loads above are already in flight)",
-            "    launch_dependents()  # now the next kernel may launch and load its weights",
         ]
     if not direct:
         body += [
@@ -573,15 +608,31 @@ def _matvec_source(n_rows: int, unroll: int, early: bool, slots: bool, direct: b
             "        cuda.syncthreads()  # xs holds this chunk for every warp",
         ]
     body += [
-        "while g < n_groups:  # warp-uniform: the shuffles below see every lane",
-        f"    {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, lane)",
+        "while g - team < n_groups:  # block-uniform: every warp reaches the barrier below"
+        if split > 1
+        else "while g < n_groups:  # warp-uniform: the shuffles below see every lane",
+        f"    {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, j0, nw, {first})",
         "    gn = g + stride",
     ]
+    if not slots:  # (the slot kernel lets the next launch right after its wait)
+        body.append("    if gn >= n_groups:  # this warp's last weights are in: the next kernel may launch")
+        body.append("        launch_dependents()  # (and load its own while this one reduces and writes)")
     body += rows_of("min(gn, n_groups - 1)", "    ")
     if early:
-        body.append(f"    {cs}, = preload({mats}, j0, nw, lane)  # the next group's first step")
-    body += [f"    a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
-    body.append("    if lane == 0:")
+        body.append(f"    {cs}, = preload({mats}, j0, nw, {first})  # the next group's first step")
+    if split == 1:
+        body += [f"    a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
+        body.append("    if lane == 0:")
+    else:
+        body += [f"    a{i} = warp_reduce_sum(a{i})  # every lane gets the part's sum" for i in rr]
+        body.append("    if lane == 0:")
+        body += [f"        red[rb + warp * {n_rows} + {i}] = a{i}" for i in rr]
+        body.append("    cuda.syncthreads()  # every part's sums of the block's groups are in red")
+        for i in rr:
+            terms = " + ".join(f"red[rb + (team * {split} + {p}) * {n_rows} + {i}]" for p in range(split))
+            body.append(f"    a{i} = ({terms}) * scale  # the parts in a fixed order")
+        body.append(f"    rb = {RED_HALF} - rb  # the next group writes the other half (no second barrier)")
+        body.append("    if lane == 0 and part == 0:")
     body.append("        if mode == GATE:  # slot s writes its part of out, times its routing weight")
     if n_rows == 1:
         body.append("            pass  # R1: no GATE launches")
@@ -612,6 +663,8 @@ def matvec_kernel_for(  # noqa: ANN201
     early: bool,
     slots: bool = False,
     direct: bool = False,
+    split: int = 1,
+    max_regs: int = 0,
 ):
     """The matvec family kernel (compiled by numba on first launch) for a weight kind and inner
     loop shape. Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,)
@@ -645,15 +698,16 @@ def matvec_kernel_for(  # noqa: ANN201
         "staged_rms": staged_rms,
         "grid_dependency_wait": grid_dependency_wait,
         "launch_dependents": launch_dependents,
-        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early, direct),
+        "group_dot": make_group_dot(kind, n_rows, unroll, prefetch, cvt, early, direct, split),
         "preload": make_preload(kind, n_rows, unroll),
     }
     scope = dict(env)
     name = f"matvec_kernel_{kind}_r{n_rows}u{unroll}{'p' if prefetch else ''}{'c' if cvt else ''}{'e' if early else ''}"
-    name += ("_slots" if slots else "") + ("_direct" if direct else "")
+    name += ("_slots" if slots else "") + ("_direct" if direct else "") + (f"_s{split}" if split > 1 else "")
+    name += f"_m{max_regs}" if max_regs else ""
     exec(
         compile(
-            _matvec_source(n_rows, unroll, early, slots, direct),
+            _matvec_source(n_rows, unroll, early, slots, direct, split),
             f"<pycalm.kernels.matvec generated {name}>",
             "exec",
         ),
@@ -661,14 +715,23 @@ def matvec_kernel_for(  # noqa: ANN201
     )  # noqa: S102
     fn = scope["matvec_kernel"]
     fn.__name__ = fn.__qualname__ = name
-    return cuda.jit(fn)
+    return cuda.jit(max_registers=max_regs)(fn) if max_regs else cuda.jit(fn)
 
 
 def kernel_for_variant(kind: str, v: Variant, slots: bool = False):  # noqa: ANN201
     """The matvec family kernel that runs variant v on weights of this kind (slots: the
     expert-slot kernel, see matvec_kernel_for)."""
     return matvec_kernel_for(
-        kind, v.rows, v.unroll, v.prefetch, v.cvt and KINDS[kind].dtype != "gf4", v.early, slots, v.direct
+        kind,
+        v.rows,
+        v.unroll,
+        v.prefetch,
+        v.cvt and KINDS[kind].dtype != "gf4",
+        v.early,
+        slots,
+        v.direct,
+        v.split,
+        v.max_regs,
     )
 
 
@@ -708,8 +771,9 @@ def grid_for(n_groups: int, v: Variant, resident: int | None = None) -> int:
     same number of groups (no warp does one more group than the others). Under the simulator at
     most SIM_BLOCKS (the warps loop over the groups)."""
     bps = min(v.blocks_per_sm, max(1, resident)) if resident is not None else v.blocks_per_sm
-    per_warp = max(1, -(-n_groups // (n_sm() * bps * v.n_warps)))
-    blocks = max(1, -(-n_groups // (v.n_warps * per_warp)))
+    teams = v.n_warps // v.split  # the row groups a block takes at once
+    per_warp = max(1, -(-n_groups // (n_sm() * bps * teams)))
+    blocks = max(1, -(-n_groups // (teams * per_warp)))
     return min(blocks, SIM_BLOCKS) if _numba_config.ENABLE_CUDASIM else blocks
 
 
@@ -764,6 +828,25 @@ def launch_warps(n_groups: int, cols: int, v: Variant, resident: Callable[[int],
     return balanced if per_warp == 1 else fill_sms(n_groups, cols, v)
 
 
+SPLIT_LOADS = 9  # loads a lane a row from which a residual launch shares each row group by 2 warps
+SPLIT_DTYPES = ("fp8",)
+
+
+def split_rows(v: Variant, kind: str, mode: int, cols: int, n_slots: int) -> Variant:
+    """The default variant with each row group shared by 2 warps (16 a block) for the dense
+    residual launches of long rows (w2): a warp's row is then a chain of half the steps.
+    Measured on the H200 (scripts/bench_kernels.py --split, fp8, us a launch, default -> split):
+    TinyLlama's w2 (2048x5632) 8.46 -> 7.91, Llama-3-8B's (4096x14336) 24.35 -> 22.77; slower
+    for rows of 4 loads a lane (wo 2048x2048: 5.00 -> 5.39), for the gate and the classifier
+    (the barrier a group), no faster in fp16 (10.04 -> 10.06, 33.70 -> 33.91) and slower in gf4
+    (9.03 -> 9.83, 23.67 -> 24.14: its decode is issue-bound)."""
+    k = KINDS[kind]
+    loads_a_lane = cols // k.weights // WARP
+    if mode != RESIDUAL or n_slots or k.dtype not in SPLIT_DTYPES or loads_a_lane < SPLIT_LOADS:
+        return v
+    return v._replace(split=2, n_warps=16)
+
+
 def launch_shape(
     kernel: object, args: tuple, n_groups: int, cols: int, v: Variant, tuned: bool
 ) -> tuple[int, int]:
@@ -771,10 +854,12 @@ def launch_shape(
     qkv's): tuned (the default variant), the warps a block from launch_warps; under the
     simulator SIM_WARPS; the blocks from grid_for, or one group a warp for a direct variant."""
     resident = functools.partial(resident_blocks, kernel, args)
-    if tuned:
+    if tuned and v.split == 1:
         v = launch_warps(n_groups, cols, v, resident)
-    if _numba_config.ENABLE_CUDASIM:
-        v = v._replace(n_warps=SIM_WARPS)  # the kernel reads blockDim: any warp count is valid
+    if _numba_config.ENABLE_CUDASIM:  # the kernel reads blockDim: any warp count (of whole groups)
+        v = v._replace(n_warps=max(1, SIM_WARPS // v.split) * v.split)
+    if v.n_warps % v.split:
+        raise PycalmError(f"{v.n_warps} warps a block do not make row groups of {v.split} warps")
     n_threads = v.n_warps * WARP
     if v.direct:  # no shared memory, no barrier: one group a warp, the hardware balances the blocks
         return -(-n_groups // v.n_warps), n_threads
@@ -834,6 +919,8 @@ def launch_family(
     normed = norm_w is not None
     if v.direct and (normed or mode == GATE or n_slots):
         v = v._replace(direct=False)  # the direct kernel has no staging to fuse a norm into
+    if variant is None:
+        v = split_rows(v, kind, mode, cols, n_slots)
     kernel = kernel_for_variant(kind, v, n_slots > 0)
     x64 = x.view(np.uint64)  # float pairs: one 8-byte load a shared-memory slot
     if not n_slots:  # dense: arrays of the right types that the dense kernel never reads
@@ -879,10 +966,13 @@ def kernel_sig(kind: str) -> str:
     )
 
 
-# every kernel the launchers use (one per kind, and its expert-slot twin for pycalm.kernels.moe:
-# mode and normed are runtime arguments)
+# every kernel the launchers use (one per kind, its expert-slot twin for pycalm.kernels.moe, and
+# the split one of long residual rows: mode and normed are runtime arguments)
 COMPILE_CHECK = [
     (kernel_for_variant(kind, variant_for(kind, None), slots), kernel_sig(kind))
     for slots in (False, True)
     for kind in ("fp16", "fp8", "gf4", "fp8n", "gf4n")
+] + [
+    (kernel_for_variant(kind, variant_for(kind, None)._replace(split=2, n_warps=16)), kernel_sig(kind))
+    for kind in SPLIT_DTYPES
 ]

@@ -149,7 +149,6 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
     src += [
         "    grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish",
-        "    launch_dependents()  # now the next kernel may launch and load its weights",
         "    pos = state[STATE_POS]",
     ]
     src += [
@@ -158,6 +157,10 @@ def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
         "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
         f"        {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, 0, nw, lane)",
         "        gn = g + stride",
+    ]
+    src += [
+        "        if gn >= n_groups:  # this warp's last weights are in: the next kernel may launch",
+        "            launch_dependents()  # (and load its own while this one reduces and writes)",
     ]
     src += [f"        r{i} = min({n_rows} * min(gn, n_groups - 1) + {i}, rows - 1)" for i in rr]
     if early:
