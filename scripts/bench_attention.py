@@ -14,7 +14,7 @@ attention_ref on the host-decoded cache (max abs error over max |ref|; float32 o
 Each n_pos is timed with the engine's grid (attention_span) and with a grid over the whole cache.
 
 Variants (--variants) set attention.py's tuning knobs (THREADS a block; MAX_CHUNK and REG_WORDS:
-the positions a block takes; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample
+the positions a block takes; K_WORDS / V_WORDS: words of a row a lane takes). Also: argmax (two passes with scratch, and one block) and sample (normal and peaked logits, four settings; --sample-only times these alone)
 over 128256 logits, each as a graph of 32 launches. The last lines are a summary table.
 """
 
@@ -73,6 +73,7 @@ def main():
     ap.add_argument("--variants", default="default", help="'all' or names: " + ",".join(VARIANTS))
     ap.add_argument("--check", action="store_true", help="compare each variant with attention_ref")
     ap.add_argument("--diag", action="store_true", help="time the chunk and combine kernels alone")
+    ap.add_argument("--sample-only", action="store_true", help="time argmax and sample only")
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     stream = cuda.stream()
@@ -80,7 +81,7 @@ def main():
     print(f"device: {cuda.get_current_device().name}")
     print(f"copy ceiling (uint64 grid-stride, read + write): {ceiling:,.0f} GB/s", flush=True)
     rows = []
-    for name, (n_heads, n_kv_heads, head_dim) in SHAPES.items():
+    for name, (n_heads, n_kv_heads, head_dim) in ({} if args.sample_only else SHAPES).items():
         kv_dim = n_kv_heads * head_dim
         q_host = np.random.default_rng(0).standard_normal(n_heads * head_dim).astype(np.float32) * 0.3
         q = cuda.to_device(q_host)
@@ -183,13 +184,22 @@ def main():
     )
     t = timed(stream, lambda: [argmax(logits, state, stream=stream) for _ in range(reps)])
     other.append(f"argmax over {vocab}, one block: {t / reps * 1e6:.2f} us")
-    for opts in ((0.8, 40, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05)):
-        t = timed(
-            stream, lambda o=opts: [sample(logits, state, coins, *o, stream=stream) for _ in range(reps)]
-        )
-        other.append(
-            f"sample T={opts[0]} top_k={opts[1]} top_p={opts[2]} min_p={opts[3]}: {t / reps * 1e6:.1f} us"
-        )
+    # peaked: a language model's kind of distribution, 20 tokens far above the rest (the top-p
+    # cut then leaves few candidates after one or two radix passes)
+    peak = np.random.default_rng(1).standard_normal(vocab) * 3
+    peak[np.random.default_rng(3).choice(vocab, 20, replace=False)] += 25
+    peaked = cuda.to_device(peak.astype(np.float32))
+    cases = [(0.8, 40, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 0, 0.9, 0.05), (0.7, 0, 0.9, 0.0)]
+    for kind, lg in (("normal", logits), ("peaked", peaked)):
+        for opts in cases:
+            t = timed(
+                stream,
+                lambda o=opts, lg=lg: [sample(lg, state, coins, *o, stream=stream) for _ in range(reps)],
+            )
+            other.append(
+                f"sample {kind} logits T={opts[0]} top_k={opts[1]} top_p={opts[2]} min_p={opts[3]}: "
+                f"{t / reps * 1e6:.1f} us"
+            )
     print("\n=== summary (us per layer; KV GB/s; % of the copy ceiling; max rel err vs attention_ref) ===")
     print(f"copy ceiling {ceiling:,.0f} GB/s")
     print(
