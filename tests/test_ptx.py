@@ -7,10 +7,11 @@ untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an arr
 local memory).
 
 Each PTX then goes through ptxas (the NVVM wheel's own, sm_90) for what only the machine code
-shows: any spill to local memory, and, for a module that sets MAX_REGISTERS, a register count
-above it (pycalm.kernels.attention: two blocks of THREADS an SM; a restructured kernel at 154-188
-registers once ran at one block an SM, up to 1.8x slower at long context, while the PTX looked
-clean).
+shows: any spill to local memory, and a register count above the kernel's limit: the third
+item of its COMPILE_CHECK entry where there is one (pycalm.kernels.sample: what a block of its
+launch's threads can have at all), else the module's MAX_REGISTERS (pycalm.kernels.attention:
+two blocks of THREADS an SM; a restructured kernel at 154-188 registers once ran at one block an
+SM, up to 1.8x slower at long context, while the PTX looked clean).
 
 Every listed kernel must also contain griddepcontrol.wait and griddepcontrol.launch_dependents
 (pycalm.kernels.common.dependent_start): in a graph with programmatic edges a kernel without the
@@ -95,14 +96,16 @@ def ptx_of(fn, sig, label):
 
 
 for mod_name, index in json.loads(sys.argv[1]):
-    kernel, sig = importlib.import_module("pycalm.kernels." + mod_name).COMPILE_CHECK[index]
+    module = importlib.import_module("pycalm.kernels." + mod_name)
+    entry = module.COMPILE_CHECK[index]
+    kernel, sig = entry[:2]
     label = f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}"
     ptx = ptx_of(kernel, sig, label)
     if ptx is not None:
         if PTXAS is None:
             out["problems"].append("no ptxas (the nvidia-cuda-nvcc wheel's bin/ptxas, or on PATH)")
         else:
-            max_regs = getattr(importlib.import_module("pycalm.kernels." + mod_name), "MAX_REGISTERS", None)
+            max_regs = entry[2] if len(entry) > 2 else getattr(module, "MAX_REGISTERS", None)
             sass_check(ptx, label, max_regs)
     # every kernel of the token step may be a programmatic dependent (pycalm.graph)
     for inst in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
@@ -167,7 +170,7 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
     for name in names:
         entries = getattr(import_module("pycalm.kernels." + name), "COMPILE_CHECK", [])
         counts[name] = len(entries)
-        for i, (kernel, sig) in enumerate(entries):
+        for i, (kernel, sig, *_) in enumerate(entries):
             key = (getattr(kernel, "py_func", kernel), sig)
             if key not in seen:
                 seen.add(key)

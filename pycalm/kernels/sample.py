@@ -661,9 +661,15 @@ def sample(
     return 17 * logits.shape[0] * 4 + 8
 
 
+# (kernel, signature, registers a thread at most: what one block of its launch's threads can
+# have, 64k an SM; tests/test_ptx.py checks it with ptxas)
 COMPILE_CHECK = [
-    (argmax_kernel, "void(float32[::1], int32[::1])"),
-    (argmax_part_kernel, "void(float32[::1], int32[:, ::1])"),
-    (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)"),
-    (sample_kernel, "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)"),
+    (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
+    (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),
+    (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)", 65536 // THREADS),  # up to 1024
+    (
+        sample_kernel,
+        "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)",
+        65536 // SAMPLE_THREADS,
+    ),
 ]
