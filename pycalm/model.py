@@ -6,7 +6,9 @@ CUDA graphs on the engine's stream, one for each attention span: the positions t
 grid covers, a power-of-two multiple of its chunk (at 4096 positions of cache and chunks of
 256: 5 graphs; a single graph over the whole cache would launch 16 blocks a head where a short
 context has one live). Every later token, prompt tokens included, is one replay of the graph
-for its position. Nothing per token is a launch argument: the token, the position and the
+for its position. On compute capability 9.0 and up the graphs' edges are programmatic: each
+kernel launches, and issues its first weight loads, while the one before it finishes
+(pycalm.graph). Nothing per token is a launch argument: the token, the position and the
 prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
 The host only reads back the token ids.
 """

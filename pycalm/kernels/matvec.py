@@ -45,7 +45,11 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # before the first use. The first step's loads of a group are issued before x is staged (and,
 # for the next group, before this group's warp reduction), so the weights stream in meanwhile.
 # Warps loop over row groups (grid-stride) in a grid sized so that every block is resident and
-# every warp gets the same number of groups. Rows that are not a multiple of 16 bytes (test
+# every warp gets the same number of groups. Split variants (fp8 w2: split_rows) give a group to
+# S consecutive warps of a block, which take its steps in turn and add their sums through shared
+# memory. In a graph with programmatic edges a warp lets the next kernel launch once its last
+# group's loads are in (launch_dependents), so the next launch and its first loads overlap this
+# kernel's reductions and writes. Rows that are not a multiple of 16 bytes (test
 # shapes) take narrow kinds (8-byte fp8, 4-byte gf4 loads).
 #
 # x is staged once per block in shared memory (times the RMSNorm weight when the norm is fused;
