@@ -14,6 +14,10 @@ bytes written.
     python scripts/bench.py --shapes tinyllama-1.1b --dtypes fp16 --tokens 64
     python scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4
     python scripts/bench.py --shapes path/to/config.json
+    python scripts/bench.py --plain                  # the engine with plain graph edges only
+
+The engine's default step has programmatic graph edges where the GPU has them (compute
+capability 9.0+, pycalm.graph); the same step captured with plain edges is timed alongside.
 
 Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the k active experts'
 matrices of every layer (and the float32 router), not the whole expert stacks.
