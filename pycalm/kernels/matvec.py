@@ -855,8 +855,8 @@ def launch_shape(
     kernel: object, args: tuple, n_groups: int, cols: int, v: Variant, tuned: bool
 ) -> tuple[int, int]:
     """(blocks, threads) of a row-group launch of `kernel` on `args` (the matvec family's and
-    qkv's): tuned (the default variant), the warps a block from launch_warps; under the
-    simulator SIM_WARPS; the blocks from grid_for, or one group a warp for a direct variant."""
+    qkv's): tuned (the default variant), the warps a block from launch_warps (a split variant
+    keeps its own: its warps come in groups); under the simulator SIM_WARPS (whole groups); the blocks from grid_for, or one group a warp for a direct variant."""
     resident = functools.partial(resident_blocks, kernel, args)
     if tuned and v.split == 1:
         v = launch_warps(n_groups, cols, v, resident)
