@@ -225,17 +225,15 @@ SPLIT_VARIANTS = [None] + [
 
 
 def split_sweep(s: object, dtypes: list[str], only: str = "", n_variants: int = 0) -> None:
-    """Time the token step's TinyLlama launches (wo, w2 residual; ffn_gate with its norm; the
-    classifier with its norm) for the default launch and the split / prefetch variants."""
+    """Time the token step's launches of SPLIT_LAUNCHES (TinyLlama's wo and w2 residual, ffn_gate
+    and the classifier with their norms; Llama-3-8B's w2 and ffn_gate) for the default launch and
+    SPLIT_VARIANTS (split row groups, loads a step, rows a warp, a register cap)."""
     rng = np.random.default_rng(1)
     for dtype in dtypes:
         for name, rows, cols, mode in SPLIT_LAUNCHES:
             if only and name not in only.split(","):
                 continue
-            c = n_copies(rows, cols, dtype)
-            ws = [random_weights(rows, cols, dtype, i) for i in range(c)]
-            x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
-            y = cuda.to_device(np.zeros(rows, np.float32))
+            c, ws, x, y, _ = shape_setup(rows, cols, dtype, rng, s)
             nw = cuda.to_device(np.ones(cols, np.float32)) if mode != mv.RESIDUAL else None
             nb = ws[0].nbytes * (2 if mode == mv.GATE else 1)
             res = []
@@ -263,7 +261,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="default variants only")
     ap.add_argument("--sweep", default="", help="only sweep variants for these dtypes (fp8,gf4)")
     ap.add_argument("--tiny", action="store_true", help="sweep the TinyLlama shapes only")
-    ap.add_argument("--split", default="", help="only time TinyLlama's launches, split variants (fp8)")
+    ap.add_argument(
+        "--split", default="", help="only time SPLIT_LAUNCHES with SPLIT_VARIANTS, for these dtypes (fp8)"
+    )
     ap.add_argument("--launches", default="", help="with --split: these launches only (wo,w2,..)")
     ap.add_argument("--n-variants", type=int, default=0, help="with --split: the first N variants only")
     args = ap.parse_args()

@@ -380,21 +380,11 @@ _ENV = {
 
 
 @functools.cache
-def make_group_dot(  # noqa: ANN201
-    kind: str,
-    n_rows: int,
-    unroll: int,
-    prefetch: bool,
-    cvt: bool,
-    early: bool,
-    direct: bool = False,
-    split: int = 1,
-):
+def make_group_dot(*shape: object):  # noqa: ANN201
     """-> device fn group_dot(m0, r0, .., m_{R-1}, r_{R-1}, xs, j0, n_loads, lane) -> R raw sums
-    (times row_scale(dtype, cvt) for the values)."""
-    return _compile_source(
-        _group_dot_source(kind, n_rows, unroll, prefetch, cvt, early, direct, split), "group_dot", _ENV
-    )
+    (times row_scale(dtype, cvt) for the values). shape: _group_dot_source's arguments (kind,
+    n_rows, unroll, prefetch, cvt, early[, direct[, split]]), one compile for each."""
+    return _compile_source(_group_dot_source(*shape), "group_dot", _ENV)
 
 
 @functools.cache
