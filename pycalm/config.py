@@ -15,6 +15,18 @@ from pycalm.errors import PycalmError
 ARCHS = ("llama", "mistral", "qwen2", "mixtral")
 WEIGHT_DTYPES = ("fp16", "fp8", "gf4")
 METADATA_KEY = "pycalm.config"
+KV_DTYPES = ("fp16", "fp8")  # KV cache formats: float16, or fp8 e5m2 bytes
+KV_FP8_ABOVE = 4096  # contexts longer than this get an fp8 KV cache unless asked otherwise
+
+
+def kv_dtype_for(kv: str, seq_len: int) -> str:
+    """The KV cache format for `--kv` (auto, fp16 or fp8) and a context of seq_len positions:
+    the one place that decides it, for every engine."""
+    if kv == "auto":
+        return "fp8" if seq_len > KV_FP8_ABOVE else "fp16"
+    if kv not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {kv!r} (one of auto, {', '.join(KV_DTYPES)})")
+    return kv
 
 
 @dataclass(frozen=True)

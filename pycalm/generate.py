@@ -74,7 +74,7 @@ def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str],
 def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None]) -> object:
     """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference."""
     if device in ("auto", "gpu"):
-        from pycalm import model as gpu_model
+        from pycalm import gpu as gpu_model
 
         reason = gpu_model.gpu_unavailable_reason()
         if reason is None:

@@ -44,8 +44,8 @@ from gpubench import copy_ceiling, fill  # noqa: E402
 
 from pycalm.config import ModelConfig  # noqa: E402
 from pycalm.engine import SamplingParams  # noqa: E402
+from pycalm.gpu import GpuEngine  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
-from pycalm.model import GpuEngine  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(

@@ -86,7 +86,7 @@ def step(shape: str, dtype: str, pos: int) -> None:
     from bench import RandomDeviceModel, config_for
 
     from pycalm.engine import SamplingParams
-    from pycalm.model import GpuEngine
+    from pycalm.gpu import GpuEngine
 
     engine = GpuEngine(RandomDeviceModel(config_for(shape, dtype, 4096)), seq_len=4096, kv_dtype="fp16")
     graph = engine.graph(SamplingParams(), pos)

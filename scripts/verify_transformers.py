@@ -257,7 +257,7 @@ def make_engine(kind: str, model: Any, seq_len: int, kv_dtype: str = "fp16") -> 
         from pycalm.engine import CpuEngine
 
         return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
-    from pycalm.model import GpuEngine
+    from pycalm.gpu import GpuEngine
 
     return GpuEngine(model, seq_len=seq_len)
 

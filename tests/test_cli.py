@@ -159,7 +159,7 @@ def test_device_auto_falls_back_with_one_notice(tiny):
 
 
 def _gpu_present() -> bool:
-    probe = "from pycalm.model import gpu_unavailable_reason as r; print(r() is None)"
+    probe = "from pycalm.gpu import gpu_unavailable_reason as r; print(r() is None)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), cwd=REPO)
     return out.stdout.strip() == "True"
 

@@ -1,4 +1,4 @@
-"""The whole GPU engine (pycalm.model) against the reference engine, on tiny random models.
+"""The whole GPU engine (pycalm.gpu) against the reference engine, on tiny random models.
 
 Under the CUDA simulator in CI (the step runs as eager launches), on the GPU with
 PYCALM_TEST_GPU=1 (the step is a captured CUDA graph). Greedy tokens must be identical and the
@@ -14,8 +14,8 @@ from tiny_models import make_hf_llama
 
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.gpu import GpuEngine
 from pycalm.loader import open_model
-from pycalm.model import GpuEngine
 
 PROMPT = [5, 9]
 GPU_ONLY = pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")

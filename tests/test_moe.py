@@ -14,7 +14,7 @@ The engines hold fp16 matrices, so the independent forward uses the same fp16-ro
 difference left is float32 against float64 arithmetic; with the fp16 KV cache the independent
 forward rounds keys and values to fp16 at the same point.
 
-ENGINES lists the engines under test, the GPU engine (pycalm.model.GpuEngine) among them: on the
+ENGINES lists the engines under test, the GPU engine (pycalm.gpu.GpuEngine) among them: on the
 GPU (PYCALM_TEST_GPU=1) on every case; under the CUDA simulator in CI (about a minute a token
 step here) on the crafted routing of test_mixtral_forced_experts only, over SIM_GPU_TOKENS.
 
@@ -73,7 +73,7 @@ def tokens_for(kind: str) -> list[int]:
 def make_engine(kind: str, model: object, seq_len: int, kv: str) -> object:
     if kind == "cpu":
         return CpuEngine(model, seq_len=seq_len, kv_dtype=kv)
-    from pycalm.model import GpuEngine
+    from pycalm.gpu import GpuEngine
 
     return GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
 

@@ -138,6 +138,15 @@ def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
 
 
 @dataclass(frozen=True)
+class KVCache:
+    """One layer's KV cache: rows are positions, each row the n_kv_heads heads side by side."""
+
+    k: object  # (seq_len, n_kv_heads * head_dim) float16, or uint8 holding fp8 e5m2
+    v: object  # (seq_len, n_kv_heads * head_dim), as k
+    dtype: str  # "fp16" or "fp8" (pycalm.config.kv_dtype_for decides)
+
+
+@dataclass(frozen=True)
 class AttentionScratch:
     """Device scratch one engine allocates once; every layer shares it (the layers run one
     after another on one stream).

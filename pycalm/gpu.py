@@ -20,13 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.config import ModelConfig
+from pycalm.config import ModelConfig, kv_dtype_for
 from pycalm.engine import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.graph import GraphStep
 from pycalm.kernels.attention import attention_span
-
-KV_FP8_ABOVE = 4096  # fp8 KV cache for contexts longer than this (ARCHITECTURE.md)
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -43,14 +41,6 @@ def gpu_unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001 - any driver failure means: no usable GPU
         return f"no usable CUDA GPU ({type(e).__name__})"
     return None
-
-
-def kv_dtype_for(kv: str, seq_len: int) -> str:
-    if kv == "auto":
-        return "fp8" if seq_len > KV_FP8_ABOVE else "fp16"
-    if kv not in ("fp16", "fp8"):
-        raise PycalmError(f"unsupported KV cache dtype {kv!r} on the GPU (fp16 or fp8)")
-    return kv
 
 
 @dataclass
