@@ -10,22 +10,12 @@ goes on turn after turn), then samples up to `max_new` tokens, stopping after an
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from pycalm.errors import PycalmError
 from pycalm.reference import ReferenceEngine
-from pycalm.sampler import Sampler
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    min_p: float = 0.0  # 0: off
-    seed: int = 0
+from pycalm.sampler import Sampler, SamplingParams
 
 
 class CpuEngine:

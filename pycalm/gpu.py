@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from pycalm.config import ModelConfig, kv_dtype_for
-from pycalm.engine import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.graph import GraphStep
 from pycalm.kernels.attention import attention_span
+from pycalm.sampler import SamplingParams
 
 
 def gpu_unavailable_reason() -> str | None:

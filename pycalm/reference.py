@@ -1,10 +1,26 @@
-"""The reference engine: one token's forward pass in NumPy float32, built from the kernels'
-`_ref` functions. It is the CPU device of `pycalm.generate` and the yardstick of every GPU test.
+"""The whole forward pass in NumPy, in order: the specification of every GPU kernel, and the CPU
+engine. Read it first; it is pycalm's run.c.
 
-Weights are decoded from the model file through pycalm.formats once, on first use, and kept as
-float32 (dtype "fp32" for the _ref functions), so a token costs only the arithmetic.
-The KV cache is rounded through the runtime's KV dtype (fp16 or fp8 e5m2) so that the CPU and
-GPU engines see the same cached values.
+Each `<op>_ref` function is what the GPU kernel of the same name (`<op>_kernel`, launched by
+`<op>` in pycalm/kernels/) computes, and the kernel's tests compare the two. The sections follow
+one token through the model:
+
+    embedding        x = tok_embeddings[token]                          embed_ref
+    attention block  xb = rmsnorm(x) * attn_norm                        rmsnorm_ref
+                     q, k, v = Wqkv xb (+ bqkv), q and k rotated        qkv_ref, rope_ref
+                     att = softmax(q k^T / sqrt(head_dim)) v            attention_ref
+                     x += Wo att                                        matvec_residual_ref
+    FFN block        xb = rmsnorm(x) * ffn_norm
+                     h = silu(W1 xb) * (W3 xb)                          ffn_gate_ref
+                     x += W2 h                                          matvec_residual_ref
+    (MoE: the router picks experts, each one's FFN weighted)            moe_*_ref
+    classifier       logits = Wcls rmsnorm(x) * norm                    matvec_ref
+    sampling         the next token from the logits                     sample_ref
+    advance          what the next step feeds, at which position       advance_ref
+
+Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8" or "gf4") and are decoded with
+it; "fp32" is a matrix already decoded to float32 (the engine decodes each once). Activations are
+float32. This module imports no numba: the CPU engine runs without it.
 """
 
 from __future__ import annotations
@@ -12,27 +28,271 @@ from __future__ import annotations
 import numpy as np
 
 from pycalm import formats
-from pycalm.config import ModelConfig
+from pycalm.config import KV_DTYPES, ModelConfig
 from pycalm.errors import PycalmError
-from pycalm.kernels.attention import attention_ref
-from pycalm.kernels.embed import embed_ref
-from pycalm.kernels.matvec import ffn_gate_ref, matvec_ref
-from pycalm.kernels.moe import moe_route_ref
-from pycalm.kernels.norm import rmsnorm_ref
-from pycalm.kernels.qkv import qkv_ref
 
-KV_DTYPES = ("fp16", "fp8", "fp32")
+# =============================================================================================
+# embedding and RMSNorm
+
+
+def embed_ref(table: np.ndarray, token: int, dtype: str) -> np.ndarray:
+    """table: stored (vocab_size, dim) in `dtype` -> (dim,) float32."""
+    return formats.decode(table[token], dtype).astype(np.float32)
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * w; x, w: (dim,) float32 -> (dim,) float32."""
+    x = x.astype(np.float32)
+    ms = np.float32(np.mean(x * x, dtype=np.float32))
+    return (x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w).astype(np.float32)
+
+
+# =============================================================================================
+# matrix-vector products and their fusions
+
+
+def matvec_ref(w: np.ndarray, x: np.ndarray, dtype: str) -> np.ndarray:
+    """y = W x; w: stored (rows, cols) in `dtype`, x: (cols,) float32 -> (rows,) float32."""
+    return (formats.decode(w, dtype) @ x.astype(np.float32)).astype(np.float32)
+
+
+def matvec_residual_ref(w: np.ndarray, x: np.ndarray, dtype: str, residual: np.ndarray) -> np.ndarray:
+    """residual + W x: the residual add fused into the product (wo, w2)."""
+    return (residual + matvec_ref(w, x, dtype)).astype(np.float32)
+
+
+def silu_ref(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x)."""
+    return (x / (np.float32(1.0) + np.exp(-x))).astype(np.float32)
+
+
+def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> np.ndarray:
+    """silu(W1 x) * (W3 x): (hidden_dim,) float32, the SiLU gate fused into w1 / w3."""
+    return (silu_ref(matvec_ref(w1, x, dtype)) * matvec_ref(w3, x, dtype)).astype(np.float32)
+
+
+# =============================================================================================
+# QKV projection and RoPE
+
+
+def rope_ref(x: np.ndarray, pos: int, freqs: np.ndarray, head_dim: int) -> np.ndarray:
+    """Rotate the interleaved pairs of each head: for i < rotary_dim / 2 and a = pos * freqs[i],
+    (x[2i], x[2i+1]) -> (x[2i] cos a - x[2i+1] sin a, x[2i] sin a + x[2i+1] cos a).
+
+    x: (n_heads * head_dim,) float32, freqs: (rotary_dim // 2,) float32 -> rotated copy."""
+    out = x.astype(np.float32).reshape(-1, head_dim).copy()  # (n_heads, head_dim)
+    half = freqs.shape[0]
+    angle = np.float32(pos) * freqs.astype(np.float32)  # (rotary_dim // 2,) float32, as the GPU does
+    c, s = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    x0 = out[:, 0 : 2 * half : 2].copy()
+    x1 = out[:, 1 : 2 * half : 2].copy()
+    out[:, 0 : 2 * half : 2] = x0 * c - x1 * s
+    out[:, 1 : 2 * half : 2] = x0 * s + x1 * c
+    return out.reshape(-1)
+
+
+def qkv_ref(
+    wqkv: np.ndarray,
+    bqkv: np.ndarray | None,
+    x: np.ndarray,
+    dtype: str,
+    pos: int,
+    freqs: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """qkv = Wqkv x (+ bqkv), rows q (n_heads * head_dim), k, v (n_kv_heads * head_dim each);
+    -> q, k, v float32 with q and k rotated (rope_ref)."""
+    qkv = matvec_ref(wqkv, x, dtype)  # (q_dim + 2 kv_dim,)
+    if bqkv is not None:
+        qkv = qkv + bqkv.astype(np.float32)
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    q = rope_ref(qkv[:q_dim], pos, freqs, head_dim)
+    k = rope_ref(qkv[q_dim : q_dim + kv_dim], pos, freqs, head_dim)
+    v = qkv[q_dim + kv_dim :].astype(np.float32)
+    return q, k, v
 
 
 def kv_round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """Round a float32 vector the way the KV cache stores it."""
+    """A float32 vector rounded the way the KV cache stores it (fp16, fp8 e5m2, or fp32: as is)."""
     if kv_dtype == "fp32":
         return x.astype(np.float32)
     return formats.decode(formats.encode(x, kv_dtype), kv_dtype)
 
 
+# =============================================================================================
+# attention
+
+
+def attention_ref(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    n_pos: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    window: int = 0,
+) -> np.ndarray:
+    """Grouped-query attention of one query position over cached positions [start, n_pos),
+    start = max(0, n_pos - window) with a sliding window (window > 0), else 0. Query head h reads
+    kv head h // (n_heads // n_kv_heads):
+        score_t = q_h . k_t / sqrt(head_dim);  p = softmax(score);  out_h = sum_t p_t v_t
+
+    q: (n_heads * head_dim,); caches: (>= n_pos, n_kv_heads * head_dim) float32 (decoded)
+    -> (n_heads * head_dim,) float32."""
+    start = max(0, n_pos - window) if window > 0 else 0
+    qh = q.astype(np.float32).reshape(n_heads, head_dim)
+    k = k_cache[start:n_pos].astype(np.float32).reshape(n_pos - start, n_kv_heads, head_dim)
+    v = v_cache[start:n_pos].astype(np.float32).reshape(n_pos - start, n_kv_heads, head_dim)
+    group = n_heads // n_kv_heads
+    kh = np.repeat(k, group, axis=1)  # (T, n_heads, head_dim)
+    vh = np.repeat(v, group, axis=1)
+    scores = np.einsum("hd,thd->ht", qh, kh) / np.float32(np.sqrt(head_dim))  # (n_heads, T)
+    scores = scores - scores.max(axis=1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=1, keepdims=True)
+    return np.einsum("ht,thd->hd", p, vh).reshape(-1).astype(np.float32)
+
+
+# =============================================================================================
+# mixture of experts (Mixtral): route, then the chosen experts' FFN
+#
+#   logits = G xb (G: (n_experts, dim) float32); chosen = the k largest (ties: lower index first)
+#   weights = softmax(logits[chosen]);  x += sum_j weights_j * W2_e(silu(W1_e xb) * W3_e xb)
+
+
+def moe_route_ref(gate: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (expert ids (k,) int32 in descending logit order, weights (k,) float32 summing to 1)."""
+    logits = (gate.astype(np.float32) @ x.astype(np.float32)).astype(np.float32)  # (n_experts,)
+    order = np.argsort(-logits, kind="stable")[:k]
+    chosen = logits[order]
+    w = np.exp(chosen - chosen.max())
+    return order.astype(np.int32), (w / w.sum()).astype(np.float32)
+
+
+def moe_ffn_gate_ref(
+    w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str, ids: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """w1, w3: stored (n_experts, hidden_dim, dim) stacks; x (dim,) float32 (normed already);
+    ids, weights (k,) -> h (k * hidden_dim,) float32: slot s is weights[s] * silu(W1_e x) * (W3_e x)."""
+    h = [
+        w * silu_ref(matvec_ref(w1[e], x, dtype)) * matvec_ref(w3[e], x, dtype)
+        for e, w in zip(ids, weights, strict=True)
+    ]
+    return np.concatenate(h).astype(np.float32)
+
+
+def moe_matvec_residual_ref(
+    w2: np.ndarray, h: np.ndarray, dtype: str, ids: np.ndarray, residual: np.ndarray
+) -> np.ndarray:
+    """w2: stored (n_experts, dim, hidden_dim) stack; h (k * hidden_dim,) -> residual + sum over
+    slots s of W2_e h[s] (slot by slot, as the kernel adds them)."""
+    hidden_dim = h.shape[0] // len(ids)
+    out = residual.astype(np.float32)
+    for s, e in enumerate(ids):
+        out = (out + matvec_ref(w2[e], h[s * hidden_dim : (s + 1) * hidden_dim], dtype)).astype(np.float32)
+    return out
+
+
+# =============================================================================================
+# sampling: the next token from the logits
+#
+# sample_ref takes the random number as an argument (a "coin" in [0, 1)) instead of drawing it,
+# so that the CPU and the GPU can be handed the same coin and must then pick the same token
+# (pycalm.sampler.Sampler draws the coins). For temperature T > 0:
+#
+#     p = softmax(logits / T)                     (float64)
+#     order tokens by p, descending; equal p: lower id first
+#     keep the first n of that order, where n is the smallest of
+#         top_k                                   (top_k > 0)
+#         #{i : p_i >= min_p * max p}             (min_p > 0)
+#         the shortest prefix whose share of the kept mass reaches top_p   (top_p < 1)
+#     walk the kept tokens in that order and return the first whose running sum of p
+#     exceeds coin * (sum of kept p)
+#
+# top-p is measured on what top-k and min-p left (renormalised), as llama.cpp and transformers
+# do. At least one token is always kept. T == 0 is greedy: argmax, lowest id on ties.
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Sampling options come from the command line: reject nonsense with a one-line message."""
+    if not (temperature >= 0.0 and np.isfinite(temperature)):
+        raise PycalmError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k < 0:
+        raise PycalmError(f"top_k must be >= 0 (0: off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise PycalmError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise PycalmError(f"min_p must be in [0, 1] (0: off), got {min_p}")
+
+
+def filtered_distribution(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, their probabilities) that survive the filters, in walk order (not renormalised).
+
+    The walk order is descending probability, lower id first among equals. Needs temperature > 0.
+    """
+    x = np.asarray(logits, dtype=np.float64).reshape(-1) / temperature  # (vocab_size,)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")  # stable: equal probabilities keep ascending ids
+    p_sorted = p[order]
+    n = len(p_sorted)
+    if top_k > 0:
+        n = min(n, top_k)
+    if min_p > 0.0:
+        # p_sorted is descending, so the tokens above the threshold are a prefix of it
+        n = min(n, int(np.count_nonzero(p_sorted >= min_p * p_sorted[0])))
+    if top_p < 1.0:
+        share = np.cumsum(p_sorted[:n]) / p_sorted[:n].sum()
+        n = min(n, int(np.searchsorted(share, top_p, side="left")) + 1)  # first prefix with share >= top_p
+    n = max(n, 1)
+    return order[:n], p_sorted[:n]
+
+
+def sample_ref(
+    logits: np.ndarray,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    coin: float = 0.0,
+) -> int:
+    """The token chosen for a uniform `coin` in [0, 1): the specification the GPU kernel follows."""
+    check_sampling(temperature, top_k, top_p, min_p)
+    logits = np.asarray(logits).reshape(-1)
+    if temperature == 0.0:
+        return int(np.argmax(logits))  # np.argmax returns the first (lowest) index among equals
+    ids, p = filtered_distribution(logits, temperature, top_k, top_p, min_p)
+    running = np.cumsum(p)
+    i = int(np.searchsorted(running, coin * running[-1], side="right"))  # first running sum > target
+    return int(ids[min(i, len(ids) - 1)])  # min(): coin * total can round up to the last sum
+
+
+def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[int, int]:
+    """The end of a token step: (the token the next step embeds, its position). `token` is what
+    the sampler just picked at `pos`; positions below `feed_end` take theirs from `feed` (the
+    prompt), so a prompt is prefilled by the same step as generation."""
+    nxt = pos + 1
+    return (int(feed[nxt]) if nxt < feed_end else token), nxt
+
+
+# =============================================================================================
+# the CPU engine
+
+REFERENCE_KV_DTYPES = (*KV_DTYPES, "fp32")  # the GPU's KV formats, and float32 for comparisons
+
+
 class ReferenceEngine:
-    """forward(token, pos) -> logits, with a float32 KV cache of up to `seq_len` positions."""
+    """forward(token, pos) -> logits, with a KV cache of up to `seq_len` positions.
+
+    Weights are decoded from the model file once, on first use, and kept as float32, so a token
+    costs only the arithmetic. The KV cache holds float32 values rounded through the KV dtype
+    (kv_round), so that the CPU and GPU engines see the same cached values.
+    """
 
     def __init__(self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16") -> None:
         # model: a pycalm.loader.ModelFile (anything with .config and .tensor(name))
@@ -40,8 +300,10 @@ class ReferenceEngine:
         self.config = cfg
         self.model = model
         self.seq_len = min(seq_len or cfg.max_seq_len, cfg.max_seq_len)
-        if kv_dtype not in KV_DTYPES:
-            raise PycalmError(f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
+        if kv_dtype not in REFERENCE_KV_DTYPES:
+            raise PycalmError(
+                f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(REFERENCE_KV_DTYPES)})"
+            )
         self.kv_dtype = kv_dtype
         self.rope_freqs = model.tensor("rope_freqs").astype(np.float32)  # (rotary_dim // 2,)
         self.tok_embeddings = model.tensor("tok_embeddings")  # stored (vocab_size, dim), rows decoded per use
@@ -97,17 +359,16 @@ class ReferenceEngine:
                 cfg.head_dim,
                 cfg.sliding_window,
             )
-            x = x + matvec_ref(self._w(p + "wo"), att, dt)
+            x = matvec_residual_ref(self._w(p + "wo"), att, dt, x)
             # feed-forward block
             xb = rmsnorm_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps)
             if cfg.n_experts:
-                experts, weights = moe_route_ref(self._w(p + "moe_gate"), xb, cfg.n_experts_active)
+                ids, weights = moe_route_ref(self._w(p + "moe_gate"), xb, cfg.n_experts_active)
                 w1, w3, w2 = self._w(p + "w1"), self._w(p + "w3"), self._w(p + "w2")
-                for e, g in zip(experts, weights, strict=True):
-                    h = ffn_gate_ref(w1[e], w3[e], xb, dt)
-                    x = x + g * matvec_ref(w2[e], h, dt)
+                h = moe_ffn_gate_ref(w1, w3, xb, dt, ids, weights)
+                x = moe_matvec_residual_ref(w2, h, dt, ids, x)
             else:
                 h = ffn_gate_ref(self._w(p + "w1"), self._w(p + "w3"), xb, dt)
-                x = x + matvec_ref(self._w(p + "w2"), h, dt)
+                x = matvec_residual_ref(self._w(p + "w2"), h, dt, x)
         x = rmsnorm_ref(x, self.norm, cfg.norm_eps)
-        return matvec_ref(self.output, x, dt)
+        return matvec_ref(self.output, x, dt)  # the classifier

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pycalm.errors import PycalmError
-from pycalm.sampler import Sampler, filtered_distribution, sample_ref
+from pycalm.reference import filtered_distribution, sample_ref
+from pycalm.sampler import Sampler
 
 # probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1, deliberately not in id order
 P = np.array([0.15, 0.5, 0.05, 0.3])
