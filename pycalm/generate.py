@@ -25,9 +25,10 @@ import numpy as np
 
 from pycalm import __version__
 from pycalm.config import WEIGHT_DTYPES
-from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.engine import CpuEngine
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_gguf
+from pycalm.sampler import SamplingParams
 
 # -------------------------------------------------------------------------------------------
 # model resolution

@@ -43,9 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpubench import copy_ceiling, fill  # noqa: E402
 
 from pycalm.config import ModelConfig  # noqa: E402
-from pycalm.engine import SamplingParams  # noqa: E402
 from pycalm.gpu import GpuEngine  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
+from pycalm.sampler import SamplingParams  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(

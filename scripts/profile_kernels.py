@@ -85,8 +85,8 @@ def matvec(shape: str, dtype: str, mode: str, outdir: str | None) -> None:
 def step(shape: str, dtype: str, pos: int) -> None:
     from bench import RandomDeviceModel, config_for
 
-    from pycalm.engine import SamplingParams
     from pycalm.gpu import GpuEngine
+    from pycalm.sampler import SamplingParams
 
     engine = GpuEngine(RandomDeviceModel(config_for(shape, dtype, 4096)), seq_len=4096, kv_dtype="fp16")
     graph = engine.graph(SamplingParams(), pos)

@@ -55,9 +55,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pycalm.convert import convert  # noqa: E402
-from pycalm.engine import SamplingParams  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.loader import open_model  # noqa: E402
+from pycalm.sampler import SamplingParams  # noqa: E402
 
 SEQ = 64  # positions compared per random model
 VOCAB = 503  # a prime: no power-of-two shortcut anywhere

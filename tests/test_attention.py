@@ -18,10 +18,10 @@ from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
     attention,
     attention_chunk_len,
-    attention_ref,
     attention_scratch,
     attention_span,
 )
+from pycalm.reference import attention_ref
 
 CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
 

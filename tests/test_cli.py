@@ -24,8 +24,9 @@ import pytest
 from tiny_models import make_gguf, make_hf_llama
 
 from pycalm.convert import convert
-from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.engine import CpuEngine
 from pycalm.loader import open_model
+from pycalm.sampler import SamplingParams
 from pycalm.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent

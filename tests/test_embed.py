@@ -6,7 +6,8 @@ from numba import cuda
 
 from pycalm import formats
 from pycalm.errors import PycalmError
-from pycalm.kernels.embed import embed, embed_ref
+from pycalm.kernels.embed import embed
+from pycalm.reference import embed_ref
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])

@@ -13,9 +13,10 @@ import pytest
 from tiny_models import make_hf_llama
 
 from pycalm.convert import convert
-from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.engine import CpuEngine
 from pycalm.gpu import GpuEngine
 from pycalm.loader import open_model
+from pycalm.sampler import SamplingParams
 
 PROMPT = [5, 9]
 GPU_ONLY = pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")

@@ -29,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pycalm.engine import CpuEngine, SamplingParams
+from pycalm.engine import CpuEngine
 from pycalm.generate import run_perplexity
 from pycalm.loader import open_model
 from pycalm.reference import ReferenceEngine
+from pycalm.sampler import SamplingParams
 from pycalm.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"

@@ -45,8 +45,8 @@ from pycalm.kernels.moe import (
     moe_route,
     moe_route_ref,
 )
-from pycalm.kernels.norm import rmsnorm_ref
 from pycalm.loader import open_model
+from pycalm.reference import rmsnorm_ref
 
 N_EXPERTS = 4
 TOP_K = 2

@@ -1,4 +1,4 @@
-"""GPU argmax / sample against pycalm.sampler.sample_ref, token for token.
+"""GPU argmax / sample against pycalm.reference.sample_ref, token for token.
 
 Random logits have no ties, and the coins are random: a coin that lands within float32 rounding
 (~1e-6 of the kept mass) of a boundary between two tokens could legitimately differ from the
@@ -15,7 +15,7 @@ import pytest
 from numba import cuda
 
 from pycalm.kernels.sample import argmax, sample
-from pycalm.sampler import sample_ref
+from pycalm.reference import sample_ref
 
 THREADS = 64
 

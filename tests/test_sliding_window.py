@@ -17,8 +17,8 @@ from tiny_models import make_hf_llama
 
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine
-from pycalm.kernels.attention import attention_ref
 from pycalm.loader import open_model
+from pycalm.reference import attention_ref
 
 TOKENS = [7, 3, 60, 12, 45, 9, 31, 22, 5, 50]
 

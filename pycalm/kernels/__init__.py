@@ -1,8 +1,7 @@
 """GPU kernels, one module per family. Each module holds, in order: a docstring (the math, the
-thread mapping, the bytes moved), the NumPy reference (`<op>_ref`), the `@cuda.jit` kernel(s)
-(`<op>_kernel`) and the launcher (`<op>`).
-
-The `_ref` functions need no GPU; the reference engine (pycalm.reference) is built from them.
+thread mapping, the bytes moved, the NumPy reference it must match), the `@cuda.jit` kernel(s)
+(`<op>_kernel`) and the launcher (`<op>`). The references (`<op>_ref`) live together in
+pycalm.reference, in forward order, with the CPU engine built from them.
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) the shim in `_cudasim` adds the warp
 shuffles the simulator lacks, so the kernels run unmodified on a CPU.
 """

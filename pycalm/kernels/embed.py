@@ -8,18 +8,10 @@ written: negligible next to the matrices, so the kernel is kept plain.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import cuda, float32, int32
 
-from pycalm import formats
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import STATE_TOKEN, dependent_start, fp8_decode, gf4_decode
-
-
-def embed_ref(table: np.ndarray, token: int, dtype: str) -> np.ndarray:
-    """table: stored (vocab_size, dim) in `dtype` -> (dim,) float32."""
-    return formats.decode(table[token], dtype).astype(np.float32)
-
 
 THREADS = 256
 

@@ -1,27 +1,18 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w.
 
-Reference here; on the GPU the norm is fused into the matvec that consumes it where possible.
-The standalone `rmsnorm_kernel` (final norm, tests, debugging) is one block of 1024 threads: a
-grid-stride sum of squares, a block reduction, then each thread scales its elements. Bytes: x
-and w read, y written (3 * dim * 4).
+Reference: pycalm.reference.rmsnorm_ref. On the GPU the norm is fused into the matvec that
+consumes it where possible. The standalone `rmsnorm_kernel` (final norm, tests, debugging) is
+one block of 1024 threads: a grid-stride sum of squares, a block reduction, then each thread
+scales its elements. Bytes: x and w read, y written (3 * dim * 4).
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32
 
 from pycalm.kernels.common import block_reduce_sum, dependent_start
-
-
-def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x: (dim,) float32, w: (dim,) float32 -> (dim,) float32."""
-    x = x.astype(np.float32)
-    ms = np.float32(np.mean(x * x, dtype=np.float32))
-    return (x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w).astype(np.float32)
-
 
 THREADS = 1024
 

@@ -12,22 +12,12 @@ One thread does it: a few words of memory, launched once per token.
 
 from __future__ import annotations
 
-import numpy as np
 from numba import cuda
 
 from pycalm.kernels.common import STATE_POS, STATE_TOKEN, dependent_start
 
 STATE_FEED_END = 2  # state[2]: positions below it are fed from `feed` (see the docstring)
 STATE_SIZE = 4
-
-
-def advance_ref(state: np.ndarray, feed: np.ndarray, tokens: np.ndarray) -> None:
-    nxt = state[STATE_POS] + 1
-    if nxt < state[STATE_FEED_END]:
-        state[STATE_TOKEN] = feed[nxt]
-    if nxt < tokens.shape[0]:
-        tokens[nxt] = state[STATE_TOKEN]
-    state[STATE_POS] = nxt
 
 
 @cuda.jit
