@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 FP8_MAX = 57344.0  # largest finite e5m2: 1.75 * 2**15
-FP16_MAX = 65504.0
+FP8_MAX_BYTE = 0x7B  # its byte: exponent field 30, mantissa 3 (0x7C.. are inf and NaN)
+FP16_MAX = 65504.0  # largest finite fp16
 GF4_GROUP = 8
 
 STORAGE_DTYPE = {"fp16": np.dtype(np.float16), "fp8": np.dtype(np.uint8), "gf4": np.dtype(np.uint32)}
@@ -55,7 +56,6 @@ def fp16_decode(w: np.ndarray) -> np.ndarray:
 # fp8 e5m2
 
 
-FP8_MAX_BYTE = 0x7B  # 57344: exponent field 30, mantissa 3 (0x7C.. are inf and NaN)
 FP8_NAN_BYTE = 0x7F
 _FP8_MIN_NORMAL = np.float32(2.0**-14)  # smallest normal e5m2; below it the quantum is 2**-16
 

@@ -39,6 +39,8 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 from numba.types import float16
 
+from pycalm.formats import FP8_MAX_BYTE, FP16_MAX  # the largest finite values (formats: the spec)
+
 
 @functools.cache
 def sm90() -> bool:
@@ -110,8 +112,6 @@ FULL_MASK = 0xFFFFFFFF
 # raw fp16 / e5m2 floats from the shift decoders times this are the values (cvt decoders: exact)
 FP_RAW_SCALE = float(2.0**112)
 GF4_RAW_SCALE = float(-(2.0**110))  # raw gf4 sums times this: 2**112 / 4, and the minus of -s/4
-FP16_MAX = 65504.0
-FP8_MAX_BYTE = 0x7B  # e5m2 57344: exponent 30, mantissa 3
 # int32 masks keeping the sign and the fp16 (e5m10) / e5m2 fields after the >> 3 that moves them
 _MASK_FP16 = 0x8FFFE000 - (1 << 32)
 _MASK_E5M2 = 0x8FE00000 - (1 << 32)
