@@ -47,6 +47,19 @@ def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w).astype(np.float32)
 
 
+def embed_rows_ref(table: np.ndarray, tokens: np.ndarray, dtype: str) -> np.ndarray:
+    """T tokens at once (prefill): tokens (T,) int -> (T, dim) float32, row t embed_ref(tokens[t])."""
+    return formats.decode(table[np.asarray(tokens)], dtype).astype(np.float32)
+
+
+def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rmsnorm_ref of each row of x (T, dim) float32 -> (T, dim) float16: the tensor-core
+    matmuls' input, rounded to nearest even (formats.fp16_encode)."""
+    x = x.astype(np.float32)
+    ms = np.mean(x * x, axis=1, keepdims=True, dtype=np.float32)  # (T, 1)
+    return formats.fp16_encode(x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))) * w)
+
+
 # =============================================================================================
 # matrix-vector products and their fusions
 
@@ -121,6 +134,44 @@ def kv_round(x: np.ndarray, kv_dtype: str) -> np.ndarray:
     return formats.decode(formats.encode(x, kv_dtype), kv_dtype)
 
 
+def rope_rows_ref(x: np.ndarray, pos0: int, freqs: np.ndarray, head_dim: int) -> np.ndarray:
+    """rope_ref of each row of x (T, n_heads * head_dim) float32, row t at position pos0 + t."""
+    n_rows = x.shape[0]
+    out = x.astype(np.float32).reshape(n_rows, -1, head_dim).copy()  # (T, n_heads, head_dim)
+    half = freqs.shape[0]
+    pos = np.arange(pos0, pos0 + n_rows, dtype=np.float32)[:, None]  # (T, 1)
+    angle = (pos * freqs.astype(np.float32)[None, :])[:, None, :]  # (T, 1, half) float32, as the GPU
+    c, s = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    x0 = out[:, :, 0 : 2 * half : 2].copy()
+    x1 = out[:, :, 1 : 2 * half : 2].copy()
+    out[:, :, 0 : 2 * half : 2] = x0 * c - x1 * s
+    out[:, :, 1 : 2 * half : 2] = x0 * s + x1 * c
+    return out.reshape(n_rows, -1)
+
+
+def qkv_rows_ref(
+    qkv: np.ndarray,
+    bqkv: np.ndarray | None,
+    pos0: int,
+    freqs: np.ndarray,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The QKV epilogue of T rows (prefill): qkv (T, q_dim + 2 kv_dim) float32, the matmul
+    X Wqkv^T of the normed rows; row t at position pos0 + t. -> q (T, q_dim), k, v (T, kv_dim)
+    float32: bias added, q and k rotated (rope_rows_ref); k and v go to cache rows pos0.. rounded
+    by kv_round."""
+    qkv = qkv.astype(np.float32)
+    if bqkv is not None:
+        qkv = qkv + bqkv.astype(np.float32)[None, :]
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    q = rope_rows_ref(qkv[:, :q_dim], pos0, freqs, head_dim)
+    k = rope_rows_ref(qkv[:, q_dim : q_dim + kv_dim], pos0, freqs, head_dim)
+    v = qkv[:, q_dim + kv_dim :].copy()
+    return q, k, v
+
+
 # =============================================================================================
 # attention
 
@@ -156,6 +207,41 @@ def attention_ref(
     return np.einsum("ht,thd->hd", p, vh).reshape(-1).astype(np.float32)
 
 
+def prefill_attention_ref(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    pos0: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    window: int = 0,
+) -> np.ndarray:
+    """Block-causal attention of T query rows (prefill): row t is attention_ref of q[t] at
+    n_pos = pos0 + t + 1, so it sees keys max(0, pos0 + t + 1 - window) .. pos0 + t.
+
+    q: (T, n_heads*head_dim); caches: (>= pos0 + T, n_kv_heads*head_dim) float32 (already
+    decoded) -> (T, n_heads*head_dim) float32 (the kernel writes it as fp16)."""
+    n_rows, n_pos = q.shape[0], pos0 + q.shape[0]
+    group = n_heads // n_kv_heads
+    qh = q.astype(np.float32).reshape(n_rows, n_heads, head_dim)
+    k = k_cache[:n_pos].astype(np.float32).reshape(n_pos, n_kv_heads, head_dim)
+    v = v_cache[:n_pos].astype(np.float32).reshape(n_pos, n_kv_heads, head_dim)
+    kh = np.repeat(k, group, axis=1)  # (n_pos, n_heads, head_dim)
+    vh = np.repeat(v, group, axis=1)
+    scores = np.einsum("thd,jhd->htj", qh, kh) / np.float32(np.sqrt(head_dim))  # (n_heads, T, n_pos)
+    pos = np.arange(pos0, n_pos)[:, None]  # (T, 1): each row's position
+    key = np.arange(n_pos)[None, :]  # (1, n_pos)
+    seen = key <= pos  # causal
+    if window > 0:
+        seen &= key > pos - window  # the sliding window
+    scores = np.where(seen[None], scores, -np.inf)
+    scores = scores - scores.max(axis=2, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=2, keepdims=True)
+    return np.einsum("htj,jhd->thd", p, vh).reshape(n_rows, -1).astype(np.float32)
+
+
 # =============================================================================================
 # mixture of experts (Mixtral): route, then the chosen experts' FFN
 #
@@ -170,6 +256,36 @@ def moe_route_ref(gate: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, 
     chosen = logits[order]
     w = np.exp(chosen - chosen.max())
     return order.astype(np.int32), (w / w.sum()).astype(np.float32)
+
+
+def moe_route_rows_ref(
+    gate: np.ndarray, x: np.ndarray, norm_w: np.ndarray, eps: float, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """moe_route_ref of each row of x (T, dim) float32 (the residual stream, normed here with
+    norm_w, as the decode router does) -> ids (T, k) int32, weights (T, k) float32."""
+    routes = [moe_route_ref(gate, rmsnorm_ref(row, norm_w, eps), k) for row in x]
+    ids = np.array([r[0] for r in routes], np.int32).reshape(len(routes), k)
+    weights = np.array([r[1] for r in routes], np.float32).reshape(len(routes), k)
+    return ids, weights
+
+
+def moe_group_ref(
+    ids: np.ndarray, weights: np.ndarray, n_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows grouped by expert, so that a pass reads each expert's weights once: ids,
+    weights (T, k) -> count (n_experts,) int32, rows (n_experts, T) int32 (expert e's rows in
+    increasing order in rows[e, :count[e]], -1 after), row_w (n_experts, T) float32 (their
+    routing weights, 0 after)."""
+    n_rows = ids.shape[0]
+    count = np.zeros(n_experts, np.int32)
+    rows = np.full((n_experts, n_rows), -1, np.int32)
+    row_w = np.zeros((n_experts, n_rows), np.float32)
+    for e in range(n_experts):
+        t, j = np.nonzero(ids == e)  # row-major: increasing t (a row picks an expert once)
+        count[e] = len(t)
+        rows[e, : len(t)] = t
+        row_w[e, : len(t)] = weights[t, j]
+    return count, rows, row_w
 
 
 def moe_ffn_gate_ref(
