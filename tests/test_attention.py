@@ -14,8 +14,12 @@ import pytest
 from numba import cuda
 
 from pycalm import formats
+from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
+    SHIPPED,
+    AttentionTuning,
+    KVCache,
     attention,
     attention_chunk_len,
     attention_scratch,
@@ -26,7 +30,40 @@ from pycalm.reference import attention_ref
 CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
 
 
-def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, chunk=CHUNK, span=None):
+def config(n_heads: int, n_kv_heads: int, head_dim: int, window: int = 0) -> ModelConfig:
+    """A model config with these attention sizes (the rest is never read by attention)."""
+    return ModelConfig(
+        arch="llama",
+        dim=n_heads * head_dim,
+        hidden_dim=8,
+        head_dim=head_dim,
+        n_layers=1,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=8,
+        max_seq_len=64,
+        rope_theta=10000.0,
+        rotary_dim=head_dim,
+        norm_eps=1e-5,
+        bos_id=1,
+        eos_ids=(),
+        sliding_window=window,
+    )
+
+
+def _run(
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    seq_len,
+    n_pos,
+    kv_dtype,
+    window,
+    seed,
+    chunk=CHUNK,
+    span=None,
+    tuning=SHIPPED,
+):
     rng = np.random.default_rng(seed)
     kv_dim = n_kv_heads * head_dim
     q = rng.standard_normal(n_heads * head_dim).astype(np.float32)
@@ -51,16 +88,17 @@ def _run(n_heads, n_kv_heads, head_dim, seq_len, n_pos, kv_dtype, window, seed, 
     )
     state = np.array([0, n_pos - 1, 0, 0], np.int32)
     stream = cuda.stream()
-    scratch = attention_scratch(n_heads, head_dim, kv_dtype, seq_len, chunk=chunk, stream=stream)
+    scratch = attention_scratch(
+        n_heads, head_dim, kv_dtype, seq_len, chunk=chunk, tuning=tuning, stream=stream
+    )
     scratch.part.copy_to_device(np.full(scratch.part.shape, np.nan, np.float32), stream=stream)
-    args = (cuda.to_device(q), cuda.to_device(kq), cuda.to_device(vq), cuda.to_device(state))
+    cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
+    d_q, d_state = cuda.to_device(q), cuda.to_device(state)
+    cfg = config(n_heads, n_kv_heads, head_dim, window)
     for _ in range(2):  # the second launch finds the counters the first one left
         d_out = cuda.to_device(np.full(n_heads * head_dim, np.nan, np.float32))
-        nbytes = attention(
-            *args, d_out, n_heads, n_kv_heads, head_dim, kv_dtype, window, scratch, stream=stream, span=span
-        )
+        attention(d_q, cache, d_state, d_out, cfg, scratch, stream=stream, span=span)
         stream.synchronize()
-        assert nbytes > 0
         np.testing.assert_allclose(d_out.copy_to_host(), want, rtol=0, atol=2e-5)
     np.testing.assert_array_equal(scratch.count.copy_to_host(), 0)
 
@@ -117,29 +155,46 @@ def test_default_chunk_is_one_block_per_head_at_short_context():
 
 
 def test_chunk_len_fits_registers():
-    # a power of two, and a thread's share of the chunk's K words stays within REG_WORDS
-    from pycalm.kernels import attention as att
+    # a power of two, and a thread's share of the chunk's K words stays within reg_words
+    for tuning in (SHIPPED, AttentionTuning(), AttentionTuning(threads=128, max_chunk=512, reg_words=8)):
+        for head_dim, kv_dtype in ((64, "fp16"), (128, "fp16"), (128, "fp8"), (256, "fp16")):
+            chunk = attention_chunk_len(head_dim, kv_dtype, tuning)
+            assert chunk & (chunk - 1) == 0 and chunk <= tuning.max_chunk
+            words = head_dim // (8 if kv_dtype == "fp8" else 4)
+            assert chunk * words <= tuning.reg_words * tuning.threads or chunk == 1
+    assert attention_chunk_len(128, "fp16", AttentionTuning()) == 128  # 32 words a row: 128 x 32 = 16 x 256
 
-    for head_dim, kv_dtype in ((64, "fp16"), (128, "fp16"), (128, "fp8"), (256, "fp16")):
-        chunk = attention_chunk_len(head_dim, kv_dtype)
-        assert chunk & (chunk - 1) == 0
-        words = head_dim // (8 if kv_dtype == "fp8" else 4)
-        assert chunk * words <= att.REG_WORDS * att.THREADS or chunk == 1
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        AttentionTuning(
+            threads=32, max_chunk=16, k_words=2, v_words=1, unroll=2
+        ),  # one warp, more lanes a row
+        AttentionTuning(threads=64, max_chunk=8, k_words=8, v_words=4, unroll=1),  # one lane a row
+    ],
+)
+def test_attention_tuning_keeps_the_result(tuning):
+    # the tuning parameters change the thread mapping, not the result: three chunks of 8 or 16
+    # positions (the combine), GQA group 3, fp16 and fp8
+    _run(3, 1, 32, 64, 41, "fp16", 0, seed=3, chunk=None, tuning=tuning)
+    _run(3, 1, 32, 64, 41, "fp8", 0, seed=4, chunk=None, tuning=tuning)
 
 
 def test_bad_arguments_are_named():
     stream = cuda.stream()
     scratch = attention_scratch(4, 32, "fp16", 16, chunk=CHUNK, stream=stream)
     q = cuda.to_device(np.zeros(4 * 32, np.float32))
-    cache = cuda.to_device(np.zeros((64, 64), np.float16))
+    rows = cuda.to_device(np.zeros((64, 64), np.float16))
     state = cuda.to_device(np.zeros(4, np.int32))
+    cfg = config(4, 2, 32)
     with pytest.raises(PycalmError, match="scratch"):  # made for 16 positions, cache holds 64
-        attention(q, cache, cache, state, q, 4, 2, 32, "fp16", 0, scratch, stream=stream)
+        attention(q, KVCache(rows, rows, "fp16"), state, q, cfg, scratch, stream=stream)
     with pytest.raises(PycalmError, match="KV cache dtype"):
-        attention(q, cache, cache, state, q, 4, 2, 32, "bf16", 0, scratch, stream=stream)
+        attention(q, KVCache(rows, rows, "bf16"), state, q, cfg, scratch, stream=stream)
     with pytest.raises(PycalmError, match="power of two"):
         attention_scratch(4, 32, "fp16", 16, chunk=24)
     scratch = attention_scratch(4, 32, "fp16", 64, chunk=CHUNK, stream=stream)
     for span in (0, 65):
         with pytest.raises(PycalmError, match="span"):
-            attention(q, cache, cache, state, q, 4, 2, 32, "fp16", 0, scratch, stream=stream, span=span)
+            attention(q, KVCache(rows, rows, "fp16"), state, q, cfg, scratch, stream=stream, span=span)

@@ -18,6 +18,6 @@ def test_rmsnorm_matches_ref(dim, in_place):
     d_x = cuda.to_device(x)
     d_out = d_x if in_place else cuda.to_device(np.full(dim, np.nan, np.float32))
     stream = cuda.stream()
-    assert rmsnorm(d_x, cuda.to_device(w), 1e-5, d_out, stream=stream, threads=128) == 3 * dim * 4
+    rmsnorm(d_x, cuda.to_device(w), 1e-5, d_out, stream=stream, threads=128)
     stream.synchronize()
     np.testing.assert_allclose(d_out.copy_to_host(), want, rtol=1e-5, atol=1e-6)

@@ -103,8 +103,12 @@ def _linear_singly_assigned_variables() -> None:
 if not _numba_config.ENABLE_CUDASIM:
     _linear_singly_assigned_variables()
 
-STATE_TOKEN = 0  # state[0]: the current token id (int32, device memory)
-STATE_POS = 1  # state[1]: the current position pos, 0-based; attention spans 0..pos
+# The per-token state, an int32 array in device memory, so that a captured step needs no
+# per-token launch argument (pycalm.kernels.step advances it at the end of every step):
+STATE_TOKEN = 0  # state[0]: the token the step embeds (the sampler writes the next one here)
+STATE_POS = 1  # state[1]: the step's position pos, 0-based; attention spans 0..pos
+STATE_FEED_END = 2  # state[2]: positions below it take their token from `feed` (the prompt)
+STATE_SIZE = 3
 
 WARP = 32
 FULL_MASK = 0xFFFFFFFF

@@ -1,4 +1,4 @@
-"""Embedding lookup: x = decode(tok_embeddings[token]).
+"""Embedding lookup: x = decode(tok_embeddings[token]); the reference is pycalm.reference.embed_ref.
 
 GPU: `embed_kernel_<dtype>` reads the token id from state[STATE_TOKEN] on the device (so the
 captured graph stays valid), and each thread decodes one stored element of the row: an fp16,
@@ -48,16 +48,13 @@ def embed_kernel_gf4(table, state, x):  # noqa: ANN001, ANN201
 _KERNELS = {"fp16": embed_kernel_fp16, "fp8": embed_kernel_fp8, "gf4": embed_kernel_gf4}
 
 
-def embed(table: object, state: object, x: object, dtype: str, *, stream: object) -> int:
-    """x (dim,) float32 = decode(table[state[STATE_TOKEN]]); table as stored by pycalm.formats.
-
-    Returns the bytes moved: one stored row read, dim floats written.
-    """
+def embed(table: object, state: object, x: object, dtype: str, *, stream: object) -> None:
+    """x (dim,) float32 = decode(table[state[STATE_TOKEN]]); table (vocab_size, dim) as stored
+    by pycalm.formats (gf4: (vocab_size, dim / 8) uint32)."""
     if dtype not in _KERNELS:
         raise PycalmError(f"unsupported embedding dtype {dtype!r} (one of {', '.join(_KERNELS)})")
     n = table.shape[1]  # stored elements a row: gf4 has one word per 8 weights
     _KERNELS[dtype][(n + THREADS - 1) // THREADS, THREADS, stream](table, state, x)
-    return n * table.dtype.itemsize + x.shape[0] * 4
 
 
 COMPILE_CHECK = [

@@ -1,11 +1,11 @@
 """The end of a token step: choose what the next step feeds, and move to the next position.
 
-The whole step is one captured CUDA graph, so per-token values live on the device:
-  state[STATE_TOKEN]  the token the next step embeds (the sampler has just written its pick)
-  state[STATE_POS]    the position of the step that just ran; advanced by one here
+The reference is pycalm.reference.advance_ref. The whole step is one captured CUDA graph, so
+the per-token values live on the device, in `state` (its layout: pycalm.kernels.common):
+  state[STATE_TOKEN]     the token the next step embeds (the sampler has just written its pick)
+  state[STATE_POS]       the position of the step that just ran; advanced by one here
   state[STATE_FEED_END]  positions below it take their token from `feed` (the prompt), so a
-                      prompt is prefilled by replaying the same graph, with no host work
-  tokens[pos]        every token that went in at pos (prompt and generated), for the host to read
+                         prompt is prefilled by replaying the same graph, with no host work
 
 One thread does it: a few words of memory, launched once per token.
 """
@@ -14,28 +14,23 @@ from __future__ import annotations
 
 from numba import cuda
 
-from pycalm.kernels.common import STATE_POS, STATE_TOKEN, dependent_start
-
-STATE_FEED_END = 2  # state[2]: positions below it are fed from `feed` (see the docstring)
-STATE_SIZE = 4
+from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_TOKEN, dependent_start
 
 
 @cuda.jit
-def advance_kernel(state, feed, tokens):  # noqa: ANN001
+def advance_kernel(state, feed):  # noqa: ANN001
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     if cuda.grid(1) == 0:
         nxt = state[STATE_POS] + 1
         if nxt < state[STATE_FEED_END]:
             state[STATE_TOKEN] = feed[nxt]
-        if nxt < tokens.shape[0]:
-            tokens[nxt] = state[STATE_TOKEN]
         state[STATE_POS] = nxt
 
 
-def advance(state: object, feed: object, tokens: object, *, stream: object) -> int:
-    """state (>=3,) int32, feed (seq_len,) int32, tokens (seq_len,) int32 -> bytes moved."""
-    advance_kernel[1, 32, stream](state, feed, tokens)
-    return 6 * 4
+def advance(state: object, feed: object, *, stream: object) -> None:
+    """state (STATE_SIZE,) int32: pos += 1, and token = feed[pos] while pos < feed end;
+    feed (seq_len,) int32, the prompt by position."""
+    advance_kernel[1, 32, stream](state, feed)
 
 
-COMPILE_CHECK = [(advance_kernel, "void(int32[::1], int32[::1], int32[::1])")]
+COMPILE_CHECK = [(advance_kernel, "void(int32[::1], int32[::1])")]
