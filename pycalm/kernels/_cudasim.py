@@ -1,4 +1,5 @@
-"""Warp intrinsics (and libdevice's fast_expf) for numba's CUDA simulator, which lacks them.
+"""Warp intrinsics (and libdevice's fast_expf) for numba's CUDA simulator, which lacks them, and
+the warp-wide gather behind the tensor-core intrinsics' simulator twins.
 
 The simulator runs every thread of a block as a Python thread. A shuffle here is a rendezvous
 of the lanes of one warp: each lane posts its value in the warp's slot table, waits at a
@@ -50,6 +51,19 @@ def _shuffle(value: object, src_of_lane) -> object:  # noqa: ANN001
     src = src_of_lane(lane)
     out = ex.slots[src] if 0 <= src < ex.lanes else value
     ex.barrier.wait()  # every lane has read before any lane posts again
+    return out
+
+
+def warp_gather(value: object) -> list[object]:
+    """Every lane's `value`, indexed by lane: the rendezvous behind the warp-wide tensor-core
+    twins (pycalm.kernels.tensorcore), which rebuild a whole matrix from the lanes' fragments.
+    Like the hardware's .sync.aligned instructions, the whole warp must call it together."""
+    thread = threading.current_thread()
+    ex, lane = _exchange_for(thread)
+    ex.slots[lane] = value
+    ex.barrier.wait()  # every lane has posted its value
+    out = list(ex.slots[: ex.lanes])
+    ex.barrier.wait()  # every lane has copied the table before any lane posts again
     return out
 
 

@@ -1,0 +1,311 @@
+"""Tensor-core intrinsics: inline PTX for the warp-wide matrix instructions numba has no API for.
+
+  mma_16816(a0..a3, b0, b1, c0..c3) -> d0..d3    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
+  ldmatrix_x4(smem, word) -> r0..r3              ldmatrix.sync.aligned.m8n8.x4.shared.b16
+  cp_async16(smem, word, src, row, col, nbytes)  cp.async.cg.shared.global, 16 bytes (zero-filled
+                                                 past nbytes), cp_async_commit / cp_async_wait_all
+  sts128(smem, word, w0..w3)                     st.shared.v4.b32
+  ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes of a uint8 array)
+  pack_f16x2(lo, hi) -> word                     cvt.rn.f16x2.f32 (two floats -> two fp16 halves)
+
+Shared memory is a 1-D int32 array (`cuda.shared.array`) addressed by word: a word holds two
+fp16 halves, the lower-indexed one in the low 16 bits. Fragment registers are int32 words of
+two fp16 halves (f16x2, low half first) or float32.
+
+Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type"), with
+g = lane >> 2 (the group) and t = lane & 3 (the thread in the group):
+
+  A (16 x 16, row-major, f16):  a0 = A[g, 2t:2t+2]      a1 = A[g+8, 2t:2t+2]
+                                a2 = A[g, 2t+8:2t+10]   a3 = A[g+8, 2t+8:2t+10]
+  B (16 x 8, k x n, "col": B^T row-major, so a row of B^T is a column of B):
+                                b0 = B[2t:2t+2, g]      b1 = B[2t+8:2t+10, g]
+  C, D (16 x 8, f32):           c0, c1 = C[g, 2t], C[g, 2t+1]   c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+ldmatrix .x4 loads four 8 x 8 matrices of 16-bit elements: lanes 8i..8i+7 give the addresses
+of rows 0..7 of matrix i (16 contiguous bytes each), and register i of lane l receives matrix i's
+row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1: exactly an A or B fragment piece when the
+matrices are the fragment's 8 x 8 quarters (pycalm.kernels.matmul picks the row addresses).
+
+Each intrinsic has a simulator twin (NUMBA_ENABLE_CUDASIM=1), so the kernels that use them run
+unmodified on a CPU: the warp-wide ones gather every lane's operands through the per-warp
+exchange of pycalm.kernels._cudasim (the whole warp must call them together, as on the GPU),
+rebuild the matrices and hand each lane its fragment; cp.async copies at once (commit and wait
+are no-ops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config as _numba_config
+
+if _numba_config.ENABLE_CUDASIM:
+    from pycalm.kernels._cudasim import warp_gather
+
+    def _halves(word: int) -> np.ndarray:
+        """An int32 word -> its two fp16 halves (low first) as float32."""
+        return np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
+
+    def mma_16816(
+        a0: int, a1: int, a2: int, a3: int, b0: int, b1: int, c0: float, c1: float, c2: float, c3: float
+    ) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+        """D = A B + C over the warp (simulator: every lane's fragments gathered, the 16 x 8
+        product in float32, this lane's four D elements returned)."""
+        frags = warp_gather((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+        a = np.zeros((16, 16), np.float32)
+        b = np.zeros((16, 8), np.float32)
+        c = np.zeros((16, 8), np.float32)
+        for lane, f in enumerate(frags):
+            g, t = lane >> 2, lane & 3
+            a[g, 2 * t : 2 * t + 2] = _halves(f[0])
+            a[g + 8, 2 * t : 2 * t + 2] = _halves(f[1])
+            a[g, 2 * t + 8 : 2 * t + 10] = _halves(f[2])
+            a[g + 8, 2 * t + 8 : 2 * t + 10] = _halves(f[3])
+            b[2 * t : 2 * t + 2, g] = _halves(f[4])
+            b[2 * t + 8 : 2 * t + 10, g] = _halves(f[5])
+            c[g, 2 * t : 2 * t + 2] = f[6], f[7]
+            c[g + 8, 2 * t : 2 * t + 2] = f[8], f[9]
+        d = (a @ b + c).astype(np.float32)
+        lane = _lane()
+        g, t = lane >> 2, lane & 3
+        return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
+
+    def ldmatrix_x4(smem: np.ndarray, word: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """Four 8 x 8 fp16 matrices from shared memory, this lane's row `word` (4 words) one of
+        them (simulator: the row addresses gathered; register i of lane l is word l & 3 of the
+        row that lane 8 i + (l >> 2) addressed)."""
+        rows = warp_gather((smem, int(word)))
+        lane = _lane()
+        out = []
+        for i in range(4):
+            arr, base = rows[8 * i + (lane >> 2)]
+            out.append(np.int32(arr[base + (lane & 3)]))
+        return out[0], out[1], out[2], out[3]
+
+    def cp_async16(smem: np.ndarray, word: int, src: np.ndarray, row: int, col: int, nbytes: int) -> None:
+        """Copy 8 fp16 src[row, col:col+8] into smem words word..word+3, bytes past nbytes (0 or
+        16) zero (simulator: at once)."""
+        vals = np.zeros(8, np.float16)
+        if nbytes:
+            for e in range(8):
+                vals[e] = src[row, col + e]
+        words = vals.view(np.int32)
+        for e in range(4):
+            smem[word + e] = words[e]
+
+    def ldg64(src: np.ndarray, row: int, col: int) -> tuple[np.int32, np.int32]:
+        """The 8 bytes src[row, col:col+8] of a uint8 array as two int32 words, low bytes first
+        (simulator: element reads)."""
+        b = np.array([src[row, col + e] for e in range(8)], dtype=np.uint8).view(np.int32)
+        return b[0], b[1]
+
+    def cp_async_commit() -> None:
+        """(simulator: the copies are done)"""
+
+    def cp_async_wait_all() -> None:
+        """(simulator: the copies are done)"""
+
+    def sts128(smem: np.ndarray, word: int, w0: int, w1: int, w2: int, w3: int) -> None:
+        """Four words into smem[word:word+4] (simulator: four stores)."""
+        smem[word] = w0
+        smem[word + 1] = w1
+        smem[word + 2] = w2
+        smem[word + 3] = w3
+
+    def pack_f16x2(lo: float, hi: float) -> np.int32:
+        """Two floats rounded to fp16 (to nearest even) in one word, lo in the low half."""
+        return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.int32)[0]
+
+    def _lane() -> int:
+        import threading
+
+        return threading.current_thread().thread_id % 32
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _F32 = ir.FloatType()
+
+    def _shared_word_address(
+        context: object, builder: object, aty: object, av: object, word: object, wty: object
+    ):  # noqa: ANN202
+        """The 32-bit shared-memory address of word `word` of a 1-D shared int32 array (numba
+        hands shared arrays around as generic pointers; the cast back lets NVVM fold it)."""
+        word = context.cast(builder, word, wty, types.intp)
+        ary = context.make_array(aty)(context, builder, value=av)
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [word], wraparound=False)
+        shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, 3))
+        return builder.ptrtoint(shared, _I32)
+
+    def _is_word_array(a: object) -> bool:
+        return isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.int32
+
+    @intrinsic
+    def mma_16816(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):  # noqa: ANN001, ANN201
+        """D = A B + C, one m16n8k16 tile over the warp: A 16 x 16 and B 16 x 8 in fp16 (f16x2
+        words), C and D 16 x 8 in float32, fragments as in the module docstring. Every lane of
+        the warp must call it (.sync.aligned)."""
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            ints = [
+                context.cast(builder, v, t, types.int32) for v, t in zip(args[:6], sig.args[:6], strict=True)
+            ]
+            floats = [
+                context.cast(builder, v, t, types.float32)
+                for v, t in zip(args[6:], sig.args[6:], strict=True)
+            ]
+            fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            asm = ir.InlineAsm(
+                fnty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+            )
+            res = builder.call(asm, ints + floats)
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, smem, word):  # noqa: ANN001, ANN201
+        """Four 8 x 8 fp16 matrices from shared memory into four f16x2 words a lane (ldmatrix
+        .x4): this lane gives the address of one 16-byte row, word `word` of the 1-D int32 shared
+        array `smem` (lanes 8i..8i+7: rows 0..7 of matrix i); register i of lane l is matrix
+        i's row l >> 2, elements 2 (l & 3), 2 (l & 3) + 1. Every lane must call it."""
+        if not _is_word_array(smem):
+            return None
+        sig = types.UniTuple(types.int32, 4)(smem, word)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+            asm = ir.InlineAsm(
+                fnty,
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,r,~{memory}",
+                side_effect=True,  # reads shared memory: keep it between the barriers it sits in
+            )
+            res = builder.call(asm, [addr])
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16(typingctx, smem, word, src, row, col, nbytes):  # noqa: ANN001, ANN201
+        """Start a 16-byte copy of src[row, col:col+8] (a 2-D C-contiguous float16 array in
+        global memory, the 16 bytes aligned) to words word..word+3 of the shared int32 array
+        `smem`, without passing through registers (cp.async.cg: cached in L2 only). Only the
+        first nbytes (0 or 16) are read, the rest is zero-filled: a masked row passes 0 (with
+        an in-bounds row and col). Visible after cp_async_commit, cp_async_wait_all and a
+        barrier."""
+        if not _is_word_array(smem):
+            return None
+        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.float16):
+            return None
+        sig = types.void(smem, word, src, row, col, nbytes)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            sty = sig.args[2]
+            r = context.cast(builder, args[3], sig.args[3], types.intp)
+            c = context.cast(builder, args[4], sig.args[4], types.intp)
+            ary = context.make_array(sty)(context, builder, value=args[2])
+            ptr = cgutils.get_item_pointer(context, builder, sty, ary, [r, c], wraparound=False)
+            n = context.cast(builder, args[5], sig.args[5], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [_I32, ptr.type, _I32])
+            asm = ir.InlineAsm(
+                fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True
+            )
+            builder.call(asm, [addr, ptr, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def ldg64(typingctx, src, row, col):  # noqa: ANN001, ANN201
+        """The 8 bytes src[row, col:col+8] of a 2-D C-contiguous uint8 array (8-byte aligned) as
+        two int32 words, low bytes first: one ld.global.nc.v2.b32 (the weights are read-only
+        while a kernel runs)."""
+        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.uint8):
+            return None
+        sig = types.UniTuple(types.int32, 2)(src, row, col)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            sty = sig.args[0]
+            r = context.cast(builder, args[1], sig.args[1], types.intp)
+            c = context.cast(builder, args[2], sig.args[2], types.intp)
+            ary = context.make_array(sty)(context, builder, value=args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sty, ary, [r, c], wraparound=False)
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [ptr.type])
+            res = builder.call(ir.InlineAsm(fnty, "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l"), [ptr])
+            parts = [builder.extract_value(res, 0), builder.extract_value(res, 1)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    def _ptx_void(text: str, doc: str) -> object:
+        """A no-argument intrinsic that emits the PTX instruction `text` (a memory fence for
+        the compiler: nothing is moved across it)."""
+
+        def impl(typingctx: object) -> object:
+            def codegen(context: object, builder: object, sig: object, args: object) -> object:
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        impl.__doc__ = doc
+        return intrinsic(impl)
+
+    cp_async_commit = _ptx_void(
+        "cp.async.commit_group;",
+        "Close the group of this thread's cp.async copies issued since the last commit.",
+    )
+    cp_async_wait_all = _ptx_void(
+        "cp.async.wait_group 0;",
+        "Wait until all of this thread's committed cp.async groups have landed (then a barrier "
+        "makes every thread's copies visible to the block).",
+    )
+
+    @intrinsic
+    def sts128(typingctx, smem, word, w0, w1, w2, w3):  # noqa: ANN001, ANN201
+        """Store four int32 words at smem[word:word+4] in one 16-byte shared store (word a
+        multiple of 4)."""
+        if not _is_word_array(smem):
+            return None
+        sig = types.void(smem, word, w0, w1, w2, w3)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            ws = [
+                context.cast(builder, v, t, types.int32) for v, t in zip(args[2:], sig.args[2:], strict=True)
+            ]
+            fnty = ir.FunctionType(ir.VoidType(), [_I32] * 5)
+            asm = ir.InlineAsm(
+                fnty, "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", side_effect=True
+            )
+            builder.call(asm, [addr, *ws])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, lo, hi):  # noqa: ANN001, ANN201
+        """Two float32 rounded to fp16 (to nearest even) in one int32 word, lo in the low half:
+        one cvt.rn.f16x2.f32 (whose first source goes to the upper half)."""
+        sig = types.int32(lo, hi)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            lo_v = context.cast(builder, args[0], sig.args[0], types.float32)
+            hi_v = context.cast(builder, args[1], sig.args[1], types.float32)
+            fn = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(fn, [hi_v, lo_v])
+
+        return sig, codegen

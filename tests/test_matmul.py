@@ -1,0 +1,112 @@
+"""matmul (plain / residual / gate) against pycalm.reference's matmul_ref, matmul_residual_ref and
+matmul_gate_ref, every weight dtype, at shapes that are not multiples of the tile.
+
+Tolerance: X and the decoded weights are fp16, so the tensor cores' products are exact and the
+kernel differs from the reference only in the order and rounding of the float32 sums: 1e-5 of
+the |X| |W|^T sum covers that for these lengths. The gate's fp16 output may further differ by
+one fp16 rounding (2**-11 relative) where the two float32 results straddle a rounding point.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pycalm import formats
+from pycalm.kernels.matmul import SIM_TILE, TILE, Tile, matmul
+from pycalm.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
+
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+DTYPES = ["fp16", "fp8", "gf4"]
+MODES = ["plain", "residual", "gate"]
+# (T, N, K): T = 1; T and N not multiples of the tile (SIM_TILE 32 x 32, gate: 16 outputs a
+# block), K = 8 x odd (a partial last step of 32)
+SHAPES = [(19, 40, 40), (1, 21, 24)]
+if GPU:
+    SHAPES += [(200, 1000, 4104), (1, 4099, 1032), (517, 333, 2056)]
+RTOL = 1e-5
+
+
+def _inputs(rng, t_rows, n, k, dtype, scale=0.5):
+    x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * scale)
+    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+    return x, w
+
+
+def _sum_scale(x, w, dtype):
+    """|X| |W|^T: what the float32 rounding of the sums is relative to."""
+    return np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
+
+
+def _check(got, want, scale):
+    assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= RTOL * scale + 1e-30), f"max err / scale {np.max(err / scale):.3g}"
+
+
+def _run(mode, x, w, dtype, out, w3=None, tile=None):
+    d_out = cuda.to_device(out)
+    stream = cuda.default_stream()
+    matmul(cuda.to_device(x), cuda.to_device(w), d_out, dtype, stream=stream, mode=mode,
+           w3=None if w3 is None else cuda.to_device(w3), tile=tile)  # fmt: skip
+    stream.synchronize()
+    return d_out.copy_to_host()
+
+
+def _test(mode, dtype, t_rows, n, k, tile=None, seed=0):
+    rng = np.random.default_rng(seed)
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    scale = _sum_scale(x, w, dtype)
+    if mode == "plain":
+        got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float32), tile=tile)
+        _check(got, matmul_ref(x, w, dtype), scale)
+    elif mode == "residual":
+        r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
+        got = _run(mode, x, w, dtype, r0.copy(), tile=tile)
+        _check(got, matmul_residual_ref(x, w, dtype, r0), scale + np.abs(r0))
+    else:
+        _, w3 = _inputs(rng, t_rows, n, k, dtype)
+        got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float16), w3=w3, tile=tile)
+        want = matmul_gate_ref(x, w, w3, dtype)
+        assert got.dtype == np.float16 and np.all(np.isfinite(got))
+        a, b = matmul_ref(x, w, dtype), matmul_ref(x, w3, dtype)
+        da, db = RTOL * scale, RTOL * _sum_scale(x, w3, dtype)
+        # one fp16 rounding of the result each side, and the sums' float32 error through the gate
+        # (|silu'| <= 1.1, |silu(a)| <= |a| + 0.28), plus fp16's smallest subnormal
+        tol = 2.0**-10 * np.abs(want) + 1.1 * np.abs(b) * da + (np.abs(a) + 0.28) * db + 2.0**-24
+        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+        assert np.all(err <= tol), f"max err / tol {np.max(err / tol):.3g}"
+
+
+@pytest.mark.parametrize("t_rows,n,k", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul(dtype, mode, t_rows, n, k):
+    _test(mode, dtype, t_rows, n, k)
+
+
+def test_matmul_default_tile():
+    # the engine's tile (128 x 128, 8 warps of 64 x 32) under the simulator too: one block
+    _test("residual", "gf4", 70, 100, 56, tile=TILE, seed=1)
+
+
+@pytest.mark.skipif(not GPU, reason="the small tile is what the simulator runs already")
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_small_tile_on_gpu(mode):
+    _test(mode, "gf4", 45, 77, 264, tile=SIM_TILE, seed=2)
+
+
+def test_matmul_rejects_bad_shapes():
+    from pycalm.errors import PycalmError
+
+    x = cuda.to_device(np.zeros((2, 12), np.float16))
+    w = cuda.to_device(np.zeros((4, 12), np.float16))
+    out = cuda.to_device(np.zeros((2, 4), np.float32))
+    with pytest.raises(PycalmError, match="multiple of 8"):
+        matmul(x, w, out, "fp16", stream=cuda.default_stream())
+    with pytest.raises(PycalmError, match="w3"):
+        matmul(x, w, out, "fp16", stream=cuda.default_stream(), mode="gate")
+    x16 = cuda.to_device(np.zeros((2, 16), np.float16))
+    with pytest.raises(PycalmError, match="divide"):
+        matmul(x16, w, out, "fp16", stream=cuda.default_stream(), tile=Tile(32, 32, 2, 4))
