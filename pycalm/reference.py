@@ -84,6 +84,24 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
     return (silu_ref(matvec_ref(w1, x, dtype)) * matvec_ref(w3, x, dtype)).astype(np.float32)
 
 
+# matrix products for T tokens (the multi-token forward; pycalm.kernels.matmul on the GPU)
+
+
+def matmul_ref(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
+    """Y = X W^T; x: (T, K) float16 activations, w: stored (N, K) in `dtype` -> (T, N) float32."""
+    return (x.astype(np.float32) @ formats.decode(w, dtype).T).astype(np.float32)
+
+
+def matmul_residual_ref(x: np.ndarray, w: np.ndarray, dtype: str, residual: np.ndarray) -> np.ndarray:
+    """residual (T, N) float32 + X W^T: the residual add fused into the product (wo, w2)."""
+    return (residual + matmul_ref(x, w, dtype)).astype(np.float32)
+
+
+def matmul_gate_ref(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str) -> np.ndarray:
+    """silu(X W1^T) * (X W3^T) -> (T, hidden_dim) float16 (w2's activations), saturating."""
+    return formats.fp16_encode(silu_ref(matmul_ref(x, w1, dtype)) * matmul_ref(x, w3, dtype))
+
+
 # =============================================================================================
 # QKV projection and RoPE
 
