@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm.kernels.sample import argmax, sample
+from pycalm.kernels.argmax import argmax
+from pycalm.kernels.sample import sample
 from pycalm.reference import sample_ref
+from pycalm.sampler import SamplingParams
 
 THREADS = 64
 
@@ -65,7 +67,8 @@ def test_sample_matches_ref(temperature, top_k, top_p, min_p, vocab):
     stream = cuda.stream()
     for step in range(steps):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))  # the coin index is state[1]
-        sample(d_logits, state, d_coins, temperature, top_k, top_p, min_p, stream=stream, threads=THREADS)
+        settings = SamplingParams(temperature, top_k, top_p, min_p)
+        sample(d_logits, state, d_coins, settings, stream=stream, threads=THREADS)
         stream.synchronize()
         want = sample_ref(logits, temperature, top_k, top_p, min_p, float(coins[step]))
         assert int(state.copy_to_host()[0]) == want, (step, float(coins[step]))
@@ -81,7 +84,7 @@ def test_sample_orders_equal_logits_by_id():
     stream = cuda.stream()
     for step, coin in enumerate(coins):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
-        sample(d_logits, state, d_coins, 1.0, 0, 1.0, 0.0, stream=stream, threads=THREADS)
+        sample(d_logits, state, d_coins, SamplingParams(1.0), stream=stream, threads=THREADS)
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, coin=float(coin))
         assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * 10)]
@@ -100,7 +103,7 @@ def test_sample_kept_ties_walk_in_id_order(top_k):
     stream = cuda.stream()
     for step, coin in enumerate(coins):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
-        sample(d_logits, state, d_coins, 1.0, top_k, 1.0, 0.0, stream=stream, threads=THREADS)
+        sample(d_logits, state, d_coins, SamplingParams(1.0, top_k), stream=stream, threads=THREADS)
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, top_k, coin=float(coin)), coin
 
@@ -118,7 +121,9 @@ def test_sample_top_p_alone_over_a_peaked_distribution(temperature, top_p, tie):
     stream = cuda.stream()
     for step, coin in enumerate(coins):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
-        sample(d_logits, state, d_coins, temperature, 0, top_p, 0.0, stream=stream, threads=THREADS)
+        sample(
+            d_logits, state, d_coins, SamplingParams(temperature, 0, top_p), stream=stream, threads=THREADS
+        )
         stream.synchronize()
         want = sample_ref(logits, temperature, 0, top_p, 0.0, float(coin))
         assert int(state.copy_to_host()[0]) == want, coin
@@ -133,4 +138,4 @@ def test_sample_block_size_is_checked():
     state = cuda.to_device(np.zeros(4, np.int32))
     for threads in (SAMPLE_THREADS + 32, 48, 0):
         with pytest.raises(PycalmError, match="threads"):
-            sample(d, state, d, 1.0, 0, 1.0, 0.0, stream=cuda.stream(), threads=threads)
+            sample(d, state, d, SamplingParams(1.0), stream=cuda.stream(), threads=threads)

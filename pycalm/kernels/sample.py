@@ -1,21 +1,16 @@
 """Sampling on the GPU, so that only a token id crosses to the host each step.
 
-`argmax` (greedy) and `sample` (temperature with top-k / min-p / top-p) write the chosen token
-into state[STATE_TOKEN]; pycalm.kernels.step then records it in the token ring. The
-specification is pycalm.sampler.sample_ref (float64); this is the same walk in float32.
+`sample` (temperature with top-k / min-p / top-p; at temperature 0 pycalm.kernels.argmax)
+writes the chosen token into state[STATE_TOKEN]. The reference is pycalm.reference.sample_ref
+(float64); the kernel makes the same walk in float32.
 
 The random number: `sample` reads coin = coins[state[STATE_POS]] from a device array of
-uniform [0, 1) numbers the host draws once per generation (e.g. from Sampler.next_coin(), one
-per position), so the captured graph needs no per-token host work. temperature / top_k / top_p
-/ min_p are launch arguments, fixed for a run.
+uniform [0, 1) numbers the host draws once per generation (one per position, as the CPU
+Sampler draws them), so the captured graph needs no per-token host work. temperature / top_k /
+top_p / min_p are launch arguments, fixed for a run.
 
-argmax with scratch: pass 1, ARGMAX_BLOCKS blocks each take a grid-stride share of the logits
-and write their best (value, id) pair to scratch; pass 2, one block picks the best pair (largest
-value, then lowest id). One block alone (the fallback without scratch) is latency-bound at
-~20 us for 128k logits; the two passes spread the loads over the SMs.
-
-sample, how (one block of 512 threads over the whole vocabulary; the logits, up to 600 KB, stay
-in L2 between passes; 1024 threads need more registers than an SM has for one block):
+sample, how (one block of SAMPLE_THREADS threads over the whole vocabulary; the logits, up to
+600 KB, stay in L2 between passes; 1024 threads need more registers than an SM has for one block):
   * The walk order is "descending logit, lower id first": for T > 0, p = exp((l - max) / T) is
     monotonic in the logit, so the order needs no probabilities. Each logit gets a 32-bit key
     whose unsigned order is the float order.
@@ -37,14 +32,12 @@ in L2 between passes; 1024 threads need more registers than an SM has for one bl
     remaining selects' radix passes are skipped. A top-p select with nothing cut before it
     (the CLI's default) stops as soon as a pass leaves at most KEPT candidates (the elements
     before its crossing bin and in it) and hands them to the same sorted walk, its top-p share
-    taken of the whole vocabulary's mass (not yet timed on the GPU).
+    taken of the whole vocabulary's mass.
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
     loads its logits BATCH at a time (_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
     on the few bins most logits share: each warp adds into a histogram of its own, and the
-    warps' histograms are summed after the pass (_merge). (H200, 128k logits, temperature alone
-    / with top-k 40 and top-p 0.95: 0.87 / 2.5 ms at first, 0.78 / 2.25 ms batched, 0.39 / 1.06
-    ms with a histogram a warp, 0.38 / 0.44 ms with the kept-token walk.)
+    warps' histograms are summed after the pass (_merge). (Timings: docs/BENCHMARKS.md.)
 Ties in floating point: the running sums are float32 sums in histogram order, not float64 sums
 in walk order, so a coin within ~1e-6 of a boundary between two tokens may pick the neighbour.
 
@@ -59,6 +52,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
+from pycalm.kernels.argmax import argmax
 from pycalm.kernels.common import (
     STATE_POS,
     STATE_TOKEN,
@@ -70,8 +64,8 @@ from pycalm.kernels.common import (
     warp_reduce_max,
     warp_reduce_sum,
 )
+from pycalm.sampler import SamplingParams
 
-THREADS = 1024  # the one-block argmax
 SAMPLE_THREADS = 512  # the sample kernel needs ~86 registers a thread: 1024 would not launch
 BINS = 256
 HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (summed into the first)
@@ -89,8 +83,7 @@ SIGN = -2147483648  # 0x80000000 as int32
 def _ukey(x):  # noqa: ANN001, ANN202
     """float32 -> int32 whose UNSIGNED order (bit pattern) is the float order (radix digits).
     Every result is wrapped in int32(): real numba computes int32 ^ int32 in int64, where a key
-    with bit 31 set would come out negative-extended and never equal a prefix built from digits
-    (the first GPU run picked token 0 every time)."""
+    with bit 31 set would come out sign-extended and never equal a prefix built from digits."""
     u = as_i32(x)
     if u < int32(0):
         u = int32(u ^ int32(0x7FFFFFFF))  # negative floats: larger magnitude, smaller key
@@ -107,12 +100,13 @@ def _key_value(k):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _crossed(mode, cnt, mass, tn, tm):  # noqa: ANN001, ANN202
+def _crossed(mode, cnt, mass, target_n, target_mass):  # noqa: ANN001, ANN202
+    """Whether a running count / mass has crossed the target of `mode`."""
     if mode == MODE_COUNT:
-        return cnt >= tn
+        return cnt >= target_n
     if mode == MODE_MASS_GE:
-        return mass >= tm
-    return mass > tm
+        return mass >= target_mass
+    return mass > target_mass
 
 
 @cuda.jit(device=True, inline=True)
@@ -130,47 +124,51 @@ def _warp_prefix(v):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _scan_bins(hcnt, hmass, mode, tn, tm, base_c, base_s, ascending, sel, self_):  # noqa: ANN001, ANN202
+def _scan_bins(hist_n, hist_mass, mode, target_n, target_mass, base_c, base_s, ascending, cross, cross_mass):  # noqa: ANN001, ANN202
     """Warp 0 only: the crossing bin of a histogram walked from bin 255 down (bin 0 up when
     ascending), the running count / mass starting at base_c / base_s (what lies before the
-    histogram in the walk). sel <- (bin, count before it, count in it); self_ <- (mass before
+    histogram in the walk). cross <- (bin, count before it, count in it); cross_mass <- (mass before
     it,), both relative to the histogram. If nothing crosses (float rounding at the very end of
     the walk), the last non-empty bin is taken, as the spec clamps to the last kept token."""
     lane = cuda.threadIdx.x
-    c = int32(0)
-    s = float32(0.0)
+    lane_n = int32(0)
+    lane_mass = float32(0.0)
     for i in range(8):  # lane L owns walk positions 8L .. 8L+7
         b = 8 * lane + i if ascending else 255 - 8 * lane - i
-        c += hcnt[b]
-        s += hmass[b]
-    own_c = c
-    c, ex_c = _warp_prefix(c)  # over the lanes (every lane of warp 0 takes part)
-    s, ex_s = _warp_prefix(s)
-    total_c = cuda.shfl_sync(0xFFFFFFFF, c, 31)
-    total_s = cuda.shfl_sync(0xFFFFFFFF, s, 31)
-    mine = (not _crossed(mode, base_c + ex_c, base_s + ex_s, tn, tm)) and _crossed(
-        mode, base_c + c, base_s + s, tn, tm
+        lane_n += hist_n[b]
+        lane_mass += hist_mass[b]
+    own_c = lane_n
+    lane_n, ex_c = _warp_prefix(lane_n)  # over the lanes (every lane of warp 0 takes part)
+    lane_mass, ex_s = _warp_prefix(lane_mass)
+    total_c = cuda.shfl_sync(0xFFFFFFFF, lane_n, 31)
+    total_s = cuda.shfl_sync(0xFFFFFFFF, lane_mass, 31)
+    mine = (not _crossed(mode, base_c + ex_c, base_s + ex_s, target_n, target_mass)) and _crossed(
+        mode, base_c + lane_n, base_s + lane_mass, target_n, target_mass
     )
-    fallback = (not _crossed(mode, base_c + total_c, base_s + total_s, tn, tm)) and own_c > 0 and total_c == c
+    fallback = (
+        (not _crossed(mode, base_c + total_c, base_s + total_s, target_n, target_mass))
+        and own_c > 0
+        and total_c == lane_n
+    )
     if mine or fallback:
-        rc = ex_c
-        rs = ex_s
+        run_n = ex_c
+        run_mass = ex_s
         for i in range(8):
             b = 8 * lane + i if ascending else 255 - 8 * lane - i
-            nc = rc + hcnt[b]
-            ns = rs + hmass[b]
+            next_n = run_n + hist_n[b]
+            next_mass = run_mass + hist_mass[b]
             if mine:
-                hit = _crossed(mode, base_c + nc, base_s + ns, tn, tm)
+                hit = _crossed(mode, base_c + next_n, base_s + next_mass, target_n, target_mass)
             else:
-                hit = hcnt[b] > 0 and nc == total_c
+                hit = hist_n[b] > 0 and next_n == total_c
             if hit:
-                sel[0] = b
-                sel[1] = rc
-                sel[2] = hcnt[b]
-                self_[0] = rs
+                cross[0] = b
+                cross[1] = run_n
+                cross[2] = hist_n[b]
+                cross_mass[0] = run_mass
                 break
-            rc = nc
-            rs = ns
+            run_n = next_n
+            run_mass = next_mass
 
 
 @cuda.jit(device=True, inline=True)
@@ -185,92 +183,103 @@ def _batch(logits, i0, step, xs):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _clear(hcnt, hmass):  # noqa: ANN001, ANN202
+def _clear(hist_n, hist_mass):  # noqa: ANN001, ANN202
     for b in range(cuda.threadIdx.x, (cuda.blockDim.x // 32) * BINS, cuda.blockDim.x):
-        hcnt[b] = int32(0)
-        hmass[b] = float32(0.0)
+        hist_n[b] = int32(0)
+        hist_mass[b] = float32(0.0)
 
 
 @cuda.jit(device=True, inline=True)
-def _merge(hcnt, hmass):  # noqa: ANN001, ANN202
-    """Add the warps' histograms into the first (bins 0..255 of hcnt / hmass), in warp order."""
+def _merge(hist_n, hist_mass):  # noqa: ANN001, ANN202
+    """Add the warps' histograms into the first (bins 0..255 of hist_n / hist_mass), in warp order."""
     for b in range(cuda.threadIdx.x, BINS, cuda.blockDim.x):
-        c = hcnt[b]
-        s = hmass[b]
+        n = hist_n[b]
+        mass = hist_mass[b]
         for w in range(1, cuda.blockDim.x // 32):
-            c += hcnt[w * BINS + b]
-            s += hmass[w * BINS + b]
-        hcnt[b] = c
-        hmass[b] = s
+            n += hist_n[w * BINS + b]
+            mass += hist_mass[w * BINS + b]
+        hist_n[b] = n
+        hist_mass[b] = mass
 
 
 @cuda.jit(device=True, inline=True)
-def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few):  # noqa: ANN001, ANN202
+def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few):  # noqa: ANN001, ANN202
     """All threads of the block. The element of the walk order where the running count reaches
-    tn (MODE_COUNT) or the running mass reaches / exceeds tm -> (its rank, its token id, the
+    target_n (MODE_COUNT) or the running mass reaches / exceeds target_mass -> (its rank, its token id, the
     running mass through it, 0). Or, as soon as a pass leaves at most `few` candidates (the
     elements before the crossing bin and in it: a prefix of the walk order, every key at least
     the bin's lowest), -> (their count, -1, 0, that lowest key) for the caller to sort them."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    n_threads = cuda.blockDim.x
     row = (tid // 32) * BINS  # this warp's histogram
     xs = cuda.local.array(BATCH, float32)  # a batch of this thread's logits
     prefix = int32(0)  # key bits fixed so far
-    hi = int32(0)  # their mask
+    prefix_mask = int32(0)  # their mask
     cnt_above = int32(0)  # elements before the prefix's ones in the walk
     mass_above = float32(0.0)
     ties = int32(0)
     for p in range(4):
         shift = int32(24 - 8 * p)
-        _clear(hcnt, hmass)
+        _clear(hist_n, hist_mass)
         cuda.syncthreads()  # the histogram is clear before anyone adds to it
         # Run-length aggregation: a thread adds its run of equal digits in one pair of atomics.
         # Most logits share the top digits (same sign and exponent), so one shared-memory
-        # atomic per element made every thread of the block queue on one or two bins (2.8 ms
-        # for 128k logits on the H200); runs cut the atomics to a few per thread. Each warp
-        # adds into its own histogram (row), so only the lanes of one warp contend for a bin.
-        cur = int32(-1)
-        rc = int32(0)
-        rm = float32(0.0)
-        for i0 in range(tid, n, nt * BATCH):
-            _batch(logits, i0, nt, xs)
+        # atomic per element would queue the whole block on one or two bins; runs cut the
+        # atomics to a few per thread. Each warp adds into its own histogram (row), so only the
+        # lanes of one warp contend for a bin.
+        run_digit = int32(-1)
+        run_n = int32(0)
+        run_mass = float32(0.0)
+        for i0 in range(tid, n, n_threads * BATCH):
+            _batch(logits, i0, n_threads, xs)
             for u in range(BATCH):
                 x = xs[u]
                 k = _ukey(x)
-                if i0 + u * nt < n and (k & hi) == prefix:
+                if i0 + u * n_threads < n and (k & prefix_mask) == prefix:
                     d = int32((k >> shift) & int32(255))
-                    if d != cur:
-                        if rc > int32(0):
-                            cuda.atomic.add(hcnt, row + cur, rc)
-                            cuda.atomic.add(hmass, row + cur, rm)
-                        cur = d
-                        rc = int32(0)
-                        rm = float32(0.0)
-                    rc += int32(1)
-                    rm += math.exp((x - m) * inv_t)  # count mode too: its mass is used
-        if rc > int32(0):
-            cuda.atomic.add(hcnt, row + cur, rc)
-            cuda.atomic.add(hmass, row + cur, rm)
+                    if d != run_digit:
+                        if run_n > int32(0):
+                            cuda.atomic.add(hist_n, row + run_digit, run_n)
+                            cuda.atomic.add(hist_mass, row + run_digit, run_mass)
+                        run_digit = d
+                        run_n = int32(0)
+                        run_mass = float32(0.0)
+                    run_n += int32(1)
+                    run_mass += math.exp((x - m) * inv_t)  # count mode too: its mass is used
+        if run_n > int32(0):
+            cuda.atomic.add(hist_n, row + run_digit, run_n)
+            cuda.atomic.add(hist_mass, row + run_digit, run_mass)
         cuda.syncthreads()  # every warp's histogram is complete
-        _merge(hcnt, hmass)
+        _merge(hist_n, hist_mass)
         cuda.syncthreads()  # their sum is in the first
         if tid < 32:
-            _scan_bins(hcnt, hmass, mode, tn, tm, cnt_above, mass_above, False, sel, self_)
-        cuda.syncthreads()  # sel holds the crossing bin (read by all before the next clear)
-        prefix = int32(prefix | (sel[0] << shift))
-        hi = int32(hi | (int32(255) << shift))
-        cnt_above += sel[1]
-        mass_above += self_[0]
-        ties = sel[2]
+            _scan_bins(
+                hist_n,
+                hist_mass,
+                mode,
+                target_n,
+                target_mass,
+                cnt_above,
+                mass_above,
+                False,
+                cross,
+                cross_mass,
+            )
+        cuda.syncthreads()  # cross holds the crossing bin (read by all before the next clear)
+        prefix = int32(prefix | (cross[0] << shift))
+        prefix_mask = int32(prefix_mask | (int32(255) << shift))
+        cnt_above += cross[1]
+        mass_above += cross_mass[0]
+        ties = cross[2]
         if cnt_above + ties <= few and prefix != int32(0):
-            return cnt_above + ties, int32(-1), float32(0.0), prefix  # block-uniform (sel)
+            return cnt_above + ties, int32(-1), float32(0.0), prefix  # block-uniform (cross)
     # equal keys are equal logits: the crossing is at the j-th of them in id order
-    pk = math.exp((_key_value(prefix) - m) * inv_t)
+    p_tie = math.exp((_key_value(prefix) - m) * inv_t)
     if mode == MODE_COUNT:
-        j = tn - cnt_above - int32(1)
-    elif pk > float32(0.0):
-        r = (tm - mass_above) / pk
+        j = target_n - cnt_above - int32(1)
+    elif p_tie > float32(0.0):
+        r = (target_mass - mass_above) / p_tie
         j = int32(math.ceil(r)) - int32(1) if mode == MODE_MASS_GE else int32(math.floor(r))
     else:
         j = ties - int32(1)
@@ -279,35 +288,44 @@ def _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few):
         if tid == 0:
             best[0] = n
         cuda.syncthreads()  # best is reset before the atomic min
-        for i0 in range(tid, n, nt * BATCH):
-            _batch(logits, i0, nt, xs)
+        for i0 in range(tid, n, n_threads * BATCH):
+            _batch(logits, i0, n_threads, xs)
             for u in range(BATCH):
-                if i0 + u * nt < n and _ukey(xs[u]) == prefix:
-                    cuda.atomic.min(best, 0, int32(i0 + u * nt))
+                if i0 + u * n_threads < n and _ukey(xs[u]) == prefix:
+                    cuda.atomic.min(best, 0, int32(i0 + u * n_threads))
         cuda.syncthreads()  # every candidate has gone into best
         idx = best[0]
     else:  # the j-th smallest id among the ties: radix select over the id bits, ascending
         idx = int32(0)
-        ihi = int32(0)
+        id_mask = int32(0)
         below = int32(0)
         for p in range(3):
             shift = int32(16 - 8 * p)
-            _clear(hcnt, hmass)
+            _clear(hist_n, hist_mass)
             cuda.syncthreads()  # the histogram is clear before anyone adds to it
             for i in range(tid, n, cuda.blockDim.x):
-                if (int32(i) & ihi) == idx and _ukey(logits[i]) == prefix:
-                    cuda.atomic.add(hcnt, (int32(i) >> shift) & int32(255), int32(1))
+                if (int32(i) & id_mask) == idx and _ukey(logits[i]) == prefix:
+                    cuda.atomic.add(hist_n, (int32(i) >> shift) & int32(255), int32(1))
             cuda.syncthreads()  # the histogram is complete
             if tid < 32:
                 _scan_bins(
-                    hcnt, hmass, MODE_COUNT, j + int32(1), float32(0.0), below, float32(0.0), True, sel, self_
+                    hist_n,
+                    hist_mass,
+                    MODE_COUNT,
+                    j + int32(1),
+                    float32(0.0),
+                    below,
+                    float32(0.0),
+                    True,
+                    cross,
+                    cross_mass,
                 )
-            cuda.syncthreads()  # sel holds the bin
-            idx = int32(idx | (sel[0] << shift))
-            ihi = int32(ihi | (int32(255) << shift))
-            below += sel[1]
-    cuda.syncthreads()  # everyone has read sel / best before a later select rewrites them
-    return cnt_above + j, idx, mass_above + float32(j + 1) * pk, int32(0)
+            cuda.syncthreads()  # cross holds the bin
+            idx = int32(idx | (cross[0] << shift))
+            id_mask = int32(id_mask | (int32(255) << shift))
+            below += cross[1]
+    cuda.syncthreads()  # everyone has read cross / best before a later select rewrites them
+    return cnt_above + j, idx, mass_above + float32(j + 1) * p_tie, int32(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -348,59 +366,59 @@ def _warp_total(p, k):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _walk_kept(logits, m, inv_t, coin, top_p, denom, kl, last, hcnt, hmass, best):  # noqa: ANN001, ANN202
+def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
     """All threads of the block. The top-p cut (top_p < 1) and the coin walk over a few
     candidates (at most KEPT): a prefix of the walk order, every token whose key (unsigned) is
-    above kl, or equal to it with an id up to `last`. Either the kept tokens themselves (kl:
-    the last kept token's key, last: its id; denom 0: the top-p share is of their own total) or
-    a top-p select's candidates (kl: one below their lowest key, last -1; denom: the total mass
-    the share is of). One pass gathers them into hmass / hcnt [0, K); each finds its rank in the
-    walk order by comparing with all the others (K^2 shared loads, broadcast) and puts its p
-    there in hmass / hcnt [KEPT, KEPT + K); warp 0 finds the top-p cut and the coin's crossing
-    in rank order. -> the token id."""
+    above edge_key, or equal to it with an id up to edge_id. Either the kept tokens themselves
+    (edge_key: the last kept token's key, edge_id: its id; denom 0: the top-p share is of their
+    own total) or a top-p select's candidates (edge_key: one below their lowest key, edge_id -1;
+    denom: the total mass the share is of). One pass gathers them into hist_mass / hist_n [0, K);
+    each finds its rank in the walk order by comparing with all the others (K^2 shared loads,
+    broadcast) and puts its p there in hist_mass / hist_n [KEPT, KEPT + K); warp 0 finds the
+    top-p cut and the coin's crossing in rank order. -> the token id."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    n_threads = cuda.blockDim.x
     if tid == 0:
         best[0] = int32(0)
     cuda.syncthreads()  # the slot counter is zero before anyone takes a slot
     xs = cuda.local.array(BATCH, float32)
-    for i0 in range(tid, n, nt * BATCH):
-        _batch(logits, i0, nt, xs)
+    for i0 in range(tid, n, n_threads * BATCH):
+        _batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
-            i = i0 + u * nt
+            i = i0 + u * n_threads
             k = uint32(_ukey(xs[u]))
-            if i < n and (k > kl or (k == kl and i <= last)):
+            if i < n and (k > edge_key or (k == edge_key and i <= edge_id)):
                 slot = cuda.atomic.add(best, 0, int32(1))
                 if slot < KEPT:
-                    hmass[slot] = xs[u]
-                    hcnt[slot] = int32(i)
+                    hist_mass[slot] = xs[u]
+                    hist_n[slot] = int32(i)
     cuda.syncthreads()  # every kept token is in its slot
-    nk = min(best[0], int32(KEPT))
+    n_kept = min(best[0], int32(KEPT))
     cuda.syncthreads()  # everyone has read the count before best is reused
-    for e in range(tid, nk, nt):
-        xe = hmass[e]
+    for e in range(tid, n_kept, n_threads):
+        xe = hist_mass[e]
         ke = uint32(_ukey(xe))
-        ie = hcnt[e]
+        ie = hist_n[e]
         r = int32(0)
-        for f in range(nk):  # every thread reads the same f: shared-memory broadcast
-            kf = uint32(_ukey(hmass[f]))
-            if kf > ke or (kf == ke and hcnt[f] < ie):
+        for f in range(n_kept):  # every thread reads the same f: shared-memory broadcast
+            kf = uint32(_ukey(hist_mass[f]))
+            if kf > ke or (kf == ke and hist_n[f] < ie):
                 r += int32(1)
-        hmass[KEPT + r] = math.exp((xe - m) * inv_t)
-        hcnt[KEPT + r] = ie
+        hist_mass[KEPT + r] = math.exp((xe - m) * inv_t)
+        hist_n[KEPT + r] = ie
     cuda.syncthreads()  # the kept tokens are in walk order
     if tid < 32:
-        p = hmass[KEPT:]
-        keep = nk
+        p = hist_mass[KEPT:]
+        keep = n_kept
         if top_p < float32(1.0):  # the first prefix whose share reaches top_p
-            total = denom if denom > float32(0.0) else _warp_total(p, nk)
-            keep = _warp_first(p, nk, top_p * total, MODE_MASS_GE) + int32(1)
+            total = denom if denom > float32(0.0) else _warp_total(p, n_kept)
+            keep = _warp_first(p, n_kept, top_p * total, MODE_MASS_GE) + int32(1)
         r = _warp_first(p, keep, coin * _warp_total(p, keep), MODE_MASS_GT)
         if tid == 0:
             best[0] = r
     cuda.syncthreads()  # best holds the rank
-    return hcnt[KEPT + best[0]]
+    return hist_n[KEPT + best[0]]
 
 
 @cuda.jit
@@ -408,42 +426,42 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
     """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(32, float32)
-    hcnt = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
-    hmass = cuda.shared.array(HIST, float32)
-    sel = cuda.shared.array(4, int32)
-    self_ = cuda.shared.array(2, float32)
+    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
+    hist_mass = cuda.shared.array(HIST, float32)
+    cross = cuda.shared.array(4, int32)
+    cross_mass = cuda.shared.array(2, float32)
     best = cuda.shared.array(1, int32)
     n = logits.shape[0]
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    n_threads = cuda.blockDim.x
     xs = cuda.local.array(BATCH, float32)  # a batch of this thread's logits
-    mx = float32(-math.inf)
-    for i0 in range(tid, n, nt * BATCH):
-        _batch(logits, i0, nt, xs)
+    m_thread = float32(-math.inf)
+    for i0 in range(tid, n, n_threads * BATCH):
+        _batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
-            mx = max(mx, xs[u])  # (past the end: the last logit again, harmless here)
-    m = block_reduce_max(mx, scratch)
+            m_thread = max(m_thread, xs[u])  # (past the end: the last logit again, harmless here)
+    m = block_reduce_max(m_thread, scratch)
     # p relative to the largest (which is 1): total mass and the min-p count in one pass
-    z = float32(0.0)
-    c = float32(0.0)
-    for i0 in range(tid, n, nt * BATCH):
-        _batch(logits, i0, nt, xs)
+    total = float32(0.0)
+    n_min_p = float32(0.0)
+    for i0 in range(tid, n, n_threads * BATCH):
+        _batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
-            if i0 + u * nt < n:
+            if i0 + u * n_threads < n:
                 p = math.exp((xs[u] - m) * inv_t)
-                z += p
+                total += p
                 if p >= min_p:
-                    c += float32(1.0)
-    z = block_reduce_sum(z, scratch)
-    c = block_reduce_sum(c, scratch)  # exact: counts below 2^24
-    n0 = int32(n)
+                    n_min_p += float32(1.0)
+    total = block_reduce_sum(total, scratch)
+    n_min_p = block_reduce_sum(n_min_p, scratch)  # exact: counts below 2^24
+    n_keep = int32(n)
     if top_k > 0:
-        n0 = min(n0, top_k)
+        n_keep = min(n_keep, top_k)
     if min_p > float32(0.0):
-        n0 = min(n0, int32(c))
-    n0 = max(n0, int32(1))
+        n_keep = min(n_keep, int32(n_min_p))
+    n_keep = max(n_keep, int32(1))
     cut = int32(n)  # tokens kept: the first `cut` of the walk order
-    mass = z  # their mass
+    mass = total  # their mass
     last = int32(0)  # the id of the last kept token (when cut < n)
     coin = coins[state[STATE_POS]]
     # Three selects: the top-k / min-p cut (stage 0, only when it cuts), the top-p cut (stage 1,
@@ -451,7 +469,7 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
     # is known only at run time, so the (large) select is compiled once, not three times.
     # Every thread computes the same stage sequence, so the select's barriers stay uniform.
     # Once a cut leaves at most KEPT tokens, _walk_kept sorts them and does the rest.
-    stage = int32(0) if n0 < cut else int32(1)
+    stage = int32(0) if n_keep < cut else int32(1)
     small_top_p = float32(1.0)  # the top-p cut, when the kept-token walk takes it
     while stage < int32(3):
         if stage == int32(1) and top_p >= float32(1.0):
@@ -461,39 +479,45 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
             small_top_p = top_p
         if stage == int32(0):
             mode = MODE_COUNT
-            tn = n0
-            tm = float32(0.0)
+            target_n = n_keep
+            target_mass = float32(0.0)
         elif stage == int32(1):
             mode = MODE_MASS_GE
-            tn = int32(0)
-            tm = top_p * mass
+            target_n = int32(0)
+            target_mass = top_p * mass
         else:
             mode = MODE_MASS_GT
-            tn = int32(0)
-            tm = coin * mass
+            target_n = int32(0)
+            target_mass = coin * mass
         if stage == int32(2) and cut <= int32(KEPT) and cut < int32(n):
             # a few kept tokens: sort them instead of four radix passes over the vocabulary
-            kl = uint32(_ukey(logits[last]))
-            idx = _walk_kept(logits, m, inv_t, coin, small_top_p, float32(0.0), kl, last, hcnt, hmass, best)
+            edge_key = uint32(_ukey(logits[last]))
+            idx = _walk_kept(
+                logits, m, inv_t, coin, small_top_p, float32(0.0), edge_key, last, hist_n, hist_mass, best
+            )
             r = int32(0)
-            mp = mass
+            mass_through = mass
         else:
             # top-p with nothing cut before it: stop the select once a pass leaves few candidates
             few = int32(KEPT) if stage == int32(1) and cut == int32(n) else int32(0)
-            r, idx, mp, low = _select(logits, m, inv_t, mode, tn, tm, hcnt, hmass, sel, self_, best, few)
+            r, idx, mass_through, low = _select(
+                logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few
+            )
             if idx < int32(0):  # they hold the top-p cut: sort them, cut and walk
-                kl = uint32(low) - uint32(1)  # keys >= low (low is never 0)
-                idx = _walk_kept(logits, m, inv_t, coin, top_p, mass, kl, int32(-1), hcnt, hmass, best)
+                edge_key = uint32(low) - uint32(1)  # keys >= low (low is never 0)
+                idx = _walk_kept(
+                    logits, m, inv_t, coin, top_p, mass, edge_key, int32(-1), hist_n, hist_mass, best
+                )
                 r = int32(0)
                 stage = int32(2)  # the walk is done too
         if stage == int32(0):
-            cut = n0
-            mass = mp
+            cut = n_keep
+            mass = mass_through
             last = idx
         elif stage == int32(1):
             if r + int32(1) < cut:
                 cut = r + int32(1)
-                mass = mp
+                mass = mass_through
                 last = idx
         else:
             if r >= cut:  # coin * mass rounded past the kept tokens: the spec takes the last kept
@@ -503,170 +527,39 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
         stage += int32(1)
 
 
-@cuda.jit(device=True, inline=True)
-def _warp_best(bv, bi):  # noqa: ANN001, ANN202
-    """Warp butterfly on (value, id) pairs: every lane ends with the warp's largest value and,
-    among equal values, the lowest id. All 32 lanes must call it."""
-    off = 16
-    while off > 0:
-        ov = cuda.shfl_xor_sync(0xFFFFFFFF, bv, off)
-        oi = cuda.shfl_xor_sync(0xFFFFFFFF, bi, off)
-        if ov > bv or (ov == bv and oi < bi):
-            bv = ov
-            bi = oi
-        off //= 2
-    return bv, bi
-
-
-@cuda.jit(device=True, inline=True)
-def _block_best(bv, bi, sv, si, n):  # noqa: ANN001, ANN202
-    """The block's best (value, id) pair, valid in warp 0 (every thread must call: a barrier).
-    sv / si: float32 / int32 shared arrays of 32; n: the id that means "none"."""
-    bv, bi = _warp_best(bv, bi)
-    warp = cuda.threadIdx.x // 32
-    lane = cuda.threadIdx.x % 32
-    if lane == 0:
-        sv[warp] = bv
-        si[warp] = bi
-    cuda.syncthreads()  # every warp's best is in sv / si
-    if warp == 0:
-        n_warps = cuda.blockDim.x // 32
-        bv = sv[lane] if lane < n_warps else float32(-math.inf)
-        bi = si[lane] if lane < n_warps else int32(n)
-        bv, bi = _warp_best(bv, bi)
-    return bv, bi
-
-
-@cuda.jit
-def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
-    """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
-    lowest id among equal maxima."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    sv = cuda.shared.array(32, float32)
-    si = cuda.shared.array(32, int32)
-    n = logits.shape[0]
-    bv = float32(-math.inf)
-    bi = int32(n)
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):  # ascending ids: strict > keeps the first
-        v = logits[i]
-        if v > bv:
-            bv = v
-            bi = int32(i)
-    bv, bi = _block_best(bv, bi, sv, si, n)
-    if cuda.threadIdx.x == 0:
-        state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
-
-
-@cuda.jit
-def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
-    """Pass 1 of the many-block argmax: block b -> scratch[0, b] (its best value's bits) and
-    scratch[1, b] (its id). Threads take elements grid-stride: ascending ids per thread."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    sv = cuda.shared.array(32, float32)
-    si = cuda.shared.array(32, int32)
-    n = logits.shape[0]
-    bv = float32(-math.inf)
-    bi = int32(n)
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        v = logits[i]
-        if v > bv:
-            bv = v
-            bi = int32(i)
-    bv, bi = _block_best(bv, bi, sv, si, n)
-    if cuda.threadIdx.x == 0:
-        scratch[0, cuda.blockIdx.x] = as_i32(bv)
-        scratch[1, cuda.blockIdx.x] = bi
-
-
-@cuda.jit
-def argmax_final_kernel(scratch, state, n):  # noqa: ANN001, ANN201
-    """Pass 2: one block over the blocks' pairs -> state[STATE_TOKEN]."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    sv = cuda.shared.array(32, float32)
-    si = cuda.shared.array(32, int32)
-    bv = float32(-math.inf)
-    bi = int32(n)
-    for b in range(cuda.threadIdx.x, scratch.shape[1], cuda.blockDim.x):
-        v = as_f32(scratch[0, b])
-        i = scratch[1, b]
-        if v > bv or (v == bv and i < bi):
-            bv = v
-            bi = i
-    bv, bi = _block_best(bv, bi, sv, si, n)
-    if cuda.threadIdx.x == 0:
-        state[STATE_TOKEN] = bi if bi < n else int32(0)  # all -inf / NaN: token 0
-
-
-ARGMAX_BLOCKS = 128  # pass-1 blocks: ~1 per SM, each ~1000 logits with 512 threads
-ARGMAX_THREADS = 512
-
-
-def argmax_scratch_shape() -> tuple[int, int]:
-    """Shape of the int32 device scratch for the many-block argmax (no initial contents needed):
-    (2, ARGMAX_BLOCKS), one (value bits, id) pair per pass-1 block."""
-    return 2, ARGMAX_BLOCKS
-
-
-def argmax(
-    logits: object, state: object, *, stream: object, threads: int = THREADS, scratch: object = None
-) -> int:
-    """state[STATE_TOKEN] = argmax(logits (vocab_size,) float32), lowest id on ties.
-
-    scratch: int32 device array of argmax_scratch_shape() (or (2, B) for B pass-1 blocks): two
-    kernels, B blocks of ARGMAX_THREADS then one block (~3 us on the H200 for 128k logits).
-    Without it, one block of `threads` threads does everything (~20 us for 128k logits).
-    threads: a multiple of 32 up to 1024 (tests use fewer under the simulator). Returns bytes moved.
-    """
-    n = logits.shape[0]
-    if scratch is None:
-        argmax_kernel[1, threads, stream](logits, state)
-        return n * 4 + 4
-    blocks = scratch.shape[1]
-    argmax_part_kernel[blocks, min(threads, ARGMAX_THREADS), stream](logits, scratch)
-    argmax_final_kernel[1, min(1024, 32 * -(-blocks // 32)), stream](scratch, state, int32(n))
-    return n * 4 + 2 * scratch.size * 4 + 4
-
-
 def sample(
     logits: object,
     state: object,
     coins: object,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
+    sampling: SamplingParams,
     *,
     stream: object,
     threads: int = SAMPLE_THREADS,
     scratch: object = None,
-) -> int:
-    """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) with
-    coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform [0, 1), drawn by the host
-    once). temperature 0 launches argmax (with `scratch`, see argmax). The sampling block's
-    working set is shared memory.
-
-    Returns the bytes moved at the most passes (see the module docstring).
+) -> None:
+    """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) for the
+    settings of `sampling`, coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform
+    [0, 1), drawn by the host once). Temperature 0 launches argmax (with `scratch`, see argmax).
     """
+    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise PycalmError(f"temperature must be a finite number >= 0, got {temperature}")
     if temperature == 0.0:
-        return argmax(logits, state, stream=stream, threads=threads, scratch=scratch)
+        argmax(logits, state, stream=stream, threads=threads, scratch=scratch)
+        return
     if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
         raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
     if not 32 <= threads <= SAMPLE_THREADS or threads % 32:
         raise PycalmError(f"sample takes 32 to {SAMPLE_THREADS} threads in whole warps, got {threads}")
+    inv_t = float32(1.0 / temperature)
     sample_kernel[1, threads, stream](
-        logits, state, coins, float32(1.0 / temperature), int32(top_k), float32(top_p), float32(min_p)
+        logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
     )
-    return 17 * logits.shape[0] * 4 + 8
 
 
 # (kernel, signature, registers a thread at most: what one block of its launch's threads can
 # have, 64k an SM; tests/test_ptx.py checks it with ptxas)
 COMPILE_CHECK = [
-    (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
-    (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),
-    (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)", 65536 // THREADS),  # up to 1024
     (
         sample_kernel,
         "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)",
