@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pycalm import __version__
-from pycalm.config import WEIGHT_DTYPES
+from pycalm.config import WEIGHT_DTYPES, kv_dtype_for
 from pycalm.engine import CpuEngine
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_gguf
@@ -73,17 +73,19 @@ def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str],
 
 
 def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None]) -> object:
-    """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference."""
+    """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
+    KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for."""
+    kv_dtype = kv_dtype_for(kv, seq_len)
     if device in ("auto", "gpu"):
         from pycalm import gpu as gpu_model
 
         reason = gpu_model.gpu_unavailable_reason()
         if reason is None:
-            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")
         log(f"pycalm: {reason}; running the CPU reference engine")
-    return CpuEngine(model, seq_len=seq_len, kv_dtype="fp16" if kv == "auto" else kv)
+    return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
 
 
 # -------------------------------------------------------------------------------------------
