@@ -23,7 +23,8 @@ import numpy as np
 from pycalm.config import ModelConfig, kv_dtype_for
 from pycalm.errors import PycalmError
 from pycalm.graph import GraphStep
-from pycalm.kernels.attention import attention_span
+from pycalm.kernels.attention import KVCache, attention_span
+from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.sampler import SamplingParams
 
 
@@ -43,8 +44,63 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
+def _stored_bytes(rows: int, cols: int, dtype: str) -> int:
+    """Bytes of a (rows, cols) matrix as pycalm.formats stores it (gf4: 4 bytes a group of 8)."""
+    return rows * cols * {"fp16": 2, "fp8": 1}[dtype] if dtype != "gf4" else rows * cols // 2
+
+
+def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[str, int]:
+    """The bytes a greedy token step at position pos moves to and from GPU memory, by launch
+    role in forward's order, summed over the layers (the total is the sum of the values):
+    every weight a launch reads (one embedding row; MoE: the n_experts_active chosen experts
+    and the float32 router), the KV cache that attention reads at pos (the window with a
+    sliding window) and the row that qkv_rope writes, attention's partials when the context
+    spans several chunks of `chunk` positions, and the float32 activations each launch reads
+    and writes. The benchmark divides it by the step's time (GB/s)."""
+    from pycalm.kernels.argmax import ARGMAX_BLOCKS
+
+    f32, dim, dt = 4, cfg.dim, cfg.weight_dtype
+    kv_elem = 1 if kv_dtype == "fp8" else 2
+    n_attended = min(pos + 1, cfg.sliding_window) if cfg.sliding_window else pos + 1
+    live_chunks = -(-n_attended // chunk)
+    slots = cfg.n_experts_active if cfg.n_experts else 1  # the FFN matrices a token reads
+    route = 2 * slots * f32  # MoE: the chosen experts' ids and weights
+    bias = cfg.qkv_dim * f32 if cfg.qkv_bias else 0
+    layer = {
+        # wqkv, bias, attn_norm, rope_freqs and x read; q and the cache row written
+        "qkv_rope": _stored_bytes(cfg.qkv_dim, dim, dt) + bias + 2 * dim * f32 + cfg.rotary_dim // 2 * f32
+        + cfg.q_dim * f32 + 2 * cfg.kv_dim * kv_elem,
+        # K and V rows read, q read, out written; the partials written and read by the combine
+        "attention": 2 * n_attended * cfg.kv_dim * kv_elem + 2 * cfg.q_dim * f32
+        + (2 * live_chunks * cfg.n_heads * (cfg.head_dim + 2) * f32 if live_chunks > 1 else 0),
+        # wo and att read, x read and written
+        "wo+res": _stored_bytes(dim, cfg.q_dim, dt) + cfg.q_dim * f32 + 2 * dim * f32,
+        # MoE: the router (n_experts, dim) float32, x and ffn_norm read, the route written
+        "moe_route": cfg.n_experts * dim * f32 + 2 * dim * f32 + route,
+        # w1, w3, x and ffn_norm read, h written (MoE: the route read too)
+        "ffn_gate": slots * 2 * _stored_bytes(cfg.hidden_dim, dim, dt) + 2 * dim * f32
+        + slots * cfg.hidden_dim * f32 + (route if cfg.n_experts else 0),
+        # w2 and h read, x read and written (MoE: the route read too)
+        "w2+res": slots * _stored_bytes(dim, cfg.hidden_dim, dt) + slots * cfg.hidden_dim * f32 + 2 * dim * f32
+        + (route if cfg.n_experts else 0),
+    }  # fmt: skip
+    if not cfg.n_experts:
+        del layer["moe_route"]
+    return {
+        "embed": _stored_bytes(1, dim, dt) + dim * f32,  # one row read, x written
+        **{role: cfg.n_layers * n for role, n in layer.items()},
+        # Wout, x and norm read, the logits written
+        "classifier": _stored_bytes(cfg.vocab_size, dim, dt) + 2 * dim * f32 + cfg.vocab_size * f32,
+        # the logits read, each block's (value, id) written and read, the token written
+        "argmax": cfg.vocab_size * f32 + 2 * 2 * ARGMAX_BLOCKS * 4 + 4,
+        "advance": 5 * 4,  # pos and feed end read, the prompt's next token read; token, pos written
+    }
+
+
 @dataclass
 class LayerWeights:
+    """One layer's weights on the device, as pycalm.formats stores them."""
+
     attn_norm: object  # (dim,) float32
     wqkv: object  # (q_dim + 2 kv_dim, dim) stored
     bqkv: object | None  # (q_dim + 2 kv_dim,) float32, Qwen2 only
@@ -54,6 +110,21 @@ class LayerWeights:
     w3: object  # (hidden_dim, dim) stored; MoE: (n_experts, hidden_dim, dim)
     w2: object  # (dim, hidden_dim) stored; MoE: (n_experts, dim, hidden_dim)
     moe_gate: object | None = None  # (n_experts, dim) float32, the router; MoE only
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Switches for tests and benchmarks; the defaults are what the CLI runs."""
+
+    # capture the step as CUDA graphs (None: yes, except under the CUDA simulator, which cannot)
+    use_graph: bool | None = None
+    # graph edges as programmatic dependencies (pycalm.graph; None: where the GPU has them,
+    # compute capability 9.0 and up): each kernel launches and loads its first weights while the
+    # one before it finishes (pycalm.kernels.common.dependent_start)
+    programmatic: bool | None = None
+    # positions an attention block takes (None: the longest that fits; the tests take short ones
+    # so that a few steps cross several spans)
+    attention_chunk: int | None = None
 
 
 class EagerStep:
@@ -69,30 +140,21 @@ class GpuEngine:
     device = "gpu"
 
     def __init__(
-        self,
-        model: object,
-        seq_len: int,
-        kv_dtype: str = "auto",
-        use_graph: bool | None = None,
-        programmatic: bool | None = None,
-        attention_chunk: int | None = None,
+        self, model: object, seq_len: int, kv_dtype: str = "auto", *, options: EngineOptions = EngineOptions()
     ) -> None:
         from numba import config, cuda
 
+        from pycalm.kernels.argmax import argmax_scratch_shape
         from pycalm.kernels.attention import attention_scratch
-        from pycalm.kernels.sample import argmax_scratch_shape
-        from pycalm.kernels.step import STATE_SIZE
 
         cfg: ModelConfig = model.config
         self.config = cfg
         self.seq_len = min(seq_len, cfg.max_seq_len)
         self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
         self.stream = cuda.stream()
-        # the CUDA simulator cannot capture graphs: there the step runs its launches eagerly
-        self.use_graph = not config.ENABLE_CUDASIM if use_graph is None else use_graph
-        # graph edges as programmatic dependencies (pycalm.graph), by default where the GPU has
-        # them (compute capability 9.0 and up): each kernel launches and loads its first weights
-        # while the one before it finishes (pycalm.kernels.common.dependent_start)
+        s = self.stream
+        self.use_graph = not config.ENABLE_CUDASIM if options.use_graph is None else options.use_graph
+        programmatic = options.programmatic
         if programmatic is None:
             programmatic = self.use_graph and cuda.get_current_device().compute_capability >= (9, 0)
         self.programmatic = programmatic
@@ -102,7 +164,7 @@ class GpuEngine:
         def dev(name: str) -> object:
             if hasattr(model, "device_tensor"):
                 return model.device_tensor(name)
-            return cuda.to_device(np.ascontiguousarray(model.tensor(name)), stream=self.stream)
+            return cuda.to_device(np.ascontiguousarray(model.tensor(name)), stream=s)
 
         self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
         self.rope_freqs = dev("rope_freqs")  # (rotary_dim // 2,) float32
@@ -121,158 +183,102 @@ class GpuEngine:
             for i in range(cfg.n_layers)
         ]
         self.norm = dev("norm")  # (dim,) float32
-        self.output = (
-            self.tok_embeddings if cfg.tied_embeddings else dev("output")
-        )  # (vocab_size, dim) stored
+        # (vocab_size, dim) stored: the classifier, or the embedding table when they are tied
+        self.output = self.tok_embeddings if cfg.tied_embeddings else dev("output")
 
         # activations, float32
-        f32 = np.float32
-        self.x = cuda.device_array(cfg.dim, f32, stream=self.stream)  # (dim,) residual stream
-        self.q = cuda.device_array(cfg.q_dim, f32, stream=self.stream)  # (n_heads * head_dim,) query
-        self.att = cuda.device_array(
-            cfg.q_dim, f32, stream=self.stream
-        )  # (n_heads * head_dim,) attention out
-        # (hidden_dim,) gated FFN; MoE: (k * hidden_dim,), one part a chosen expert (a slot)
-        self.k = cfg.n_experts_active if cfg.n_experts else 1
-        self.h = cuda.device_array(self.k * cfg.hidden_dim, f32, stream=self.stream)
+        def zeros(shape: int | tuple[int, ...], dtype: type = np.float32) -> object:
+            return cuda.to_device(np.zeros(shape, dtype), stream=s)
+
+        slots = cfg.n_experts_active if cfg.n_experts else 1  # MoE: one FFN part a chosen expert
+        self.x = zeros(cfg.dim)  # (dim,) the residual stream
+        self.q = zeros(cfg.q_dim)  # (n_heads * head_dim,) the query
+        self.att = zeros(cfg.q_dim)  # (n_heads * head_dim,) attention's output
+        self.h = zeros(slots * cfg.hidden_dim)  # (slots * hidden_dim,) the gated FFN, a part a slot
+        self.logits_buf = zeros(cfg.vocab_size)  # (vocab_size,)
         # MoE: the current layer's chosen experts, in descending router logit order, and their
-        # routing weights: written by the routing kernel, read by the expert matvecs
-        moe = cfg.n_experts > 0
-        self.route_ids = cuda.device_array(self.k, np.int32, stream=self.stream) if moe else None  # (k,)
-        self.route_w = cuda.device_array(self.k, f32, stream=self.stream) if moe else None  # (k,)
-        self.logits_buf = cuda.device_array(cfg.vocab_size, f32, stream=self.stream)  # (vocab_size,)
-        # KV cache: per layer (seq_len, kv_dim), float16 or fp8 e5m2 bytes
+        # routing weights (n_experts_active,): written by moe_route, read by the expert matvecs
+        self.route = None
+        if cfg.n_experts:
+            from pycalm.kernels.moe import Route
+
+            self.route = Route(zeros(slots, np.int32), zeros(slots))
+        # KV cache, one a layer: (seq_len, kv_dim) keys and values, float16 or fp8 e5m2 bytes
         kv_np = np.float16 if self.kv_dtype == "fp16" else np.uint8
-        self.key_cache = [
-            cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
+        self.kv_caches = [
+            KVCache(
+                zeros((self.seq_len, cfg.kv_dim), kv_np),
+                zeros((self.seq_len, cfg.kv_dim), kv_np),
+                self.kv_dtype,
+            )
             for _ in range(cfg.n_layers)
         ]
-        self.value_cache = [
-            cuda.to_device(np.zeros((self.seq_len, cfg.kv_dim), kv_np), stream=self.stream)
-            for _ in range(cfg.n_layers)
-        ]
-        # per-chunk partial attention and per-head chunk counters, shared by the layers;
-        # attention_chunk: positions an attention block takes (default the longest that fits;
-        # the tests take short ones so that a few steps cross several spans)
+        # per-chunk partial attention and per-head chunk counters, shared by the layers
         self.att_scratch = attention_scratch(
-            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, chunk=attention_chunk, stream=self.stream
+            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, chunk=options.attention_chunk, stream=s
         )
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
-        self.argmax_scratch = cuda.device_array(
-            (2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32, stream=self.stream
-        )
+        self.argmax_scratch = zeros((2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32)
         self._threads = {"threads": 64} if config.ENABLE_CUDASIM else {}  # argmax / sample block size
-        # per-token values on the device (see pycalm.kernels.step)
-        self.state = cuda.to_device(
-            np.zeros(STATE_SIZE, np.int32), stream=self.stream
-        )  # token, pos, feed_end
-        self.feed = cuda.to_device(
-            np.zeros(self.seq_len, np.int32), stream=self.stream
-        )  # (seq_len,) prompt by position
-        self.tokens = cuda.to_device(
-            np.zeros(self.seq_len, np.int32), stream=self.stream
-        )  # (seq_len,) token at each pos
-        self.coins = cuda.to_device(
-            np.zeros(self.seq_len, np.float32), stream=self.stream
-        )  # (seq_len,) uniform draws
+        # per-token values on the device (pycalm.kernels.common: STATE_TOKEN, STATE_POS, STATE_FEED_END)
+        self.state = zeros(STATE_SIZE, np.int32)  # (STATE_SIZE,) token, pos, feed end
+        self.feed = zeros(self.seq_len, np.int32)  # (seq_len,) the prompt's token at each position
+        self.coins = zeros(self.seq_len)  # (seq_len,) the uniform draw the step at each position uses
         self._state_host = cuda.pinned_array(STATE_SIZE, np.int32)
         self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
-        self.stream.synchronize()
+        s.synchronize()
 
     # ---------------------------------------------------------------------------------------
-    def forward(self, sampling: SamplingParams, span: int | None = None) -> int:
+    def forward(self, sampling: SamplingParams, span: int | None = None) -> None:
         """Enqueue one token step on self.stream for positions below span (default: seq_len,
-        see pycalm.kernels.attention.attention_span); returns the bytes it moves."""
+        see pycalm.kernels.attention.attention_span): the token state[STATE_TOKEN] at position
+        state[STATE_POS] in, the next token and position out."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
         from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
         from pycalm.kernels.qkv import qkv_rope
-        from pycalm.kernels.sample import argmax, sample
+        from pycalm.kernels.sample import sample
         from pycalm.kernels.step import advance
 
-        cfg, dt, kv, s = self.config, self.config.weight_dtype, self.kv_dtype, self.stream
-        eps = cfg.norm_eps
-        n = 0
-        # x = embedding row of state[token]
-        n += embed(self.tok_embeddings, self.state, self.x, dt, stream=s)
-        for i, L in enumerate(self.layers):
-            kc, vc = self.key_cache[i], self.value_cache[i]
-            # q, k, v = Wqkv rmsnorm(x) (+ b); rotate q, k; k, v -> cache row pos
-            n += qkv_rope(
-                L.wqkv,
-                L.bqkv,
-                self.x,
-                L.attn_norm,
-                eps,
-                self.rope_freqs,
-                self.state,
-                self.q,
-                kc,
-                vc,
-                dt,
-                kv,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                stream=s,
-            )
+        cfg, dt, eps, s = self.config, self.config.weight_dtype, self.config.norm_eps, self.stream
+        x, q, att, h, route = self.x, self.q, self.att, self.h, self.route
+        # x = the embedding row of the token
+        embed(self.tok_embeddings, self.state, x, dt, stream=s)
+        for L, cache in zip(self.layers, self.kv_caches, strict=True):
+            # q, k, v = Wqkv rmsnorm(x) (+ bqkv); q and k rotated by pos; cache row pos = k, v
+            qkv_rope(L, x, self.rope_freqs, self.state, q, cache, cfg, stream=s)
             # att = softmax(q k^T / sqrt(head_dim)) v over positions 0..pos (or the window)
-            n += attention(
-                self.q,
-                kc,
-                vc,
-                self.state,
-                self.att,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                kv,
-                cfg.sliding_window,
-                self.att_scratch,
-                stream=s,
-                span=span,
-            )
+            attention(q, cache, self.state, att, cfg, self.att_scratch, stream=s, span=span)
             # x += Wo att
-            n += matvec_residual(L.wo, self.att, self.x, dt, stream=s)
+            matvec_residual(L.wo, att, x, dt, stream=s)
             if cfg.n_experts:
-                # route_ids, route_w = the top k of Wg rmsnorm(x), and the softmax over their logits
-                n += moe_route(
-                    L.moe_gate, self.x, L.ffn_norm, eps, self.k, self.route_ids, self.route_w, stream=s
-                )
-                # h[slot] = route_w[slot] * silu(W1_e rmsnorm(x)) * W3_e rmsnorm(x), e = route_ids[slot]
-                n += moe_ffn_gate(
-                    L.w1, L.w3, self.x, self.h, dt, self.route_ids, self.route_w, self.k,
-                    stream=s, norm_w=L.ffn_norm, eps=eps,
-                )  # fmt: skip
+                # route = the top n_experts_active experts of Wg rmsnorm(x), softmax of their logits
+                moe_route(L, x, route, cfg, stream=s)
+                # h[slot] = weight[slot] * silu(W1_e rmsnorm(x)) * W3_e rmsnorm(x), e = ids[slot]
+                moe_ffn_gate(L, x, h, route, cfg, stream=s)
                 # x += sum over the slots of W2_e h[slot]
-                n += moe_matvec_residual(L.w2, self.h, self.x, dt, self.route_ids, self.k, stream=s)
+                moe_matvec_residual(L, h, x, route, cfg, stream=s)
             else:
                 # h = silu(W1 rmsnorm(x)) * W3 rmsnorm(x)
-                n += ffn_gate(L.w1, L.w3, self.x, self.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
+                ffn_gate(L.w1, L.w3, x, h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
                 # x += W2 h
-                n += matvec_residual(L.w2, self.h, self.x, dt, stream=s)
+                matvec_residual(L.w2, h, x, dt, stream=s)
         # logits = Wout rmsnorm(x)
-        n += matvec(self.output, self.x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
-        # state[token] = the next token, chosen on the device
-        if sampling.temperature == 0:
-            n += argmax(self.logits_buf, self.state, stream=s, scratch=self.argmax_scratch, **self._threads)
-        else:
-            n += sample(
-                self.logits_buf,
-                self.state,
-                self.coins,
-                sampling.temperature,
-                sampling.top_k,
-                sampling.top_p,
-                sampling.min_p,
-                stream=s,
-                **self._threads,
-            )
-        # feed the prompt's next token instead while prefilling; pos += 1
-        n += advance(self.state, self.feed, self.tokens, stream=s)
-        return n
+        matvec(self.output, x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
+        # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
+        sample(
+            self.logits_buf,
+            self.state,
+            self.coins,
+            sampling,
+            stream=s,
+            scratch=self.argmax_scratch,
+            **self._threads,
+        )
+        # pos += 1; while prefilling, token = the prompt's next token instead
+        advance(self.state, self.feed, stream=s)
 
     def span(self, pos: int) -> int:
         """The attention span of the step at pos: its grid holds the live chunks at most twice."""
@@ -301,8 +307,8 @@ class GpuEngine:
         return g
 
     def _set_state(self, token: int, pos: int, feed_end: int) -> None:
-        host = np.zeros(self._state_host.shape[0], np.int32)
-        host[:3] = (token, pos, feed_end)
+        host = np.zeros(STATE_SIZE, np.int32)
+        host[STATE_TOKEN], host[STATE_POS], host[STATE_FEED_END] = token, pos, feed_end
         self.state.copy_to_device(host, stream=self.stream)
 
     # ---------------------------------------------------------------------------------------
@@ -346,7 +352,7 @@ class GpuEngine:
             steps[i].launch()  # position start_pos + i
             self.state.copy_to_host(self._state_host, stream=self.stream)
             self.stream.synchronize()
-            token = int(self._state_host[0])
+            token = int(self._state_host[STATE_TOKEN])
             yield token
             if token in eos:
                 return

@@ -14,7 +14,7 @@ from tiny_models import make_hf_llama
 
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine
-from pycalm.gpu import GpuEngine
+from pycalm.gpu import EngineOptions, GpuEngine, step_bytes
 from pycalm.loader import open_model
 from pycalm.sampler import SamplingParams
 
@@ -57,7 +57,7 @@ def test_gpu_engine_matches_reference(tmp_path, arch, dtype, kv):
     # device; attention chunks of 2 positions, so that the steps at positions 0, 1 (one live
     # chunk) and 2 (two, the combine) are the steps of two attention spans, 2 and 4
     cpu = CpuEngine(model, seq_len=12, kv_dtype=kv)
-    gpu = GpuEngine(model, seq_len=12, kv_dtype=kv, attention_chunk=2)
+    gpu = GpuEngine(model, seq_len=12, kv_dtype=kv, options=EngineOptions(attention_chunk=2))
     greedy = SamplingParams(temperature=0.0)
     want = list(cpu.generate(PROMPT, 0, 2, greedy))
     got = list(gpu.generate(PROMPT, 0, 2, greedy))
@@ -87,7 +87,7 @@ def test_gpu_engine_realistic_shape(tmp_path, dtype, programmatic):
     )
     model = open_model(convert(tiny.path, tmp_path / f"big-{dtype}.pycalm", dtype, progress=False))
     cpu = CpuEngine(model, seq_len=160)
-    gpu = GpuEngine(model, seq_len=160, programmatic=programmatic)
+    gpu = GpuEngine(model, seq_len=160, options=EngineOptions(programmatic=programmatic))
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, 4096, 150)]
     greedy = SamplingParams(temperature=0.0)
@@ -100,3 +100,52 @@ def test_gpu_engine_realistic_shape(tmp_path, dtype, programmatic):
     for pos, tok in [(len(prompt) + len(want) - 1, want[-1])]:  # the last sampled token was never fed
         w, g = cpu.logits(tok, pos), gpu.logits(tok, pos)
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-4 * np.abs(w).max())
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,kv,pos,chunk",
+    [("qwen2", "gf4", "fp8", 5, 4), ("llama", "fp8", "fp16", 3, 4), ("mixtral", "fp16", "fp16", 9, 2)],
+)
+def test_step_bytes_counts_every_array(tmp_path, arch, dtype, kv, pos, chunk):
+    """step_bytes (from the config) against a count of the model file's own arrays and the
+    engine's buffers, launch by launch: the stored formats' sizes, Qwen2's biases, the active
+    experts of a MoE layer, the KV rows at pos, attention's partials past one chunk."""
+    model = tiny_model(tmp_path, arch, dtype)
+    cfg = model.config
+
+    def nbytes(name: str) -> int:
+        return model.tensor(name).nbytes
+
+    f32 = np.dtype(np.float32).itemsize
+    kv_row = np.zeros(cfg.kv_dim, np.float16 if kv == "fp16" else np.uint8).nbytes  # one of K or V
+    x, q, h = (np.zeros(n, np.float32).nbytes for n in (cfg.dim, cfg.q_dim, cfg.hidden_dim))
+    k = cfg.n_experts_active if cfg.n_experts else 1
+    route = 2 * k * f32  # ids and weights
+    want = {"embed": nbytes("tok_embeddings") // cfg.vocab_size + x}
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        bias = nbytes(p + "bqkv") if cfg.qkv_bias else 0
+        qkv = nbytes(p + "wqkv") + bias + nbytes(p + "attn_norm") + nbytes("rope_freqs") + x + q + 2 * kv_row
+        live = -(-(pos + 1) // chunk)
+        partials = 2 * live * cfg.n_heads * (cfg.head_dim + 2) * f32 if live > 1 else 0
+        per_layer = {
+            "qkv_rope": qkv,
+            "attention": (pos + 1) * 2 * kv_row + 2 * q + partials,
+            "wo+res": nbytes(p + "wo") + q + 2 * x,
+        }
+        if cfg.n_experts:  # k of the n_experts stacked matrices
+            per_layer["moe_route"] = nbytes(p + "moe_gate") + nbytes(p + "ffn_norm") + x + route
+            w13 = (nbytes(p + "w1") + nbytes(p + "w3")) * k // cfg.n_experts
+            per_layer["ffn_gate"] = w13 + nbytes(p + "ffn_norm") + x + k * h + route
+            per_layer["w2+res"] = nbytes(p + "w2") * k // cfg.n_experts + k * h + 2 * x + route
+        else:
+            per_layer["ffn_gate"] = nbytes(p + "w1") + nbytes(p + "w3") + nbytes(p + "ffn_norm") + x + h
+            per_layer["w2+res"] = nbytes(p + "w2") + h + 2 * x
+        for role, n in per_layer.items():
+            want[role] = want.get(role, 0) + n
+    out = nbytes("tok_embeddings" if cfg.tied_embeddings else "output")
+    want["classifier"] = out + nbytes("norm") + x + cfg.vocab_size * f32
+    got = step_bytes(cfg, kv, pos, chunk)
+    assert {r: got[r] for r in want} == want
+    assert list(got) == ["embed", *per_layer, "classifier", "argmax", "advance"]  # forward's order
+    assert got["argmax"] > cfg.vocab_size * f32 and got["advance"] > 0
