@@ -1,0 +1,331 @@
+"""Block-causal attention: T query rows at positions pos0 .. pos0 + T - 1 over the KV cache.
+
+Reference: pycalm.reference.prefill_attention_ref. For query row t (position p = pos0 + t) and
+query head h (kv head g = h // (n_heads // n_kv_heads)) the math is the decode attention's
+(pycalm.reference.attention_ref at n_pos = p + 1), row by row:
+  keys j in [start, p], start = max(0, p + 1 - window) with a sliding window, else 0
+  score_j = q_t,h . k_j,g / sqrt(head_dim);  P = softmax(score);  out_t,h = sum_j P_j v_j,g
+The caches hold (seq_len, n_kv_heads * head_dim), fp16 or fp8 e5m2, with the block's own K/V rows
+already written (pycalm.kernels.rows.qkv_rows); q is (T, n_heads * head_dim) float32 and out
+(T, n_heads * head_dim) float16, the wo matmul's input.
+
+GPU: flash-attention style, SIMT fp32 (attention is a few % of a prefill's FLOPs at 2k tokens).
+Grid (ceil(T / BQ), n_kv_heads). Block (b, g) takes the query rows t0 = b BQ .. t0 + BQ - 1 and
+every query head of kv head g: ROWS = BQ x group (position, head) rows, all of which read the
+same K and V rows, so a K/V tile staged once serves them all. Row r of the block is position
+t0 + r // group, head g group + r % group. The block walks the keys from the first one any of
+its rows sees to the last, in tiles of KEY_TILE positions:
+
+1. once: the block's q rows, times 1/sqrt(head_dim), into shared memory qs (ROWS, head_dim).
+2. a tile's K rows, decoded to float32, into kvs (KEY_TILE, head_dim). Barrier.
+3. scores: the threads form row groups of LANES threads; a thread holds ROWS_A_THREAD rows x
+   KEYS_A_LANE keys (keys lane, lane + LANES, ...) of the tile in registers and accumulates them
+   over head_dim from shared memory (ROWS_A_THREAD q and KEYS_A_LANE k loads feed that many
+   products). Masked keys (after the row's position, before its window, past the block's last
+   position) get p = 0.
+4. online softmax, per row: the tile's max by xor shuffles inside the row group (its LANES
+   lanes are consecutive lanes of one warp), m_new = max(m, tile max), alpha = exp(m - m_new),
+   p = exp(score - m_new) into shared memory ps (ROWS, KEY_TILE), the sum of exp l = l alpha +
+   sum p (shuffles again), the output accumulators times alpha. m, l in fp32 registers,
+   replicated over the row group. Barrier.
+5. the tile's V rows into kvs (the buffer K used: it keeps the block's shared memory under the
+   48 KB of a static allocation). Barrier.
+6. out += P V: the same thread holds ROWS_A_THREAD rows x head_dim / LANES dims (dims lane,
+   lane + LANES, ...), reading p (broadcast in the row group) and v from shared memory. The
+   next tile's first barrier protects kvs and ps.
+7. out / l, as fp16.
+
+Shapes (the defaults): head_dim 128: ROWS 32, LANES 16, KEY_TILE 32, 128 threads, shared
+memory 16.5 + 16.5 + 4.2 KB; head_dim 64: ROWS 64, 256 threads, 16.6 + 8.3 + 8.4 KB. The
+shared rows are padded by one float, so the 16 lanes that read 16 different K rows at one
+dimension hit 16 different banks. Under the simulator (a Python thread per CUDA thread) the
+blocks are smaller: ROWS 8, LANES 8, so the tests' short blocks still cover several tiles.
+
+Decode of the caches: fp16 elements widened by a conversion, e5m2 bytes by common.fp8_decode:
+exact, once per element and block (the tile serves ROWS rows).
+
+FLOPs: 4 head_dim per (query head, attended key) pair (prefill_attention_flops). Bytes from
+DRAM: q (4 T q_dim), the attended K/V rows of each kv head (once; the blocks of later rows read
+them again from L2), out (2 T q_dim).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config as _numba_config
+from numba import cuda, float32, int32
+from numba.cuda import libdevice
+
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import STATE_POS, dependent_start, fp8_decode, fp16_encode
+
+KV_DTYPES = ("fp16", "fp8")
+ROWS_A_THREAD = 4  # query rows a thread accumulates (scores and outputs)
+KEYS_A_LANE = 2  # keys of a tile a thread scores: the tile is KEYS_A_LANE * LANES keys
+MIN_BLOCKS = 2  # blocks an SM must hold at least (the launch bounds)
+NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0 and NEG - NEG is 0, not NaN
+SIM = _numba_config.ENABLE_CUDASIM
+
+
+def default_rows(head_dim: int) -> int:
+    """Query rows (position, head) a block: 4096 floats of q in shared memory (16 KB), at most
+    64; 8 under the simulator."""
+    if SIM:
+        return 8
+    return max(ROWS_A_THREAD, min(64, 4096 // head_dim))
+
+
+def default_lanes() -> int:
+    """Threads a row group: 16 (a key tile of 32); 8 under the simulator."""
+    return 8 if SIM else 16
+
+
+def _launch_bounds(threads: int) -> dict:
+    """cuda.jit's launch bounds: blocks of `threads`, MIN_BLOCKS of them an SM, so ptxas keeps a
+    thread's registers under 65536 / (MIN_BLOCKS threads) (head_dim 64: 164 -> 128, no spill;
+    head_dim 128 uses 167, three blocks of 128 threads an SM). The simulator takes no bounds."""
+    return {} if SIM else {"launch_bounds": (threads, MIN_BLOCKS)}
+
+
+@cuda.jit(device=True, inline=True)
+def _exp(x):  # noqa: ANN001, ANN202
+    """exp(x) as ex2.approx(x log2 e), as the decode attention takes it."""
+    return libdevice.fast_expf(x)
+
+
+@functools.cache
+def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int, lanes: int) -> object:
+    """The kernel for a head_dim, group size (query heads a kv head), KV dtype, ROWS query rows
+    a block and LANES threads a row group (see the module docstring). The sizes are
+    compile-time constants: the per-thread scores and accumulators are fixed-size local arrays
+    indexed by unrolled loops, so they live in registers."""
+    FP8 = kv_dtype == "fp8"
+    HD = head_dim
+    G = group
+    BQ = rows // group  # query positions a block
+    USED = BQ * group  # rows that hold a query (the rest of ROWS are padding)
+    ROWS = rows
+    LANES = lanes
+    RT = ROWS_A_THREAD
+    KL = KEYS_A_LANE
+    KT = KL * lanes  # keys a tile
+    DL = head_dim // lanes  # output dims a thread
+    THREADS = (rows // RT) * lanes
+    QK_ROW = head_dim + 1  # floats a row of qs and kvs (+1: the K rows' lanes hit distinct banks)
+    P_ROW = KT + 1  # floats a row of ps
+    ACCS = RT * DL  # output accumulators a thread
+    SCORES = RT * KL  # scores a thread holds of a tile
+    SCALE = 1.0 / math.sqrt(head_dim)
+
+    @cuda.jit(fastmath=False, **_launch_bounds(THREADS))
+    def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        # q (T, n_heads*HD) f32; caches (seq_len, n_kv_heads*HD) f16 or u8 (e5m2); state i32;
+        # out (T, n_heads*HD) f16
+        n_rows = q.shape[0]
+        pos0 = int32(state[STATE_POS])
+        t0 = int32(cuda.blockIdx.x * BQ)  # the block's first query row
+        g = int32(cuda.blockIdx.y)  # kv head
+        tid = cuda.threadIdx.x
+        group_row = int32(tid // LANES) * RT  # the thread's first row
+        lane = int32(tid % LANES)
+        qs = cuda.shared.array((ROWS, QK_ROW), float32)  # q rows times 1/sqrt(HD)
+        kvs = cuda.shared.array((KT, QK_ROW), float32)  # the tile's K rows, then its V rows
+        ps = cuda.shared.array((ROWS, P_ROW), float32)  # the tile's p = exp(score - m)
+
+        # 1. the block's q rows (padding rows: zeros)
+        for i in range(tid, ROWS * HD, THREADS):
+            r = i // HD
+            d = i % HD
+            t = t0 + r // G
+            val = float32(0.0)
+            if r < USED and t < n_rows:
+                val = q[t, (g * G + r % G) * HD + d] * float32(SCALE)
+            qs[r, d] = val
+
+        last = min(t0 + BQ, n_rows) - 1  # the block's last query row
+        k_end = pos0 + last + 1  # keys past the last row's position are never read
+        k_begin = int32(0)
+        if window > 0:
+            k_begin = max(int32(0), pos0 + t0 + 1 - window)
+        qpos = cuda.local.array(RT, int32)  # the position of each of the thread's rows
+        m = cuda.local.array(RT, float32)  # running max of the row's scores
+        lsum = cuda.local.array(RT, float32)  # running sum of exp(score - m)
+        acc = cuda.local.array(ACCS, float32)  # unnormalised output, dims lane + LANES j
+        for i in range(RT):
+            qpos[i] = pos0 + t0 + (group_row + i) // G
+            m[i] = float32(NEG)
+            lsum[i] = float32(0.0)
+            for j in range(DL):
+                acc[i * DL + j] = float32(0.0)
+        s = cuda.local.array(SCORES, float32)  # the tile's scores of the thread's rows and keys
+        kv = cuda.local.array(KL, float32)
+        vv = cuda.local.array(DL, float32)
+
+        for kt in range(k_begin, k_end, KT):
+            cuda.syncthreads()  # qs is written; the last tile's P V is done with kvs and ps
+            # 2. the tile's K rows (past k_end: the last row again, masked below)
+            for i in range(tid, KT * HD, THREADS):
+                kk = i // HD
+                d = i % HD
+                kp = min(kt + kk, k_end - 1)
+                if FP8:
+                    kvs[kk, d] = fp8_decode(int32(k_cache[kp, g * HD + d]))
+                else:
+                    kvs[kk, d] = float32(k_cache[kp, g * HD + d])
+            cuda.syncthreads()  # the K tile is in kvs
+
+            # 3. scores of the thread's rows x keys
+            for i in range(SCORES):
+                s[i] = float32(0.0)
+            for d in range(min(HD, q.shape[1])):
+                for j in range(KL):
+                    kv[j] = kvs[lane + LANES * j, d]
+                for i in range(RT):
+                    qv = qs[group_row + i, d]
+                    for j in range(KL):
+                        s[i * KL + j] += qv * kv[j]
+
+            # 4. online softmax of each row
+            for i in range(RT):
+                mx = float32(NEG)
+                for j in range(KL):
+                    kp = kt + lane + LANES * j
+                    ok = kp < k_end and kp <= qpos[i] and (window <= 0 or kp > qpos[i] - window)
+                    if not ok:
+                        s[i * KL + j] = float32(NEG)
+                    mx = max(mx, s[i * KL + j])
+                off = LANES // 2
+                while off > 0:  # xor tree inside the row group: every lane gets the tile max
+                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, off))
+                    off //= 2
+                m_new = max(m[i], mx)
+                alpha = _exp(m[i] - m_new)
+                psum = float32(0.0)
+                for j in range(KL):
+                    p = _exp(s[i * KL + j] - m_new)
+                    p = p if s[i * KL + j] > float32(NEG) else float32(0.0)  # masked: exactly 0
+                    ps[group_row + i, lane + LANES * j] = p
+                    psum += p
+                off = LANES // 2
+                while off > 0:  # xor tree inside the row group: every lane gets the tile's sum
+                    psum += cuda.shfl_xor_sync(0xFFFFFFFF, psum, off)
+                    off //= 2
+                lsum[i] = lsum[i] * alpha + psum
+                m[i] = m_new
+                for j in range(DL):
+                    acc[i * DL + j] *= alpha
+            cuda.syncthreads()  # every p of the tile is in ps; every thread is done with K
+
+            # 5. the tile's V rows
+            for i in range(tid, KT * HD, THREADS):
+                kk = i // HD
+                d = i % HD
+                kp = min(kt + kk, k_end - 1)
+                if FP8:
+                    kvs[kk, d] = fp8_decode(int32(v_cache[kp, g * HD + d]))
+                else:
+                    kvs[kk, d] = float32(v_cache[kp, g * HD + d])
+            cuda.syncthreads()  # the V tile is in kvs
+
+            # 6. out += P V
+            for kk in range(min(KT, k_end - kt)):  # keys past k_end have p = 0
+                for j in range(DL):
+                    vv[j] = kvs[kk, lane + LANES * j]
+                for i in range(RT):
+                    p = ps[group_row + i, kk]
+                    for j in range(DL):
+                        acc[i * DL + j] += p * vv[j]
+
+        # 7. the rows' outputs (every row with a query has at least its own key: lsum > 0)
+        for i in range(RT):
+            r = group_row + i
+            t = t0 + r // G
+            if r < USED and t < n_rows:
+                col = (g * G + r % G) * HD + lane
+                inv = float32(1.0) / lsum[i]
+                for j in range(DL):
+                    out[t, col + LANES * j] = fp16_encode(acc[i * DL + j] * inv)
+
+    return prefill_attention_kernel
+
+
+def prefill_attention(
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    state: object,
+    out: object,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    kv_dtype: str,
+    window: int,
+    *,
+    stream: object,
+    rows: int | None = None,
+    lanes: int | None = None,
+) -> int:
+    """out (T, n_heads*head_dim) float16 = attention of the T rows of q (float32, same shape) at
+    positions pos0 = state[STATE_POS] .. pos0 + T - 1 over the caches (rows 0 .. pos0 + T - 1
+    written: pycalm.kernels.rows.qkv_rows writes the block's own). k_cache / v_cache: this
+    layer's (seq_len, n_kv_heads*head_dim) float16 ("fp16") or uint8 e5m2 ("fp8"). window:
+    Mistral's sliding window, 0 for none. rows, lanes: the block shape (default_rows,
+    default_lanes; scripts/kernels/prefill_attention.py varies them).
+    Returns the bytes moved from DRAM (see the module docstring; pos0 lives on the device, so
+    the K/V figure is the whole cache's, an upper bound)."""
+    if kv_dtype not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
+    if n_heads % n_kv_heads:
+        raise PycalmError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    group = n_heads // n_kv_heads
+    rows = default_rows(head_dim) if rows is None else rows
+    lanes = default_lanes() if lanes is None else lanes
+    if head_dim % lanes or lanes > 32 or lanes & (lanes - 1):
+        raise PycalmError(f"head_dim {head_dim} is not a multiple of {lanes} lanes (a power of two up to 32)")
+    if rows % ROWS_A_THREAD or rows < group:
+        raise PycalmError(
+            f"{rows} query rows a block: a multiple of {ROWS_A_THREAD}, at least the group {group}"
+        )
+    n_rows = q.shape[0]
+    if q.shape[1] != n_heads * head_dim or out.shape[0] != n_rows or out.shape[1] != q.shape[1]:
+        raise PycalmError(
+            f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
+        )
+    kernel = prefill_attention_kernel(head_dim, group, kv_dtype, rows, lanes)
+    threads = (rows // ROWS_A_THREAD) * lanes
+    grid = (-(-n_rows // (rows // group)), n_kv_heads)
+    kernel[grid, threads, stream](q, k_cache, v_cache, state, out, int32(window))
+    kv_bytes = 2 * k_cache.shape[0] * k_cache.shape[1] * k_cache.dtype.itemsize
+    return kv_bytes + n_rows * n_heads * head_dim * (4 + 2)
+
+
+def prefill_attention_flops(n_rows: int, pos0: int, n_heads: int, head_dim: int, window: int = 0) -> int:
+    """Multiply-adds x 2 of the scores and of P V: 4 head_dim per (query head, attended key)."""
+    pos = np.arange(pos0, pos0 + n_rows)
+    keys = pos + 1 if window <= 0 else np.minimum(pos + 1, window)
+    return int(4 * head_dim * n_heads * keys.sum())
+
+
+_SIG = "void(float32[:, ::1], {kv}[:, ::1], {kv}[:, ::1], int32[::1], float16[:, ::1], int32)"
+_KV_TYPE = {"fp16": "float16", "fp8": "uint8"}
+
+
+def _compile_check() -> list[tuple[object, str, int]]:
+    """(kernel, signature, register limit) for the shapes of the models in use: head_dim 64 (groups 3, 7, 8) and 128 (groups 1, 4),
+    both KV dtypes, the default blocks of a real GPU (not the simulator's)."""
+    checks = []
+    for kv_dtype in KV_DTYPES:
+        for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
+            rows = max(ROWS_A_THREAD, min(64, 4096 // head_dim))
+            kernel = prefill_attention_kernel(head_dim, group, kv_dtype, rows, 16)
+            threads = (rows // ROWS_A_THREAD) * 16
+            registers = min(255, 65536 // (MIN_BLOCKS * threads))  # what the launch bounds allow
+            checks.append((kernel, _SIG.format(kv=_KV_TYPE[kv_dtype]), registers))
+    return checks
+
+
+COMPILE_CHECK = _compile_check()

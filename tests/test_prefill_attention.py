@@ -1,0 +1,115 @@
+"""prefill_attention (block-causal attention of T query rows) against prefill_attention_ref, and
+both against T calls of the decode reference attention_ref at positions pos0 .. pos0 + T - 1.
+
+The cases cover T = 1, T not a multiple of a block's query positions, pos0 > 0 with earlier
+cache rows filled, GQA groups 1, 2, 3, 7 (a block of 8 rows holds 8 // group positions), a
+sliding window shorter than T and one longer than the context, both KV dtypes, contexts of
+several key tiles (16 keys a tile under the simulator), and cache rows past pos0 + T holding NaN
+(stale rows of an earlier context), which must not reach the output. Under the simulator the
+head_dims are 16 and 32; with PYCALM_TEST_GPU=1 the same cases run on the GPU, plus the real
+models' head_dims 64 and 128 with the GPU's blocks.
+Tolerance: the kernel writes fp16, so half an fp16 ulp (2^-11 relative) on top of 2e-5 absolute
+for float32 sums in another order (outputs are convex mixes of V rows in [-1, 1]).
+"""
+
+import os
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pycalm import formats
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import STATE_POS
+from pycalm.kernels.prefill_attention import prefill_attention, prefill_attention_flops
+from pycalm.reference import attention_ref, prefill_attention_ref
+
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+
+
+def _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed):
+    rng = np.random.default_rng(seed)
+    seq_len = pos0 + n_rows + 5
+    kv_dim = n_kv_heads * head_dim
+    q = rng.standard_normal((n_rows, n_heads * head_dim)).astype(np.float32)
+    k = rng.uniform(-1, 1, (seq_len, kv_dim)).astype(np.float32)
+    v = rng.uniform(-1, 1, (seq_len, kv_dim)).astype(np.float32)
+    k[rng.integers(0, pos0 + n_rows, 3)] *= 4  # a few large scores: peaked rows, tiles whose max differ
+    kq, vq = formats.encode(k, kv_dtype), formats.encode(v, kv_dtype)
+    kq.view(np.uint8)[pos0 + n_rows :] = 0xFF  # NaN as fp16 and e5m2: rows no query may read
+    vq.view(np.uint8)[pos0 + n_rows :] = 0xFF
+    return q, kq, vq, formats.decode(kq, kv_dtype), formats.decode(vq, kv_dtype)
+
+
+def _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=0, **shape):
+    q, kq, vq, kd, vd = _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed)
+    state = np.array([0, 0, 0, 0], np.int32)
+    state[STATE_POS] = pos0
+    out = cuda.to_device(np.full((n_rows, n_heads * head_dim), np.nan, np.float16))
+    stream = cuda.stream()
+    nbytes = prefill_attention(
+        cuda.to_device(q), cuda.to_device(kq), cuda.to_device(vq), cuda.to_device(state), out,
+        n_heads, n_kv_heads, head_dim, kv_dtype, window, stream=stream, **shape,
+    )  # fmt: skip
+    stream.synchronize()
+    assert nbytes > 0
+    got = out.copy_to_host().astype(np.float32)
+    want = prefill_attention_ref(q, kd, vd, pos0, n_heads, n_kv_heads, head_dim, window)
+    np.testing.assert_allclose(got, want, rtol=2.0**-11, atol=2e-5)
+    # the key property: row t is the decode attention of q[t] at position pos0 + t
+    rows = [
+        attention_ref(q[t], kd, vd, pos0 + t + 1, n_heads, n_kv_heads, head_dim, window)
+        for t in range(n_rows)
+    ]
+    np.testing.assert_allclose(got, np.stack(rows), rtol=2.0**-11, atol=2e-5)
+
+
+SIM_CASES = [
+    # n_heads, n_kv_heads, head_dim, kv_dtype, T, pos0, window
+    (2, 2, 16, "fp16", 1, 0, 0),  # T = 1 at position 0: one key
+    (3, 1, 16, "fp8", 5, 7, 0),  # group 3: 2 positions a block, the last block half empty
+    (4, 2, 32, "fp16", 11, 20, 0),  # group 2, pos0 > 0: keys 0..30 in two tiles
+    (7, 1, 16, "fp16", 3, 14, 0),  # group 7: one position a block (7 of 8 rows used)
+    (2, 1, 32, "fp8", 13, 10, 6),  # a sliding window shorter than T: each row's keys start late
+    (4, 4, 16, "fp16", 9, 0, 40),  # a window longer than the context: no effect
+    (2, 1, 16, "fp8", 1, 37, 0),  # T = 1 late in the context: three tiles, the decode step's shape
+]
+GPU_CASES = [
+    (32, 8, 128, "fp16", 77, 100, 0),  # Llama-3-8B heads: group 4, 8 positions a block
+    (32, 8, 128, "fp8", 300, 0, 0),
+    (32, 32, 128, "fp8", 5, 700, 0),  # group 1
+    (14, 2, 64, "fp16", 37, 50, 0),  # Qwen2.5-0.5B heads: group 7
+    (32, 4, 64, "fp8", 130, 33, 50),  # TinyLlama heads (group 8), a window of 50
+    (9, 3, 64, "fp16", 1, 300, 0),  # SmolLM2 heads: group 3, T = 1
+]
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,kv_dtype,n_rows,pos0,window", SIM_CASES + (GPU_CASES if GPU else [])
+)
+def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window):
+    _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=n_rows + pos0)
+
+
+def test_prefill_attention_block_shapes():
+    # a block of 16 rows (4 row groups) and row groups of 4 lanes: a tile of 8 keys
+    _run(4, 2, 16, "fp16", 10, 9, 0, rows=16, lanes=4)
+
+
+def test_prefill_attention_rejects_bad_shapes():
+    q = cuda.to_device(np.zeros((3, 64), np.float32))
+    out = cuda.to_device(np.zeros((3, 64), np.float16))
+    cache = cuda.to_device(np.zeros((8, 32), np.float16))
+    state = cuda.to_device(np.zeros(4, np.int32))
+    with pytest.raises(PycalmError, match="KV cache dtype"):
+        prefill_attention(q, cache, cache, state, out, 4, 2, 16, "fp32", 0, stream=0)
+    with pytest.raises(PycalmError, match="multiple of n_kv_heads"):
+        prefill_attention(q, cache, cache, state, out, 4, 3, 16, "fp16", 0, stream=0)
+    with pytest.raises(PycalmError, match="not \\(T, 32\\)"):
+        prefill_attention(q, cache, cache, state, out, 2, 2, 16, "fp16", 0, stream=0)
+
+
+def test_prefill_attention_flops():
+    # 3 rows at positions 2, 3, 4 see 3, 4, 5 keys (a window of 4: 3, 4, 4)
+    assert prefill_attention_flops(3, 2, 2, 8) == 4 * 8 * 2 * 12
+    assert prefill_attention_flops(3, 2, 2, 8, window=4) == 4 * 8 * 2 * 11
