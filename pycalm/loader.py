@@ -34,9 +34,9 @@ import numpy as np
 from pycalm import formats
 from pycalm.config import METADATA_KEY, ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.tokenizer import TOKENIZER_KINDS
 
 FORMAT_VERSION = "1"
-TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger "length" means a corrupt file
 
 # numpy dtype -> safetensors dtype name, for the dtypes a pycalm file uses

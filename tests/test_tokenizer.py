@@ -1,4 +1,5 @@
-"""pycalm.tokenizer against references nobody here wrote.
+"""pycalm.tokenizer and the GGUF vocabulary conversion (pycalm.convert_gguf) against references
+nobody here wrote.
 
 - Real GGUF vocabularies (SmolLM2, Qwen2.5-Coder) turned into tokenizers JSON by
   `tokenizer_json_from_gguf` must give the ids, decodes and chat renderings that transformers'
@@ -15,18 +16,17 @@ from pathlib import Path
 import pytest
 import realmodels
 
-from pycalm.errors import PycalmError
-from pycalm.tokenizer import (
+from pycalm.convert_gguf import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
     TOKEN_UNKNOWN,
-    Tokenizer,
-    chatml,
     gguf_special_ids,
     read_gguf_tokenizer_fields,
     tokenizer_json_from_gguf,
 )
+from pycalm.errors import PycalmError
+from pycalm.tokenizer import Tokenizer, chatml
 
 DATA = Path(__file__).parent / "data"
 MODELS = {"smollm2": realmodels.smollm2_gguf, "qwen2": realmodels.qwen2_gguf}
