@@ -70,6 +70,7 @@ from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
     cp_async_wait_all,
+    cp_async_wait_one,
     ldg64,
     ldmatrix_x4,
     mma_16816,
@@ -80,8 +81,9 @@ from pycalm.kernels.tensorcore import (
 PLAIN, RESIDUAL, GATE = 0, 1, 2  # epilogue modes
 MODES = {"plain": PLAIN, "residual": RESIDUAL, "gate": GATE}
 BK = 32  # K a step (two m16n8k16 k-slices)
-PITCH = BK // 2 + 4  # int32 words a staged row: BK halves and 8 halves of padding (80 bytes)
-UNIT = 8  # weights a fetch unit: 16 bytes of fp16, 8 of e5m2, one gf4 word
+ROW_WORDS = BK // 2  # int32 words a staged row (64 bytes)
+UNIT = 8  # weights a fetch unit (16 bytes of fp16, 8 of e5m2, one gf4 word): a 16-byte chunk
+CHUNKS = BK // UNIT  # 16-byte chunks a staged row
 
 
 class Tile(NamedTuple):
@@ -91,6 +93,8 @@ class Tile(NamedTuple):
     block_n: int = 128  # BN: rows of W a block (GATE: half of W1, half of W3)
     warps_m: int = 2  # warps along M; each covers block_m / warps_m rows
     warps_n: int = 4  # warps along N; each covers block_n / warps_n rows of W (a multiple of 16)
+    stages: int = 3  # steps of K staged at once (2 or 3): stages - 1 in flight during the mma
+    blocks_per_sm: int = 2  # resident blocks an SM the registers are capped for
 
     @property
     def threads(self) -> int:
@@ -100,6 +104,21 @@ class Tile(NamedTuple):
 TILE = Tile()
 # under the simulator a Python thread runs each GPU thread: tests use small tiles
 SIM_TILE = Tile(32, 32, 2, 2)
+
+
+def _jit_capped(max_registers: int):  # noqa: ANN202
+    """cuda.jit with a register cap (the simulator's jit takes none)."""
+    if _numba_config.ENABLE_CUDASIM:
+        return cuda.jit
+    return cuda.jit(max_registers=max_registers)
+
+
+@cuda.jit(device=True, inline=True)
+def swizzled(r: int, c: int) -> int:
+    """Word of 16-byte chunk c (0..3) of staged row r: the chunk index XOR (r >> 1) & 3, so
+    that the 8 rows an ldmatrix reads (r = 8q..8q+7, one chunk each) fall in 8 distinct groups
+    of 4 banks (the 64-byte rows alone would put rows r and r + 2 in the same banks)."""
+    return r * ROW_WORDS + 4 * (c ^ ((r >> 1) & 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,33 +152,32 @@ def _gf4_words(w: int) -> tuple[int, int, int, int]:
 @functools.cache
 def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN201, C901
     """matmul_kernel for a weight dtype, an epilogue mode and a tile (one compile each)."""
-    block_m, block_n, warps_m, warps_n = tile
+    block_m, block_n, warps_m, warps_n, stages, blocks_per_sm = tile
+    max_registers = min(255, 65536 // (blocks_per_sm * tile.threads) // 8 * 8)  # an SM has 64k
     threads = tile.threads
     warp_m = block_m // warps_m  # WM: rows of out a warp
     warp_n = block_n // warps_n  # WN: rows of the W tile a warp
     m_tiles = warp_m // 16  # mma tiles along M a warp
     n_tiles = warp_n // 8  # mma tiles along N a warp (even: ldmatrix.x4 loads two)
-    units_row = BK // UNIT  # fetch units a staged row
-    x_units = block_m * units_row // threads  # X copies a thread a step
-    w_units = block_n * units_row // threads  # W units a thread a step
-    x_stage = block_m * PITCH  # words a stage of the X tile
-    w_stage = block_n * PITCH
+    x_units = block_m * CHUNKS // threads  # X copies a thread a step
+    w_units = block_n * CHUNKS // threads  # W units a thread a step
+    x_stage = block_m * ROW_WORDS  # words a stage of the X tile
+    w_stage = block_n * ROW_WORDS
     out_n = block_n // 2 if mode == GATE else block_n  # out columns a block
-    x_words = 2 * x_stage  # the shared and local arrays' sizes, as compile-time constants
-    w_words = 2 * w_stage
-    wreg_words = 2 * w_units
-    acc_words = m_tiles * n_tiles * 4
-    a_words = m_tiles * 4
-    b_words = n_tiles * 2
     gate = mode == GATE
     residual = mode == RESIDUAL
     fp16 = dtype == "fp16"
     fp8 = dtype == "fp8"
+    # the shared and local arrays' sizes, as compile-time constants
+    x_words, w_words = stages * x_stage, stages * w_stage
+    wreg_words = 2 * w_units
+    acc_words, a_words, b_words = m_tiles * n_tiles * 4, m_tiles * 4, n_tiles * 2
     if (
         warp_m % 16
         or warp_n % 16
-        or x_units * threads != block_m * units_row
-        or w_units * threads != block_n * units_row
+        or x_units * threads != block_m * CHUNKS
+        or w_units * threads != block_n * CHUNKS
+        or stages not in (2, 3)
     ):
         raise PycalmError(f"tile {tuple(tile)} does not divide into m16n8k16 warp tiles and fetch units")
 
@@ -173,29 +191,31 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
     @cuda.jit(device=True, inline=True)
     def fetch(x, w1, w3, smem_x, smem_w, wregs, stage, k0, m0, n0):  # noqa: ANN001, ANN202
         """Start the step at column k0: X (and fp16 W) by cp.async into `stage`, fp8 / gf4 W
-        units into wregs (stored by put_w after this step's mma)."""
+        units into wregs (stored by put_w after this step's mma). One cp.async group."""
         tid = cuda.threadIdx.x
         t_rows, n_rows, k_cols = x.shape[0], w1.shape[0], x.shape[1]
         for i in range(x_units):
             u = tid + i * threads
-            r, c = u // units_row, u % units_row
+            r, c = u // CHUNKS, u % CHUNKS
             row, col = m0 + r, k0 + c * UNIT
+            word = stage * x_stage + swizzled(r, c)
             if row < t_rows and col < k_cols:
-                cp_async16(smem_x, stage * x_stage + r * PITCH + c * 4, x, row, col, 16)
+                cp_async16(smem_x, word, x, row, col, 16)
             else:  # zero-filled: no byte read from the (in-bounds) address
-                cp_async16(smem_x, stage * x_stage + r * PITCH + c * 4, x, 0, 0, 0)
+                cp_async16(smem_x, word, x, 0, 0, 0)
         for i in range(w_units):
             u = tid + i * threads
-            r, c = u // units_row, u % units_row
+            r, c = u // CHUNKS, u % CHUNKS
             which, row = w_source_row(r, n0)
             col = k0 + c * UNIT
             ok = row < n_rows and col < k_cols
             src = w3 if which else w1
             if fp16:
+                word = stage * w_stage + swizzled(r, c)
                 if ok:
-                    cp_async16(smem_w, stage * w_stage + r * PITCH + c * 4, src, row, col, 16)
+                    cp_async16(smem_w, word, src, row, col, 16)
                 else:  # zero-filled
-                    cp_async16(smem_w, stage * w_stage + r * PITCH + c * 4, src, 0, 0, 0)
+                    cp_async16(smem_w, word, src, 0, 0, 0)
             elif fp8:
                 lo, hi = int32(0), int32(0)
                 if ok:
@@ -203,10 +223,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
                 wregs[2 * i] = lo
                 wregs[2 * i + 1] = hi
             else:
-                word = int32(0)
+                lo = int32(0)
                 if ok:
-                    word = int32(src[row, col // UNIT])
-                wregs[i] = word
+                    lo = int32(src[row, col // UNIT])
+                wregs[2 * i] = lo
         cp_async_commit()
 
     @cuda.jit(device=True, inline=True)
@@ -216,21 +236,29 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
             tid = cuda.threadIdx.x
             for i in range(w_units):
                 u = tid + i * threads
-                r, c = u // units_row, u % units_row
+                r, c = u // CHUNKS, u % CHUNKS
                 if fp8:
                     h0, h1, h2, h3 = _fp8_words(wregs[2 * i], wregs[2 * i + 1])
                 else:
-                    h0, h1, h2, h3 = _gf4_words(wregs[i])
-                sts128(smem_w, stage * w_stage + r * PITCH + c * 4, h0, h1, h2, h3)
+                    h0, h1, h2, h3 = _gf4_words(wregs[2 * i])
+                sts128(smem_w, stage * w_stage + swizzled(r, c), h0, h1, h2, h3)
 
-    @cuda.jit
+    @cuda.jit(device=True, inline=True)
+    def wait_oldest() -> None:
+        """This thread's copies of the oldest step in flight have landed (stages - 1 in flight)."""
+        if stages == 3:
+            cp_async_wait_one()
+        else:
+            cp_async_wait_all()
+
+    @_jit_capped(max_registers)
     def matmul_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
         """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
         docstring. Must match pycalm.reference.matmul_ref / matmul_residual_ref /
         matmul_gate_ref."""
-        smem_x = cuda.shared.array(x_words, int32)  # (2 stages, BM, PITCH) f16x2
-        smem_w = cuda.shared.array(w_words, int32)  # (2 stages, BN, PITCH) f16x2
-        wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4: the next step's W units
+        smem_x = cuda.shared.array(x_words, int32)  # (stages, BM, BK) fp16 as words, swizzled
+        smem_w = cuda.shared.array(w_words, int32)  # (stages, BN, BK) fp16 as words, swizzled
+        wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4: a step's fetched W units
         acc = cuda.local.array(acc_words, float32)  # (m_tiles, n_tiles, 4) C fragments
         a = cuda.local.array(a_words, int32)  # (m_tiles, 4) A fragments of one k-slice
         b = cuda.local.array(b_words, int32)  # (n_tiles, 2) B fragments of one k-slice
@@ -243,31 +271,48 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         m0 = cuda.blockIdx.x * block_m
         n0 = cuda.blockIdx.y * out_n
         steps = (x.shape[1] + BK - 1) // BK
-        # ldmatrix row addresses (words) of this lane inside a stage
-        a_word = (wm * warp_m + (lane & 15)) * PITCH + (lane >> 4) * 4
-        b_word = (wn * warp_n + (lane & 7) + 8 * (lane >> 4)) * PITCH + ((lane >> 3) & 1) * 4
+        # ldmatrix row addresses of this lane (words in a stage, for m-tile / n-tile pair 0):
+        # A row (lane & 15), 16-byte chunk 2 ks + (lane >> 4); B row (lane & 7) + 8 (lane >> 4),
+        # chunk 2 ks + ((lane >> 3) & 1). The rows' swizzle (row >> 1) & 3 is (lane >> 1) & 3
+        # for both, since the tiles start at multiples of 8 rows.
+        flip = (lane >> 1) & 3
+        a_row = (wm * warp_m + (lane & 15)) * ROW_WORDS
+        b_row = (wn * warp_n + (lane & 7) + 8 * (lane >> 4)) * ROW_WORDS
+        a_chunk0 = 4 * ((lane >> 4) ^ flip)
+        a_chunk1 = 4 * ((2 + (lane >> 4)) ^ flip)
+        b_chunk0 = 4 * (((lane >> 3) & 1) ^ flip)
+        b_chunk1 = 4 * ((2 + ((lane >> 3) & 1)) ^ flip)
 
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
-        fetch(x, w1, w3, smem_x, smem_w, wregs, 0, 0, m0, n0)
-        put_w(smem_w, wregs, 0)
-        cp_async_wait_all()
-        cuda.syncthreads()  # step 0's tiles are in stage 0 for every warp
+        for s in range(stages - 1):  # the first stages - 1 steps in flight
+            if s < steps:
+                fetch(x, w1, w3, smem_x, smem_w, wregs, s, s * BK, m0, n0)
+                put_w(smem_w, wregs, s)
+            else:
+                cp_async_commit()  # an empty group keeps the count of groups in flight
 
         for step in range(steps):
-            stage = step & 1
-            more = step + 1 < steps
-            if more:  # the next step's copies and loads fly during this step's mma
-                fetch(x, w1, w3, smem_x, smem_w, wregs, stage ^ 1, (step + 1) * BK, m0, n0)
-            xs = stage * x_stage
-            ws = stage * w_stage
+            stage = step % stages
+            wait_oldest()  # this thread's copies of this step have landed
+            cuda.syncthreads()  # everyone's copies and stores of this step are visible, and
+            # every warp is done reading the stage that the fetch below overwrites
+            ahead = step + stages - 1
+            if ahead < steps:  # its copies and loads fly during this step's mma
+                fetch(x, w1, w3, smem_x, smem_w, wregs, ahead % stages, ahead * BK, m0, n0)
+            else:
+                cp_async_commit()  # an empty group
+            xs = stage * x_stage + a_row
+            ws = stage * w_stage + b_row
             for ks in range(BK // 16):
+                a_chunk = a_chunk0 if ks == 0 else a_chunk1
+                b_chunk = b_chunk0 if ks == 0 else b_chunk1
                 for i in range(m_tiles):
                     a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3] = ldmatrix_x4(
-                        smem_x, xs + a_word + i * 16 * PITCH + ks * 8
+                        smem_x, xs + i * 16 * ROW_WORDS + a_chunk
                     )
                 for p in range(n_tiles // 2):
                     b[4 * p], b[4 * p + 1], b[4 * p + 2], b[4 * p + 3] = ldmatrix_x4(
-                        smem_w, ws + b_word + p * 16 * PITCH + ks * 8
+                        smem_w, ws + p * 16 * ROW_WORDS + b_chunk
                     )
                 for i in range(m_tiles):
                     for j in range(n_tiles):
@@ -276,10 +321,8 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
                             a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3], b[2 * j], b[2 * j + 1],
                             acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
                         )  # fmt: skip
-            if more:
-                put_w(smem_w, wregs, stage ^ 1)
-                cp_async_wait_all()
-            cuda.syncthreads()  # stage ^ 1 is complete, and every warp is done reading stage
+            if ahead < steps:
+                put_w(smem_w, wregs, ahead % stages)  # read at step `ahead`, after its barrier
 
         # epilogue: lane holds rows g, g + 8 and columns 2t, 2t + 1 of each 16 x 8 tile
         t_rows, n_cols = out.shape[0], out.shape[1]

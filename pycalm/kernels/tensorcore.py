@@ -3,7 +3,8 @@
   mma_16816(a0..a3, b0, b1, c0..c3) -> d0..d3    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
   ldmatrix_x4(smem, word) -> r0..r3              ldmatrix.sync.aligned.m8n8.x4.shared.b16
   cp_async16(smem, word, src, row, col, nbytes)  cp.async.cg.shared.global, 16 bytes (zero-filled
-                                                 past nbytes), cp_async_commit / cp_async_wait_all
+                                                 past nbytes), cp_async_commit, cp_async_wait_all
+                                                 / cp_async_wait_one (wait_group 0 / 1)
   sts128(smem, word, w0..w3)                     st.shared.v4.b32
   ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes of a uint8 array)
   pack_f16x2(lo, hi) -> word                     cvt.rn.f16x2.f32 (two floats -> two fp16 halves)
@@ -102,6 +103,9 @@ if _numba_config.ENABLE_CUDASIM:
         """(simulator: the copies are done)"""
 
     def cp_async_wait_all() -> None:
+        """(simulator: the copies are done)"""
+
+    def cp_async_wait_one() -> None:
         """(simulator: the copies are done)"""
 
     def sts128(smem: np.ndarray, word: int, w0: int, w1: int, w2: int, w3: int) -> None:
@@ -272,6 +276,10 @@ else:
         "cp.async.wait_group 0;",
         "Wait until all of this thread's committed cp.async groups have landed (then a barrier "
         "makes every thread's copies visible to the block).",
+    )
+    cp_async_wait_one = _ptx_void(
+        "cp.async.wait_group 1;",
+        "Wait until all but the newest of this thread's committed cp.async groups have landed.",
     )
 
     @intrinsic
