@@ -6,6 +6,8 @@ weight format it times, with CUDA events after warm-up:
   - the last 32 at a 4000-token offset (positions 4000..4031: the KV cache read grows),
   - each kernel role (qkv, attention, wo, ffn_gate, w2, classifier) alone: its launches for all
     layers captured in a graph of their own, so GB/s per kernel excludes the others.
+GB/s divides pycalm.gpu.step_bytes (every weight a launch reads, the KV cache at the position,
+attention's partials and the float32 activations; per role the same count) by the time.
 The copy ceiling is measured in the same run, after the cells (torch device-to-device copy in a
 process of its own when torch is there, else a numba uint64 copy), counting bytes read plus
 bytes written.
@@ -19,8 +21,9 @@ bytes written.
 The engine's default step has programmatic graph edges where the GPU has them (compute
 capability 9.0+, pycalm.graph); the same step captured with plain edges is timed alongside.
 
-Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the k active experts'
-matrices of every layer (and the float32 router), not the whole expert stacks.
+Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the
+n_experts_active chosen experts' matrices of every layer (and the float32 router), not the
+whole expert stacks.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpubench import copy_ceiling, fill  # noqa: E402
 
 from pycalm.config import ModelConfig  # noqa: E402
-from pycalm.gpu import GpuEngine  # noqa: E402
+from pycalm.gpu import EngineOptions, GpuEngine, step_bytes  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
 from pycalm.sampler import SamplingParams  # noqa: E402
 
@@ -86,7 +89,7 @@ SHAPES = {
 SHAPES["mixtral-8x7b"] = dict(
     SHAPES["llama3-8b"], arch="mixtral", vocab_size=32000, rope_theta=1e6, n_experts=8, n_experts_active=2
 )
-CALM_H200 = {  # calm's own tok/s on this H200 (ARCHITECTURE.md)
+CALM_H200 = {  # calm's own tok/s on this H200 (docs/BENCHMARKS.md, "calm on the H200")
     ("llama3-8b", "fp16"): 193,
     ("llama3-8b", "fp8"): 322,
     ("llama3-8b", "gf4"): 266,
@@ -147,6 +150,17 @@ _FP8_MASK, _FP8_BITS = 0x87878787, 0x28282828
 _GF4_MASK, _GF4_BITS = 0xFFFFFF00, 0x0000002C
 
 
+def random_weights(rows: int, cols: int, dtype: str, seed: int, stack: tuple[int, ...] = ()) -> object:
+    """A (*stack, rows, cols) matrix of random finite weights stored as pycalm.formats stores
+    `dtype` (gf4: (*stack, rows, cols // 8) uint32), made on the GPU."""
+    n = int(np.prod(stack, dtype=np.int64)) * rows * cols
+    if dtype == "fp16":
+        return random_words(n // 2, seed, _FP16_MASK, _FP16_BITS).view(np.float16).reshape(*stack, rows, cols)
+    if dtype == "fp8":
+        return random_words(n // 4, seed, _FP8_MASK, _FP8_BITS).view(np.uint8).reshape(*stack, rows, cols)
+    return random_words(n // 8, seed, _GF4_MASK, _GF4_BITS).reshape(*stack, rows, cols // 8)
+
+
 class RandomDeviceModel:
     """What GpuEngine needs of a model (config, device_tensor), with random weights on the GPU."""
 
@@ -180,15 +194,7 @@ class RandomDeviceModel:
         }[name.split(".")[-1]]
         # MoE: w1, w3, w2 are stacks (n_experts, rows, cols)
         stack = (c.n_experts,) if c.n_experts and name.split(".")[-1] in ("w1", "w2", "w3") else ()
-        n = int(np.prod(stack, dtype=np.int64)) * rows * cols
-        dt = c.weight_dtype
-        if dt == "fp16":
-            w = random_words(n // 2, self._seed, _FP16_MASK, _FP16_BITS)
-            return w.view(np.float16).reshape(*stack, rows, cols)
-        if dt == "fp8":
-            w = random_words(n // 4, self._seed, _FP8_MASK, _FP8_BITS)
-            return w.view(np.uint8).reshape(*stack, rows, cols)
-        return random_words(n // 8, self._seed, _GF4_MASK, _GF4_BITS).reshape(*stack, rows, cols // 8)
+        return random_weights(rows, cols, c.weight_dtype, self._seed, stack)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,17 +228,6 @@ def copy_ceiling_gbs() -> tuple[float, str]:
     return copy_ceiling(cuda.stream()), "numba uint64 copy"
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes of the weights one token reads: all matrices, norms, and one embedding row. MoE:
-    the k active experts' w1, w3, w2 only (k of n_experts), and the float32 router."""
-    per_weight = {"fp16": 2.0, "fp8": 1.0, "gf4": 0.5}[cfg.weight_dtype]
-    ffn = 3 * cfg.hidden_dim * cfg.dim * (cfg.n_experts_active if cfg.n_experts else 1)
-    layer = cfg.qkv_dim * cfg.dim + cfg.dim * cfg.q_dim + ffn
-    matrices = cfg.n_layers * layer + cfg.vocab_size * cfg.dim + cfg.dim
-    router = 4 * cfg.n_experts * cfg.dim * cfg.n_layers
-    return int(matrices * per_weight + 4 * cfg.dim * (2 * cfg.n_layers + 1) + router)
-
-
 def time_replays(engine: GpuEngine, step: Callable[[int], GraphStep], pos0: int, n: int) -> float:
     """Seconds per step over n steps starting at position pos0; step(pos) is the graph to
     replay at pos (the engine's step for pos's attention span, or one graph throughout)."""
@@ -248,93 +243,48 @@ def time_replays(engine: GpuEngine, step: Callable[[int], GraphStep], pos0: int,
 
 
 def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
-    """Graphs of one kernel role each (all layers) for steps at pos, and the bytes each moves."""
-    from pycalm.kernels.attention import attention, attention_bytes
+    """Graphs of one kernel role each (its launches for all layers) for steps at pos, and the
+    bytes each moves (step_bytes)."""
+    from pycalm.kernels.attention import attention
     from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
     from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
     from pycalm.kernels.qkv import qkv_rope
 
-    cfg, dt, kv, s = engine.config, engine.config.weight_dtype, engine.kv_dtype, engine.stream
-    eps = cfg.norm_eps
-    live_chunks = -(-(pos + 1) // engine.att_scratch.chunk)
-
-    def attend(i: int, L: object) -> int:  # noqa: N803
-        attention(
-            engine.q,
-            engine.key_cache[i],
-            engine.value_cache[i],
-            engine.state,
-            engine.att,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            kv,
-            cfg.sliding_window,
-            engine.att_scratch,
-            stream=s,
-            span=engine.span(pos),
-        )
-        # the bytes at pos (attention returns the span's upper bound)
-        return attention_bytes(pos + 1, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, live_chunks)
-
-    roles = {
-        "qkv_rope": lambda i, L: qkv_rope(
-            L.wqkv,
-            L.bqkv,
-            engine.x,
-            L.attn_norm,
-            eps,
-            engine.rope_freqs,
-            engine.state,
-            engine.q,
-            engine.key_cache[i],
-            engine.value_cache[i],
-            dt,
-            kv,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            stream=s,
-        ),
-        "attention": attend,
-        "wo+res": lambda i, L: matvec_residual(L.wo, engine.att, engine.x, dt, stream=s),
-        "ffn_gate": lambda i, L: ffn_gate(
-            L.w1, L.w3, engine.x, engine.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps
-        ),
-        "w2+res": lambda i, L: matvec_residual(L.w2, engine.h, engine.x, dt, stream=s),
-    }
-    if cfg.n_experts:  # the MoE block instead (the experts' launches read the chosen k only)
-        k, ids, rw = engine.k, engine.route_ids, engine.route_w
+    e, cfg, s = engine, engine.config, engine.stream
+    dt, eps, span = cfg.weight_dtype, cfg.norm_eps, engine.span(pos)
+    roles = {  # role -> the launch for one layer
+        "qkv_rope": lambda L, cache: qkv_rope(L, e.x, e.rope_freqs, e.state, e.q, cache, cfg, stream=s),
+        "attention": lambda L, cache: attention(e.q, cache, e.state, e.att, cfg, e.att_scratch, stream=s, span=span),
+        "wo+res": lambda L, cache: matvec_residual(L.wo, e.att, e.x, dt, stream=s),
+        "ffn_gate": lambda L, cache: ffn_gate(L.w1, L.w3, e.x, e.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps),
+        "w2+res": lambda L, cache: matvec_residual(L.w2, e.h, e.x, dt, stream=s),
+    }  # fmt: skip
+    if cfg.n_experts:  # the MoE block instead (the experts' launches read the chosen ones only)
         del roles["ffn_gate"], roles["w2+res"]
-        roles["moe_route"] = lambda i, L: moe_route(
-            L.moe_gate, engine.x, L.ffn_norm, eps, k, ids, rw, stream=s
-        )
-        roles["ffn_gate"] = lambda i, L: moe_ffn_gate(
-            L.w1, L.w3, engine.x, engine.h, dt, ids, rw, k, stream=s, norm_w=L.ffn_norm, eps=eps
-        )
-        roles["w2+res"] = lambda i, L: moe_matvec_residual(L.w2, engine.h, engine.x, dt, ids, k, stream=s)
-    out = {}
-    for name, fn in roles.items():
-        nbytes = [0]
+        roles["moe_route"] = lambda L, cache: moe_route(L, e.x, e.route, cfg, stream=s)
+        roles["ffn_gate"] = lambda L, cache: moe_ffn_gate(L, e.x, e.h, e.route, cfg, stream=s)
+        roles["w2+res"] = lambda L, cache: moe_matvec_residual(L, e.h, e.x, e.route, cfg, stream=s)
 
-        def record(fn=fn, nbytes=nbytes) -> None:  # noqa: ANN001
-            for i, L in enumerate(engine.layers):
-                nbytes[0] += fn(i, L)
+    def every_layer(launch: Callable) -> None:
+        for L, cache in zip(e.layers, e.kv_caches, strict=True):
+            launch(L, cache)
 
-        out[name] = (GraphStep(s, record), nbytes)
-    nb = [0]
+    def classifier() -> None:
+        matvec(e.output, e.x, e.logits_buf, dt, stream=s, norm_w=e.norm, eps=eps)
 
-    def record_cls() -> None:
-        nb[0] += matvec(engine.output, engine.x, engine.logits_buf, dt, stream=s, norm_w=engine.norm, eps=eps)
-
-    out["classifier"] = (GraphStep(s, record_cls), nb)
-    return {k: (g, n[0]) for k, (g, n) in out.items()}
+    nbytes = step_bytes(cfg, e.kv_dtype, pos, e.att_scratch.chunk)
+    out = {
+        name: (GraphStep(s, functools.partial(every_layer, fn)), nbytes[name]) for name, fn in roles.items()
+    }
+    out["classifier"] = (GraphStep(s, classifier), nbytes["classifier"])
+    return out
 
 
 def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = None) -> dict:
     t0 = time.perf_counter()
     cfg = config_for(shape, dtype, 4096)
-    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", programmatic=programmatic)
+    options = EngineOptions(programmatic=programmatic)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
     step = functools.partial(engine.graph, SamplingParams())  # pos -> the step's graph
     step(0)
     setup_s = time.perf_counter() - t0
@@ -347,11 +297,18 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = N
         plain = GraphStep(engine.stream, functools.partial(engine.forward, SamplingParams(), span))
         time_replays(engine, lambda p: plain, 0, 16)
         t_plain = time_replays(engine, lambda p: plain, 0, tokens)
-    # bytes a token must read: every weight once (one embedding row) and the KV cache up to pos
-    w = weight_bytes(cfg)
-    kv_row = 2 * cfg.n_layers * cfg.kv_dim * (2 if engine.kv_dtype == "fp16" else 1)
-    bytes_first = w + kv_row * (tokens + 1) / 2
-    bytes_last = w + kv_row * 4016
+
+    # the bytes a step moves (step_bytes: every weight once, the KV cache up to pos, the
+    # activations), averaged over the timed positions
+    kv_dtype, chunk = engine.kv_dtype, engine.att_scratch.chunk
+
+    def mean_bytes(first: int, n: int) -> float:
+        return float(
+            np.mean([sum(step_bytes(cfg, kv_dtype, p, chunk).values()) for p in range(first, first + n)])
+        )
+
+    bytes_first = mean_bytes(0, tokens)
+    bytes_last = mean_bytes(4000, 32)
     roles = {}
     for name, (graph, nbytes) in kernel_roles(engine, 128).items():
         engine._set_state(token=1, pos=128, feed_end=0)

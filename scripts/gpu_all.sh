@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF]
 #   (default: tests kernels bench)
-# Expects the numpy/gguf wheels in .whl/ (bash ../shared/gpu/get-wheels.sh). Logs go to $OUT (or ./gpu-out).
+# Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -18,10 +18,11 @@ while [ $i -lt ${#steps[@]} ]; do
                tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_norm.py tests/test_sample.py \
                tests/test_model.py tests/test_moe.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels) python3 scripts/bench_kernels.py --check 2>&1 | tee "$out/bench_kernels.log" | tail -40
-             python3 scripts/bench_attention.py 2>&1 | tee "$out/bench_attention.log" | tail -25 ;;
+             python3 scripts/kernels/attention.py 2>&1 | tee "$out/kernels_attention.log" | tail -25
+             python3 scripts/kernels/sample.py 2>&1 | tee "$out/kernels_sample.log" | tail -12 ;;
     bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
     plain)   python3 scripts/bench.py --plain --json "$out/bench_plain.json" 2>&1 | tee "$out/bench_plain.log" | tail -20 ;;
-    attention) python3 scripts/bench_attention.py --check 2>&1 | tee "$out/bench_attention.log" | grep -A40 "=== summary" ;;
+    attention) python3 scripts/kernels/attention.py --check 2>&1 | tee "$out/kernels_attention.log" | grep -A40 "=== summary" ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))

@@ -1,7 +1,7 @@
 """What the GPU benchmark scripts share: random device words, graph-replay timing, copy ceiling.
 
-bench.py, bench_kernels.py and bench_attention.py import it (scripts/ is on their sys.path as
-the folder of the running script).
+bench.py and the kernel scripts (scripts/kernels/*.py) import it: scripts/ is on sys.path as
+the folder of the running script, or put there by the script.
 """
 
 from __future__ import annotations
