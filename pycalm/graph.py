@@ -1,9 +1,9 @@
 """A CUDA graph captured from the numba kernel launches that one function makes on a stream.
 
 Launching a numba kernel from Python costs tens of microseconds; replaying the same launches
-from a graph costs about 1 us a kernel (docs/BENCHMARKS.md, "Launch costs"). Capture goes
-through the CUDA driver bindings on the numba stream's own handle, so the kernels and launchers
-need no change.
+from a graph costs about 1 us a kernel (docs/BENCHMARKS.md, "Figures the code relies on").
+Capture goes through the CUDA driver bindings on the numba stream's own handle, so the kernels
+and launchers need no change.
 
 programmatic=True (Hopper and up) turns every kernel -> kernel edge of the captured graph into a
 programmatic dependency (programmatic dependent launch): a kernel may then launch as soon as

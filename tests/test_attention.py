@@ -150,7 +150,7 @@ def test_attention_span_covers_the_position():
 
 
 def test_default_chunk_is_one_block_per_head_at_short_context():
-    # the model's scratch: one live chunk (no combine) up to MAX_CHUNK positions, 256 on the GPU
+    # the engine's default chunk: 16 positions under the simulator (4 chunks here), 256 on the GPU (one)
     _run(3, 1, 32, 64, 50, "fp16", 0, seed=1, chunk=None)
 
 
