@@ -8,10 +8,11 @@ local memory).
 
 Each PTX then goes through ptxas (the NVVM wheel's own, sm_90) for what only the machine code
 shows: any spill to local memory, and a register count above the kernel's limit: the third
-item of its COMPILE_CHECK entry where there is one (pycalm.kernels.sample: what a block of its
-launch's threads can have at all), else the module's MAX_REGISTERS (pycalm.kernels.attention:
-two blocks of THREADS an SM; a restructured kernel at 154-188 registers once ran at one block an
-SM, up to 1.8x slower at long context, while the PTX looked clean).
+item of its COMPILE_CHECK entry where there is one (pycalm.kernels.sample and argmax: what a
+block of its launch's threads can have at all), else the module's MAX_REGISTERS
+(pycalm.kernels.attention: two blocks of the shipped 256 threads an SM; a restructured kernel
+at 154-188 registers once ran at one block an SM, up to 1.8x slower at long context, while the
+PTX looked clean).
 
 Every listed kernel must also contain griddepcontrol.wait and griddepcontrol.launch_dependents
 (pycalm.kernels.common.dependent_start): in a graph with programmatic edges a kernel without the
