@@ -18,6 +18,9 @@ one token through the model:
     sampling         the next token from the logits                     sample_ref
     advance          what the next step feeds, at which position       advance_ref
 
+Beside a step's one-token reference stands its form for T tokens at once (the prefill:
+`*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`).
+
 Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8" or "gf4") and are decoded with
 it; "fp32" is a matrix already decoded to float32 (the engine decodes each once). Activations are
 float32. This module imports no numba: the CPU engine runs without it.
