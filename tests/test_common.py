@@ -8,42 +8,43 @@ from pycalm.kernels import common
 
 
 @cuda.jit
-def _decode_fp8_kernel(words, out):
-    # words: (n,) int32 holding 4 e5m2 bytes each; out: (4 n,) float32
+def _decode_fp8_kernel(words, out, single):
+    # words: (n,) int32 holding 4 e5m2 bytes each; out: (4 n,) float32 (the matvec decoder);
+    # single: (n,) float32, the low byte through fp8_decode (the embedding's decoder)
     i = cuda.grid(1)
     if i < words.shape[0]:
-        f0, f1, f2, f3 = common.fp8x4_raw(words[i])
-        s = float32(common.FP_RAW_SCALE)
-        out[4 * i] = f0 * s
-        out[4 * i + 1] = f1 * s
-        out[4 * i + 2] = f2 * s
-        out[4 * i + 3] = f3 * s
+        f0, f1, f2, f3 = common.fp8x4_cvt(words[i])
+        out[4 * i] = f0
+        out[4 * i + 1] = f1
+        out[4 * i + 2] = f2
+        out[4 * i + 3] = f3
+        single[i] = common.fp8_decode(words[i] & int32(0xFF))
 
 
 @cuda.jit
-def _decode_fp16_kernel(words, out, single):
-    # words: (n,) int32 holding 2 fp16 each; out: (2 n,) float32; single: (2 n,) float32
+def _decode_fp16_kernel(words, out):
+    # words: (n,) int32 holding 2 fp16 each; out: (2 n,) float32 (the matvec decoder, h2f2)
     i = cuda.grid(1)
     if i < words.shape[0]:
-        s = float32(common.FP_RAW_SCALE)
-        out[2 * i] = common.fp16_lo_raw(words[i]) * s
-        out[2 * i + 1] = common.fp16_hi_raw(words[i]) * s
-        single[2 * i] = common.fp16_decode_bits(words[i] & int32(0xFFFF))
-        single[2 * i + 1] = common.fp8_decode(words[i] & int32(0xFF))
+        lo, hi = common.h2f2(words[i])
+        out[2 * i] = lo
+        out[2 * i + 1] = hi
 
 
 @cuda.jit
 def _decode_gf4_kernel(words, x, out, dots):
-    # words: (n,) int32 gf4 groups; out: (8 n,) float32 decoded; dots: (n,) group . x[8i:8i+8]
+    # words: (n,) int32 gf4 groups; out: (8 n,) float32 decoded (the embedding's decoder);
+    # dots: (n,) group . x[8i:8i+8] (the matvec decoder, raw, times GF4_RAW_SCALE)
     i = cuda.grid(1)
     if i < words.shape[0]:
         w = words[i]
         for k in range(8):
             out[8 * i + k] = common.gf4_decode(w, k)
         b = 8 * i
-        dots[i] = common.gf4_dot8(
+        raw = common.gf4_dot8_raw(
             w, x[b], x[b + 1], x[b + 2], x[b + 3], x[b + 4], x[b + 5], x[b + 6], x[b + 7]
         )
+        dots[i] = raw * float32(common.GF4_RAW_SCALE)
 
 
 @cuda.jit
@@ -77,26 +78,26 @@ def test_fp8_and_fp16_decoders_all_bytes():
     b = np.arange(256, dtype=np.uint8)
     words = b.view(np.int32)  # 64 words, bytes in little-endian order
     out = cuda.to_device(np.full(256, np.nan, np.float32))
-    _launch(_decode_fp8_kernel, 64, cuda.to_device(words), out)
+    single = cuda.to_device(np.full(64, np.nan, np.float32))
+    _launch(_decode_fp8_kernel, 64, cuda.to_device(words), out, single)
     got, want = out.copy_to_host(), formats.fp8_decode(b)
     finite = (b & 0x7C) != 0x7C  # exponent 31 (inf/NaN) never occurs in weights
     assert finite.sum() == 248
     np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+    low = b[0::4]  # the low byte of each word
+    keep = (low & 0x7C) != 0x7C
+    np.testing.assert_array_equal(
+        single.copy_to_host()[keep].view(np.uint32), want[0::4][keep].view(np.uint32)
+    )
 
     rng = np.random.default_rng(1)
     h = np.concatenate([np.arange(0, 0x7C00), np.arange(0x8000, 0xFC00)]).astype(np.uint16)  # finite
     h = np.concatenate([h[:80], h[0x7B00:0x7C80], rng.choice(h, 2048)])  # subnormals, the top, random
     words16 = h.view(np.int32)
     out = cuda.to_device(np.full(len(h), np.nan, np.float32))
-    single = cuda.to_device(np.full(len(h), np.nan, np.float32))
-    _launch(_decode_fp16_kernel, len(words16), cuda.to_device(words16), out, single)
+    _launch(_decode_fp16_kernel, len(words16), cuda.to_device(words16), out)
     want16 = h.view(np.float16).astype(np.float32)
     np.testing.assert_array_equal(out.copy_to_host().view(np.uint32), want16.view(np.uint32))
-    s = single.copy_to_host()
-    np.testing.assert_array_equal(s[0::2].view(np.uint32), want16[0::2].view(np.uint32))
-    lo_bytes = (h[0::2] & 0xFF).astype(np.uint8)
-    keep = (lo_bytes & 0x7C) != 0x7C
-    np.testing.assert_array_equal(s[1::2][keep], formats.fp8_decode(lo_bytes)[keep])
 
 
 def test_gf4_decoder_random_words():

@@ -12,8 +12,8 @@ import pytest
 from numba import cuda
 
 from pycalm import formats
-from pycalm.kernels.matvec import ffn_gate, matvec, matvec_ref, matvec_residual, silu_ref
-from pycalm.kernels.norm import rmsnorm_ref
+from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
+from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4"]
@@ -45,9 +45,8 @@ def test_matvec(dtype, rows, cols):
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
-    n = matvec(cuda.to_device(w), cuda.to_device(x), y, dtype, stream=cuda.default_stream())
+    matvec(cuda.to_device(w), cuda.to_device(x), y, dtype, stream=cuda.default_stream())
     cuda.synchronize()
-    assert n == w.nbytes + x.nbytes + 4 * rows
     want = wd @ x.astype(np.float64)
     _check(y.copy_to_host(), want, np.abs(wd) @ np.abs(x))
     # the NumPy reference agrees with the float64 product to the same tolerance
@@ -77,7 +76,7 @@ def test_matvec_fused_norm(dtype):
 
 
 RESIDUAL_SHAPES = [(37, 136)]
-if GPU:  # long rows: the default launch shares each row group by two warps (split_rows)
+if GPU:  # long rows: the default launch shares each row group by two warps (split_for)
     RESIDUAL_SHAPES += [(2047, 5632), (1021, 14336)]
 
 
@@ -89,9 +88,8 @@ def test_matvec_residual(dtype, rows, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     r = cuda.to_device(r0)
-    n = matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
+    matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
     cuda.synchronize()
-    assert n == w.nbytes + x.nbytes + 8 * rows
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
 
@@ -136,39 +134,31 @@ def test_matvec_chunked_x(dtype):
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols", [(19, 256), (37, 136)])
-def test_matvec_direct_variant(dtype, rows, cols):
-    """The benchmark's direct-x variant (x read from global memory, no staging), R1, R2 and R4,
-    and the staged R1 variant, as a residual launch: the same values as the default kernels."""
-    from pycalm.kernels.matvec import RESIDUAL, Variant, launch_family
+def _launch_kernel(kernel, dtype, wa, wb, x, norm_w, eps, out, mode, split):
+    """matvec_kernel launched on its own (launch_matvec's arguments), whatever the split rule
+    would choose for the shape: the split kernels at test sizes."""
+    from pycalm.kernels.launch import row_group_launch
+    from pycalm.kernels.matvec import GATE, ROWS, XCHUNK, load_bytes, word_view
 
-    rng = np.random.default_rng(rows + cols)
-    w, wd = _weights(rng, rows, cols, dtype)
-    x = rng.standard_normal(cols).astype(np.float32)
-    r0 = rng.standard_normal(rows).astype(np.float32)
-    wdev, xdev = cuda.to_device(w), cuda.to_device(x)
-    for v in (
-        Variant(2, 2, n_warps=2, direct=True),
-        Variant(4, 1, n_warps=2, direct=True),
-        Variant(1, 4, n_warps=2, direct=True),
-        Variant(1, 2, n_warps=2),
-    ):
-        r = cuda.to_device(r0)
-        launch_family(
-            wdev, wdev, xdev, None, 0.0, r, dtype, RESIDUAL, stream=cuda.default_stream(), variant=v
-        )
-        cuda.synchronize()
-        _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+    nbytes = load_bytes(wa, dtype)
+    n_groups = -(-wa.shape[0] // (ROWS // 2 if mode == GATE else ROWS))
+    args = (
+        word_view(wa, nbytes), word_view(wb, nbytes), x, x.view(np.uint64), x if norm_w is None else norm_w,
+        np.float32(eps), out, np.int32(mode), np.int32(norm_w is not None), x.view(np.int32), x, np.int32(0),
+        np.int32(0),
+    )  # fmt: skip
+    blocks, threads = row_group_launch(kernel, args, n_groups, -(-x.shape[0] // XCHUNK), split)
+    kernel[blocks, threads, cuda.default_stream()](*args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matvec_split_variant(dtype):
+def test_matvec_split_kernel(dtype):
     """Row groups shared by 2 and 3 warps (split): residual, fused-norm and gate launches give
     the references' values; 13 rows, so a block's warps loop over several groups (the sums'
-    buffer halves alternate) and the last group is partial. 1288 columns: 161 loads a row (fp16 wide, fp8 / gf4 narrow),
-    so every part has whole steps, a partial one and, for some, none at the end."""
-    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, Variant, launch_family
+    buffer halves alternate) and the last group is partial. 1288 columns: 161 loads a row
+    (fp16 wide, fp8 / gf4 narrow), so every part has whole steps, a partial one and, for some,
+    none at the end."""
+    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, load_bytes, matvec_kernel
 
     rows, cols, eps = 13, 1288, 1e-5
     rng = np.random.default_rng(11)
@@ -178,43 +168,44 @@ def test_matvec_split_variant(dtype):
     nw = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
-    s = cuda.default_stream()
     wdev, w3dev, xdev, nwdev = cuda.to_device(w), cuda.to_device(w3), cuda.to_device(x), cuda.to_device(nw)
-    for v in (
-        Variant(2, 2, split=2),
-        Variant(2, 1, n_warps=6, split=3),
-        Variant(1, 2, split=2, prefetch=True),
-    ):
+    nbytes = load_bytes(wdev, dtype)
+    for rows_a_warp, unroll, split in ((2, 2, 2), (2, 1, 3), (4, 2, 2)):
+        kernel = matvec_kernel(dtype, nbytes, rows_a_warp, unroll if nbytes == 16 else 1, split)
         r = cuda.to_device(r0)
-        launch_family(wdev, wdev, xdev, None, 0.0, r, dtype, RESIDUAL, stream=s, variant=v)
+        _launch_kernel(kernel, dtype, wdev, wdev, xdev, None, 0.0, r, RESIDUAL, split)
         y = cuda.to_device(np.full(rows, np.nan, np.float32))
-        launch_family(wdev, wdev, xdev, nwdev, eps, y, dtype, PLAIN, stream=s, variant=v)
-        h = cuda.to_device(np.full(rows, np.nan, np.float32))
-        launch_family(wdev, w3dev, xdev, nwdev, eps, h, dtype, GATE, stream=s, variant=v)
+        _launch_kernel(kernel, dtype, wdev, wdev, xdev, nwdev, eps, y, PLAIN, split)
         cuda.synchronize()
         _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
         _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
-        a, b = wd @ xn, w3d @ xn
-        want = a / (1 + np.exp(-a)) * b
-        scale = (np.abs(wd) @ np.abs(xn)) * (np.abs(w3d) @ np.abs(xn)) + np.abs(want)
-        _check(h.copy_to_host(), want, scale)
+        if rows_a_warp == 2:  # (the launch's group count assumes ROWS rows a warp for GATE)
+            h = cuda.to_device(np.full(rows, np.nan, np.float32))
+            _launch_kernel(kernel, dtype, wdev, w3dev, xdev, nwdev, eps, h, GATE, split)
+            cuda.synchronize()
+            a, b = wd @ xn, w3d @ xn
+            want = a / (1 + np.exp(-a)) * b
+            scale = (np.abs(wd) @ np.abs(xn)) * (np.abs(w3d) @ np.abs(xn)) + np.abs(want)
+            _check(h.copy_to_host(), want, scale)
 
 
-def test_split_rows_takes_long_residual_rows():
-    """Which default launches share a row group by two warps: dense residual launches of fp8
-    rows of at least SPLIT_LOADS loads a lane (w2), nothing else."""
-    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, Variant, split_rows
+def test_split_for_takes_long_residual_rows():
+    """Which launches share a row group by two warps: dense residual launches of fp8 rows of at
+    least SPLIT_LOADS 16-byte loads a lane (w2), nothing else."""
+    from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, split_for
 
-    v = Variant(2, 2, n_warps=8)
-    assert split_rows(v, "fp8", RESIDUAL, 5632, 0) == v._replace(split=2, n_warps=16)  # 11 loads a lane
-    assert split_rows(v, "fp8", RESIDUAL, 4608, 0).split == 2  # 9 loads a lane
-    assert split_rows(v, "fp8", RESIDUAL, 4096, 0) == v  # 8
-    assert split_rows(v, "fp16", RESIDUAL, 14336, 0) == v
-    assert split_rows(v, "fp8", RESIDUAL, 2048, 0) == v  # wo: 4 loads a lane
-    assert split_rows(v, "gf4", RESIDUAL, 14336, 0) == v
-    assert split_rows(v, "fp8", GATE, 5632, 0) == v
-    assert split_rows(v, "fp8", PLAIN, 5632, 0) == v
-    assert split_rows(v, "fp8", RESIDUAL, 5632, 2) == v  # expert slots
+    def lanes(cols, dtype):  # 16-byte loads a lane a row
+        return cols // {"fp16": 8, "fp8": 16, "gf4": 32}[dtype] // 32
+
+    assert split_for("fp8", RESIDUAL, lanes(5632, "fp8"), False) == 2  # 11 loads a lane
+    assert split_for("fp8", RESIDUAL, lanes(4608, "fp8"), False) == 2  # 9
+    assert split_for("fp8", RESIDUAL, lanes(4096, "fp8"), False) == 1  # 8
+    assert split_for("fp16", RESIDUAL, lanes(14336, "fp16"), False) == 1
+    assert split_for("fp8", RESIDUAL, lanes(2048, "fp8"), False) == 1  # wo: 4 loads a lane
+    assert split_for("gf4", RESIDUAL, lanes(14336, "gf4"), False) == 1
+    assert split_for("fp8", GATE, lanes(5632, "fp8"), False) == 1
+    assert split_for("fp8", PLAIN, lanes(5632, "fp8"), False) == 1
+    assert split_for("fp8", RESIDUAL, lanes(5632, "fp8"), True) == 1  # expert slots
 
 
 def _resident(regs):
@@ -222,21 +213,20 @@ def _resident(regs):
     return lambda threads: 65536 // (threads * regs)
 
 
-def test_launch_warps_balances_one_group_a_warp():
-    """Warps a block (pure arithmetic, 132 SMs): where every warp can take one row group, the
-    launch spreads the groups evenly (TinyLlama's qkv: 1280 groups -> 10 warps, 128 blocks, not
-    fill_sms's 8 warps in 160 blocks); where warps take several groups it keeps fill_sms's rule;
-    a block that would not fit an SM (registers) is never chosen; long rows keep the variant.
-    (132 SMs: n_sm() under the simulator, and the H200's count on the GPU.)"""
-    from pycalm.kernels.matvec import Variant, balance_warps, fill_sms, launch_warps
+def test_launch_shape_rules():
+    """Warps a block and blocks (pure arithmetic, 132 SMs): where every warp can take one row
+    group, the block size that spreads the groups evenly (TinyLlama's qkv: 1280 groups -> 10
+    warps, 128 blocks, not 8 warps in 160 blocks); a block that would not fit an SM (registers)
+    is never chosen; the blocks keep every block resident and every warp at the same number of
+    groups. (132 SMs: n_sm() under the simulator, and the H200's count on the GPU.)"""
+    from pycalm.kernels.launch import balance_warps, blocks_for
 
-    v = Variant(2, 2, n_warps=16)
-    res = _resident(56)
-    got = launch_warps(1280, 2048, v, res)
-    assert got.n_warps == 10  # 128 blocks of 10 warps, one group each
-    assert launch_warps(1024, 2048, v, _resident(80)).n_warps == 8  # 128 blocks of 8 already even
-    assert launch_warps(5632, 2048, v, _resident(80)) == fill_sms(5632, 2048, v)  # 3 groups a warp
-    assert launch_warps(1280, 16384, v, res) == v  # rows of two x chunks: unchanged
-    balanced, per_warp = balance_warps(5632, v, _resident(96))
-    assert per_warp > 1 and balanced.n_warps * 32 * 96 <= 65536  # the block fits
-    assert balance_warps(100, v, lambda threads: 0) == (v, 0)  # nothing fits: unchanged
+    assert balance_warps(1280, _resident(56)) == (10, 1)  # 128 blocks of 10 warps, one group each
+    assert balance_warps(1024, _resident(80))[0] == 8  # 128 blocks of 8 already even
+    warps, per_warp = balance_warps(5632, _resident(96))
+    assert per_warp > 1 and warps * 32 * 96 <= 65536  # several groups a warp; the block fits
+    assert balance_warps(100, lambda threads: 0) == (16, 0)  # nothing fits: the default
+    # 16 warps of 72 registers: one block an SM; 14336 groups -> 7 a warp, 128 blocks
+    assert blocks_for(14336, 16, 1, _resident(72)(512)) == 128
+    assert blocks_for(14336, 16, 1, _resident(64)(512)) == 224  # two blocks an SM: 4 a warp
+    assert blocks_for(2048, 16, 2, 1) == 128  # split: 8 teams a block, 2 groups a team

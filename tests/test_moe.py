@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -36,17 +37,10 @@ from tiny_models import TinyModel, make_hf_llama, write_safetensors
 from pycalm import formats
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine
-from pycalm.kernels.matvec import XCHUNK, silu_ref
-from pycalm.kernels.moe import (
-    moe_ffn_gate,
-    moe_ffn_gate_ref,
-    moe_matvec_residual,
-    moe_matvec_residual_ref,
-    moe_route,
-    moe_route_ref,
-)
+from pycalm.kernels.matvec import XCHUNK
+from pycalm.kernels.moe import Route, moe_ffn_gate, moe_matvec_residual, moe_route
 from pycalm.loader import open_model
-from pycalm.reference import rmsnorm_ref
+from pycalm.reference import moe_ffn_gate_ref, moe_matvec_residual_ref, moe_route_ref, rmsnorm_ref, silu_ref
 
 N_EXPERTS = 4
 TOP_K = 2
@@ -252,15 +246,12 @@ def test_route_ref_crafted_logits():
 
 
 def route_gpu(gate: np.ndarray, x: np.ndarray, nw: np.ndarray, eps: float, k: int, threads: int):
-    ids = cuda.to_device(np.full(k, -1, np.int32))
-    w = cuda.to_device(np.full(k, np.nan, np.float32))
-    n = moe_route(
-        cuda.to_device(gate), cuda.to_device(x), cuda.to_device(nw), eps, k, ids, w,
-        stream=cuda.default_stream(), threads=threads,
-    )  # fmt: skip
+    route = Route(cuda.to_device(np.full(k, -1, np.int32)), cuda.to_device(np.full(k, np.nan, np.float32)))
+    layer = SimpleNamespace(moe_gate=cuda.to_device(gate), ffn_norm=cuda.to_device(nw))
+    cfg = SimpleNamespace(n_experts_active=k, norm_eps=eps)
+    moe_route(layer, cuda.to_device(x), route, cfg, stream=cuda.default_stream(), threads=threads)
     cuda.synchronize()
-    assert n == gate.nbytes + x.nbytes + nw.nbytes + 8 * k
-    return ids.copy_to_host(), w.copy_to_host()
+    return route.ids.copy_to_host(), route.weights.copy_to_host()
 
 
 @pytest.mark.parametrize(
@@ -352,15 +343,14 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     nw = rng.uniform(0.5, 1.5, dim).astype(np.float32)
     ids, gw = np.array(chosen, np.int32), np.array([0.7, 0.3], np.float32)
     k = len(chosen)
-    d_ids, d_gw = cuda.to_device(ids), cuda.to_device(gw)
+    route = Route(cuda.to_device(ids), cuda.to_device(gw))
+    layer = SimpleNamespace(
+        w1=cuda.to_device(w1), w3=cuda.to_device(w3), w2=cuda.to_device(w2), ffn_norm=cuda.to_device(nw)
+    )
+    cfg = SimpleNamespace(n_experts_active=k, norm_eps=eps, weight_dtype=dtype)
     h = cuda.to_device(np.full(k * hidden_dim, np.nan, np.float32))
-    n = moe_ffn_gate(
-        cuda.to_device(w1), cuda.to_device(w3), cuda.to_device(x), h, dtype, d_ids, d_gw, k,
-        stream=cuda.default_stream(), norm_w=cuda.to_device(nw), eps=eps,
-    )  # fmt: skip
+    moe_ffn_gate(layer, cuda.to_device(x), h, route, cfg, stream=cuda.default_stream())
     cuda.synchronize()
-    # the bytes of the 2 chosen experts of 4 only
-    assert n == (w1.nbytes + w3.nbytes) // 2 + x.nbytes + nw.nbytes + 4 * k * hidden_dim + 8 * k
     got = h.copy_to_host().astype(np.float64)
     assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read, or h not written"
     # float64 want and the tolerance of tests/test_matvec.py's test_ffn_gate, per slot
@@ -384,9 +374,8 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     hv = h.copy_to_host()
     r0 = rng.standard_normal(dim).astype(np.float32)
     r = cuda.to_device(r0)
-    n = moe_matvec_residual(cuda.to_device(w2), h, r, dtype, d_ids, k, stream=cuda.default_stream())
+    moe_matvec_residual(layer, h, r, route, cfg, stream=cuda.default_stream())
     cuda.synchronize()
-    assert n == w2.nbytes // 2 + hv.nbytes + 8 * dim + 4 * k
     got = r.copy_to_host().astype(np.float64)
     assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read"
     want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
@@ -410,9 +399,15 @@ def test_expert_residual_chunked(dtype):
     hv = rng.standard_normal(2 * hidden_dim).astype(np.float32)
     r0 = rng.standard_normal(dim).astype(np.float32)
     r = cuda.to_device(r0)
-    ids = np.array(chosen, np.int32)
+    route = Route(cuda.to_device(np.array(chosen, np.int32)), cuda.to_device(np.ones(2, np.float32)))
+    cfg = SimpleNamespace(n_experts_active=2, weight_dtype=dtype)
     moe_matvec_residual(
-        cuda.to_device(w2), cuda.to_device(hv), r, dtype, cuda.to_device(ids), 2, stream=cuda.default_stream()
+        SimpleNamespace(w2=cuda.to_device(w2)),
+        cuda.to_device(hv),
+        r,
+        route,
+        cfg,
+        stream=cuda.default_stream(),
     )
     cuda.synchronize()
     got = r.copy_to_host().astype(np.float64)

@@ -1,14 +1,16 @@
 """qkv_rope (RMSNorm + QKV matvec + bias + RoPE + KV-cache write) against qkv_ref / kv_round."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from numba import cuda
 
 from pycalm import formats
+from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, STATE_TOKEN
-from pycalm.kernels.norm import rmsnorm_ref
-from pycalm.kernels.qkv import qkv_ref, qkv_rope
-from pycalm.reference import kv_round
+from pycalm.kernels.qkv import qkv_rope
+from pycalm.reference import kv_round, qkv_ref, rmsnorm_ref
 
 RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_matvec)
 
@@ -44,13 +46,16 @@ def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
         k0 = np.full((seq_len, kv_dim), 0x55, np.uint8)
     kc, vc = cuda.to_device(k0), cuda.to_device(k0)
     q = cuda.to_device(np.full(q_dim, np.nan, np.float32))
-    n = qkv_rope(
-        cuda.to_device(w), None if b is None else cuda.to_device(b), cuda.to_device(x), cuda.to_device(nw),
-        eps, cuda.to_device(freqs), cuda.to_device(state), q, kc, vc, dtype, kv_dtype,
-        n_heads, n_kv_heads, head_dim, stream=cuda.default_stream(),
-    )  # fmt: skip
+    layer = SimpleNamespace(
+        wqkv=cuda.to_device(w), bqkv=None if b is None else cuda.to_device(b), attn_norm=cuda.to_device(nw)
+    )
+    cfg = SimpleNamespace(
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, norm_eps=eps, weight_dtype=dtype
+    )
+    cache = KVCache(kc, vc, kv_dtype)
+    qkv_rope(layer, cuda.to_device(x), cuda.to_device(freqs), cuda.to_device(state), q, cache, cfg,
+             stream=cuda.default_stream())  # fmt: skip
     cuda.synchronize()
-    assert n >= w.nbytes + x.nbytes
 
     xn = rmsnorm_ref(x, nw, eps)
     q_ref, k_ref, v_ref = qkv_ref(w, b, xn, dtype, pos, freqs, n_heads, n_kv_heads, head_dim)

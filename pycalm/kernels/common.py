@@ -2,7 +2,8 @@
 bit-level decoders / encoders of the number formats (pycalm.formats is their spec; the tests tie
 them to it bit for bit).
 
-Decoding without conversion instructions (ARCHITECTURE.md, "the arithmetic budget"):
+Decoding without conversion instructions (the KV caches in pycalm.kernels.attention, single
+e5m2 bytes, and the gf4 codes and scales; the matvec kernels widen fp16 / e5m2 with cvt, fp8x4_cvt):
 
 * fp16 and fp8 e5m2 share the fp16 layout (e5m2 is the top byte of an fp16). An fp16 bit pattern
   h placed in the top half of a 32-bit word, shifted right by 3 *arithmetically* and masked with
@@ -117,8 +118,8 @@ FULL_MASK = 0xFFFFFFFF
 FP_RAW_SCALE = float(2.0**112)
 GF4_RAW_SCALE = float(-(2.0**110))  # raw gf4 sums times this: 2**112 / 4, and the minus of -s/4
 # int32 masks keeping the sign and the fp16 (e5m10) / e5m2 fields after the >> 3 that moves them
-_MASK_FP16 = 0x8FFFE000 - (1 << 32)
-_MASK_E5M2 = 0x8FE00000 - (1 << 32)
+MASK_FP16 = 0x8FFFE000 - (1 << 32)
+MASK_E5M2 = 0x8FE00000 - (1 << 32)
 
 # ---------------------------------------------------------------------------------------------
 # bit casts
@@ -441,41 +442,17 @@ def sar32(a: int, n: int) -> int:
 
 
 @cuda.jit(device=True, inline=True)
-def fp16_hi_raw(w: int) -> float:
-    """The fp16 in bits 16-31 of the int32 w -> float32 value * 2**-112 (2 int ops)."""
-    return as_f32(int32(sar32(w, 3) & int32(_MASK_FP16)))
-
-
-@cuda.jit(device=True, inline=True)
-def fp16_lo_raw(w: int) -> float:
-    """The fp16 in bits 0-15 of the int32 w -> float32 value * 2**-112 (3 int ops)."""
-    return as_f32(int32(sar32(shl32(w, 16), 3) & int32(_MASK_FP16)))
-
-
-@cuda.jit(device=True, inline=True)
 def fp8_byte_raw(w: int, k: int) -> float:
     """Byte k (0..3, k a constant after inlining) of the int32 w as e5m2 -> value * 2**-112:
     the byte moved to the top (a left shift, none for byte 3), then >> 3 and the mask."""
-    return as_f32(int32(sar32(shl32(w, 24 - 8 * k), 3) & int32(_MASK_E5M2)))
-
-
-@cuda.jit(device=True, inline=True)
-def fp8x4_raw(w: int) -> tuple[float, float, float, float]:
-    """Four e5m2 bytes of the int32 w (byte 0 first) -> four floats, value * 2**-112 each.
-    11 integer ops for 4 weights: byte 3 needs no left shift."""
-    m = int32(_MASK_E5M2)  # 0x8FE00000: sign, then the 5 + 2 exponent / mantissa bits
-    f3 = as_f32(int32(sar32(w, 3) & m))
-    f2 = as_f32(int32(sar32(shl32(w, 8), 3) & m))
-    f1 = as_f32(int32(sar32(shl32(w, 16), 3) & m))
-    f0 = as_f32(int32(sar32(shl32(w, 24), 3) & m))
-    return f0, f1, f2, f3
+    return as_f32(int32(sar32(shl32(w, 24 - 8 * k), 3) & int32(MASK_E5M2)))
 
 
 @cuda.jit(device=True, inline=True)
 def fp8x4_cvt(w: int) -> tuple[float, float, float, float]:
-    """Four e5m2 bytes of the int32 w (byte 0 first) -> four exact float32 VALUES (no 2**-112):
-    two byte permutes make two fp16 pairs (an e5m2 byte is the top byte of an fp16), and four
-    cvt.f32.f16 widen them. 6 instructions for 4 weights (the shift decoder: 11)."""
+    """Four e5m2 bytes of the int32 w (byte 0 first) -> four exact float32 values: two byte
+    permutes make two fp16 pairs (an e5m2 byte is the top byte of an fp16), and four
+    cvt.f32.f16 widen them. 6 instructions for 4 weights (the matvec kernels' fp8 decoder)."""
     f0, f1 = h2f2(prmt(w, int32(0), int32(0x1404)))  # bytes 0, 1 -> top bytes of the halves
     f2, f3 = h2f2(prmt(w, int32(0), int32(0x3424)))  # bytes 2, 3
     return f0, f1, f2, f3
@@ -485,12 +462,6 @@ def fp8x4_cvt(w: int) -> tuple[float, float, float, float]:
 def fp8_decode(b: int) -> float:
     """One e5m2 byte (the low 8 bits of b) -> its float32 value (exact)."""
     return fp8_byte_raw(int32(b), 0) * float32(FP_RAW_SCALE)
-
-
-@cuda.jit(device=True, inline=True)
-def fp16_decode_bits(h: int) -> float:
-    """One fp16 bit pattern (the low 16 bits of h) -> its float32 value (exact)."""
-    return fp16_lo_raw(int32(h)) * float32(FP_RAW_SCALE)
 
 
 @cuda.jit(device=True, inline=True)
@@ -528,7 +499,8 @@ def gf4_dot8_raw(
     """sum_k (q_k - 4) x_k * s_raw over one gf4 group (s_raw = s * 2**-112, the raw e5m2
     scale): multiply by GF4_RAW_SCALE (-2**110) once per row. Each code is masked in place and
     ORed with an exponent (one LOP3), the exact float subtraction of 2**(23-p) + 4 leaves q - 4,
-    then one FMA: 3 instructions a weight, the scale once a group."""
+    then one FMA: 3 instructions a weight, the scale once a group (the matvec kernels' gf4
+    decoder)."""
     w = int32(w)
     u = sar32(w, 12)  # codes 5..7 moved down so that their mantissa fits
     acc = (as_f32(and_or(w, int32(0x700), int32(142 << 23))) - float32(2.0**15 + 4.0)) * x0
@@ -540,14 +512,6 @@ def gf4_dot8_raw(
     acc += (as_f32(and_or(u, int32(0x1C000), int32(136 << 23))) - float32(2.0**9 + 4.0)) * x6
     acc += (as_f32(and_or(u, int32(0xE0000), int32(133 << 23))) - float32(2.0**6 + 4.0)) * x7
     return acc * fp8_byte_raw(w, 0)
-
-
-@cuda.jit(device=True, inline=True)
-def gf4_dot8(
-    w: int, x0: float, x1: float, x2: float, x3: float, x4: float, x5: float, x6: float, x7: float
-) -> float:
-    """sum_k weight_k * x_k over one gf4 group (the scale applied)."""
-    return gf4_dot8_raw(w, x0, x1, x2, x3, x4, x5, x6, x7) * float32(GF4_RAW_SCALE)
 
 
 # ---------------------------------------------------------------------------------------------

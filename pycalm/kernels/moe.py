@@ -3,18 +3,20 @@
   xb = rmsnorm(x) * ffn_norm
   logits = G xb  (G: (n_experts, dim) float32);  chosen = the k largest (ties: lower index first)
   weights = softmax(logits[chosen]);  x += sum_j weights_j * W2_e(silu(W1_e xb) * W3_e xb)
-Only the chosen experts' weights are read.
+Only the chosen experts' weights are read. References: pycalm.reference.moe_route_ref,
+moe_ffn_gate_ref, moe_matvec_residual_ref.
 
 On the GPU a layer's MoE block is three launches, with no host round trip (the token step is
 one captured CUDA graph, so the chosen experts live in device memory, never in launch
 arguments):
-  moe_route            route_ids (k,) int32, route_w (k,) float32        (one block)
-  moe_ffn_gate         h[s] = route_w[s] * silu(W1_e xb) * (W3_e xb), e = route_ids[s]
+  moe_route            route.ids (k,) int32, route.weights (k,) float32   (one block)
+  moe_ffn_gate         h[s] = weights[s] * silu(W1_e xb) * (W3_e xb), e = ids[s]
   moe_matvec_residual  x += sum over slots s of W2_e h[s]
-h is (k * hidden_dim,) float32, slot by slot; it carries the routing weight, so that the W2
-launch adds every slot straight into the residual. The two expert launches are the matvec
-family's expert-slot kernels (pycalm.kernels.matvec, "Expert slots"): a stack (n_experts, rows,
-cols) is viewed as (n_experts * rows, cols) and slot s reads the rows of expert route_ids[s].
+k = n_experts_active. h is (k * hidden_dim,) float32, slot by slot; it carries the routing
+weight, so that the W2 launch adds every slot straight into the residual. The two expert
+launches are the slot form of pycalm.kernels.matvec's kernel ("Expert slots"): a stack
+(n_experts, rows, cols) is viewed as (n_experts * rows, cols) and slot s reads the rows of
+expert ids[s].
 
 Routing kernel, thread mapping: one block. Thread t takes columns t, t + blockDim, ... of x; for
 each it loads x, norm_w and the n_experts gate weights of the column (the kernel is compiled per
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
@@ -42,43 +45,19 @@ from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import WARP, block_reduce_sum, dependent_start, warp_reduce_sum
-from pycalm.kernels.matvec import GATE, RESIDUAL, launch_family, matvec_ref, silu_ref
+from pycalm.kernels.matvec import GATE, RESIDUAL, launch_matvec
 
 
-def moe_route_ref(gate: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """-> (expert ids (k,) int32 in descending logit order, weights (k,) float32 summing to 1)."""
-    logits = (gate.astype(np.float32) @ x.astype(np.float32)).astype(np.float32)
-    order = np.argsort(-logits, kind="stable")[:k]
-    chosen = logits[order]
-    w = np.exp(chosen - chosen.max())
-    return order.astype(np.int32), (w / w.sum()).astype(np.float32)
+@dataclass(frozen=True)
+class Route:
+    """The experts chosen for the current token, in device memory (written by moe_route, read
+    by the expert launches: a captured graph follows the routing)."""
+
+    ids: object  # (n_experts_active,) int32, in descending logit order
+    weights: object  # (n_experts_active,) float32, the softmax over the chosen logits
 
 
-def moe_ffn_gate_ref(
-    w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str, ids: np.ndarray, weights: np.ndarray
-) -> np.ndarray:
-    """w1, w3: stored (n_experts, hidden_dim, dim) stacks; x (dim,) float32 (normed already);
-    ids, weights (k,) -> h (k * hidden_dim,) float32: slot s is weights[s] * silu(W1_e x) * (W3_e x)."""
-    h = [
-        w * silu_ref(matvec_ref(w1[e], x, dtype)) * matvec_ref(w3[e], x, dtype)
-        for e, w in zip(ids, weights, strict=True)
-    ]
-    return np.concatenate(h).astype(np.float32)
-
-
-def moe_matvec_residual_ref(
-    w2: np.ndarray, h: np.ndarray, dtype: str, ids: np.ndarray, residual: np.ndarray
-) -> np.ndarray:
-    """w2: stored (n_experts, dim, hidden_dim) stack; h (k * hidden_dim,) -> residual + sum over
-    slots s of W2_e h[s] (slot by slot, as the kernel adds them)."""
-    hidden_dim = h.shape[0] // len(ids)
-    out = residual.astype(np.float32)
-    for s, e in enumerate(ids):
-        out = (out + matvec_ref(w2[e], h[s * hidden_dim : (s + 1) * hidden_dim], dtype)).astype(np.float32)
-    return out
-
-
-# =============================================================================================
+# ---------------------------------------------------------------------------------------------
 # GPU kernels
 
 MAX_EXPERTS = 32  # a warp's worth: thread e < n_experts finishes logit e
@@ -87,9 +66,9 @@ SIM_THREADS = 64
 
 
 @functools.cache
-def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
+def moe_route_kernel(n_experts: int):  # noqa: ANN201
     """The routing kernel for n_experts experts (a compile-time size: the partial sums are
-    registers). Arguments: gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,)
+    registers). Reference: pycalm.reference.moe_route_ref. Arguments: gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,)
     float32, eps float32, k int32, route_ids (k,) int32 and route_w (k,) float32 (written)."""
     n = n_experts
 
@@ -149,31 +128,23 @@ def moe_route_kernel_for(n_experts: int):  # noqa: ANN201
 
 
 def moe_route(
-    gate: object,
-    x: object,
-    norm_w: object,
-    eps: float,
-    k: int,
-    route_ids: object,
-    route_w: object,
-    *,
-    stream: object,
-    threads: int | None = None,
-) -> int:
-    """route_ids, route_w = the top k experts of G (rmsnorm(x) * norm_w) and the softmax over
-    their logits. gate: (n_experts, dim) float32 device array; x, norm_w (dim,) float32;
-    route_ids (k,) int32, route_w (k,) float32 (written). threads: a multiple of 32 up to 1024
-    (default THREADS; SIM_THREADS under the simulator). -> bytes moved."""
-    n_experts, dim = gate.shape
+    layer: object, x: object, route: Route, cfg: object, *, stream: object, threads: int | None = None
+) -> None:
+    """route.ids, route.weights = the top k experts of G (rmsnorm(x) * ffn_norm) and the softmax
+    over their logits, k = cfg.n_experts_active. layer: .moe_gate (n_experts, dim) float32,
+    .ffn_norm (dim,) float32; x (dim,) float32. threads: a multiple of 32 up to 1024 (default
+    THREADS; SIM_THREADS under the simulator). Reference: pycalm.reference.moe_route_ref."""
+    gate = layer.moe_gate
+    n_experts, k = gate.shape[0], cfg.n_experts_active
     if not 0 < n_experts <= MAX_EXPERTS:
         raise PycalmError(f"moe_route: {n_experts} experts; the routing kernel takes 1..{MAX_EXPERTS}")
     if not 0 < k <= n_experts:
         raise PycalmError(f"moe_route: k = {k} experts of {n_experts}")
     if threads is None:
         threads = SIM_THREADS if _numba_config.ENABLE_CUDASIM else THREADS
-    kernel = moe_route_kernel_for(n_experts)
-    kernel[1, threads, stream](gate, x, norm_w, np.float32(eps), np.int32(k), route_ids, route_w)
-    return 4 * n_experts * dim + 8 * dim + 8 * k
+    kernel = moe_route_kernel(n_experts)
+    args = (gate, x, layer.ffn_norm, np.float32(cfg.norm_eps), np.int32(k), route.ids, route.weights)
+    kernel[1, threads, stream](*args)
 
 
 def _stack_2d(w: object) -> object:
@@ -181,56 +152,41 @@ def _stack_2d(w: object) -> object:
     return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
 
 
-def moe_ffn_gate(
-    w1: object,
-    w3: object,
-    x: object,
-    h: object,
-    dtype: str,
-    route_ids: object,
-    route_w: object,
-    k: int,
-    *,
-    stream: object,
-    norm_w: object,
-    eps: float,
-) -> int:
-    """h[s * hidden_dim + r] = route_w[s] * (silu(W1_e xn) * (W3_e xn))[r], e = route_ids[s],
-    xn = rmsnorm(x) * norm_w, for the k slots. w1, w3: stored (n_experts, hidden_dim, dim)
-    device stacks; x, norm_w (dim,) float32; h (k * hidden_dim,) float32; route_ids (k,) int32,
-    route_w (k,) float32 device arrays. -> bytes moved (the k chosen experts' rows only)."""
-    n_experts, hidden_dim = w1.shape[0], w1.shape[1]
-    assert h.shape[0] == k * hidden_dim and route_ids.shape[0] >= k and route_w.shape[0] >= k
-    launch_family(
-        _stack_2d(w1), _stack_2d(w3), x, norm_w, eps, h, dtype, GATE, stream=stream,
-        route_ids=route_ids, route_w=route_w, n_slots=k, expert_rows=hidden_dim,
+def moe_ffn_gate(layer: object, x: object, h: object, route: Route, cfg: object, *, stream: object) -> None:
+    """h[s * hidden_dim + r] = weights[s] * (silu(W1_e xn) * (W3_e xn))[r], e = route.ids[s],
+    xn = rmsnorm(x) * layer.ffn_norm, for the k = cfg.n_experts_active slots. layer: .w1, .w3
+    stored (n_experts, hidden_dim, dim) stacks, .ffn_norm (dim,) float32; x (dim,) float32;
+    h (k * hidden_dim,) float32. Reference: pycalm.reference.moe_ffn_gate_ref."""
+    k, hidden_dim = cfg.n_experts_active, layer.w1.shape[1]
+    if h.shape[0] != k * hidden_dim or route.ids.shape[0] < k or route.weights.shape[0] < k:
+        raise PycalmError(f"moe_ffn_gate: h of {h.shape[0]} for {k} slots of {hidden_dim}")
+    launch_matvec(
+        _stack_2d(layer.w1), _stack_2d(layer.w3), x, layer.ffn_norm, cfg.norm_eps, h, cfg.weight_dtype, GATE,
+        stream=stream, route_ids=route.ids, route_w=route.weights, n_slots=k, expert_rows=hidden_dim,
     )  # fmt: skip
-    weights = k * (int(w1.nbytes) + int(w3.nbytes)) // n_experts
-    return weights + int(x.nbytes) + int(norm_w.nbytes) + 4 * k * hidden_dim + 8 * k
 
 
 def moe_matvec_residual(
-    w2: object, h: object, r: object, dtype: str, route_ids: object, k: int, *, stream: object
-) -> int:
-    """r += sum over the k slots s of W2_e h[s * hidden_dim : (s + 1) * hidden_dim], e =
-    route_ids[s]. w2: stored (n_experts, dim, hidden_dim) device stack; h (k * hidden_dim,)
-    float32; r (dim,) float32. -> bytes moved (the k chosen experts' matrices only; r read and
-    written once: the later slots' adds find it in cache)."""
-    n_experts, dim = w2.shape[0], w2.shape[1]
-    assert r.shape[0] == dim and route_ids.shape[0] >= k and h.shape[0] % k == 0
+    layer: object, h: object, x: object, route: Route, cfg: object, *, stream: object
+) -> None:
+    """x += sum over the k = cfg.n_experts_active slots s of W2_e h[s * hidden_dim : (s + 1) *
+    hidden_dim], e = route.ids[s]. layer: .w2 stored (n_experts, dim, hidden_dim) stack; h
+    (k * hidden_dim,) float32; x (dim,) float32. Reference: pycalm.reference.moe_matvec_residual_ref."""
+    w2, k = layer.w2, cfg.n_experts_active
+    if x.shape[0] != w2.shape[1] or route.ids.shape[0] < k or h.shape[0] % k:
+        raise PycalmError(f"moe_matvec_residual: x of {x.shape[0]} and h of {h.shape[0]} for {k} slots")
     w = _stack_2d(w2)
-    launch_family(
-        w, w, h, None, 0.0, r, dtype, RESIDUAL, stream=stream,
-        route_ids=route_ids, route_w=h, n_slots=k, expert_rows=dim,
+    launch_matvec(
+        w, w, h, None, 0.0, x, cfg.weight_dtype, RESIDUAL, stream=stream,
+        route_ids=route.ids, route_w=h, n_slots=k, expert_rows=w2.shape[1],
     )  # fmt: skip
-    return k * int(w2.nbytes) // n_experts + int(h.nbytes) + 8 * dim + 4 * k
 
 
 # the routing kernel for Mixtral's 8 experts (the expert-slot matvec kernels are listed in
 # pycalm.kernels.matvec's COMPILE_CHECK)
 COMPILE_CHECK = [
     (
-        moe_route_kernel_for(8),
+        moe_route_kernel(8),
         "void(float32[:, ::1], float32[::1], float32[::1], float32, int32, int32[::1], float32[::1])",
     )
 ]

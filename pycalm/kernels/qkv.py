@@ -1,73 +1,34 @@
-"""QKV projection fused with bias, RoPE and the KV-cache write.
+"""QKV projection fused with the RMSNorm, the bias, RoPE and the KV-cache write.
 
-qkv = Wqkv x (+ bqkv)            rows: q (n_heads * head_dim), k, v (n_kv_heads * head_dim each)
-q, k rotated in interleaved pairs: for i < rotary_dim / 2, with a = pos * freqs[i],
-    (x[2i], x[2i+1]) -> (x[2i] cos a - x[2i+1] sin a, x[2i] sin a + x[2i+1] cos a)
-k, v written to the caches at row `pos`; q goes to the attention step.
+  xn = rmsnorm(x) * attn_norm
+  qkv = Wqkv xn (+ bqkv)      rows: q (n_heads * head_dim), k, v (n_kv_heads * head_dim each)
+  q, k rotated in interleaved pairs: for i < rotary_dim / 2, with a = pos * freqs[i],
+      (x[2i], x[2i+1]) -> (x[2i] cos a - x[2i+1] sin a, x[2i] sin a + x[2i+1] cos a)
+  k, v written to the caches at row pos; q goes to the attention step.
+Reference: pycalm.reference.qkv_ref (with rmsnorm_ref and kv_round).
+
+Thread mapping: the row groups of pycalm.kernels.matvec (one warp, ROWS consecutive rows of
+Wqkv, the same device functions: row_group), x * attn_norm staged in shared memory once (dim <=
+XCHUNK). head_dim is even, so the rows 2i, 2i + 1 of a group never straddle a head and are
+exactly one rotary pair (i = (row % head_dim) / 2): the warp holds both values after its
+reduction and rotates them with no barrier. Lane 0 writes q, or encodes k / v to the cache
+dtype and writes them at row pos = state[STATE_POS]. The bias is a runtime flag (a missing bias
+passes x as a dummy), so one kernel a weight format and KV dtype serves models with and without
+q/k/v biases. Programmatic launches as in matvec: the first weight loads before
+grid_dependency_wait, launch_dependents once a warp's last group's loads are issued.
+
+Bytes moved: Wqkv, x, attn_norm, the bias, q written (4 q_dim) and one cache row of k and v.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from numba import cuda, float32, uint8, uint64
 
-from pycalm.kernels.matvec import matvec_ref
-
-
-def rope_ref(x: np.ndarray, pos: int, freqs: np.ndarray, head_dim: int) -> np.ndarray:
-    """x: (n_heads * head_dim,) float32, freqs: (rotary_dim // 2,) float32 -> rotated copy."""
-    out = x.astype(np.float32).reshape(-1, head_dim).copy()
-    half = freqs.shape[0]
-    angle = np.float32(pos) * freqs.astype(np.float32)  # (rotary_dim // 2,) float32, as the GPU does
-    c, s = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
-    x0 = out[:, 0 : 2 * half : 2].copy()
-    x1 = out[:, 1 : 2 * half : 2].copy()
-    out[:, 0 : 2 * half : 2] = x0 * c - x1 * s
-    out[:, 1 : 2 * half : 2] = x0 * s + x1 * c
-    return out.reshape(-1)
-
-
-def qkv_ref(
-    wqkv: np.ndarray,
-    bqkv: np.ndarray | None,
-    x: np.ndarray,
-    dtype: str,
-    pos: int,
-    freqs: np.ndarray,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> q (n_heads*head_dim,), k, v (n_kv_heads*head_dim,), float32; q and k rotated."""
-    qkv = matvec_ref(wqkv, x, dtype)
-    if bqkv is not None:
-        qkv = qkv + bqkv.astype(np.float32)
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
-    q = rope_ref(qkv[:q_dim], pos, freqs, head_dim)
-    k = rope_ref(qkv[q_dim : q_dim + kv_dim], pos, freqs, head_dim)
-    v = qkv[q_dim + kv_dim :].astype(np.float32)
-    return q, k, v
-
-
-# =============================================================================================
-# GPU kernel: RMSNorm + QKV matvec + bias + RoPE + KV-cache write, one launch
-#
-# Thread mapping: the row-group matvec of pycalm.kernels.matvec (one warp, R consecutive rows of
-# Wqkv, x = rmsnorm(x) * norm_w staged in shared memory once: dim <= XCHUNK). head_dim is even,
-# so the rows 2i, 2i + 1 of a group never straddle a head and are exactly one rotary pair
-# (i = (row % head_dim) / 2): the warp holds both values after its reduction and rotates them
-# with no barrier. Lane 0 writes q, or encodes k / v to the cache dtype and writes them at row
-# pos = state[STATE_POS]. The bias is a runtime flag (a missing bias passes x as a dummy), so
-# one kernel a weight kind and KV dtype serves models with and without q/k/v biases.
-#
-# Bytes moved: Wqkv, x, norm_w, the bias, q written (4 q_dim) and one cache row of k and v.
-# =============================================================================================
-
-import functools  # noqa: E402
-
-from numba import cuda, float32, uint8, uint64  # noqa: E402
-
-from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.kernels.common import (  # noqa: E402
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import (
     STATE_POS,
     WARP,
     fp8_encode,
@@ -77,23 +38,37 @@ from pycalm.kernels.common import (  # noqa: E402
     sincos,
     warp_reduce_sum,
 )
-from pycalm.kernels.matvec import (  # noqa: E402
-    KINDS,
+from pycalm.kernels.launch import row_group_launch
+from pycalm.kernels.matvec import (
+    ROW_SCALE,
+    ROWS,
+    UNROLL,
     XCHUNK,
     XPAIRS,
-    Variant,
-    launch_shape,
-    make_group_dot,
-    make_preload,
-    make_stage_x,
-    row_scale,
+    load_bytes,
+    row_group,
     staged_rms,
-    variant_for,
-    weight_kind,
+    word_view,
 )
 
+KV_STORAGE = {"fp16": "float16", "fp8": "uint8"}  # the caches' element types (numba names)
 
-def _make_store(fp8_kv: bool):  # noqa: ANN202
+
+@functools.cache
+def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
+    """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
+    pycalm.kernels.matvec.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
+    array, bias (rows,) float32 (read only when has_bias), x (dim,) float32 and x64 (x as uint64
+    pairs), norm_w (dim,) float32, eps float32, freqs (rotary_dim // 2,) float32, state int32,
+    q (q_dim,) float32, k_cache, v_cache (seq_len, kv_dim), q_dim, kv_dim, head_dim, has_bias.
+    Reference: pycalm.reference.qkv_ref."""
+    unroll = UNROLL if nbytes == 16 else 1
+    stage_x, load_first, group_dot = row_group(dtype, nbytes, ROWS, unroll, 1)
+    WORDS = max(1, nbytes // 8)
+    STEP_WORDS = ROWS * unroll * WORDS
+    SCALE = ROW_SCALE[dtype]
+    FP8_KV = kv_dtype == "fp8"
+
     @cuda.jit(device=True, inline=True)
     def store_pair(a, b, r0, bias, has_bias, freqs, pos, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
         """Rows r0, r0 + 1 (values a, b): bias, RoPE for q and k, then q or the caches."""
@@ -114,162 +89,109 @@ def _make_store(fp8_kv: bool):  # noqa: ANN202
             else:
                 c = r0 - q_dim - kv_dim
                 cache = v_cache
-            if fp8_kv:
+            if FP8_KV:
                 cache[pos, c] = uint8(fp8_encode(a))
                 cache[pos, c + 1] = uint8(fp8_encode(b))
             else:
                 cache[pos, c] = fp16_encode(a)
                 cache[pos, c + 1] = fp16_encode(b)
 
-    return store_pair
+    @cuda.jit(device=True, inline=True)
+    def group_rows(g, n_rows, row):  # noqa: ANN001, ANN202
+        """row[r] = rows ROWS g + r of the group, clamped to the matrix (for the loads)."""
+        for r in range(ROWS):
+            row[r] = uint64(min(ROWS * g + r, n_rows - 1))
 
+    @cuda.jit
+    def qkv_rope_kernel(
+        w, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
+    ):  # noqa: ANN001, ANN202, E501
+        xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by load
+        scratch = cuda.shared.array(WARP, float32)  # block reduction
+        words = cuda.local.array(STEP_WORDS, uint64)  # a step's loads: registers
+        acc = cuda.local.array(ROWS, float32)  # the rows' sums
+        row = cuda.local.array(ROWS, uint64)  # the rows' indices in w
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        n_warps = cuda.blockDim.x // WARP
+        n_rows = w.shape[0]
+        cols = x.shape[0]
+        nw = w.shape[1] // WORDS  # loads a row
+        n_groups = (n_rows + ROWS - 1) // ROWS
+        stride = cuda.gridDim.x * n_warps
+        g = cuda.blockIdx.x * n_warps + warp
+        group_rows(min(g, n_groups - 1), n_rows, row)
+        load_first(w, w, row, 0, nw, lane, words)  # streams in while x is staged
+        grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish
+        pos = state[STATE_POS]
+        ss = stage_x(x64, norm_w, xs, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2
+        scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs
+        while g < n_groups:  # warp-uniform: the shuffles below see every lane
+            group_dot(words, w, w, row, xs, 0, nw, lane, acc)
+            gn = g + stride
+            if gn >= n_groups:  # this warp's last weights are in: the next kernel may launch
+                launch_dependents()  # (and load its own while this one reduces and writes)
+            group_rows(min(gn, n_groups - 1), n_rows, row)
+            load_first(w, w, row, 0, nw, lane, words)  # the next group's first step
+            for r in range(ROWS):
+                acc[r] = warp_reduce_sum(acc[r]) * scale  # xor shuffles: every lane gets the sum
+            if lane == 0:
+                for p in range(ROWS // 2):
+                    if ROWS * g + 2 * p < n_rows:  # n_rows is even: the pair is whole
+                        store_pair(acc[2 * p], acc[2 * p + 1], ROWS * g + 2 * p, bias, has_bias, freqs, pos, q,
+                                   k_cache, v_cache, q_dim, kv_dim, head_dim)  # fmt: skip
+            g = gn
 
-def _qkv_source(n_rows: int, unroll: int, early: bool) -> str:
-    rr = range(n_rows)
-    accs = ", ".join(f"a{r}" for r in rr)
-    cs = ", ".join(f"c{r}_{u}" for u in range(unroll) for r in rr)
-    mats = ", ".join(f"w, r{i}" for i in rr)
-    src = [
-        "def qkv_rope_kernel(w, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim,",
-        "                    head_dim, has_bias):",
-        "    xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by word",
-        "    scratch = cuda.shared.array(32, float32)  # block reduction",
-        "    lane = cuda.threadIdx.x % WARP",
-        "    warp = cuda.threadIdx.x // WARP",
-        "    n_warps = cuda.blockDim.x // WARP",
-        "    rows = w.shape[0]",
-        "    cols = x.shape[0]",
-        "    nw = w.shape[1] // UNIT  # loads a row",
-        f"    n_groups = (rows + {n_rows - 1}) // {n_rows}",
-        "    stride = cuda.gridDim.x * n_warps",
-        "    g = cuda.blockIdx.x * n_warps + warp",
-    ]
-    src += [f"    r{i} = min({n_rows} * min(g, n_groups - 1) + {i}, rows - 1)" for i in rr]
-    if early:
-        src.append(f"    {cs}, = preload({mats}, 0, nw, lane)  # streams in while x is staged")
-    src += [
-        "    grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish",
-        "    pos = state[STATE_POS]",
-    ]
-    src += [
-        "    ss = stage_x(x64, norm_w, xs, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2",
-        "    scale = float32(ROW_SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs",
-        "    while g < n_groups:  # warp-uniform: the shuffles below see every lane",
-        f"        {accs}, = group_dot({cs + ', ' if early else ''}{mats}, xs, 0, nw, lane)",
-        "        gn = g + stride",
-    ]
-    src += [
-        "        if gn >= n_groups:  # this warp's last weights are in: the next kernel may launch",
-        "            launch_dependents()  # (and load its own while this one reduces and writes)",
-    ]
-    src += [f"        r{i} = min({n_rows} * min(gn, n_groups - 1) + {i}, rows - 1)" for i in rr]
-    if early:
-        src.append(f"        {cs}, = preload({mats}, 0, nw, lane)  # the next group's first step")
-    src += [f"        a{i} = warp_reduce_sum(a{i}) * scale  # every lane gets the row sum" for i in rr]
-    src.append("        if lane == 0:")
-    for p in range(n_rows // 2):
-        src.append(f"            if {n_rows} * g + {2 * p} < rows:  # rows is even: the pair is whole")
-        src.append(
-            f"                store_pair(a{2 * p}, a{2 * p + 1}, {n_rows} * g + {2 * p}, bias, has_bias, freqs, pos, q,"
-        )
-        src.append("                           k_cache, v_cache, q_dim, kv_dim, head_dim)")
-    src.append("        g = gn")
-    return "\n".join(src)
-
-
-@functools.cache
-def qkv_kernel_for(kind: str, v: Variant, kv_dtype: str):  # noqa: ANN201
-    """The fused QKV kernel for a weight kind, inner-loop variant and KV-cache dtype."""
-    k = KINDS[kind]
-    cvt = v.cvt and k.dtype != "gf4"
-    scope = {
-        "cuda": cuda,
-        "float32": float32,
-        "uint64": uint64,
-        "WARP": WARP,
-        "XPAIRS": XPAIRS,
-        "UNIT": max(1, k.load_bytes // 8),
-        "STATE_POS": STATE_POS,
-        "ROW_SCALE": row_scale(k.dtype, cvt),
-        "staged_rms": staged_rms,
-        "grid_dependency_wait": grid_dependency_wait,
-        "launch_dependents": launch_dependents,
-        "warp_reduce_sum": warp_reduce_sum,
-        "stage_x": make_stage_x(kind),
-        "group_dot": make_group_dot(kind, v.rows, v.unroll, v.prefetch, cvt, v.early),
-        "store_pair": _make_store(kv_dtype == "fp8"),
-        "preload": make_preload(kind, v.rows, v.unroll),
-    }
-    name = f"qkv_rope_kernel_{kind}_r{v.rows}u{v.unroll}{'p' if v.prefetch else ''}{'c' if cvt else ''}{'e' if v.early else ''}_{kv_dtype}"
-    exec(
-        compile(_qkv_source(v.rows, v.unroll, v.early), f"<pycalm.kernels.qkv generated {name}>", "exec"),
-        scope,
-    )  # noqa: S102
-    fn = scope["qkv_rope_kernel"]
-    fn.__name__ = fn.__qualname__ = name
-    return cuda.jit(fn)
+    qkv_rope_kernel.label = (dtype, nbytes, kv_dtype)  # which COMPILE_CHECK entry it is
+    return qkv_rope_kernel
 
 
 def qkv_rope(
-    wqkv: object,
-    bqkv: object,
+    layer: object,
     x: object,
-    norm_w: object,
-    eps: float,
     rope_freqs: object,
     state: object,
     q: object,
-    k_cache: object,
-    v_cache: object,
-    dtype: str,
-    kv_dtype: str,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
+    cache: object,
+    cfg: object,
     *,
     stream: object,
-    variant: Variant | None = None,
-) -> int:
-    """q = rope(Wq xn + bq); k_cache[pos] = enc(rope(Wk xn + bk)); v_cache[pos] = enc(Wv xn + bv).
+) -> None:
+    """q = rope(Wq xn + bq); cache.k[pos] = enc(rope(Wk xn + bk)); cache.v[pos] = enc(Wv xn + bv);
+    xn = rmsnorm(x) * layer.attn_norm, pos = state[STATE_POS].
 
-    wqkv: stored (q_dim + 2 kv_dim, dim); bqkv (q_dim + 2 kv_dim,) float32 or None; x, norm_w
-    (dim,) float32; rope_freqs (rotary_dim // 2,) float32; state int32 (pos = state[STATE_POS]);
-    q (q_dim,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8 ("fp8"); variant:
-    the inner loop's shape (the benchmark's alternatives), None for the default.
-    -> bytes moved.
-    """
-    if kv_dtype not in ("fp16", "fp8"):
-        raise PycalmError(f"unsupported KV-cache dtype {kv_dtype!r} (fp16 or fp8)")
+    layer: .wqkv stored (q_dim + 2 kv_dim, dim), .bqkv (q_dim + 2 kv_dim,) float32 or None,
+    .attn_norm (dim,) float32; x (dim,) float32; rope_freqs (rotary_dim // 2,) float32; state
+    int32; q (q_dim,) float32; cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len,
+    kv_dim) float16 or uint8 e5m2, .dtype); cfg: the ModelConfig (n_heads, n_kv_heads,
+    head_dim, norm_eps, weight_dtype)."""
+    if cache.dtype not in KV_STORAGE:
+        raise PycalmError(f"unsupported KV-cache dtype {cache.dtype!r} (fp16 or fp8)")
     if x.shape[0] > XCHUNK:
         raise PycalmError(f"qkv_rope: dim {x.shape[0]} is above the {XCHUNK} columns one block stages")
-    wv, kind = weight_kind(wqkv, dtype, variant.wide if variant is not None else True)
-    v = variant_for(kind, variant)
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
-    rows = wqkv.shape[0]
-    assert rows == q_dim + 2 * kv_dim and head_dim % 2 == 0
-    has_bias = bqkv is not None
-    kernel = qkv_kernel_for(kind, v, kv_dtype)  # (the warps a block are not compiled in)
+    w, bias = layer.wqkv, layer.bqkv
+    q_dim, kv_dim, head_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
+    if w.shape[0] != q_dim + 2 * kv_dim or head_dim % 2:
+        raise PycalmError(f"qkv_rope: {w.shape[0]} rows for q_dim {q_dim} and kv_dim {kv_dim}")
+    nbytes = load_bytes(w, cfg.weight_dtype)
+    kernel = qkv_rope_kernel(cfg.weight_dtype, nbytes, cache.dtype)
+    has_bias = bias is not None
     args = (
-        wv, bqkv if has_bias else x, x, x.view(np.uint64), norm_w, np.float32(eps), rope_freqs, state, q,
-        k_cache, v_cache,
-        q_dim, kv_dim, head_dim, np.int32(has_bias),
+        word_view(w, nbytes), bias if has_bias else x, x, x.view(np.uint64), layer.attn_norm,
+        np.float32(cfg.norm_eps), rope_freqs, state, q, cache.k, cache.v, q_dim, kv_dim, head_dim,
+        np.int32(has_bias),
     )  # fmt: skip
-    v = v._replace(direct=False)  # qkv always stages x (and its norm)
-    grid, n_threads = launch_shape(kernel, args, -(-rows // v.rows), x.shape[0], v, variant is None)
-    kernel[grid, n_threads, stream](*args)
-    kv_row = 2 * kv_dim * k_cache.dtype.itemsize
-    extra = int(bqkv.nbytes) if has_bias else 0
-    return int(wqkv.nbytes) + int(x.nbytes) + int(norm_w.nbytes) + extra + 4 * q_dim + kv_row
+    blocks, threads = row_group_launch(kernel, args, -(-w.shape[0] // ROWS), 1)
+    kernel[blocks, threads, stream](*args)
 
 
-_SIG_KV = {"fp16": "float16", "fp8": "uint8"}
 COMPILE_CHECK = [
     (
-        qkv_kernel_for(kind, variant_for(kind, None), kv),
-        f"void({'uint32' if KINDS[kind].load_bytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], uint64[::1], "
-        f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {_SIG_KV[kv]}[:, ::1], "
-        f"{_SIG_KV[kv]}[:, ::1], int64, int64, int64, int32)",
+        qkv_rope_kernel(dtype, nbytes, kv),
+        f"void({'uint32' if nbytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], uint64[::1], "
+        f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {KV_STORAGE[kv]}[:, ::1], "
+        f"{KV_STORAGE[kv]}[:, ::1], int64, int64, int64, int32)",
     )
-    for kind in ("fp16", "fp8", "gf4", "fp8n", "gf4n")
+    for dtype, nbytes in (("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4))
     for kv in ("fp16", "fp8")
 ]
