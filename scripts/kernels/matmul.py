@@ -1,0 +1,341 @@
+"""Tensor-core matmul for T tokens (pycalm.kernels.matmul): tile variants, a check of each against
+pycalm.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
+
+    python scripts/kernels/matmul.py                  # check, variants, the table (GPU)
+    python scripts/kernels/matmul.py --check          # only the checks against the reference
+    python scripts/kernels/matmul.py --table --quick  # only the table, T = 2048
+    NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --check --tiny   # simulator, seconds
+
+Versions (pycalm.kernels.matmul.Tile: block_m x block_n, warps_m x warps_n, stages, blocks an SM
+the registers are capped for). All use mma.sync m16n8k16 (fp16 in, fp32 accumulate), ldmatrix.x4
+from swizzled 64-byte shared rows, K in steps of 32, X and fp16 W by cp.async, fp8 / gf4 W through
+registers decoded to fp16 tiles:
+  1. 128 x 128, 2 x 4 warps (64 x 32 each), 3 stages, 2 blocks an SM     (the default, TILE)
+  2. same as 1 with 2 stages (one step of K in flight during the mma)
+  3. same as 1 with 4 x 2 warps (32 x 64 each: A fragments reused by 8 mma, B by 2)
+  4. 128 x 256, 2 x 4 warps (64 x 64 each), 2 stages, 1 block an SM (255 registers)
+  5. 256 x 128, 4 x 2 warps (64 x 64 each), 2 stages, 1 block an SM
+  6. 64 x 128, 2 x 4 warps (32 x 32 each), 3 stages, 2 blocks an SM (more blocks for small T)
+  7. 32 x 32, 2 x 2 warps (16 x 16 each), 3 stages: the simulator's tile (SIM_TILE)
+
+Timing: each cell is the mean of back-to-back launches between two CUDA events (after one launch
+that compiles and warms), at least 20 ms of them. X (T, K) fp16 and the weights are random
+finite bit patterns made on the GPU. TFLOP/s counts 2 T N K (the gate: 4 T N K, w1 and w3). The
+peak: dense fp16 with fp32 accumulation on the H200 is ~990 TFLOP/s by the datasheet, reached
+only by wgmma (Hopper's warpgroup instructions); mma.sync, the instruction these kernels use (the
+one numba can reach through inline PTX without warpgroup-wide register allocation), issues at a
+fraction of it. With torch present, cuBLAS's fp16 F.linear at the same shape is timed alongside
+(--torch) as what the machine gives a library that uses wgmma.
+
+Shapes: Llama-3-8B (qkv 6144x4096, wo 4096x4096, w1/w3 14336x4096, w2 4096x14336, classifier
+128256x4096) and TinyLlama-1.1B (qkv 2560x2048, wo 2048x2048, w1/w3 5632x2048, w2 2048x5632,
+classifier 32000x2048), each in the mode the layer uses (qkv and classifier plain, wo and w2
+residual, w1/w3 gate), at T = 128, 512, 2048, in fp16 / fp8 / gf4. The last lines add a layer's
+four matmuls up: the tok/s the matmuls alone allow for a prefill of T tokens (the classifier is
+needed for the last token only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+from numba import config as numba_config
+from numba import cuda, uint32
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from pycalm import formats  # noqa: E402
+from pycalm.kernels.matmul import SIM_TILE, TILE, Tile, matmul  # noqa: E402
+from pycalm.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
+
+VERSIONS = {
+    1: TILE,
+    2: Tile(stages=2),
+    3: Tile(128, 128, 4, 2),
+    4: Tile(128, 256, 2, 4, stages=2, blocks_per_sm=1),
+    5: Tile(256, 128, 4, 2, stages=2, blocks_per_sm=1),
+    6: Tile(64, 128, 2, 4),
+    7: SIM_TILE,
+}
+PEAK_TFLOPS = 990.0  # dense fp16 / bf16 with fp32 accumulation, H200 datasheet (wgmma)
+DTYPES = ["fp16", "fp8", "gf4"]
+# (name, N, K, mode) per model, and its layer count
+MODELS = {
+    "Llama-3-8B": (
+        32,
+        [
+            ("qkv", 6144, 4096, "plain"),
+            ("wo", 4096, 4096, "residual"),
+            ("w1/w3", 14336, 4096, "gate"),
+            ("w2", 4096, 14336, "residual"),
+            ("cls", 128256, 4096, "plain"),
+        ],
+    ),
+    "TinyLlama-1.1B": (
+        22,
+        [
+            ("qkv", 2560, 2048, "plain"),
+            ("wo", 2048, 2048, "residual"),
+            ("w1/w3", 5632, 2048, "gate"),
+            ("w2", 2048, 5632, "residual"),
+            ("cls", 32000, 2048, "plain"),
+        ],
+    ),
+}
+TOKENS = [128, 512, 2048]
+# finite-value masks on random words: one exponent bit of each fp16 / e5m2 / gf4 scale cleared
+MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
+
+
+@cuda.jit
+def fill_kernel(words, seed, mask):  # noqa: ANN001, ANN201
+    """words[i] = hash(i, seed) & mask (lowbias32)."""
+    i = cuda.grid(1)
+    while i < words.shape[0]:
+        h = uint32(i) * uint32(0x9E3779B9) + uint32(seed)
+        h ^= h >> uint32(16)
+        h *= uint32(0x7FEB352D)
+        h ^= h >> uint32(15)
+        h *= uint32(0x846CA68B)
+        h ^= h >> uint32(16)
+        words[i] = h & uint32(mask)
+        i += cuda.gridsize(1)
+
+
+def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
+    """A device array of the stored shape of `dtype` (fp16 / fp8 / gf4) with random finite values."""
+    rows, cols = formats.storage_shape(*shape, dtype)
+    arr = cuda.device_array((rows, cols), formats.STORAGE_DTYPE[dtype])
+    words = arr.reshape(arr.size * arr.dtype.itemsize // 4).view(np.uint32)
+    fill_kernel[1024, 256](words, uint32(seed), uint32(MASK[dtype]))
+    return arr
+
+
+# ---------------------------------------------------------------------------------------------
+# check
+
+
+def check(version: int, tile: Tile, shape: tuple[int, int, int], modes: list[str]) -> bool:
+    """Each dtype x mode at `shape` (T, N, K) against the reference; prints the worst error
+    relative to the |X| |W|^T sums (the tests' tolerance is 1e-5)."""
+    t_rows, n, k = shape
+    rng = np.random.default_rng(version)
+    ok = True
+    stream = cuda.default_stream()
+    for dtype in DTYPES:
+        x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
+        w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+        w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+        wf = formats.decode(w, dtype).astype(np.float64)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(wf).T
+        for mode in modes:
+            if mode == "plain":
+                want, out = matmul_ref(x, w, dtype), np.zeros((t_rows, n), np.float32)
+            elif mode == "residual":
+                r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
+                want, out = matmul_residual_ref(x, w, dtype, r0), r0.copy()
+            else:
+                want, out = matmul_gate_ref(x, w, w3, dtype), np.zeros((t_rows, n), np.float16)
+            d_out = cuda.to_device(out)
+            d_w3 = cuda.to_device(w3) if mode == "gate" else None
+            matmul(
+                cuda.to_device(x),
+                cuda.to_device(w),
+                d_out,
+                dtype,
+                stream=stream,
+                mode=mode,
+                w3=d_w3,
+                tile=tile,
+            )
+            got = d_out.copy_to_host().astype(np.float64)
+            err = np.abs(got - want.astype(np.float64))
+            # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
+            bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
+            worst = float(np.max(err / bound))
+            good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
+            ok &= good
+            print(
+                f"  v{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
+            )
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def time_launches(launch: object, min_seconds: float = 0.02) -> float:
+    """Mean seconds of one launch: one warm-up (compile), one timed, then enough back-to-back
+    launches between two events for min_seconds."""
+    launch()
+    cuda.synchronize()
+    a, b = cuda.event(), cuda.event()
+    a.record()
+    launch()
+    b.record()
+    b.synchronize()
+    one = cuda.event_elapsed_time(a, b) / 1e3
+    reps = int(min(200, max(3, min_seconds / max(one, 1e-6))))
+    a.record()
+    for _ in range(reps):
+        launch()
+    b.record()
+    b.synchronize()
+    return cuda.event_elapsed_time(a, b) / 1e3 / reps
+
+
+class Bench:
+    """Device buffers for one weight shape (X rotated per T), reused across variants."""
+
+    def __init__(self, n: int, k: int, dtype: str, mode: str, t_max: int) -> None:
+        self.dtype, self.mode = dtype, mode
+        self.w = random_device((n, k), dtype, 1)
+        self.w3 = random_device((n, k), dtype, 2) if mode == "gate" else None
+        self.x = random_device((t_max, k), "fp16", 3)
+        out_dtype = np.float16 if mode == "gate" else np.float32
+        self.out = cuda.device_array((t_max, n), out_dtype)
+        self.out[:] = 0 if mode != "gate" else np.float16(0)
+
+    def seconds(self, t_rows: int, tile: Tile) -> float:
+        x, out = self.x[:t_rows], self.out[:t_rows]
+        return time_launches(
+            lambda: matmul(x, self.w, out, self.dtype, stream=0, mode=self.mode, w3=self.w3, tile=tile)
+        )
+
+
+def torch_seconds(t_rows: int, n: int, k: int, mode: str) -> float | None:
+    """cuBLAS fp16 F.linear (X W^T; the gate: both products) at the same shape, or None."""
+    try:
+        import torch
+        import torch.nn.functional as F  # noqa: N812
+    except ImportError:
+        return None
+    x = torch.randn(t_rows, k, device="cuda", dtype=torch.float16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16)
+    calls = 2 if mode == "gate" else 1
+    for _ in range(2):
+        F.linear(x, w)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    a.record()
+    for _ in range(reps * calls):
+        F.linear(x, w)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def flops(t_rows: int, n: int, k: int, mode: str) -> float:
+    return (4.0 if mode == "gate" else 2.0) * t_rows * n * k
+
+
+def variants(versions: dict[int, Tile], deadline: float) -> None:
+    """Every version on the Llama-3-8B wo and w1/w3 shapes at T = 2048 (and 128), fp16 and gf4."""
+    print("\nvariants (TFLOP/s)")
+    print("| version | tile | dtype | wo T=2048 | w1/w3 T=2048 | wo T=128 |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    benches = {}
+    for dtype in ("fp16", "gf4"):
+        benches[dtype, "wo"] = Bench(4096, 4096, dtype, "residual", 2048)
+        benches[dtype, "w1"] = Bench(14336, 4096, dtype, "gate", 2048)
+    for version, tile in versions.items():
+        if version == 7:
+            continue
+        for dtype in ("fp16", "gf4"):
+            if time.time() > deadline:
+                print("(out of time)")
+                return
+            cells = []
+            for key, n, t_rows, mode in (
+                ("wo", 4096, 2048, "residual"),
+                ("w1", 14336, 2048, "gate"),
+                ("wo", 4096, 128, "residual"),
+            ):
+                s = benches[dtype, key].seconds(t_rows, tile)
+                cells.append(f"{flops(t_rows, n, 4096, mode) / s / 1e12:.0f}")
+            shape = f"{tile.block_m}x{tile.block_n} {tile.warps_m}x{tile.warps_n} s{tile.stages}"
+            print(f"| {version} | {shape} | {dtype} | " + " | ".join(cells) + " |", flush=True)
+
+
+def table(tokens: list[int], use_torch: bool, deadline: float, tile: Tile) -> None:
+    print(
+        f"\nTFLOP/s (% of {PEAK_TFLOPS:.0f}) with tile {tuple(tile)}; cuBLAS fp16 alongside where torch is present"
+    )
+    for model, (n_layers, shapes) in MODELS.items():
+        print(f"\n{model}")
+        print("| matrix | N x K | mode | dtype | " + " | ".join(f"T={t}" for t in tokens) + " |")
+        print("| --- | --- | --- | --- | " + " | ".join("---:" for _ in tokens) + " |")
+        layer = {(d, t): 0.0 for d in DTYPES for t in tokens}  # seconds of a layer's 4 matmuls
+        for name, n, k, mode in shapes:
+            for dtype in DTYPES:
+                if time.time() > deadline:
+                    print("(out of time)")
+                    return
+                bench = Bench(n, k, dtype, mode, max(tokens))
+                cells = []
+                for t_rows in tokens:
+                    s = bench.seconds(t_rows, tile)
+                    if name != "cls":
+                        layer[dtype, t_rows] += s
+                    tf = flops(t_rows, n, k, mode) / s / 1e12
+                    cells.append(f"{tf:.0f} ({100 * tf / PEAK_TFLOPS:.0f}%)")
+                print(f"| {name} | {n}x{k} | {mode} | {dtype} | " + " | ".join(cells) + " |", flush=True)
+                del bench
+            if use_torch:
+                cells = []
+                for t_rows in tokens:
+                    s = torch_seconds(t_rows, n, k, mode)
+                    cells.append("-" if s is None else f"{flops(t_rows, n, k, mode) / s / 1e12:.0f}")
+                print(f"| {name} | {n}x{k} | {mode} | cuBLAS fp16 | " + " | ".join(cells) + " |", flush=True)
+        for dtype in DTYPES:
+            rates = [f"{t / (n_layers * layer[dtype, t]):,.0f}" for t in tokens]
+            print(f"  {dtype}: tok/s of the {n_layers} layers' matmuls alone, T = {tokens}: {rates}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only the checks against the reference")
+    p.add_argument("--table", action="store_true", help="only the timing table")
+    p.add_argument("--variants", action="store_true", help="only the variant comparison")
+    p.add_argument(
+        "--tiny", action="store_true", help="check at a tiny shape with the small tiles (simulator)"
+    )
+    p.add_argument("--quick", action="store_true", help="the table at T = 2048 only")
+    p.add_argument("--torch", action="store_true", help="time cuBLAS fp16 alongside (needs torch)")
+    p.add_argument("--budget", type=float, default=1e9, help="seconds; later parts are skipped past it")
+    p.add_argument(
+        "--versions", default=",".join(map(str, VERSIONS)), help="versions to check and compare, e.g. 1,2"
+    )
+    args = p.parse_args()
+    deadline = time.time() + args.budget
+    versions = {v: VERSIONS[v] for v in map(int, args.versions.split(","))}
+    everything = not (args.check or args.table or args.variants)
+    if args.check or everything:
+        print("check against pycalm.reference")
+        ok = True
+        if args.tiny or numba_config.ENABLE_CUDASIM:
+            ok &= check(7, SIM_TILE, (19, 40, 40), ["plain", "residual", "gate"])
+        else:
+            for version, tile in versions.items():
+                if version == 7:
+                    continue  # the simulator's tile: its check is --tiny
+                modes = ["plain", "residual", "gate"] if version == 1 else ["residual"]
+                ok &= check(version, tile, (300, 520, 1032), modes)
+        if not ok:
+            sys.exit("check failed")
+    if numba_config.ENABLE_CUDASIM:
+        return
+    if args.variants or everything:
+        variants(versions, deadline)
+    if args.table or everything:
+        table([2048] if args.quick else TOKENS, args.torch, deadline, TILE)
+
+
+if __name__ == "__main__":
+    main()
