@@ -1,0 +1,403 @@
+"""The kernels of a multi-token (prefill) layer between its matmuls, for T rows at once.
+
+The tensor-core matmuls (pycalm.kernels.matmul) take fp16 (T, K) activations and write float32
+(T, N) rows, with the residual add and the SiLU gate fused into their epilogues. Around them:
+
+  embed_rows       x (T, dim) f32 = decode(tok_embeddings[tokens[t]])        embed_rows_ref
+  rmsnorm_rows     xb (T, dim) f16 = rmsnorm(x[t]) * w, the matmuls' input    rmsnorm_rows_ref
+  qkv_rows         the QKV epilogue: bias, RoPE at position pos0 + t, k and v into cache rows
+                   pos0 + t (encoded as the decode path encodes them), q (T, q_dim) f32 for
+                   pycalm.kernels.prefill_attention                          qkv_rows_ref
+  moe_route_rows   Mixtral: each row's top-k experts and their weights       moe_route_rows_ref
+  moe_group        the rows grouped by expert (each expert's weights read once a pass)
+                                                                             moe_group_ref
+The references are in pycalm.reference. pos0 is state[STATE_POS] on the device (as in the decode
+step), so a captured graph replays at any position; T is the arrays' row count.
+
+Thread mappings: embed_rows and qkv_rows, grid (column blocks, T): a thread an element (gf4: a
+word of 8), a pair of columns (qkv: one rotary pair). rmsnorm_rows, moe_route_rows: a block a
+row, a block reduction. moe_group: a block an expert, walking the rows in order THREADS at a
+time with a block-wide prefix sum, so an expert's rows come out in increasing order (the same
+lists on every run).
+
+Bytes moved: each reads its rows once and writes them once (a row-wise op costs nothing next to
+the matmuls); the routing reads the router (4 n_experts dim) once a row, from L2 after the
+first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config as _numba_config
+from numba import cuda, float32, int32, uint8
+
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import (
+    STATE_POS,
+    WARP,
+    block_reduce_sum,
+    dependent_start,
+    fp8_decode,
+    fp8_encode,
+    fp16_encode,
+    gf4_decode,
+    sincos,
+    warp_reduce_sum,
+)
+
+SIM = _numba_config.ENABLE_CUDASIM
+THREADS = 32 if SIM else 256  # threads a block (the simulator runs a Python thread per thread)
+MAX_EXPERTS = 32  # moe_route_rows: a warp's worth of logits
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding lookup of T tokens
+
+
+@cuda.jit
+def embed_rows_kernel_fp16(table, tokens, x):  # noqa: ANN001, ANN201
+    """table (vocab, dim) float16, tokens (T,) int32 -> x (T, dim) float32; block (b, t): row t."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    if i < x.shape[1]:
+        x[t, i] = float32(table[tokens[t], i])
+
+
+@cuda.jit
+def embed_rows_kernel_fp8(table, tokens, x):  # noqa: ANN001, ANN201
+    """table (vocab, dim) uint8 e5m2, tokens (T,) int32 -> x (T, dim) float32."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    if i < x.shape[1]:
+        x[t, i] = fp8_decode(int32(table[tokens[t], i]))
+
+
+@cuda.jit
+def embed_rows_kernel_gf4(table, tokens, x):  # noqa: ANN001, ANN201
+    """table (vocab, dim/8) uint32 gf4, tokens (T,) int32 -> x (T, dim) float32; a thread a word."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    t = cuda.blockIdx.y
+    if i < table.shape[1]:
+        w = int32(table[tokens[t], i])  # the same bits, read as int32 for common's decoders
+        for k in range(8):
+            x[t, i * 8 + k] = gf4_decode(w, k)
+
+
+_EMBED_KERNELS = {"fp16": embed_rows_kernel_fp16, "fp8": embed_rows_kernel_fp8, "gf4": embed_rows_kernel_gf4}
+
+
+def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: object) -> int:
+    """x (T, dim) float32 = decode(table[tokens[t]]) for the T ids of the device array tokens
+    (T,) int32; table as stored by pycalm.formats. -> bytes moved."""
+    if dtype not in _EMBED_KERNELS:
+        raise PycalmError(f"unsupported embedding dtype {dtype!r} (one of {', '.join(_EMBED_KERNELS)})")
+    n_rows, n = x.shape[0], table.shape[1]  # stored elements a row: gf4 has a word per 8 weights
+    if tokens.shape[0] != n_rows:
+        raise PycalmError(f"embed_rows: {tokens.shape[0]} tokens for {n_rows} rows")
+    _EMBED_KERNELS[dtype][(-(-n // THREADS), n_rows), THREADS, stream](table, tokens, x)
+    return n_rows * (n * table.dtype.itemsize + 4 * x.shape[1] + 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm of T rows, fp16 out
+
+
+@cuda.jit
+def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
+    """Block t: out[t] = fp16(x[t] * rsqrt(mean(x[t]^2) + eps) * w). x (T, dim) float32, w (dim,)
+    float32, out (T, dim) float16."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    scratch = cuda.shared.array(WARP, float32)  # block reduction
+    t = cuda.blockIdx.x
+    n = x.shape[1]
+    ss = float32(0.0)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        ss += x[t, i] * x[t, i]
+    ss = block_reduce_sum(ss, scratch)  # every thread gets the total (the call has barriers)
+    r = float32(1.0) / math.sqrt(ss / float32(n) + eps)
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        out[t, i] = fp16_encode(x[t, i] * r * w[i])
+
+
+def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> int:
+    """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32.
+    -> bytes moved."""
+    if out.shape != x.shape:
+        raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
+    rmsnorm_rows_kernel[x.shape[0], THREADS, stream](x, w, float32(eps), out)
+    return x.shape[0] * x.shape[1] * (4 + 2) + 4 * x.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the QKV epilogue of T rows: bias, RoPE, the KV-cache write
+
+
+@functools.cache
+def qkv_rows_kernel(kv_dtype: str) -> object:
+    """The epilogue for a KV-cache dtype ("fp16": float16 caches, "fp8": uint8 e5m2)."""
+    FP8 = kv_dtype == "fp8"
+
+    @cuda.jit
+    def qkv_rows_kernel(qkv, bias, has_bias, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
+        """Thread (pair p, row t): columns 2p, 2p + 1 of qkv (T, q_dim + 2 kv_dim) float32 at
+        position pos0 + t; bias (columns,) float32 read when has_bias; q (T, q_dim) float32."""
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        p = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        t = cuda.blockIdx.y
+        c0 = 2 * p  # head_dim is even: a pair never straddles a head, and is one rotary pair
+        if c0 >= qkv.shape[1]:
+            return
+        pos = state[STATE_POS] + t
+        a = qkv[t, c0]
+        b = qkv[t, c0 + 1]
+        if has_bias:
+            a += bias[c0]
+            b += bias[c0 + 1]
+        i = (c0 % head_dim) // 2  # the rotary pair within the head
+        if c0 < q_dim + kv_dim and i < freqs.shape[0]:  # q and k, the rotated part of the head
+            sn, cs = sincos(float32(pos) * freqs[i])
+            a, b = a * cs - b * sn, a * sn + b * cs
+        if c0 < q_dim:
+            q[t, c0] = a
+            q[t, c0 + 1] = b
+            return
+        if c0 < q_dim + kv_dim:
+            c = c0 - q_dim
+            cache = k_cache
+        else:
+            c = c0 - q_dim - kv_dim
+            cache = v_cache
+        if FP8:
+            cache[pos, c] = uint8(fp8_encode(a))
+            cache[pos, c + 1] = uint8(fp8_encode(b))
+        else:
+            cache[pos, c] = fp16_encode(a)
+            cache[pos, c + 1] = fp16_encode(b)
+
+    return qkv_rows_kernel
+
+
+def qkv_rows(
+    qkv: object,
+    bias: object,
+    rope_freqs: object,
+    state: object,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    kv_dtype: str,
+    *,
+    stream: object,
+) -> int:
+    """q (T, q_dim) = rope(qkv[:, :q_dim] + bq); k_cache[pos0 + t] = enc(rope(k + bk));
+    v_cache[pos0 + t] = enc(v + bv), pos0 = state[STATE_POS]. qkv: (T, q_dim + 2 kv_dim) float32,
+    the matmul of the normed rows; bias (q_dim + 2 kv_dim,) float32 or None (Qwen2 has one);
+    rope_freqs (rotary_dim // 2,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8
+    ("fp8"). -> bytes moved."""
+    if kv_dtype not in ("fp16", "fp8"):
+        raise PycalmError(f"unsupported KV-cache dtype {kv_dtype!r} (fp16 or fp8)")
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    n_rows, cols = qkv.shape
+    if cols != q_dim + 2 * kv_dim or head_dim % 2 or q.shape != (n_rows, q_dim):
+        raise PycalmError(
+            f"qkv_rows: qkv {qkv.shape} and q {q.shape} do not fit heads {n_heads}/{n_kv_heads}x{head_dim}"
+        )
+    has_bias = bias is not None
+    pairs = cols // 2
+    kernel = qkv_rows_kernel(kv_dtype)
+    kernel[(-(-pairs // THREADS), n_rows), THREADS, stream](
+        qkv, bias if has_bias else rope_freqs, np.int32(has_bias), rope_freqs, state, q, k_cache, v_cache,
+        q_dim, kv_dim, head_dim,
+    )  # fmt: skip
+    return n_rows * (4 * cols + 4 * q_dim + 2 * kv_dim * k_cache.dtype.itemsize)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtral routing of T rows, and the rows grouped by expert
+
+
+@functools.cache
+def moe_route_rows_kernel(n_experts: int) -> object:
+    """The routing kernel for n_experts (a compile-time size: the partial sums are registers):
+    pycalm.kernels.moe's decode routing, a block a row."""
+    N = n_experts
+
+    @cuda.jit
+    def moe_route_rows_kernel(gate, x, norm_w, eps, route_ids, route_w):  # noqa: ANN001, ANN202
+        """Block t: the top k = route_ids.shape[1] experts of G (rmsnorm(x[t]) * norm_w), ties to
+        the lower index, and the softmax over their logits. gate (n_experts, dim) float32; x
+        (T, dim) float32; route_ids (T, k) int32, route_w (T, k) float32."""
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
+        logits = cuda.shared.array(MAX_EXPERTS, float32)
+        chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked
+        pick = cuda.shared.array(MAX_EXPERTS, int32)  # the picks in order
+        scratch = cuda.shared.array(WARP, float32)  # block reduction
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        dim = x.shape[1]
+        k = route_ids.shape[1]
+        acc = cuda.local.array(N, float32)  # constant indices after unrolling: registers
+        for e in range(N):
+            acc[e] = float32(0.0)
+        ss = float32(0.0)
+        for i in range(tid, dim, cuda.blockDim.x):
+            v = x[row, i]
+            ss += v * v
+            xn = v * norm_w[i]  # rmsnorm(x) * norm_w, the rsqrt factor applied to the sums
+            for e in range(N):
+                acc[e] += gate[e, i] * xn
+        for e in range(N):
+            s = warp_reduce_sum(acc[e])  # every lane gets the warp's sum
+            if lane == 0:
+                part[e, warp] = s
+        # its first barrier also makes every warp's part visible to the block
+        ss = block_reduce_sum(ss, scratch)
+        rms = float32(1.0) / math.sqrt(ss / float32(dim) + eps)
+        n_warps = cuda.blockDim.x // WARP
+        for e in range(warp, N, n_warps):  # warp-uniform: warp e sums expert e's warp sums
+            s = warp_reduce_sum(part[e, lane] if lane < n_warps else float32(0.0))
+            if lane == 0:
+                logits[e] = s * rms
+                chosen[e] = 0
+        cuda.syncthreads()  # every logit is written and no expert is marked chosen
+        if tid == 0:
+            for j in range(k):  # the largest unpicked logit; strict >: ties to the lower index
+                best = -1
+                for e in range(N):
+                    if chosen[e] == 0 and (best < 0 or logits[e] > logits[best]):
+                        best = e
+                chosen[best] = 1
+                pick[j] = best
+            top = logits[pick[0]]  # the first pick is the largest: exp(l - top) <= 1
+            total = float32(0.0)
+            for j in range(k):
+                total += math.exp(logits[pick[j]] - top)
+            for j in range(k):
+                route_ids[row, j] = pick[j]
+                route_w[row, j] = math.exp(logits[pick[j]] - top) / total
+
+    return moe_route_rows_kernel
+
+
+def moe_route_rows(
+    gate: object, x: object, norm_w: object, eps: float, route_ids: object, route_w: object, *, stream: object
+) -> int:
+    """route_ids, route_w (T, k) = for each row of x (T, dim) float32, the top k experts of
+    G (rmsnorm(x[t]) * norm_w) and the softmax over their logits. gate (n_experts, dim) float32.
+    -> bytes moved."""
+    n_experts, dim = gate.shape
+    n_rows, k = route_ids.shape
+    if not 0 < n_experts <= MAX_EXPERTS or not 0 < k <= n_experts:
+        raise PycalmError(f"moe_route_rows: top {k} of {n_experts} experts (1..{MAX_EXPERTS})")
+    if x.shape != (n_rows, dim) or route_w.shape != (n_rows, k):
+        raise PycalmError(f"moe_route_rows: x {x.shape}, routes {route_ids.shape} / {route_w.shape}")
+    moe_route_rows_kernel(n_experts)[n_rows, THREADS, stream](
+        gate, x, norm_w, float32(eps), route_ids, route_w
+    )
+    return 4 * n_experts * dim + n_rows * (4 * dim + 8 * k) + 4 * dim
+
+
+@cuda.jit
+def moe_group_kernel(route_ids, route_w, count, rows, row_w):  # noqa: ANN001, ANN201
+    """Block e: expert e's rows in increasing order. route_ids, route_w (T, k); count
+    (n_experts,) int32; rows (n_experts, T) int32 (-1 past count[e]); row_w (n_experts, T) float32
+    (0 past count[e]). THREADS rows a step: a flag a thread, a prefix sum over the block (a
+    shuffle scan in each warp, then the warps' totals), the rows written at their offsets."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    warp_total = cuda.shared.array(WARP, int32)  # this step's count of each warp
+    e = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    lane = tid % WARP
+    warp = tid // WARP
+    n_warps = cuda.blockDim.x // WARP
+    n_rows, k = route_ids.shape
+    found = int32(0)  # rows of expert e before this step
+    for base in range(0, n_rows, cuda.blockDim.x):  # block-uniform: every thread takes each step
+        t = base + tid
+        flag = int32(0)
+        w = float32(0.0)
+        if t < n_rows:
+            for j in range(k):
+                if route_ids[t, j] == e:
+                    flag = int32(1)
+                    w = route_w[t, j]
+        incl = flag  # inclusive prefix sum of the flags within the warp
+        off = 1
+        while off < WARP:  # Hillis-Steele: lane gets the sum of lanes lane - off .. lane
+            up = cuda.shfl_up_sync(0xFFFFFFFF, incl, off)
+            if lane >= off:
+                incl += up
+            off *= 2
+        if lane == WARP - 1:
+            warp_total[warp] = incl
+        cuda.syncthreads()  # every warp's total of this step is in warp_total
+        before = found  # rows before this thread's: earlier steps, earlier warps, earlier lanes
+        step = int32(0)
+        for i in range(n_warps):
+            if i < warp:
+                before += warp_total[i]
+            step += warp_total[i]
+        if flag:
+            rows[e, before + incl - 1] = t
+            row_w[e, before + incl - 1] = w
+        found += step
+        cuda.syncthreads()  # every thread has read warp_total before the next step writes it
+    for i in range(found + tid, n_rows, cuda.blockDim.x):
+        rows[e, i] = -1
+        row_w[e, i] = float32(0.0)
+    if tid == 0:
+        count[e] = found
+
+
+def moe_group(
+    route_ids: object,
+    route_w: object,
+    count: object,
+    rows: object,
+    row_w: object,
+    *,
+    stream: object,
+    threads: int = THREADS,
+) -> int:
+    """count (n_experts,), rows, row_w (n_experts, T) = the rows that chose each expert, in
+    increasing order, and their routing weights (see moe_group_kernel). threads: a multiple of
+    32 up to 1024 (the tests take several warps under the simulator). -> bytes moved."""
+    n_experts, n_rows = rows.shape
+    if route_ids.shape[0] != n_rows or row_w.shape != rows.shape or count.shape[0] != n_experts:
+        raise PycalmError(f"moe_group: routes {route_ids.shape}, rows {rows.shape}, count {count.shape}")
+    moe_group_kernel[n_experts, threads, stream](route_ids, route_w, count, rows, row_w)
+    return n_experts * (route_ids.nbytes + route_w.nbytes + 8 * n_rows + 4)
+
+
+_KV = {"fp16": "float16", "fp8": "uint8"}
+COMPILE_CHECK = [
+    (embed_rows_kernel_fp16, "void(float16[:, ::1], int32[::1], float32[:, ::1])"),
+    (embed_rows_kernel_fp8, "void(uint8[:, ::1], int32[::1], float32[:, ::1])"),
+    (embed_rows_kernel_gf4, "void(uint32[:, ::1], int32[::1], float32[:, ::1])"),
+    (rmsnorm_rows_kernel, "void(float32[:, ::1], float32[::1], float32, float16[:, ::1])"),
+    *[
+        (
+            qkv_rows_kernel(kv),
+            f"void(float32[:, ::1], float32[::1], int32, float32[::1], int32[::1], float32[:, ::1], "
+            f"{_KV[kv]}[:, ::1], {_KV[kv]}[:, ::1], int64, int64, int64)",
+        )
+        for kv in ("fp16", "fp8")
+    ],
+    (
+        moe_route_rows_kernel(8),
+        "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, int32[:, ::1], float32[:, ::1])",
+    ),
+    (moe_group_kernel, "void(int32[:, ::1], float32[:, ::1], int32[::1], int32[:, ::1], float32[:, ::1])"),
+]

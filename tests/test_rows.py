@@ -1,0 +1,225 @@
+"""The T-row kernels of pycalm.kernels.rows against their references in pycalm.reference, and
+the references against the one-token ones row by row (embed_ref, rmsnorm_ref, rope_ref,
+moe_route_ref at each row's position).
+
+Odd shapes: T = 1, dims not a multiple of the block, pos0 > 0 with the cache rows around the
+block holding sentinels that must stay, partial rotary dims, Qwen2's bias, both KV dtypes, more
+rows than a block's threads for the expert grouping. With PYCALM_TEST_GPU=1 the same tests run on
+the GPU, plus real-model sizes.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from pycalm import formats
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import STATE_POS
+from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
+from pycalm.reference import (
+    embed_ref,
+    embed_rows_ref,
+    kv_round,
+    moe_group_ref,
+    moe_route_ref,
+    moe_route_rows_ref,
+    qkv_rows_ref,
+    rmsnorm_ref,
+    rmsnorm_rows_ref,
+    rope_ref,
+    rope_rows_ref,
+)
+
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+
+
+def _state(pos0):
+    state = np.zeros(4, np.int32)
+    state[STATE_POS] = pos0
+    return cuda.to_device(state)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])
+@pytest.mark.parametrize("n_rows", [1, 5])
+def test_embed_rows(dtype, n_rows):
+    rng = np.random.default_rng(n_rows)
+    vocab, dim = 37, 72  # dim not a multiple of the block (gf4: 9 words)
+    table = formats.encode(rng.standard_normal((vocab, dim)).astype(np.float32) * 3, dtype)
+    tokens = rng.integers(0, vocab, n_rows).astype(np.int32)
+    tokens[-1] = tokens[0]  # a repeated token
+    x = cuda.to_device(np.full((n_rows, dim), np.nan, np.float32))
+    stream = cuda.stream()
+    assert embed_rows(cuda.to_device(table), cuda.to_device(tokens), x, dtype, stream=stream) > 0
+    stream.synchronize()
+    want = embed_rows_ref(table, tokens, dtype)
+    np.testing.assert_array_equal(x.copy_to_host(), want)  # decoding is exact
+    np.testing.assert_array_equal(want, np.stack([embed_ref(table, t, dtype) for t in tokens]))
+
+
+def test_embed_rows_rejects_bad_input():
+    with pytest.raises(PycalmError, match="unsupported embedding dtype"):
+        embed_rows(None, None, None, "int4", stream=0)
+    x = cuda.to_device(np.zeros((3, 8), np.float32))
+    with pytest.raises(PycalmError, match="2 tokens for 3 rows"):
+        embed_rows(x, cuda.to_device(np.zeros(2, np.int32)), x, "fp16", stream=0)
+
+
+@pytest.mark.parametrize("n_rows,dim", [(1, 40), (6, 100)] + ([(37, 4096), (3, 2048)] if GPU else []))
+def test_rmsnorm_rows(n_rows, dim):
+    rng = np.random.default_rng(dim)
+    x = (3 * rng.standard_normal((n_rows, dim))).astype(np.float32)
+    x[0] *= 100  # rows of very different scale
+    w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    out = cuda.to_device(np.full((n_rows, dim), np.nan, np.float16))
+    stream = cuda.stream()
+    rmsnorm_rows(cuda.to_device(x), cuda.to_device(w), 1e-5, out, stream=stream)
+    stream.synchronize()
+    got = out.copy_to_host().astype(np.float32)
+    want = rmsnorm_rows_ref(x, w, 1e-5).astype(np.float32)
+    # float32 sums in another order can move a value across an fp16 rounding boundary: one ulp
+    np.testing.assert_allclose(got, want, rtol=2.0**-10, atol=2.0**-24)
+    assert np.mean(got == want) > 0.95
+    rows = np.stack([rmsnorm_ref(row, w, 1e-5) for row in x])
+    np.testing.assert_allclose(want, rows, rtol=2.0**-11, atol=2.0**-24)  # the fp16 rounding only
+
+
+QKV_CASES = [
+    # kv_dtype, bias, n_heads, n_kv_heads, head_dim, n_rot, T, pos0
+    ("fp16", True, 4, 2, 8, 4, 5, 3),
+    ("fp8", False, 4, 2, 8, 4, 5, 3),
+    ("fp16", False, 3, 1, 8, 3, 1, 6),  # partial rotary: rotary_dim 6 of head_dim 8; T = 1
+    ("fp8", True, 2, 2, 16, 8, 7, 0),
+]
+GPU_QKV_CASES = [("fp16", True, 14, 2, 64, 32, 300, 40), ("fp8", False, 32, 8, 128, 64, 77, 1000)]
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,bias,n_heads,n_kv_heads,head_dim,n_rot,n_rows,pos0", QKV_CASES + (GPU_QKV_CASES if GPU else [])
+)
+def test_qkv_rows(kv_dtype, bias, n_heads, n_kv_heads, head_dim, n_rot, n_rows, pos0):
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    seq_len = pos0 + n_rows + 3
+    rng = np.random.default_rng(n_rows + pos0)
+    qkv = (2 * rng.standard_normal((n_rows, q_dim + 2 * kv_dim))).astype(np.float32)
+    b = rng.standard_normal(q_dim + 2 * kv_dim).astype(np.float32) if bias else None
+    freqs = (1.0 / 10000.0 ** (np.arange(n_rot) / n_rot)).astype(np.float32)
+    sentinel = np.float16(1.0) if kv_dtype == "fp16" else np.uint8(0x55)
+    k0 = np.full((seq_len, kv_dim), sentinel)  # rows outside pos0 .. pos0 + T - 1 keep it
+    kc, vc = cuda.to_device(k0), cuda.to_device(k0)
+    q = cuda.to_device(np.full((n_rows, q_dim), np.nan, np.float32))
+    stream = cuda.stream()
+    qkv_rows(
+        cuda.to_device(qkv), None if b is None else cuda.to_device(b), cuda.to_device(freqs), _state(pos0),
+        q, kc, vc, n_heads, n_kv_heads, head_dim, kv_dtype, stream=stream,
+    )  # fmt: skip
+    stream.synchronize()
+    q_ref, k_ref, v_ref = qkv_rows_ref(qkv, b, pos0, freqs, n_heads, n_kv_heads, head_dim)
+
+    # sin / cos to ~1e-6 of the pair's magnitude (common.sincos); unrotated columns exact
+    pair = np.abs(np.concatenate([q_ref, k_ref], axis=1)).reshape(n_rows, -1, 2).sum(2)
+    tol = np.repeat(2e-6 * pair + 1e-7, 2, axis=1)  # (T, q_dim + kv_dim)
+    got_q = q.copy_to_host()
+    assert np.all(np.abs(got_q - q_ref) <= tol[:, :q_dim])
+    rotated = (np.arange(head_dim) < 2 * n_rot)[None, :].repeat(n_heads, 0).reshape(-1)
+    np.testing.assert_array_equal(got_q[:, ~rotated], q_ref[:, ~rotated])
+
+    kh, vh = kc.copy_to_host(), vc.copy_to_host()
+    block = np.arange(pos0, pos0 + n_rows)
+    other = np.ones(seq_len, bool)
+    other[block] = False
+    for cache in (kh, vh):
+        assert np.array_equal(cache[other].view(np.uint8), k0[other].view(np.uint8)), (
+            "rows outside the block touched"
+        )
+    # v is not rotated: bias add and encoding are the decode path's, bit for bit
+    np.testing.assert_array_equal(formats.decode(vh[block], kv_dtype), kv_round(v_ref, kv_dtype))
+    # k: stored = the reference's rounding, or its neighbour where the rotation's float32 value
+    # sits within the tolerance of a rounding boundary (one quantum)
+    dec = formats.decode(kh[block], kv_dtype).astype(np.float64)
+    quantum = np.abs(k_ref) * (2.0**-10 if kv_dtype == "fp16" else 2.0**-2) + 2.0**-16
+    assert np.all(np.abs(dec - k_ref) <= tol[:, q_dim:] + quantum)
+    assert np.mean(dec == kv_round(k_ref, kv_dtype)) >= 0.9
+
+
+def test_rope_rows_ref_is_rope_ref_row_by_row():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 24)).astype(np.float32)
+    freqs = (1.0 / 10000.0 ** (np.arange(3) / 3)).astype(np.float32)
+    got = rope_rows_ref(x, 9, freqs, 8)
+    np.testing.assert_array_equal(got, np.stack([rope_ref(x[t], 9 + t, freqs, 8) for t in range(4)]))
+
+
+def test_qkv_rows_rejects_bad_shapes():
+    qkv = cuda.to_device(np.zeros((2, 30), np.float32))
+    q = cuda.to_device(np.zeros((2, 16), np.float32))
+    with pytest.raises(PycalmError, match="KV-cache dtype"):
+        qkv_rows(qkv, None, None, None, q, None, None, 2, 1, 8, "fp32", stream=0)
+    with pytest.raises(PycalmError, match="do not fit"):
+        qkv_rows(qkv, None, None, None, q, None, None, 2, 1, 8, "fp16", stream=0)
+
+
+@pytest.mark.parametrize("n_rows,n_experts,k", [(1, 8, 2), (9, 4, 3)] + ([(1000, 8, 2)] if GPU else []))
+def test_moe_route_rows_and_group(n_rows, n_experts, k):
+    rng = np.random.default_rng(n_rows + k)
+    dim, eps = 48, 1e-5
+    gate = rng.standard_normal((n_experts, dim)).astype(np.float32)
+    x = (2 * rng.standard_normal((n_rows, dim))).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, dim).astype(np.float32)
+    ids = cuda.to_device(np.full((n_rows, k), -7, np.int32))
+    w = cuda.to_device(np.full((n_rows, k), np.nan, np.float32))
+    stream = cuda.stream()
+    moe_route_rows(
+        cuda.to_device(gate), cuda.to_device(x), cuda.to_device(norm_w), eps, ids, w, stream=stream
+    )
+    stream.synchronize()
+    ids_ref, w_ref = moe_route_rows_ref(gate, x, norm_w, eps, k)
+    for t in (0, n_rows - 1):  # the reference is the decode routing, row by row
+        one_ids, one_w = moe_route_ref(gate, rmsnorm_ref(x[t], norm_w, eps), k)
+        np.testing.assert_array_equal(ids_ref[t], one_ids)
+        np.testing.assert_array_equal(w_ref[t], one_w)
+    # random logits: no two within float32 noise of each other, so the picks are the same
+    np.testing.assert_array_equal(ids.copy_to_host(), ids_ref)
+    np.testing.assert_allclose(w.copy_to_host(), w_ref, rtol=1e-5, atol=1e-6)
+
+    count = cuda.to_device(np.full(n_experts, -7, np.int32))
+    rows = cuda.to_device(np.full((n_experts, n_rows), -7, np.int32))
+    row_w = cuda.to_device(np.full((n_experts, n_rows), np.nan, np.float32))
+    moe_group(ids, w, count, rows, row_w, stream=stream)
+    stream.synchronize()
+    count_ref, rows_ref, row_w_ref = moe_group_ref(ids.copy_to_host(), w.copy_to_host(), n_experts)
+    np.testing.assert_array_equal(count.copy_to_host(), count_ref)
+    np.testing.assert_array_equal(rows.copy_to_host(), rows_ref)
+    np.testing.assert_array_equal(row_w.copy_to_host(), row_w_ref)
+    assert count_ref.sum() == n_rows * k
+
+
+def test_moe_group_ref_lists_rows_in_order():
+    ids = np.array([[2, 0], [0, 1], [2, 1]], np.int32)
+    weights = np.array([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]], np.float32)
+    count, rows, row_w = moe_group_ref(ids, weights, 4)
+    np.testing.assert_array_equal(count, [2, 2, 2, 0])
+    np.testing.assert_array_equal(rows, [[0, 1, -1], [1, 2, -1], [0, 2, -1], [-1, -1, -1]])
+    np.testing.assert_array_equal(row_w[0], np.float32([0.4, 0.7, 0.0]))
+    np.testing.assert_array_equal(row_w[2], np.float32([0.6, 0.9, 0.0]))
+
+
+@pytest.mark.parametrize("n_rows,n_experts,k", [(70, 8, 2)] + ([(4000, 8, 2)] if GPU else []))
+def test_moe_group_many_rows(n_rows, n_experts, k):
+    # more rows than a block's threads (64: two warps): the prefix sums of warps and steps add up
+    rng = np.random.default_rng(n_rows)
+    ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(n_rows)]).astype(np.int32)
+    ids[: n_rows // 2, 0] = 3  # a popular expert (k = 2: the other pick is any but 3)
+    ids[: n_rows // 2, 1] = rng.choice([0, 1, 2, 4, 5, 6, 7], n_rows // 2)
+    weights = rng.uniform(0, 1, (n_rows, k)).astype(np.float32)
+    count = cuda.to_device(np.full(n_experts, -7, np.int32))
+    rows = cuda.to_device(np.full((n_experts, n_rows), -7, np.int32))
+    row_w = cuda.to_device(np.full((n_experts, n_rows), np.nan, np.float32))
+    stream = cuda.stream()
+    moe_group(cuda.to_device(ids), cuda.to_device(weights), count, rows, row_w, stream=stream, threads=64)
+    stream.synchronize()
+    count_ref, rows_ref, row_w_ref = moe_group_ref(ids, weights, n_experts)
+    np.testing.assert_array_equal(count.copy_to_host(), count_ref)
+    np.testing.assert_array_equal(rows.copy_to_host(), rows_ref)
+    np.testing.assert_array_equal(row_w.copy_to_host(), row_w_ref)
