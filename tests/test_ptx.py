@@ -38,7 +38,7 @@ from importlib import import_module
 import pycalm.kernels
 
 # modules that must have COMPILE_CHECK entries (common and tensorcore: via the kernels that use them)
-MINE = {"common", "matvec", "qkv", "moe", "matmul", "tensorcore"}
+MINE = {"common", "matvec", "qkv", "moe", "matmul", "tensorcore", "prefill_attention", "rows"}
 
 _SCRIPT = r"""
 import importlib, json, os, re, shutil, subprocess, sys, tempfile
@@ -176,7 +176,7 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
             if key not in seen:
                 seen.add(key)
                 work.append((name, i))
-    for name in ("matvec", "qkv", "moe", "matmul"):
+    for name in ("matvec", "qkv", "moe", "matmul", "prefill_attention", "rows"):
         assert counts.get(name, 0) > 0, f"{name} has no COMPILE_CHECK entries"
     assert MINE <= set(names)
     n_workers = max(1, min(os.cpu_count() or 1, len(work)))
