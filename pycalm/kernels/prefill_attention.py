@@ -36,9 +36,10 @@ its rows sees to the last, in tiles of KEY_TILE positions:
 7. out / l, as fp16.
 
 Shapes (the defaults): head_dim 128: ROWS 32, LANES 16, KEY_TILE 32, 128 threads, shared
-memory 16.5 + 16.5 + 4.2 KB; head_dim 64: ROWS 64, 256 threads, 16.6 + 8.3 + 8.4 KB. The
-shared rows are padded by one float, so the 16 lanes that read 16 different K rows at one
-dimension hit 16 different banks. Under the simulator (a Python thread per CUDA thread) the
+memory 16.5 + 16.5 + 4.2 KB, 167 registers (three blocks an SM); head_dim 64: ROWS 64, 256
+threads, 16.6 + 8.3 + 8.4 KB, held to 128 registers by the launch bounds (two blocks an SM; 164
+without them, one block). The shared rows are padded by one float, so the 16 lanes that read 16
+different K rows at one dimension hit 16 different banks. Under the simulator (a Python thread per CUDA thread) the
 blocks are smaller: ROWS 8, LANES 8, so the tests' short blocks still cover several tiles.
 
 Decode of the caches: fp16 elements widened by a conversion, e5m2 bytes by common.fp8_decode:
@@ -103,101 +104,99 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
     compile-time constants: the per-thread scores and accumulators are fixed-size local arrays
     indexed by unrolled loops, so they live in registers."""
     FP8 = kv_dtype == "fp8"
-    HD = head_dim
-    G = group
-    BQ = rows // group  # query positions a block
-    USED = BQ * group  # rows that hold a query (the rest of ROWS are padding)
+    HEAD_DIM = head_dim
+    GROUP = group
+    POSITIONS = rows // group  # query positions a block
+    USED_ROWS = POSITIONS * group  # rows that hold a query (the rest of ROWS are padding)
     ROWS = rows
     LANES = lanes
-    RT = ROWS_A_THREAD
-    KL = KEYS_A_LANE
-    KT = KL * lanes  # keys a tile
-    DL = head_dim // lanes  # output dims a thread
-    THREADS = (rows // RT) * lanes
+    KEY_TILE = KEYS_A_LANE * lanes  # keys a tile
+    DIMS_A_LANE = head_dim // lanes  # output dims a thread
+    THREADS = (rows // ROWS_A_THREAD) * lanes
     QK_ROW = head_dim + 1  # floats a row of qs and kvs (+1: the K rows' lanes hit distinct banks)
-    P_ROW = KT + 1  # floats a row of ps
-    ACCS = RT * DL  # output accumulators a thread
-    SCORES = RT * KL  # scores a thread holds of a tile
+    P_ROW = KEY_TILE + 1  # floats a row of ps
+    ACCS = ROWS_A_THREAD * DIMS_A_LANE  # output accumulators a thread
+    SCORES = ROWS_A_THREAD * KEYS_A_LANE  # scores a thread holds of a tile
     SCALE = 1.0 / math.sqrt(head_dim)
 
     @cuda.jit(fastmath=False, **_launch_bounds(THREADS))
     def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        # q (T, n_heads*HD) f32; caches (seq_len, n_kv_heads*HD) f16 or u8 (e5m2); state i32;
-        # out (T, n_heads*HD) f16
+        # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, n_kv_heads*HEAD_DIM) f16 or u8 (e5m2);
+        # state i32; out (T, n_heads*HEAD_DIM) f16
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
-        t0 = int32(cuda.blockIdx.x * BQ)  # the block's first query row
+        t0 = int32(cuda.blockIdx.x * POSITIONS)  # the block's first query row
         g = int32(cuda.blockIdx.y)  # kv head
         tid = cuda.threadIdx.x
-        group_row = int32(tid // LANES) * RT  # the thread's first row
+        group_row = int32(tid // LANES) * ROWS_A_THREAD  # the thread's first row
         lane = int32(tid % LANES)
-        qs = cuda.shared.array((ROWS, QK_ROW), float32)  # q rows times 1/sqrt(HD)
-        kvs = cuda.shared.array((KT, QK_ROW), float32)  # the tile's K rows, then its V rows
+        qs = cuda.shared.array((ROWS, QK_ROW), float32)  # q rows times 1/sqrt(HEAD_DIM)
+        kvs = cuda.shared.array((KEY_TILE, QK_ROW), float32)  # the tile's K rows, then its V rows
         ps = cuda.shared.array((ROWS, P_ROW), float32)  # the tile's p = exp(score - m)
 
         # 1. the block's q rows (padding rows: zeros)
-        for i in range(tid, ROWS * HD, THREADS):
-            r = i // HD
-            d = i % HD
-            t = t0 + r // G
+        for i in range(tid, ROWS * HEAD_DIM, THREADS):
+            r = i // HEAD_DIM
+            d = i % HEAD_DIM
+            t = t0 + r // GROUP
             val = float32(0.0)
-            if r < USED and t < n_rows:
-                val = q[t, (g * G + r % G) * HD + d] * float32(SCALE)
+            if r < USED_ROWS and t < n_rows:
+                val = q[t, (g * GROUP + r % GROUP) * HEAD_DIM + d] * float32(SCALE)
             qs[r, d] = val
 
-        last = min(t0 + BQ, n_rows) - 1  # the block's last query row
+        last = min(t0 + POSITIONS, n_rows) - 1  # the block's last query row
         k_end = pos0 + last + 1  # keys past the last row's position are never read
         k_begin = int32(0)
         if window > 0:
             k_begin = max(int32(0), pos0 + t0 + 1 - window)
-        qpos = cuda.local.array(RT, int32)  # the position of each of the thread's rows
-        m = cuda.local.array(RT, float32)  # running max of the row's scores
-        lsum = cuda.local.array(RT, float32)  # running sum of exp(score - m)
+        qpos = cuda.local.array(ROWS_A_THREAD, int32)  # the position of each of the thread's rows
+        m = cuda.local.array(ROWS_A_THREAD, float32)  # running max of the row's scores
+        lsum = cuda.local.array(ROWS_A_THREAD, float32)  # running sum of exp(score - m)
         acc = cuda.local.array(ACCS, float32)  # unnormalised output, dims lane + LANES j
-        for i in range(RT):
-            qpos[i] = pos0 + t0 + (group_row + i) // G
+        for i in range(ROWS_A_THREAD):
+            qpos[i] = pos0 + t0 + (group_row + i) // GROUP
             m[i] = float32(NEG)
             lsum[i] = float32(0.0)
-            for j in range(DL):
-                acc[i * DL + j] = float32(0.0)
-        s = cuda.local.array(SCORES, float32)  # the tile's scores of the thread's rows and keys
-        kv = cuda.local.array(KL, float32)
-        vv = cuda.local.array(DL, float32)
+            for j in range(DIMS_A_LANE):
+                acc[i * DIMS_A_LANE + j] = float32(0.0)
+        scores = cuda.local.array(SCORES, float32)  # the tile's, of the thread's rows and keys
+        k_vals = cuda.local.array(KEYS_A_LANE, float32)  # k at one dim of the thread's keys
+        v_vals = cuda.local.array(DIMS_A_LANE, float32)  # a V row's elements at the thread's dims
 
-        for kt in range(k_begin, k_end, KT):
+        for kt in range(k_begin, k_end, KEY_TILE):
             cuda.syncthreads()  # qs is written; the last tile's P V is done with kvs and ps
             # 2. the tile's K rows (past k_end: the last row again, masked below)
-            for i in range(tid, KT * HD, THREADS):
-                kk = i // HD
-                d = i % HD
-                kp = min(kt + kk, k_end - 1)
+            for i in range(tid, KEY_TILE * HEAD_DIM, THREADS):
+                kk = i // HEAD_DIM
+                d = i % HEAD_DIM
+                key = min(kt + kk, k_end - 1)
                 if FP8:
-                    kvs[kk, d] = fp8_decode(int32(k_cache[kp, g * HD + d]))
+                    kvs[kk, d] = fp8_decode(int32(k_cache[key, g * HEAD_DIM + d]))
                 else:
-                    kvs[kk, d] = float32(k_cache[kp, g * HD + d])
+                    kvs[kk, d] = float32(k_cache[key, g * HEAD_DIM + d])
             cuda.syncthreads()  # the K tile is in kvs
 
             # 3. scores of the thread's rows x keys
             for i in range(SCORES):
-                s[i] = float32(0.0)
-            for d in range(min(HD, q.shape[1])):
-                for j in range(KL):
-                    kv[j] = kvs[lane + LANES * j, d]
-                for i in range(RT):
-                    qv = qs[group_row + i, d]
-                    for j in range(KL):
-                        s[i * KL + j] += qv * kv[j]
+                scores[i] = float32(0.0)
+            for d in range(HEAD_DIM):
+                for j in range(KEYS_A_LANE):
+                    k_vals[j] = kvs[lane + LANES * j, d]
+                for i in range(ROWS_A_THREAD):
+                    q_val = qs[group_row + i, d]
+                    for j in range(KEYS_A_LANE):
+                        scores[i * KEYS_A_LANE + j] += q_val * k_vals[j]
 
             # 4. online softmax of each row
-            for i in range(RT):
+            for i in range(ROWS_A_THREAD):
                 mx = float32(NEG)
-                for j in range(KL):
-                    kp = kt + lane + LANES * j
-                    ok = kp < k_end and kp <= qpos[i] and (window <= 0 or kp > qpos[i] - window)
+                for j in range(KEYS_A_LANE):
+                    key = kt + lane + LANES * j
+                    ok = key < k_end and key <= qpos[i] and (window <= 0 or key > qpos[i] - window)
                     if not ok:
-                        s[i * KL + j] = float32(NEG)
-                    mx = max(mx, s[i * KL + j])
+                        scores[i * KEYS_A_LANE + j] = float32(NEG)
+                    mx = max(mx, scores[i * KEYS_A_LANE + j])
                 off = LANES // 2
                 while off > 0:  # xor tree inside the row group: every lane gets the tile max
                     mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, off))
@@ -205,9 +204,9 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
                 m_new = max(m[i], mx)
                 alpha = _exp(m[i] - m_new)
                 psum = float32(0.0)
-                for j in range(KL):
-                    p = _exp(s[i * KL + j] - m_new)
-                    p = p if s[i * KL + j] > float32(NEG) else float32(0.0)  # masked: exactly 0
+                for j in range(KEYS_A_LANE):
+                    p = _exp(scores[i * KEYS_A_LANE + j] - m_new)
+                    p = p if scores[i * KEYS_A_LANE + j] > float32(NEG) else float32(0.0)  # masked: 0
                     ps[group_row + i, lane + LANES * j] = p
                     psum += p
                 off = LANES // 2
@@ -216,39 +215,39 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
                     off //= 2
                 lsum[i] = lsum[i] * alpha + psum
                 m[i] = m_new
-                for j in range(DL):
-                    acc[i * DL + j] *= alpha
+                for j in range(DIMS_A_LANE):
+                    acc[i * DIMS_A_LANE + j] *= alpha
             cuda.syncthreads()  # every p of the tile is in ps; every thread is done with K
 
             # 5. the tile's V rows
-            for i in range(tid, KT * HD, THREADS):
-                kk = i // HD
-                d = i % HD
-                kp = min(kt + kk, k_end - 1)
+            for i in range(tid, KEY_TILE * HEAD_DIM, THREADS):
+                kk = i // HEAD_DIM
+                d = i % HEAD_DIM
+                key = min(kt + kk, k_end - 1)
                 if FP8:
-                    kvs[kk, d] = fp8_decode(int32(v_cache[kp, g * HD + d]))
+                    kvs[kk, d] = fp8_decode(int32(v_cache[key, g * HEAD_DIM + d]))
                 else:
-                    kvs[kk, d] = float32(v_cache[kp, g * HD + d])
+                    kvs[kk, d] = float32(v_cache[key, g * HEAD_DIM + d])
             cuda.syncthreads()  # the V tile is in kvs
 
             # 6. out += P V
-            for kk in range(min(KT, k_end - kt)):  # keys past k_end have p = 0
-                for j in range(DL):
-                    vv[j] = kvs[kk, lane + LANES * j]
-                for i in range(RT):
+            for kk in range(min(KEY_TILE, k_end - kt)):  # keys past k_end have p = 0
+                for j in range(DIMS_A_LANE):
+                    v_vals[j] = kvs[kk, lane + LANES * j]
+                for i in range(ROWS_A_THREAD):
                     p = ps[group_row + i, kk]
-                    for j in range(DL):
-                        acc[i * DL + j] += p * vv[j]
+                    for j in range(DIMS_A_LANE):
+                        acc[i * DIMS_A_LANE + j] += p * v_vals[j]
 
         # 7. the rows' outputs (every row with a query has at least its own key: lsum > 0)
-        for i in range(RT):
+        for i in range(ROWS_A_THREAD):
             r = group_row + i
-            t = t0 + r // G
-            if r < USED and t < n_rows:
-                col = (g * G + r % G) * HD + lane
+            t = t0 + r // GROUP
+            if r < USED_ROWS and t < n_rows:
+                col = (g * GROUP + r % GROUP) * HEAD_DIM + lane
                 inv = float32(1.0) / lsum[i]
-                for j in range(DL):
-                    out[t, col + LANES * j] = fp16_encode(acc[i * DL + j] * inv)
+                for j in range(DIMS_A_LANE):
+                    out[t, col + LANES * j] = fp16_encode(acc[i * DIMS_A_LANE + j] * inv)
 
     return prefill_attention_kernel
 
@@ -315,8 +314,9 @@ _KV_TYPE = {"fp16": "float16", "fp8": "uint8"}
 
 
 def _compile_check() -> list[tuple[object, str, int]]:
-    """(kernel, signature, register limit) for the shapes of the models in use: head_dim 64 (groups 3, 7, 8) and 128 (groups 1, 4),
-    both KV dtypes, the default blocks of a real GPU (not the simulator's)."""
+    """(kernel, signature, register limit) for the shapes of the models in use: head_dim 64
+    (groups 3, 7, 8) and 128 (groups 1, 4), both KV dtypes, the default blocks of a real GPU
+    (not the simulator's)."""
     checks = []
     for kv_dtype in KV_DTYPES:
         for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
