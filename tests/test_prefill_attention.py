@@ -19,12 +19,27 @@ import pytest
 from numba import cuda
 
 from pycalm import formats
+from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS
-from pycalm.kernels.prefill_attention import prefill_attention, prefill_attention_flops
+from pycalm.kernels.prefill_attention import (
+    prefill_attention,
+    prefill_attention_bytes,
+    prefill_attention_flops,
+)
 from pycalm.reference import attention_ref, prefill_attention_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+
+
+def config(n_heads, n_kv_heads, head_dim, window=0):
+    """A config with these attention sizes (prefill_attention reads no other field)."""
+    return ModelConfig(
+        arch="llama", dim=n_heads * head_dim, hidden_dim=8, head_dim=head_dim, n_layers=1, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, vocab_size=8, max_seq_len=4096, rope_theta=1e4, rotary_dim=head_dim,
+        norm_eps=1e-5, bos_id=1, eos_ids=(), sliding_window=window,
+    )  # fmt: skip
 
 
 def _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed):
@@ -47,12 +62,10 @@ def _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=0, 
     state[STATE_POS] = pos0
     out = cuda.to_device(np.full((n_rows, n_heads * head_dim), np.nan, np.float16))
     stream = cuda.stream()
-    nbytes = prefill_attention(
-        cuda.to_device(q), cuda.to_device(kq), cuda.to_device(vq), cuda.to_device(state), out,
-        n_heads, n_kv_heads, head_dim, kv_dtype, window, stream=stream, **shape,
-    )  # fmt: skip
+    cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
+    cfg = config(n_heads, n_kv_heads, head_dim, window)
+    prefill_attention(cuda.to_device(q), cache, cuda.to_device(state), out, cfg, stream=stream, **shape)
     stream.synchronize()
-    assert nbytes > 0
     got = out.copy_to_host().astype(np.float32)
     want = prefill_attention_ref(q, kd, vd, pos0, n_heads, n_kv_heads, head_dim, window)
     np.testing.assert_allclose(got, want, rtol=2.0**-11, atol=2e-5)
@@ -102,14 +115,17 @@ def test_prefill_attention_rejects_bad_shapes():
     cache = cuda.to_device(np.zeros((8, 32), np.float16))
     state = cuda.to_device(np.zeros(4, np.int32))
     with pytest.raises(PycalmError, match="KV cache dtype"):
-        prefill_attention(q, cache, cache, state, out, 4, 2, 16, "fp32", 0, stream=0)
-    with pytest.raises(PycalmError, match="multiple of n_kv_heads"):
-        prefill_attention(q, cache, cache, state, out, 4, 3, 16, "fp16", 0, stream=0)
+        prefill_attention(q, KVCache(cache, cache, "fp32"), state, out, config(4, 2, 16), stream=0)
     with pytest.raises(PycalmError, match="not \\(T, 32\\)"):
-        prefill_attention(q, cache, cache, state, out, 2, 2, 16, "fp16", 0, stream=0)
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(2, 2, 16), stream=0)
+    with pytest.raises(PycalmError, match="at least the group 8"):
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(8, 1, 8), stream=0, rows=4)
 
 
-def test_prefill_attention_flops():
+def test_prefill_attention_flops_and_bytes():
     # 3 rows at positions 2, 3, 4 see 3, 4, 5 keys (a window of 4: 3, 4, 4)
-    assert prefill_attention_flops(3, 2, 2, 8) == 4 * 8 * 2 * 12
-    assert prefill_attention_flops(3, 2, 2, 8, window=4) == 4 * 8 * 2 * 11
+    assert prefill_attention_flops(3, 2, config(2, 1, 8)) == 4 * 8 * 2 * 12
+    assert prefill_attention_flops(3, 2, config(2, 1, 8, window=4)) == 4 * 8 * 2 * 11
+    # q f32 and out f16 of 3 rows x 16, K and V rows 0..4 (window 4: 1..4) of 8 fp16 each
+    assert prefill_attention_bytes(3, 2, config(2, 1, 8), "fp16") == 3 * 16 * 6 + 2 * 5 * 8 * 2
+    assert prefill_attention_bytes(3, 2, config(2, 1, 8, window=2), "fp8") == 3 * 16 * 6 + 2 * 4 * 8

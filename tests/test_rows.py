@@ -15,9 +15,19 @@ import pytest
 from numba import cuda
 
 from pycalm import formats
+from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS
-from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
+from pycalm.kernels.rows import (
+    ExpertRows,
+    RowRoutes,
+    embed_rows,
+    moe_group,
+    moe_route_rows,
+    qkv_rows,
+    rmsnorm_rows,
+)
 from pycalm.reference import (
     embed_ref,
     embed_rows_ref,
@@ -33,6 +43,22 @@ from pycalm.reference import (
 )
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+
+
+def config(n_heads=2, n_kv_heads=1, head_dim=8, n_experts=0, k=0):
+    """A config with these sizes (the row kernels read no others)."""
+    return ModelConfig(
+        arch="llama", dim=n_heads * head_dim, hidden_dim=8, head_dim=head_dim, n_layers=1, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, vocab_size=8, max_seq_len=4096, rope_theta=1e4, rotary_dim=head_dim,
+        norm_eps=1e-5, bos_id=1, eos_ids=(), n_experts=n_experts, n_experts_active=k,
+    )  # fmt: skip
+
+
+class Layer:
+    """The layer weights a row kernel reads (the rest of pycalm.gpu.LayerWeights)."""
+
+    def __init__(self, **weights):
+        self.__dict__.update(weights)
 
 
 def _state(pos0):
@@ -51,7 +77,7 @@ def test_embed_rows(dtype, n_rows):
     tokens[-1] = tokens[0]  # a repeated token
     x = cuda.to_device(np.full((n_rows, dim), np.nan, np.float32))
     stream = cuda.stream()
-    assert embed_rows(cuda.to_device(table), cuda.to_device(tokens), x, dtype, stream=stream) > 0
+    embed_rows(cuda.to_device(table), cuda.to_device(tokens), x, dtype, stream=stream)
     stream.synchronize()
     want = embed_rows_ref(table, tokens, dtype)
     np.testing.assert_array_equal(x.copy_to_host(), want)  # decoding is exact
@@ -110,9 +136,11 @@ def test_qkv_rows(kv_dtype, bias, n_heads, n_kv_heads, head_dim, n_rot, n_rows, 
     kc, vc = cuda.to_device(k0), cuda.to_device(k0)
     q = cuda.to_device(np.full((n_rows, q_dim), np.nan, np.float32))
     stream = cuda.stream()
+    layer = Layer(bqkv=None if b is None else cuda.to_device(b))
+    cfg = config(n_heads, n_kv_heads, head_dim)
     qkv_rows(
-        cuda.to_device(qkv), None if b is None else cuda.to_device(b), cuda.to_device(freqs), _state(pos0),
-        q, kc, vc, n_heads, n_kv_heads, head_dim, kv_dtype, stream=stream,
+        cuda.to_device(qkv), layer, cuda.to_device(freqs), _state(pos0), q, KVCache(kc, vc, kv_dtype), cfg,
+        stream=stream,
     )  # fmt: skip
     stream.synchronize()
     q_ref, k_ref, v_ref = qkv_rows_ref(qkv, b, pos0, freqs, n_heads, n_kv_heads, head_dim)
@@ -154,10 +182,11 @@ def test_rope_rows_ref_is_rope_ref_row_by_row():
 def test_qkv_rows_rejects_bad_shapes():
     qkv = cuda.to_device(np.zeros((2, 30), np.float32))
     q = cuda.to_device(np.zeros((2, 16), np.float32))
+    layer, cfg = Layer(bqkv=None), config(2, 1, 8)
     with pytest.raises(PycalmError, match="KV-cache dtype"):
-        qkv_rows(qkv, None, None, None, q, None, None, 2, 1, 8, "fp32", stream=0)
+        qkv_rows(qkv, layer, None, None, q, KVCache(None, None, "fp32"), cfg, stream=0)
     with pytest.raises(PycalmError, match="do not fit"):
-        qkv_rows(qkv, None, None, None, q, None, None, 2, 1, 8, "fp16", stream=0)
+        qkv_rows(qkv, layer, None, None, q, KVCache(None, None, "fp16"), cfg, stream=0)
 
 
 @pytest.mark.parametrize("n_rows,n_experts,k", [(1, 8, 2), (9, 4, 3)] + ([(1000, 8, 2)] if GPU else []))
@@ -170,9 +199,9 @@ def test_moe_route_rows_and_group(n_rows, n_experts, k):
     ids = cuda.to_device(np.full((n_rows, k), -7, np.int32))
     w = cuda.to_device(np.full((n_rows, k), np.nan, np.float32))
     stream = cuda.stream()
-    moe_route_rows(
-        cuda.to_device(gate), cuda.to_device(x), cuda.to_device(norm_w), eps, ids, w, stream=stream
-    )
+    layer = Layer(moe_gate=cuda.to_device(gate), ffn_norm=cuda.to_device(norm_w))
+    cfg = config(n_experts=n_experts, k=k).replace(norm_eps=eps)
+    moe_route_rows(layer, cuda.to_device(x), RowRoutes(ids, w), cfg, stream=stream)
     stream.synchronize()
     ids_ref, w_ref = moe_route_rows_ref(gate, x, norm_w, eps, k)
     for t in (0, n_rows - 1):  # the reference is the decode routing, row by row
@@ -186,7 +215,7 @@ def test_moe_route_rows_and_group(n_rows, n_experts, k):
     count = cuda.to_device(np.full(n_experts, -7, np.int32))
     rows = cuda.to_device(np.full((n_experts, n_rows), -7, np.int32))
     row_w = cuda.to_device(np.full((n_experts, n_rows), np.nan, np.float32))
-    moe_group(ids, w, count, rows, row_w, stream=stream)
+    moe_group(RowRoutes(ids, w), ExpertRows(count, rows, row_w), stream=stream)
     stream.synchronize()
     count_ref, rows_ref, row_w_ref = moe_group_ref(ids.copy_to_host(), w.copy_to_host(), n_experts)
     np.testing.assert_array_equal(count.copy_to_host(), count_ref)
@@ -217,7 +246,8 @@ def test_moe_group_many_rows(n_rows, n_experts, k):
     rows = cuda.to_device(np.full((n_experts, n_rows), -7, np.int32))
     row_w = cuda.to_device(np.full((n_experts, n_rows), np.nan, np.float32))
     stream = cuda.stream()
-    moe_group(cuda.to_device(ids), cuda.to_device(weights), count, rows, row_w, stream=stream, threads=64)
+    routes = RowRoutes(cuda.to_device(ids), cuda.to_device(weights))
+    moe_group(routes, ExpertRows(count, rows, row_w), stream=stream, threads=64)
     stream.synchronize()
     count_ref, rows_ref, row_w_ref = moe_group_ref(ids, weights, n_experts)
     np.testing.assert_array_equal(count.copy_to_host(), count_ref)

@@ -39,8 +39,9 @@ Shapes (the defaults): head_dim 128: ROWS 32, LANES 16, KEY_TILE 32, 128 threads
 memory 16.5 + 16.5 + 4.2 KB, 167 registers (three blocks an SM); head_dim 64: ROWS 64, 256
 threads, 16.6 + 8.3 + 8.4 KB, held to 128 registers by the launch bounds (two blocks an SM; 164
 without them, one block). The shared rows are padded by one float, so the 16 lanes that read 16
-different K rows at one dimension hit 16 different banks. Under the simulator (a Python thread per CUDA thread) the
-blocks are smaller: ROWS 8, LANES 8, so the tests' short blocks still cover several tiles.
+different K rows at one dimension hit 16 different banks. Under the simulator (a Python thread
+per CUDA thread) the blocks are smaller: ROWS 8, LANES 8, so the tests' short blocks still cover
+several tiles.
 
 Decode of the caches: fp16 elements widened by a conversion, e5m2 bytes by common.fp8_decode:
 exact, once per element and block (the tile serves ROWS rows).
@@ -60,7 +61,9 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 from numba.cuda import libdevice
 
+from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, dependent_start, fp8_decode, fp16_encode
 
 KV_DTYPES = ("fp16", "fp8")
@@ -254,32 +257,26 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
 
 def prefill_attention(
     q: object,
-    k_cache: object,
-    v_cache: object,
+    cache: KVCache,
     state: object,
     out: object,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    kv_dtype: str,
-    window: int,
+    cfg: ModelConfig,
     *,
     stream: object,
     rows: int | None = None,
     lanes: int | None = None,
-) -> int:
-    """out (T, n_heads*head_dim) float16 = attention of the T rows of q (float32, same shape) at
-    positions pos0 = state[STATE_POS] .. pos0 + T - 1 over the caches (rows 0 .. pos0 + T - 1
-    written: pycalm.kernels.rows.qkv_rows writes the block's own). k_cache / v_cache: this
-    layer's (seq_len, n_kv_heads*head_dim) float16 ("fp16") or uint8 e5m2 ("fp8"). window:
-    Mistral's sliding window, 0 for none. rows, lanes: the block shape (default_rows,
-    default_lanes; scripts/kernels/prefill_attention.py varies them).
-    Returns the bytes moved from DRAM (see the module docstring; pos0 lives on the device, so
-    the K/V figure is the whole cache's, an upper bound)."""
-    if kv_dtype not in KV_DTYPES:
-        raise PycalmError(f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(KV_DTYPES)})")
-    if n_heads % n_kv_heads:
-        raise PycalmError(f"n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+) -> None:
+    """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
+    f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
+    0 .. pos0 + T - 1 are written (pycalm.kernels.rows.qkv_rows writes the block's own).
+
+    cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
+    .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. rows,
+    lanes: the block shape (default_rows, default_lanes; scripts/kernels/prefill_attention.py
+    times others). Reference: pycalm.reference.prefill_attention_ref."""
+    n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if cache.dtype not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
     group = n_heads // n_kv_heads
     rows = default_rows(head_dim) if rows is None else rows
     lanes = default_lanes() if lanes is None else lanes
@@ -294,19 +291,26 @@ def prefill_attention(
         raise PycalmError(
             f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
         )
-    kernel = prefill_attention_kernel(head_dim, group, kv_dtype, rows, lanes)
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, rows, lanes)
     threads = (rows // ROWS_A_THREAD) * lanes
     grid = (-(-n_rows // (rows // group)), n_kv_heads)
-    kernel[grid, threads, stream](q, k_cache, v_cache, state, out, int32(window))
-    kv_bytes = 2 * k_cache.shape[0] * k_cache.shape[1] * k_cache.dtype.itemsize
-    return kv_bytes + n_rows * n_heads * head_dim * (4 + 2)
+    kernel[grid, threads, stream](q, cache.k, cache.v, state, out, int32(cfg.sliding_window))
 
 
-def prefill_attention_flops(n_rows: int, pos0: int, n_heads: int, head_dim: int, window: int = 0) -> int:
+def prefill_attention_bytes(n_rows: int, pos0: int, cfg: ModelConfig, kv_dtype: str) -> int:
+    """Bytes from DRAM: q (f32) and out (f16), and each attended K / V row once (the blocks of
+    later rows read them again from L2)."""
+    first = 0 if cfg.sliding_window <= 0 else max(0, pos0 + 1 - cfg.sliding_window)
+    kv_rows = pos0 + n_rows - first
+    return n_rows * cfg.q_dim * (4 + 2) + 2 * kv_rows * cfg.kv_dim * (1 if kv_dtype == "fp8" else 2)
+
+
+def prefill_attention_flops(n_rows: int, pos0: int, cfg: ModelConfig) -> int:
     """Multiply-adds x 2 of the scores and of P V: 4 head_dim per (query head, attended key)."""
     pos = np.arange(pos0, pos0 + n_rows)
+    window = cfg.sliding_window
     keys = pos + 1 if window <= 0 else np.minimum(pos + 1, window)
-    return int(4 * head_dim * n_heads * keys.sum())
+    return int(4 * cfg.head_dim * cfg.n_heads * keys.sum())
 
 
 _SIG = "void(float32[:, ::1], {kv}[:, ::1], {kv}[:, ::1], int32[::1], float16[:, ::1], int32)"

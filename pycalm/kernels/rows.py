@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32, uint8
 
+from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import (
     STATE_POS,
     WARP,
@@ -92,16 +95,16 @@ def embed_rows_kernel_gf4(table, tokens, x):  # noqa: ANN001, ANN201
 _EMBED_KERNELS = {"fp16": embed_rows_kernel_fp16, "fp8": embed_rows_kernel_fp8, "gf4": embed_rows_kernel_gf4}
 
 
-def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: object) -> int:
+def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: object) -> None:
     """x (T, dim) float32 = decode(table[tokens[t]]) for the T ids of the device array tokens
-    (T,) int32; table as stored by pycalm.formats. -> bytes moved."""
+    (T,) int32; table (vocab_size, dim) as stored by pycalm.formats (gf4: (vocab_size, dim / 8)
+    uint32). Reference: pycalm.reference.embed_rows_ref."""
     if dtype not in _EMBED_KERNELS:
         raise PycalmError(f"unsupported embedding dtype {dtype!r} (one of {', '.join(_EMBED_KERNELS)})")
     n_rows, n = x.shape[0], table.shape[1]  # stored elements a row: gf4 has a word per 8 weights
     if tokens.shape[0] != n_rows:
         raise PycalmError(f"embed_rows: {tokens.shape[0]} tokens for {n_rows} rows")
     _EMBED_KERNELS[dtype][(-(-n // THREADS), n_rows), THREADS, stream](table, tokens, x)
-    return n_rows * (n * table.dtype.itemsize + 4 * x.shape[1] + 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,13 +128,12 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
         out[t, i] = fp16_encode(x[t, i] * r * w[i])
 
 
-def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> int:
+def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
     """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32.
-    -> bytes moved."""
+    Reference: pycalm.reference.rmsnorm_rows_ref."""
     if out.shape != x.shape:
         raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
     rmsnorm_rows_kernel[x.shape[0], THREADS, stream](x, w, float32(eps), out)
-    return x.shape[0] * x.shape[1] * (4 + 2) + 4 * x.shape[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +146,19 @@ def qkv_rows_kernel(kv_dtype: str) -> object:
     FP8 = kv_dtype == "fp8"
 
     @cuda.jit
-    def qkv_rows_kernel(qkv, bias, has_bias, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
+    def qkv_rows_kernel(  # noqa: ANN202
+        qkv,
+        bias,
+        has_bias,
+        freqs,
+        state,
+        q,
+        k_cache,
+        v_cache,
+        q_dim,
+        kv_dim,
+        head_dim,  # noqa: ANN001
+    ):
         """Thread (pair p, row t): columns 2p, 2p + 1 of qkv (T, q_dim + 2 kv_dim) float32 at
         position pos0 + t; bias (columns,) float32 read when has_bias; q (T, q_dim) float32."""
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -185,40 +199,39 @@ def qkv_rows_kernel(kv_dtype: str) -> object:
 
 def qkv_rows(
     qkv: object,
-    bias: object,
+    layer: object,
     rope_freqs: object,
     state: object,
     q: object,
-    k_cache: object,
-    v_cache: object,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    kv_dtype: str,
+    cache: KVCache,
+    cfg: ModelConfig,
     *,
     stream: object,
-) -> int:
-    """q (T, q_dim) = rope(qkv[:, :q_dim] + bq); k_cache[pos0 + t] = enc(rope(k + bk));
-    v_cache[pos0 + t] = enc(v + bv), pos0 = state[STATE_POS]. qkv: (T, q_dim + 2 kv_dim) float32,
-    the matmul of the normed rows; bias (q_dim + 2 kv_dim,) float32 or None (Qwen2 has one);
-    rope_freqs (rotary_dim // 2,) float32; caches (seq_len, kv_dim) float16 ("fp16") or uint8
-    ("fp8"). -> bytes moved."""
-    if kv_dtype not in ("fp16", "fp8"):
-        raise PycalmError(f"unsupported KV-cache dtype {kv_dtype!r} (fp16 or fp8)")
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+) -> None:
+    """q (T, q_dim) = rope(qkv[:, :q_dim] + bq); cache.k[pos0 + t] = enc(rope(k + bk));
+    cache.v[pos0 + t] = enc(v + bv), pos0 = state[STATE_POS], row t at position pos0 + t.
+
+    qkv: (T, q_dim + 2 kv_dim) float32, the matmul of the normed rows; layer: .bqkv
+    (q_dim + 2 kv_dim,) float32 or None (Qwen2 has one); rope_freqs (rotary_dim // 2,) float32;
+    cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
+    .dtype); cfg: n_heads, n_kv_heads, head_dim. Reference: pycalm.reference.qkv_rows_ref, then
+    kv_round for the cache rows."""
+    if cache.dtype not in ("fp16", "fp8"):
+        raise PycalmError(f"unsupported KV-cache dtype {cache.dtype!r} (fp16 or fp8)")
     n_rows, cols = qkv.shape
-    if cols != q_dim + 2 * kv_dim or head_dim % 2 or q.shape != (n_rows, q_dim):
+    if cols != cfg.qkv_dim or cfg.head_dim % 2 or q.shape != (n_rows, cfg.q_dim):
         raise PycalmError(
-            f"qkv_rows: qkv {qkv.shape} and q {q.shape} do not fit heads {n_heads}/{n_kv_heads}x{head_dim}"
+            f"qkv_rows: qkv {qkv.shape} and q {q.shape} do not fit {cfg.n_heads} / {cfg.n_kv_heads}"
+            f" heads of {cfg.head_dim}"
         )
+    bias = layer.bqkv
     has_bias = bias is not None
     pairs = cols // 2
-    kernel = qkv_rows_kernel(kv_dtype)
+    kernel = qkv_rows_kernel(cache.dtype)
     kernel[(-(-pairs // THREADS), n_rows), THREADS, stream](
-        qkv, bias if has_bias else rope_freqs, np.int32(has_bias), rope_freqs, state, q, k_cache, v_cache,
-        q_dim, kv_dim, head_dim,
+        qkv, bias if has_bias else rope_freqs, np.int32(has_bias), rope_freqs, state, q, cache.k, cache.v,
+        cfg.q_dim, cfg.kv_dim, cfg.head_dim,
     )  # fmt: skip
-    return n_rows * (4 * cols + 4 * q_dim + 2 * kv_dim * k_cache.dtype.itemsize)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,22 +304,39 @@ def moe_route_rows_kernel(n_experts: int) -> object:
     return moe_route_rows_kernel
 
 
-def moe_route_rows(
-    gate: object, x: object, norm_w: object, eps: float, route_ids: object, route_w: object, *, stream: object
-) -> int:
-    """route_ids, route_w (T, k) = for each row of x (T, dim) float32, the top k experts of
-    G (rmsnorm(x[t]) * norm_w) and the softmax over their logits. gate (n_experts, dim) float32.
-    -> bytes moved."""
+@dataclass(frozen=True)
+class RowRoutes:
+    """The experts chosen for each of T rows, in device memory (written by moe_route_rows)."""
+
+    ids: object  # (T, n_experts_active) int32, each row's in descending logit order
+    weights: object  # (T, n_experts_active) float32, the softmax over the row's chosen logits
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The rows grouped by expert (written by moe_group): a pass over expert e reads its
+    weights once for the count[e] rows rows[e, :count[e]]."""
+
+    count: object  # (n_experts,) int32
+    rows: object  # (n_experts, T) int32, increasing; -1 past count[e]
+    weights: object  # (n_experts, T) float32, the rows' routing weights; 0 past count[e]
+
+
+def moe_route_rows(layer: object, x: object, routes: RowRoutes, cfg: ModelConfig, *, stream: object) -> None:
+    """routes.ids, routes.weights (T, k) = for each row of x (T, dim) float32, the top k =
+    cfg.n_experts_active experts of G (rmsnorm(x[t]) * ffn_norm) and the softmax over their
+    logits. layer: .moe_gate (n_experts, dim) float32, .ffn_norm (dim,) float32.
+    Reference: pycalm.reference.moe_route_rows_ref."""
+    gate = layer.moe_gate
     n_experts, dim = gate.shape
-    n_rows, k = route_ids.shape
-    if not 0 < n_experts <= MAX_EXPERTS or not 0 < k <= n_experts:
+    n_rows, k = routes.ids.shape
+    if not 0 < n_experts <= MAX_EXPERTS or k != cfg.n_experts_active or not 0 < k <= n_experts:
         raise PycalmError(f"moe_route_rows: top {k} of {n_experts} experts (1..{MAX_EXPERTS})")
-    if x.shape != (n_rows, dim) or route_w.shape != (n_rows, k):
-        raise PycalmError(f"moe_route_rows: x {x.shape}, routes {route_ids.shape} / {route_w.shape}")
+    if x.shape != (n_rows, dim) or routes.weights.shape != (n_rows, k):
+        raise PycalmError(f"moe_route_rows: x {x.shape}, routes {routes.ids.shape} / {routes.weights.shape}")
     moe_route_rows_kernel(n_experts)[n_rows, THREADS, stream](
-        gate, x, norm_w, float32(eps), route_ids, route_w
+        gate, x, layer.ffn_norm, float32(cfg.norm_eps), routes.ids, routes.weights
     )
-    return 4 * n_experts * dim + n_rows * (4 * dim + 8 * k) + 4 * dim
 
 
 @cuda.jit
@@ -361,24 +391,22 @@ def moe_group_kernel(route_ids, route_w, count, rows, row_w):  # noqa: ANN001, A
         count[e] = found
 
 
-def moe_group(
-    route_ids: object,
-    route_w: object,
-    count: object,
-    rows: object,
-    row_w: object,
-    *,
-    stream: object,
-    threads: int = THREADS,
-) -> int:
-    """count (n_experts,), rows, row_w (n_experts, T) = the rows that chose each expert, in
-    increasing order, and their routing weights (see moe_group_kernel). threads: a multiple of
-    32 up to 1024 (the tests take several warps under the simulator). -> bytes moved."""
-    n_experts, n_rows = rows.shape
-    if route_ids.shape[0] != n_rows or row_w.shape != rows.shape or count.shape[0] != n_experts:
-        raise PycalmError(f"moe_group: routes {route_ids.shape}, rows {rows.shape}, count {count.shape}")
-    moe_group_kernel[n_experts, threads, stream](route_ids, route_w, count, rows, row_w)
-    return n_experts * (route_ids.nbytes + route_w.nbytes + 8 * n_rows + 4)
+def moe_group(routes: RowRoutes, experts: ExpertRows, *, stream: object, threads: int = THREADS) -> None:
+    """experts.count, .rows, .weights = the rows that chose each expert, in increasing order,
+    and their routing weights (see moe_group_kernel). threads: a multiple of 32 up to 1024 (the
+    tests take several warps under the simulator). Reference: pycalm.reference.moe_group_ref."""
+    n_experts, n_rows = experts.rows.shape
+    if (
+        routes.ids.shape[0] != n_rows
+        or experts.weights.shape != experts.rows.shape
+        or experts.count.shape[0] != n_experts
+    ):
+        raise PycalmError(
+            f"moe_group: routes {routes.ids.shape}, rows {experts.rows.shape}, count {experts.count.shape}"
+        )
+    moe_group_kernel[n_experts, threads, stream](
+        routes.ids, routes.weights, experts.count, experts.rows, experts.weights
+    )
 
 
 _KV = {"fp16": "float16", "fp8": "uint8"}
