@@ -78,13 +78,13 @@ def _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=0, 
 
 
 SIM_CASES = [
-    # n_heads, n_kv_heads, head_dim, kv_dtype, T, pos0, window
+    # n_heads, n_kv_heads, head_dim, kv_dtype, T, pos0, window  (16 rows a block under the simulator)
     (2, 2, 16, "fp16", 1, 0, 0),  # T = 1 at position 0: one key
-    (3, 1, 16, "fp8", 5, 7, 0),  # group 3: 2 positions a block, the last block half empty
-    (4, 2, 32, "fp16", 11, 20, 0),  # group 2, pos0 > 0: keys 0..30 in two tiles
-    (7, 1, 16, "fp16", 3, 14, 0),  # group 7: one position a block (7 of 8 rows used)
+    (3, 1, 16, "fp8", 7, 7, 0),  # group 3: 5 positions a block (15 rows), the second block ragged
+    (4, 2, 32, "fp16", 11, 20, 0),  # group 2, pos0 > 0: keys 0..30 in two tiles, two blocks
+    (7, 1, 16, "fp16", 3, 14, 0),  # group 7: 2 positions a block (14 of 16 rows used)
     (2, 1, 32, "fp8", 13, 10, 6),  # a sliding window shorter than T: each row's keys start late
-    (4, 4, 16, "fp16", 9, 0, 40),  # a window longer than the context: no effect
+    (4, 4, 16, "fp16", 9, 0, 40),  # group 1, a window longer than the context: no effect
     (2, 1, 16, "fp8", 1, 37, 0),  # T = 1 late in the context: three tiles, the decode step's shape
 ]
 GPU_CASES = [
@@ -105,8 +105,8 @@ def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype,
 
 
 def test_prefill_attention_block_shapes():
-    # a block of 16 rows (4 row groups) and row groups of 4 lanes: a tile of 8 keys
-    _run(4, 2, 16, "fp16", 10, 9, 0, rows=16, lanes=4)
+    # a block of 32 rows (8 row groups) and row groups of 4 lanes: a tile of 8 keys, 16 positions
+    _run(4, 2, 16, "fp16", 21, 9, 0, rows=32, lanes=4)
 
 
 def test_prefill_attention_rejects_bad_shapes():
@@ -120,6 +120,10 @@ def test_prefill_attention_rejects_bad_shapes():
         prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(2, 2, 16), stream=0)
     with pytest.raises(PycalmError, match="at least the group 8"):
         prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(8, 1, 8), stream=0, rows=4)
+    with pytest.raises(PycalmError, match="not whole warps"):
+        prefill_attention(
+            q, KVCache(cache, cache, "fp16"), state, out, config(4, 2, 16), stream=0, rows=8, lanes=8
+        )
 
 
 def test_prefill_attention_flops_and_bytes():

@@ -40,8 +40,8 @@ memory 16.5 + 16.5 + 4.2 KB, 167 registers (three blocks an SM); head_dim 64: RO
 threads, 16.6 + 8.3 + 8.4 KB, held to 128 registers by the launch bounds (two blocks an SM; 164
 without them, one block). The shared rows are padded by one float, so the 16 lanes that read 16
 different K rows at one dimension hit 16 different banks. Under the simulator (a Python thread
-per CUDA thread) the blocks are smaller: ROWS 8, LANES 8, so the tests' short blocks still cover
-several tiles.
+per CUDA thread) the blocks are smaller: ROWS 16, LANES 8 (one warp), so the tests' short
+blocks still cover several tiles.
 
 Decode of the caches: fp16 elements widened by a conversion, e5m2 bytes by common.fp8_decode:
 exact, once per element and block (the tile serves ROWS rows).
@@ -76,9 +76,9 @@ SIM = _numba_config.ENABLE_CUDASIM
 
 def default_rows(head_dim: int) -> int:
     """Query rows (position, head) a block: 4096 floats of q in shared memory (16 KB), at most
-    64; 8 under the simulator."""
+    64; 16 under the simulator (with 8 lanes: one warp)."""
     if SIM:
-        return 8
+        return 16
     return max(ROWS_A_THREAD, min(64, 4096 // head_dim))
 
 
@@ -286,13 +286,15 @@ def prefill_attention(
         raise PycalmError(
             f"{rows} query rows a block: a multiple of {ROWS_A_THREAD}, at least the group {group}"
         )
+    threads = (rows // ROWS_A_THREAD) * lanes
+    if threads % 32 or threads > 1024:
+        raise PycalmError(f"{rows} rows of {lanes} lanes make {threads} threads, not whole warps up to 1024")
     n_rows = q.shape[0]
     if q.shape[1] != n_heads * head_dim or out.shape[0] != n_rows or out.shape[1] != q.shape[1]:
         raise PycalmError(
             f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
         )
     kernel = prefill_attention_kernel(head_dim, group, cache.dtype, rows, lanes)
-    threads = (rows // ROWS_A_THREAD) * lanes
     grid = (-(-n_rows // (rows // group)), n_kv_heads)
     kernel[grid, threads, stream](q, cache.k, cache.v, state, out, int32(cfg.sliding_window))
 
