@@ -9,6 +9,10 @@ Tolerance: float32 dots of head_dim terms and sums of up to n_pos terms in a dif
 than NumPy's: 2e-5 absolute on outputs of size ~1 (values are convex mixes of V rows in [-1, 1]).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -198,3 +202,17 @@ def test_bad_arguments_are_named():
     for span in (0, 65):
         with pytest.raises(PycalmError, match="span"):
             attention(q, KVCache(rows, rows, "fp16"), state, q, cfg, scratch, stream=stream, span=span)
+
+
+def test_kernel_script_runs_its_check():
+    # scripts/kernels/attention.py (the versions and their timing table): two of its tunings
+    # checked against the reference at a tiny shape (on the simulator or the GPU, as here)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "attention.py"
+    p = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--variants", "default,kw8"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("error") == 12

@@ -10,6 +10,10 @@ the radix passes), and a top-p select alone stops once a pass leaves at most KEP
 (the peaked distributions).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -139,3 +143,12 @@ def test_sample_block_size_is_checked():
     for threads in (SAMPLE_THREADS + 32, 48, 0):
         with pytest.raises(PycalmError, match="threads"):
             sample(d, state, d, SamplingParams(1.0), stream=cuda.stream(), threads=threads)
+
+
+def test_kernel_script_runs_its_check():
+    # scripts/kernels/sample.py (the versions and their timing table): every version's picks
+    # checked against the reference over a small vocabulary (on the simulator or the GPU, as here)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "sample.py"
+    p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("(ok)") == 10
