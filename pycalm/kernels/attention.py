@@ -66,19 +66,14 @@ from pycalm.config import KV_DTYPES, ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
     FP_RAW_SCALE,
+    MASK_E5M2,
+    MASK_FP16,
     STATE_POS,
     as_f32,
     dependent_start,
     warp_reduce_max,
     warp_reduce_sum,
 )
-
-try:  # the masks' public names in common (being renamed there)
-    from pycalm.kernels.common import MASK_E5M2, MASK_FP16
-except ImportError:  # pragma: no cover - until the rename lands
-    from pycalm.kernels.common import _MASK_E5M2 as MASK_E5M2
-    from pycalm.kernels.common import _MASK_FP16 as MASK_FP16
-
 
 # ---------------------------------------------------------------------------------------------
 # GPU kernel
