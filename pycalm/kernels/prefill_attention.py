@@ -10,10 +10,12 @@ already written (pycalm.kernels.rows.qkv_rows); q is (T, n_heads * head_dim) flo
 (T, n_heads * head_dim) float16, the wo matmul's input.
 
 GPU: flash-attention style, SIMT fp32 (attention is a few % of a prefill's FLOPs at 2k tokens).
-Grid (ceil(T / BQ), n_kv_heads). Block (b, g) takes the query rows t0 = b BQ .. t0 + BQ - 1 and
-every query head of kv head g: ROWS = BQ x group (position, head) rows, all of which read the
-same K and V rows, so a K/V tile staged once serves them all. Row r of the block is position
-t0 + r // group, head g group + r % group. The block walks the keys from the first one any of
+Grid (n_kv_heads, ceil(T / POSITIONS)). Block (g, b) takes POSITIONS query rows t0 .. t0 +
+POSITIONS - 1 and every query head of kv head g: ROWS = POSITIONS x group (position, head) rows,
+all of which read the same K and V rows, so a K/V tile staged once serves them all. Row r of the
+block is position t0 + r // group, head g group + r % group. The blocks of the last rows (the
+most keys) start first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so that the short ones
+fill the end of the launch instead of a long one running alone. The block walks the keys from the first one any of
 its rows sees to the last, in tiles of KEY_TILE positions:
 
 1. once: the block's q rows, times 1/sqrt(head_dim), into shared memory qs (ROWS, head_dim).
@@ -129,8 +131,10 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
         # state i32; out (T, n_heads*HEAD_DIM) f16
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
-        t0 = int32(cuda.blockIdx.x * POSITIONS)  # the block's first query row
-        g = int32(cuda.blockIdx.y)  # kv head
+        g = int32(cuda.blockIdx.x)  # kv head
+        # the block's first query row: the last rows (the most keys) first, the short ones fill
+        # the tail of the launch
+        t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)
         tid = cuda.threadIdx.x
         group_row = int32(tid // LANES) * ROWS_A_THREAD  # the thread's first row
         lane = int32(tid % LANES)
@@ -295,7 +299,7 @@ def prefill_attention(
             f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
         )
     kernel = prefill_attention_kernel(head_dim, group, cache.dtype, rows, lanes)
-    grid = (-(-n_rows // (rows // group)), n_kv_heads)
+    grid = (n_kv_heads, -(-n_rows // (rows // group)))
     kernel[grid, threads, stream](q, cache.k, cache.v, state, out, int32(cfg.sliding_window))
 
 
