@@ -135,7 +135,9 @@ class EagerStep:
 
 
 class GpuEngine:
-    """forward(token, pos) on the GPU; generate() streams token ids from graph replays."""
+    """The model on the GPU: forward() enqueues a token step, graph() captures it for a span
+    of positions; logits() and generate() (token ids streamed from graph replays) serve callers.
+    options: switches for tests and benchmarks (EngineOptions)."""
 
     device = "gpu"
 
@@ -220,7 +222,11 @@ class GpuEngine:
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
         self.argmax_scratch = zeros((2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32)
-        self._threads = {"threads": 64} if config.ENABLE_CUDASIM else {}  # argmax / sample block size
+        # sample's launch options: the argmax scratch, and under the simulator 64-thread blocks
+        self._sample_options = {
+            "scratch": self.argmax_scratch,
+            **({"threads": 64} if config.ENABLE_CUDASIM else {}),
+        }
         # per-token values on the device (pycalm.kernels.common: STATE_TOKEN, STATE_POS, STATE_FEED_END)
         self.state = zeros(STATE_SIZE, np.int32)  # (STATE_SIZE,) token, pos, feed end
         self.feed = zeros(self.seq_len, np.int32)  # (seq_len,) the prompt's token at each position
@@ -243,14 +249,14 @@ class GpuEngine:
         from pycalm.kernels.step import advance
 
         cfg, dt, eps, s = self.config, self.config.weight_dtype, self.config.norm_eps, self.stream
-        x, q, att, h, route = self.x, self.q, self.att, self.h, self.route
+        x, q, att, h, route, state = self.x, self.q, self.att, self.h, self.route, self.state
         # x = the embedding row of the token
-        embed(self.tok_embeddings, self.state, x, dt, stream=s)
+        embed(self.tok_embeddings, state, x, dt, stream=s)
         for L, cache in zip(self.layers, self.kv_caches, strict=True):
             # q, k, v = Wqkv rmsnorm(x) (+ bqkv); q and k rotated by pos; cache row pos = k, v
-            qkv_rope(L, x, self.rope_freqs, self.state, q, cache, cfg, stream=s)
+            qkv_rope(L, x, self.rope_freqs, state, q, cache, cfg, stream=s)
             # att = softmax(q k^T / sqrt(head_dim)) v over positions 0..pos (or the window)
-            attention(q, cache, self.state, att, cfg, self.att_scratch, stream=s, span=span)
+            attention(q, cache, state, att, cfg, self.att_scratch, stream=s, span=span)
             # x += Wo att
             matvec_residual(L.wo, att, x, dt, stream=s)
             if cfg.n_experts:
@@ -268,17 +274,9 @@ class GpuEngine:
         # logits = Wout rmsnorm(x)
         matvec(self.output, x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
         # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
-        sample(
-            self.logits_buf,
-            self.state,
-            self.coins,
-            sampling,
-            stream=s,
-            scratch=self.argmax_scratch,
-            **self._threads,
-        )
+        sample(self.logits_buf, state, self.coins, sampling, stream=s, **self._sample_options)
         # pos += 1; while prefilling, token = the prompt's next token instead
-        advance(self.state, self.feed, stream=s)
+        advance(state, self.feed, stream=s)
 
     def span(self, pos: int) -> int:
         """The attention span of the step at pos: its grid holds the live chunks at most twice."""
