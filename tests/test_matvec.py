@@ -230,3 +230,26 @@ def test_launch_shape_rules():
     assert blocks_for(14336, 16, 1, _resident(72)(512)) == 128
     assert blocks_for(14336, 16, 1, _resident(64)(512)) == 224  # two blocks an SM: 4 a warp
     assert blocks_for(2048, 16, 2, 1) == 128  # split: 8 teams a block, 2 groups a team
+
+
+def test_kernel_script_versions():
+    """scripts/kernels/matvec.py (the benchmark's versions) imports and its check passes under
+    the simulator for a few versions that are not the shipped kernel: prefetch, shift decoders
+    with late loads, direct x, a split of 3 warps."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "matvec.py"
+    spec = importlib.util.spec_from_file_location("kernels_matvec_script", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # (its dataclass looks its module up)
+    spec.loader.exec_module(script)
+    V = script.Version
+    versions = [
+        V(prefetch=True),
+        V(cvt=False, early=False),
+        V(direct=True, warps=8),
+        V(unroll=1, split=3, warps=6),
+    ]
+    assert script.check(cuda.default_stream(), True, ["fp8"], versions)

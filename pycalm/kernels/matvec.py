@@ -88,7 +88,7 @@ from pycalm.kernels.common import (
 from pycalm.kernels.launch import row_group_launch
 
 # ---------------------------------------------------------------------------------------------
-# GPU kernel
+# the row-group kernel
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2
@@ -221,15 +221,15 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         ss = float32(0.0)
         v = cuda.local.array(HALF_E, uint64)  # one load's pairs
         for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
-            b = uint64(c0 // 2 + j * HALF_E)  # x64 index of the load's first pair
+            b = c0 // 2 + j * HALF_E  # x64 index of the load's first pair
             for p in range(HALF_E):
-                v[p] = x64[b + uint64(p)]
+                v[p] = x64[b + p]
             if normed:
                 for p in range(HALF_E):
                     ss += pair_sq(v[p])
                 for p in range(HALF_E):
-                    v[p] = pair_times(v[p], norm_w, uint64(2) * (b + uint64(p)))
-            for p in range(HALF_E):
+                    v[p] = pair_times(v[p], norm_w, uint64(2 * (b + p)))
+            for p in range(HALF_E):  # (unsigned indices: numba adds no negative-index code)
                 xs[uint64(j + p * CW)] = v[p]
         return ss
 
@@ -272,7 +272,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         """acc[r] = this lane's raw partial sum of row r over the loads j0 .. j0 + n - 1, x in
         xs (chunk-local load index); words holds the first step's loads (load_first). first:
         the lane's first load; with split S the S warps of a group take the steps of
-        UNROLL * 32 loads in turn (warp p starts at lane + p UNROLL 32)."""
+        unroll * 32 loads in turn (warp p starts at lane + p unroll 32)."""
         for r in range(rows):
             acc[r] = float32(0.0)
         j = uint64(first)

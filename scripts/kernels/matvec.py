@@ -1,0 +1,671 @@
+"""The matvec kernel family: the shipped kernel and its variants, each checked against the NumPy
+reference, then timed on the GPU (llm.c's dev/cuda pattern).
+
+Versions (a Version below names one; every one is checked before it is timed):
+  1 shipped   pycalm.kernels.matvec through the package's launchers: 2 rows a warp, 2 16-byte
+              loads a row a lane a step, early loads, cvt decoders, split fp8 w2 rows, the
+              launch shape of pycalm.kernels.launch.row_group_launch
+  2 shape     same kernel as 1 at other compile-time sizes or launch shapes: rows a warp R,
+              loads a step U, 8-byte loads (fp16 "8B", gf4 "8B"), warps a block, blocks an SM
+              at most, row groups split over S warps
+  3 late      same as 1 but a group's first loads issued after x is staged (early=False)
+  4 shift     same as 1 but fp16 / fp8 decoded by shifts and masks (value * 2**-112, the row's
+              sum times 2**112), no cvt
+  5 prefetch  same as 1 but the next step's loads issued before this step's arithmetic
+  6 direct    same as 1 but x read from global memory (through L1), no staging, one row group a
+              warp (launches without a fused norm, not GATE)
+  7 capped    same as 1 compiled with a register cap (max_registers)
+
+    python scripts/kernels/matvec.py                # check every version, then the timing table
+    python scripts/kernels/matvec.py --check        # the checks only (one big shape a dtype)
+    NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matvec.py --check --tiny   # simulator, tiny shapes
+    python scripts/kernels/matvec.py --quick        # the table for the shipped version only
+    python scripts/kernels/matvec.py --sweep fp8,gf4 [--tiny-shapes]   # R x U x warps, staged / direct
+    python scripts/kernels/matvec.py --split fp8 [--launches wo,w2] [--n-versions N]
+
+Timing: each measurement is a CUDA graph of back-to-back launches of one kernel, rotating over
+enough weight copies (at least 4x the 50 MB L2) that no launch finds its weights in L2, replayed
+REPLAYS times between two events; the median replay divided by the launches is the time of one
+kernel as the token step's graph runs it. GB/s counts the bytes the kernel must move (weights, x,
+norm_w, the output read and / or written); the ceiling is a uint64 grid-stride copy timed the
+same way (bytes read + written). Weights are random finite bit patterns made on the GPU. Shapes:
+the Llama-3-8B layer matrices (wq/wo 4096x4096, w1/w3 14336x4096, w2 4096x14336, qkv 6144x4096)
+and TinyLlama-1.1B's (2048x2048, 5632x2048, 2560x2048 qkv, 2048x5632). docs/BENCHMARKS.md has
+the H200 figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+from numba import config as numba_config
+from numba import cuda, float32, int32, uint64
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (pycalm)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpubench)
+
+from pycalm import formats  # noqa: E402
+from pycalm.kernels import matvec as mv  # noqa: E402
+from pycalm.kernels.attention import KVCache  # noqa: E402
+from pycalm.kernels.common import (  # noqa: E402
+    FP_RAW_SCALE,
+    MASK_FP16,
+    WARP,
+    as_f32,
+    fp8_byte_raw,
+    grid_dependency_wait,
+    launch_dependents,
+    ldg128,
+    sar32,
+    shl32,
+    warp_reduce_sum,
+)
+from pycalm.kernels.launch import SIM_BLOCKS, blocks_for, resident_blocks, row_group_launch  # noqa: E402
+from pycalm.kernels.qkv import qkv_rope  # noqa: E402
+from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
+
+SIM = numba_config.ENABLE_CUDASIM
+LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
+TINY = [(2048, 2048), (5632, 2048), (2560, 2048), (2048, 5632)]
+DTYPES = ["fp16", "fp8", "gf4"]
+ROTATE_BYTES = 200e6  # weight copies a graph cycles through: 4x the L2
+REPLAYS = 7
+# finite-value masks on random uint32 words: clear one exponent bit of each fp16 / e5m2 / scale
+MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
+
+
+@dataclass(frozen=True)
+class Version:
+    """One kernel version and launch shape. Defaults: the shipped kernel (version 1)."""
+
+    rows: int = mv.ROWS  # rows a warp
+    unroll: int = mv.UNROLL  # loads a row a lane a step
+    wide: bool = True  # 16-byte loads (False: 8 bytes)
+    warps: int = 0  # warps a block (0: the package's launch rule)
+    blocks_per_sm: int = 8  # blocks an SM at most (also capped by the kernel's occupancy)
+    split: int = 0  # warps sharing a row group (0: the package's rule)
+    early: bool = True
+    cvt: bool = True
+    prefetch: bool = False
+    direct: bool = False
+    max_regs: int = 0
+
+    @property
+    def shipped(self) -> bool:
+        return self == Version()
+
+    @property
+    def label(self) -> str:
+        if self.shipped:
+            return "shipped"
+        out = f"R{self.rows}U{self.unroll}" + ("" if self.wide else " 8B")
+        out += f" w{self.warps}" if self.warps else ""
+        out += f" bps{self.blocks_per_sm}" if self.blocks_per_sm != 8 else ""
+        out += f" s{self.split}" if self.split else ""
+        out += "" if self.early else " late"
+        out += "" if self.cvt else " shift"
+        out += " prefetch" if self.prefetch else ""
+        out += " direct" if self.direct else ""
+        return out + (f" m{self.max_regs}" if self.max_regs else "")
+
+
+V = Version
+# the versions every check runs, and the table times on VARIANT_SHAPES
+VERSIONS = {
+    "fp16": [V(), V(early=False), V(wide=False), V(cvt=False)],
+    "fp8": [V(), V(early=False), V(unroll=4), V(cvt=False), V(prefetch=True)],
+    "gf4": [V(), V(rows=4, unroll=1, prefetch=True), V(warps=8), V(unroll=4), V(wide=False)],
+}
+VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (2048, 2048)]
+LAUNCH_KNOBS = [(8, 8), (8, 2), (16, 1), (16, 8)]  # (warps a block, blocks an SM at most)
+# the R x U x warps sweep: staged x, and direct x (launches without a fused norm)
+SWEEP = [V(r, u, warps=w) for r, u in ((2, 2), (2, 4), (4, 2)) for w in (4, 8, 16)] + [
+    V(r, u, warps=w, direct=True) for r, u in ((2, 2), (4, 1)) for w in (2, 4, 8)
+]
+# TinyLlama's launches as the token step makes them, and Llama-3-8B's w2 / ffn_gate
+SPLIT_LAUNCHES = [
+    ("wo", 2048, 2048, mv.RESIDUAL),
+    ("w2", 2048, 5632, mv.RESIDUAL),
+    ("ffn_gate", 5632, 2048, mv.GATE),
+    ("classifier", 32000, 2048, mv.PLAIN),
+    ("llama3 w2", 4096, 14336, mv.RESIDUAL),
+    ("llama3 ffn_gate", 14336, 4096, mv.GATE),
+]
+SPLIT_VERSIONS = [
+    V(),
+    V(split=1, warps=16),
+    V(split=2, warps=16),
+    V(unroll=4, warps=16, split=1),
+    V(unroll=4, warps=8, split=1),
+    V(rows=4, warps=16, split=1),
+    V(warps=8, split=1, max_regs=64),
+    V(warps=16, split=1, max_regs=64),
+    V(unroll=1, warps=16, split=1),
+    V(warps=16, split=2, max_regs=64),
+    V(unroll=4, warps=16, split=2),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# versions 3-7: the shipped kernel with one of its choices changed
+
+
+@cuda.jit(device=True, inline=True)
+def fp16_part_dot_shift(t, xv, acc):  # noqa: ANN001, ANN201
+    """Version 4's fp16 decoder: each half moved to the top of an int32, >> 3 and masked: an fp32
+    of value * 2**-112 (the shipped one: h2f2, cvt.f32.f16)."""
+    acc += as_f32(int32(sar32(shl32(t, 16), 3) & int32(MASK_FP16))) * xv[0]
+    acc += as_f32(int32(sar32(t, 3) & int32(MASK_FP16))) * xv[1]
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
+def fp8_part_dot_shift(t, xv, acc):  # noqa: ANN001, ANN201
+    """Version 4's e5m2 decoder: fp8_byte_raw, a shift and a mask a byte (value * 2**-112)."""
+    acc += fp8_byte_raw(t, 0) * xv[0]
+    acc += fp8_byte_raw(t, 1) * xv[1]
+    acc += fp8_byte_raw(t, 2) * xv[2]
+    acc += fp8_byte_raw(t, 3) * xv[3]
+    return acc
+
+
+SHIFT_PART_DOT = {"fp16": fp16_part_dot_shift, "fp8": fp8_part_dot_shift, "gf4": mv.gf4_part_dot}
+
+
+@functools.cache
+def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, early: bool, cvt: bool,
+                   prefetch: bool, direct: bool, max_regs: int):  # noqa: ANN201  # fmt: skip
+    """The dense matvec kernel (the arguments of pycalm.kernels.matvec.matvec_kernel; the slot
+    arguments unread) with the choices of versions 3-7."""
+    stage_x = mv.row_group(dtype, nbytes, rows, unroll, split).stage_x
+    WORDS = max(1, nbytes // 8)
+    PARTS = nbytes // 4
+    PW = mv.PART_WEIGHTS[dtype]
+    E = PARTS * PW
+    CW = mv.XCHUNK // E
+    STEP = uint64(WARP * unroll * split)
+    SPAN = uint64(WARP * (unroll - 1))
+    HALF = max(1, rows // 2)
+    STEP_WORDS = rows * unroll * WORDS
+    RED_SIZE = mv.RED if split > 1 else 1
+    SCALE = mv.ROW_SCALE[dtype] if cvt or dtype == "gf4" else FP_RAW_SCALE
+    part_dot = mv.PART_DOT[dtype] if cvt else SHIFT_PART_DOT[dtype]
+    wide = nbytes == 16
+
+    @cuda.jit(device=True, inline=True)
+    def load_rows(wa, wb, row, j, words, u):  # noqa: ANN001, ANN202
+        for r in range(rows):
+            m = wa if r < HALF else wb
+            k = (u * rows + r) * WORDS
+            if wide:
+                words[k], words[k + 1] = ldg128(m, row[r], j)
+            else:
+                words[k] = uint64(m[row[r], j])
+
+    @cuda.jit(device=True, inline=True)
+    def load_step(wa, wb, row, j, words):  # noqa: ANN001, ANN202
+        for u in range(unroll):
+            load_rows(wa, wb, row, j + uint64(WARP * u), words, u)
+
+    @cuda.jit(device=True, inline=True)
+    def load_first(wa, wb, row, j0, n, first, words):  # noqa: ANN001, ANN202
+        last = uint64(n - 1)
+        for u in range(unroll):
+            load_rows(wa, wb, row, uint64(j0) + min(uint64(first + WARP * u), last), words, u)
+
+    @cuda.jit(device=True, inline=True)
+    def dot_load(words, u, xs, j0, j, acc):  # noqa: ANN001, ANN202
+        xv = cuda.local.array(PW, float32)
+        for i in range(PARTS):
+            for p in range(PW // 2):
+                if direct:  # xs is x64 itself: pair i PW/2 + p of load j0 + j
+                    v = xs[(j0 + j) * uint64(E // 2) + uint64(i * (PW // 2) + p)]
+                else:
+                    v = xs[j + uint64((i * (PW // 2) + p) * CW)]
+                xv[2 * p] = as_f32(v)
+                xv[2 * p + 1] = as_f32(v >> uint64(32))
+            for r in range(rows):
+                w = words[(u * rows + r) * WORDS + i // 2]
+                acc[r] = part_dot(int32(w >> uint64(32 * (i % 2))), xv, acc[r])
+
+    @cuda.jit(device=True, inline=True)
+    def dot_step(words, xs, j0, j, acc):  # noqa: ANN001, ANN202
+        for u in range(unroll):
+            dot_load(words, u, xs, j0, j + uint64(WARP * u), acc)
+
+    @cuda.jit(device=True, inline=True)
+    def group_dot(words, later, wa, wb, row, xs, j0, n, first, acc):  # noqa: ANN001, ANN202
+        for r in range(rows):
+            acc[r] = float32(0.0)
+        j = uint64(first)
+        j0 = uint64(j0)
+        n = uint64(n)
+        if j + SPAN < n:
+            if not early:
+                load_step(wa, wb, row, j0 + j, words)
+            if prefetch:
+                while True:
+                    jn = j + STEP
+                    more = jn + SPAN < n
+                    load_step(wa, wb, row, j0 + (jn if more else j), later)  # the next step first
+                    dot_step(words, xs, j0, j, acc)
+                    j = jn
+                    if not more:
+                        break
+                    for k in range(STEP_WORDS):
+                        words[k] = later[k]
+            else:
+                dot_step(words, xs, j0, j, acc)
+                j += STEP
+                while j + SPAN < n:
+                    load_step(wa, wb, row, j0 + j, words)
+                    dot_step(words, xs, j0, j, acc)
+                    j += STEP
+        while j < n:
+            load_rows(wa, wb, row, j0 + j, words, 0)
+            dot_load(words, 0, xs, j0, j, acc)
+            j += uint64(WARP)
+
+    @cuda.jit(device=True, inline=True)
+    def group_rows(g, mode, n_rows, row):  # noqa: ANN001, ANN202
+        if mode == mv.GATE:
+            for r in range(rows):
+                row[r] = uint64(min(HALF * g + r % HALF, n_rows - 1))
+        else:
+            for r in range(rows):
+                row[r] = uint64(min(rows * g + r, n_rows - 1))
+
+    def version_kernel(
+        wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
+    ):  # noqa: ANN001, ANN202, E501
+        xs = cuda.shared.array(mv.XPAIRS if not direct else 1, uint64)
+        scratch = cuda.shared.array(WARP, float32)
+        red = cuda.shared.array(RED_SIZE, float32)
+        words = cuda.local.array(STEP_WORDS, uint64)
+        later = cuda.local.array(STEP_WORDS if prefetch else 1, uint64)
+        acc = cuda.local.array(rows, float32)
+        row = cuda.local.array(rows, uint64)
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        team = warp // split
+        part = warp - team * split
+        first = lane + part * (WARP * unroll)
+        n_teams = cuda.blockDim.x // WARP // split
+        rb = 0
+        n_rows = wa.shape[0]
+        cols = x.shape[0]
+        n_words = wa.shape[1] // WORDS
+        n_groups = (n_rows + HALF - 1) // HALF if mode == mv.GATE else (n_rows + rows - 1) // rows
+        stride = cuda.gridDim.x * n_teams
+        scale = float32(SCALE)
+        n_chunks = 1 if direct else (cols + mv.XCHUNK - 1) // mv.XCHUNK
+        for c in range(n_chunks):
+            j0 = c * CW
+            nw = n_words if direct else min(CW, n_words - j0)
+            g = cuda.blockIdx.x * n_teams + team
+            group_rows(min(g, n_groups - 1), mode, n_rows, row)
+            if early:
+                load_first(wa, wb, row, j0, nw, first, words)
+            if c == 0:
+                grid_dependency_wait()
+            if not direct:
+                cuda.syncthreads()  # every warp is done with the previous chunk of xs
+                c0 = c * mv.XCHUNK
+                ss = stage_x(x64, norm_w, xs, c0, min(mv.XCHUNK, cols - c0), normed)
+                if normed and n_chunks == 1:
+                    scale = float32(SCALE) * mv.staged_rms(ss, cols, eps, scratch)  # publishes xs
+                else:
+                    if normed and c == 0:
+                        scale *= mv.rms_factor(x, eps, scratch)  # contains barriers
+                    cuda.syncthreads()  # xs holds this chunk for every warp
+            while (g - team if split > 1 else g) < n_groups:
+                group_dot(words, later, wa, wb, row, x64 if direct else xs, j0, nw, first, acc)
+                gn = g + stride
+                if gn >= n_groups:
+                    launch_dependents()
+                group_rows(min(gn, n_groups - 1), mode, n_rows, row)
+                if early:
+                    load_first(wa, wb, row, j0, nw, first, words)
+                for r in range(rows):
+                    acc[r] = warp_reduce_sum(acc[r])  # xor shuffles: every lane gets the sum
+                if split > 1:
+                    if lane == 0:
+                        for r in range(rows):
+                            red[rb + warp * rows + r] = acc[r]
+                    cuda.syncthreads()  # every part's sums of the block's groups are in red
+                    for r in range(rows):
+                        s = red[rb + team * split * rows + r]
+                        for p in range(1, split):
+                            s += red[rb + (team * split + p) * rows + r]
+                        acc[r] = s * scale
+                    rb = mv.RED // 2 - rb
+                else:
+                    for r in range(rows):
+                        acc[r] *= scale
+                if lane == 0 and part == 0:
+                    if mode == mv.GATE:
+                        for i in range(HALF):
+                            if HALF * g + i < n_rows:
+                                out[HALF * g + i] = mv.silu_gate(acc[i], acc[i + HALF])
+                    else:
+                        for r in range(rows):
+                            if rows * g + r < n_rows:
+                                if mode == mv.RESIDUAL or c > 0:
+                                    out[rows * g + r] += acc[r]
+                                else:
+                                    out[rows * g + r] = acc[r]
+                g = gn
+
+    if max_regs and not SIM:  # (the simulator has no register cap)
+        return cuda.jit(max_registers=max_regs)(version_kernel)
+    return cuda.jit(version_kernel)
+
+
+def launch_version(v: Version, wa: object, wb: object, x: object, norm_w: object, out: object, dtype: str,
+                   mode: int, stream: object) -> None:  # fmt: skip
+    """Launch version v (mode PLAIN / RESIDUAL / GATE; norm_w None: no fused norm, eps 1e-5)."""
+    if v.shipped:  # the package's launchers
+        if mode == mv.PLAIN:
+            mv.matvec(wa, x, out, dtype, stream=stream, norm_w=norm_w, eps=1e-5)
+        elif mode == mv.RESIDUAL:
+            mv.matvec_residual(wa, x, out, dtype, stream=stream)
+        else:
+            mv.ffn_gate(wa, wb, x, out, dtype, stream=stream, norm_w=norm_w, eps=1e-5)
+        return
+    if v.direct and (norm_w is not None or mode == mv.GATE):
+        raise ValueError("the direct version has no staging to fuse a norm into, nor a gate")
+    nbytes = mv.load_bytes(wa, dtype)
+    if not v.wide:  # 8-byte loads where the rows allow them
+        nbytes = 8 if (wa.shape[1] * wa.dtype.itemsize) % 8 == 0 else mv.NARROW_BYTES[dtype]
+    unroll = v.unroll if nbytes == 16 else 1
+    cols = x.shape[0]
+    split = v.split or mv.split_for(
+        dtype, mode, cols // (nbytes // 4 * mv.PART_WEIGHTS[dtype]) // WARP, False
+    )
+    plain_kernel = v.early and v.cvt and not v.prefetch and not v.direct and not v.max_regs
+    kernel = (
+        mv.matvec_kernel(dtype, nbytes, v.rows, unroll, split)
+        if plain_kernel
+        else version_kernel(
+            dtype, nbytes, v.rows, unroll, split, v.early, v.cvt, v.prefetch, v.direct, v.max_regs
+        )
+    )
+    n_groups = -(-wa.shape[0] // (v.rows // 2 if mode == mv.GATE else v.rows))
+    args = (
+        mv.word_view(wa, nbytes), mv.word_view(wb, nbytes), x, x.view(np.uint64), x if norm_w is None else norm_w,
+        np.float32(1e-5), out, np.int32(mode), np.int32(norm_w is not None), x.view(np.int32), x, np.int32(0),
+        np.int32(0),
+    )  # fmt: skip
+    if not v.warps:
+        blocks, threads = row_group_launch(kernel, args, n_groups, -(-cols // mv.XCHUNK), split)
+    else:
+        warps = max(1, 2 // split) * split if SIM else v.warps
+        threads = warps * WARP
+        if v.direct:  # no shared memory, no barrier: one group a warp
+            blocks = -(-n_groups // warps)
+        else:
+            blocks = blocks_for(
+                n_groups, warps, split, resident_blocks(kernel, args, threads), cap=v.blocks_per_sm
+            )
+        blocks = min(blocks, SIM_BLOCKS) if SIM else blocks
+    kernel[blocks, threads, stream](*args)
+
+
+def bytes_moved(mode: int, w: object, x: object, normed: bool) -> int:
+    """What a launch must move: the weights (two matrices for GATE), x, norm_w, and the output
+    written (read and written for RESIDUAL)."""
+    rows = w.shape[0]
+    out = {mv.PLAIN: 4, mv.RESIDUAL: 8, mv.GATE: 4}[mode] * rows
+    return (2 if mode == mv.GATE else 1) * int(w.nbytes) + int(x.nbytes) * (2 if normed else 1) + out
+
+
+# ---------------------------------------------------------------------------------------------
+# checks against the references
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray, scale: np.ndarray) -> float:
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.max(np.abs(got.astype(np.float64) - want) / scale))
+
+
+def check(
+    stream: object, tiny: bool, dtypes: list[str] = DTYPES, versions: list[Version] | None = None
+) -> bool:
+    """Every version of VERSIONS (and split, direct and capped ones) against pycalm.reference at
+    one shape a dtype: tiny (the simulator: 37x1536, 16-byte loads for every dtype) or big
+    (4096x14336: x in two chunks; and 2051x4096: the gate, a partial last group). versions:
+    these instead (tests/test_matvec.py checks a few under the simulator). Tolerance: 1e-5 of |W| |x| (float32
+    accumulation in another order than the reference's)."""
+    rng = np.random.default_rng(0)
+    ok_all = True
+    extra = [V(split=2, warps=16), V(split=2, warps=16, unroll=1), V(direct=True, warps=8), V(max_regs=64)]
+    shapes = [(37, 1536)] if tiny else [(4096, 14336), (2051, 4096)]
+    for (rows, cols), dtype in [(shape, dtype) for shape in shapes for dtype in dtypes]:
+        w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
+        w3 = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
+        wd, w3d = cuda.to_device(w), cuda.to_device(w3)
+        x = rng.standard_normal(cols).astype(np.float32)
+        nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+        xd, nwd = cuda.to_device(x), cuda.to_device(nw)
+        xn = rmsnorm_ref(x, nw, 1e-5)
+        wh = formats.decode(w, dtype).astype(np.float64)
+        w3h = formats.decode(w3, dtype).astype(np.float64)
+        for v in VERSIONS[dtype] + extra if versions is None else versions:
+            errs = {}
+            y = cuda.to_device(np.full(rows, np.nan, np.float32))
+            launch_version(v, wd, wd, xd, None, y, dtype, mv.PLAIN, stream)
+            stream.synchronize()
+            errs["plain"] = _rel_err(y.copy_to_host(), matvec_ref(w, x, dtype), np.abs(wh) @ np.abs(x))
+            r0 = rng.standard_normal(rows).astype(np.float32)
+            r = cuda.to_device(r0)
+            launch_version(v, wd, wd, xd, None, r, dtype, mv.RESIDUAL, stream)
+            stream.synchronize()
+            errs["residual"] = _rel_err(r.copy_to_host(), r0 + wh @ x, np.abs(wh) @ np.abs(x) + np.abs(r0))
+            if not v.direct:
+                launch_version(v, wd, wd, xd, nwd, y, dtype, mv.PLAIN, stream)
+                stream.synchronize()
+                errs["normed"] = _rel_err(y.copy_to_host(), wh @ xn, np.abs(wh) @ np.abs(xn))
+                if cols <= mv.XCHUNK and v.rows == 2:
+                    h = cuda.to_device(np.full(rows, np.nan, np.float32))
+                    launch_version(v, wd, w3d, xd, nwd, h, dtype, mv.GATE, stream)
+                    stream.synchronize()
+                    a, b = wh @ xn, w3h @ xn
+                    scale = (np.abs(wh) @ np.abs(xn)) * (np.abs(b) + 1) + (np.abs(a) + 1) * (
+                        np.abs(w3h) @ np.abs(xn)
+                    )
+                    errs["gate"] = _rel_err(h.copy_to_host(), silu_ref(a) * b, scale)
+            ok = all(e < 1e-5 for e in errs.values())
+            ok_all &= ok
+            print(f"check {dtype} {rows}x{cols} {v.label:28s} " + " ".join(f"{k} {e:.1e}" for k, e in errs.items()),
+                  "OK" if ok else "FAIL", flush=True)  # fmt: skip
+    return ok_all
+
+
+# ---------------------------------------------------------------------------------------------
+# timings (GPU)
+
+
+def random_weights(rows: int, cols: int, dtype: str, seed: int) -> object:
+    from gpubench import fill
+
+    w = cuda.device_array(formats.storage_shape(rows, cols, dtype), formats.STORAGE_DTYPE[dtype])
+    fill(w.reshape(-1).view(np.uint32), seed, MASK[dtype])
+    return w
+
+
+def n_copies(rows: int, cols: int, dtype: str) -> int:
+    one = rows * cols * {"fp16": 2, "fp8": 1, "gf4": 0.5}[dtype]
+    return int(min(48, max(2, -(-ROTATE_BYTES // one))))
+
+
+def timed(stream: object, launch: object, n_launches: int) -> float:
+    """Seconds per launch: a graph of n_launches calls launch(i), replayed; the median replay."""
+    from gpubench import graph_seconds
+
+    return graph_seconds(stream, lambda: [launch(i) for i in range(n_launches)], REPLAYS) / n_launches
+
+
+def time_version(
+    s: object, v: Version, ws: list, x: object, y: object, nw: object, dtype: str, mode: int
+) -> float:
+    def run(i: int) -> None:
+        w = ws[i % len(ws)]
+        w3 = ws[(i + 1) % len(ws)] if mode == mv.GATE else w
+        launch_version(v, w, w3, x, nw, y, dtype, mode, s)
+
+    return timed(s, run, max(len(ws), 16))
+
+
+def setup(rows: int, cols: int, dtype: str, rng: object) -> tuple:
+    ws = [random_weights(rows, cols, dtype, i) for i in range(n_copies(rows, cols, dtype))]
+    x = cuda.to_device(rng.standard_normal(cols).astype(np.float32))
+    return ws, x, cuda.device_array(rows, np.float32)
+
+
+def sweep(s: object, dtypes: list[str], shapes: list[tuple[int, int]]) -> None:
+    """Plain matvec for every SWEEP version on every shape, best first."""
+    rng = np.random.default_rng(1)
+    for dtype in dtypes:
+        for rows, cols in shapes:
+            ws, x, y = setup(rows, cols, dtype, rng)
+            nb = bytes_moved(mv.PLAIN, ws[0], x, False)
+            res = sorted(((nb / time_version(s, v, ws, x, y, None, dtype, mv.PLAIN) / 1e9, v.label) for v in SWEEP),
+                         reverse=True)  # fmt: skip
+            print(f"sweep {dtype} {rows}x{cols}: " + " ".join(f"{n}:{g:.0f}" for g, n in res), flush=True)
+            del ws
+
+
+def split_sweep(s: object, dtypes: list[str], only: str, n_versions: int) -> None:
+    """SPLIT_LAUNCHES (with their norms) for SPLIT_VERSIONS: us a launch and GB/s."""
+    rng = np.random.default_rng(1)
+    for dtype in dtypes:
+        for name, rows, cols, mode in SPLIT_LAUNCHES:
+            if only and name not in only.split(","):
+                continue
+            ws, x, y = setup(rows, cols, dtype, rng)
+            nw = cuda.to_device(np.ones(cols, np.float32)) if mode != mv.RESIDUAL else None
+            nb = bytes_moved(mode, ws[0], x, nw is not None)
+            res = []
+            for v in SPLIT_VERSIONS[: n_versions or None]:
+                t = time_version(s, v, ws, x, y, nw, dtype, mode)
+                res.append(f"{v.label} {t * 1e6:.2f}us/{nb / t / 1e9:.0f}")
+            print(f"split {dtype} {name} {rows}x{cols}: " + "  ".join(res), flush=True)
+            del ws
+
+
+def table(s: object, quick: bool) -> None:
+    """The timing table: every shape x dtype (shipped), the versions and launch knobs on
+    VARIANT_SHAPES, the residual, gate and fused QKV launches."""
+    from gpubench import copy_ceiling
+
+    t0 = time.time()
+    ceiling = copy_ceiling(s)
+    print(f"uint64 copy ceiling: {ceiling:,.0f} GB/s (read + write)", flush=True)
+    rows_out = []
+
+    def report(name: str, dtype: str, shape: tuple, nbytes: int, t: float) -> None:
+        gbs = nbytes / t / 1e9
+        rows_out.append((name, dtype, f"{shape[0]}x{shape[1]}", t * 1e6, gbs))
+        print(f"{name:34s} {dtype:5s} {shape[0]:>6}x{shape[1]:<6} {t * 1e6:8.2f} us {gbs:7.0f} GB/s "
+              f"{100 * gbs / ceiling:5.1f}%   [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
+
+    rng = np.random.default_rng(1)
+    for dtype in DTYPES:
+        for rows, cols in LLAMA + TINY:
+            ws, x, y = setup(rows, cols, dtype, rng)
+            shape = (rows, cols)
+            nb = bytes_moved(mv.PLAIN, ws[0], x, False)
+            report("matvec", dtype, shape, nb, time_version(s, V(), ws, x, y, None, dtype, mv.PLAIN))
+            if not quick and shape in VARIANT_SHAPES:
+                for v in VERSIONS[dtype][1:]:
+                    report(
+                        f"  {v.label}", dtype, shape, nb, time_version(s, v, ws, x, y, None, dtype, mv.PLAIN)
+                    )
+                if shape in (VARIANT_SHAPES[0], (4096, 4096)):
+                    for warps, bps in LAUNCH_KNOBS:
+                        v = V(warps=warps, blocks_per_sm=bps)
+                        report(
+                            f"  {v.label}",
+                            dtype,
+                            shape,
+                            nb,
+                            time_version(s, v, ws, x, y, None, dtype, mv.PLAIN),
+                        )
+            if shape in ((4096, 14336), (4096, 4096)):
+                nb = bytes_moved(mv.RESIDUAL, ws[0], x, False)
+                report(
+                    "matvec_residual",
+                    dtype,
+                    shape,
+                    nb,
+                    time_version(s, V(), ws, x, y, None, dtype, mv.RESIDUAL),
+                )
+            if shape == (14336, 4096):
+                nw = cuda.to_device(np.ones(cols, np.float32))
+                nb = bytes_moved(mv.GATE, ws[0], x, True)
+                t = time_version(s, V(), ws, x, y, nw, dtype, mv.GATE)
+                report("ffn_gate (w1+w3, norm)", dtype, shape, nb, t)
+            if shape == (6144, 4096):  # Llama-3-8B: 32 heads, 8 KV heads, head_dim 128
+                cfg = SimpleNamespace(
+                    n_heads=32, n_kv_heads=8, head_dim=128, norm_eps=1e-5, weight_dtype=dtype
+                )
+                freqs = cuda.to_device((1.0 / 500000.0 ** (np.arange(64) / 64)).astype(np.float32))
+                state = cuda.to_device(np.array([1, 100, 0], np.int32))
+                q = cuda.device_array(4096, np.float32)
+                cache = KVCache(cuda.device_array((4096, 1024), np.float16), cuda.device_array((4096, 1024), np.float16),
+                                "fp16")  # fmt: skip
+                nw = cuda.to_device(np.ones(cols, np.float32))
+
+                def qkv(i: int, ws: list = ws, x: object = x, nw: object = nw, freqs: object = freqs,
+                        state: object = state, q: object = q, cache: object = cache, cfg: object = cfg) -> None:  # fmt: skip
+                    layer = SimpleNamespace(wqkv=ws[i % len(ws)], bqkv=None, attn_norm=nw)
+                    qkv_rope(layer, x, freqs, state, q, cache, cfg, stream=s)
+
+                nb = int(ws[0].nbytes) + 2 * int(x.nbytes) + 4 * 4096 + 2 * 1024 * 2
+                report("qkv_rope (norm, rope, kv fp16)", dtype, shape, nb, timed(s, qkv, max(len(ws), 16)))
+            del ws
+    print(f"\n== summary (copy ceiling {ceiling:,.0f} GB/s, total {time.time() - t0:.0f} s) ==")
+    print(f"{'kernel':34s} {'dtype':5s} {'shape':>12s} {'us':>8s} {'GB/s':>7s} {'%ceil':>6s}")
+    for name, dtype, shape, us, gbs in rows_out:
+        print(f"{name:34s} {dtype:5s} {shape:>12s} {us:8.2f} {gbs:7.0f} {100 * gbs / ceiling:6.1f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--check", action="store_true", help="check every version against the references, then stop"
+    )
+    ap.add_argument("--tiny", action="store_true", help="with --check: tiny shapes (the simulator)")
+    ap.add_argument("--quick", action="store_true", help="the table for the shipped version only")
+    ap.add_argument("--sweep", default="", help="only sweep R x U x warps for these dtypes (fp8,gf4)")
+    ap.add_argument("--tiny-shapes", action="store_true", help="with --sweep: the TinyLlama shapes only")
+    ap.add_argument("--split", default="", help="only time SPLIT_LAUNCHES with SPLIT_VERSIONS, these dtypes")
+    ap.add_argument("--launches", default="", help="with --split: these launches only (wo,w2,..)")
+    ap.add_argument("--n-versions", type=int, default=0, help="with --split: the first N versions only")
+    args = ap.parse_args()
+    s = cuda.stream()
+    if args.check or SIM:
+        ok = check(s, args.tiny or SIM)
+        print(f"check {'OK' if ok else 'FAILED'}", flush=True)
+        sys.exit(0 if ok else 1)
+    print(f"device: {cuda.get_current_device().name}", flush=True)
+    if args.split:
+        split_sweep(s, args.split.split(","), args.launches, args.n_versions)
+    elif args.sweep:
+        sweep(s, args.sweep.split(","), TINY if args.tiny_shapes else LLAMA + TINY)
+    else:
+        if not check(s, False):
+            sys.exit(1)
+        table(s, args.quick)
+
+
+if __name__ == "__main__":
+    main()
