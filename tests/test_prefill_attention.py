@@ -119,7 +119,7 @@ def test_prefill_attention_rejects_bad_shapes():
     with pytest.raises(PycalmError, match="not \\(T, 32\\)"):
         prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(2, 2, 16), stream=0)
     with pytest.raises(PycalmError, match="at least the group 8"):
-        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(8, 1, 8), stream=0, rows=4)
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(8, 1, 16), stream=0, rows=4)
     with pytest.raises(PycalmError, match="not whole warps"):
         prefill_attention(
             q, KVCache(cache, cache, "fp16"), state, out, config(4, 2, 16), stream=0, rows=8, lanes=8
