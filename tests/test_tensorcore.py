@@ -53,12 +53,13 @@ def test_mma_16816():
 
 
 PITCH = 6  # words a staged row in the ldmatrix test: 4 of data, 2 of padding
+STAGED_WORDS = 32 * PITCH
 
 
 @cuda.jit
 def _ldmatrix_kernel(src, out):  # noqa: ANN001, ANN202
     # src (32, 4) words: rows 8i..8i+7 are matrix i (8 x 8 fp16); out (32, 4) words a lane
-    smem = cuda.shared.array(32 * PITCH, int32)  # (32 rows, PITCH) words, rows padded
+    smem = cuda.shared.array(STAGED_WORDS, int32)  # (32 rows, PITCH) words, rows padded
     lane = cuda.threadIdx.x
     for e in range(4):
         smem[lane * PITCH + e] = src[lane, e]
