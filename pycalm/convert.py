@@ -323,4 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m pycalm.convert` runs this file as __main__, a second copy of the module; the
+    # readers import pycalm.convert, so the plan's Source classes are that module's: use its main
+    from pycalm.convert import main as convert_main
+
+    sys.exit(convert_main())
