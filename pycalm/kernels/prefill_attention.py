@@ -15,11 +15,13 @@ POSITIONS - 1 and every query head of kv head g: ROWS = POSITIONS x group (posit
 all of which read the same K and V rows, so a K/V tile staged once serves them all. Row r of the
 block is position t0 + r // group, head g group + r % group. The blocks of the last rows (the
 most keys) start first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so that the short ones
-fill the end of the launch instead of a long one running alone. The block walks the keys from the first one any of
-its rows sees to the last, in tiles of KEY_TILE positions:
+fill the end of the launch instead of a long one running alone. The block walks the keys from
+the first one any of its rows sees to the last, in tiles of KEY_TILE positions:
 
 1. once: the block's q rows, times 1/sqrt(head_dim), into shared memory qs (ROWS, head_dim).
-2. a tile's K rows, decoded to float32, into kvs (KEY_TILE, head_dim). Barrier.
+2. a tile's K rows, decoded to float32, into kvs (KEY_TILE, head_dim): 16-byte loads (8 fp16
+   or 16 e5m2 elements), a thread's few loads all issued before any is decoded and stored, so
+   a tile costs one memory latency. Barrier.
 3. scores: the threads form row groups of LANES threads; a thread holds ROWS_A_THREAD rows x
    KEYS_A_LANE keys (keys lane, lane + LANES, ...) of the tile in registers and accumulates them
    over head_dim from shared memory (ROWS_A_THREAD q and KEYS_A_LANE k loads feed that many
@@ -38,15 +40,16 @@ its rows sees to the last, in tiles of KEY_TILE positions:
 7. out / l, as fp16.
 
 Shapes (the defaults): head_dim 128: ROWS 32, LANES 16, KEY_TILE 32, 128 threads, shared
-memory 16.5 + 16.5 + 4.2 KB, 167 registers (three blocks an SM); head_dim 64: ROWS 64, 256
-threads, 16.6 + 8.3 + 8.4 KB, held to 128 registers by the launch bounds (two blocks an SM; 164
-without them, one block). The shared rows are padded by one float, so the 16 lanes that read 16
-different K rows at one dimension hit 16 different banks. Under the simulator (a Python thread
-per CUDA thread) the blocks are smaller: ROWS 16, LANES 8 (one warp), so the tests' short
-blocks still cover several tiles.
+memory 16.5 + 16.5 + 4.2 KB, 153-167 registers (three blocks an SM); head_dim 64: ROWS 64, 256
+threads, 16.6 + 8.3 + 8.4 KB, 107-118 registers (two blocks an SM; the launch bounds hold it
+under 128, which 256 threads need for two). The shared rows are padded by one float, so the 16
+lanes that read 16 different K rows at one dimension hit 16 different banks. Under the
+simulator (a Python thread per CUDA thread) the blocks are smaller: ROWS 16, LANES 8 (one
+warp), so the tests' short blocks still cover several tiles.
 
-Decode of the caches: fp16 elements widened by a conversion, e5m2 bytes by common.fp8_decode:
-exact, once per element and block (the tile serves ROWS rows).
+Decode of the caches: fp16 pairs widened by common.h2f2 (cvt.f32.f16), e5m2 bytes moved into
+fp16 halves and widened by common.fp8x4_cvt: exact, once per element and block (the tile serves
+ROWS rows).
 
 FLOPs: 4 head_dim per (query head, attended key) pair (prefill_attention_flops). Bytes from
 DRAM: q (4 T q_dim), the attended K/V rows of each kv head (once; the blocks of later rows read
@@ -60,13 +63,13 @@ import math
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint64
 from numba.cuda import libdevice
 
 from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS, dependent_start, fp8_decode, fp16_encode
+from pycalm.kernels.common import STATE_POS, dependent_start, fp8x4_cvt, fp16_encode, h2f2, ldg128
 
 KV_DTYPES = ("fp16", "fp8")
 ROWS_A_THREAD = 4  # query rows a thread accumulates (scores and outputs)
@@ -91,8 +94,8 @@ def default_lanes() -> int:
 
 def _launch_bounds(threads: int) -> dict:
     """cuda.jit's launch bounds: blocks of `threads`, MIN_BLOCKS of them an SM, so ptxas keeps a
-    thread's registers under 65536 / (MIN_BLOCKS threads) (head_dim 64: 164 -> 128, no spill;
-    head_dim 128 uses 167, three blocks of 128 threads an SM). The simulator takes no bounds."""
+    thread's registers under 65536 / (MIN_BLOCKS threads) (tests/test_ptx.py compiles with them
+    and checks that limit). The simulator takes no bounds."""
     return {} if SIM else {"launch_bounds": (threads, MIN_BLOCKS)}
 
 
@@ -123,12 +126,48 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
     ACCS = ROWS_A_THREAD * DIMS_A_LANE  # output accumulators a thread
     SCORES = ROWS_A_THREAD * KEYS_A_LANE  # scores a thread holds of a tile
     SCALE = 1.0 / math.sqrt(head_dim)
+    UNIT_ELEMS = 16 if FP8 else 8  # cache elements in a 16-byte load
+    ROW_UNITS = head_dim // UNIT_ELEMS  # 16-byte units of a head's K (or V) row
+    TILE_UNITS = KEY_TILE * ROW_UNITS
+    TILE_LOADS = -(-TILE_UNITS // THREADS)  # 16-byte loads a thread makes a tile
+
+    @cuda.jit(device=True, inline=True)
+    def stage_tile(cache, kvs, kt, k_end, g, tid):  # noqa: ANN001, ANN202
+        """kvs = the rows kt .. kt + KEY_TILE - 1 of kv head g, decoded to float32 (past k_end:
+        row k_end - 1 again, masked later). cache: (seq_len, kv_dim bytes / 8) uint64. Every
+        16-byte load of the tile is issued before any is decoded, so a thread's TILE_LOADS loads
+        are in flight together: one memory latency a tile."""
+        lo = cuda.local.array(TILE_LOADS, uint64)  # constant indices after unrolling: registers
+        hi = cuda.local.array(TILE_LOADS, uint64)
+        for u in range(TILE_LOADS):
+            i = min(tid + u * THREADS, TILE_UNITS - 1)  # past the tile: a repeat, not stored
+            key = min(kt + i // ROW_UNITS, k_end - 1)
+            lo[u], hi[u] = ldg128(cache, key, g * ROW_UNITS + i % ROW_UNITS)
+        for u in range(TILE_LOADS):
+            i = tid + u * THREADS
+            if i < TILE_UNITS:
+                row = i // ROW_UNITS
+                d = (i % ROW_UNITS) * UNIT_ELEMS
+                for w in range(4):  # the unit's four 32-bit words, lowest address first
+                    word = lo[u] if w < 2 else hi[u]
+                    if w % 2 == 1:
+                        word = word >> uint64(32)
+                    if FP8:  # (the decoders take the low 32 bits)
+                        f0, f1, f2, f3 = fp8x4_cvt(word)  # e5m2 bytes, lowest address first
+                        kvs[row, d + 4 * w] = f0
+                        kvs[row, d + 4 * w + 1] = f1
+                        kvs[row, d + 4 * w + 2] = f2
+                        kvs[row, d + 4 * w + 3] = f3
+                    else:
+                        f0, f1 = h2f2(word)  # the fp16 at the lower address is the low half
+                        kvs[row, d + 2 * w] = f0
+                        kvs[row, d + 2 * w + 1] = f1
 
     @cuda.jit(fastmath=False, **_launch_bounds(THREADS))
     def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, n_kv_heads*HEAD_DIM) f16 or u8 (e5m2);
-        # state i32; out (T, n_heads*HEAD_DIM) f16
+        # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16
+        # or e5m2 elements; state i32; out (T, n_heads*HEAD_DIM) f16
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
@@ -174,14 +213,7 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
         for kt in range(k_begin, k_end, KEY_TILE):
             cuda.syncthreads()  # qs is written; the last tile's P V is done with kvs and ps
             # 2. the tile's K rows (past k_end: the last row again, masked below)
-            for i in range(tid, KEY_TILE * HEAD_DIM, THREADS):
-                kk = i // HEAD_DIM
-                d = i % HEAD_DIM
-                key = min(kt + kk, k_end - 1)
-                if FP8:
-                    kvs[kk, d] = fp8_decode(int32(k_cache[key, g * HEAD_DIM + d]))
-                else:
-                    kvs[kk, d] = float32(k_cache[key, g * HEAD_DIM + d])
+            stage_tile(k_cache, kvs, kt, k_end, g, tid)
             cuda.syncthreads()  # the K tile is in kvs
 
             # 3. scores of the thread's rows x keys
@@ -227,14 +259,7 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
             cuda.syncthreads()  # every p of the tile is in ps; every thread is done with K
 
             # 5. the tile's V rows
-            for i in range(tid, KEY_TILE * HEAD_DIM, THREADS):
-                kk = i // HEAD_DIM
-                d = i % HEAD_DIM
-                key = min(kt + kk, k_end - 1)
-                if FP8:
-                    kvs[kk, d] = fp8_decode(int32(v_cache[key, g * HEAD_DIM + d]))
-                else:
-                    kvs[kk, d] = float32(v_cache[key, g * HEAD_DIM + d])
+            stage_tile(v_cache, kvs, kt, k_end, g, tid)
             cuda.syncthreads()  # the V tile is in kvs
 
             # 6. out += P V
@@ -284,6 +309,8 @@ def prefill_attention(
     group = n_heads // n_kv_heads
     rows = default_rows(head_dim) if rows is None else rows
     lanes = default_lanes() if lanes is None else lanes
+    if head_dim % 16:
+        raise PycalmError(f"head_dim {head_dim} is not a multiple of 16 (16-byte loads of the cache)")
     if head_dim % lanes or lanes > 32 or lanes & (lanes - 1):
         raise PycalmError(f"head_dim {head_dim} is not a multiple of {lanes} lanes (a power of two up to 32)")
     if rows % ROWS_A_THREAD or rows < group:
@@ -300,7 +327,8 @@ def prefill_attention(
         )
     kernel = prefill_attention_kernel(head_dim, group, cache.dtype, rows, lanes)
     grid = (n_kv_heads, -(-n_rows // (rows // group)))
-    kernel[grid, threads, stream](q, cache.k, cache.v, state, out, int32(cfg.sliding_window))
+    k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
+    kernel[grid, threads, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
 
 
 def prefill_attention_bytes(n_rows: int, pos0: int, cfg: ModelConfig, kv_dtype: str) -> int:
@@ -319,8 +347,7 @@ def prefill_attention_flops(n_rows: int, pos0: int, cfg: ModelConfig) -> int:
     return int(4 * cfg.head_dim * cfg.n_heads * keys.sum())
 
 
-_SIG = "void(float32[:, ::1], {kv}[:, ::1], {kv}[:, ::1], int32[::1], float16[:, ::1], int32)"
-_KV_TYPE = {"fp16": "float16", "fp8": "uint8"}
+_SIG = "void(float32[:, ::1], uint64[:, ::1], uint64[:, ::1], int32[::1], float16[:, ::1], int32)"
 
 
 def _compile_check() -> list[tuple[object, str, int]]:
@@ -334,7 +361,7 @@ def _compile_check() -> list[tuple[object, str, int]]:
             kernel = prefill_attention_kernel(head_dim, group, kv_dtype, rows, 16)
             threads = (rows // ROWS_A_THREAD) * 16
             registers = min(255, 65536 // (MIN_BLOCKS * threads))  # what the launch bounds allow
-            checks.append((kernel, _SIG.format(kv=_KV_TYPE[kv_dtype]), registers))
+            checks.append((kernel, _SIG, registers))
     return checks
 
 
