@@ -16,7 +16,7 @@ step), so a captured graph replays at any position; T is the arrays' row count.
 
 Thread mappings: embed_rows and qkv_rows, grid (column blocks, T): a thread an element (gf4: a
 word of 8), a pair of columns (qkv: one rotary pair). rmsnorm_rows, moe_route_rows: a block a
-row, a block reduction. moe_group: a block an expert, walking the rows in order THREADS at a
+row, a block reduction. moe_group: a block an expert, walking the rows in order blockDim at a
 time with a block-wide prefix sum, so an expert's rows come out in increasing order (the same
 lists on every run).
 
@@ -343,8 +343,9 @@ def moe_route_rows(layer: object, x: object, routes: RowRoutes, cfg: ModelConfig
 def moe_group_kernel(route_ids, route_w, count, rows, row_w):  # noqa: ANN001, ANN201
     """Block e: expert e's rows in increasing order. route_ids, route_w (T, k); count
     (n_experts,) int32; rows (n_experts, T) int32 (-1 past count[e]); row_w (n_experts, T) float32
-    (0 past count[e]). THREADS rows a step: a flag a thread, a prefix sum over the block (a
-    shuffle scan in each warp, then the warps' totals), the rows written at their offsets."""
+    (0 past count[e]). A step takes as many rows as the block has threads: a flag a thread, a
+    prefix sum over the block (a shuffle scan in each warp, then the warps' totals), the rows
+    written at their offsets."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     warp_total = cuda.shared.array(WARP, int32)  # this step's count of each warp
     e = cuda.blockIdx.x
