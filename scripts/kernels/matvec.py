@@ -195,6 +195,8 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
     HALF = max(1, rows // 2)
     STEP_WORDS = rows * unroll * WORDS
     RED_SIZE = mv.RED if split > 1 else 1
+    XS_PAIRS = mv.XPAIRS if not direct else 1  # compile-time sizes: numba types a conditional as int64
+    LATER_WORDS = STEP_WORDS if prefetch else 1
     SCALE = mv.ROW_SCALE[dtype] if cvt or dtype == "gf4" else FP_RAW_SCALE
     part_dot = mv.PART_DOT[dtype] if cvt else SHIFT_PART_DOT[dtype]
     wide = nbytes == 16
@@ -285,11 +287,11 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
     def version_kernel(
         wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
     ):  # noqa: ANN001, ANN202, E501
-        xs = cuda.shared.array(mv.XPAIRS if not direct else 1, uint64)
+        xs = cuda.shared.array(XS_PAIRS, uint64)
         scratch = cuda.shared.array(WARP, float32)
         red = cuda.shared.array(RED_SIZE, float32)
         words = cuda.local.array(STEP_WORDS, uint64)
-        later = cuda.local.array(STEP_WORDS if prefetch else 1, uint64)
+        later = cuda.local.array(LATER_WORDS, uint64)
         acc = cuda.local.array(rows, float32)
         row = cuda.local.array(rows, uint64)
         lane = cuda.threadIdx.x % WARP
