@@ -15,3 +15,9 @@ if _numba_config.ENABLE_CUDASIM:
     from pycalm.kernels import _cudasim
 
     _cudasim.install()
+else:
+    # compiled kernels are kept on disk (pycalm.kernels.cache: where, and the key that
+    # invalidates them when any kernel module changes)
+    from pycalm.kernels import cache as _cache
+
+    _cache.install()

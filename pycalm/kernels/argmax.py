@@ -56,7 +56,7 @@ def _block_best(best_v, best_i, warp_v, warp_i, n):  # noqa: ANN001, ANN202
     return best_v, best_i
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
     """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
     lowest id among equal maxima."""
@@ -76,7 +76,7 @@ def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
         state[STATE_TOKEN] = best_i if best_i < n else int32(0)  # all -inf / NaN: token 0
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
     """Pass 1 of the many-block argmax: block b -> scratch[0, b] (its best value's bits) and
     scratch[1, b] (its id). Threads take elements grid-stride: ascending ids per thread."""
@@ -97,7 +97,7 @@ def argmax_part_kernel(logits, scratch):  # noqa: ANN001, ANN201
         scratch[1, cuda.blockIdx.x] = best_i
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def argmax_final_kernel(scratch, state, n):  # noqa: ANN001, ANN201
     """Pass 2: one block over the blocks' pairs -> state[STATE_TOKEN]."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels

@@ -243,7 +243,7 @@ def attention_kernel(
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
     SLICES = max(1, threads // head_dim)  # combine: thread (slice, d) sums every SLICES-th chunk
 
-    @cuda.jit(fastmath=False)
+    @cuda.jit(fastmath=False, cache=True)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (n_heads * head_dim,) f32; caches (seq_len, kv_words) int64; part (n_heads, n_chunks,

@@ -16,7 +16,7 @@ from pycalm.kernels.common import STATE_TOKEN, dependent_start, fp8_decode, gf4_
 THREADS = 256
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_kernel_fp16(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) float16 -> x (dim,) float32; thread i: element i."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -25,7 +25,7 @@ def embed_kernel_fp16(table, state, x):  # noqa: ANN001, ANN201
         x[i] = float32(table[state[STATE_TOKEN], i])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_kernel_fp8(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) uint8 e5m2 -> x (dim,) float32; thread i: element i."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -34,7 +34,7 @@ def embed_kernel_fp8(table, state, x):  # noqa: ANN001, ANN201
         x[i] = fp8_decode(int32(table[state[STATE_TOKEN], i]))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_kernel_gf4(table, state, x):  # noqa: ANN001, ANN201
     """table (vocab, dim/8) uint32 gf4 -> x (dim,) float32; thread i: group i (8 elements)."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels

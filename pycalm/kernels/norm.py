@@ -17,7 +17,7 @@ from pycalm.kernels.common import block_reduce_sum, dependent_start
 THREADS = 1024
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rmsnorm_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
     """One block: out = x * rsqrt(mean(x^2) + eps) * w."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels

@@ -421,7 +421,7 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
     return hist_n[KEPT + best[0]]
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
     """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels

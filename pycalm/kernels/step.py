@@ -17,7 +17,7 @@ from numba import cuda
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_TOKEN, dependent_start
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def advance_kernel(state, feed):  # noqa: ANN001
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     if cuda.grid(1) == 0:

@@ -1,0 +1,162 @@
+"""The kernels' compile cache on disk: every kernel compiles once per machine, later runs load it.
+
+Every kernel in pycalm.kernels is declared `@cuda.jit(cache=True)` (closure factories:
+`cuda.jit(cache=True)(fn)`). numba-cuda then keeps each compiled (kernel, signature) as a data
+file holding its PTX and cubin, listed in an index file per Python function, and a later process
+loads the cubin instead of compiling. numba's index key covers the kernel function's own
+bytecode, the values of its closure cells (so each specialisation a factory makes is its own
+entry), the signature, the CUDA runtime version, the compute capability and the numba-cuda
+version. It does not cover the device functions and intrinsics a kernel calls from another
+module: a change in common.py alone would leave every stale kernel in place.
+
+So pycalm chooses the folder: CACHE_ROOT/kernels/KEY, where KEY hashes the text of every
+pycalm/kernels/*.py and the numba-cuda version (`kernels_key`), and CACHE_ROOT is pycalm's cache
+folder (pycalm.fetch.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
+module gives a new, empty folder; nothing in an old folder is ever read again.
+
+How (numba-cuda 0.30.4 internals, both set by `install()`, both confined to pycalm's kernels, so
+the caching of anyone else's numba code in the same process is left as it was):
+- Where. numba-cuda asks a list of "cache locator" classes, in order, where a function's cache
+  lives (numba.cuda.core.caching.CacheImpl._locator_classes, here the class attribute of
+  numba.cuda.dispatcher.CUDACacheImpl; its first entry honours NUMBA_CACHE_DIR, the next one the
+  source file's __pycache__). `KernelsLocator` goes first and answers only for functions whose
+  source file is in pycalm/kernels/. numba builds the locator when the kernel is declared (at
+  import of its module), so `set_root` must run before the kernel modules are imported; the CLI
+  calls it first thing.
+- The key. numba hashes the closure cells by pickling them, and a pickled device function carries
+  the numba intrinsics it calls (pycalm.kernels.common's inline PTX), each with a uuid drawn
+  afresh in every process: the key of a factory's kernel (matvec, qkv, matmul, ...) would never
+  match the next run's. CUDACache._index_key is wrapped so that, for a KernelsLocator's function,
+  the cells are described by `closure_digest` instead (values by repr, device functions by their
+  code and their own cells); the rest of the key is numba's.
+Under the CUDA simulator nothing compiles and nothing is cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+KERNELS_DIR = Path(__file__).resolve().parent  # pycalm/kernels/: the sources the key hashes
+
+# the cache root of this process (None: pycalm.fetch.cache_dir()); chosen once, by set_root,
+# before any kernel module is imported: numba fixes each kernel's folder when it is declared
+_root: Path | None = None
+
+
+def set_root(root: str | os.PathLike[str]) -> None:
+    """Keep the compiled kernels under root/kernels/KEY (root: pycalm's cache folder). Takes effect
+    for the kernel modules imported after it."""
+    global _root
+    _root = Path(root)
+
+
+def kernels_key(folder: Path = KERNELS_DIR) -> str:
+    """A hex digest of every *.py file of `folder` (name and text) and the numba-cuda version:
+    it changes whenever any kernel module, or a helper it imports from its neighbours, changes."""
+    import numba_cuda
+
+    h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_bytes()
+        h.update(f"{path.name} {len(text)}\n".encode())
+        h.update(text)
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _key() -> str:
+    return kernels_key()
+
+
+def folder() -> Path:
+    """Where this process's kernels are cached: ROOT/kernels/KEY."""
+    from pycalm.fetch import cache_dir
+
+    return (_root or cache_dir()) / "kernels" / _key()
+
+
+def cached_kernels() -> int:
+    """How many compiled (kernel, signature) entries the folder holds: the difference over a run
+    is the number of kernels that run compiled (0: everything came from the cache)."""
+    f = folder()
+    return sum(1 for _ in f.glob("*.nbc")) if f.is_dir() else 0
+
+
+def install() -> None:
+    """Make numba-cuda cache pycalm's kernels in folder() (idempotent; not under the simulator)."""
+    import numba_cuda
+    from numba.cuda.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
+    from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
+
+    class KernelsLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
+        """numba's locator protocol for the functions of pycalm/kernels/*.py: folder() as the
+        place, the kernels' key as the source stamp (numba drops an index whose stamp differs;
+        the folder's name already carries the key, so a touched file costs nothing)."""
+
+        def __init__(self, py_func: object, py_file: str) -> None:
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = str(folder())
+
+        def get_cache_path(self) -> str:
+            return self._cache_path
+
+        def get_source_stamp(self) -> str:
+            return _key()
+
+        @classmethod
+        def from_function(cls, py_func: object, py_file: str) -> KernelsLocator | None:
+            if Path(py_file).resolve().parent != KERNELS_DIR:
+                return None  # not a pycalm kernel: numba's own locators decide
+            self = cls(py_func, py_file)
+            try:
+                self.ensure_cache_path()  # makes the folder and checks that it is writable
+            except OSError:
+                # an unwritable cache folder: a fresh temporary one, never numba's __pycache__
+                # beside the source (whose key would miss a change in another kernel module)
+                self._cache_path = _temporary_folder()
+            return self
+
+    locators = CUDACacheImpl._locator_classes
+    if any(c.__name__ == KernelsLocator.__name__ for c in locators):
+        return
+    CUDACacheImpl._locator_classes = [KernelsLocator, *locators]
+    numba_key = CUDACache._index_key
+
+    def index_key(self: CUDACache, sig: object, codegen: object) -> tuple:
+        if not isinstance(self._impl.locator, KernelsLocator):
+            return numba_key(self, sig, codegen)
+        # numba's key (Cache._index_key, CUDACache._index_key) with closure_digest for the cells
+        key = (sig, codegen.magic_tuple(), numba_cuda.__version__, closure_digest(self._py_func))
+        if self._launch_config_key is not None:
+            key += (("launch_config", self._launch_config_key),)
+        return key
+
+    CUDACache._index_key = index_key
+
+
+def closure_digest(fn: object) -> str:
+    """A digest of a kernel function's bytecode and closure cells that is the same in every
+    process: plain values by type and repr, device functions (numba dispatchers) by their own
+    bytecode and cells. What the code refers to by name is in the folder's key (the sources)."""
+    h = hashlib.sha256(fn.__code__.co_code)
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        value = cell.cell_contents
+        inner = getattr(value, "py_func", None)
+        if inner is not None:
+            text = f"{inner.__qualname__} {closure_digest(inner)} {sorted(value.targetoptions.items())!r}"
+        else:
+            text = f"{type(value).__qualname__} {value!r}"
+            if " at 0x" in text:  # a repr with an address: the same in no two processes
+                raise TypeError(f"{fn.__qualname__}: closure cell {name} has no stable repr: {text}")
+        h.update(f"{name}={text}\n".encode())
+    return h.hexdigest()
+
+
+@functools.cache
+def _temporary_folder() -> str:
+    return tempfile.mkdtemp(prefix="pycalm-kernels-")
