@@ -19,6 +19,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -89,10 +90,58 @@ def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable
 
 
 # -------------------------------------------------------------------------------------------
+# where the time goes
+
+
+@dataclass
+class Timings:
+    """What a run spends, printed as one line at its end (llama.cpp's timings): loading the
+    weights, compiling (or loading from the kernel cache) and capturing the token steps, the
+    prompt (up to its first sampled token) and the decode (the tokens after it)."""
+
+    load_s: float = 0.0
+    load_bytes: int = 0
+    compile_s: float | None = None  # None: nothing to compile (the CPU engine)
+    compiled: int = 0  # kernels the whole run compiled (not found in the kernel cache)
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0  # up to the first sampled token (only counted when there is one)
+    generated: int = 0  # tokens sampled, the EOS included
+    decode_s: float = 0.0  # from the first sampled token to the last
+    decode_steps: int = 0  # tokens sampled after the first of their turn: what decode_s times
+
+    def add_turn(self, prompt_tokens: int, t0: float, t_first: float | None, t_last: float, n: int) -> None:
+        """One generate call: prompt_tokens fed from t0, n tokens sampled (the first at t_first)."""
+        self.prompt_tokens += prompt_tokens
+        self.generated += n
+        if t_first is not None:
+            self.prompt_s += t_first - t0
+            self.decode_s += t_last - t_first
+        self.decode_steps += max(n - 1, 0)
+
+    def line(self, device: str) -> str:
+        def rate(n: int, s: float) -> str:  # no rate without tokens or time: never nan
+            return f", {n / s:.1f} tok/s" if n > 0 and s > 0 else ""
+
+        gb_s = f", {self.load_bytes / self.load_s / 1e9:.2f} GB/s" if self.load_s > 0 else ""
+        if self.compile_s is None:
+            compiled = "none"
+        else:
+            what = "cache hit" if self.compiled == 0 else f"{self.compiled} kernels compiled"
+            compiled = f"{self.compile_s:.2f} s ({what})"
+        return (
+            f"pycalm ({device}): load {self.load_s:.2f} s{gb_s} | compile {compiled} | "
+            f"prompt {self.prompt_tokens} tokens, {self.prompt_s:.2f} s{rate(self.prompt_tokens, self.prompt_s)}"
+            f" | decode {self.generated} tokens, {self.decode_s:.2f} s{rate(self.decode_steps, self.decode_s)}"
+        )
+
+
+# -------------------------------------------------------------------------------------------
 # modes
 
 
-def run_prompt(engine: object, tok: object, prompt: str, steps: int, sampling: SamplingParams) -> None:
+def run_prompt(
+    engine: object, tok: object, prompt: str, steps: int, sampling: SamplingParams, timings: Timings
+) -> None:
     ids = tok.encode(prompt, add_bos=True)
     if not ids:
         raise PycalmError("empty prompt and the model has no BOS token to start from: give a prompt with -i")
@@ -102,29 +151,37 @@ def run_prompt(engine: object, tok: object, prompt: str, steps: int, sampling: S
     for t in ids:  # prime the stream decoder so the continuation's first space is kept
         stream.push(t)
     stream.flush()
+    prepare(engine, sampling, range(len(ids) - 1, min(len(ids) - 1 + steps, engine.seq_len)), timings)
     t0 = time.perf_counter()
     t_first = None
     n = 0
     eos = set(engine.config.eos_ids)
     for t in engine.generate(ids, 0, steps, sampling):
-        if t_first is None:
-            t_first = time.perf_counter()
+        t_last = time.perf_counter()
+        t_first = t_first or t_last
         n += 1
         if t in eos:
             break
         sys.stdout.write(stream.push(t))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
-    t1 = time.perf_counter()
-    decode_s = t1 - (t_first or t1)
-    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else float("nan")
-    print(
-        f"pycalm: {len(ids)} prompt + {n} generated tokens in {t1 - t0:.2f} s; decode {rate:.1f} tok/s ({engine.device})",
-        file=sys.stderr,
-    )
+    timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
 
 
-def run_chat(engine: object, tok: object, system: str, steps: int, sampling: SamplingParams) -> None:
+def prepare(engine: object, sampling: SamplingParams, positions: range, timings: Timings) -> None:
+    """Compile (or load from the kernel cache) and capture the GPU engine's token steps for
+    these positions, timed apart from the prompt; the CPU engine has nothing to prepare."""
+    if not hasattr(engine, "prepare"):
+        return
+    t0 = time.perf_counter()
+    engine.prepare(sampling, positions)
+    timings.compile_s = (timings.compile_s or 0.0) + time.perf_counter() - t0
+
+
+def run_chat(
+    engine: object, tok: object, system: str, steps: int, sampling: SamplingParams, timings: Timings
+) -> None:
+    prepare(engine, sampling, range(engine.seq_len), timings)
     messages = [{"role": "system", "content": system}] if system else []
     cached: list[int] = []  # tokens whose keys and values are in the engine's cache
     eos = set(engine.config.eos_ids)
@@ -147,7 +204,11 @@ def run_chat(engine: object, tok: object, system: str, steps: int, sampling: Sam
             )
         stream = tok.stream()
         reply: list[int] = []
+        t0 = t_last = time.perf_counter()
+        t_first = None
         for t in engine.generate(ids[common:], common, steps, sampling):
+            t_last = time.perf_counter()
+            t_first = t_first or t_last
             reply.append(t)
             if t in eos:
                 break
@@ -155,6 +216,7 @@ def run_chat(engine: object, tok: object, system: str, steps: int, sampling: Sam
             sys.stdout.flush()
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
+        timings.add_turn(len(ids) - common, t0, t_first, t_last, len(reply))
         cached = ids + reply[:-1]  # the last sampled token was never fed
         messages.append({"role": "assistant", "content": tok.decode([t for t in reply if t not in eos])})
 
@@ -266,10 +328,17 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
+        from pycalm.kernels import cache as kernel_cache
         from pycalm.loader import open_model
         from pycalm.tokenizer import Tokenizer
 
+        # compiled kernels live beside the models, under --cache-dir too (set before the kernel
+        # modules are imported: numba fixes each kernel's cache folder when it is declared)
+        kernel_cache.set_root(cache_dir(args.cache_dir))
+        kernels_before = kernel_cache.cached_kernels()
         path = resolve_model(args.model, args.dtype, cache_dir(args.cache_dir), log)
+        timings = Timings(load_bytes=path.stat().st_size)
+        t0 = time.perf_counter()
         model = open_model(path)
         cfg = model.config
         tok = Tokenizer.from_blob(
@@ -277,14 +346,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         seq_len = min(args.context, cfg.max_seq_len)
         engine = make_engine(model, args.device, seq_len, args.kv, log)
+        timings.load_s = time.perf_counter() - t0
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
         if args.perplexity is not None:
             run_perplexity(engine, tok, args.perplexity)
         elif args.system is not None:
-            run_chat(engine, tok, args.system, args.steps, sampling)
+            run_chat(engine, tok, args.system, args.steps, sampling, timings)
+            timings.compiled = kernel_cache.cached_kernels() - kernels_before
+            log(timings.line(engine.device))
         else:
-            run_prompt(engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling)
+            run_prompt(
+                engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling, timings
+            )
+            timings.compiled = kernel_cache.cached_kernels() - kernels_before
+            log(timings.line(engine.device))
     except PycalmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

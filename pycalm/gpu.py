@@ -125,6 +125,9 @@ class EngineOptions:
     # positions an attention block takes (None: the longest that fits; the tests take short ones
     # so that a few steps cross several spans)
     attention_chunk: int | None = None
+    # token steps generate() enqueues ahead of the one whose token the host waits for (1: a host
+    # round trip a token; more hides the host's work between tokens behind the GPU's)
+    decode_lookahead: int = 4
 
 
 class EagerStep:
@@ -162,11 +165,15 @@ class GpuEngine:
         self.programmatic = programmatic
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
-        # offers device_tensor(name); a model file is uploaded tensor by tensor
-        def dev(name: str) -> object:
-            if hasattr(model, "device_tensor"):
-                return model.device_tensor(name)
-            return cuda.to_device(np.ascontiguousarray(model.tensor(name)), stream=s)
+        # offers device_tensor(name); a model file's tensors are read into device arrays
+        # through pinned staging buffers, the whole file in one pass (pycalm.loader.upload_tensors)
+        if hasattr(model, "device_tensor"):
+            dev = model.device_tensor
+        else:
+            from pycalm.loader import upload_tensors
+
+            weights = upload_tensors(model, [n for n in model.names() if n != "tokenizer"], stream=s)
+            dev = weights.__getitem__
 
         self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
         self.rope_freqs = dev("rope_freqs")  # (rotary_dim // 2,) float32
@@ -231,7 +238,10 @@ class GpuEngine:
         self.state = zeros(STATE_SIZE, np.int32)  # (STATE_SIZE,) token, pos, feed end
         self.feed = zeros(self.seq_len, np.int32)  # (seq_len,) the prompt's token at each position
         self.coins = zeros(self.seq_len)  # (seq_len,) the uniform draw the step at each position uses
-        self._state_host = cuda.pinned_array(STATE_SIZE, np.int32)
+        # the decode loop's ring (generate): slot i % decode_lookahead holds the token of the i-th
+        # sampling step, and its event passes once that token is there
+        self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
+        self._token_events = [cuda.event() for _ in range(options.decode_lookahead)]
         self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
         s.synchronize()
 
@@ -304,6 +314,13 @@ class GpuEngine:
             self._graphs[(key, span)] = g
         return g
 
+    def prepare(self, sampling: SamplingParams, positions: range) -> None:
+        """Compile (or load from the kernel cache, pycalm.kernels.cache) and capture the token
+        steps of these positions now rather than in generate's first call, so a caller can tell
+        the two costs apart. Changes no state but what graph() does."""
+        for pos in sorted({self.span(p) - 1 for p in positions}):  # one position a span
+            self.graph(sampling, pos)
+
     def _set_state(self, token: int, pos: int, feed_end: int) -> None:
         host = np.zeros(STATE_SIZE, np.int32)
         host[STATE_TOKEN], host[STATE_POS], host[STATE_FEED_END] = token, pos, feed_end
@@ -345,12 +362,41 @@ class GpuEngine:
         self._set_state(int(ids[0]), start_pos, end)
         for i in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
+        # the sampling steps, positions end - 1 .., each yielding the token it samples
+        sampled = steps[len(ids) - 1 : len(ids) - 1 + min(max_new, self.seq_len - end + 1)]
+        yield from self._decode(sampled, end - 1, end)
+
+    def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:
+        """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples,
+        with up to decode_lookahead steps enqueued ahead of the one the host waits for: after
+        each step its token is copied into the step's slot of a pinned ring and an event is
+        recorded; the host reads a slot once its event has passed, while the GPU runs the steps
+        after it (no host round trip between steps). When the caller stops (an EOS, or it
+        closes the iterator), the steps enqueued past the last token it took still run: they
+        write the KV rows of later positions, which a step always rewrites before any step reads
+        them, and move the state, which is then set to what the last taken step left (its token,
+        its position + 1), as a loop that waits for every token leaves it."""
         eos = set(self.config.eos_ids)
-        for i in range(len(ids) - 1, len(ids) - 1 + min(max_new, self.seq_len - end + 1)):
-            steps[i].launch()  # position start_pos + i
-            self.state.copy_to_host(self._state_host, stream=self.stream)
-            self.stream.synchronize()
-            token = int(self._state_host[STATE_TOKEN])
-            yield token
-            if token in eos:
-                return
+        ring, events = self._tokens_host, self._token_events
+        token_dev = self.state[STATE_TOKEN : STATE_TOKEN + 1]
+        enqueued = taken = 0
+        token = 0
+        try:
+            while taken < len(steps):
+                # keep up to len(ring) steps in flight; step i's slot is free once i - len(ring) is taken
+                while enqueued < len(steps) and enqueued < taken + len(ring):
+                    slot = enqueued % len(ring)
+                    steps[enqueued].launch()
+                    token_dev.copy_to_host(ring[slot : slot + 1], stream=self.stream)
+                    events[slot].record(self.stream)
+                    enqueued += 1
+                slot = taken % len(ring)
+                events[slot].synchronize()  # step `taken` and its token copy are done
+                token = int(ring[slot])
+                taken += 1
+                yield token
+                if token in eos:
+                    return
+        finally:
+            if enqueued > taken > 0:  # set after the steps in flight, in stream order
+                self._set_state(token, pos + taken, feed_end)

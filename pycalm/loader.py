@@ -277,6 +277,69 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
 
 
 # ---------------------------------------------------------------------------------------------
+# uploading
+
+STAGING_BYTES = 16 << 20  # one pinned staging buffer
+STAGING_BUFFERS = 8  # buffers, and so reads, in flight
+READERS = 4  # threads reading the file (a read into pinned memory releases the GIL)
+
+
+def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dict[str, object]:
+    """Every tensor of `names` as a device array of its stored dtype and shape, read from the
+    file at the page cache's rate.
+
+    The tensors' bytes are cut into pieces of STAGING_BYTES in file order. READERS threads read
+    the pieces (os.preadv) into STAGING_BUFFERS pinned host buffers, a piece a buffer; the
+    caller's thread copies each piece, in order, from its buffer to its place in the tensor's
+    device array (an asynchronous copy: pinned memory, the engine's stream) and records an
+    event; a buffer is read into again only once the event of its last copy has passed. So the
+    file reads, which are the slow part, run on several cores while the copies overlap them.
+    """
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numba import cuda
+
+    entries = sorted((model._entries[n] for n in names), key=lambda e: e.begin)
+    out, pieces = {}, []  # pieces: (file offset, device bytes view, bytes)
+    for e in entries:
+        flat = cuda.device_array(e.end - e.begin, np.uint8, stream=stream)  # (nbytes,) the tensor
+        out[e.name] = flat.view(_NP_DTYPE[e.dtype]).reshape(e.shape)
+        for off in range(0, e.end - e.begin, STAGING_BYTES):
+            size = min(STAGING_BYTES, e.end - e.begin - off)
+            pieces.append((e.begin + off, flat[off : off + size], size))
+    buffers = [cuda.pinned_array(STAGING_BYTES, np.uint8) for _ in range(min(STAGING_BUFFERS, len(pieces)))]
+    copied = [cuda.event() for _ in buffers]  # passed: the buffer's last copy is done
+    fd = os.open(model.path, os.O_RDONLY)
+
+    def read(i: int) -> None:
+        offset, _, size = pieces[i]
+        view = memoryview(buffers[i % len(buffers)])[:size]
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise PycalmError(f"{model.path}: file ends inside tensor data (offset {offset + done})")
+            done += n
+
+    try:
+        with ThreadPoolExecutor(max_workers=READERS) as pool:
+            reads = deque(pool.submit(read, i) for i in range(len(buffers)))
+            for i, (_, dst, size) in enumerate(pieces):
+                reads.popleft().result()  # piece i is in buffer i % len(buffers)
+                slot = i % len(buffers)
+                dst.copy_to_device(buffers[slot][:size], stream=stream)
+                copied[slot].record(stream)
+                if i + len(buffers) < len(pieces):
+                    copied[slot].synchronize()  # ... before the buffer takes piece i + len(buffers)
+                    reads.append(pool.submit(read, i + len(buffers)))
+        stream.synchronize()
+    finally:
+        os.close(fd)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # writing
 
 
