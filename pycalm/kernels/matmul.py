@@ -110,7 +110,7 @@ def _jit_capped(max_registers: int):  # noqa: ANN202
     """cuda.jit with a register cap (the simulator's jit takes none)."""
     if _numba_config.ENABLE_CUDASIM:
         return cuda.jit
-    return cuda.jit(max_registers=max_registers)
+    return cuda.jit(max_registers=max_registers, cache=True)
 
 
 @cuda.jit(device=True, inline=True)

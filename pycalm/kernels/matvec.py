@@ -342,7 +342,7 @@ def matvec_kernel(  # noqa: ANN201
             for r in range(rows):
                 row[r] = uint64(base + min(rows * g + r, n_rows - 1))
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def matvec_kernel(
         wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
     ):  # noqa: ANN001, ANN202

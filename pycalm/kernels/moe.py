@@ -124,7 +124,7 @@ def moe_route_kernel(n_experts: int):  # noqa: ANN201
                 route_w[j] = math.exp(logits[pick[j]] - top) / total
 
     moe_route_kernel.__name__ = moe_route_kernel.__qualname__ = f"moe_route_kernel_{n}"
-    return cuda.jit(moe_route_kernel)
+    return cuda.jit(cache=True)(moe_route_kernel)
 
 
 def moe_route(

@@ -163,7 +163,7 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int
                         kvs[row, d + 2 * w] = f0
                         kvs[row, d + 2 * w + 1] = f1
 
-    @cuda.jit(fastmath=False, **_launch_bounds(THREADS))
+    @cuda.jit(fastmath=False, cache=True, **_launch_bounds(THREADS))
     def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16

@@ -102,7 +102,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
         for r in range(ROWS):
             row[r] = uint64(min(ROWS * g + r, n_rows - 1))
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def qkv_rope_kernel(
         w, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
     ):  # noqa: ANN001, ANN202, E501

@@ -60,7 +60,7 @@ MAX_EXPERTS = 32  # moe_route_rows: a warp's worth of logits
 # embedding lookup of T tokens
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_rows_kernel_fp16(table, tokens, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) float16, tokens (T,) int32 -> x (T, dim) float32; block (b, t): row t."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -70,7 +70,7 @@ def embed_rows_kernel_fp16(table, tokens, x):  # noqa: ANN001, ANN201
         x[t, i] = float32(table[tokens[t], i])
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_rows_kernel_fp8(table, tokens, x):  # noqa: ANN001, ANN201
     """table (vocab, dim) uint8 e5m2, tokens (T,) int32 -> x (T, dim) float32."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -80,7 +80,7 @@ def embed_rows_kernel_fp8(table, tokens, x):  # noqa: ANN001, ANN201
         x[t, i] = fp8_decode(int32(table[tokens[t], i]))
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def embed_rows_kernel_gf4(table, tokens, x):  # noqa: ANN001, ANN201
     """table (vocab, dim/8) uint32 gf4, tokens (T,) int32 -> x (T, dim) float32; a thread a word."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
@@ -111,7 +111,7 @@ def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: 
 # RMSNorm of T rows, fp16 out
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
     """Block t: out[t] = fp16(x[t] * rsqrt(mean(x[t]^2) + eps) * w). x (T, dim) float32, w (dim,)
     float32, out (T, dim) float16."""
@@ -145,7 +145,7 @@ def qkv_rows_kernel(kv_dtype: str) -> object:
     """The epilogue for a KV-cache dtype ("fp16": float16 caches, "fp8": uint8 e5m2)."""
     FP8 = kv_dtype == "fp8"
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def qkv_rows_kernel(  # noqa: ANN202
         qkv,
         bias,
@@ -244,7 +244,7 @@ def moe_route_rows_kernel(n_experts: int) -> object:
     pycalm.kernels.moe's decode routing, a block a row."""
     N = n_experts
 
-    @cuda.jit
+    @cuda.jit(cache=True)
     def moe_route_rows_kernel(gate, x, norm_w, eps, route_ids, route_w):  # noqa: ANN001, ANN202
         """Block t: the top k = route_ids.shape[1] experts of G (rmsnorm(x[t]) * norm_w), ties to
         the lower index, and the softmax over their logits. gate (n_experts, dim) float32; x
@@ -339,7 +339,7 @@ def moe_route_rows(layer: object, x: object, routes: RowRoutes, cfg: ModelConfig
     )
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def moe_group_kernel(route_ids, route_w, count, rows, row_w):  # noqa: ANN001, ANN201
     """Block e: expert e's rows in increasing order. route_ids, route_w (T, k); count
     (n_experts,) int32; rows (n_experts, T) int32 (-1 past count[e]); row_w (n_experts, T) float32
