@@ -52,7 +52,7 @@ def test_mma_16816():
     assert np.all(err <= 1e-6 * scale), f"max err / scale {np.max(err / scale):.3g}"
 
 
-PITCH = 6  # words a staged row in the ldmatrix test: 4 of data, 2 of padding
+PITCH = 8  # words a staged row in the ldmatrix test: 4 of data, 4 of padding (rows 16-byte aligned)
 STAGED_WORDS = 32 * PITCH
 
 
@@ -63,7 +63,7 @@ def _ldmatrix_kernel(src, out):  # noqa: ANN001, ANN202
     lane = cuda.threadIdx.x
     for e in range(4):
         smem[lane * PITCH + e] = src[lane, e]
-        smem[lane * PITCH + 4 + e // 2] = -1  # the padding: never read
+        smem[lane * PITCH + 4 + e] = -1  # the padding: never read
     cuda.syncthreads()  # the rows are in shared memory before any lane loads
     r0, r1, r2, r3 = ldmatrix_x4(smem, lane * PITCH)  # lane l: the address of row l
     out[lane, 0] = r0

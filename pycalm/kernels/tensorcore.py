@@ -75,6 +75,7 @@ if _numba_config.ENABLE_CUDASIM:
         them (simulator: the row addresses gathered; register i of lane l is word l & 3 of the
         row that lane 8 i + (l >> 2) addressed)."""
         rows = warp_gather((smem, int(word)))
+        _aligned16(word)  # after the gather: a lane that raised before it would hang the warp
         lane = _lane()
         out = []
         for i in range(4):
@@ -85,6 +86,9 @@ if _numba_config.ENABLE_CUDASIM:
     def cp_async16(smem: np.ndarray, word: int, src: np.ndarray, row: int, col: int, nbytes: int) -> None:
         """Copy 8 fp16 src[row, col:col+8] into smem words word..word+3, bytes past nbytes (0 or
         16) zero (simulator: at once)."""
+        _aligned16(word)
+        if col % 8:
+            raise ValueError(f"cp.async source column {col} is not 16-byte aligned")
         vals = np.zeros(8, np.float16)
         if nbytes:
             for e in range(8):
@@ -110,6 +114,7 @@ if _numba_config.ENABLE_CUDASIM:
 
     def sts128(smem: np.ndarray, word: int, w0: int, w1: int, w2: int, w3: int) -> None:
         """Four words into smem[word:word+4] (simulator: four stores)."""
+        _aligned16(word)
         smem[word] = w0
         smem[word + 1] = w1
         smem[word + 2] = w2
@@ -118,6 +123,12 @@ if _numba_config.ENABLE_CUDASIM:
     def pack_f16x2(lo: float, hi: float) -> np.int32:
         """Two floats rounded to fp16 (to nearest even) in one word, lo in the low half."""
         return np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.int32)[0]
+
+    def _aligned16(word: int) -> None:
+        """The GPU faults (misaligned address) on a 16-byte shared access off a 16-byte
+        boundary; so does the twin (shared arrays start 16-byte aligned)."""
+        if int(word) % 4:
+            raise ValueError(f"shared word {word} is not 16-byte aligned")
 
     def _lane() -> int:
         import threading
