@@ -1,0 +1,360 @@
+"""The Python API: `pycalm.load(MODEL)` and the `LLM` it returns.
+
+    import pycalm
+
+    llm = pycalm.load("smollm2", device="cpu")
+    print(llm.generate("The capital of France is", max_tokens=8, temperature=0))
+    for piece in llm.chat([{"role": "user", "content": "Hi!"}], stream=True):
+        print(piece, end="", flush=True)
+
+MODEL is anything `python -m pycalm.generate` takes (a pycalm file, a Hugging Face folder, a
+GGUF file, a known name), resolved, converted and cached the same way. The LLM wraps one engine
+(the GPU's or the CPU reference) and one KV cache, and runs one generation at a time.
+
+KV-cache prefix reuse: the LLM remembers which token ids the cache holds. A request whose
+prompt starts with them (the next turn of a chat, a prompt that extends the last one) feeds
+only the tokens after the common prefix, at start_pos = the prefix length. The cache never
+holds the logits of its last token, so at most len(prompt) - 1 tokens are reused and at least
+one is fed. `Generation.reused_tokens` says how many were.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pycalm.errors import PycalmError
+from pycalm.sampler import SamplingParams
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+
+
+def load(
+    model: str | Path | None = None,
+    *,
+    device: str = "auto",
+    dtype: str = "fp16",
+    context: int = 4096,
+    kv: str = "auto",
+    cache_dir: str | Path | None = None,
+    verbose: bool = True,
+) -> LLM:
+    """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
+
+    dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4);
+    context: the positions to allocate (at most the model's); kv: the KV-cache format (auto,
+    fp16, fp8). verbose: one-line notices (fetching, converting, the CPU fallback) on stderr.
+    Raises PycalmError with a one-line message for anything the caller can fix.
+    """
+    from pycalm.config import WEIGHT_DTYPES
+    from pycalm.fetch import cache_dir as default_cache_dir
+    from pycalm.generate import make_engine, resolve_model
+    from pycalm.loader import open_model
+    from pycalm.tokenizer import Tokenizer
+
+    if device not in ("auto", "gpu", "cpu"):
+        raise PycalmError(f"device must be auto, gpu or cpu, not {device!r}")
+    if dtype not in WEIGHT_DTYPES:
+        raise PycalmError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {dtype!r}")
+    if kv not in ("auto", "fp16", "fp8"):
+        raise PycalmError(f"kv must be auto, fp16 or fp8, not {kv!r}")
+    if context < 2:
+        raise PycalmError(f"context must be 2 or more, not {context}")
+
+    def log(msg: str) -> None:
+        if verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    path = resolve_model(None if model is None else str(model), dtype, default_cache_dir(cache_dir), log)
+    model_file = open_model(path)
+    cfg = model_file.config
+    tok = Tokenizer.from_blob(
+        model_file.tokenizer_kind,
+        model_file.tokenizer_blob,
+        cfg.bos_id,
+        cfg.eos_ids,
+        model_file.chat_template,
+    )
+    engine = make_engine(model_file, device, min(context, cfg.max_seq_len), kv, log)
+    return LLM(engine, tok, name=model_name(model), path=path)
+
+
+def model_name(model: str | Path | None) -> str:
+    """The name a model is shown under (the server's model id): a known name, or the file or
+    folder name of a path."""
+    from pycalm.fetch import DEFAULT_MODEL
+
+    return Path(model).name if model is not None else DEFAULT_MODEL
+
+
+@dataclass
+class Generation:
+    """One generation: an iterator of text pieces, and its counts (final once it is exhausted).
+
+    prompt_tokens: the prompt's length; reused_tokens: how many of those came from the KV cache
+    (not fed again); completion_tokens: tokens sampled (an EOS included); finish_reason: "stop"
+    (an EOS or a stop string), "length" (max_tokens or the end of the context), or None while
+    running or when closed early; prompt_s: seconds from the start to the first token (feeding
+    the prompt and sampling one token); decode_s: seconds from the first token to the last.
+    """
+
+    prompt_tokens: int
+    reused_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    _pieces: Iterator[str] | None = field(default=None, repr=False)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop generating (at the token being made) and free the engine for the next request."""
+        self._pieces.close()
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens a second after the first one (nan with fewer than two)."""
+        n = self.completion_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+
+def _stop_at(text: str, stops: list[str]) -> int:
+    """Where the first stop string in `text` begins (-1: none)."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` could start a stop string (kept back until the
+    next piece shows whether one follows)."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), keep, -1):
+            if text.endswith(s[:k]):
+                keep = k
+                break
+    return keep
+
+
+class LLM:
+    """A loaded model: generate / chat / tokenize / detokenize / perplexity on one engine."""
+
+    def __init__(
+        self, engine: object, tokenizer: object, name: str = "model", path: Path | None = None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = engine.config
+        self.name = name
+        self.path = path
+        self.seq_len = engine.seq_len  # positions the KV cache holds
+        self.device = engine.device
+        self._cached: list[int] = []  # token ids whose keys and values are in the cache, in order
+        self._active: Generation | None = None
+
+    # ---- text <-> ids --------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of `text` (the model's BOS first when add_bos and the model has one)."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Text of `ids`, as the tokenizer library decodes it."""
+        return self.tokenizer.decode(ids)
+
+    def chat_ids(self, messages: list[Message]) -> list[int]:
+        """The prompt ids of a conversation: the model's chat template, with the assistant's turn
+        opened."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_bos=False)
+
+    # ---- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        stream: bool = False,
+    ) -> str | Generation:
+        """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
+
+        Stops at an EOS, after max_tokens tokens, at the end of the context, or before the first
+        of the `stop` strings (which is not part of the text). temperature 0 is greedy; top_p 1,
+        top_k 0 and min_p 0 are off; seed None takes one from the clock. stream=True returns a
+        Generation, an iterator of text pieces as they are made; else the whole text.
+        """
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        gen = self.start(
+            ids, max_tokens, SamplingParams(temperature, top_k, top_p, min_p, _seed(seed)), stop, prime=True
+        )
+        return gen if stream else "".join(gen)
+
+    def chat(
+        self,
+        messages: list[Message],
+        max_tokens: int = 256,
+        temperature: float = 0.7,
+        top_p: float = 0.9,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        stream: bool = False,
+    ) -> str | Generation:
+        """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
+        model's own chat template; options as for generate. A conversation that goes on turn
+        after turn reuses the cache of the turns before (only the new tokens are fed)."""
+        gen = self.start(
+            self.chat_ids(messages),
+            max_tokens,
+            SamplingParams(temperature, top_k, top_p, min_p, _seed(seed)),
+            stop,
+            prime=False,
+        )
+        return gen if stream else "".join(gen)
+
+    def start(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: str | list[str] | None = None,
+        prime: bool = True,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Generation:
+        """A Generation for prompt `ids` (what generate and chat return; the server calls it).
+
+        prime: decode the text as the continuation of the prompt (a leading space is kept), as
+        the CLI's prompt mode does; else as text of its own, as its chat mode does. cancelled:
+        asked after every token; True ends the generation there (finish_reason None). Checks
+        the arguments here, before the first piece is asked for.
+        """
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise PycalmError("stop strings must be non-empty strings")
+        if not ids:
+            raise PycalmError("empty prompt and the model has no BOS token to start from")
+        if len(ids) >= self.seq_len:
+            raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {self.seq_len}")
+        if max_tokens < 0:
+            raise PycalmError(f"max_tokens must be 0 or more, not {max_tokens}")
+        from pycalm.reference import check_sampling
+
+        check_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        if self._active is not None:  # one generation at a time: an abandoned stream ends here
+            self._active.close()
+        gen = Generation(prompt_tokens=len(ids))
+        gen._pieces = self._pieces(gen, ids, max_tokens, sampling, stops, prime, cancelled)
+        self._active = gen
+        return gen
+
+    def _pieces(
+        self,
+        gen: Generation,
+        ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stops: list[str],
+        prime: bool,
+        cancelled: Callable[[], bool] | None,
+    ) -> Iterator[str]:
+        common = 0
+        limit = min(len(ids) - 1, len(self._cached))  # feed at least one token
+        while common < limit and ids[common] == self._cached[common]:
+            common += 1
+        gen.reused_tokens = common
+        self._cached = self._cached[:common]  # positions past it are rewritten from here on
+        decoder = self.tokenizer.stream()
+        if prime:  # the continuation's first space is kept
+            for t in ids:
+                decoder.push(t)
+            decoder.flush()
+        eos = set(self.config.eos_ids)
+        reply: list[int] = []
+        pending = ""  # text not handed out yet: it may be the start of a stop string
+        if max_tokens == 0:
+            gen.finish_reason = "length"
+            return
+        t0 = time.perf_counter()
+        t_first = t0
+        tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
+        try:
+            stopped = False  # by a stop string
+            for t in tokens:
+                now = time.perf_counter()
+                if not reply:
+                    t_first = now
+                    gen.prompt_s = now - t0
+                gen.decode_s = now - t_first
+                reply.append(t)
+                gen.completion_tokens = len(reply)
+                if cancelled is not None and cancelled():
+                    return
+                if t in eos:
+                    gen.finish_reason = "stop"
+                    break
+                pending += decoder.push(t)
+                cut = _stop_at(pending, stops)
+                if cut >= 0:
+                    gen.finish_reason = "stop"
+                    pending, stopped = pending[:cut], True
+                    break
+                keep = _held_back(pending, stops)
+                if len(pending) > keep:
+                    yield pending[: len(pending) - keep]
+                    pending = pending[len(pending) - keep :]
+            else:  # max_tokens, or the end of the context
+                gen.finish_reason = "length"
+            if not stopped:  # the decoder's last bytes may complete a stop string
+                pending += decoder.flush()
+                cut = _stop_at(pending, stops)
+                if cut >= 0:
+                    gen.finish_reason = "stop"
+                    pending = pending[:cut]
+            if pending:
+                yield pending
+        finally:
+            tokens.close()
+            if reply:  # every prompt token was fed, and every sampled token but the last
+                self._cached = ids + reply[:-1]
+            if self._active is gen:
+                self._active = None
+
+    # ---- evaluation ----------------------------------------------------------------------------
+
+    def perplexity(self, text: str) -> float:
+        """exp(mean negative log-likelihood) of the model on `text` (encoded with the BOS, cut to
+        the context), token by token as `python -m pycalm.generate -x FILE` computes it."""
+        ids = self.tokenize(text)[: self.seq_len]
+        if len(ids) < 2:
+            raise PycalmError("too short to measure perplexity (needs 2 tokens or more)")
+        if self._active is not None:
+            self._active.close()
+        self._cached = []
+        nll = 0.0
+        for pos in range(len(ids) - 1):
+            logits = self.engine.logits(ids[pos], pos).astype(np.float64)
+            m = logits.max()
+            nll += m + math.log(np.exp(logits - m).sum()) - logits[ids[pos + 1]]
+        self._cached = ids[:-1]
+        return math.exp(nll / (len(ids) - 1))
+
+
+def _seed(seed: int | None) -> int:
+    return int(seed) if seed is not None else time.time_ns() % (2**31)

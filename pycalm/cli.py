@@ -1,0 +1,47 @@
+"""The `pycalm` command: pycalm generate | convert | serve [options], pycalm --version.
+
+Each subcommand is the module of the same name (python -m pycalm.generate, ...), given the rest
+of the command line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pycalm import __version__
+
+USAGE = """usage: pycalm [--version] COMMAND [options]
+
+commands:
+  generate   generate text, chat, or measure perplexity (pycalm generate --help)
+  convert    convert a Hugging Face folder or GGUF file to a pycalm file
+  serve      serve a model over an OpenAI-compatible HTTP API
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"pycalm {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "generate":
+        from pycalm.generate import main as run
+    elif command == "convert":
+        from pycalm.convert import main as run
+    elif command == "serve":
+        from pycalm.serve import main as run
+    else:
+        print(
+            f"error: unknown command {command!r}: one of generate, convert, serve (see pycalm --help)",
+            file=sys.stderr,
+        )
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
