@@ -21,16 +21,22 @@ computes 64 x 32 (16 mma tiles, 64 accumulators a thread) and reads each A fragm
 and each B fragment for 4.
 
 Shared memory: per stage, X tile (BM, BK) and W tile (BN, BK) fp16, row-major in int32 words
-(two halves a word), each row padded to PITCH = BK/2 + 4 words (80 bytes). The padding makes
-ldmatrix conflict-free: its 8 row addresses (16 bytes each) land at word offsets 20 r mod 32 =
-0, 20, 8, 28, 16, 4, 24, 12, eight disjoint groups of four banks. Two stages: while the warps
-multiply stage s, the next step's tiles are being fetched into stage s ^ 1, so one barrier a
-step separates the reads of a stage from its next writes.
+(two halves a word, 64 bytes a row), the four 16-byte chunks of row r stored in the order
+c ^ ((r >> 1) & 3) (swizzled). That makes ldmatrix conflict-free: its 8 row addresses (rows
+8q..8q+7, one chunk c each) land at word offsets 16 (r & 1) + 4 (c ^ ((r >> 1) & 3)) mod 32,
+eight disjoint groups of four banks (unswizzled, rows r and r + 2 would share banks). Three
+stages (48 KiB, the static limit, at 128 x 128): while the warps multiply stage s, the next two
+steps' tiles are being fetched; one barrier a step (after cp.async.wait_group 1) makes a step's
+tiles visible and separates the reads of a stage from its next writes.
+
+Registers: capped (ptxas maxrregcount) so that Tile.blocks_per_sm blocks fit an SM: 128 for
+the default's 256 threads and two blocks.
 
 Fetching. X (and fp16 W) go global -> shared by cp.async, 16 bytes (8 halves) a copy, rows past
 T or N and columns past K zero-filled. fp8 and gf4 W come through registers: the next step's
-8-weight units (8 bytes of e5m2 / one gf4 word) are loaded at the start of a step, and after
-this step's mma they are decoded to fp16 and stored (one 16-byte shared store a unit). e5m2 is
+8-weight units (8 bytes of e5m2 / one gf4 word) of the step stages - 1 ahead are loaded at the start
+of a step, and after this step's mma they are decoded to fp16 and stored (one 16-byte shared
+store a unit). e5m2 is
 the top byte of an fp16, so one prmt builds two halves; a gf4 weight is (q - 4) * (-s/4),
 exact in fp16, from common's exact code and scale decoders and one cvt.rn.f16x2.f32 a pair. The
 decode of a weight is paid once per block and serves the BM rows of X in the tile.
