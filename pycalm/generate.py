@@ -232,15 +232,30 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
     ids = tok.encode(text, add_bos=True)[: engine.seq_len]
     if len(ids) < 2:
         raise PycalmError(f"{path}: too short to measure perplexity (needs 2 tokens or more)")
-    nll = 0.0
     t0 = time.perf_counter()
-    for pos in range(len(ids) - 1):
-        logits = engine.logits(ids[pos], pos).astype(np.float64)
-        m = logits.max()
-        nll += m + math.log(np.exp(logits - m).sum()) - logits[ids[pos + 1]]
+    nll = mean_nll(engine, ids)
     n = len(ids) - 1
     dt = time.perf_counter() - t0
-    print(f"perplexity {math.exp(nll / n):.4f} over {n} tokens ({n / dt:.1f} tok/s, {engine.device})")
+    print(f"perplexity {math.exp(nll):.4f} over {n} tokens ({n / dt:.1f} tok/s, {engine.device})")
+
+
+def mean_nll(engine: object, ids: list[int]) -> float:
+    """The mean negative log-likelihood of ids[1:], each token given the ones before it (from
+    position 0). The GPU engine computes the logits of every position in its multi-token forward
+    (prefill_logits, blocks of rows); the CPU engine one token step a position."""
+    if hasattr(engine, "prefill_logits"):
+        blocks = engine.prefill_logits(ids[:-1], 0)
+    else:
+        blocks = (engine.logits(token, pos)[None] for pos, token in enumerate(ids[:-1]))
+    nll, row = 0.0, 0
+    for block in blocks:  # (rows, vocab_size) logits of positions row .. row + rows - 1
+        logits = block.astype(np.float64)
+        m = logits.max(axis=1)
+        log_sum = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        nexts = np.asarray(ids[row + 1 : row + 1 + len(block)])
+        nll += float((log_sum - logits[np.arange(len(block)), nexts]).sum())
+        row += len(block)
+    return nll / (len(ids) - 1)
 
 
 # -------------------------------------------------------------------------------------------

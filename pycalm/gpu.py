@@ -128,6 +128,9 @@ class EngineOptions:
     # token steps generate() enqueues ahead of the one whose token the host waits for (1: a host
     # round trip a token; more hides the host's work between tokens behind the GPU's)
     decode_lookahead: int = 4
+    # rows a multi-token pass (pycalm.prefill) takes at most (the tests take a few, so that a
+    # short prompt spans several chunks)
+    prefill_chunk: int = 512
 
 
 class EagerStep:
@@ -243,6 +246,8 @@ class GpuEngine:
         self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
         self._token_events = [cuda.event() for _ in range(options.decode_lookahead)]
         self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
+        self.prefill_chunk = options.prefill_chunk
+        self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
         s.synchronize()
 
     # ---------------------------------------------------------------------------------------
@@ -327,6 +332,37 @@ class GpuEngine:
         self.state.copy_to_device(host, stream=self.stream)
 
     # ---------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int], start_pos: int) -> None:
+        """Feed ids at positions start_pos.. through the multi-token forward (pycalm.prefill),
+        caching their keys and values; Mixtral's through the token step, one at a time (no
+        grouped-expert matmul exists yet). The state is left for the caller to set."""
+        if self.config.n_experts:  # token steps (greedy, the sampled tokens unused), tokens from feed
+            end = start_pos + len(ids)
+            steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
+            self.feed[start_pos:end].copy_to_device(np.asarray(ids, np.int32), stream=self.stream)
+            self._set_state(int(ids[0]), start_pos, end)
+            for step in steps:
+                step.launch()
+            return
+        for _ in self._prefill_step().run(ids, start_pos):
+            pass
+
+    def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
+        """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order
+        (a block holds at most pycalm.prefill.LOGITS_BYTES)."""
+        if self.config.n_experts:
+            for i, token in enumerate(ids):
+                yield self.logits(token, start_pos + i)[None]
+            return
+        yield from self._prefill_step().run(ids, start_pos, logits="all")
+
+    def _prefill_step(self) -> object:
+        if self._prefill is None:
+            from pycalm.prefill import Prefill
+
+            self._prefill = Prefill(self, self.prefill_chunk)
+        return self._prefill
+
     def logits(self, token: int, pos: int) -> np.ndarray:
         """Logits (vocab_size,) float32 for `token` at `pos`, caching its keys and values."""
         if not 0 <= pos < self.seq_len:
@@ -349,8 +385,14 @@ class GpuEngine:
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
-        # every step this call runs, captured before the state is set
-        steps = [self.graph(sampling, p) for p in range(start_pos, last + 1)]
+        # the prompt but its last token goes through the multi-token forward (pycalm.prefill);
+        # Mixtral's through token steps (no grouped-expert matmul yet): the first token step's
+        # position
+        first = start_pos if self.config.n_experts else end - 1
+        # every token step this call runs, captured before the state is set
+        steps = [self.graph(sampling, p) for p in range(first, last + 1)]
+        if first > start_pos:
+            self.prefill(ids[:-1], start_pos)
         feed = np.asarray(ids, np.int32)
         self.feed[start_pos:end].copy_to_device(feed, stream=self.stream)
         if sampling.temperature > 0:
@@ -359,11 +401,11 @@ class GpuEngine:
             coins = np.zeros(self.seq_len, np.float32)
             coins[end - 1 :] = np.random.default_rng(sampling.seed).random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
-        self._set_state(int(ids[0]), start_pos, end)
-        for i in range(len(ids) - 1):  # prefill: positions start_pos .. end-2, tokens from feed
+        self._set_state(int(ids[first - start_pos]), first, end)
+        for i in range(end - 1 - first):  # Mixtral: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
         # the sampling steps, positions end - 1 .., each yielding the token it samples
-        sampled = steps[len(ids) - 1 : len(ids) - 1 + min(max_new, self.seq_len - end + 1)]
+        sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end)
 
     def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:

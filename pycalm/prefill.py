@@ -1,0 +1,172 @@
+"""The multi-token forward: a prompt's tokens through the layers T rows at a time.
+
+GpuEngine.prefill and GpuEngine.prefill_logits run it. forward_rows below is the token step of
+pycalm.gpu (GpuEngine.forward) for T tokens at once, one launch per line in the same order: the
+weight matrix products become tensor-core matmuls of T rows (pycalm.kernels.matmul, each weight
+read once a chunk instead of once a token), and the kernels between them take T rows
+(pycalm.kernels.rows, pycalm.kernels.prefill_attention). Row t of a chunk is the token at
+position pos0 + t; pos0 is state[STATE_POS] on the device, as in the token step, and the KV
+cache rows pos0 .. pos0 + T - 1 are written on the way.
+
+A prompt is cut into chunks of at most max_chunk rows; the activations of max_chunk rows are
+allocated once, on the first prefill (an engine that only decodes allocates nothing). Every
+chunk is plain launches on the engine's stream (about nine a layer, each milliseconds of work
+at a chunk of 512 on an 8B model, so the launch cost is hidden behind the GPU's work).
+
+The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs are written in
+fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
+logits of the two paths agree to about 1e-3 relative (tests/test_prefill.py).
+
+Mixtral (n_experts > 0): no grouped-expert matmul exists yet, so a mixture-of-experts model's
+prompt goes through the token step (GpuEngine.prefill falls back to it) and forward_rows is not
+used for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pycalm.config import ModelConfig
+from pycalm.errors import PycalmError
+
+LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
+DEFAULT_CHUNK = 512  # rows a pass takes at most
+
+
+@dataclass
+class RowBuffers:
+    """The activations of up to `rows` tokens, float32 where they are summed into, fp16 where a
+    matmul reads them."""
+
+    x: object  # (rows, dim) float32, the residual stream
+    xb: object  # (rows, dim) float16, rmsnorm(x) * norm weights: the matmuls' input
+    qkv: object  # (rows, q_dim + 2 kv_dim) float32, Wqkv xb
+    q: object  # (rows, q_dim) float32, the queries with bias and RoPE
+    att: object  # (rows, q_dim) float16, attention's output: wo's input
+    h: object  # (rows, hidden_dim) float16, silu(W1 xb) * (W3 xb): w2's input
+    logits: object  # (logit_rows, vocab_size) float32, a block of rows of logits
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, rows: int, logit_rows: int, stream: object) -> RowBuffers:
+        from numba import cuda
+
+        def empty(shape: tuple[int, int], dtype: type) -> object:
+            return cuda.device_array(shape, dtype, stream=stream)
+
+        return cls(
+            x=empty((rows, cfg.dim), np.float32),
+            xb=empty((rows, cfg.dim), np.float16),
+            qkv=empty((rows, cfg.qkv_dim), np.float32),
+            q=empty((rows, cfg.q_dim), np.float32),
+            att=empty((rows, cfg.q_dim), np.float16),
+            h=empty((rows, cfg.hidden_dim), np.float16),
+            logits=empty((logit_rows, cfg.vocab_size), np.float32),
+        )
+
+    def first(self, n: int) -> RowBuffers:
+        """Views of the first n rows (the logits block stays whole)."""
+        return RowBuffers(
+            self.x[:n], self.xb[:n], self.qkv[:n], self.q[:n], self.att[:n], self.h[:n], self.logits
+        )
+
+
+class Prefill:
+    """The multi-token forward of a GpuEngine (its weights, KV cache, state and stream), in
+    chunks of at most max_chunk rows."""
+
+    def __init__(self, engine: object, max_chunk: int = DEFAULT_CHUNK) -> None:
+        cfg: ModelConfig = engine.config
+        if cfg.n_experts:
+            raise PycalmError("the multi-token forward has no mixture-of-experts layer yet")
+        if max_chunk < 1:
+            raise PycalmError(f"a prefill chunk takes at least one row, got {max_chunk}")
+        self.engine = engine
+        self.max_chunk = max_chunk
+        self.logit_rows = max(1, min(max_chunk, LOGITS_BYTES // (4 * cfg.vocab_size)))
+        self.buffers = RowBuffers.allocate(cfg, max_chunk, self.logit_rows, engine.stream)
+        self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
+
+    # ---------------------------------------------------------------------------------------
+    def forward_rows(self, pos0: int, n_rows: int) -> None:
+        """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1]; the kernels
+        read pos0 from state[STATE_POS], which must hold it (run sets it). The KV cache rows
+        pos0.. are written, and x holds each row's residual stream after the last layer
+        (classify_rows takes it from there)."""
+        from pycalm.kernels.matmul import matmul
+        from pycalm.kernels.prefill_attention import prefill_attention
+        from pycalm.kernels.rows import embed_rows, qkv_rows, rmsnorm_rows
+
+        e, b = self.engine, self._rows(n_rows)
+        cfg, dt, eps, s = e.config, e.config.weight_dtype, e.config.norm_eps, e.stream
+        # x[t] = the embedding row of the token at position pos0 + t
+        embed_rows(e.tok_embeddings, e.feed[pos0 : pos0 + n_rows], b.x, dt, stream=s)
+        for L, cache in zip(e.layers, e.kv_caches, strict=True):
+            # xb = rmsnorm(x) * attn_norm, fp16
+            rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s)
+            # qkv = xb Wqkv^T
+            matmul(b.xb, L.wqkv, b.qkv, dt, stream=s)
+            # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
+            qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
+            # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
+            prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
+            # x += att Wo^T
+            matmul(b.att, L.wo, b.x, dt, stream=s, mode="residual")
+            # xb = rmsnorm(x) * ffn_norm, fp16
+            rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
+            # h = silu(xb W1^T) * (xb W3^T), fp16
+            matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3)
+            # x += h W2^T
+            matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual")
+
+    def classify_rows(self, first: int, n_rows: int) -> None:
+        """Enqueue logits[:n_rows] = Wout rmsnorm(x[first + i]) * norm for rows first .. first +
+        n_rows - 1 of the last forward_rows (n_rows at most logit_rows)."""
+        from pycalm.kernels.matmul import matmul
+        from pycalm.kernels.rows import rmsnorm_rows
+
+        e, b = self.engine, self.buffers
+        cfg, s, rows = e.config, e.stream, slice(first, first + n_rows)
+        # xb = rmsnorm(x) * norm, fp16
+        rmsnorm_rows(b.x[rows], e.norm, cfg.norm_eps, b.xb[rows], stream=s)
+        # logits = xb Wout^T
+        matmul(b.xb[rows], e.output, b.logits[:n_rows], cfg.weight_dtype, stream=s)
+
+    # ---------------------------------------------------------------------------------------
+    def run(self, ids: list[int], start_pos: int, logits: str = "none") -> Iterator[np.ndarray]:
+        """Feed ids at positions start_pos.. chunk by chunk, caching their keys and values.
+        logits: "none" (yields nothing), "last" (yields the last row's (1, vocab_size)), or
+        "all" (yields (rows, vocab_size) float32 blocks of every row's logits, in order)."""
+        e = self.engine
+        end = start_pos + len(ids)
+        if not ids or start_pos < 0 or end > e.seq_len:
+            raise PycalmError(
+                f"prefill of {len(ids)} tokens at position {start_pos} does not fit the context of {e.seq_len}"
+            )
+        if logits not in ("none", "last", "all"):
+            raise PycalmError(f"prefill logits: none, last or all, not {logits!r}")
+        e.feed[start_pos:end].copy_to_device(np.asarray(ids, np.int32), stream=e.stream)
+        for pos0 in range(start_pos, end, self.max_chunk):
+            n = min(self.max_chunk, end - pos0)
+            e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
+            self.forward_rows(pos0, n)
+            if logits == "all":
+                wanted = range(0, n)
+            elif logits == "last" and pos0 + n == end:
+                wanted = range(n - 1, n)
+            else:
+                continue
+            for first in range(wanted.start, wanted.stop, self.logit_rows):
+                count = min(self.logit_rows, wanted.stop - first)
+                self.classify_rows(first, count)
+                out = self.buffers.logits[:count].copy_to_host(stream=e.stream)
+                e.stream.synchronize()
+                yield out
+
+    def _rows(self, n: int) -> RowBuffers:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self.buffers.first(n)
+        return views

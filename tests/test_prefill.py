@@ -1,0 +1,192 @@
+"""The multi-token forward (pycalm.prefill, GpuEngine.prefill / prefill_logits) against the
+token-by-token path, on tiny random models.
+
+Under the CUDA simulator the token-by-token path is the reference engine (CpuEngine: the GPU's
+token step matches it, tests/test_model.py; the simulator's token step costs about 10 s); with
+PYCALM_TEST_GPU=1 the GPU's own token step is compared too, and a realistic shape runs. The
+prefill rounds the matmuls' activations to fp16 where the token path keeps them float32, so the
+logits agree to a relative L2 of 2e-3, not to float32 summation order; greedy tokens must be
+identical.
+
+Shapes stay tiny (1-2 layers, dim 32, vocab 64, head_dim 16 for the prefill attention's 16-byte
+loads): a tensor-core matmul launch costs about a second under the simulator.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from tiny_models import make_hf_llama
+
+from pycalm import formats
+from pycalm.convert import convert
+from pycalm.engine import CpuEngine
+from pycalm.generate import mean_nll
+from pycalm.gpu import EngineOptions, GpuEngine
+from pycalm.loader import open_model
+from pycalm.sampler import SamplingParams
+
+GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
+GPU_ONLY = pytest.mark.skipif(not GPU, reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)")
+SEQ_LEN = 32
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def tiny_model(tmp_path, arch: str, dtype: str, n_layers: int = 2, **kw):
+    tiny = make_hf_llama(
+        tmp_path, arch=arch, dim=32, hidden_dim=48, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
+        vocab_size=64, **kw,
+    )  # fmt: skip
+    return open_model(convert(tiny.path, tmp_path / f"{arch}-{dtype}.pycalm", dtype, progress=False))
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 64, n)]  # no BOS / EOS ids
+
+
+class KeptRows(np.ndarray):
+    """A KV cache that the reference engine's writes leave as it is (it attends over it)."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+
+def token_path(model, kv: str, ids: list[int], gpu: GpuEngine | None = None, seq_len: int = SEQ_LEN):
+    """(len(ids), vocab_size) logits from the reference engine, one token step a position, and
+    the engine. With gpu given, the reference attends over gpu's KV cache instead of its own
+    (see check_caches)."""
+    cpu = CpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+    if gpu is not None:
+        cpu.ref.key_cache = np.stack([decoded(c.k, kv) for c in gpu.kv_caches]).view(KeptRows)
+        cpu.ref.value_cache = np.stack([decoded(c.v, kv) for c in gpu.kv_caches]).view(KeptRows)
+    return np.stack([cpu.logits(t, pos) for pos, t in enumerate(ids)]), cpu
+
+
+def decoded(cache: object, kv: str) -> np.ndarray:
+    """A device KV cache (seq_len, kv_dim) as float32."""
+    rows = cache.copy_to_host()
+    return formats.decode(rows, "fp8") if kv == "fp8" else rows.astype(np.float32)
+
+
+def check_caches(gpu: GpuEngine, cpu: CpuEngine, kv: str, n: int) -> None:
+    """The KV cache rows 0..n-1 the prefill wrote against the token path's. fp16: within
+    float32-vs-fp16-activation rounding. fp8: e5m2 keeps two mantissa bits, so a k or v that
+    differs in the 4th digit lands on the neighbouring e5m2 value now and then (a 12-25% step):
+    a few elements may differ, by one e5m2 step each. Such a step moves the logits by up to
+    about 1% on these tiny models, so with fp8 the logits are compared with the reference
+    attending over the prefill's own cache (token_path with gpu)."""
+    for layer, cache in enumerate(gpu.kv_caches):
+        for got, want in ((decoded(cache.k, kv)[:n], cpu.ref.key_cache[layer, :n]),
+                          (decoded(cache.v, kv)[:n], cpu.ref.value_cache[layer, :n])):  # fmt: skip
+            if kv == "fp16":
+                assert rel_l2(got, want) < 2e-3
+            else:
+                differ = got != want
+                assert differ.mean() < 0.02
+                step = 0.25 * np.maximum(np.abs(got), np.abs(want)) + 2.0**-16  # e5m2: 2 bits, subnormals
+                assert np.all(np.abs(got - want)[differ] <= step[differ])
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,kv,n",
+    # every weight format, both KV dtypes, Qwen2's biases, and Mistral's sliding window (16
+    # positions in tiny_models) with more rows than the window
+    [
+        ("llama", "fp16", "fp16", 9),
+        ("llama", "fp8", "fp8", 9),
+        ("qwen2", "gf4", "fp8", 9),
+        ("mistral", "fp16", "fp16", 21),
+    ],
+)
+def test_prefill_logits_match_token_path(tmp_path, arch, dtype, kv, n):
+    model = tiny_model(tmp_path, arch, dtype, n_layers=1)
+    ids = tokens(n)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype=kv)
+    blocks = list(gpu.prefill_logits(ids, 0))
+    got = np.concatenate(blocks)
+    assert got.shape == (n, model.config.vocab_size)
+    want, cpu = token_path(model, kv, ids)
+    check_caches(gpu, cpu, kv, n)
+    if kv == "fp8":  # over the prefill's cache (check_caches says why)
+        want, _ = token_path(model, kv, ids, gpu)
+    assert rel_l2(got, want) < 2e-3
+    if GPU and kv == "fp16":  # the GPU's own token step too
+        token = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype=kv)
+        steps = np.stack([token.logits(t, pos) for pos, t in enumerate(ids)])
+        assert rel_l2(got, steps) < 2e-3
+
+
+def test_prefill_chunks_and_second_turn(tmp_path):
+    """Chunks of 4 rows: a first turn of 5 tokens (4 + 1), then a second turn at start_pos 5
+    (a chat's next turn: 4 + 3 rows over the cached 5), whose logits match the token path at
+    positions 5..11; the KV cache rows of both turns match the reference's."""
+    model = tiny_model(tmp_path, "llama", "fp16")
+    ids = tokens(12, seed=1)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(prefill_chunk=4))
+    gpu.prefill(ids[:5], 0)
+    got = np.concatenate(list(gpu.prefill_logits(ids[5:], 5)))
+    assert got.shape == (7, model.config.vocab_size)
+    want, cpu = token_path(model, "fp16", ids)
+    assert rel_l2(got, want[5:]) < 2e-3
+    check_caches(gpu, cpu, "fp16", 12)
+
+
+def test_generate_greedy_identical(tmp_path):
+    """generate's prompt through the multi-token forward, then token steps: the same greedy
+    tokens as the reference, for a first turn and a second turn after it."""
+    model = tiny_model(tmp_path, "qwen2", "gf4")
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp8", options=EngineOptions(prefill_chunk=4))
+    cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp8")
+    first = tokens(6, seed=2)
+    want = list(cpu.generate(first, 0, 2, GREEDY))
+    got = list(gpu.generate(first, 0, 2, GREEDY))
+    assert got == want and len(got) == 2
+    # the second turn: the last sampled token was never fed; it goes first, then 3 more
+    second = [got[-1], *tokens(3, seed=3)]
+    start = len(first) + len(got) - 1
+    want = list(cpu.generate(second, start, 1, GREEDY))
+    got = list(gpu.generate(second, start, 1, GREEDY))
+    assert got == want and len(got) == 1
+
+
+def test_perplexity_matches_reference(tmp_path):
+    """generate.mean_nll (the -x mode): the GPU engine's logits of every position from the
+    multi-token forward, the reference's token by token; perplexities within 0.5%."""
+    model = tiny_model(tmp_path, "llama", "fp8")
+    ids = tokens(14, seed=4)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    got, want = np.exp(mean_nll(gpu, ids)), np.exp(mean_nll(cpu, ids))
+    assert abs(got / want - 1) < 5e-3
+    assert np.isfinite(want) and want > 1  # a random tiny model is often confidently wrong: no upper bound
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("dtype,kv", [("fp16", "fp16"), ("fp8", "fp16"), ("gf4", "fp16"), ("gf4", "fp8")])
+def test_prefill_realistic_shape(tmp_path, dtype, kv):
+    """Head_dim 128, GQA 8:1, dims of many tiles, a 600-token prompt in chunks of 256 (three,
+    the last short): logits against the token path (the GPU's token step; with fp8 KV the
+    reference over the prefill's cache, see check_caches), greedy continuation against the
+    reference."""
+    tiny = make_hf_llama(
+        tmp_path, arch="llama", dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
+        vocab_size=4096,
+    )  # fmt: skip
+    model = open_model(convert(tiny.path, tmp_path / f"big-{dtype}.pycalm", dtype, progress=False))
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 4096, 600)]
+    options = EngineOptions(prefill_chunk=256)
+    gpu = GpuEngine(model, seq_len=640, kv_dtype=kv, options=options)
+    got = np.concatenate(list(gpu.prefill_logits(ids, 0)))
+    if kv == "fp8":
+        want, _ = token_path(model, kv, ids, gpu, seq_len=640)
+    else:
+        token = GpuEngine(model, seq_len=640, kv_dtype=kv)
+        want = np.stack([token.logits(t, pos) for pos, t in enumerate(ids)])
+    assert rel_l2(got, want) < 2e-3
+    gpu = GpuEngine(model, seq_len=640, kv_dtype=kv, options=options)
+    cpu = CpuEngine(model, seq_len=640, kv_dtype=kv)
+    assert list(gpu.generate(ids, 0, 8, GREEDY)) == list(cpu.generate(ids, 0, 8, GREEDY))
