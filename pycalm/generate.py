@@ -189,36 +189,84 @@ def run_chat(
     while True:
         if interactive:
             print("user> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
+            print("", file=sys.stderr)
+            break
         if not line:
             break
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+        ids = fit_context(tok, messages, engine.seq_len, steps)
+        if ids is None:
+            continue
         common = 0
         while common < min(len(ids), len(cached)) and ids[common] == cached[common]:
             common += 1
         common = min(common, len(ids) - 1)  # feed at least one token
-        if len(ids) >= engine.seq_len:
-            raise PycalmError(
-                f"the conversation is {len(ids)} tokens, longer than the context of {engine.seq_len}"
-            )
         stream = tok.stream()
         reply: list[int] = []
         t0 = t_last = time.perf_counter()
         t_first = None
-        for t in engine.generate(ids[common:], common, steps, sampling):
-            t_last = time.perf_counter()
-            t_first = t_first or t_last
-            reply.append(t)
-            if t in eos:
-                break
-            sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
+        tokens = engine.generate(ids[common:], common, steps, sampling)
+        try:
+            for t in tokens:
+                t_last = time.perf_counter()
+                t_first = t_first or t_last
+                reply.append(t)
+                if t in eos:
+                    break
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+        except KeyboardInterrupt:  # Ctrl-C stops the reply; the chat goes on with what was written
+            pass
+        finally:
+            tokens.close()
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         timings.add_turn(len(ids) - common, t0, t_first, t_last, len(reply))
+        if not reply:  # stopped before the first token: the cache holds the common prefix only
+            cached = ids[:common]
+            messages.pop()
+            continue
         cached = ids + reply[:-1]  # the last sampled token was never fed
         messages.append({"role": "assistant", "content": tok.decode([t for t in reply if t not in eos])})
+
+
+def fit_context(tok: object, messages: list[dict[str, str]], seq_len: int, steps: int) -> list[int] | None:
+    """The prompt ids of the conversation, its oldest turns (a user message and the reply to it)
+    dropped while it leaves less than min(steps, seq_len // 2) positions for the reply; the
+    system prompt is kept. One notice line says what was dropped. None (and the new message
+    removed) when the newest message does not fit the context on its own."""
+
+    def render() -> list[int]:
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+
+    ids = render()
+    first = 1 if messages[0]["role"] == "system" else 0  # the oldest turn's first message
+    budget = seq_len - min(steps, seq_len // 2)
+    dropped = 0
+    while len(ids) > budget and len(messages) - first > 1:
+        del messages[first : first + 2]  # a user message and its reply
+        dropped += 1
+        ids = render()
+    if dropped:
+        print(
+            f"pycalm: the conversation outgrew the context of {seq_len} tokens; dropped the oldest "
+            f"{dropped} turn{'s' if dropped > 1 else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if len(ids) >= seq_len:
+        print(
+            f"pycalm: that message is {len(ids)} tokens with the system prompt, longer than the "
+            f"context of {seq_len}; not sent",
+            file=sys.stderr,
+            flush=True,
+        )
+        messages.pop()
+        return None
+    return ids
 
 
 def run_perplexity(engine: object, tok: object, path: str) -> None:
@@ -273,6 +321,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         nargs="?",
         help=f"pycalm file, HF folder, .gguf, or one of {', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
     )
+    # llama.cpp's long names are aliases of the calm-style flags: --model, --prompt, --temp,
+    # --top-p, --top-k, --min-p, --seed, --ctx-size, --n-predict
+    ap.add_argument("--model", dest="model_option", metavar="MODEL", help="MODEL, as an option")
     ap.add_argument("-i", "--prompt", help="prompt mode: continue this text")
     ap.add_argument(
         "-y", "--system", help="chat mode with this system prompt ('' for none); user turns from stdin"
@@ -280,8 +331,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "-x", "--perplexity", metavar="FILE", help="perplexity mode: evaluate on the text of FILE"
     )
-    ap.add_argument("-n", "--steps", type=int, default=256, help="tokens to generate (default 256)")
-    ap.add_argument("-t", "--temperature", type=float, default=0.7, help="0 for greedy (default 0.7)")
+    ap.add_argument(
+        "-n", "--steps", "--n-predict", type=int, default=256, help="tokens to generate (default 256)"
+    )
+    ap.add_argument(
+        "-t", "--temperature", "--temp", type=float, default=0.7, help="0 for greedy (default 0.7)"
+    )
     ap.add_argument(
         "-p", "--top-p", type=float, default=0.9, help="nucleus sampling threshold, 1 = off (default 0.9)"
     )
@@ -299,6 +354,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "-c",
         "--context",
+        "--ctx-size",
         type=int,
         default=4096,
         help="context length to allocate (default 4096, at most the model's)",
@@ -320,6 +376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
     args = ap.parse_args(argv)
+    if args.model and args.model_option:
+        ap.error("give MODEL once (as an argument or with --model)")
+    args.model = args.model or args.model_option
     modes = sum(x is not None for x in (args.prompt, args.system, args.perplexity))
     if modes > 1:
         ap.error("choose one of -i (prompt), -y (chat) and -x (perplexity)")
