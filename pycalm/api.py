@@ -27,8 +27,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from pycalm.errors import PycalmError
 from pycalm.sampler import SamplingParams
 
@@ -71,6 +69,11 @@ def load(
         if verbose:
             print(msg, file=sys.stderr, flush=True)
 
+    from pycalm.kernels import cache as kernel_cache
+
+    # compiled kernels are kept beside the models, as the CLI keeps them (set before the kernel
+    # modules are imported)
+    kernel_cache.set_root(default_cache_dir(cache_dir))
     path = resolve_model(None if model is None else str(model), dtype, default_cache_dir(cache_dir), log)
     model_file = open_model(path)
     cfg = model_file.config
@@ -340,20 +343,23 @@ class LLM:
 
     def perplexity(self, text: str) -> float:
         """exp(mean negative log-likelihood) of the model on `text` (encoded with the BOS, cut to
-        the context), token by token as `python -m pycalm.generate -x FILE` computes it."""
+        the context), computed as `python -m pycalm.generate -x FILE` computes it."""
+        from pycalm.generate import mean_nll
+
         ids = self.tokenize(text)[: self.seq_len]
         if len(ids) < 2:
             raise PycalmError("too short to measure perplexity (needs 2 tokens or more)")
+        self.reset()
+        nll = mean_nll(self.engine, ids)
+        self._cached = ids[:-1]
+        return math.exp(nll)
+
+    def reset(self) -> None:
+        """Forget what the KV cache holds (the next request feeds its whole prompt), ending an
+        unfinished stream first."""
         if self._active is not None:
             self._active.close()
         self._cached = []
-        nll = 0.0
-        for pos in range(len(ids) - 1):
-            logits = self.engine.logits(ids[pos], pos).astype(np.float64)
-            m = logits.max()
-            nll += m + math.log(np.exp(logits - m).sum()) - logits[ids[pos + 1]]
-        self._cached = ids[:-1]
-        return math.exp(nll / (len(ids) - 1))
 
 
 def _seed(seed: int | None) -> int:
