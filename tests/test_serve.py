@@ -1,0 +1,320 @@
+"""The HTTP server (python -m pycalm.serve) as a user runs it: a real process on a free local
+port with the CPU engine and the real SmolLM2 (fp16, conftest), driven by OpenAI's own Python
+client, httpx for what the client hides (raw SSE, a disconnect), and the README's examples.
+
+Greedy texts are checked against the CLI's and the Python API's for the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from test_cli import REPO, _env
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_fp16, tmp_path_factory):
+    """The server's base URL once the model is loaded; before that, the loading answers are
+    checked (the model loads after the server listens, so they are seen first)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pycalm.serve",
+                str(smollm2_fp16),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "-c",
+                "512",
+            ],
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    url = f"http://127.0.0.1:{port}"
+    seen = []  # (health status, chat status, chat body) while loading
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                health = httpx.get(f"{url}/health", timeout=5)
+                chat = httpx.post(
+                    f"{url}/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1}, timeout=60
+                )
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.05)
+                continue
+            seen.append((health.status_code, chat.status_code, chat.json()))
+            if health.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert seen and seen[-1][0] == 200, log.read_text()
+        yield {"url": url, "loading": seen, "log": log}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _cli(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pycalm.generate", *args, "--device", "cpu", "-c", "512"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server["url"] + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(pycalm_\w+) (\S+)$", text, re.M)}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_loading_answers_503(server):
+    health, chat, body = server["loading"][0]
+    assert health == 503 and chat == 503, server["loading"]
+    assert body["error"]["type"] == "unavailable_error" and body["error"]["message"]
+
+
+def test_models_health_metrics(server, client):
+    ids = [m.id for m in client.models.list()]
+    assert len(ids) == 1 and ids[0].endswith(".pycalm")
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+    before = _metrics(server)
+    client.completions.create(model=ids[0], prompt=PROMPT, max_tokens=2, temperature=0)
+    after = _metrics(server)
+    assert after["pycalm_generation_tokens_total"] == before["pycalm_generation_tokens_total"] + 2
+    assert after["pycalm_prompt_tokens_total"] == before["pycalm_prompt_tokens_total"] + 5
+    assert after["pycalm_queue_length"] == 0 and after["pycalm_model_loaded"] == 1
+    assert after["pycalm_decode_tokens_per_second"] > 0
+
+
+def test_completion_greedy_equals_cli_and_api(server, client, smollm2_fp16):
+    out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, temperature=0)
+    text = out.choices[0].text
+    assert _cli(str(smollm2_fp16), "-i", PROMPT, "-n", "6", "-t", "0") == text + "\n"
+    import pycalm
+
+    llm = pycalm.load(smollm2_fp16, device="cpu", context=512, verbose=False)
+    assert llm.generate(PROMPT, max_tokens=6, temperature=0) == text
+    assert text.startswith(" Paris.")
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, 6)
+    # streamed: the same text, piece by piece
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(prompt=PROMPT, model="m", max_tokens=6, temperature=0, stream=True)
+    ]
+    assert "".join(pieces) == text and len([p for p in pieces if p]) >= 3
+
+
+def test_chat_greedy_equals_cli(server, client, smollm2_fp16):
+    out = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0)
+    reply = out.choices[0].message.content
+    assert reply == "The capital of France is Paris."  # transformers' greedy reply
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].message.role == "assistant"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pycalm.generate",
+            str(smollm2_fp16),
+            "-y",
+            "",
+            "-n",
+            "24",
+            "-t",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        input=QUESTION[0]["content"] + "\n",
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.stdout == reply + "\n", proc.stderr
+    # streamed, with usage in a last chunk
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=QUESTION,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_stop_strings(server, client):
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0, stop=["."])
+    assert out.choices[0].text == " Paris" and out.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=24, temperature=0, stop=["France", "Paris"], stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_prefix_reuse_second_turn(server, client):
+    first = client.chat.completions.create(model="m", messages=QUESTION, max_tokens=24, temperature=0)
+    reply = first.choices[0].message.content
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And of Germany?"},
+    ]
+    second = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
+    # the first turn's prompt and reply (but its EOS) were in the cache: only the new turn is fed
+    cached = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == cached
+    assert second.usage.prompt_tokens - cached < 20
+    assert "Berlin" in second.choices[0].message.content
+    assert f"{second.usage.prompt_tokens} prompt tokens ({cached} reused" in server["log"].read_text()
+
+
+def test_bad_requests(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=QUESTION, temperature="hot")
+    err = e.value.response.json()["error"]
+    assert (
+        err["type"] == "invalid_request_error"
+        and err["param"] == "temperature"
+        and "number" in err["message"]
+    )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt=PROMPT, n=2)
+    assert e.value.response.json()["error"]["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="word " * 600, max_tokens=4)
+    assert e.value.response.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "hi"}])
+    r = httpx.post(server["url"] + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_disconnect_mid_stream_frees_the_engine(server, client):
+    before = _metrics(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
+        assert got and json.loads(got[0][6:])["choices"][0]["text"] is not None
+    # the client is gone: the next request is answered without waiting for 400 tokens
+    t0 = time.monotonic()
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert out.choices[0].text == " Paris."
+    after = _metrics(server)
+    generated = after["pycalm_generation_tokens_total"] - before["pycalm_generation_tokens_total"]
+    assert generated < 100, generated  # the abandoned stream stopped early (2 of them are the next request's)
+    assert time.monotonic() - t0 < 60
+
+
+def test_two_concurrent_clients(server, client):
+    prompts = [PROMPT, "The capital of Germany is"]
+    expected = [
+        client.completions.create(model="m", prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in prompts
+    ]
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        stream = client.completions.create(
+            model="m", prompt=prompts[i], max_tokens=8, temperature=0, stream=True
+        )
+        results[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == {0: expected[0], 1: expected[1]}
+
+
+def test_readme_examples(server):
+    """The README's curl and openai examples, as written but for the port."""
+    readme = (REPO / "README.md").read_text()
+    port = server["url"].rsplit(":", 1)[1]
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "OpenAI(" in b)
+    proc = subprocess.run(
+        [sys.executable, "-c", example.replace(":8000", f":{port}")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "Paris" in proc.stdout, proc.stderr
+    curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "curl" in b)
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on this machine (the openai example ran)")
+    proc = subprocess.run(
+        ["bash", "-c", curl.replace(":8000", f":{port}")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_pycalm_command():
+    out = subprocess.run(
+        [sys.executable, "-m", "pycalm", "--version"], capture_output=True, text=True, env=_env(), cwd=REPO
+    )
+    assert out.returncode == 0 and re.fullmatch(r"pycalm \d+\.\d+\.\d+\n", out.stdout)
+    out = subprocess.run(
+        [sys.executable, "-m", "pycalm", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+    )
+    assert out.returncode == 0 and "--port" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pycalm", "bake"], capture_output=True, text=True, env=_env(), cwd=REPO
+    )
+    assert out.returncode == 2 and out.stderr.startswith("error: unknown command")
