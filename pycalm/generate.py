@@ -187,9 +187,9 @@ def run_chat(
     eos = set(engine.config.eos_ids)
     interactive = sys.stdin.isatty()
     while True:
-        if interactive:
-            print("user> ", end="", file=sys.stderr, flush=True)
         try:
+            if interactive:
+                print("user> ", end="", file=sys.stderr, flush=True)
             line = sys.stdin.readline()
         except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
             print("", file=sys.stderr)
@@ -239,17 +239,27 @@ def fit_context(tok: object, messages: list[dict[str, str]], seq_len: int, steps
     system prompt is kept. One notice line says what was dropped. None (and the new message
     removed) when the newest message does not fit the context on its own."""
 
-    def render() -> list[int]:
+    def render(messages: list[dict[str, str]]) -> list[int]:
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
 
-    ids = render()
     first = 1 if messages[0]["role"] == "system" else 0  # the oldest turn's first message
+    alone = len(render(messages[:first] + messages[-1:]))
+    if alone >= seq_len:
+        print(
+            f"pycalm: that message is {alone} tokens with the system prompt, longer than the "
+            f"context of {seq_len}; not sent",
+            file=sys.stderr,
+            flush=True,
+        )
+        messages.pop()
+        return None
+    ids = render(messages)
     budget = seq_len - min(steps, seq_len // 2)
     dropped = 0
     while len(ids) > budget and len(messages) - first > 1:
         del messages[first : first + 2]  # a user message and its reply
         dropped += 1
-        ids = render()
+        ids = render(messages)
     if dropped:
         print(
             f"pycalm: the conversation outgrew the context of {seq_len} tokens; dropped the oldest "
@@ -257,15 +267,6 @@ def fit_context(tok: object, messages: list[dict[str, str]], seq_len: int, steps
             file=sys.stderr,
             flush=True,
         )
-    if len(ids) >= seq_len:
-        print(
-            f"pycalm: that message is {len(ids)} tokens with the system prompt, longer than the "
-            f"context of {seq_len}; not sent",
-            file=sys.stderr,
-            flush=True,
-        )
-        messages.pop()
-        return None
     return ids
 
 
