@@ -165,6 +165,7 @@ def run_prompt(
         sys.stdout.write(stream.push(t))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()  # the text before the timing line on stderr
     timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
 
 

@@ -63,9 +63,12 @@ def fake_token(token: int, pos: int, vocab: int) -> int:
 def engine_with_fake_step(model, lookahead: int, seq_len: int = 40, eos: tuple[int, ...] = ()) -> GpuEngine:
     """A GpuEngine whose token step is a NumPy stand-in: sample = fake_token(token, pos), then
     advance as pycalm.kernels.step does. Each step also checks that its graph's span covers its
-    position and records (pos, token) in engine.trace; its 'KV row' is engine.rows[pos]."""
+    position and records (pos, token) in engine.trace; its 'KV row' is engine.rows[pos]. Plain
+    launches, no graphs, also on a GPU: the stand-in reads the state back on the host."""
     engine = GpuEngine(
-        model, seq_len=seq_len, options=EngineOptions(attention_chunk=2, decode_lookahead=lookahead)
+        model,
+        seq_len=seq_len,
+        options=EngineOptions(use_graph=False, attention_chunk=2, decode_lookahead=lookahead),
     )
     engine.config = dataclasses.replace(engine.config, eos_ids=eos)
     engine.trace = []
@@ -174,7 +177,8 @@ def test_real_step_lookahead_matches_round_trip_over_a_long_run(tiny):
             tiny, seq_len=160, options=EngineOptions(attention_chunk=16, decode_lookahead=lookahead)
         )
         engine.config = dataclasses.replace(engine.config, eos_ids=())
-        tokens = list(engine.generate([1, 2, 3], 0, 150, SamplingParams(temperature=0.8, seed=5)))
+        # a one-token prompt: every position is a token step (no multi-token prefill)
+        tokens = list(engine.generate([1], 0, 150, SamplingParams(temperature=0.8, seed=5)))
         runs.append((tokens, engine.state.copy_to_host()))
     assert len(runs[0][0]) == 150
     assert runs[0][0] == runs[1][0]
