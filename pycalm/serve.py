@@ -17,7 +17,7 @@ model loads.
 
 One engine serves one request at a time: a worker thread loads the model (after the server
 listens, so /health answers 503 first) and then runs the requests in arrival order from a
-queue; each request's text pieces cross to the event loop through an asyncio queue. A client
+queue; each request's text pieces cross to the event loop through a deque (Job). A client
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 """
@@ -32,12 +32,18 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.sampler import SamplingParams
+
+# a streaming response sends at most one chunk of text this often (the pieces made meanwhile go
+# out together): an event loop woken for every token would take the GIL from the worker thread
+# that many more times, and the decode would slow down with it
+STREAM_INTERVAL_S = 0.01
 
 # -------------------------------------------------------------------------------------------
 # requests: checked fields and OpenAI's error shape
@@ -192,18 +198,34 @@ def parse_prompt(body: dict) -> str | list[int]:
 
 @dataclass
 class Job:
-    """One request on its way through the worker: its prompt, and the queue its events go to."""
+    """One request on its way through the worker: its prompt, and the events it sends back.
+
+    The worker appends events to a deque and wakes the event loop only when no wake-up is on its
+    way already, so pieces made while the loop is busy go out together, at one wake-up."""
 
     ids: list[int]
     max_tokens: int
     request: Request
     prime: bool  # decode as the prompt's continuation (completions) or as a reply (chat)
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue  # ("text", str), then ("done", Generation) or ("error", message)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    events: deque = field(
+        default_factory=deque
+    )  # ("text", str)..., then ("done", Generation) or ("error", str)
     cancel: threading.Event = field(default_factory=threading.Event)
+    woken: bool = False  # a wake-up is on its way to the loop
 
-    def emit(self, kind: str, value: object) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+    def emit(self, kind: str, value: object) -> None:  # on the worker thread
+        self.events.append((kind, value))
+        if not self.woken:
+            self.woken = True
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def drain(self) -> list[tuple[str, object]]:  # on the event loop
+        await self.ready.wait()
+        self.ready.clear()
+        self.woken = False  # before taking the events: one appended from here on wakes again
+        return [self.events.popleft() for _ in range(len(self.events))]
 
 
 @dataclass
@@ -276,35 +298,22 @@ class Worker(threading.Thread):
     def metrics_text(self) -> str:
         """The counters in Prometheus' text format."""
         m = self.metrics
-        rows = [
+        rows = [  # (name, type, help, value)
             ("requests_total", "counter", "Requests completed.", m.requests),
-            ("prompt_tokens_total", "counter", "Prompt tokens of completed requests.", m.prompt_tokens),
-            (
-                "prompt_tokens_reused_total",
-                "counter",
-                "Prompt tokens found in the KV cache.",
-                m.reused_tokens,
-            ),
+            ("prompt_tokens_total", "counter", "Prompt tokens.", m.prompt_tokens),
+            ("prompt_tokens_reused_total", "counter", "Prompt tokens from the cache.", m.reused_tokens),
             ("generation_tokens_total", "counter", "Tokens generated.", m.generated_tokens),
             ("busy_seconds_total", "counter", "Seconds the engine spent on requests.", m.busy_s),
-            ("decode_tokens_per_second", "gauge", "Decode tok/s of the last request.", m.last_decode_tok_s),
-            (
-                "prompt_tokens_per_second",
-                "gauge",
-                "Prompt tok/s (fed tokens) of the last request.",
-                m.last_prompt_tok_s,
-            ),
+            ("decode_tokens_per_second", "gauge", "Decode tok/s, last request.", m.last_decode_tok_s),
+            ("prompt_tokens_per_second", "gauge", "Fed prompt tok/s, last request.", m.last_prompt_tok_s),
             ("queue_length", "gauge", "Requests waiting for the engine.", self.jobs.qsize()),
-            ("requests_running", "gauge", "Requests on the engine now (0 or 1).", m.running),
+            ("requests_running", "gauge", "Requests on the engine (0 or 1).", m.running),
             ("model_loaded", "gauge", "1 once the model is loaded.", int(self.llm is not None)),
         ]
         out = []
         for name, kind, about, value in rows:
-            out += [
-                f"# HELP pycalm_{name} {about}",
-                f"# TYPE pycalm_{name} {kind}",
-                f"pycalm_{name} {value:g}",
-            ]
+            out += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
+            out.append(f"pycalm_{name} {value:g}")
         return "\n".join(out) + "\n"
 
 
@@ -348,7 +357,7 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
             )
         room = llm.seq_len - len(ids)
         max_tokens = room if r.max_tokens is None else min(r.max_tokens, room)
-        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop())
         worker.jobs.put(job)
         return job
 
@@ -370,21 +379,19 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
         )
 
     async def events(job: Job) -> AsyncIterator[tuple[str, object]]:
-        """The job's events; text pieces that queued up meanwhile come as one. Leaving early (a
-        client gone) cancels the job, which the worker sees at its next token."""
+        """The job's events; the text pieces of one wake-up come as one. Leaving early (a client
+        gone) cancels the job, which the worker sees at its next token."""
         try:
             while True:
-                kind, value = await job.events.get()
-                while kind == "text" and not job.events.empty():
-                    more = job.events.get_nowait()
-                    if more[0] != "text":
+                batch = await job.drain()
+                text = "".join(value for kind, value in batch if kind == "text")
+                if text:
+                    yield "text", text
+                    await asyncio.sleep(STREAM_INTERVAL_S)
+                for kind, value in batch:
+                    if kind != "text":
                         yield kind, value
-                        kind, value = more
-                        break
-                    value += more[1]
-                yield kind, value
-                if kind != "text":
-                    return
+                        return
         finally:
             job.cancel.set()
 
@@ -393,19 +400,16 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
         try:
             body = await read_body(request)
             r = parse_common(body)
+            for name, off in (("logprobs", (None, False)), ("tools", (None, [])), ("echo", (None, False))):
+                _unsupported(body, name, off)
             if chat:
                 ids = worker.llm.chat_ids(parse_messages(body))
             else:
-                _unsupported(body, "echo", (None, False))
                 _unsupported(body, "suffix", (None, ""))
-                _unsupported(body, "logprobs", (None,))
                 prompt = parse_prompt(body)
                 ids = worker.llm.tokenize(prompt) if isinstance(prompt, str) else prompt
                 if any(not 0 <= t < worker.llm.config.vocab_size for t in ids):
                     raise BadRequest("a token id is outside the vocabulary", "prompt")
-            if chat:
-                _unsupported(body, "logprobs", (None, False))
-                _unsupported(body, "tools", (None, []))
             job = submit(ids, r, prime=not chat)
         except BadRequest as e:
             return fail(e)
@@ -418,11 +422,8 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
             if not chat:
                 return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             if r.stream:
-                return {
-                    "index": 0,
-                    "delta": {} if text is None else {"content": text},
-                    "finish_reason": finish,
-                }
+                delta = {} if text is None else {"content": text}
+                return {"index": 0, "delta": delta, "finish_reason": finish}
             message = {"role": "assistant", "content": text}
             return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
 
@@ -549,14 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     name = model_name(args.model)
 
     def load_model() -> object:
-        return load(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            context=args.context,
-            kv=args.kv,
-            cache_dir=args.cache_dir,
-        )
+        options = dict(device=args.device, dtype=args.dtype, context=args.context, kv=args.kv)
+        return load(args.model, cache_dir=args.cache_dir, **options)
 
     def on_loaded(llm: object | None, message: str) -> None:
         if llm is None:
@@ -570,30 +565,18 @@ def main(argv: list[str] | None = None) -> int:
         async def when_listening() -> None:
             while not server.started and not server.should_exit:
                 await asyncio.sleep(0.01)
-            print(
-                f"pycalm: listening on http://{args.host}:{args.port}; loading {name}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"pycalm: listening on http://{args.host}:{args.port}; loading {name}", file=sys.stderr)
             worker.start()
 
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
     worker = Worker(load_model, on_loaded)
     app = make_app(worker, name, on_startup=start_loading)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=3,
-    )
-    server = uvicorn.Server(config)
+    # uvicorn's own lines only for warnings and errors: pycalm logs one line a request
+    config = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **config))
     server.run()
-    if failed or not server.started:
-        return 1
-    return 0
+    return 1 if failed or not server.started else 0
 
 
 if __name__ == "__main__":
