@@ -21,6 +21,17 @@ bytes written.
 The engine's default step has programmatic graph edges where the GPU has them (compute
 capability 9.0+, pycalm.graph); the same step captured with plain edges is timed alongside.
 
+--prefill adds the multi-token forward (pycalm.prefill): for prompts of --lengths tokens (128,
+512, 2048, 4000) the prefill's tok/s (wall clock, launches included, best of 2-3 after a
+warm-up) and TFLOP/s (2 x the layers' weights x T plus attention's FLOPs; the classifier does
+not run on prompt rows) against 989 TFLOP/s, the H200's dense fp16 tensor-core rate; the time to
+the first token of a 2,048-token prompt (warm: prefill of 2,047, then the last prompt token's
+step); and for --split cells the time of each kernel role of that prefill (each role's launches
+for all layers of a chunk captured in a graph of their own). Mixtral's prompt takes token steps
+(no grouped-expert matmul yet), and its rows say so.
+
+    python scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16 --chunks 512,2048
+
 Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the
 n_experts_active chosen experts' matrices of every layer (and the float32 router), not the
 whole expert stacks.
@@ -336,6 +347,145 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = N
     return res
 
 
+# ---------------------------------------------------------------------------------------------
+# prefill: the multi-token forward (pycalm.prefill) over prompts of T tokens
+
+TENSOR_PEAK = 989.0  # TFLOP/s: the H200's dense fp16 tensor-core rate (datasheet, wgmma)
+PREFILL_LENGTHS = (128, 512, 2048, 4000)
+
+
+def layer_weights(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The (N, K) weight matrices a prefill row multiplies through in one layer, by matmul role."""
+    return {
+        "matmul qkv": (cfg.qkv_dim, cfg.dim),
+        "matmul wo+res": (cfg.dim, cfg.q_dim),
+        "matmul gate": (2 * cfg.hidden_dim, cfg.dim),  # w1 and w3
+        "matmul w2+res": (cfg.dim, cfg.hidden_dim),
+    }
+
+
+def prefill_flops(cfg: ModelConfig, n_tokens: int) -> int:
+    """2 x the layers' weights x T (the classifier is not run on prompt rows) plus attention's
+    (pycalm.kernels.prefill_attention.prefill_attention_flops, every row over its keys)."""
+    from pycalm.kernels.prefill_attention import prefill_attention_flops
+
+    params = cfg.n_layers * sum(n * k for n, k in layer_weights(cfg).values())
+    return 2 * params * n_tokens + cfg.n_layers * prefill_attention_flops(n_tokens, 0, cfg)
+
+
+def time_prefill(engine: GpuEngine, ids: list[int], reps: int) -> float:
+    """Seconds for engine.prefill(ids, 0), wall clock to the stream's end (launches included),
+    the best of reps."""
+    best = float("inf")
+    for _ in range(reps):
+        engine.stream.synchronize()
+        t0 = time.perf_counter()
+        engine.prefill(ids, 0)
+        engine.stream.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
+    """Seconds of each kernel role of a prefill of n_tokens (its launches for all layers and
+    every chunk, each role's launches of a chunk captured in a graph of their own and replayed)."""
+    from pycalm.kernels.matmul import matmul
+    from pycalm.kernels.prefill_attention import prefill_attention
+    from pycalm.kernels.rows import embed_rows, qkv_rows, rmsnorm_rows
+
+    e, cfg, s = engine, engine.config, engine.stream
+    dt, eps, p = cfg.weight_dtype, cfg.norm_eps, engine._prefill_step()
+    roles = {  # role -> its launches for one layer and a chunk of rows b
+        "rmsnorm_rows": lambda L, c, b: (rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s),
+                                              rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)),
+        "matmul qkv": lambda L, c, b: matmul(b.xb, L.wqkv, b.qkv, dt, stream=s),
+        "qkv_rows": lambda L, c, b: qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, c, cfg, stream=s),
+        "prefill_attention": lambda L, c, b: prefill_attention(b.q, c, e.state, b.att, cfg, stream=s),
+        "matmul wo+res": lambda L, c, b: matmul(b.att, L.wo, b.x, dt, stream=s, mode="residual"),
+        "matmul gate": lambda L, c, b: matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3),
+        "matmul w2+res": lambda L, c, b: matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual"),
+    }  # fmt: skip
+
+    def every_layer(launch: Callable, b: object) -> None:
+        for L, cache in zip(e.layers, e.kv_caches, strict=True):
+            launch(L, cache, b)
+
+    out = dict.fromkeys(["embed_rows", *roles], 0.0)
+    for pos0 in range(0, n_tokens, p.max_chunk):
+        n = min(p.max_chunk, n_tokens - pos0)
+        b = p._rows(n)
+        tokens = e.feed[pos0 : pos0 + n]
+        graphs = {name: GraphStep(s, functools.partial(every_layer, fn, b)) for name, fn in roles.items()}
+        graphs["embed_rows"] = GraphStep(
+            s, functools.partial(embed_rows, e.tok_embeddings, tokens, b.x, dt, stream=s)
+        )
+        for name, g in graphs.items():
+            out[name] += time_replays(e, lambda q, g=g: g, pos0, 3)  # sets state: pos0
+    return out
+
+
+def bench_prefill(
+    shape: str, dtype: str, lengths: list[int], chunk: int, split: bool, first_tokens: int = 2048
+) -> dict:
+    """tok/s and TFLOP/s of the prefill of each prompt length; time to the first token of a
+    prompt of first_tokens (warm: the prefill of all but its last token, then the last token's
+    step, which samples the first new one); with split, the time of each kernel role of a
+    prefill of first_tokens."""
+    cfg = config_for(shape, dtype, 4096)
+    engine = GpuEngine(
+        RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions(prefill_chunk=chunk)
+    )
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(3, cfg.vocab_size, max([*lengths, first_tokens]))]
+    engine.prefill(ids[:128], 0)  # compiles every kernel
+    cells = {}
+    for n in lengths:
+        t = time_prefill(engine, ids[:n], 2 if n > 512 else 3)
+        flops = prefill_flops(cfg, n)
+        cells[n] = dict(seconds=t, tok_s=n / t, tflops=flops / t / 1e12)
+    greedy = SamplingParams(temperature=0.0)
+    list(engine.generate(ids[:first_tokens], 0, 1, greedy))  # warm: the step's graph captured
+    engine.stream.synchronize()
+    t0 = time.perf_counter()
+    list(engine.generate(ids[:first_tokens], 0, 1, greedy))
+    ttft = time.perf_counter() - t0
+    roles = prefill_roles(engine, first_tokens) if split else None
+    moe = " (token steps: no grouped-expert matmul)" if cfg.n_experts else ""
+    return dict(shape=shape + moe, dtype=dtype, chunk=chunk, cells=cells, ttft=ttft, roles=roles, cfg=cfg)
+
+
+def print_prefill(results: list[dict], lengths: list[int]) -> None:
+    from pycalm.kernels.prefill_attention import prefill_attention_flops
+
+    print(f"\nprefill (tok/s, TFLOP/s, % of the {TENSOR_PEAK:.0f} TFLOP/s dense fp16 tensor-core peak)")
+    head = " | ".join(f"T={n}" for n in lengths)
+    print(f"| shape | weights | chunk | {head} | first token @2048 |")
+    print("|---|---|---|" + "---|" * len(lengths) + "---|")
+    for r in results:
+        cells = " | ".join(
+            f"{c['tok_s']:,.0f} tok/s, {c['tflops']:.0f} TF ({100 * c['tflops'] / TENSOR_PEAK:.0f}%)"
+            for c in r["cells"].values()
+        )
+        print(f"| {r['shape']} | {r['dtype']} | {r['chunk']} | {cells} | {1e3 * r['ttft']:.0f} ms |")
+    for r in results:
+        if not r["roles"]:
+            continue
+        cfg, total = r["cfg"], sum(r["roles"].values())
+        print(f"\n{r['shape']} {r['dtype']}, 2048 tokens in chunks of {r['chunk']}: the kernels alone {1e3 * total:.1f} ms"
+              f" (prefill {1e3 * r['cells'].get(2048, {}).get('seconds', float('nan')):.1f} ms)")  # fmt: skip
+        print("| kernel | ms | % of the kernels | TFLOP/s |")
+        print("|---|---|---|---|")
+        mats = layer_weights(cfg)
+        for name, t in r["roles"].items():
+            tf = ""
+            if name in mats:
+                n_w, k_w = mats[name]
+                tf = f"{2 * 2048 * n_w * k_w * cfg.n_layers / t / 1e12:.0f}"
+            elif name == "prefill_attention":
+                tf = f"{cfg.n_layers * prefill_attention_flops(2048, 0, cfg) / t / 1e12:.1f}"
+            print(f"| {name} | {1e3 * t:.1f} | {100 * t / total:.0f}% | {tf} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3-8b,tinyllama-1.1b")
@@ -348,8 +498,40 @@ def main() -> None:
         help="plain graph edges only (default: programmatic edges where the GPU has them, and the"
         " plain-edge step timed alongside)",
     )
+    ap.add_argument("--prefill", action="store_true", help="also time the prefill (the multi-token forward)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode cells (with --prefill)")
+    ap.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)), help="prefill prompt lengths")
+    ap.add_argument("--chunks", default="512", help="prefill chunk sizes to time (rows a pass)")
+    ap.add_argument(
+        "--split", default="llama3-8b:fp16", help="SHAPE:DTYPE cells whose prefill is timed kernel by kernel"
+    )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
+    if args.prefill:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        prefill = []
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                for chunk in map(int, args.chunks.split(",")):
+                    split = f"{shape}:{dtype}" in args.split.split(",") and chunk == int(
+                        args.chunks.split(",")[0]
+                    )
+                    r = bench_prefill(shape, dtype, lengths, chunk, split)
+                    prefill.append(r)
+                    cells = "  ".join(
+                        f"T={n} {c['tok_s']:,.0f} tok/s {c['tflops']:.0f} TF" for n, c in r["cells"].items()
+                    )
+                    print(
+                        f"prefill {shape} {dtype} chunk {chunk}: {cells}; first token @2048 {1e3 * r['ttft']:.0f} ms",
+                        flush=True,
+                    )
+        print_prefill(prefill, lengths)
+        if args.no_decode:
+            if args.json:
+                Path(args.json).write_text(
+                    json.dumps([{k: v for k, v in r.items() if k != "cfg"} for r in prefill], indent=1)
+                )
+            return
     results = []
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
