@@ -279,6 +279,38 @@ def test_two_concurrent_clients(server, client):
     assert results == {0: expected[0], 1: expected[1]}
 
 
+def test_requests_queue_in_arrival_order(server, client):
+    """One request at a time: the second and third wait (queue_length) while the first runs,
+    and start in the order they came, each after the one before it ended."""
+    spans: dict[int, tuple[float, float]] = {}  # request -> (first piece, last piece) times
+
+    def ask(i: int) -> None:
+        times = []
+        n = 40 if i == 0 else 4  # the first runs long enough for the others to queue behind it
+        stream = client.completions.create(model="m", prompt=PROMPT, max_tokens=n, temperature=0, stream=True)
+        for c in stream:
+            if c.choices[0].text:
+                times.append(time.monotonic())
+        spans[i] = (times[0], times[-1])
+
+    first = threading.Thread(target=ask, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 60
+    while _metrics(server)["pycalm_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    rest = []
+    for i in (1, 2):
+        rest.append(threading.Thread(target=ask, args=(i,)))
+        rest[-1].start()
+        while _metrics(server)["pycalm_queue_length"] < i and time.monotonic() < deadline:
+            time.sleep(0.01)
+    queued = _metrics(server)["pycalm_queue_length"]
+    for t in [first, *rest]:
+        t.join(timeout=120)
+    assert queued == 2  # both wait while the first runs
+    assert spans[0][1] < spans[1][0] and spans[1][1] < spans[2][0], spans
+
+
 def test_readme_examples(server):
     """The README's curl and openai examples, as written but for the port."""
     readme = (REPO / "README.md").read_text()
