@@ -350,3 +350,11 @@ def test_pycalm_command():
         [sys.executable, "-m", "pycalm", "bake"], capture_output=True, text=True, env=_env(), cwd=REPO
     )
     assert out.returncode == 2 and out.stderr.startswith("error: unknown command")
+
+
+def test_a_model_that_fails_to_load_ends_the_server(tmp_path):
+    bad = tmp_path / "missing.pycalm"
+    cmd = [sys.executable, "-m", "pycalm.serve", str(bad), "--port", str(_free_port()), "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: model not found: {bad}"
