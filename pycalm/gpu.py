@@ -128,9 +128,10 @@ class EngineOptions:
     # token steps generate() enqueues ahead of the one whose token the host waits for (1: a host
     # round trip a token; more hides the host's work between tokens behind the GPU's)
     decode_lookahead: int = 4
-    # rows a multi-token pass (pycalm.prefill) takes at most (the tests take a few, so that a
-    # short prompt spans several chunks)
-    prefill_chunk: int = 512
+    # rows a multi-token pass (pycalm.prefill) takes at most: 2048 prefills a 2,048-token prompt
+    # of Llama-3-8B 22% faster than 512 (docs/BENCHMARKS.md); its buffers take about 270 MB
+    # there. The tests take a few rows, so that a short prompt spans several chunks.
+    prefill_chunk: int = 2048
 
 
 class EagerStep:
@@ -246,7 +247,11 @@ class GpuEngine:
         self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
         self._token_events = [cuda.event() for _ in range(options.decode_lookahead)]
         self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
+        from pycalm.prefill import unsupported
+
         self.prefill_chunk = options.prefill_chunk
+        # the multi-token forward takes the prompts (else the token step: Mixtral, odd head sizes)
+        self.multi_token = unsupported(cfg) is None
         self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
         s.synchronize()
 
@@ -334,9 +339,10 @@ class GpuEngine:
     # ---------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start_pos: int) -> None:
         """Feed ids at positions start_pos.. through the multi-token forward (pycalm.prefill),
-        caching their keys and values; Mixtral's through the token step, one at a time (no
-        grouped-expert matmul exists yet). The state is left for the caller to set."""
-        if self.config.n_experts:  # token steps (greedy, the sampled tokens unused), tokens from feed
+        caching their keys and values; where it does not take the model (Mixtral: no
+        grouped-expert matmul yet; pycalm.prefill.unsupported), through the token step, one
+        token at a time. The state is left for the caller to set."""
+        if not self.multi_token:  # token steps (greedy, the sampled tokens unused), tokens from feed
             end = start_pos + len(ids)
             steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
             self.feed[start_pos:end].copy_to_device(np.asarray(ids, np.int32), stream=self.stream)
@@ -349,8 +355,9 @@ class GpuEngine:
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order
-        (a block holds at most pycalm.prefill.LOGITS_BYTES)."""
-        if self.config.n_experts:
+        (a block holds at most pycalm.prefill.LOGITS_BYTES; without the multi-token forward, a
+        row a block from the token step)."""
+        if not self.multi_token:
             for i, token in enumerate(ids):
                 yield self.logits(token, start_pos + i)[None]
             return
@@ -385,10 +392,9 @@ class GpuEngine:
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
-        # the prompt but its last token goes through the multi-token forward (pycalm.prefill);
-        # Mixtral's through token steps (no grouped-expert matmul yet): the first token step's
-        # position
-        first = start_pos if self.config.n_experts else end - 1
+        # the prompt but its last token goes through the multi-token forward (pycalm.prefill)
+        # where it takes the model, else through token steps: the first token step's position
+        first = end - 1 if self.multi_token else start_pos
         # every token step this call runs, captured before the state is set
         steps = [self.graph(sampling, p) for p in range(first, last + 1)]
         if first > start_pos:
@@ -402,7 +408,7 @@ class GpuEngine:
             coins[end - 1 :] = np.random.default_rng(sampling.seed).random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
         self._set_state(int(ids[first - start_pos]), first, end)
-        for i in range(end - 1 - first):  # Mixtral: positions start_pos .. end-2, tokens from feed
+        for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]

@@ -11,15 +11,15 @@ cache rows pos0 .. pos0 + T - 1 are written on the way.
 A prompt is cut into chunks of at most max_chunk rows; the activations of max_chunk rows are
 allocated once, on the first prefill (an engine that only decodes allocates nothing). Every
 chunk is plain launches on the engine's stream (about nine a layer, each milliseconds of work
-at a chunk of 512 on an 8B model, so the launch cost is hidden behind the GPU's work).
+at a chunk of 2048 rows on an 8B model, so the launch cost is hidden behind the GPU's work).
 
 The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs are written in
 fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
 logits of the two paths agree to about 1e-3 relative (tests/test_prefill.py).
 
-Mixtral (n_experts > 0): no grouped-expert matmul exists yet, so a mixture-of-experts model's
-prompt goes through the token step (GpuEngine.prefill falls back to it) and forward_rows is not
-used for it.
+Models it does not take (unsupported() says why) feed their prompts through the token step
+instead (GpuEngine.prefill falls back to it): Mixtral (n_experts > 0), since no grouped-expert
+matmul exists yet, and head sizes the prefill attention's 16-byte loads do not fit.
 """
 
 from __future__ import annotations
@@ -33,7 +33,18 @@ from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
-DEFAULT_CHUNK = 512  # rows a pass takes at most
+
+
+def unsupported(cfg: ModelConfig) -> str | None:
+    """Why the multi-token forward cannot run a model of this config, or None when it can."""
+    if cfg.n_experts:
+        return "mixture-of-experts layers (no grouped-expert matmul yet)"
+    if cfg.head_dim % 16:
+        return f"head_dim {cfg.head_dim} (the prefill attention loads 16 bytes of a head's row)"
+    for name in ("dim", "q_dim", "hidden_dim"):  # the matmuls' K: 16-byte rows of fp16
+        if getattr(cfg, name) % 8:
+            return f"{name} {getattr(cfg, name)} (the matmuls need K a multiple of 8)"
+    return None
 
 
 @dataclass
@@ -77,10 +88,11 @@ class Prefill:
     """The multi-token forward of a GpuEngine (its weights, KV cache, state and stream), in
     chunks of at most max_chunk rows."""
 
-    def __init__(self, engine: object, max_chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(self, engine: object, max_chunk: int) -> None:
         cfg: ModelConfig = engine.config
-        if cfg.n_experts:
-            raise PycalmError("the multi-token forward has no mixture-of-experts layer yet")
+        reason = unsupported(cfg)
+        if reason:
+            raise PycalmError(f"the multi-token forward does not take {reason}")
         if max_chunk < 1:
             raise PycalmError(f"a prefill chunk takes at least one row, got {max_chunk}")
         self.engine = engine
