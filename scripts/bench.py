@@ -501,7 +501,11 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="also time the prefill (the multi-token forward)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode cells (with --prefill)")
     ap.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)), help="prefill prompt lengths")
-    ap.add_argument("--chunks", default="512", help="prefill chunk sizes to time (rows a pass)")
+    ap.add_argument(
+        "--chunks",
+        default=str(EngineOptions().prefill_chunk),
+        help="prefill chunk sizes to time (rows a pass; default: the engine's)",
+    )
     ap.add_argument(
         "--split", default="llama3-8b:fp16", help="SHAPE:DTYPE cells whose prefill is timed kernel by kernel"
     )
