@@ -404,14 +404,18 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        from pycalm.kernels import cache as kernel_cache
         from pycalm.loader import open_model
         from pycalm.tokenizer import Tokenizer
 
         # compiled kernels live beside the models, under --cache-dir too (set before the kernel
         # modules are imported: numba fixes each kernel's cache folder when it is declared)
-        kernel_cache.set_root(cache_dir(args.cache_dir))
-        kernels_before = kernel_cache.cached_kernels()
+        # (the CPU engine imports no numba: --device cpu leaves the kernel cache alone)
+        kernel_cache = None
+        if args.device != "cpu":
+            from pycalm.kernels import cache as kernel_cache
+
+            kernel_cache.set_root(cache_dir(args.cache_dir))
+        kernels_before = kernel_cache.cached_kernels() if kernel_cache else 0
         path = resolve_model(args.model, args.dtype, cache_dir(args.cache_dir), log)
         timings = Timings(load_bytes=path.stat().st_size)
         t0 = time.perf_counter()
@@ -429,13 +433,13 @@ def main(argv: list[str] | None = None) -> int:
             run_perplexity(engine, tok, args.perplexity)
         elif args.system is not None:
             run_chat(engine, tok, args.system, args.steps, sampling, timings)
-            timings.compiled = kernel_cache.cached_kernels() - kernels_before
+            timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
         else:
             run_prompt(
                 engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling, timings
             )
-            timings.compiled = kernel_cache.cached_kernels() - kernels_before
+            timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
     except PycalmError as e:
         print(f"error: {e}", file=sys.stderr)
