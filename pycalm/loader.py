@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -286,20 +287,35 @@ STAGING_BUFFERS = 8  # buffers, and so reads, in flight
 READERS = min(8, os.cpu_count() or 1)
 
 
-def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dict[str, object]:
-    """Every tensor of `names` as a device array of its stored dtype and shape, read from the
-    file at the page cache's rate.
+class Upload:
+    """Tensors on their way to the device: `arrays` (name -> device array of the stored dtype
+    and shape) exist at once, their bytes arrive from a thread; wait() returns them once every
+    copy is done, or raises what the thread raised."""
+
+    def __init__(
+        self, arrays: dict[str, object], thread: threading.Thread, errors: list[BaseException]
+    ) -> None:
+        self.arrays, self._thread, self._errors = arrays, thread, errors
+
+    def wait(self) -> dict[str, object]:
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
+        return self.arrays
+
+
+def start_upload(model: ModelFile, names: list[str], *, stream: object) -> Upload:
+    """Start copying every tensor of `names` from the file to the device, at the page cache's
+    rate, on `stream`, from a thread: the caller goes on (the engine compiles its kernels
+    meanwhile: a file read and an asynchronous copy release the GIL).
 
     The tensors' bytes are cut into pieces of STAGING_BYTES in file order. READERS threads read
     the pieces (os.preadv) into STAGING_BUFFERS pinned host buffers, a piece a buffer; the
-    caller's thread copies each piece, in order, from its buffer to its place in the tensor's
-    device array (an asynchronous copy: pinned memory, the engine's stream) and records an
-    event; a buffer is read into again only once the event of its last copy has passed. So the
-    file reads, which are the slow part, run on several cores while the copies overlap them.
+    upload's thread copies each piece, in order, from its buffer to its place in the tensor's
+    device array (an asynchronous copy: pinned memory, the stream) and records an event; a
+    buffer is read into again only once the event of its last copy has passed. So the file
+    reads, which are the slow part, run on several cores while the copies overlap them.
     """
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     from numba import cuda
 
     entries = sorted((model._entries[n] for n in names), key=lambda e: e.begin)
@@ -310,9 +326,35 @@ def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dic
         for off in range(0, e.end - e.begin, STAGING_BYTES):
             size = min(STAGING_BYTES, e.end - e.begin - off)
             pieces.append((e.begin + off, flat[off : off + size], size))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _copy_pieces(model.path, pieces, stream)
+        except BaseException as e:  # noqa: BLE001 - handed to wait(), on the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="pycalm-upload", daemon=True)
+    thread.start()
+    return Upload(out, thread, errors)
+
+
+def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dict[str, object]:
+    """Every tensor of `names` as a device array of its stored dtype and shape (start_upload,
+    waited for)."""
+    return start_upload(model, names, stream=stream).wait()
+
+
+def _copy_pieces(path: Path, pieces: list[tuple[int, object, int]], stream: object) -> None:
+    """Read each (file offset, device view, bytes) piece into a pinned buffer and copy it on."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numba import cuda
+
     buffers = [cuda.pinned_array(STAGING_BYTES, np.uint8) for _ in range(min(STAGING_BUFFERS, len(pieces)))]
     copied = [cuda.event() for _ in buffers]  # passed: the buffer's last copy is done
-    fd = os.open(model.path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
 
     def read(i: int) -> None:
         offset, _, size = pieces[i]
@@ -321,7 +363,7 @@ def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dic
         while done < size:
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise PycalmError(f"{model.path}: file ends inside tensor data (offset {offset + done})")
+                raise PycalmError(f"{path}: file ends inside tensor data (offset {offset + done})")
             done += n
 
     try:
@@ -338,7 +380,6 @@ def upload_tensors(model: ModelFile, names: list[str], *, stream: object) -> dic
         stream.synchronize()
     finally:
         os.close(fd)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

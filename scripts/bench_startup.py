@@ -164,6 +164,66 @@ def engine_ready(model: Path, cache: Path) -> dict:
     return r
 
 
+_FIRST_CALL = r"""
+import json, sys, time
+sys.path.insert(0, "scripts")
+from pycalm.kernels import cache
+cache.set_root(sys.argv[3])
+before = cache.cached_kernels()
+from bench import RandomDeviceModel, config_for
+from pycalm.gpu import GpuEngine
+from pycalm.sampler import SamplingParams
+engine = GpuEngine(RandomDeviceModel(config_for(sys.argv[1], sys.argv[2], 4096)), seq_len=4096, kv_dtype="fp16")
+greedy = SamplingParams(temperature=0.0)
+prompt = [1 + (7 * i) % 30000 for i in range(2000)]
+calls = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    tokens = engine.generate(prompt, 0, 64, greedy)
+    next(tokens)
+    first = time.perf_counter() - t0
+    n = sum(1 for _ in tokens)
+    calls.append(dict(first_token_s=first, rest_tok_s=n / (time.perf_counter() - t0 - first)))
+print("CALLS" + json.dumps(dict(calls=calls, compiled=cache.cached_kernels() - before)))
+"""
+
+
+def first_calls(shape: str, dtype: str, cache: Path) -> dict:
+    """The issue's table, like for like: a fresh process builds a GpuEngine on random device
+    weights and calls generate twice with a 2,000-token prompt and 64 new tokens; seconds from
+    each call to its first token (the first call pays for compiling or loading the kernels and
+    capturing the graphs)."""
+    p = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALL, shape, dtype, str(cache)], capture_output=True, text=True,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CALLS")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(p.stderr[-3000:])
+    return json.loads(lines[-1][5:])
+
+
+def table(args: argparse.Namespace) -> None:
+    """First and second call of generate (2,000-token prompt) in fresh processes, with an empty
+    and then a filled kernel cache, for each shape:dtype of --cells."""
+    work = Path(tempfile.mkdtemp(prefix="pycalm-table-"))
+    results = []
+    for cell in args.cells.split(","):
+        shape, dtype = cell.split(":")
+        cache = work / f"cache-{shape}-{dtype}"
+        for label in ("cold", "warm"):
+            r = dict(shape=shape, dtype=dtype, cache=label, **first_calls(shape, dtype, cache))
+            results.append(r)
+            first, second = r["calls"]
+            print(
+                f"{shape} {dtype} {label} cache: first call {first['first_token_s']:.2f} s to the first token,"
+                f" second call {second['first_token_s']:.3f} s ({r['compiled']} kernels compiled)",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
 # ---------------------------------------------------------------------------------------------
 # decode: generate against graph replays
 
@@ -331,6 +391,11 @@ def main() -> None:
     r.add_argument("--big-dtype", default="gf4")
     r.add_argument("--decode", default="tinyllama-1.1b:fp16,llama3-8b:fp16,llama3-8b:gf4")
     r.add_argument("--json", help="write every figure here")
+    f = sub.add_parser(
+        "table", help="first and second generate call, 2,000-token prompt, cold and warm (GPU)"
+    )
+    f.add_argument("--cells", default="tinyllama-1.1b:fp16,llama3-8b:fp16,llama3-8b:gf4")
+    f.add_argument("--json", help="write every figure here")
     u = sub.add_parser("upload", help="the upload's GB/s by reader threads (GPU)")
     u.add_argument("--tokenizer", required=True)
     u.add_argument("--shape", default="llama3-8b")
@@ -341,6 +406,8 @@ def main() -> None:
         save_tokenizer(Path(args.out), args.gguf)
     elif args.cmd == "upload":
         upload_sweep(args)
+    elif args.cmd == "table":
+        table(args)
     else:
         run(args)
 
