@@ -132,6 +132,9 @@ class EngineOptions:
     # of Llama-3-8B 22% faster than 512 (docs/BENCHMARKS.md); its buffers take about 270 MB
     # there. The tests take a few rows, so that a short prompt spans several chunks.
     prefill_chunk: int = 2048
+    # compile the token step's kernels (or load them from the kernel cache) while a model file's
+    # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only
+    compile_while_loading: bool = True
 
 
 class EagerStep:
@@ -170,14 +173,17 @@ class GpuEngine:
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
         # offers device_tensor(name); a model file's tensors are read into device arrays
-        # through pinned staging buffers, the whole file in one pass (pycalm.loader.upload_tensors)
+        # through pinned staging buffers, the whole file in one pass, by a thread on a stream of
+        # its own (pycalm.loader.start_upload): the arrays exist now, their bytes arrive while
+        # the rest of __init__ runs
+        upload = None
         if hasattr(model, "device_tensor"):
             dev = model.device_tensor
         else:
-            from pycalm.loader import upload_tensors
+            from pycalm.loader import start_upload
 
-            weights = upload_tensors(model, [n for n in model.names() if n != "tokenizer"], stream=s)
-            dev = weights.__getitem__
+            upload = start_upload(model, [n for n in model.names() if n != "tokenizer"], stream=cuda.stream())
+            dev = upload.arrays.__getitem__
 
         self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
         self.rope_freqs = dev("rope_freqs")  # (rotary_dim // 2,) float32
@@ -253,6 +259,15 @@ class GpuEngine:
         # the multi-token forward takes the prompts (else the token step: Mixtral, odd head sizes)
         self.multi_token = unsupported(cfg) is None
         self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
+        if upload is not None:
+            if self.use_graph and options.compile_while_loading:
+                # the greedy token step, once, on the weights as they stand mid-copy: it compiles
+                # (or loads from the kernel cache) every kernel of the step while the file's bytes
+                # arrive; its output, one KV row at the last position and the state, is garbage
+                # that generate() rewrites before reading (as graph()'s eager run)
+                self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
+                self.forward(SamplingParams(temperature=0.0), self.span(self.seq_len - 1))
+            upload.wait()
         s.synchronize()
 
     # ---------------------------------------------------------------------------------------
