@@ -3,6 +3,7 @@ the weights' upload rate, and the decode rate inside generate beside the graph-r
 
     python scripts/bench_startup.py tokenizer OUT.npz         # here: SmolLM2's tokenizer and config
     python scripts/bench_startup.py run --tokenizer OUT.npz   # on the GPU machine: everything below
+    python scripts/bench_startup.py table                     # on the GPU machine: the first-call table
 
 - SmolLM2 through the CLI: a pycalm file of SmolLM2's shape and tokenizer with random fp16
   weights is written, then `python -m pycalm.generate FILE -i PROMPT -n 64 -t 0 --device gpu
@@ -126,13 +127,13 @@ t_start = float(sys.argv[3])
 from pycalm.kernels import cache
 cache.set_root(sys.argv[2])
 before = cache.cached_kernels()
-from pycalm.gpu import GpuEngine
+from pycalm.gpu import EngineOptions, GpuEngine
 from pycalm.loader import open_model
 from pycalm.sampler import SamplingParams
 t_import = time.time()
 model = open_model(sys.argv[1])
 t0 = time.perf_counter()
-engine = GpuEngine(model, seq_len=4096)
+engine = GpuEngine(model, seq_len=4096, options=EngineOptions(compile_while_loading=sys.argv[4] == "1"))
 upload = time.perf_counter() - t0
 greedy = SamplingParams(temperature=0.0)
 t1 = time.perf_counter()
@@ -150,10 +151,11 @@ print("READY" + json.dumps(dict(import_s=t_import - t_start, upload_s=upload, pr
 """
 
 
-def engine_ready(model: Path, cache: Path) -> dict:
-    """A fresh process: open the file, GpuEngine (the upload), prepare, the first token."""
+def engine_ready(model: Path, cache: Path, overlap: bool = True) -> dict:
+    """A fresh process: open the file, GpuEngine (the upload, and with overlap the token step's
+    kernels compiled meanwhile), prepare, the first token."""
     p = subprocess.run(
-        [sys.executable, "-c", _READY, str(model), str(cache), repr(time.time())],
+        [sys.executable, "-c", _READY, str(model), str(cache), repr(time.time()), str(int(overlap))],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("READY")]
@@ -299,12 +301,16 @@ def run(args: argparse.Namespace) -> None:
             f"{args.big} {args.big_dtype}: {big.stat().st_size / 1e9:.2f} GB written in {write_s:.1f} s",
             flush=True,
         )
-        cache = work / "big-cache"
-        runs = [engine_ready(big, cache) for _ in range(2)]  # cold, warm
+        runs = []  # cold, warm: compiling while the weights load, then after
+        for overlap in (True, False):
+            cache = work / f"big-cache-{int(overlap)}"
+            runs += [dict(engine_ready(big, cache, overlap), overlap=overlap) for _ in range(2)]
         results["big_ready"] = runs
-        for label, r in zip(("cold", "warm"), runs, strict=True):
+        labels = ("cold, compile while loading", "warm, compile while loading", "cold, after", "warm, after")
+        for label, r in zip(labels, runs, strict=True):
             print(
-                f"  {label}: import {r['import_s']:.2f} s, upload {r['upload_s']:.2f} s ({r['upload_gbs']:.1f} GB/s),"
+                f"  {label}: import {r['import_s']:.2f} s, GpuEngine() {r['upload_s']:.2f} s"
+                f" ({r['upload_gbs']:.1f} GB/s of file{', kernels included' if r['overlap'] else ''}),"
                 f" prepare {r['prepare_s']:.2f} s ({r['compiled']} kernels compiled), ready {r['ready_s']:.2f} s,"
                 f" first token {r['first_token_s']:.2f} s",
                 flush=True,
