@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass
 
 from pycalm.errors import PycalmError
+from pycalm.formats import Q4_GROUPS
 
 ARCHS = ("llama", "mistral", "qwen2", "mixtral")
-WEIGHT_DTYPES = ("fp16", "fp8", "gf4")
+WEIGHT_DTYPES = ("fp16", "fp8", "gf4", "q8", "q4")
 METADATA_KEY = "pycalm.config"
 KV_DTYPES = ("fp16", "fp8")  # KV cache formats: float16, or fp8 e5m2 bytes
 KV_FP8_ABOVE = 4096  # contexts longer than this get an fp8 KV cache unless asked otherwise
@@ -51,6 +52,12 @@ class ModelConfig:
     n_experts_active: int = 0  # experts chosen per token (Mixtral: 2)
     sliding_window: int = 0  # 0: full attention; Mistral: attend to the last W positions
     weight_dtype: str = "fp16"  # one of WEIGHT_DTYPES: how matrices are stored
+    # mixed precision: (matrix name, dtype) for the matrices not in weight_dtype; names are the
+    # file's: tok_embeddings, output, layers.{l}.wqkv|wo|w1|w3|w2
+    tensor_dtypes: tuple[tuple[str, str], ...] = ()
+    # q4 group size (32 or 64 columns) of each q4 matrix not in q4_groups
+    q4_group: int = 32
+    q4_groups: tuple[tuple[str, int], ...] = ()  # (matrix name, group) overrides
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -64,6 +71,23 @@ class ModelConfig:
         if self.n_experts and not 0 < self.n_experts_active <= self.n_experts:
             raise PycalmError(f"n_experts_active {self.n_experts_active} must be in 1..{self.n_experts}")
         object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        pairs = tuple((str(n), str(d)) for n, d in self.tensor_dtypes)
+        object.__setattr__(self, "tensor_dtypes", pairs)
+        object.__setattr__(self, "q4_groups", tuple((str(n), int(g)) for n, g in self.q4_groups))
+        for name, dtype in pairs:
+            if dtype not in WEIGHT_DTYPES:
+                raise PycalmError(f"unsupported weight dtype {dtype!r} for {name} (one of {WEIGHT_DTYPES})")
+        for group in (self.q4_group, *(g for _, g in self.q4_groups)):
+            if group not in Q4_GROUPS:
+                raise PycalmError(f"unsupported q4 group size {group} (one of {Q4_GROUPS})")
+
+    def dtype_of(self, name: str) -> str:
+        """The weight dtype of matrix `name` (its tensor_dtypes entry, else weight_dtype)."""
+        return dict(self.tensor_dtypes).get(name, self.weight_dtype)
+
+    def group_of(self, name: str) -> int:
+        """The q4 group size of matrix `name` (its q4_groups entry, else q4_group)."""
+        return dict(self.q4_groups).get(name, self.q4_group)
 
     # derived sizes
     @property
@@ -92,4 +116,6 @@ class ModelConfig:
         if unknown:
             raise PycalmError(f"model file config has unknown fields {unknown}: written by a newer pycalm?")
         data["eos_ids"] = tuple(data.get("eos_ids", ()))
+        data["tensor_dtypes"] = tuple(tuple(p) for p in data.get("tensor_dtypes", ()))
+        data["q4_groups"] = tuple(tuple(p) for p in data.get("q4_groups", ()))
         return cls(**data)

@@ -14,11 +14,27 @@ gf4   8 consecutive weights of a row in one uint32. Bits 0-7: the group scale s 
       s * {1, .75, .5, .25, 0, -.25, -.5, -.75}. Encoder: q = rint(clip(-4 x / s + 4, 0, 7));
       s == 0 gives all-zero weights (codes 4).
 
+q8    int8 codes with one scale per row. Codes: int8 (rows, cols), two's complement, values in
+      -127..127 (-128 is never written). Scales: float32 (rows,). Weight (r, c) =
+      scales[r] * codes[r, c], a float32 product (one rounding: the code has 8 bits).
+      8 + 32 / cols bits a weight.
+q4    4-bit codes in groups of G consecutive columns of a row (G = 32 or 64, cols a multiple of
+      G), an fp16 step d and offset m per group. Codes: uint32 (rows, cols // 8): the code q
+      (0..15) of column 8j + k (k = 0..7) is bits 4k..4k+3 of word j (little-endian nibbles in
+      natural order). Scales: float16 (rows, cols // G, 2), [..., 0] = d and [..., 1] = m of
+      group g = col // G. Weight = float32(d) * q + float32(m): d * q is exact in float32 (11 + 4
+      bits), so the one rounding is the addition, fused or not. At G = 32 this is llama.cpp's
+      Q4_1 block exactly (Q4_0 is m = -8 d, also exact in fp16). 4 + 32 / G bits a weight.
+
 Stored arrays (rows, cols) of a matrix: fp16 -> float16 (rows, cols); fp8 -> uint8 (rows, cols);
-gf4 -> uint32 (rows, cols // 8), cols a multiple of 8.
+gf4 -> uint32 (rows, cols // 8), cols a multiple of 8; q8 and q4 -> a Quantized(codes, scales)
+pair of arrays as above. Stacked matrices (MoE experts, (n_experts, rows, cols)) carry the same
+leading dims on every array, codes and scales alike.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,8 +42,27 @@ FP8_MAX = 57344.0  # largest finite e5m2: 1.75 * 2**15
 FP8_MAX_BYTE = 0x7B  # its byte: exponent field 30, mantissa 3 (0x7C.. are inf and NaN)
 FP16_MAX = 65504.0  # largest finite fp16
 GF4_GROUP = 8
+Q8_MAX = 127  # q8 codes are -127..127: symmetric, so -128 is never written
+Q4_GROUPS = (32, 64)  # the q4 group sizes the format allows; 32 is llama.cpp's Q4_0/Q4_1 block
+Q4_NIBBLES = 8  # q4 codes in one uint32 word
 
 STORAGE_DTYPE = {"fp16": np.dtype(np.float16), "fp8": np.dtype(np.uint8), "gf4": np.dtype(np.uint32)}
+STORAGE_DTYPE.update(q8=np.dtype(np.int8), q4=np.dtype(np.uint32))  # the codes array
+SCALES_DTYPE = {"q8": np.dtype(np.float32), "q4": np.dtype(np.float16)}
+QUANTIZED = tuple(SCALES_DTYPE)  # the dtypes stored as codes + scales
+
+
+class Quantized(NamedTuple):
+    """A q8 or q4 matrix: its codes and scales (NumPy arrays on the CPU, device arrays on the
+    GPU), shapes as in the module docstring."""
+
+    codes: object
+    scales: object
+
+
+def bits_per_weight(dtype: str, cols: int, group: int = 32) -> float:
+    """Stored bits a weight of a row of `cols` weights, scales included."""
+    return {"fp16": 16.0, "fp8": 8.0, "gf4": 4.0, "q8": 8.0 + 32.0 / cols, "q4": 4.0 + 32.0 / group}[dtype]
 
 
 def storage_shape(rows: int, cols: int, dtype: str) -> tuple[int, int]:
@@ -36,7 +71,20 @@ def storage_shape(rows: int, cols: int, dtype: str) -> tuple[int, int]:
         if cols % GF4_GROUP:
             raise ValueError(f"gf4 needs rows whose length is a multiple of {GF4_GROUP}, got {cols}")
         return rows, cols // GF4_GROUP
+    if dtype == "q4":
+        if cols % Q4_GROUPS[0]:
+            raise ValueError(f"q4 needs rows whose length is a multiple of {Q4_GROUPS[0]}, got {cols}")
+        return rows, cols // Q4_NIBBLES
     return rows, cols
+
+
+def scales_shape(rows: int, cols: int, dtype: str, group: int = 32) -> tuple[int, ...]:
+    """Shape of the scales array of a (rows, cols) q8 or q4 matrix (q4: groups of `group`)."""
+    if dtype == "q8":
+        return (rows,)
+    if group not in Q4_GROUPS or cols % group:
+        raise ValueError(f"q4 groups of {group} do not fit rows of {cols} (groups of {Q4_GROUPS})")
+    return rows, cols // group, 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,10 +192,95 @@ def gf4_decode(w: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# q8
 
 
-def encode(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Encode a float matrix (..., cols) into the stored array of a weight dtype."""
+def q8_encode(x: np.ndarray) -> Quantized:
+    """(..., cols) float -> Quantized(int8 (..., cols), float32 (...,)): scale absmax / 127."""
+    x = np.asarray(x, dtype=np.float32)
+    scale = (np.abs(x).max(axis=-1) / np.float32(Q8_MAX)).astype(np.float32)
+    return Quantized(q8_codes(x, scale), scale)
+
+
+def q8_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest code of each weight for given row scales (a zero scale gives zero codes)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint(np.asarray(x, np.float32) / scale[..., None])
+    q = np.where(scale[..., None] == 0, 0, np.clip(q, -Q8_MAX, Q8_MAX))
+    return q.astype(np.int8)
+
+
+def q8_decode(w: Quantized) -> np.ndarray:
+    codes, scales = np.asarray(w.codes, np.int8), np.asarray(w.scales, np.float32)
+    return (scales[..., None] * codes.astype(np.float32)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# q4
+
+
+def q4_pack(q: np.ndarray) -> np.ndarray:
+    """(..., cols) codes 0..15 -> (..., cols // 8) uint32, column 8j + k in bits 4k..4k+3 of word j."""
+    q = np.asarray(q, dtype=np.uint32)
+    q = q.reshape(*q.shape[:-1], q.shape[-1] // Q4_NIBBLES, Q4_NIBBLES)
+    shifts = (4 * np.arange(Q4_NIBBLES)).astype(np.uint32)
+    return np.bitwise_or.reduce(q << shifts, axis=-1).astype(np.uint32)
+
+
+def q4_unpack(w: np.ndarray) -> np.ndarray:
+    """(..., cols // 8) uint32 -> (..., cols) uint8 codes 0..15."""
+    w = np.asarray(w, dtype=np.uint32)
+    shifts = (4 * np.arange(Q4_NIBBLES)).astype(np.uint32)
+    q = (w[..., None] >> shifts) & np.uint32(15)
+    return q.reshape(*w.shape[:-1], w.shape[-1] * Q4_NIBBLES).astype(np.uint8)
+
+
+def q4_encode(x: np.ndarray, group: int = 32) -> Quantized:
+    """(..., cols) float -> Quantized(uint32 (..., cols // 8), float16 (..., cols // group, 2)).
+
+    Each group's offset is its min and its step (max - min) / 15, both rounded to fp16; the
+    codes are then the nearest for the stored d and m.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    cols = x.shape[-1]
+    scales_shape(1, cols, "q4", group)
+    g = x.reshape(*x.shape[:-1], cols // group, group)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    m = fp16_encode(lo)
+    d = fp16_encode((hi - m.astype(np.float32)) / np.float32(15))
+    scales = np.stack([d, m], axis=-1)
+    return Quantized(q4_pack(q4_codes(x, scales)), scales)
+
+
+def q4_codes(x: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The nearest code 0..15 of each weight (..., cols) for given fp16 scales (..., groups, 2)."""
+    x = np.asarray(x, dtype=np.float32)
+    groups = scales.shape[-2]
+    g = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+    d = scales[..., 0:1].astype(np.float32)
+    m = scales[..., 1:2].astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.rint((g - m) / d)
+    q = np.where(d == 0, 0, np.clip(q, 0, 15))
+    return q.astype(np.uint8).reshape(x.shape)
+
+
+def q4_decode(w: Quantized) -> np.ndarray:
+    q = q4_unpack(w.codes).astype(np.float32)
+    scales = np.asarray(w.scales, dtype=np.float16)
+    groups = scales.shape[-2]
+    g = q.reshape(*q.shape[:-1], groups, q.shape[-1] // groups)
+    d = scales[..., 0:1].astype(np.float32)
+    m = scales[..., 1:2].astype(np.float32)
+    return (d * g + m).astype(np.float32).reshape(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def encode(x: np.ndarray, dtype: str, *, group: int = 32) -> np.ndarray | Quantized:
+    """Encode a float matrix (..., cols) into the stored array of a weight dtype (a Quantized
+    for q8 and q4; `group` is q4's group size)."""
     x = np.asarray(x, dtype=np.float32)
     if not np.all(np.isfinite(x)):
         raise ValueError("weights contain NaN or infinity")
@@ -158,11 +291,16 @@ def encode(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "gf4":
         lead = x.shape[:-1]
         return gf4_encode(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
+    if dtype == "q8":
+        return q8_encode(x)
+    if dtype == "q4":
+        return q4_encode(x, group)
     raise ValueError(f"unknown weight dtype {dtype!r}")
 
 
-def decode(w: np.ndarray, dtype: str) -> np.ndarray:
-    """Decode a stored array back to float32 (..., cols). dtype "fp32": already decoded."""
+def decode(w: np.ndarray | Quantized, dtype: str) -> np.ndarray:
+    """Decode a stored array (a Quantized for q8 and q4) back to float32 (..., cols).
+    dtype "fp32": already decoded."""
     if dtype == "fp32":
         return np.asarray(w, dtype=np.float32)
     if dtype == "fp16":
@@ -171,4 +309,8 @@ def decode(w: np.ndarray, dtype: str) -> np.ndarray:
         return fp8_decode(w)
     if dtype == "gf4":
         return gf4_decode(w)
+    if dtype == "q8":
+        return q8_decode(w)
+    if dtype == "q4":
+        return q4_decode(w)
     raise ValueError(f"unknown weight dtype {dtype!r}")
