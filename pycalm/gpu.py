@@ -133,8 +133,9 @@ class EngineOptions:
     # there. The tests take a few rows, so that a short prompt spans several chunks.
     prefill_chunk: int = 2048
     # compile the token step's kernels (or load them from the kernel cache) while a model file's
-    # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only
-    compile_while_loading: bool = True
+    # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only. Off:
+    # measured no faster (numba's compiler and cache loader hold the GIL; docs/BENCHMARKS.md)
+    compile_while_loading: bool = False
 
 
 class EagerStep:
@@ -256,7 +257,7 @@ class GpuEngine:
         from pycalm.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
-        # the multi-token forward takes the prompts (else the token step: Mixtral, odd head sizes)
+        # the multi-token forward takes the prompts (else the token step: odd head sizes)
         self.multi_token = unsupported(cfg) is None
         self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
         if upload is not None:
@@ -354,9 +355,8 @@ class GpuEngine:
     # ---------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start_pos: int) -> None:
         """Feed ids at positions start_pos.. through the multi-token forward (pycalm.prefill),
-        caching their keys and values; where it does not take the model (Mixtral: no
-        grouped-expert matmul yet; pycalm.prefill.unsupported), through the token step, one
-        token at a time. The state is left for the caller to set."""
+        caching their keys and values; where it does not take the model (odd head sizes:
+        pycalm.prefill.unsupported), through the token step, one token at a time. The state is left for the caller to set."""
         if not self.multi_token:  # token steps (greedy, the sampled tokens unused), tokens from feed
             end = start_pos + len(ids)
             steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
