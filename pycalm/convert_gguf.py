@@ -16,7 +16,6 @@ rotary pairs; those of qwen2 files are permuted (pycalm.convert.make_plan).
 from __future__ import annotations
 
 import json
-import mmap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,9 @@ import numpy as np
 
 from pycalm.convert import Converted, Source, make_config, make_plan, rope_inv_freq, whole
 from pycalm.errors import PycalmError
+from pycalm.formats import Quantized
+from pycalm.gguf_header import read_gguf_header, read_gguf_metadata
+from pycalm.quantize import Q4_BLOCK, TRANSCODED, q4_from_gguf
 
 GGUF_ARCHS = ("llama", "qwen2")  # Mixtral GGUF files say "llama" and carry expert_count
 
@@ -71,90 +73,6 @@ GGUF_FIELD_NAMES = (
     "tokenizer.chat_template",
 )
 
-# GGUF metadata value types -> numpy dtypes (8 = string, 9 = array are handled apart)
-_GGUF_SCALARS = {
-    0: "<u1",
-    1: "<i1",
-    2: "<u2",
-    3: "<i2",
-    4: "<u4",
-    5: "<i4",
-    6: "<f4",
-    7: "<u1",
-    10: "<u8",
-    11: "<i8",
-    12: "<f8",
-}
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
-
-
-class _GGUFMeta:
-    """Reads GGUF key/value metadata from a buffer (gguf.GGUFReader parses every array element
-    into its own numpy view, which takes tens of seconds for a 150k-token vocabulary)."""
-
-    def __init__(self, buf: memoryview) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.buf):
-            raise ValueError("file ends inside its metadata")
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def u32(self) -> int:
-        return int.from_bytes(self.take(4), "little")
-
-    def u64(self) -> int:
-        return int.from_bytes(self.take(8), "little")
-
-    def string(self) -> str:
-        return bytes(self.take(self.u64())).decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _GGUF_STRING:
-            return self.string()
-        if vtype == _GGUF_ARRAY:
-            etype, count = self.u32(), self.u64()
-            if etype == _GGUF_STRING:
-                return [self.string() for _ in range(count)]
-            if etype == _GGUF_ARRAY:
-                return [self.value(_GGUF_ARRAY) for _ in range(count)]
-            dtype = np.dtype(_GGUF_SCALARS[etype])
-            values = np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype)
-            return [bool(v) for v in values] if etype == _GGUF_BOOL else values.tolist()
-        if vtype not in _GGUF_SCALARS:
-            raise ValueError(f"unknown metadata value type {vtype}")
-        dtype = np.dtype(_GGUF_SCALARS[vtype])
-        value = np.frombuffer(self.take(dtype.itemsize), dtype=dtype)[0].item()
-        return bool(value) if vtype == _GGUF_BOOL else value
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as plain Python values (str, int, float, bool, list)."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            meta = _GGUFMeta(memoryview(mm))
-            try:
-                if bytes(meta.take(4)) != b"GGUF":
-                    raise ValueError("not a GGUF file (bad magic)")
-                version = meta.u32()
-                if version not in (2, 3):
-                    raise ValueError(f"unsupported GGUF version {version}")
-                meta.u64()  # tensor count
-                fields = {}
-                for _ in range(meta.u64()):
-                    key = meta.string()
-                    fields[key] = meta.value(meta.u32())
-                return fields
-            finally:
-                meta.buf.release()
-    except FileNotFoundError:
-        raise PycalmError(f"GGUF file not found: {path}") from None
-    except (ValueError, KeyError, OSError) as e:
-        raise PycalmError(f"cannot read GGUF file {path}: {e}") from None
-
 
 def tokenizer_fields(metadata: dict[str, Any]) -> dict[str, Any]:
     """The tokenizer keys of a GGUF file's metadata, ready for `tokenizer_json_from_gguf`."""
@@ -184,6 +102,31 @@ class GGUFSource(Source):
         out = dequantize(np.ascontiguousarray(self.data[idx]), self.qtype)
         return np.asarray(out, dtype=np.float32).reshape(len(idx), self.cols)
 
+    @property
+    def kind(self) -> str:
+        return self.qtype.name
+
+    @property
+    def on_q4_grid(self) -> bool:
+        return self.qtype.name in TRANSCODED
+
+    def encode_rows(self, idx: np.ndarray, dtype: str, group: int = 32) -> np.ndarray | Quantized:
+        """q4 at groups of 32 from Q4_0 / Q4_1 / Q4_K blocks: transcoded (pycalm.quantize)."""
+        if dtype != "q4" or group != Q4_BLOCK or not self.on_q4_grid:
+            return super().encode_rows(idx, dtype, group)
+        out, rounded = q4_from_gguf(self.data[idx], self.kind, self.cols)
+        self.rounded_groups += rounded
+        return out
+
+    rounded_groups = 0  # Q4_K sub-blocks whose d or m was rounded to fp16 on transcoding
+
+    def origin(self, dtype: str, group: int = 32) -> str:
+        if dtype == "q4" and group == Q4_BLOCK and self.on_q4_grid:
+            if self.rounded_groups:
+                return f"{self.kind} transcoded, some scales rounded once to fp16 (codes kept)"
+            return f"{self.kind} transcoded exactly"
+        return super().origin(dtype, group)
+
 
 def _gguf_supported() -> dict[Any, str]:
     from gguf import GGMLQuantizationType as T
@@ -201,15 +144,16 @@ class GGUFFile:
         import gguf
 
         self.path = path
+        # every count, offset and length checked against the file before GGUFReader trusts them
+        self.metadata, _ = read_gguf_header(path)
         try:
             self.reader = gguf.GGUFReader(path)
-        except (ValueError, IndexError, KeyError, OSError, TypeError) as e:
+        except (ValueError, IndexError, KeyError, OSError, TypeError, UnicodeDecodeError) as e:
             raise PycalmError(
                 f"{path}: not a readable GGUF file, truncated or corrupt ({e or type(e).__name__})"
             ) from None
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.supported = _gguf_supported()
-        self.metadata = read_gguf_metadata(path)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -237,6 +181,12 @@ class GGUFFile:
         if got != shape:
             raise PycalmError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         rows, cols = rows_cols or (int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
+        from gguf import GGML_QUANT_SIZES
+
+        if cols % GGML_QUANT_SIZES[t.tensor_type][0]:  # a vector read as rows of one value needs a float type
+            raise PycalmError(
+                f"{self.path}: tensor {name!r} of {t.tensor_type.name} cannot be read in rows of {cols}"
+            )
         return GGUFSource(name, t.data, t.tensor_type, rows, cols)
 
     def vector(self, name: str, n: int) -> Callable[[], np.ndarray]:
@@ -477,7 +427,19 @@ def _f32(value: float) -> float:
 
 
 def from_gguf(path: Path, dtype: str) -> Converted:
-    """Plan the conversion of a GGUF file (llama or qwen2 architecture)."""
+    """Plan the conversion of a GGUF file (llama or qwen2 architecture). Any problem with the
+    file, its metadata's types and values included, is a PycalmError naming it."""
+    try:
+        return _plan_gguf(path, dtype)
+    except PycalmError as e:
+        if str(path) in str(e):
+            raise
+        raise PycalmError(f"{path}: {e}") from None
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError) as e:
+        raise PycalmError(f"{path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _plan_gguf(path: Path, dtype: str) -> Converted:
     g = GGUFFile(path)
     arch = g.get("general.architecture")
     if arch not in GGUF_ARCHS:
@@ -499,6 +461,19 @@ def from_gguf(path: Path, dtype: str) -> Converted:
     rotary_dim = int(key("rope.dimension_count", head_dim))
     hidden_dim = int(key("feed_forward_length"))
     n_experts = int(key("expert_count", 0))
+    # each size within what the file can hold, before anything (rotary_perm, ...) is sized by it
+    size = path.stat().st_size
+    sizes = {"embedding_length": dim, "feed_forward_length": hidden_dim, "block_count": n_layers}
+    sizes.update({"attention.head_count": n_heads, "attention.head_count_kv": n_kv_heads})
+    sizes.update({"attention.key_length": head_dim, "query width": n_heads * head_dim})
+    for name, value in sizes.items():
+        if not 0 < value <= size:
+            raise PycalmError(f"{path}: {arch}.{name} = {value} does not fit a file of {size} bytes")
+    if not 0 <= rotary_dim <= head_dim or not 0 <= n_experts <= size or n_layers > len(g.tensors):
+        raise PycalmError(
+            f"{path}: rope dimensions {rotary_dim}, {n_experts} experts or {n_layers} layers do not "
+            f"fit a file of {len(g.tensors)} tensors with heads of {head_dim}"
+        )
     theta = _f32(key("rope.freq_base", 10000.0))
     if "token_embd.weight" not in g.tensors:
         raise PycalmError(f"{path}: missing tensor 'token_embd.weight'")

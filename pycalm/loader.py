@@ -21,6 +21,7 @@ relative to the end of the header), then the tensor bytes, back to back with no 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -145,6 +146,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[st
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
+    except RecursionError:
+        raise PycalmError(f"{path}: corrupt safetensors header (JSON nested too deep)") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise PycalmError(f"{path}: corrupt safetensors header ({e})") from None
     meta = header.pop("__metadata__", None) or {}
@@ -154,13 +157,16 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[st
     data_start = 8 + n
     for name, info in header.items():
         try:
-            dtype = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
             itemsize = _ST_ITEMSIZE[dtype]
+            # exact JSON integers only (a float or a string is a corrupt entry, not a size)
+            if not all(type(d) is int for d in (*shape, *offsets)) or len(offsets) != 2:
+                raise TypeError
+            shape, (begin, end) = tuple(shape), offsets
         except (KeyError, TypeError, ValueError):
             raise PycalmError(f"{path}: corrupt safetensors header entry for tensor {name!r}") from None
-        if min(shape, default=0) < 0 or end - begin != itemsize * int(np.prod(shape, dtype=np.int64)):
+        # Python integers: a product of lying dimensions cannot wrap around to match the offsets
+        if min(shape, default=0) < 0 or end - begin != itemsize * math.prod(shape):
             raise PycalmError(
                 f"{path}: tensor {name!r}: offsets {begin}..{end} disagree with {dtype} {shape}"
             )
@@ -234,6 +240,31 @@ class ModelFile:
         self.close()
 
 
+# the config's whole-number fields and the least each may be
+_CONFIG_MINIMUM = {"dim": 1, "hidden_dim": 1, "head_dim": 1, "n_layers": 1, "n_heads": 1, "n_kv_heads": 1}
+_CONFIG_MINIMUM.update(vocab_size=1, max_seq_len=1, rotary_dim=0, bos_id=-1, n_experts=0)
+_CONFIG_MINIMUM.update(n_experts_active=0, sliding_window=0)
+
+
+def _check_config(path: Path, config: ModelConfig, n_tensors: int) -> None:
+    """The config's fields have their types and ranges, and its tensor count fits the header's,
+    before anything is sized by them (a lying n_layers of 10**12 would list 10**13 tensors)."""
+    for name, least in _CONFIG_MINIMUM.items():
+        value = getattr(config, name)
+        if type(value) is not int or value < least:
+            raise PycalmError(f"{path}: bad model config in metadata: {name} = {value!r}")
+    for name in ("rope_theta", "norm_eps"):
+        value = getattr(config, name)
+        if type(value) not in (int, float) or not 0 < value < float("inf"):
+            raise PycalmError(f"{path}: bad model config in metadata: {name} = {value!r}")
+    if config.bos_id >= config.vocab_size or not all(0 <= i < config.vocab_size for i in config.eos_ids):
+        raise PycalmError(f"{path}: bad model config in metadata: bos_id or eos_ids past the vocabulary")
+    if config.n_layers * 7 > n_tensors:  # a layer has 7 tensors at least
+        raise PycalmError(
+            f"{path}: config has {config.n_layers} layers but the file only {n_tensors} tensors"
+        )
+
+
 def open_model(path: str | os.PathLike[str]) -> ModelFile:
     """Open and validate a pycalm model file (header only: cheap even for a large model).
 
@@ -254,8 +285,11 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
         raise PycalmError(f"{path}: pycalm format version {version!r}, this pycalm reads {FORMAT_VERSION!r}")
     try:
         config = ModelConfig.from_json(meta[METADATA_KEY])
-    except (ValueError, TypeError) as e:
-        raise PycalmError(f"{path}: bad model config in metadata: {e}") from None
+    except PycalmError as e:
+        raise PycalmError(f"{path}: {e}") from None
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError, RecursionError) as e:
+        raise PycalmError(f"{path}: bad model config in metadata: {e or type(e).__name__}") from None
+    _check_config(path, config, len(entries))
     kind = meta.get("pycalm.tokenizer", "")
     if kind not in TOKENIZER_KINDS:
         raise PycalmError(
@@ -264,7 +298,11 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     tok = entries.get("tokenizer")
     if tok is None or len(tok.shape) != 1:
         raise PycalmError(f"{path}: missing tensor 'tokenizer'")
-    for spec in expected_tensors(config, tok.shape[0]):
+    try:
+        specs = expected_tensors(config, tok.shape[0])
+    except PycalmError as e:
+        raise PycalmError(f"{path}: {e}") from None
+    for spec in specs:
         got = entries.get(spec.name)
         if got is None:
             raise PycalmError(f"{path}: missing tensor {spec.name!r}")
