@@ -254,6 +254,10 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
         w = ModelWriter(out, conv.config, conv.tokenizer_kind, conv.tokenizer_blob, conv.chat_template)
     except ValueError as e:
         raise PycalmError(str(e)) from None
+    except OSError as e:  # a folder that cannot be made or written, a full disk
+        in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+        why = f"cannot make the folder {out.parent}: a file is in the way" if in_the_way else e.strerror
+        raise PycalmError(f"cannot write {out}: {why}") from None
     bar = Progress(len(w.specs), w.total_bytes, progress)
     with w:
         for spec in w.pending():
@@ -275,27 +279,49 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
     return out
 
 
-def convert(src: str | Path, out: str | Path, dtype: str = "fp16", progress: bool = True) -> Path:
-    """Convert an HF folder or a .gguf file at `src` into a pycalm model file at `out`."""
-    src, out = Path(src), Path(out)
+def source_kind(path: Path) -> str | None:
+    """What `path` holds, by its contents, never its name: "hf" (a folder), "gguf" (a file that
+    starts with the GGUF magic), "safetensors" (an 8-byte little-endian header length then a
+    JSON object: a pycalm model file, or another safetensors file), or None (anything else)."""
+    if path.is_dir():
+        return "hf"
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2:
+        return "safetensors"
+    return None
+
+
+def plan_conversion(src: str | Path, dtype: str = "fp16") -> Converted:
+    """Read and check a Hugging Face folder or a GGUF file (its header: architecture,
+    hyperparameters, tensor list, tokenizer) and plan its conversion; nothing is written, so a
+    caller can say what it converts only once the source is known to be good."""
+    src = Path(src)
     if dtype not in WEIGHT_DTYPES:
         raise PycalmError(f"unsupported weight dtype {dtype!r} (one of {', '.join(WEIGHT_DTYPES)})")
     if not src.exists():
         raise PycalmError(f"source not found: {src}")
+    try:
+        kind = source_kind(src)
+    except OSError as e:
+        raise PycalmError(f"{src}: cannot read: {e.strerror}") from None
     # the readers build on this module's sources and plan, so they are imported here
-    if src.is_dir():
+    if kind == "hf":
         from pycalm.convert_hf import from_hf
 
-        conv = from_hf(src, dtype)
-    else:
-        with open(src, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise PycalmError(f"{src}: neither a Hugging Face folder nor a GGUF file")
+        return from_hf(src, dtype)
+    if kind == "gguf":
         from pycalm.convert_gguf import from_gguf
 
-        conv = from_gguf(src, dtype)
-    return write_converted(conv, out, progress)
+        return from_gguf(src, dtype)
+    raise PycalmError(f"{src}: neither a Hugging Face folder nor a GGUF file")
+
+
+def convert(src: str | Path, out: str | Path, dtype: str = "fp16", progress: bool = True) -> Path:
+    """Convert an HF folder or a GGUF file at `src` into a pycalm model file at `out`."""
+    return write_converted(plan_conversion(src, dtype), Path(out), progress)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m pycalm.convert",
         description="Convert an HF folder or GGUF file to a pycalm model file.",
     )
-    parser.add_argument("src", help="Hugging Face model folder, or a .gguf file")
+    parser.add_argument("src", help="Hugging Face model folder, or a GGUF file")
     parser.add_argument("out", help="output pycalm model file (.safetensors)")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="fp16", help="weight format (default fp16)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -311,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         path = convert(args.src, args.out, args.dtype, progress=not args.quiet)
-    except PycalmError as e:
+    except (PycalmError, OSError) as e:  # OSError: the OS's own message names the path
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the writer has removed its partial file
+        print("", file=sys.stderr)
+        return 130
     size = path.stat().st_size
     print(
         f"wrote {path} ({size / 1e6:.1f} MB, {args.dtype}) in {time.perf_counter() - start:.1f}s",

@@ -14,7 +14,6 @@ Environment: XDG_CACHE_HOME picks the cache folder's parent (default ~/.cache), 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
 import time
@@ -24,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 
-from pycalm import __version__
 from pycalm.config import WEIGHT_DTYPES, kv_dtype_for
 from pycalm.engine import CpuEngine
 from pycalm.errors import OneLineParser, PycalmError
@@ -35,54 +33,44 @@ from pycalm.sampler import SamplingParams
 # model resolution
 
 
-def _is_pycalm_file(path: Path) -> bool:
-    from pycalm.loader import read_safetensors_header
-
-    try:
-        _, meta = read_safetensors_header(path)
-    except PycalmError:
-        return False
-    return "pycalm.config" in meta
-
-
 def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
-    """A pycalm model file for MODEL: used as is, or converted once from HF / GGUF and cached."""
+    """A pycalm model file for MODEL, recognised by its contents (never its name): a pycalm file
+    is used as is (open_model then checks it); a Hugging Face folder or a GGUF file is converted
+    once and cached, keyed on its content (pycalm.cache)."""
+    from pycalm import cache as model_cache
+    from pycalm.convert import source_kind
+
     if arg is None or arg in KNOWN_MODELS:
         src = fetch_gguf(arg or DEFAULT_MODEL, cache, log=True)
     else:
         src = Path(arg)
         if not src.exists():
             raise PycalmError(f"model not found: {arg}")
-        if src.is_file() and src.suffix != ".gguf":
-            if not _is_pycalm_file(src):
-                raise PycalmError(f"{arg}: not a pycalm model file, GGUF file or Hugging Face model folder")
+        try:
+            kind = source_kind(src)
+        except OSError as e:
+            raise PycalmError(f"{arg}: cannot read: {e.strerror}") from None
+        if kind == "safetensors":
             return src
-    src = src.resolve()
-    stat = src.stat()
-    # the pycalm version is part of the key: a newer converter never reuses an older file
-    key = hashlib.sha256(
-        f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{__version__}".encode()
-    ).hexdigest()[:12]
-    out = cache / f"{src.stem}-{dtype}-{key}.pycalm"
-    if not out.exists():
-        from pycalm.convert import convert
-
-        log(f"pycalm: converting {src.name} to {dtype} (once; cached as {out})")
-        cache.mkdir(parents=True, exist_ok=True)
-        convert(src, out, dtype, progress=sys.stderr.isatty())
-    return out
+        if kind is None:
+            raise PycalmError(f"{arg}: not a pycalm model file, GGUF file or Hugging Face model folder")
+    return model_cache.converted(src, dtype, cache, log)
 
 
-def make_engine(model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None]) -> object:
+def make_engine(
+    model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None], check_finite: bool = False
+) -> object:
     """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
-    KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for."""
+    KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for.
+    check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite)."""
     kv_dtype = kv_dtype_for(kv, seq_len)
     if device in ("auto", "gpu"):
         from pycalm import gpu as gpu_model
 
         reason = gpu_model.gpu_unavailable_reason()
         if reason is None:
-            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
+            options = gpu_model.EngineOptions(check_finite=check_finite)
+            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, options=options)
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")
         log(f"pycalm: {reason}; running the CPU reference engine")
@@ -156,17 +144,27 @@ def run_prompt(
     t_first = None
     n = 0
     eos = set(engine.config.eos_ids)
+    stopped = False  # by an EOS
     for t in engine.generate(ids, 0, steps, sampling):
         t_last = time.perf_counter()
         t_first = t_first or t_last
         n += 1
         if t in eos:
+            stopped = True
             break
         sys.stdout.write(stream.push(t))
         sys.stdout.flush()
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()  # the text before the timing line on stderr
     timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
+    room = engine.seq_len - len(ids) + 1  # tokens sampled at positions len(ids) - 1 .. seq_len - 1
+    if not stopped and n == room < steps:
+        print(
+            f"pycalm: stopped at the end of the context ({engine.seq_len} tokens, -c) after {n} of the "
+            f"{steps} tokens asked for",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def prepare(engine: object, sampling: SamplingParams, positions: range, timings: Timings) -> None:
@@ -279,33 +277,99 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise PycalmError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    ids = tok.encode(text, add_bos=True)[: engine.seq_len]
+    ids = tok.encode(text, add_bos=True)
     if len(ids) < 2:
         raise PycalmError(f"{path}: too short to measure perplexity (needs 2 tokens or more)")
+    spans = windows(len(ids), engine.seq_len)
+    if len(spans) > 1:
+        half = engine.seq_len // 2
+        print(
+            f"pycalm: the text is {len(ids)} tokens, longer than the context of {engine.seq_len}: "
+            f"evaluated in {len(spans)} windows of {engine.seq_len} tokens, each scoring the tokens past "
+            f"its first {half} (every token scored once, after {half} tokens of context at least)",
+            file=sys.stderr,
+            flush=True,
+        )
+    bar = ScoreProgress(len(ids) - 1, sys.stderr.isatty())
     t0 = time.perf_counter()
-    nll = mean_nll(engine, ids)
+    nll = mean_nll(engine, ids, bar.update)
+    bar.finish()
     n = len(ids) - 1
     dt = time.perf_counter() - t0
     print(f"perplexity {math.exp(nll):.4f} over {n} tokens ({n / dt:.1f} tok/s, {engine.device})")
 
 
-def mean_nll(engine: object, ids: list[int]) -> float:
-    """The mean negative log-likelihood of ids[1:], each token given the ones before it (from
-    position 0). The GPU engine computes the logits of every position in its multi-token forward
-    (prefill_logits, blocks of rows); the CPU engine one token step a position."""
-    if hasattr(engine, "prefill_logits"):
-        blocks = engine.prefill_logits(ids[:-1], 0)
-    else:
-        blocks = (engine.logits(token, pos)[None] for pos, token in enumerate(ids[:-1]))
-    nll, row = 0.0, 0
-    for block in blocks:  # (rows, vocab_size) logits of positions row .. row + rows - 1
-        logits = block.astype(np.float64)
-        m = logits.max(axis=1)
-        log_sum = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-        nexts = np.asarray(ids[row + 1 : row + 1 + len(block)])
-        nll += float((log_sum - logits[np.arange(len(block)), nexts]).sum())
-        row += len(block)
-    return nll / (len(ids) - 1)
+class ScoreProgress:
+    """A one-line display on stderr of the tokens scored so far and the running perplexity,
+    redrawn at most ten times a second; silent when off (stderr not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def update(self, scored: int, nll: float) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self._drawn < 0.1 and scored < self.total):
+            return
+        self._drawn = now
+        bar = "#" * int(30 * scored / self.total)
+        sys.stderr.write(
+            f"\rperplexity [{bar:<30}] {scored}/{self.total} tokens, ppl {math.exp(nll / max(scored, 1)):.4f}, "
+            f"{scored / max(now - self.start, 1e-9):.1f} tok/s"
+        )
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+def windows(n_tokens: int, window: int) -> list[tuple[int, int, int]]:
+    """The windows a text of n_tokens is evaluated in, llama.cpp's perplexity style, as
+    (start, end, first): ids[start:end] is fed from position 0 and scores (predicts) the tokens
+    start + first .. end - 1. One window when the text fits; else each window is `window` long
+    (the last may be shorter), starts window - window // 2 after the one before, and scores only
+    the tokens past its first half (the first window scores all of its own): every token from the
+    second on is scored exactly once, with window // 2 tokens of context or more."""
+    if n_tokens <= window:
+        return [(0, n_tokens, 1)]
+    half = window // 2
+    spans, start = [(0, window, 1)], 0
+    while start + window < n_tokens:
+        start += window - half
+        spans.append((start, min(start + window, n_tokens), half))
+    return spans
+
+
+def mean_nll(engine: object, ids: list[int], progress: Callable[[int, float], None] | None = None) -> float:
+    """The mean negative log-likelihood of ids[1:], each token given the ones before it, in the
+    context-sized windows of `windows` (one when ids fit the context). The GPU engine computes
+    the logits of every position of a window in its multi-token forward (prefill_logits, blocks
+    of rows); the CPU engine one token step a position. progress(tokens scored, their summed
+    negative log-likelihood) is called after each block."""
+    nll, scored = 0.0, 0
+    targets = np.asarray(ids, dtype=np.int64)
+    for start, end, first in windows(len(ids), engine.seq_len):
+        feed = ids[start : end - 1]  # row r's logits predict ids[start + r + 1]
+        if hasattr(engine, "prefill_logits"):
+            blocks = engine.prefill_logits(feed, 0)
+        else:
+            blocks = (engine.logits(token, pos)[None] for pos, token in enumerate(feed))
+        row = 0
+        for block in blocks:  # (rows, vocab_size) logits of window positions row .. row + rows - 1
+            keep = np.arange(max(row, first - 1), row + len(block))  # the rows this window scores
+            if len(keep):
+                logits = block[keep - row].astype(np.float64)
+                m = logits.max(axis=1)
+                log_sum = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+                nexts = targets[start + keep + 1]
+                nll += float((log_sum - logits[np.arange(len(keep)), nexts]).sum())
+                scored += len(keep)
+                if progress is not None:
+                    progress(scored, nll)
+            row += len(block)
+    return nll / scored
 
 
 # -------------------------------------------------------------------------------------------
@@ -373,10 +437,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--dtype",
         choices=WEIGHT_DTYPES,
-        default="fp16",
-        help="weight format when converting HF/GGUF (default fp16)",
+        default=None,
+        help="weight format when converting HF/GGUF (default fp16); a pycalm file runs in its own",
     )
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
+    ap.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="debug: check the logits of every token step for NaN and infinity (GPU engine; slower)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -384,16 +453,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     modes = sum(x is not None for x in (args.prompt, args.system, args.perplexity))
     if modes > 1:
         ap.error("choose one of -i (prompt), -y (chat) and -x (perplexity)")
-    if (
-        args.steps < 0
-        or args.context < 2
-        or args.temperature < 0
-        or not 0 < args.top_p <= 1
-        or not 0 <= args.min_p <= 1
-    ):
-        ap.error(
-            "out-of-range value: need steps >= 0, context >= 2, temperature >= 0, 0 < top-p <= 1, 0 <= min-p <= 1"
-        )
+    # every number is checked here, before anything is fetched, converted or loaded
+    problems = [
+        (args.steps >= 0, f"-n/--steps {args.steps}: the tokens to generate must be 0 or more"),
+        (args.context >= 2, f"-c/--context {args.context}: the context must be 2 tokens or more"),
+        (
+            args.temperature >= 0 and math.isfinite(args.temperature),
+            f"-t/--temperature {args.temperature}: must be a finite number >= 0 (0: greedy)",
+        ),
+        (0 < args.top_p <= 1, f"-p/--top-p {args.top_p}: must be in (0, 1] (1: off)"),
+        (args.top_k >= 0, f"-k/--top-k {args.top_k}: must be 0 or more (0: off)"),
+        (0 <= args.min_p <= 1, f"-m/--min-p {args.min_p}: must be in [0, 1] (0: off)"),
+        (args.seed is None or args.seed >= 0, f"-s/--seed {args.seed}: must be 0 or more"),
+    ]
+    for ok, message in problems:
+        if not ok:
+            ap.error(message)
     return args
 
 
@@ -416,16 +491,22 @@ def main(argv: list[str] | None = None) -> int:
 
             kernel_cache.set_root(cache_dir(args.cache_dir))
         kernels_before = kernel_cache.cached_kernels() if kernel_cache else 0
-        path = resolve_model(args.model, args.dtype, cache_dir(args.cache_dir), log)
+        path = resolve_model(args.model, args.dtype or "fp16", cache_dir(args.cache_dir), log)
         timings = Timings(load_bytes=path.stat().st_size)
         t0 = time.perf_counter()
         model = open_model(path)
         cfg = model.config
+        if args.dtype and args.model and path == Path(args.model) and args.dtype != cfg.weight_dtype:
+            # llama.cpp's way: a model file runs in the format it was made in
+            log(
+                f"pycalm: {path.name} is a pycalm file in {cfg.weight_dtype}; --dtype {args.dtype} applies "
+                f"when converting a GGUF file or Hugging Face folder, so it runs in {cfg.weight_dtype}"
+            )
         tok = Tokenizer.from_blob(
             model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
         )
         seq_len = min(args.context, cfg.max_seq_len)
-        engine = make_engine(model, args.device, seq_len, args.kv, log)
+        engine = make_engine(model, args.device, seq_len, args.kv, log, check_finite=args.check_finite)
         timings.load_s = time.perf_counter() - t0
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)

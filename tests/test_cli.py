@@ -331,13 +331,13 @@ def test_gguf_unsupported_arch(tmp_path, module):
         if module == "pycalm.convert"
         else (src.path, "-i", "x", "--cache-dir", tmp_path)
     )
-    line = _one_error_after_notices(run(*args, module=module))
+    line = assert_one_error_line(run(*args, module=module))  # the source is checked before any notice
     assert "gpt2" in line and "architecture" in line
 
 
 def test_gguf_unsupported_tensor_type(tmp_path):
     src = make_gguf(tmp_path, raw_types={"blk.1.ffn_up.weight": "Q2_K"}, dim=256, hidden_dim=256)
-    line = _one_error_after_notices(run(src.path, tmp_path / "o.pycalm", module="pycalm.convert"))
+    line = assert_one_error_line(run(src.path, tmp_path / "o.pycalm", module="pycalm.convert"))
     assert "Q2_K" in line and "blk.1.ffn_up.weight" in line
     assert not (tmp_path / "o.pycalm").exists() and not list(tmp_path.glob("o.pycalm*"))
 
@@ -347,20 +347,10 @@ def test_hf_unsupported_arch(tmp_path):
     cfg = json.loads((hf.path / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (hf.path / "config.json").write_text(json.dumps(cfg))
-    line = _one_error_after_notices(run(hf.path, tmp_path / "o.pycalm", module="pycalm.convert"))
+    line = assert_one_error_line(run(hf.path, tmp_path / "o.pycalm", module="pycalm.convert"))
     assert "GPT2LMHeadModel" in line
-    line = _one_error_after_notices(run(hf.path, "-i", "x", "--cache-dir", tmp_path / "c"))
+    line = assert_one_error_line(run(hf.path, "-i", "x", "--cache-dir", tmp_path / "c"))
     assert "GPT2LMHeadModel" in line
-
-
-def _one_error_after_notices(proc: subprocess.CompletedProcess) -> str:
-    """generate may say 'pycalm: converting ...' before the conversion fails: allow such notices
-    (one line each) before the single error line, which must be the last."""
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip("\n").splitlines()
-    assert lines and lines[-1].startswith("error: "), proc.stderr
-    assert all(ln.startswith("pycalm: ") for ln in lines[:-1]), proc.stderr
-    return lines[-1]
 
 
 def test_prompt_longer_than_context(tiny):
