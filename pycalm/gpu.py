@@ -16,6 +16,7 @@ The host only reads back the token ids.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,54 @@ def gpu_unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001 - any driver failure means: no usable GPU
         return f"no usable CUDA GPU ({type(e).__name__})"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU memory: what does not fit is one line naming it, the bytes it needs and the bytes free
+
+CUDA_ERROR_OUT_OF_MEMORY = 2  # the CUresult of an allocation the device cannot hold
+FINITE_CHECK_EVERY = 64  # with check_finite: tokens between two reads of the flag
+
+
+def gpu_memory_info() -> tuple[float, float]:
+    """(free, total) bytes of the current GPU's memory (the simulator: infinite)."""
+    from numba import cuda
+
+    free, total = cuda.current_context().get_memory_info()
+    return free, total
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def require_gpu_memory(what: str, nbytes: int) -> None:
+    """A one-line PycalmError unless `what` (nbytes) fits the GPU's free memory: checked
+    before allocating whatever has a size known in advance."""
+    free, total = gpu_memory_info()
+    if nbytes > free:
+        raise PycalmError(
+            f"out of GPU memory: {what} needs {_mib(nbytes)} ({nbytes:,} bytes), "
+            f"{_mib(free)} of the GPU's {_mib(total)} are free"
+        )
+
+
+@contextmanager
+def out_of_memory_as_error(what: str, nbytes: int) -> Iterator[None]:
+    """An out-of-memory CudaAPIError while allocating `what` becomes the same one-line error."""
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    try:
+        yield
+    except CudaAPIError as e:
+        code = getattr(e, "code", e.args[0] if e.args else None)  # the simulator's: args only
+        if getattr(code, "value", code) != CUDA_ERROR_OUT_OF_MEMORY:
+            raise
+        free, total = gpu_memory_info()
+        raise PycalmError(
+            f"out of GPU memory: allocating {what} ({_mib(nbytes)}, {nbytes:,} bytes) failed, "
+            f"{_mib(free)} of the GPU's {_mib(total)} free"
+        ) from None
 
 
 def _stored_bytes(rows: int, cols: int, dtype: str) -> int:
@@ -136,6 +185,10 @@ class EngineOptions:
     # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only. Off:
     # measured no faster (numba's compiler and cache loader hold the GIL; docs/BENCHMARKS.md)
     compile_while_loading: bool = False
+    # debug: check every token step's logits for NaN and infinity on the device
+    # (pycalm.kernels.finite; the CLI's --check-finite), read every FINITE_CHECK_EVERY tokens;
+    # the first failing position is a PycalmError
+    check_finite: bool = False
 
 
 class EagerStep:
@@ -156,9 +209,6 @@ class GpuEngine:
         self, model: object, seq_len: int, kv_dtype: str = "auto", *, options: EngineOptions = EngineOptions()
     ) -> None:
         from numba import config, cuda
-
-        from pycalm.kernels.argmax import argmax_scratch_shape
-        from pycalm.kernels.attention import attention_scratch
 
         cfg: ModelConfig = model.config
         self.config = cfg
@@ -183,7 +233,11 @@ class GpuEngine:
         else:
             from pycalm.loader import start_upload
 
-            upload = start_upload(model, [n for n in model.names() if n != "tokenizer"], stream=cuda.stream())
+            names = [n for n in model.names() if n != "tokenizer"]
+            weight_bytes = sum(model._entries[n].end - model._entries[n].begin for n in names)
+            require_gpu_memory(f"the weights of {model.path.name}", weight_bytes)
+            with out_of_memory_as_error(f"the weights of {model.path.name}", weight_bytes):
+                upload = start_upload(model, names, stream=cuda.stream())
             dev = upload.arrays.__getitem__
 
         self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
@@ -205,6 +259,33 @@ class GpuEngine:
         self.norm = dev("norm")  # (dim,) float32
         # (vocab_size, dim) stored: the classifier, or the embedding table when they are tied
         self.output = self.tok_embeddings if cfg.tied_embeddings else dev("output")
+
+        # the KV cache (the bulk of what __init__ allocates) and the per-position buffers fit, or
+        # one line says what did not
+        kv_bytes = 2 * cfg.n_layers * self.seq_len * cfg.kv_dim * (2 if self.kv_dtype == "fp16" else 1)
+        kv_what = f"a KV cache of {self.seq_len:,} positions ({self.kv_dtype}, {cfg.n_layers} layers)"
+        require_gpu_memory(kv_what, kv_bytes + 8 * self.seq_len)
+        with out_of_memory_as_error(kv_what, kv_bytes):
+            self._allocate(cfg, options)
+        if upload is not None:
+            if self.use_graph and options.compile_while_loading:
+                # the greedy token step, once, on the weights as they stand mid-copy: it compiles
+                # (or loads from the kernel cache) every kernel of the step while the file's bytes
+                # arrive; its output, one KV row at the last position and the state, is garbage
+                # that generate() rewrites before reading (as graph()'s eager run)
+                self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
+                self.forward(SamplingParams(temperature=0.0), self.span(self.seq_len - 1))
+            upload.wait()
+        s.synchronize()
+
+    def _allocate(self, cfg: ModelConfig, options: EngineOptions) -> None:
+        """The activations, the KV cache, the scratch and the per-token state on the device."""
+        from numba import config, cuda
+
+        from pycalm.kernels.argmax import argmax_scratch_shape
+        from pycalm.kernels.attention import attention_scratch
+
+        s = self.stream
 
         # activations, float32
         def zeros(shape: int | tuple[int, ...], dtype: type = np.float32) -> object:
@@ -260,16 +341,11 @@ class GpuEngine:
         # the multi-token forward takes the prompts (else the token step: odd head sizes)
         self.multi_token = unsupported(cfg) is None
         self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
-        if upload is not None:
-            if self.use_graph and options.compile_while_loading:
-                # the greedy token step, once, on the weights as they stand mid-copy: it compiles
-                # (or loads from the kernel cache) every kernel of the step while the file's bytes
-                # arrive; its output, one KV row at the last position and the state, is garbage
-                # that generate() rewrites before reading (as graph()'s eager run)
-                self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
-                self.forward(SamplingParams(temperature=0.0), self.span(self.seq_len - 1))
-            upload.wait()
-        s.synchronize()
+        # (FLAG_SIZE,) int32: zeros, or the first position whose logits were not finite
+        # (pycalm.kernels.finite); None: the check is off
+        from pycalm.kernels.finite import FLAG_SIZE
+
+        self.finite_flag = zeros(FLAG_SIZE, np.int32) if options.check_finite else None
 
     # ---------------------------------------------------------------------------------------
     def forward(self, sampling: SamplingParams, span: int | None = None) -> None:
@@ -278,6 +354,7 @@ class GpuEngine:
         state[STATE_POS] in, the next token and position out."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
+        from pycalm.kernels.finite import check_finite
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
         from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
         from pycalm.kernels.qkv import qkv_rope
@@ -309,6 +386,9 @@ class GpuEngine:
                 matvec_residual(L.w2, h, x, dt, stream=s)
         # logits = Wout rmsnorm(x)
         matvec(self.output, x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
+        if self.finite_flag is not None:
+            # debug: flag = the first position whose logits hold a NaN or an infinity
+            check_finite(self.logits_buf, state, self.finite_flag, stream=s)
         # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
         sample(self.logits_buf, state, self.coins, sampling, stream=s, **self._sample_options)
         # pos += 1; while prefilling, token = the prompt's next token instead
@@ -394,7 +474,24 @@ class GpuEngine:
         g.launch()
         out = self.logits_buf.copy_to_host(stream=self.stream)
         self.stream.synchronize()
+        self.raise_if_not_finite(pos)
         return out
+
+    def raise_if_not_finite(self, first_pos: int) -> None:
+        """With check_finite: a PycalmError naming the first position (and the step counted
+        from first_pos) whose logits held a NaN or an infinity, once the stream has passed it."""
+        if self.finite_flag is None:
+            return
+        from pycalm.kernels.finite import FLAG_FAILED, FLAG_INDEX, FLAG_POS
+
+        flag = self.finite_flag.copy_to_host(stream=self.stream)  # waits for the steps enqueued
+        if flag[FLAG_FAILED]:
+            pos, step = int(flag[FLAG_POS]), int(flag[FLAG_POS]) - first_pos + 1
+            when = f"step {step} of this call" if step > 0 else "a prompt token's step"
+            raise PycalmError(
+                f"non-finite logits (NaN or infinity) at position {pos}, {when} "
+                f"(logit {int(flag[FLAG_INDEX])}): the first failing token step"
+            )
 
     def generate(
         self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
@@ -457,6 +554,10 @@ class GpuEngine:
                 events[slot].synchronize()  # step `taken` and its token copy are done
                 token = int(ring[slot])
                 taken += 1
+                if self.finite_flag is not None and (
+                    taken % FINITE_CHECK_EVERY == 0 or taken == len(steps) or token in eos
+                ):
+                    self.raise_if_not_finite(pos)  # before the token of a failed step goes out
                 yield token
                 if token in eos:
                     return

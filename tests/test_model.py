@@ -149,3 +149,133 @@ def test_step_bytes_counts_every_array(tmp_path, arch, dtype, kv, pos, chunk):
     assert {r: got[r] for r in want} == want
     assert list(got) == ["embed", *per_layer, "classifier", "argmax", "advance"]  # forward's order
     assert got["argmax"] > cfg.vocab_size * f32 and got["advance"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU memory: what does not fit is one line (pycalm.gpu.require_gpu_memory, out_of_memory_as_error)
+
+
+def _free_memory(monkeypatch, *free: int) -> None:
+    """The free-memory query answers free[0], free[1], ... (then the last) of a 1 GiB GPU: the
+    simulator's own answer is infinite."""
+    import pycalm.gpu
+
+    answers = iter(free)
+    last = [free[-1]]
+
+    def info() -> tuple[int, int]:
+        last[0] = next(answers, last[0])
+        return last[0], 1 << 30
+
+    monkeypatch.setattr(pycalm.gpu, "gpu_memory_info", info)
+
+
+def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
+    from pycalm.errors import PycalmError
+
+    model = tiny_model(tmp_path, "llama", "fp16")
+    cfg = model.config
+    weights = sum(model.tensor(n).nbytes for n in model.names() if n != "tokenizer")
+    # the weights do not fit: named with the bytes they need and the bytes free
+    _free_memory(monkeypatch, weights - 1)
+    with pytest.raises(PycalmError) as e:
+        GpuEngine(model, seq_len=12, kv_dtype="fp16")
+    assert str(e.value) == (
+        f"out of GPU memory: the weights of llama-fp16.pycalm needs 0 MiB ({weights:,} bytes), "
+        f"0 MiB of the GPU's 1,024 MiB are free"
+    )
+    # the weights fit, the KV cache of 12 positions (2 layers of 12 x kv_dim fp16 keys and
+    # values, and the feed and draw of each position) does not
+    kv = 2 * cfg.n_layers * 12 * cfg.kv_dim * 2 + 8 * 12
+    _free_memory(monkeypatch, weights, kv - 1)
+    with pytest.raises(PycalmError, match=rf"^out of GPU memory: a KV cache of 12 positions \(fp16, 2 layers\) "
+                       rf"needs 0 MiB \({kv:,} bytes\), 0 MiB of the GPU's 1,024 MiB are free$"):  # fmt: skip
+        GpuEngine(model, seq_len=12, kv_dtype="fp16")
+    # an out-of-memory error of the driver while allocating is the same kind of line
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    def no_memory(*args: object) -> None:
+        raise CudaAPIError(2, "CUDA_ERROR_OUT_OF_MEMORY")
+
+    _free_memory(monkeypatch, 1 << 20)
+    monkeypatch.setattr(GpuEngine, "_allocate", no_memory)
+    with pytest.raises(PycalmError, match=r"^out of GPU memory: allocating a KV cache of 12 positions .* failed, "
+                       r"1 MiB of the GPU's 1,024 MiB free$"):  # fmt: skip
+        GpuEngine(model, seq_len=12, kv_dtype="fp16")
+
+
+@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="a real GPU's memory: GPU only")
+def test_context_larger_than_the_gpu(tmp_path):
+    """A context of 10**7 positions on a tiny model whose KV rows are wide (6 layers of 8 heads
+    of 256: 245 GB of fp8 keys and values) is refused before allocating, in one line."""
+    import json
+
+    from pycalm.errors import PycalmError
+
+    tiny = make_hf_llama(tmp_path, dim=32, hidden_dim=32, n_layers=6, n_heads=8, n_kv_heads=8, head_dim=256)
+    hf = json.loads((tiny.path / "config.json").read_text())
+    (tiny.path / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 10**7}))
+    model = open_model(convert(tiny.path, tmp_path / "wide.pycalm", "fp16", progress=False))
+    with pytest.raises(PycalmError) as e:
+        GpuEngine(model, seq_len=10**7)
+    assert str(e.value).startswith(
+        "out of GPU memory: a KV cache of 10,000,000 positions (fp8, 6 layers) needs"
+    )
+    assert f"({2 * 6 * 10**7 * 2048:,} bytes)" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_finite: the first position whose logits hold a NaN or an infinity
+
+
+def test_check_finite_kernel():
+    from numba import cuda
+
+    from pycalm.kernels.common import STATE_POS, STATE_SIZE
+    from pycalm.kernels.finite import FLAG_SIZE, check_finite, check_finite_ref
+
+    logits = np.linspace(-3, 3, 300).astype(np.float32)  # 300: more than one block of threads
+    state = np.zeros(STATE_SIZE, np.int32)
+    flag = cuda.to_device(np.zeros(FLAG_SIZE, np.int32))
+    want = np.zeros(FLAG_SIZE, np.int32)
+    for pos, bad in [(3, None), (5, np.nan), (9, np.inf)]:  # finite, then a NaN, then an infinity
+        state[STATE_POS] = pos
+        x = logits.copy()
+        if bad is not None:
+            x[277] = bad
+        check_finite(cuda.to_device(x), cuda.to_device(state), flag, stream=0)
+        check_finite_ref(x, pos, want)
+        np.testing.assert_array_equal(flag.copy_to_host(), want)
+    assert want.tolist() == [1, 5, 277]  # the first failing step (position 5) stays recorded
+
+
+def test_check_finite_engine(tmp_path):
+    """A NaN in one token's embedding row: the token step that feeds it is reported, position
+    and logit, in one line; without check_finite the same step returns the NaN logits."""
+    from pycalm.errors import PycalmError
+
+    tiny = make_hf_llama(tmp_path, dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
+    model = open_model(convert(tiny.path, tmp_path / "one.pycalm", "fp16", progress=False))
+    engine = GpuEngine(model, seq_len=8, kv_dtype="fp16", options=EngineOptions(check_finite=True))
+    engine.tok_embeddings[7] = np.full(model.config.dim, np.nan, np.float16)
+    with pytest.raises(PycalmError, match=r"^non-finite logits \(NaN or infinity\) at position 3, step 1 of this "
+                       r"call \(logit \d+\): the first failing token step$"):  # fmt: skip
+        engine.logits(7, 3)
+    assert GpuEngine(model, seq_len=8, kv_dtype="fp16").finite_flag is None  # off by default
+
+
+@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")
+def test_check_finite_generate(tmp_path):
+    """Greedy generation with a NaN in the embedding row of a token it samples (the first that
+    is new, at index j): the step that feeds it, at position len(prompt) + j, step j + 2 of the
+    call (step 1 samples token 0), is the first reported."""
+    from pycalm.errors import PycalmError
+
+    model = tiny_model(tmp_path, "llama", "fp16")
+    greedy = SamplingParams(temperature=0.0)
+    clean = list(GpuEngine(model, seq_len=64).generate(PROMPT, 0, 20, greedy))
+    j = max(j for j, t in enumerate(clean) if t not in PROMPT and t not in clean[:j])
+    engine = GpuEngine(model, seq_len=64, options=EngineOptions(check_finite=True))
+    engine.tok_embeddings[clean[j]] = np.full(model.config.dim, np.nan, np.float16)
+    with pytest.raises(PycalmError, match=rf"at position {len(PROMPT) + j}, step {j + 2} of this call"):
+        list(engine.generate(PROMPT, 0, 20, greedy))
