@@ -1,4 +1,4 @@
-"""The `pycalm` command: pycalm generate | convert | serve [options], pycalm --version.
+"""The `pycalm` command: pycalm generate | convert | serve | cache | fetch [options], pycalm --version.
 
 Each subcommand is the module of the same name (python -m pycalm.generate, ...), given the rest
 of the command line.
@@ -16,6 +16,8 @@ commands:
   generate   generate text, chat, or measure perplexity (pycalm generate --help)
   convert    convert a Hugging Face folder or GGUF file to a pycalm file
   serve      serve a model over an OpenAI-compatible HTTP API
+  cache      list the cached models (their size and source) or clear them
+  fetch      download a known model's GGUF file into the cache
 """
 
 
@@ -34,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         from pycalm.convert import main as run
     elif command == "serve":
         from pycalm.serve import main as run
+    elif command == "cache":
+        from pycalm.cache import main as run
+    elif command == "fetch":
+        from pycalm.fetch import main as run
     else:
         print(
-            f"error: unknown command {command!r}: one of generate, convert, serve (see pycalm --help)",
+            f"error: unknown command {command!r}: one of generate, convert, serve, cache, fetch (see pycalm --help)",
             file=sys.stderr,
         )
         return 2
