@@ -91,6 +91,7 @@ class Timings:
     load_bytes: int = 0
     compile_s: float | None = None  # None: nothing to compile (the CPU engine)
     compiled: int = 0  # kernels the whole run compiled (not found in the kernel cache)
+    compile_processes: int = 0  # worker processes that compiled them (pycalm.precompile; 0: none)
     prompt_tokens: int = 0
     prompt_s: float = 0.0  # up to the first sampled token (only counted when there is one)
     generated: int = 0  # tokens sampled, the EOS included
@@ -115,6 +116,8 @@ class Timings:
             compiled = "none"
         else:
             what = "cache hit" if self.compiled == 0 else f"{self.compiled} kernels compiled"
+            if self.compiled and self.compile_processes:
+                what += f" in {self.compile_processes} processes"
             compiled = f"{self.compile_s:.2f} s ({what})"
         return (
             f"pycalm ({device}): load {self.load_s:.2f} s{gb_s} | compile {compiled} | "
@@ -508,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         seq_len = min(args.context, cfg.max_seq_len)
         engine = make_engine(model, args.device, seq_len, args.kv, log, check_finite=args.check_finite)
         timings.load_s = time.perf_counter() - t0
+        workers = getattr(engine, "precompile", None)  # kernels compiled in worker processes meanwhile
+        if workers is not None:  # the wait for them after the weights loaded counts as compiling
+            timings.load_s -= workers.wait_s
+            timings.compile_s, timings.compile_processes = workers.wait_s, workers.processes
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
         if args.perplexity is not None:

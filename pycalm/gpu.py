@@ -185,6 +185,10 @@ class EngineOptions:
     # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only. Off:
     # measured no faster (numba's compiler and cache loader hold the GIL; docs/BENCHMARKS.md)
     compile_while_loading: bool = False
+    # worker processes that compile the kernels into an empty kernel cache while the weights load
+    # (pycalm.precompile; None: as many as the cores allow, at most 8; 0: off, this process
+    # compiles them one after another on first use)
+    parallel_compile: int | None = None
     # debug: check every token step's logits for NaN and infinity on the device
     # (pycalm.kernels.finite; the CLI's --check-finite), read every FINITE_CHECK_EVERY tokens;
     # the first failing position is a PycalmError
@@ -214,6 +218,11 @@ class GpuEngine:
         self.config = cfg
         self.seq_len = min(seq_len, cfg.max_seq_len)
         self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
+        from pycalm import precompile
+
+        # a kernel cache without this engine's kernels: worker processes compile them into it
+        # while the weights load here (pycalm.precompile); waited for at the end of __init__
+        workers = precompile.start(cfg, self.seq_len, self.kv_dtype, options)
         self.stream = cuda.stream()
         s = self.stream
         self.use_graph = not config.ENABLE_CUDASIM if options.use_graph is None else options.use_graph
@@ -276,6 +285,8 @@ class GpuEngine:
                 self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
                 self.forward(SamplingParams(temperature=0.0), self.span(self.seq_len - 1))
             upload.wait()
+        # what the workers did (None: none started); every kernel they compiled now loads from the cache
+        self.precompile = workers.wait() if workers is not None else None
         s.synchronize()
 
     def _allocate(self, cfg: ModelConfig, options: EngineOptions) -> None:

@@ -14,7 +14,7 @@ pycalm/kernels/*.py and the numba-cuda version (`kernels_key`), and CACHE_ROOT i
 folder (pycalm.fetch.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
 module gives a new, empty folder; nothing in an old folder is ever read again.
 
-How (numba-cuda 0.30.4 internals, both set by `install()`, both confined to pycalm's kernels, so
+How (numba-cuda 0.30.4 internals, all set by `install()`, all confined to pycalm's kernels, so
 the caching of anyone else's numba code in the same process is left as it was):
 - Where. numba-cuda asks a list of "cache locator" classes, in order, where a function's cache
   lives (numba.cuda.core.caching.CacheImpl._locator_classes, here the class attribute of
@@ -29,15 +29,24 @@ the caching of anyone else's numba code in the same process is left as it was):
   match the next run's. CUDACache._index_key is wrapped so that, for a KernelsLocator's function,
   the cells are described by `closure_digest` instead (values by repr, device functions by their
   code and their own cells); the rest of the key is numba's.
+- Several processes at once. numba adds an entry to a function's index file by reading it,
+  adding the entry and writing it back, and names the entry's data file by the index's length:
+  two processes adding entries to one index at once (pycalm.precompile's workers, which compile
+  the specialisations of one factory side by side) would lose an entry or, worse, write two
+  kernels to one data file, which the index of one of them then names. IndexDataCacheFile.save
+  is wrapped so that, in a pycalm kernel folder, it runs under an exclusive lock on the folder's
+  `.lock` file (fcntl; where there is none, as numba does it).
 Under the CUDA simulator nothing compiles and nothing is cached.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 KERNELS_DIR = Path(__file__).resolve().parent  # pycalm/kernels/: the sources the key hashes
@@ -45,6 +54,7 @@ KERNELS_DIR = Path(__file__).resolve().parent  # pycalm/kernels/: the sources th
 # the cache root of this process (None: pycalm.fetch.cache_dir()); chosen once, by set_root,
 # before any kernel module is imported: numba fixes each kernel's folder when it is declared
 _root: Path | None = None
+_folders: set[str] = set()  # the folders KernelsLocator has answered with (their saves take the lock)
 
 
 def set_root(root: str | os.PathLike[str]) -> None:
@@ -89,7 +99,7 @@ def cached_kernels() -> int:
 def install() -> None:
     """Make numba-cuda cache pycalm's kernels in folder() (idempotent; not under the simulator)."""
     import numba_cuda
-    from numba.cuda.core.caching import _CacheLocator, _SourceFileBackedLocatorMixin
+    from numba.cuda.core.caching import IndexDataCacheFile, _CacheLocator, _SourceFileBackedLocatorMixin
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
     class KernelsLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
@@ -119,6 +129,7 @@ def install() -> None:
                 # an unwritable cache folder: a fresh temporary one, never numba's __pycache__
                 # beside the source (whose key would miss a change in another kernel module)
                 self._cache_path = _temporary_folder()
+            _folders.add(self._cache_path)
             return self
 
     locators = CUDACacheImpl._locator_classes
@@ -137,6 +148,29 @@ def install() -> None:
         return key
 
     CUDACache._index_key = index_key
+
+    numba_save = IndexDataCacheFile.save
+
+    def save(self: IndexDataCacheFile, key: object, data: object) -> None:
+        if self._cache_path not in _folders:
+            return numba_save(self, key, data)
+        with _locked(Path(self._cache_path) / ".lock"):
+            return numba_save(self, key, data)
+
+    IndexDataCacheFile.save = save
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (made if missing) while within; no lock without fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def closure_digest(fn: object) -> str:

@@ -1,0 +1,431 @@
+"""A cold kernel cache filled by worker processes, in parallel, while the weights load.
+
+numba compiles one kernel at a time and holds the GIL while it does, so a cold start (an empty
+kernel cache, pycalm.kernels.cache) pays the sum of every kernel's compile time. Here separate
+processes compile them side by side into the cache, and the engine then loads each one from it:
+a cold start costs about the slowest kernel's compile plus a process start, not the sum.
+
+    GpuEngine.__init__ -> start(): the cache folder lacks this model's marker file
+        -> N workers: python -m pycalm.precompile SPEC WORKER   (N: min(cores, 8))
+    ... the weights upload in the main process meanwhile ...
+    GpuEngine.__init__ -> Precompile.wait(): the workers' end; the marker written
+        -> the engine's first steps load every kernel from the cache
+
+A worker needs no weights and no real buffers, only the kernels' signatures, and numba types an
+array argument by its dtype, rank and layout. So it builds the same GpuEngine on stand-in device
+arrays of the real shapes (the launchers choose specialisations from shapes) whose memory is
+never allocated or copied (`virtual_memory`: one small real allocation stands behind every
+array; copies to the device do nothing, copies to the host read zeros), and with numba's launch
+replaced by a record of (kernel, argument types) (`Walk`). It then runs what a real run runs:
+the token step for every attention span graph() captures, greedy and sampled, and the
+multi-token forward (pycalm.prefill) at its chunk sizes, with the logits rows. That visits
+every launch site, and each worker records the same list in the same order.
+
+Then the workers share the list out: it is ordered by an estimated compile cost, largest first
+(`estimated_cost`: the tensor-core matmuls, then the attention kernels, ...), and each worker
+walks it and compiles the kernels it claims, a claim being a file created with O_EXCL in a
+folder of this run: a worker that is done with a large kernel takes the next unclaimed one, so
+the kernels spread as a longest-first schedule would spread them. Compiling writes the cache
+entry (cache=True); two workers adding entries to one index file take turns (cache.install's
+lock).
+
+A worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
+workers, and says so in one line on stderr. Under the CUDA simulator (no compiler, no cache)
+nothing starts; EngineOptions.parallel_compile = 0 turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+WALK_VERSION = "1"  # in the marker's digest: a change in what the walk visits refills the cache
+MAX_WORKERS = 8
+WORKER_TIMEOUT_S = 900  # a worker still running after this is ended; the engine compiles the rest
+
+# the compile cost of a kernel by its module, relative (the tensor-core matmuls are the slowest
+# to compile, and a quantized format's decode makes them slower still: docs/BENCHMARKS.md)
+MODULE_COST = {
+    "matmul": 10,
+    "moe_rows": 8,
+    "prefill_attention": 6,
+    "attention": 5,
+    "matvec": 4,
+    "qkv": 4,
+    "moe": 4,
+    "rows": 2,
+    "sample": 2,
+}
+QUANTIZED_NAMES = ("gf4", "q4", "q8", "fp8")  # closure values that make a kernel's decode longer
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels a run launches, and how they are shared out
+
+
+@dataclass(frozen=True)
+class Item:
+    """One (kernel, argument types) to compile: `key` names it the same in every process."""
+
+    key: str
+    cost: float
+    kernel: object  # the numba dispatcher
+    argtypes: tuple
+
+
+def kernel_function(kernel: object) -> object:
+    """The Python function behind a numba dispatcher (or the simulator's kernel)."""
+    return getattr(kernel, "py_func", None) or kernel.fn
+
+
+def item_key(fn: object, argtypes: tuple) -> str:
+    """The function's module and qualified name, its closure (cache.closure_digest: the same in
+    every process) and the argument types."""
+    from pycalm.kernels.cache import closure_digest
+
+    try:
+        digest = closure_digest(fn)[:16]
+    except (TypeError, AttributeError):  # the simulator's device functions: a digest of this process
+        digest = f"local{id(fn):x}"
+    return f"{fn.__module__}.{fn.__qualname__} {digest} ({', '.join(map(str, argtypes))})"
+
+
+def estimated_cost(fn: object) -> float:
+    """A relative compile cost: MODULE_COST of the kernel's module, half as much again where
+    its closure names a quantized format."""
+    cost = float(MODULE_COST.get(fn.__module__.rsplit(".", 1)[-1], 1))
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    if any(isinstance(v, str) and v in QUANTIZED_NAMES for v in cells):
+        cost *= 1.5
+    return cost
+
+
+def schedule(items: list[Item]) -> list[Item]:
+    """The order every worker walks the list in: largest estimated cost first, then by key."""
+    return sorted(items, key=lambda i: (-i.cost, i.key))
+
+
+def claim(folder: Path, key: str) -> bool:
+    """True for the one process that creates the claim file of `key` in `folder` first."""
+    path = folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+class StubKernel:
+    """What a recorded compile hands back to the launchers (pycalm.kernels.launch asks a
+    compiled kernel how many blocks fit; any answer does, nothing is launched)."""
+
+    def max_cooperative_grid_blocks(self, threads: int) -> int:
+        from pycalm.kernels.launch import BLOCKS_PER_SM, n_sm
+
+        return BLOCKS_PER_SM * n_sm()
+
+
+class Walk:
+    """Launches and compiles recorded, nothing compiled or run: `items` holds each distinct
+    (kernel, argument types) in the order the engine first reached it."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Item] = {}
+
+    @property
+    def items(self) -> list[Item]:
+        return list(self._items.values())
+
+    def record(self, kernel: object, argtypes: tuple) -> StubKernel:
+        fn = kernel_function(kernel)
+        key = item_key(fn, argtypes)
+        if key not in self._items:
+            self._items[key] = Item(key, estimated_cost(fn), kernel, tuple(argtypes))
+        return StubKernel()
+
+    def launch(self, kernel: object, args: tuple) -> None:
+        """A launch: record the kernel with the types numba gives its arguments, run nothing."""
+        self.record(kernel, tuple(kernel.typeof_pyval(a) for a in args))
+
+    @contextlib.contextmanager
+    def installed(self, dispatcher_class: type) -> Iterator[Callable[[object, tuple], object]]:
+        """Within: `dispatcher_class`'s launch (call) and compile record instead; yields the
+        real compile, compile(kernel, argtypes)."""
+        real_call, real_compile = dispatcher_class.call, dispatcher_class.compile
+
+        def call(kernel: object, args: tuple, launch_config: object) -> None:
+            self.launch(kernel, args)
+
+        def compile(kernel: object, sig: object) -> StubKernel:  # noqa: A001 - numba's name
+            return self.record(kernel, tuple(sig))
+
+        dispatcher_class.call, dispatcher_class.compile = call, compile
+        try:
+            yield real_compile
+        finally:
+            dispatcher_class.call, dispatcher_class.compile = real_call, real_compile
+
+
+@contextlib.contextmanager
+def virtual_memory() -> Iterator[None]:
+    """Within: device arrays of any size cost nothing (every allocation is a view of one small
+    real one, and the GPU reports all its memory free), copies to the device and memsets do
+    nothing, and copies to the host fill the host buffer with zeros (so host code that reads a
+    device result gets a stand-in 0). Nothing may launch meanwhile (Walk)."""
+    import ctypes
+
+    from numba import cuda
+    from numba.cuda.cudadrv import driver
+
+    backing = cuda.device_array(256, "u1")  # the address every stand-in array points at
+    base = backing.gpu_data.device_pointer_value
+
+    def memalloc(context: object, size: int) -> object:
+        pointer = driver.binding.CUdeviceptr(base)
+        return driver.MemoryPointer(context, pointer, size, owner=backing.gpu_data)
+
+    def to_host(dst: object, src: object, size: int, stream: object = 0) -> None:
+        ctypes.memset(driver.host_pointer(dst), 0, size)
+
+    def nothing(*args: object, **kwargs: object) -> None:
+        return None
+
+    def plenty(context: object) -> tuple[int, int]:  # (free, total): the stand-ins take none
+        return 1 << 60, 1 << 60
+
+    saved = {
+        (driver.Context, "memalloc"): driver.Context.memalloc,
+        (driver.Context, "get_memory_info"): driver.Context.get_memory_info,
+        (driver.MemoryPointer, "memset"): driver.MemoryPointer.memset,
+        (driver, "host_to_device"): driver.host_to_device,
+        (driver, "device_to_device"): driver.device_to_device,
+        (driver, "device_memset"): driver.device_memset,
+        (driver, "device_to_host"): driver.device_to_host,
+    }
+    replacement = {"memalloc": memalloc, "get_memory_info": plenty, "device_to_host": to_host}
+    for owner, name in saved:
+        setattr(owner, name, replacement.get(name, nothing))
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the walk: a stand-in engine through everything a run launches
+
+
+class StandInModel:
+    """What GpuEngine needs of a model (config, device_tensor): every tensor a model file of
+    this config holds (a q8 / q4 matrix's scales too), as a device array of its stored dtype
+    and shape, its bytes never set."""
+
+    def __init__(self, config: object) -> None:
+        from pycalm.loader import expected_tensors
+
+        self.config = config
+        self._specs = {s.name: s for s in expected_tensors(config, 1)}
+
+    def device_tensor(self, name: str) -> object:
+        from numba import cuda
+
+        spec = self._specs[name]
+        return cuda.device_array(spec.shape, spec.dtype)
+
+
+def walk_engine(spec: dict) -> None:
+    """Build the engine of `spec` (engine_spec's) on stand-in weights and enqueue every token
+    step variant and the multi-token forward (the caller has installed a Walk, which records the
+    launches, and on a GPU virtual_memory)."""
+    from pycalm.config import ModelConfig
+    from pycalm.gpu import EngineOptions, GpuEngine
+    from pycalm.prefill import Prefill
+    from pycalm.sampler import SamplingParams
+
+    cfg = ModelConfig.from_json(spec["config"])
+    options = EngineOptions(**{**spec["options"], "parallel_compile": 0})
+    engine = GpuEngine(StandInModel(cfg), spec["seq_len"], spec["kv_dtype"], options=options)
+    # greedy (argmax) and sampled (one kernel for every temperature, top-k, top-p, min-p)
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
+            engine.forward(sampling, span)
+    if engine.multi_token:
+        prefill = Prefill(engine, engine.prefill_chunk)
+        for rows in sorted({1, engine.prefill_chunk}):
+            prefill.forward_rows(0, min(rows, engine.seq_len))
+        for rows in sorted({1, prefill.logit_rows}):
+            prefill.classify_rows(0, rows)
+
+
+def worker_main(spec_path: str, worker: int) -> int:
+    """A worker process: walk, then compile the claimed kernels into the cache. Prints a JSON
+    line per kernel it compiled (key, seconds) and one at the end (kernels seen)."""
+    spec = json.loads(Path(spec_path).read_text())
+    from pycalm.kernels import cache
+
+    cache.set_root(spec["root"])  # before any kernel module is imported
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    walk = Walk()
+    with walk.installed(CUDADispatcher) as real_compile, virtual_memory():
+        walk_engine(spec)
+    claims = Path(spec["claims"])
+    for item in schedule(walk.items):
+        if not claim(claims, item.key):
+            continue
+        t0 = time.perf_counter()
+        real_compile(item.kernel, item.argtypes)
+        print(json.dumps(dict(worker=worker, key=item.key, s=round(time.perf_counter() - t0, 3))), flush=True)
+    print(json.dumps(dict(worker=worker, done=len(walk.items))), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine's side: start the workers, wait for them
+
+
+def default_workers() -> int:
+    """min(the cores this process may use, MAX_WORKERS)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+@dataclass
+class Report:
+    """What the workers did: processes started, kernels they compiled, the seconds the engine
+    waited for them after its own work, and the failures (one line each)."""
+
+    processes: int
+    compiled: list[tuple[str, float]]  # (key, seconds) for each kernel a worker compiled
+    wait_s: float
+    failures: list[str]
+
+    @property
+    def slowest(self) -> tuple[str, float] | None:
+        return max(self.compiled, key=lambda c: c[1]) if self.compiled else None
+
+
+class Precompile:
+    """Worker processes compiling an engine's kernels into the kernel cache (start() makes one)."""
+
+    def __init__(self, spec: dict, marker: Path, workers: int, command: list[str] | None = None) -> None:
+        self.marker = marker
+        self.work = Path(tempfile.mkdtemp(prefix="pycalm-precompile-"))
+        claims = self.work / "claims"
+        claims.mkdir()
+        spec = {**spec, "claims": str(claims)}
+        spec_path = self.work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        package_parent = str(Path(__file__).resolve().parent.parent)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
+        }
+        command = command or [sys.executable, "-m", "pycalm.precompile"]
+        self.processes = []
+        for i in range(workers):
+            out = open(self.work / f"worker{i}.log", "wb")  # noqa: SIM115 - closed in wait()
+            self.processes.append(
+                (
+                    subprocess.Popen(
+                        [*command, str(spec_path), str(i)], stdout=out, stderr=subprocess.STDOUT, env=env
+                    ),
+                    out,
+                )
+            )
+
+    def wait(self, timeout_s: float = WORKER_TIMEOUT_S, log: Callable[[str], None] | None = None) -> Report:
+        """Wait for every worker; a failed one is named in one line (log: stderr by default) and
+        leaves its kernels to the engine. The marker is written when all of them succeeded."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        compiled, failures = [], []
+        for i, (p, out) in enumerate(self.processes):
+            try:
+                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                rc = None
+            out.close()
+            text = (self.work / f"worker{i}.log").read_text(errors="replace")
+            for line in text.splitlines():
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line) if line.startswith("{") else {}
+                    if "key" in record:
+                        compiled.append((record["key"], float(record["s"])))
+            if rc is None:
+                failures.append(f"worker {i} still running after {timeout_s:.0f} s")
+            elif rc != 0:
+                last = (text.strip().splitlines() or ["no output"])[-1][:200]
+                failures.append(f"worker {i} exited with {rc}: {last}")
+        report = Report(len(self.processes), compiled, time.perf_counter() - t0, failures)
+        if failures:
+            (log or _stderr)(
+                f"pycalm: {len(failures)} of {len(self.processes)} kernel compile workers failed "
+                f"({failures[0]}); compiling what is missing here"
+            )
+        else:
+            with contextlib.suppress(OSError):
+                self.marker.write_text(json.dumps(dict(compiled=len(compiled))))
+        return report
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def engine_spec(cfg: object, seq_len: int, kv_dtype: str, options: object) -> dict:
+    """What shapes an engine's kernels: the config, context length, KV format and the options
+    (attention chunk, prefill chunk, ...)."""
+    return dict(config=cfg.to_json(), seq_len=seq_len, kv_dtype=kv_dtype, options=dataclasses.asdict(options))
+
+
+def marker_path(folder: Path, spec: dict) -> Path:
+    """The file that says this spec's kernels are in `folder` (a kernel cache folder)."""
+    text = json.dumps({**spec, "walk": WALK_VERSION}, sort_keys=True)
+    return folder / f"ready-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompile | None:
+    """Workers compiling this engine's kernels into the kernel cache, or None: under the CUDA
+    simulator, with options.parallel_compile == 0, when the cache folder cannot be written, or
+    when its marker says a run of this spec already filled it."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM or options.parallel_compile == 0:
+        return None
+    from pycalm.kernels import cache
+
+    folder = cache.folder()
+    spec = engine_spec(cfg, seq_len, kv_dtype, options)
+    marker = marker_path(folder, spec)
+    if marker.exists():
+        return None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(folder, os.W_OK):
+        return None  # each process would cache in a temporary folder of its own
+    workers = options.parallel_compile or default_workers()
+    try:
+        return Precompile({**spec, "root": str(folder.parent.parent)}, marker, workers)
+    except OSError as e:  # no temporary folder, no process: this process compiles, as without
+        _stderr(f"pycalm: no kernel compile workers ({e}); compiling here")
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1], int(sys.argv[2])))

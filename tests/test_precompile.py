@@ -1,0 +1,209 @@
+"""Parallel cold compilation (pycalm.precompile): the order and the claims that share the kernels
+out, the recording launch that replaces numba's in a worker, the engine's side when workers fail,
+and on a GPU (PYCALM_TEST_GPU=1) a cold run whose workers leave a cache from which the engine and
+a second process compile nothing, with the same tokens.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pycalm import precompile
+from pycalm.config import ModelConfig
+from pycalm.gpu import EngineOptions
+from pycalm.precompile import Item, Precompile, Walk, claim, estimated_cost, schedule
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _factory(dtype: str):  # noqa: ANN202 - a closure like the kernel factories' (dtype in a cell)
+    def kernel(x):  # noqa: ANN001, ANN202
+        return dtype, x
+
+    return kernel
+
+
+def test_schedule_puts_the_costly_kernels_first_in_a_fixed_order():
+    items = [Item(key, cost, None, ()) for key, cost in [("b", 1.0), ("a", 10.0), ("c", 4.0), ("a2", 4.0)]]
+    order = [i.key for i in schedule(items)]
+    assert order == ["a", "a2", "c", "b"]
+    assert [i.key for i in schedule(list(reversed(items)))] == order  # the same in every worker
+    # a kernel's module sets its cost; a quantized format in its closure makes it dearer
+    plain, gf4 = _factory("fp16"), _factory("gf4")
+    plain.__module__ = gf4.__module__ = "pycalm.kernels.matmul"
+    assert estimated_cost(plain) == precompile.MODULE_COST["matmul"]
+    assert estimated_cost(gf4) == 1.5 * precompile.MODULE_COST["matmul"]
+    plain.__module__ = "pycalm.kernels.step"
+    assert estimated_cost(plain) == 1.0
+
+
+def test_claims_give_each_kernel_to_exactly_one_worker(tmp_path):
+    keys = [f"kernel{i} (float32[::1])" for i in range(40)]
+    taken: dict[int, list[str]] = {w: [] for w in range(4)}
+    start = threading.Barrier(4)
+
+    def worker(w: int) -> None:
+        start.wait()
+        taken[w] += [k for k in keys if claim(tmp_path, k)]
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = [k for w in taken.values() for k in w]
+    assert sorted(everything) == sorted(keys)  # each claimed once, none left over
+    assert not claim(tmp_path, keys[0])
+
+
+class FakeDispatcher:
+    """numba's CUDADispatcher as far as a Walk touches it: call launches, compile compiles."""
+
+    launched: list = []
+    compiled: list = []
+
+    def __init__(self, fn: object) -> None:
+        self.py_func = fn
+
+    def typeof_pyval(self, value: object) -> str:
+        return type(value).__name__
+
+    def call(self, args: tuple, launch_config: object) -> None:
+        FakeDispatcher.launched.append(args)
+
+    def compile(self, sig: tuple) -> str:
+        FakeDispatcher.compiled.append(sig)
+        return "compiled"
+
+
+def test_walk_records_each_launch_and_runs_nothing():
+    walk = Walk()
+    fp16, gf4 = FakeDispatcher(_factory("fp16")), FakeDispatcher(_factory("gf4"))
+    original = FakeDispatcher.call, FakeDispatcher.compile
+    with walk.installed(FakeDispatcher) as real_compile:
+        fp16.call((1, 2.0), None)
+        fp16.call((3, 4.0), None)  # same types: one entry
+        fp16.call((1, "x"), None)
+        gf4.call((1, 2.0), None)  # another closure: its own entry
+        stub = gf4.compile(("int", "int"))  # a launcher asking for the compiled kernel
+        assert stub.max_cooperative_grid_blocks(256) > 0
+        assert real_compile(gf4, ("int",)) == "compiled"  # the real one, for the claimed kernels
+    assert FakeDispatcher.launched == [] and FakeDispatcher.compiled == [("int",)]
+    assert (FakeDispatcher.call, FakeDispatcher.compile) == original  # restored
+    items = walk.items
+    assert [i.argtypes for i in items] == [("int", "float"), ("int", "str"), ("int", "float"), ("int", "int")]
+    assert items[0].key != items[2].key  # fp16 and gf4 closures of one function differ
+    assert all("_factory.<locals>.kernel" in i.key for i in items)
+    fp16.call((1, 2.0), None)  # outside: numba's launch again
+    assert FakeDispatcher.launched == [(1, 2.0)]
+
+
+def _config() -> ModelConfig:
+    return ModelConfig(
+        arch="llama", dim=32, hidden_dim=48, head_dim=16, n_layers=1, n_heads=2, n_kv_heads=1,
+        vocab_size=64, max_seq_len=128, rope_theta=10000.0, rotary_dim=16, norm_eps=1e-5,
+        bos_id=1, eos_ids=(2,), weight_dtype="fp16",
+    )  # fmt: skip
+
+
+def _spec() -> dict:
+    return precompile.engine_spec(_config(), 64, "fp16", EngineOptions())
+
+
+def test_failed_workers_leave_the_compiling_to_the_engine(tmp_path):
+    """Workers that exit with an error: one line says so, the marker stays unwritten (the next
+    run tries again) and nothing raises; the engine then compiles on first use, as without."""
+    marker = tmp_path / "ready-x"
+    fail = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+    lines: list[str] = []
+    report = Precompile(_spec(), marker, 2, command=fail).wait(log=lines.append)
+    assert report.processes == 2 and report.compiled == []
+    assert len(report.failures) == 2 and "exited with 3: boom" in report.failures[0]
+    assert len(lines) == 1 and lines[0].startswith("pycalm: 2 of 2 kernel compile workers failed")
+    assert not marker.exists()
+    # a worker that never ends is stopped at the timeout
+    hang = [sys.executable, "-c", "import time; time.sleep(60)"]
+    report = Precompile(_spec(), marker, 1, command=hang).wait(timeout_s=0.5, log=lines.append)
+    assert report.failures == ["worker 0 still running after 0 s"] and not marker.exists()
+
+
+def test_workers_report_what_they_compiled_and_mark_the_cache(tmp_path):
+    marker = tmp_path / "ready-x"
+    code = (
+        "import json, sys; spec = json.load(open(sys.argv[1])); assert spec['seq_len'] == 64; "
+        "print(json.dumps(dict(worker=int(sys.argv[2]), key='k' + sys.argv[2], s=0.25)))"
+    )
+    report = Precompile(_spec(), marker, 2, command=[sys.executable, "-c", code]).wait(log=pytest.fail)
+    assert sorted(report.compiled) == [("k0", 0.25), ("k1", 0.25)] and report.failures == []
+    assert marker.exists() and report.slowest[1] == 0.25
+
+
+def test_marker_names_everything_that_shapes_the_kernels(tmp_path):
+    spec = _spec()
+    marker = precompile.marker_path(tmp_path, spec)
+    assert marker == precompile.marker_path(tmp_path, json.loads(json.dumps(spec)))
+    for change in (
+        {"seq_len": 128},
+        {"kv_dtype": "fp8"},
+        {"options": {**spec["options"], "prefill_chunk": 16}},
+    ):
+        assert precompile.marker_path(tmp_path, {**spec, **change}) != marker
+
+
+def test_nothing_starts_under_the_simulator():
+    assert precompile.start(_config(), 64, "fp16", EngineOptions()) is None
+
+
+_RUN = r"""
+import json, sys
+from pycalm.kernels import cache
+cache.set_root(sys.argv[2])
+from pycalm.gpu import GpuEngine
+from pycalm.loader import open_model
+from pycalm.sampler import SamplingParams
+before = cache.cached_kernels()
+engine = GpuEngine(open_model(sys.argv[1]), seq_len=256)
+after_init = cache.cached_kernels()
+ids = [1 + (5 * i) % 120 for i in range(40)]
+greedy = list(engine.generate(ids, 0, 16, SamplingParams()))
+sampled = list(engine.generate(ids, 0, 16, SamplingParams(temperature=0.8, top_p=0.9, seed=3)))
+rows = sum(block.shape[0] for block in engine.prefill_logits(ids, 0))
+p = engine.precompile
+print("RESULT" + json.dumps(dict(before=before, after_init=after_init, end=cache.cached_kernels(),
+    greedy=greedy, sampled=sampled, rows=rows,
+    workers=None if p is None else dict(processes=p.processes, compiled=len(p.compiled), failures=p.failures))))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="numba compiles only on a GPU")
+def test_cold_run_with_workers_leaves_everything_in_the_cache(tmp_path):
+    """A cold engine: its workers compile every kernel the run launches (the engine itself compiles
+    none after them), and a second process compiles nothing and gives the same tokens."""
+    from tiny_models import make_hf_llama
+
+    from pycalm.convert import convert
+
+    src = make_hf_llama(tmp_path, dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
+    model = convert(src.path, tmp_path / "tiny.pycalm", "fp16", progress=False)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    runs = []
+    for _ in range(2):
+        p = subprocess.run(
+            [sys.executable, "-c", _RUN, str(model), str(tmp_path / "cache")],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+        assert p.returncode == 0 and lines, p.stderr[-3000:]
+        runs.append(json.loads(lines[-1][6:]))
+    cold, warm = runs
+    assert cold["workers"] is not None and cold["workers"]["failures"] == [], cold
+    assert cold["workers"]["compiled"] == cold["after_init"] - cold["before"] > 0, cold
+    assert cold["end"] == cold["after_init"], cold  # the engine compiled nothing the workers missed
+    assert warm["workers"] is None and warm["end"] == warm["before"] == cold["end"], warm
+    assert (warm["greedy"], warm["sampled"], warm["rows"]) == (cold["greedy"], cold["sampled"], 40)
