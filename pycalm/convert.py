@@ -1,6 +1,6 @@
 """Convert a Hugging Face folder or a GGUF file into one pycalm model file.
 
-    python -m pycalm.convert SRC OUT --dtype fp16|fp8|gf4
+    python -m pycalm.convert SRC OUT --dtype fp16|fp8|gf4|q8|q4 [--bits B] [--calibrate TEXT]
 
 Every model quirk is settled here, so the runtime sees one layout (docs/MODEL_FILE.md):
 - q/k rows of each head are permuted from rotate-half order (HF checkpoints, Qwen2 GGUF files)
@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from pycalm.config import WEIGHT_DTYPES, ModelConfig
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.loader import ModelWriter, TensorSpec
 
+DEFAULT_BITS = 5.0  # q4's budget: bits a weight on average over the matrices, scales included
 CHUNK_ELEMS = 1 << 21  # values per encoded chunk: 8 MB of float32; the encoders make float64 temporaries
 
 # ---------------------------------------------------------------------------------------------
@@ -54,6 +55,18 @@ class Source:
         """Rows idx (an int array) as float32 (len(idx), cols)."""
         raise NotImplementedError
 
+    def encode_rows(self, idx: np.ndarray, dtype: str, group: int = 32) -> np.ndarray | formats.Quantized:
+        """Rows idx in a weight dtype (q4: groups of `group`): read as float32 and encoded
+        (pycalm.formats); a GGUF source on q4's grid transcodes its blocks instead."""
+        return formats.encode(self.take(idx), dtype, group=group)
+
+    def origin(self, dtype: str, group: int = 32) -> str:
+        """How this source becomes `dtype`, for the converter's summary."""
+        return f"{self.kind} quantized once" if dtype in formats.QUANTIZED else f"{self.kind} encoded"
+
+    kind = "float"  # the source's number format (GGUF: its tensor type)
+    on_q4_grid = False  # True: its rows transcode into q4 at groups of 32 without rounding
+
 
 class Permuted(Source):
     """Rows of another source in a new order: new row j is old row perm[j]."""
@@ -65,6 +78,20 @@ class Permuted(Source):
 
     def take(self, idx: np.ndarray) -> np.ndarray:
         return self.base.take(self.perm[idx])
+
+    def encode_rows(self, idx: np.ndarray, dtype: str, group: int = 32) -> np.ndarray | formats.Quantized:
+        return self.base.encode_rows(self.perm[idx], dtype, group)
+
+    def origin(self, dtype: str, group: int = 32) -> str:
+        return self.base.origin(dtype, group)
+
+    @property
+    def kind(self) -> str:
+        return self.base.kind
+
+    @property
+    def on_q4_grid(self) -> bool:
+        return self.base.on_q4_grid
 
 
 class Concat(Source):
@@ -88,6 +115,34 @@ class Concat(Source):
             if len(sel):
                 out[sel] = part.take(idx[sel] - self.starts[k])
         return out
+
+    def encode_rows(self, idx: np.ndarray, dtype: str, group: int = 32) -> np.ndarray | formats.Quantized:
+        """Each part's rows encoded its own way (every format encodes rows independently)."""
+        if dtype not in formats.QUANTIZED:
+            return super().encode_rows(idx, dtype, group)
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        codes, scales = [], []
+        for k, part in enumerate(self.parts):
+            sel = np.nonzero(which == k)[0]
+            if len(sel):
+                enc = part.encode_rows(idx[sel] - self.starts[k], dtype, group)
+                codes.append((sel, enc.codes))
+                scales.append((sel, enc.scales))
+        out = [np.empty((len(idx), *a[0][1].shape[1:]), a[0][1].dtype) for a in (codes, scales)]
+        for (sel, c), (_, s) in zip(codes, scales, strict=True):
+            out[0][sel], out[1][sel] = c, s
+        return formats.Quantized(*out)
+
+    def origin(self, dtype: str, group: int = 32) -> str:
+        return " + ".join(dict.fromkeys(p.origin(dtype, group) for p in self.parts))
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(p.kind for p in self.parts))
+
+    @property
+    def on_q4_grid(self) -> bool:
+        return all(p.on_q4_grid for p in self.parts)
 
 
 def whole(src: Source, flat: bool = False) -> Callable[[], np.ndarray]:
@@ -141,6 +196,7 @@ class Converted:
     tokenizer_kind: str
     tokenizer_blob: bytes
     chat_template: str
+    origins: dict[str, int] = field(default_factory=dict)  # how matrices were made: count
 
 
 def make_config(source: Path, **hyperparameters: Any) -> ModelConfig:
@@ -229,23 +285,38 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _write_matrix(w: ModelWriter, spec: TensorSpec, src: Source, dtype: str, progress: Progress) -> None:
+def _write_matrix(
+    w: ModelWriter, spec: TensorSpec, src: Source, config: ModelConfig, progress: Progress
+) -> str:
+    """Encode and write matrix spec.name from `src` in row chunks (q8 / q4: the codes, then
+    `<name>.scales`); returns how it was made (Source.origin)."""
+    dtype, group = config.dtype_of(spec.name), config.group_of(spec.name)
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64))
-    cols = spec.shape[-1] * (formats.GF4_GROUP if dtype == "gf4" else 1)
+    packed = formats.GF4_GROUP if dtype == "gf4" else formats.Q4_NIBBLES if dtype == "q4" else 1
+    cols = spec.shape[-1] * packed
     if (src.rows, src.cols) != (rows, cols):
         raise PycalmError(
             f"{src.label}: shape ({src.rows}, {src.cols}) does not make {spec.name} ({rows}, {cols})"
         )
     step = max(1, CHUNK_ELEMS // cols)
+    scales = []  # q8 / q4: each chunk's scales, written after the codes
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        x = src.take(np.arange(r0, r1))
         try:
-            data = formats.encode(x, dtype)
+            data = src.encode_rows(np.arange(r0, r1), dtype, group)
         except ValueError as e:
             raise PycalmError(f"{src.label}: {e}") from None
+        if isinstance(data, formats.Quantized):
+            scales.append(data.scales)
+            data = data.codes
         w.write(spec.name, data)
-        progress.update(data.nbytes, tensor_done=r1 == rows)
+        progress.update(data.nbytes, tensor_done=r1 == rows and not scales)
+    if scales:
+        name = spec.name + ".scales"
+        stacked = np.concatenate(scales)
+        w.write(name, stacked.reshape(w.specs[w.specs.index(spec) + 1].shape))
+        progress.update(stacked.nbytes, tensor_done=True)
+    return src.origin(dtype, group)
 
 
 def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
@@ -258,12 +329,15 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
         in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
         why = f"cannot make the folder {out.parent}: a file is in the way" if in_the_way else e.strerror
         raise PycalmError(f"cannot write {out}: {why}") from None
-    bar = Progress(len(w.specs), w.total_bytes, progress)
+    bar = Progress(len([s for s in w.specs if not s.name.endswith(".scales")]), w.total_bytes, progress)
     with w:
         for spec in w.pending():
+            if spec.name.endswith(".scales"):
+                continue  # written with its matrix
             item = conv.plan[spec.name]
             if isinstance(item, Source):
-                _write_matrix(w, spec, item, conv.config.weight_dtype, bar)
+                origin = _write_matrix(w, spec, item, conv.config, bar)
+                conv.origins[origin] = conv.origins.get(origin, 0) + 1
                 continue
             vec = np.asarray(item(), dtype=np.float32)
             if vec.shape != spec.shape:
@@ -319,9 +393,52 @@ def plan_conversion(src: str | Path, dtype: str = "fp16") -> Converted:
     raise PycalmError(f"{src}: neither a Hugging Face folder nor a GGUF file")
 
 
-def convert(src: str | Path, out: str | Path, dtype: str = "fp16", progress: bool = True) -> Path:
-    """Convert an HF folder or a GGUF file at `src` into a pycalm model file at `out`."""
-    return write_converted(plan_conversion(src, dtype), Path(out), progress)
+def convert(
+    src: str | Path,
+    out: str | Path,
+    dtype: str = "fp16",
+    progress: bool = True,
+    *,
+    policy: bool = True,
+    bits: float = DEFAULT_BITS,
+    calibrate: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Convert an HF folder or a GGUF file at `src` into a pycalm model file at `out`.
+
+    q4 takes the mixed-precision policy unless `policy` is off (then every matrix is q4 in
+    groups of 32): each matrix's format within `bits` a weight (pycalm.quantize.plan_dtypes),
+    in the order the calibration text `calibrate` measures (pycalm.calibrate) when given, else
+    the default order. `log` gets the summary: how each matrix was made, the bits a weight.
+    """
+    conv = plan_conversion(src, dtype)
+    if dtype == "q4" and policy:
+        from pycalm.quantize import plan_dtypes
+
+        on_grid = {n for n, item in conv.plan.items() if isinstance(item, Source) and item.on_q4_grid}
+        steps = None
+        if calibrate is not None:
+            from pycalm.calibrate import rank_steps
+
+            steps = rank_steps(conv, Path(calibrate), on_grid, log=log)
+        conv.config = plan_dtypes(conv.config, on_grid, bits, steps)
+    elif calibrate is not None:
+        raise PycalmError("--calibrate ranks the matrices of a q4 model: use it with --dtype q4")
+    path = write_converted(conv, Path(out), progress)
+    if log is not None:
+        for origin, count in conv.origins.items():
+            log(f"{count} matrices: {origin}")
+        if dtype in formats.QUANTIZED:
+            from pycalm.quantize import average_bits
+
+            cfg = conv.config
+            q8 = sum(d == "q8" for _, d in cfg.tensor_dtypes)
+            g64 = sum(g == 64 for _, g in cfg.q4_groups)
+            log(
+                f"{average_bits(cfg):.3f} bits a weight over the matrices, scales included "
+                f"({q8} matrices in q8, {g64} in q4 groups of 64)"
+            )
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,10 +450,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output pycalm model file (.safetensors)")
     parser.add_argument("--dtype", choices=WEIGHT_DTYPES, default="fp16", help="weight format (default fp16)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--bits",
+        type=float,
+        default=DEFAULT_BITS,
+        help=f"q4: bits a weight on average, scales included (default {DEFAULT_BITS})",
+    )
+    parser.add_argument(
+        "--calibrate",
+        metavar="TEXT",
+        help="q4: rank the matrices by their effect on this text's output (KL divergence) and keep "
+        "the worst in q8 within --bits",
+    )
+    parser.add_argument(
+        "--no-policy", action="store_true", help="q4: every matrix in q4, groups of 32 (no q8 matrices)"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        path = convert(args.src, args.out, args.dtype, progress=not args.quiet)
+        path = convert(
+            args.src,
+            args.out,
+            args.dtype,
+            progress=not args.quiet,
+            policy=not args.no_policy,
+            bits=args.bits,
+            calibrate=args.calibrate,
+            log=lambda line: print(line, file=sys.stderr),
+        )
     except (PycalmError, OSError) as e:  # OSError: the OS's own message names the path
         print(f"error: {e}", file=sys.stderr)
         return 1

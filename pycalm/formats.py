@@ -45,6 +45,10 @@ GF4_GROUP = 8
 Q8_MAX = 127  # q8 codes are -127..127: symmetric, so -128 is never written
 Q4_GROUPS = (32, 64)  # the q4 group sizes the format allows; 32 is llama.cpp's Q4_0/Q4_1 block
 Q4_NIBBLES = 8  # q4 codes in one uint32 word
+# the encoders' searches: q8 scales tried, as fractions of absmax / 127; q4 ranges tried, as
+# extra steps over a group's min..max (negative: codes clip at the ends, positive: finer steps)
+Q8_CANDIDATES = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
+Q4_CANDIDATES = (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
 
 STORAGE_DTYPE = {"fp16": np.dtype(np.float16), "fp8": np.dtype(np.uint8), "gf4": np.dtype(np.uint32)}
 STORAGE_DTYPE.update(q8=np.dtype(np.int8), q4=np.dtype(np.uint32))  # the codes array
@@ -196,10 +200,39 @@ def gf4_decode(w: np.ndarray) -> np.ndarray:
 
 
 def q8_encode(x: np.ndarray) -> Quantized:
-    """(..., cols) float -> Quantized(int8 (..., cols), float32 (...,)): scale absmax / 127."""
+    """(..., cols) float -> Quantized(int8 (..., cols), float32 (...,)).
+
+    Each row's scale is the one of Q8_CANDIDATES x absmax / 127 whose nearest codes give the
+    smallest squared error, refined once by least squares (sum q x / sum q^2 for those codes);
+    absmax / 127 itself is a candidate, so the search never does worse than it.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    absmax = (np.abs(x).max(axis=-1) / np.float32(Q8_MAX)).astype(np.float32)
+    best, best_err = absmax, np.full(absmax.shape, np.inf, np.float32)
+    for factor in Q8_CANDIDATES:
+        scale = (absmax * np.float32(factor)).astype(np.float32)
+        for _ in range(2):  # the candidate, then its least-squares refinement
+            err = _sq_error(x, q8_decode(Quantized(q8_codes(x, scale), scale)))
+            better = err < best_err
+            best, best_err = np.where(better, scale, best), np.where(better, err, best_err)
+            q = q8_codes(x, scale).astype(np.float32)
+            qq = np.einsum("...c,...c->...", q, q)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                scale = np.where(qq > 0, np.einsum("...c,...c->...", q, x) / qq, 0).astype(np.float32)
+    return Quantized(q8_codes(x, best), best.astype(np.float32))
+
+
+def q8_encode_absmax(x: np.ndarray) -> Quantized:
+    """The plain encoder: scale absmax / 127 (the comparison for q8_encode's search)."""
     x = np.asarray(x, dtype=np.float32)
     scale = (np.abs(x).max(axis=-1) / np.float32(Q8_MAX)).astype(np.float32)
     return Quantized(q8_codes(x, scale), scale)
+
+
+def _sq_error(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Squared error of each row (the last axis summed), float32."""
+    d = y - x
+    return np.einsum("...c,...c->...", d, d)
 
 
 def q8_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -238,9 +271,42 @@ def q4_unpack(w: np.ndarray) -> np.ndarray:
 def q4_encode(x: np.ndarray, group: int = 32) -> Quantized:
     """(..., cols) float -> Quantized(uint32 (..., cols // 8), float16 (..., cols // group, 2)).
 
-    Each group's offset is its min and its step (max - min) / 15, both rounded to fp16; the
-    codes are then the nearest for the stored d and m.
+    Each group's d and m are chosen to minimise its squared error, as llama.cpp's make_qkx
+    does: for each of Q4_CANDIDATES, codes from a shrunk or stretched min..max range, then the
+    least-squares d and m for those codes; every candidate is rounded to fp16 and scored with
+    its own nearest codes, and the best is kept. The plain min..max range (q4_encode_minmax) is
+    the first candidate, so the search never does worse than it.
     """
+    x = np.asarray(x, dtype=np.float32)
+    cols = x.shape[-1]
+    scales_shape(1, cols, "q4", group)
+    g = x.reshape(*x.shape[:-1], cols // group, group)  # (..., groups, group)
+    lo, hi = g.min(axis=-1), g.max(axis=-1)
+    span = hi - lo
+    best = q4_encode_minmax(x, group).scales
+    best_err = _sq_error(g, _q4_group_decode(g, best))
+    for stretch in Q4_CANDIDATES:  # codes spread over 15 + stretch steps of the range
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.where(span > 0, (15 + stretch) / span, 0).astype(np.float32)
+        q = np.clip(np.rint((g - lo[..., None]) * inv[..., None]), 0, 15)
+        # least squares for d, m over the fixed codes: min sum (d q + m - x)^2
+        n = np.float32(group)
+        sq, sx = q.sum(-1), g.sum(-1)
+        sqq, sqx = (q * q).sum(-1), (q * g).sum(-1)
+        det = n * sqq - sq * sq
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d = np.where(det > 0, (n * sqx - sq * sx) / det, 0)
+            m = np.where(det > 0, (sx - d * sq) / n, lo)
+        scales = np.stack([fp16_encode(d), fp16_encode(m)], axis=-1)
+        err = _sq_error(g, _q4_group_decode(g, scales))
+        better = (err < best_err)[..., None]
+        best, best_err = np.where(better, scales, best), np.minimum(err, best_err)
+    return Quantized(q4_pack(q4_codes(x, best)), best.astype(np.float16))
+
+
+def q4_encode_minmax(x: np.ndarray, group: int = 32) -> Quantized:
+    """The plain encoder: each group's m is its min and d (max - min) / 15, both rounded to
+    fp16; the codes are then the nearest for the stored d and m."""
     x = np.asarray(x, dtype=np.float32)
     cols = x.shape[-1]
     scales_shape(1, cols, "q4", group)
@@ -250,6 +316,12 @@ def q4_encode(x: np.ndarray, group: int = 32) -> Quantized:
     d = fp16_encode((hi - m.astype(np.float32)) / np.float32(15))
     scales = np.stack([d, m], axis=-1)
     return Quantized(q4_pack(q4_codes(x, scales)), scales)
+
+
+def _q4_group_decode(g: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Groups g (..., groups, group) through their nearest codes for `scales` and back."""
+    q = q4_codes(g.reshape(*g.shape[:-2], -1), scales).reshape(g.shape).astype(np.float32)
+    return scales[..., 0:1].astype(np.float32) * q + scales[..., 1:2].astype(np.float32)
 
 
 def q4_codes(x: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -276,6 +348,13 @@ def q4_decode(w: Quantized) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def take_rows(w: np.ndarray | Quantized, idx: int | np.ndarray) -> np.ndarray | Quantized:
+    """Rows idx of a stored matrix (an embedding lookup): of each array, for a Quantized."""
+    if isinstance(w, Quantized):
+        return Quantized(w.codes[idx], w.scales[idx])
+    return w[idx]
 
 
 def encode(x: np.ndarray, dtype: str, *, group: int = 32) -> np.ndarray | Quantized:

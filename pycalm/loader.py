@@ -43,7 +43,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger "length
 
 # numpy dtype -> safetensors dtype name, for the dtypes a pycalm file uses
 _ST_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint8): "U8"}
-_ST_DTYPE[np.dtype(np.uint32)] = "U32"
+_ST_DTYPE.update({np.dtype(np.uint32): "U32", np.dtype(np.int8): "I8"})
 _NP_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
 
 
@@ -63,41 +63,45 @@ class TensorSpec:
 def expected_tensors(config: ModelConfig, tokenizer_nbytes: int) -> list[TensorSpec]:
     """Every tensor a model file for `config` holds, in file order (docs/MODEL_FILE.md).
 
-    Matrices use the stored shape of config.weight_dtype (gf4 packs 8 columns in one uint32);
+    Matrices use the stored shape of their dtype (config.dtype_of: gf4 packs 8 columns in one
+    uint32; q8 and q4 store codes under the matrix's name and scales under `<name>.scales`);
     norms, biases, the MoE router and the RoPE frequencies are float32.
     """
-    wd = config.weight_dtype
-    w_dtype = formats.STORAGE_DTYPE[wd]
     f32 = np.dtype(np.float32)
 
-    def matrix(name: str, rows: int, cols: int, lead: tuple[int, ...] = ()) -> TensorSpec:
+    def matrix(name: str, rows: int, cols: int, lead: tuple[int, ...] = ()) -> list[TensorSpec]:
+        dtype = config.dtype_of(name)
         try:
-            shape = formats.storage_shape(rows, cols, wd)
+            shape = formats.storage_shape(rows, cols, dtype)
+            codes = TensorSpec(name, formats.STORAGE_DTYPE[dtype], lead + shape)
+            if dtype not in formats.QUANTIZED:
+                return [codes]
+            scales = formats.scales_shape(rows, cols, dtype, config.group_of(name))
         except ValueError as e:
             raise PycalmError(f"{name}: {e}") from None
-        return TensorSpec(name, w_dtype, lead + shape)
+        return [codes, TensorSpec(name + ".scales", formats.SCALES_DTYPE[dtype], lead + scales)]
 
     specs = [
-        matrix("tok_embeddings", config.vocab_size, config.dim),
+        *matrix("tok_embeddings", config.vocab_size, config.dim),
         TensorSpec("rope_freqs", f32, (config.rotary_dim // 2,)),
     ]
     experts = (config.n_experts,) if config.n_experts else ()
     for layer in range(config.n_layers):
         p = f"layers.{layer}."
         specs.append(TensorSpec(p + "attn_norm", f32, (config.dim,)))
-        specs.append(matrix(p + "wqkv", config.qkv_dim, config.dim))
+        specs += matrix(p + "wqkv", config.qkv_dim, config.dim)
         if config.qkv_bias:
             specs.append(TensorSpec(p + "bqkv", f32, (config.qkv_dim,)))
-        specs.append(matrix(p + "wo", config.dim, config.q_dim))
+        specs += matrix(p + "wo", config.dim, config.q_dim)
         specs.append(TensorSpec(p + "ffn_norm", f32, (config.dim,)))
         if config.n_experts:
             specs.append(TensorSpec(p + "moe_gate", f32, (config.n_experts, config.dim)))
-        specs.append(matrix(p + "w1", config.hidden_dim, config.dim, experts))
-        specs.append(matrix(p + "w2", config.dim, config.hidden_dim, experts))
-        specs.append(matrix(p + "w3", config.hidden_dim, config.dim, experts))
+        specs += matrix(p + "w1", config.hidden_dim, config.dim, experts)
+        specs += matrix(p + "w2", config.dim, config.hidden_dim, experts)
+        specs += matrix(p + "w3", config.hidden_dim, config.dim, experts)
     specs.append(TensorSpec("norm", f32, (config.dim,)))
     if not config.tied_embeddings:
-        specs.append(matrix("output", config.vocab_size, config.dim))
+        specs += matrix("output", config.vocab_size, config.dim)
     specs.append(TensorSpec("tokenizer", np.dtype(np.uint8), (tokenizer_nbytes,)))
     return specs
 
@@ -217,8 +221,15 @@ class ModelFile:
     def has(self, name: str) -> bool:
         return name in self._entries
 
-    def tensor(self, name: str) -> np.ndarray:
-        """Read one tensor (stored dtype and shape, see docs/MODEL_FILE.md) into host memory."""
+    def tensor(self, name: str) -> np.ndarray | formats.Quantized:
+        """Read one tensor (stored dtype and shape, see docs/MODEL_FILE.md) into host memory; a
+        q8 or q4 matrix comes as formats.Quantized(codes, scales) (its scales are also the
+        tensor `<name>.scales`)."""
+        if self.config.dtype_of(name) in formats.QUANTIZED and name + ".scales" in self._entries:
+            return formats.Quantized(self._read(name), self._read(name + ".scales"))
+        return self._read(name)
+
+    def _read(self, name: str) -> np.ndarray:
         if name not in self._entries:
             raise PycalmError(f"{self.path}: no tensor {name!r}")
         if self._handle is None:

@@ -21,8 +21,9 @@ one token through the model:
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
 `*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`).
 
-Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8" or "gf4") and are decoded with
-it; "fp32" is a matrix already decoded to float32 (the engine decodes each once). Activations are
+Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
+formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
+is a matrix already decoded to float32 (the engine decodes each once). Activations are
 float32. This module imports no numba: the CPU engine runs without it.
 """
 
@@ -38,9 +39,9 @@ from pycalm.errors import PycalmError
 # embedding and RMSNorm
 
 
-def embed_ref(table: np.ndarray, token: int, dtype: str) -> np.ndarray:
+def embed_ref(table: np.ndarray | formats.Quantized, token: int, dtype: str) -> np.ndarray:
     """table: stored (vocab_size, dim) in `dtype` -> (dim,) float32."""
-    return formats.decode(table[token], dtype).astype(np.float32)
+    return formats.decode(formats.take_rows(table, token), dtype).astype(np.float32)
 
 
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -50,9 +51,9 @@ def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (x * np.float32(1.0 / np.sqrt(ms + np.float32(eps))) * w).astype(np.float32)
 
 
-def embed_rows_ref(table: np.ndarray, tokens: np.ndarray, dtype: str) -> np.ndarray:
+def embed_rows_ref(table: np.ndarray | formats.Quantized, tokens: np.ndarray, dtype: str) -> np.ndarray:
     """T tokens at once (prefill): tokens (T,) int -> (T, dim) float32, row t embed_ref(tokens[t])."""
-    return formats.decode(table[np.asarray(tokens)], dtype).astype(np.float32)
+    return formats.decode(formats.take_rows(table, np.asarray(tokens)), dtype).astype(np.float32)
 
 
 def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -445,8 +446,9 @@ class ReferenceEngine:
         self.rope_freqs = model.tensor("rope_freqs").astype(np.float32)  # (rotary_dim // 2,)
         self.tok_embeddings = model.tensor("tok_embeddings")  # stored (vocab_size, dim), rows decoded per use
         self.norm = model.tensor("norm").astype(np.float32)  # (dim,)
-        out = model.tensor("tok_embeddings" if cfg.tied_embeddings else "output")
-        self.output = formats.decode(out, cfg.weight_dtype)  # (vocab_size, dim) float32
+        out_name = "tok_embeddings" if cfg.tied_embeddings else "output"
+        out = model.tensor(out_name)
+        self.output = formats.decode(out, cfg.dtype_of(out_name))  # (vocab_size, dim) float32
         self._decoded: dict[str, np.ndarray] = {}
         # KV cache: (n_layers, seq_len, kv_dim) float32, values rounded through kv_dtype
         self.key_cache = np.zeros((cfg.n_layers, self.seq_len, cfg.kv_dim), np.float32)
@@ -457,8 +459,8 @@ class ReferenceEngine:
         w = self._decoded.get(name)
         if w is None:
             w = self.model.tensor(name)
-            if w.dtype != np.float32:
-                w = formats.decode(w, self.config.weight_dtype)
+            if isinstance(w, formats.Quantized) or w.dtype != np.float32:
+                w = formats.decode(w, self.config.dtype_of(name))
             self._decoded[name] = w
         return w
 
@@ -474,7 +476,7 @@ class ReferenceEngine:
         if not 0 <= pos < self.seq_len:
             raise PycalmError(f"position {pos} is past the context length {self.seq_len}")
 
-        x = embed_ref(self.tok_embeddings, token, cfg.weight_dtype)  # (dim,) residual stream
+        x = embed_ref(self.tok_embeddings, token, cfg.dtype_of("tok_embeddings"))  # (dim,) residual stream
         for layer in range(cfg.n_layers):
             p = f"layers.{layer}."
             # attention block
