@@ -16,13 +16,13 @@ The host only reads back the token ids.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from pycalm.config import ModelConfig, kv_dtype_for
 from pycalm.errors import PycalmError
+from pycalm.gpu_memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.graph import GraphStep
 from pycalm.kernels.attention import KVCache, attention_span
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
@@ -45,52 +45,7 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# GPU memory: what does not fit is one line naming it, the bytes it needs and the bytes free
-
-CUDA_ERROR_OUT_OF_MEMORY = 2  # the CUresult of an allocation the device cannot hold
 FINITE_CHECK_EVERY = 64  # with check_finite: tokens between two reads of the flag
-
-
-def gpu_memory_info() -> tuple[float, float]:
-    """(free, total) bytes of the current GPU's memory (the simulator: infinite)."""
-    from numba import cuda
-
-    free, total = cuda.current_context().get_memory_info()
-    return free, total
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
-def require_gpu_memory(what: str, nbytes: int) -> None:
-    """A one-line PycalmError unless `what` (nbytes) fits the GPU's free memory: checked
-    before allocating whatever has a size known in advance."""
-    free, total = gpu_memory_info()
-    if nbytes > free:
-        raise PycalmError(
-            f"out of GPU memory: {what} needs {_mib(nbytes)} ({nbytes:,} bytes), "
-            f"{_mib(free)} of the GPU's {_mib(total)} are free"
-        )
-
-
-@contextmanager
-def out_of_memory_as_error(what: str, nbytes: int) -> Iterator[None]:
-    """An out-of-memory CudaAPIError while allocating `what` becomes the same one-line error."""
-    from numba.cuda.cudadrv.driver import CudaAPIError
-
-    try:
-        yield
-    except CudaAPIError as e:
-        code = getattr(e, "code", e.args[0] if e.args else None)  # the simulator's: args only
-        if getattr(code, "value", code) != CUDA_ERROR_OUT_OF_MEMORY:
-            raise
-        free, total = gpu_memory_info()
-        raise PycalmError(
-            f"out of GPU memory: allocating {what} ({_mib(nbytes)}, {nbytes:,} bytes) failed, "
-            f"{_mib(free)} of the GPU's {_mib(total)} free"
-        ) from None
 
 
 def _stored_bytes(rows: int, cols: int, dtype: str) -> int:

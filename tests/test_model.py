@@ -152,13 +152,13 @@ def test_step_bytes_counts_every_array(tmp_path, arch, dtype, kv, pos, chunk):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU memory: what does not fit is one line (pycalm.gpu.require_gpu_memory, out_of_memory_as_error)
+# GPU memory: what does not fit is one line (pycalm.gpu_memory)
 
 
 def _free_memory(monkeypatch, *free: int) -> None:
     """The free-memory query answers free[0], free[1], ... (then the last) of a 1 GiB GPU: the
     simulator's own answer is infinite."""
-    import pycalm.gpu
+    import pycalm.gpu_memory
 
     answers = iter(free)
     last = [free[-1]]
@@ -167,7 +167,7 @@ def _free_memory(monkeypatch, *free: int) -> None:
         last[0] = next(answers, last[0])
         return last[0], 1 << 30
 
-    monkeypatch.setattr(pycalm.gpu, "gpu_memory_info", info)
+    monkeypatch.setattr(pycalm.gpu_memory, "gpu_memory_info", info)
 
 
 def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
