@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
-#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF]
+#   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -32,6 +32,12 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 -m pycalm.generate "$gguf" --cache-dir /tmp/pycalm-cache -i "Once upon a time" -n 200 -s 7 2>&1 | tee -a "$out/cli.log" ;;
     real)    gguf=${steps[$i]}; golden=${steps[$((i + 1))]}; i=$((i + 2))
              python3 scripts/check_real_gpu.py "$gguf" "$golden" 2>&1 | tee -a "$out/real.log" | tail -20 ;;
+    sanitize) tool=${steps[$i]}; group=${steps[$((i + 1))]}; items=${steps[$((i + 2))]}; i=$((i + 3))
+             # ITEMS: comma-separated test files (tests) or ARCHS (steps), or "all"
+             [ "$items" = all ] && items=""
+             if [ "$group" = tests ]; then bash scripts/sanitize.sh "$tool" tests ${items//,/ }
+             else bash scripts/sanitize.sh "$tool" steps $items; fi 2>&1 | tee -a "$out/sanitize.log" ;;
+    long)    python3 scripts/long_run.py 2>&1 | tee "$out/long_run.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
