@@ -298,7 +298,9 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
         config = ModelConfig.from_json(meta[METADATA_KEY])
     except PycalmError as e:
         raise PycalmError(f"{path}: {e}") from None
-    except (ValueError, TypeError, AttributeError, ZeroDivisionError, RecursionError) as e:
+    except ZeroDivisionError:
+        raise PycalmError(f"{path}: bad model config in metadata: n_kv_heads is 0") from None
+    except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise PycalmError(f"{path}: bad model config in metadata: {e or type(e).__name__}") from None
     _check_config(path, config, len(entries))
     kind = meta.get("pycalm.tokenizer", "")

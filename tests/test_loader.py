@@ -231,3 +231,55 @@ def test_bad_metadata(tmp_path):
     rewrite(path, bad, meta_changes={"pycalm.format_version": "2"})
     with pytest.raises(PycalmError, match="pycalm format version '2'"):
         open_model(bad)
+
+
+def test_lying_header_entries(tmp_path):
+    """Sizes in the header are checked as Python integers before anything is sized by them."""
+    bad = tmp_path / "bad.safetensors"
+
+    def header_file(header: object, raw: bytes | None = None) -> None:
+        raw = raw if raw is not None else json.dumps(header).encode()
+        bad.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(16))
+
+    # (2**40)**2 float32 values wrap to 0 bytes in int64: not here
+    header_file({"x": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 0]}})
+    with pytest.raises(PycalmError, match=r"tensor 'x': offsets 0..0 disagree with F32 \(1099511627776, "):
+        open_model(bad)
+    for entry in ({"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}, {"dtype": "F32", "shape": "4"}):
+        header_file({"x": entry})
+        with pytest.raises(PycalmError, match="corrupt safetensors header entry for tensor 'x'"):
+            open_model(bad)
+    header_file(None, b"[" * 100_000)  # nested past Python's recursion limit
+    with pytest.raises(
+        PycalmError, match=r"bad.safetensors: corrupt safetensors header \(JSON nested too deep\)"
+    ):
+        open_model(bad)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n_layers", 10**12, r"config has 1000000000000 layers but the file only \d+ tensors"),
+        ("n_kv_heads", 0, "bad model config in metadata: n_kv_heads is 0"),
+        ("dim", "24", "bad model config in metadata: dim = '24'"),
+        ("norm_eps", -1.0, r"bad model config in metadata: norm_eps = -1.0"),
+        ("eos_ids", [3, 50], "bos_id or eos_ids past the vocabulary"),
+    ],
+)
+def test_lying_config(tmp_path, field, value, message):
+    """A config whose values lie about the file is one line naming the file, before any tensor
+    list is sized by it (a lying n_layers once listed 10**13 tensors)."""
+    path, _ = write(tmp_path / "m.safetensors", tiny_config())
+    cfg = json.loads(tiny_config().to_json())
+    cfg[field] = value
+    bad = rewrite(path, tmp_path / "bad.safetensors", meta_changes={"pycalm.config": json.dumps(cfg)})
+    with pytest.raises(PycalmError, match=message) as e:
+        open_model(bad)
+    assert str(e.value).startswith(f"{bad}: ") and "\n" not in str(e.value)
+
+
+def test_error_message_is_one_line():
+    """A wrapped library's message of several lines reaches the CLI as one line."""
+    assert (
+        str(PycalmError("cannot read:\n  line two\r\nline three\n")) == "cannot read:; line two; line three"
+    )
