@@ -274,7 +274,9 @@ def test_check_finite_generate(tmp_path):
     model = tiny_model(tmp_path, "llama", "fp16")
     greedy = SamplingParams(temperature=0.0)
     clean = list(GpuEngine(model, seq_len=64).generate(PROMPT, 0, 20, greedy))
-    j = max(j for j, t in enumerate(clean) if t not in PROMPT and t not in clean[:j])
+    # a token fed after it is sampled (not the last, not an EOS) and new to the sequence there
+    eos = model.config.eos_ids
+    j = max(j for j, t in enumerate(clean[:-1]) if t not in PROMPT and t not in clean[:j] and t not in eos)
     engine = GpuEngine(model, seq_len=64, options=EngineOptions(check_finite=True))
     engine.tok_embeddings[clean[j]] = np.full(model.config.dim, np.nan, np.float16)
     with pytest.raises(PycalmError, match=rf"at position {len(PROMPT) + j}, step {j + 2} of this call"):
