@@ -23,7 +23,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-_CONVERTER_MODULES = ("convert.py", "formats.py", "loader.py", "tokenizer.py", "config.py")
+_CONVERTER_MODULES = (
+    "convert.py",
+    "convert_gguf.py",
+    "convert_hf.py",
+    "quantize.py",
+    "formats.py",
+    "loader.py",
+    "tokenizer.py",
+    "config.py",
+)
 
 
 def _sha256(path: Path) -> str:
