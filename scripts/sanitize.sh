@@ -60,7 +60,7 @@ for tool in ${tools//,/ }; do
     # shellcheck disable=SC2086 # cmd is a word list on purpose
     $sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 $cmd > "$log" 2>&1
     rc=$?
-    summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1)
+    summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
     tests=$(grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped) in " "$log" | tail -1)
     steps=$(grep -c "^sanitize_step .* ok:" "$log")
     [ "$group" = steps ] && tests="$steps cases ok$(grep -c '^sanitize_step .* FAIL:' "$log" | sed 's/^0$//; s/^[1-9].*/, & FAILED/')"
