@@ -511,10 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         seq_len = min(args.context, cfg.max_seq_len)
         engine = make_engine(model, args.device, seq_len, args.kv, log, check_finite=args.check_finite)
         timings.load_s = time.perf_counter() - t0
-        workers = getattr(engine, "precompile", None)  # kernels compiled in worker processes meanwhile
-        if workers is not None:  # the wait for them after the weights loaded counts as compiling
-            timings.load_s -= workers.wait_s
-            timings.compile_s, timings.compile_processes = workers.wait_s, workers.processes
+        # worker processes compiling the kernels into an empty kernel cache (pycalm.precompile):
+        # prepare's compile time includes the wait for them
+        workers = getattr(engine, "precompile", None)
+        timings.compile_processes = workers.processes if workers is not None else 0
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
         if args.perplexity is not None:

@@ -176,8 +176,9 @@ class GpuEngine:
         from pycalm import precompile
 
         # a kernel cache without this engine's kernels: worker processes compile them into it
-        # while the weights load here (pycalm.precompile); waited for at the end of __init__
-        workers = precompile.start(cfg, self.seq_len, self.kv_dtype, options)
+        # while the weights load here (pycalm.precompile; None: none started); graph(), prepare()
+        # and the first prefill wait for the kernels they launch (_await_kernels)
+        self.precompile = precompile.start(cfg, self.seq_len, self.kv_dtype, options)
         self.stream = cuda.stream()
         s = self.stream
         self.use_graph = not config.ENABLE_CUDASIM if options.use_graph is None else options.use_graph
@@ -237,11 +238,10 @@ class GpuEngine:
                 # (or loads from the kernel cache) every kernel of the step while the file's bytes
                 # arrive; its output, one KV row at the last position and the state, is garbage
                 # that generate() rewrites before reading (as graph()'s eager run)
+                self._await_kernels("step")
                 self._set_state(token=0, pos=self.seq_len - 1, feed_end=0)
                 self.forward(SamplingParams(temperature=0.0), self.span(self.seq_len - 1))
             upload.wait()
-        # what the workers did (None: none started); every kernel they compiled now loads from the cache
-        self.precompile = workers.wait() if workers is not None else None
         s.synchronize()
 
     def _allocate(self, cfg: ModelConfig, options: EngineOptions) -> None:
@@ -376,6 +376,7 @@ class GpuEngine:
                 g = EagerStep(lambda: self.forward(key, span))
             else:
                 if not any(k == key for k, _ in self._graphs):
+                    self._await_kernels("step", *(("sample",) if key.temperature > 0 else ()))
                     # run once eagerly so every kernel is compiled and loaded; that writes one
                     # garbage KV row at the span's last position, rewritten before it is ever
                     # read, and moves the state, which whoever replays the step sets
@@ -389,9 +390,18 @@ class GpuEngine:
     def prepare(self, sampling: SamplingParams, positions: range) -> None:
         """Compile (or load from the kernel cache, pycalm.kernels.cache) and capture the token
         steps of these positions now rather than in generate's first call, so a caller can tell
-        the two costs apart. Changes no state but what graph() does."""
+        the two costs apart (and, where worker processes fill the kernel cache, waits for the
+        multi-token forward's kernels too). Changes no state but what graph() does."""
         for pos in sorted({self.span(p) - 1 for p in positions}):  # one position a span
             self.graph(sampling, pos)
+        if self.multi_token:
+            self._await_kernels("prefill")
+
+    def _await_kernels(self, *groups: str) -> None:
+        """Where worker processes compile this engine's kernels (pycalm.precompile): wait until
+        those of `groups` are in the kernel cache (or the workers gave up: then they compile here)."""
+        if self.precompile is not None:
+            self.precompile.wait_for(groups)
 
     def _set_state(self, token: int, pos: int, feed_end: int) -> None:
         host = np.zeros(STATE_SIZE, np.int32)
@@ -428,6 +438,7 @@ class GpuEngine:
         if self._prefill is None:
             from pycalm.prefill import Prefill
 
+            self._await_kernels("prefill")
             self._prefill = Prefill(self, self.prefill_chunk)
         return self._prefill
 

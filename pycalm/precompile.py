@@ -5,11 +5,11 @@ kernel cache, pycalm.kernels.cache) pays the sum of every kernel's compile time.
 processes compile them side by side into the cache, and the engine then loads each one from it:
 a cold start costs about the slowest kernel's compile plus a process start, not the sum.
 
-    GpuEngine.__init__ -> start(): the cache folder lacks this model's marker file
+    GpuEngine.__init__ -> start(): the cache folder lacks this engine's marker files
         -> N workers: python -m pycalm.precompile SPEC WORKER   (N: min(cores, 8))
     ... the weights upload in the main process meanwhile ...
-    GpuEngine.__init__ -> Precompile.wait(): the workers' end; the marker written
-        -> the engine's first steps load every kernel from the cache
+    GpuEngine.graph / prepare / the first prefill -> Precompile.wait_for(groups): the marker
+        of each group of kernels they launch -> they load those kernels from the cache
 
 A worker needs no weights and no real buffers, only the kernels' signatures, and numba types an
 array argument by its dtype, rank and layout. So it builds the same GpuEngine on stand-in device
@@ -19,7 +19,9 @@ array; copies to the device do nothing, copies to the host read zeros), and with
 replaced by a record of (kernel, argument types) (`Walk`). It then runs what a real run runs:
 the token step for every attention span graph() captures, greedy and sampled, and the
 multi-token forward (pycalm.prefill) at its chunk sizes, with the logits rows. That visits
-every launch site, and each worker records the same list in the same order.
+every launch site, and each worker records the same list in the same order. Each kernel belongs
+to the group whose walk reached it first: "step" (the greedy token step), "sample" (what a
+sampled step adds: the sampling kernel) and "prefill" (the multi-token forward's kernels).
 
 Then the workers share the list out: it is ordered by an estimated compile cost, largest first
 (`estimated_cost`: the tensor-core matmuls, then the attention kernels, ...), and each worker
@@ -27,20 +29,29 @@ walks it and compiles the kernels it claims, a claim being a file created with O
 folder of this run: a worker that is done with a large kernel takes the next unclaimed one, so
 the kernels spread as a longest-first schedule would spread them. Compiling writes the cache
 entry (cache=True); two workers adding entries to one index file take turns (cache.install's
-lock).
+lock). A worker marks each kernel it compiled done, and whichever worker finds every kernel of
+a group done writes the group's marker file in the cache folder.
 
-A worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
+The engine waits only for the groups it is about to launch: a greedy run starts while a worker
+still compiles the sampling kernel (the slowest, docs/BENCHMARKS.md). Workers still running
+when the engine's process ends are stopped (what they finished stays in the cache), so a run
+leaves nothing behind that could compile into the cache during the next one. The next run
+starts workers again only where the step's or the multi-token forward's kernels are missing;
+a sampling kernel missing alone is compiled where it is first launched, as without workers. A
+worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
 workers, and says so in one line on stderr. Under the CUDA simulator (no compiler, no cache)
 nothing starts; EngineOptions.parallel_compile = 0 turns it off.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,22 +60,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WALK_VERSION = "1"  # in the marker's digest: a change in what the walk visits refills the cache
+WALK_VERSION = "2"  # in the marker's digest: a change in what the walk visits refills the cache
 MAX_WORKERS = 8
-WORKER_TIMEOUT_S = 900  # a worker still running after this is ended; the engine compiles the rest
+# the EngineOptions that choose which kernels an engine launches (the others change no kernel)
+KERNEL_OPTIONS = ("attention_chunk", "prefill_chunk", "check_finite")
+WORKER_TIMEOUT_S = 900  # the engine waits no longer for a group; it compiles what is missing
+POLL_S = 0.02  # how often the engine looks for a group's marker
+GROUPS = ("step", "sample", "prefill")  # in the order the walk visits them
 
-# the compile cost of a kernel by its module, relative (the tensor-core matmuls are the slowest
-# to compile, and a quantized format's decode makes them slower still: docs/BENCHMARKS.md)
+# the compile cost of a kernel by its module, in seconds, roughly as measured with 8 workers
+# compiling at once on the H200's machine (docs/BENCHMARKS.md): the sampling kernel is the
+# slowest, then the tensor-core matmuls and the matvecs, whose quantized decode makes them slower
 MODULE_COST = {
-    "matmul": 10,
-    "moe_rows": 8,
-    "prefill_attention": 6,
-    "attention": 5,
+    "sample": 14,
+    "matmul": 5,
+    "moe_rows": 5,
     "matvec": 4,
-    "qkv": 4,
     "moe": 4,
-    "rows": 2,
-    "sample": 2,
+    "qkv": 3,
+    "attention": 2.5,
+    "prefill_attention": 2.5,
+    "rows": 0.3,
 }
 QUANTIZED_NAMES = ("gf4", "q4", "q8", "fp8")  # closure values that make a kernel's decode longer
 
@@ -81,6 +97,12 @@ class Item:
     cost: float
     kernel: object  # the numba dispatcher
     argtypes: tuple
+    group: str = "step"  # GROUPS: the part of a run that launches it first
+
+    @property
+    def file(self) -> str:
+        """Its claim file's name (and with .done, the file that says it is compiled)."""
+        return hashlib.sha256(self.key.encode()).hexdigest()[:32]
 
 
 def kernel_function(kernel: object) -> object:
@@ -115,9 +137,9 @@ def schedule(items: list[Item]) -> list[Item]:
     return sorted(items, key=lambda i: (-i.cost, i.key))
 
 
-def claim(folder: Path, key: str) -> bool:
-    """True for the one process that creates the claim file of `key` in `folder` first."""
-    path = folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+def claim(folder: Path, name: str) -> bool:
+    """True for the one process that creates the claim file `name` in `folder` first."""
+    path = folder / name
     try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     except FileExistsError:
@@ -141,6 +163,7 @@ class Walk:
 
     def __init__(self) -> None:
         self._items: dict[str, Item] = {}
+        self.group = "step"  # the group of the kernels recorded from now on (new ones only)
 
     @property
     def items(self) -> list[Item]:
@@ -150,7 +173,7 @@ class Walk:
         fn = kernel_function(kernel)
         key = item_key(fn, argtypes)
         if key not in self._items:
-            self._items[key] = Item(key, estimated_cost(fn), kernel, tuple(argtypes))
+            self._items[key] = Item(key, estimated_cost(fn), kernel, tuple(argtypes), self.group)
         return StubKernel()
 
     def launch(self, kernel: object, args: tuple) -> None:
@@ -244,10 +267,10 @@ class StandInModel:
         return cuda.device_array(spec.shape, spec.dtype)
 
 
-def walk_engine(spec: dict) -> None:
+def walk_engine(spec: dict, walk: Walk) -> None:
     """Build the engine of `spec` (engine_spec's) on stand-in weights and enqueue every token
-    step variant and the multi-token forward (the caller has installed a Walk, which records the
-    launches, and on a GPU virtual_memory)."""
+    step variant and the multi-token forward, each under its group (the caller has installed
+    `walk`, which records the launches, and on a GPU virtual_memory)."""
     from pycalm.config import ModelConfig
     from pycalm.gpu import EngineOptions, GpuEngine
     from pycalm.prefill import Prefill
@@ -257,9 +280,10 @@ def walk_engine(spec: dict) -> None:
     options = EngineOptions(**{**spec["options"], "parallel_compile": 0})
     engine = GpuEngine(StandInModel(cfg), spec["seq_len"], spec["kv_dtype"], options=options)
     # greedy (argmax) and sampled (one kernel for every temperature, top-k, top-p, min-p)
-    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+    for walk.group, temperature in (("step", 0.0), ("sample", 1.0)):
         for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
-            engine.forward(sampling, span)
+            engine.forward(SamplingParams(temperature=temperature), span)
+    walk.group = "prefill"
     if engine.multi_token:
         prefill = Prefill(engine, engine.prefill_chunk)
         for rows in sorted({1, engine.prefill_chunk}):
@@ -269,8 +293,9 @@ def walk_engine(spec: dict) -> None:
 
 
 def worker_main(spec_path: str, worker: int) -> int:
-    """A worker process: walk, then compile the claimed kernels into the cache. Prints a JSON
-    line per kernel it compiled (key, seconds) and one at the end (kernels seen)."""
+    """A worker process: walk, then compile the claimed kernels into the cache, marking each one
+    done and each group whose kernels are all done. Prints a JSON line per kernel it compiled
+    (key, seconds) and one at the end (kernels seen)."""
     spec = json.loads(Path(spec_path).read_text())
     from pycalm.kernels import cache
 
@@ -279,16 +304,30 @@ def worker_main(spec_path: str, worker: int) -> int:
 
     walk = Walk()
     with walk.installed(CUDADispatcher) as real_compile, virtual_memory():
-        walk_engine(spec)
-    claims = Path(spec["claims"])
-    for item in schedule(walk.items):
-        if not claim(claims, item.key):
+        walk_engine(spec, walk)
+    claims, markers = Path(spec["claims"]), {g: Path(m) for g, m in spec["markers"].items()}
+    items = schedule(walk.items)
+    mark_groups(items, claims, markers)  # a group without kernels (no multi-token forward)
+    for item in items:
+        if not claim(claims, item.file):
             continue
         t0 = time.perf_counter()
         real_compile(item.kernel, item.argtypes)
+        (claims / f"{item.file}.done").touch()
         print(json.dumps(dict(worker=worker, key=item.key, s=round(time.perf_counter() - t0, 3))), flush=True)
-    print(json.dumps(dict(worker=worker, done=len(walk.items))), flush=True)
+        mark_groups(items, claims, markers)
+    print(json.dumps(dict(worker=worker, done=len(items))), flush=True)
     return 0
+
+
+def mark_groups(items: list[Item], claims: Path, markers: dict[str, Path]) -> None:
+    """Write the marker of every group whose kernels are all done (each worker writes its done
+    file before it looks, so the last one to finish a group's kernel sees them all)."""
+    for group, marker in markers.items():
+        if not marker.exists() and all(
+            (claims / f"{i.file}.done").exists() for i in items if i.group == group
+        ):
+            marker.write_text(json.dumps(dict(kernels=sum(i.group == group for i in items))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +343,7 @@ def default_workers() -> int:
 @dataclass
 class Report:
     """What the workers did: processes started, kernels they compiled, the seconds the engine
-    waited for them after its own work, and the failures (one line each)."""
+    waited for them, and the failures (one line each)."""
 
     processes: int
     compiled: list[tuple[str, float]]  # (key, seconds) for each kernel a worker compiled
@@ -317,14 +356,19 @@ class Report:
 
 
 class Precompile:
-    """Worker processes compiling an engine's kernels into the kernel cache (start() makes one)."""
+    """Worker processes compiling an engine's kernels into the kernel cache (start() makes one).
+    markers: GROUPS -> the file a worker writes once the group's kernels are all in the cache."""
 
-    def __init__(self, spec: dict, marker: Path, workers: int, command: list[str] | None = None) -> None:
-        self.marker = marker
+    def __init__(
+        self, spec: dict, markers: dict[str, Path], workers: int, command: list[str] | None = None
+    ) -> None:
+        self.markers = markers
+        self.wait_s = 0.0  # seconds the engine has waited for groups
+        self._said = False  # the one line about failed workers is out
         self.work = Path(tempfile.mkdtemp(prefix="pycalm-precompile-"))
         claims = self.work / "claims"
         claims.mkdir()
-        spec = {**spec, "claims": str(claims)}
+        spec = {**spec, "claims": str(claims), "markers": {g: str(m) for g, m in markers.items()}}
         spec_path = self.work / "spec.json"
         spec_path.write_text(json.dumps(spec))
         package_parent = str(Path(__file__).resolve().parent.parent)
@@ -333,53 +377,91 @@ class Precompile:
             "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
         }
         command = command or [sys.executable, "-m", "pycalm.precompile"]
-        self.processes = []
+        self._processes = []
         for i in range(workers):
-            out = open(self.work / f"worker{i}.log", "wb")  # noqa: SIM115 - closed in wait()
-            self.processes.append(
-                (
-                    subprocess.Popen(
-                        [*command, str(spec_path), str(i)], stdout=out, stderr=subprocess.STDOUT, env=env
-                    ),
-                    out,
-                )
-            )
+            with open(self.work / f"worker{i}.log", "wb") as out:  # the child keeps its own handle
+                argv = [*command, str(spec_path), str(i)]
+                self._processes.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
+        atexit.register(self.stop)
 
-    def wait(self, timeout_s: float = WORKER_TIMEOUT_S, log: Callable[[str], None] | None = None) -> Report:
-        """Wait for every worker; a failed one is named in one line (log: stderr by default) and
-        leaves its kernels to the engine. The marker is written when all of them succeeded."""
+    @property
+    def processes(self) -> int:
+        return len(self._processes)
+
+    def wait_for(
+        self,
+        groups: tuple[str, ...],
+        timeout_s: float = WORKER_TIMEOUT_S,
+        log: Callable[[str], None] | None = None,
+    ) -> bool:
+        """Wait until the workers have put every kernel of `groups` in the cache (True), or have
+        all ended without (False: one line says so, the first time, and the engine compiles
+        what is missing itself), or timeout_s has passed (False, the same)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout_s
-        compiled, failures = [], []
-        for i, (p, out) in enumerate(self.processes):
+        try:
+            while not all(self.markers[g].exists() for g in groups):
+                ended = all(p.poll() is not None for p in self._processes)
+                if ended or time.monotonic() > deadline:
+                    if not self._said:
+                        self._said = True
+                        why = self._failures() or [
+                            f"still running after {timeout_s:.0f} s" if not ended else "ended"
+                        ]
+                        (log or _stderr)(
+                            f"pycalm: kernel compile workers did not finish the {', '.join(groups)} kernels "
+                            f"({why[0]}); compiling what is missing here"
+                        )
+                    return False
+                time.sleep(POLL_S)
+            return True
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def finish(self, timeout_s: float = WORKER_TIMEOUT_S) -> Report:
+        """Wait for every worker to end (one still running after timeout_s is ended) and report."""
+        deadline = time.monotonic() + timeout_s
+        timed_out = []
+        for i, p in enumerate(self._processes):
             try:
-                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-                rc = None
-            out.close()
-            text = (self.work / f"worker{i}.log").read_text(errors="replace")
-            for line in text.splitlines():
+                timed_out.append(f"worker {i} still running after {timeout_s:.0f} s")
+        compiled = []
+        for i in range(self.processes):
+            for line in (self.work / f"worker{i}.log").read_text(errors="replace").splitlines():
                 with contextlib.suppress(ValueError):
                     record = json.loads(line) if line.startswith("{") else {}
                     if "key" in record:
                         compiled.append((record["key"], float(record["s"])))
-            if rc is None:
-                failures.append(f"worker {i} still running after {timeout_s:.0f} s")
-            elif rc != 0:
-                last = (text.strip().splitlines() or ["no output"])[-1][:200]
-                failures.append(f"worker {i} exited with {rc}: {last}")
-        report = Report(len(self.processes), compiled, time.perf_counter() - t0, failures)
-        if failures:
-            (log or _stderr)(
-                f"pycalm: {len(failures)} of {len(self.processes)} kernel compile workers failed "
-                f"({failures[0]}); compiling what is missing here"
-            )
-        else:
-            with contextlib.suppress(OSError):
-                self.marker.write_text(json.dumps(dict(compiled=len(compiled))))
-        return report
+        return Report(self.processes, compiled, self.wait_s, timed_out + self._failures())
+
+    def stop(self) -> None:
+        """End the workers still running (at the process's exit: nothing compiles into the cache
+        after the run that started them)."""
+        running = [p for p in self._processes if p.poll() is None]
+        for p in running:
+            p.terminate()
+        for p in running:
+            try:
+                p.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _failures(self) -> list[str]:
+        """A line for each worker that ended with an error: its exit status and last output line."""
+        out = []
+        for i, p in enumerate(self._processes):
+            rc = p.poll()
+            if rc not in (None, 0, -signal.SIGTERM, -signal.SIGKILL):  # not ended by stop() or finish()
+                text = (self.work / f"worker{i}.log").read_text(errors="replace")
+                out.append(
+                    f"worker {i} exited with {rc}: {(text.strip().splitlines() or ['no output'])[-1][:200]}"
+                )
+        return out
 
 
 def _stderr(message: str) -> None:
@@ -392,16 +474,20 @@ def engine_spec(cfg: object, seq_len: int, kv_dtype: str, options: object) -> di
     return dict(config=cfg.to_json(), seq_len=seq_len, kv_dtype=kv_dtype, options=dataclasses.asdict(options))
 
 
-def marker_path(folder: Path, spec: dict) -> Path:
-    """The file that says this spec's kernels are in `folder` (a kernel cache folder)."""
-    text = json.dumps({**spec, "walk": WALK_VERSION}, sort_keys=True)
-    return folder / f"ready-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+def marker_path(folder: Path, spec: dict, group: str) -> Path:
+    """The file that says a group (GROUPS) of this spec's kernels is in `folder` (a kernel cache
+    folder): named by a digest of the config, context, KV format and the options that choose
+    kernels."""
+    options = {k: v for k, v in spec["options"].items() if k in KERNEL_OPTIONS}
+    text = json.dumps({**spec, "options": options, "walk": WALK_VERSION}, sort_keys=True)
+    return folder / f"ready-{hashlib.sha256(text.encode()).hexdigest()[:24]}-{group}"
 
 
 def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompile | None:
     """Workers compiling this engine's kernels into the kernel cache, or None: under the CUDA
     simulator, with options.parallel_compile == 0, when the cache folder cannot be written, or
-    when its marker says a run of this spec already filled it."""
+    when its markers say that the step's and the multi-token forward's kernels are there (the
+    sampling kernel, if missing, then compiles on first use)."""
     from numba import config
 
     if config.ENABLE_CUDASIM or options.parallel_compile == 0:
@@ -410,8 +496,8 @@ def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompi
 
     folder = cache.folder()
     spec = engine_spec(cfg, seq_len, kv_dtype, options)
-    marker = marker_path(folder, spec)
-    if marker.exists():
+    markers = {g: marker_path(folder, spec, g) for g in GROUPS}
+    if markers["step"].exists() and markers["prefill"].exists():
         return None
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -421,7 +507,7 @@ def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompi
         return None  # each process would cache in a temporary folder of its own
     workers = options.parallel_compile or default_workers()
     try:
-        return Precompile({**spec, "root": str(folder.parent.parent)}, marker, workers)
+        return Precompile({**spec, "root": str(folder.parent.parent)}, markers, workers)
     except OSError as e:  # no temporary folder, no process: this process compiles, as without
         _stderr(f"pycalm: no kernel compile workers ({e}); compiling here")
         return None

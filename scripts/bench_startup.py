@@ -173,9 +173,13 @@ from pycalm.kernels import cache
 cache.set_root(sys.argv[3])
 before = cache.cached_kernels()
 from bench import RandomDeviceModel, config_for
-from pycalm.gpu import GpuEngine
+from pycalm.gpu import EngineOptions, GpuEngine
 from pycalm.sampler import SamplingParams
-engine = GpuEngine(RandomDeviceModel(config_for(sys.argv[1], sys.argv[2], 4096)), seq_len=4096, kv_dtype="fp16")
+options = EngineOptions(parallel_compile=json.loads(sys.argv[4]))
+t0 = time.perf_counter()
+engine = GpuEngine(RandomDeviceModel(config_for(sys.argv[1], sys.argv[2], 4096)), seq_len=4096, kv_dtype="fp16",
+                   options=options)
+engine_s = time.perf_counter() - t0
 greedy = SamplingParams(temperature=0.0)
 prompt = [1 + (7 * i) % 30000 for i in range(2000)]
 calls = []
@@ -186,17 +190,24 @@ for _ in range(2):
     first = time.perf_counter() - t0
     n = sum(1 for _ in tokens)
     calls.append(dict(first_token_s=first, rest_tok_s=n / (time.perf_counter() - t0 - first)))
-print("CALLS" + json.dumps(dict(calls=calls, compiled=cache.cached_kernels() - before)))
+p = engine.precompile and engine.precompile.finish()  # the workers' own figures
+workers = p and dict(processes=p.processes, compiled=len(p.compiled), wait_s=p.wait_s, failures=p.failures,
+                     slowest=p.slowest, kernels=sorted(p.compiled, key=lambda c: -c[1]))
+print("CALLS" + json.dumps(dict(calls=calls, compiled=cache.cached_kernels() - before, engine_s=engine_s,
+                                workers=workers)))
 """
 
 
-def first_calls(shape: str, dtype: str, cache: Path) -> dict:
+def first_calls(shape: str, dtype: str, cache: Path, parallel_compile: int | None = None) -> dict:
     """The issue's table, like for like: a fresh process builds a GpuEngine on random device
     weights and calls generate twice with a 2,000-token prompt and 64 new tokens; seconds from
     each call to its first token (the first call pays for compiling or loading the kernels and
-    capturing the graphs)."""
+    capturing the graphs). parallel_compile: EngineOptions' (0: no worker processes; with them,
+    a cold cache is filled while GpuEngine() makes the weights, so the first call is counted from
+    the engine's construction too, engine_s)."""
     p = subprocess.run(
-        [sys.executable, "-c", _FIRST_CALL, shape, dtype, str(cache)], capture_output=True, text=True,
+        [sys.executable, "-c", _FIRST_CALL, shape, dtype, str(cache), json.dumps(parallel_compile)],
+        capture_output=True, text=True,
         cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CALLS")]
@@ -214,14 +225,28 @@ def table(args: argparse.Namespace) -> None:
         shape, dtype = cell.split(":")
         cache = work / f"cache-{shape}-{dtype}"
         for label in ("cold", "warm"):
-            r = dict(shape=shape, dtype=dtype, cache=label, **first_calls(shape, dtype, cache))
+            r = dict(
+                shape=shape,
+                dtype=dtype,
+                cache=label,
+                **first_calls(shape, dtype, cache, args.parallel_compile),
+            )
             results.append(r)
             first, second = r["calls"]
+            w = r["workers"]
+            by = "" if w is None else (
+                f", {w['compiled']} by {w['processes']} worker processes, waited for {w['wait_s']:.2f} s,"
+                f" slowest kernel {w['slowest'][1] if w['slowest'] else 0:.1f} s{', FAILED' if w['failures'] else ''}"
+            )  # fmt: skip
             print(
-                f"{shape} {dtype} {label} cache: first call {first['first_token_s']:.2f} s to the first token,"
-                f" second call {second['first_token_s']:.3f} s ({r['compiled']} kernels compiled)",
+                f"{shape} {dtype} {label} cache: GpuEngine() {r['engine_s']:.2f} s, first call"
+                f" {first['first_token_s']:.2f} s to the first token, second call {second['first_token_s']:.3f} s"
+                f" ({r['compiled']} kernels compiled{by})",
                 flush=True,
             )
+            if w and w["kernels"]:  # the workers' slowest compiles (seconds, 8 compiling at once)
+                slow = ", ".join(f"{k.split(' ')[0].rsplit('.', 1)[-1]} {t:.1f}" for k, t in w["kernels"][:6])
+                print(f"  slowest compiles: {slow}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
@@ -402,6 +427,10 @@ def main() -> None:
     )
     f.add_argument("--cells", default="tinyllama-1.1b:fp16,llama3-8b:fp16,llama3-8b:gf4")
     f.add_argument("--json", help="write every figure here")
+    f.add_argument(
+        "--parallel-compile", type=int, default=None,
+        help="EngineOptions.parallel_compile: worker processes for a cold cache (0: none; default: the engine's)",
+    )  # fmt: skip
     u = sub.add_parser("upload", help="the upload's GB/s by reader threads (GPU)")
     u.add_argument("--tokenizer", required=True)
     u.add_argument("--shape", default="llama3-8b")

@@ -43,7 +43,7 @@ def test_schedule_puts_the_costly_kernels_first_in_a_fixed_order():
 
 
 def test_claims_give_each_kernel_to_exactly_one_worker(tmp_path):
-    keys = [f"kernel{i} (float32[::1])" for i in range(40)]
+    keys = [Item(f"kernel{i} (float32[::1])", 1.0, None, ()).file for i in range(40)]
     taken: dict[int, list[str]] = {w: [] for w in range(4)}
     start = threading.Barrier(4)
 
@@ -83,6 +83,7 @@ class FakeDispatcher:
 
 def test_walk_records_each_launch_and_runs_nothing():
     walk = Walk()
+    walk.group = "prefill"
     fp16, gf4 = FakeDispatcher(_factory("fp16")), FakeDispatcher(_factory("gf4"))
     original = FakeDispatcher.call, FakeDispatcher.compile
     with walk.installed(FakeDispatcher) as real_compile:
@@ -99,6 +100,7 @@ def test_walk_records_each_launch_and_runs_nothing():
     assert [i.argtypes for i in items] == [("int", "float"), ("int", "str"), ("int", "float"), ("int", "int")]
     assert items[0].key != items[2].key  # fp16 and gf4 closures of one function differ
     assert all("_factory.<locals>.kernel" in i.key for i in items)
+    assert {i.group for i in items} == {"prefill"}  # the group the walk was in
     fp16.call((1, 2.0), None)  # outside: numba's launch again
     assert FakeDispatcher.launched == [(1, 2.0)]
 
@@ -115,44 +117,91 @@ def _spec() -> dict:
     return precompile.engine_spec(_config(), 64, "fp16", EngineOptions())
 
 
+def _markers(folder: Path) -> dict[str, Path]:
+    return {g: folder / f"ready-x-{g}" for g in precompile.GROUPS}
+
+
 def test_failed_workers_leave_the_compiling_to_the_engine(tmp_path):
-    """Workers that exit with an error: one line says so, the marker stays unwritten (the next
+    """Workers that exit with an error: one line says so (once), no marker is written (the next
     run tries again) and nothing raises; the engine then compiles on first use, as without."""
-    marker = tmp_path / "ready-x"
+    markers = _markers(tmp_path)
     fail = [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
     lines: list[str] = []
-    report = Precompile(_spec(), marker, 2, command=fail).wait(log=lines.append)
-    assert report.processes == 2 and report.compiled == []
-    assert len(report.failures) == 2 and "exited with 3: boom" in report.failures[0]
-    assert len(lines) == 1 and lines[0].startswith("pycalm: 2 of 2 kernel compile workers failed")
-    assert not marker.exists()
-    # a worker that never ends is stopped at the timeout
+    workers = Precompile(_spec(), markers, 2, command=fail)
+    assert workers.wait_for(("step",), log=lines.append) is False
+    assert workers.wait_for(("prefill",), log=lines.append) is False  # said once only
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("pycalm: kernel compile workers did not finish the step kernels (worker ")
+    assert "exited with 3: boom); compiling what is missing here" in lines[0]
+    report = workers.finish()
+    assert report.processes == 2 and report.compiled == [] and len(report.failures) == 2
+    assert not any(m.exists() for m in markers.values())
+    # a worker that never ends: the engine stops waiting at the timeout; finish() ends it
     hang = [sys.executable, "-c", "import time; time.sleep(60)"]
-    report = Precompile(_spec(), marker, 1, command=hang).wait(timeout_s=0.5, log=lines.append)
-    assert report.failures == ["worker 0 still running after 0 s"] and not marker.exists()
-
-
-def test_workers_report_what_they_compiled_and_mark_the_cache(tmp_path):
-    marker = tmp_path / "ready-x"
-    code = (
-        "import json, sys; spec = json.load(open(sys.argv[1])); assert spec['seq_len'] == 64; "
-        "print(json.dumps(dict(worker=int(sys.argv[2]), key='k' + sys.argv[2], s=0.25)))"
+    workers = Precompile(_spec(), markers, 1, command=hang)
+    assert workers.wait_for(("step",), timeout_s=0.3, log=lines.append) is False
+    assert lines[-1].startswith(
+        "pycalm: kernel compile workers did not finish the step kernels (still running"
     )
-    report = Precompile(_spec(), marker, 2, command=[sys.executable, "-c", code]).wait(log=pytest.fail)
-    assert sorted(report.compiled) == [("k0", 0.25), ("k1", 0.25)] and report.failures == []
-    assert marker.exists() and report.slowest[1] == 0.25
+    assert workers.finish(timeout_s=0.3).failures == ["worker 0 still running after 0 s"]
+    # at the process's exit (atexit) the workers still running are stopped, which is no failure
+    workers = Precompile(_spec(), markers, 2, command=hang)
+    workers.stop()
+    assert workers.finish(timeout_s=5).failures == []
+
+
+_FAKE_WORKER = """
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+assert spec["seq_len"] == 64
+if sys.argv[2] == "0":
+    open(spec["markers"]["step"], "w").write("{}")
+    print(json.dumps(dict(worker=0, key="k0", s=0.25)), flush=True)
+else:  # the slow one: the sampling kernel
+    time.sleep(1.0)
+    open(spec["markers"]["sample"], "w").write("{}")
+    print(json.dumps(dict(worker=1, key="k1", s=1.0)), flush=True)
+"""
+
+
+def test_the_engine_waits_only_for_the_groups_it_launches(tmp_path):
+    markers = _markers(tmp_path)
+    workers = Precompile(_spec(), markers, 2, command=[sys.executable, "-c", _FAKE_WORKER])
+    assert workers.wait_for(("step",), log=pytest.fail) is True
+    assert not markers["sample"].exists()  # the greedy step goes on while worker 1 still compiles
+    assert workers.wait_for(("step", "sample"), log=pytest.fail) is True
+    report = workers.finish()
+    assert sorted(report.compiled) == [("k0", 0.25), ("k1", 1.0)] and report.failures == []
+    assert report.slowest == ("k1", 1.0) and report.wait_s == workers.wait_s > 0
 
 
 def test_marker_names_everything_that_shapes_the_kernels(tmp_path):
     spec = _spec()
-    marker = precompile.marker_path(tmp_path, spec)
-    assert marker == precompile.marker_path(tmp_path, json.loads(json.dumps(spec)))
+    marker = precompile.marker_path(tmp_path, spec, "step")
+    assert marker == precompile.marker_path(tmp_path, json.loads(json.dumps(spec)), "step")
+    assert marker != precompile.marker_path(tmp_path, spec, "sample")
     for change in (
         {"seq_len": 128},
         {"kv_dtype": "fp8"},
         {"options": {**spec["options"], "prefill_chunk": 16}},
     ):
-        assert precompile.marker_path(tmp_path, {**spec, **change}) != marker
+        assert precompile.marker_path(tmp_path, {**spec, **change}, "step") != marker
+    lookahead = {**spec, "options": {**spec["options"], "decode_lookahead": 1}}  # no kernel changes
+    assert precompile.marker_path(tmp_path, lookahead, "step") == marker
+
+
+def test_a_group_is_marked_once_every_kernel_in_it_is_done(tmp_path):
+    items = [Item(k, 1.0, None, (), g) for k, g in [("a", "step"), ("b", "step"), ("c", "sample")]]
+    markers = _markers(tmp_path)
+    precompile.mark_groups(items, tmp_path, markers)
+    assert [g for g, m in markers.items() if m.exists()] == ["prefill"]  # no kernels: done
+    (tmp_path / f"{items[0].file}.done").touch()
+    (tmp_path / f"{items[2].file}.done").touch()
+    precompile.mark_groups(items, tmp_path, markers)
+    assert [g for g, m in markers.items() if m.exists()] == ["sample", "prefill"]
+    (tmp_path / f"{items[1].file}.done").touch()
+    precompile.mark_groups(items, tmp_path, markers)
+    assert all(m.exists() for m in markers.values())
 
 
 def test_nothing_starts_under_the_simulator():
@@ -163,20 +212,26 @@ _RUN = r"""
 import json, sys
 from pycalm.kernels import cache
 cache.set_root(sys.argv[2])
+from numba.cuda import dispatcher
+compiles = []  # kernels this process compiles (a cache load rebuilds a _Kernel without __init__)
+init = dispatcher._Kernel.__init__
+def counted(self, py_func, *args, **kwargs):
+    compiles.append(py_func.__qualname__)
+    init(self, py_func, *args, **kwargs)
+dispatcher._Kernel.__init__ = counted
 from pycalm.gpu import GpuEngine
 from pycalm.loader import open_model
 from pycalm.sampler import SamplingParams
 before = cache.cached_kernels()
 engine = GpuEngine(open_model(sys.argv[1]), seq_len=256)
-after_init = cache.cached_kernels()
 ids = [1 + (5 * i) % 120 for i in range(40)]
 greedy = list(engine.generate(ids, 0, 16, SamplingParams()))
 sampled = list(engine.generate(ids, 0, 16, SamplingParams(temperature=0.8, top_p=0.9, seed=3)))
 rows = sum(block.shape[0] for block in engine.prefill_logits(ids, 0))
-p = engine.precompile
-print("RESULT" + json.dumps(dict(before=before, after_init=after_init, end=cache.cached_kernels(),
+p = engine.precompile and engine.precompile.finish()
+print("RESULT" + json.dumps(dict(before=before, end=cache.cached_kernels(), compiles=compiles,
     greedy=greedy, sampled=sampled, rows=rows,
-    workers=None if p is None else dict(processes=p.processes, compiled=len(p.compiled), failures=p.failures))))
+    workers=p and dict(processes=p.processes, compiled=len(p.compiled), failures=p.failures))))
 """
 
 
@@ -203,7 +258,7 @@ def test_cold_run_with_workers_leaves_everything_in_the_cache(tmp_path):
         runs.append(json.loads(lines[-1][6:]))
     cold, warm = runs
     assert cold["workers"] is not None and cold["workers"]["failures"] == [], cold
-    assert cold["workers"]["compiled"] == cold["after_init"] - cold["before"] > 0, cold
-    assert cold["end"] == cold["after_init"], cold  # the engine compiled nothing the workers missed
-    assert warm["workers"] is None and warm["end"] == warm["before"] == cold["end"], warm
+    assert cold["compiles"] == [], cold  # the workers compiled every kernel the run launched
+    assert cold["workers"]["compiled"] == cold["end"] - cold["before"] > 0, cold
+    assert warm["workers"] is None and warm["compiles"] == [] and warm["end"] == cold["end"], warm
     assert (warm["greedy"], warm["sampled"], warm["rows"]) == (cold["greedy"], cold["sampled"], 40)
