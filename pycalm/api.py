@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pycalm.errors import PycalmError
 from pycalm.sampler import SamplingParams
@@ -45,7 +46,7 @@ def load(
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
 
-    dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4);
+    dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4, q8, q4);
     context: the positions to allocate (at most the model's); kv: the KV-cache format (auto,
     fp16, fp8). verbose: one-line notices (fetching, converting, the CPU fallback) on stderr.
     Raises PycalmError with a one-line message for anything the caller can fix.
@@ -194,43 +195,29 @@ class LLM:
         seed: int | None = None,
         stop: str | list[str] | None = None,
         stream: bool = False,
+        *,
+        prime: bool = True,
     ) -> str | Generation:
         """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
 
         Stops at an EOS, after max_tokens tokens, at the end of the context, or before the first
         of the `stop` strings (which is not part of the text). temperature 0 is greedy; top_p 1,
         top_k 0 and min_p 0 are off; seed None takes one from the clock. stream=True returns a
-        Generation, an iterator of text pieces as they are made; else the whole text.
+        Generation, an iterator of text pieces as they are made; else the whole text. prime:
+        the text is decoded as the continuation of the prompt (its first space kept); False
+        decodes it as text of its own (a chat reply).
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        gen = self.start(
-            ids, max_tokens, SamplingParams(temperature, top_k, top_p, min_p, _seed(seed)), stop, prime=True
-        )
+        sampling = SamplingParams(temperature, top_k, top_p, min_p, _seed(seed))
+        gen = self.start(ids, max_tokens, sampling, stop, prime=prime)
         return gen if stream else "".join(gen)
 
-    def chat(
-        self,
-        messages: list[Message],
-        max_tokens: int = 256,
-        temperature: float = 0.7,
-        top_p: float = 0.9,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        stop: str | list[str] | None = None,
-        stream: bool = False,
-    ) -> str | Generation:
+    def chat(self, messages: list[Message], **options: Any) -> str | Generation:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
-        model's own chat template; options as for generate. A conversation that goes on turn
+        model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
+        seed, stop, stream) as for generate, which runs it. A conversation that goes on turn
         after turn reuses the cache of the turns before (only the new tokens are fed)."""
-        gen = self.start(
-            self.chat_ids(messages),
-            max_tokens,
-            SamplingParams(temperature, top_k, top_p, min_p, _seed(seed)),
-            stop,
-            prime=False,
-        )
-        return gen if stream else "".join(gen)
+        return self.generate(self.chat_ids(messages), **options, prime=False)
 
     def start(
         self,
@@ -342,16 +329,19 @@ class LLM:
     # ---- evaluation ----------------------------------------------------------------------------
 
     def perplexity(self, text: str) -> float:
-        """exp(mean negative log-likelihood) of the model on `text` (encoded with the BOS, cut to
-        the context), computed as `python -m pycalm.generate -x FILE` computes it."""
-        from pycalm.generate import mean_nll
+        """exp(mean negative log-likelihood) of the model on `text` (encoded with the BOS), by
+        the function `python -m pycalm.generate -x FILE` uses (pycalm.generate.mean_nll): a text
+        longer than the context is evaluated in context-sized windows, each scoring the tokens
+        past its first half."""
+        from pycalm.generate import mean_nll, windows
 
-        ids = self.tokenize(text)[: self.seq_len]
+        ids = self.tokenize(text)
         if len(ids) < 2:
             raise PycalmError("too short to measure perplexity (needs 2 tokens or more)")
         self.reset()
         nll = mean_nll(self.engine, ids)
-        self._cached = ids[:-1]
+        start, end, _ = windows(len(ids), self.seq_len)[-1]
+        self._cached = ids[start : end - 1]  # the last window, fed from position 0
         return math.exp(nll)
 
     def reset(self) -> None:

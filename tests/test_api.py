@@ -151,3 +151,37 @@ def test_readme_python_example(smollm2_gguf_path, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_perplexity_of_a_long_text_equals_cli(tmp_path):
+    """A text longer than the context: the API and the CLI's -x share one windowed evaluation."""
+    from tiny_models import make_gguf
+
+    from pycalm.convert import convert
+
+    model = convert(make_gguf(tmp_path, qtype="F16").path, tmp_path / "tiny.pycalm", "fp16", progress=False)
+    text = "the cat sat on the hat then the bat ate the rat " * 3
+    path = tmp_path / "long.txt"
+    path.write_text(text)
+    cli = subprocess.run(
+        [sys.executable, "-m", "pycalm.generate", str(model), "-x", str(path), "--device", "cpu", "-c", "16"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        timeout=300,
+    )
+    assert cli.returncode == 0 and "windows of 16 tokens" in cli.stderr, cli.stderr
+    small = pycalm.load(model, device="cpu", context=16, verbose=False)
+    assert len(small.tokenize(text)) > 4 * 16
+    assert cli.stdout.startswith(
+        f"perplexity {small.perplexity(text):.4f} over {len(small.tokenize(text)) - 1} tokens"
+    )
+    # the KV cache holds the last window (from position 0): a prompt that starts with it reuses it
+    from pycalm.generate import windows
+
+    ids = small.tokenize(text)
+    start, _, _ = windows(len(ids), 16)[-1]
+    gen = small.generate(ids[start : start + 6], max_tokens=1, temperature=0, stream=True)
+    "".join(gen)  # the counts are final once it is exhausted
+    assert gen.reused_tokens == 5 and gen.completion_tokens == 1
