@@ -15,7 +15,7 @@ input, so an allocation sized by an unchecked count fails as a MemoryError and a
 as a timeout, both reported as failures. Each input is a function of (seed, index): a failure
 names both, and the worker keeps the failing file.
 
-CI runs FUZZ_INPUTS inputs of each reader (a few seconds); PYCALM_FUZZ_INPUTS=N runs N each,
+CI runs FUZZ_INPUTS inputs of each reader (about 15 s each on a CI core); PYCALM_FUZZ_INPUTS=N runs N each,
 and PYCALM_FUZZ_SEED picks another seed.
 """
 
