@@ -74,6 +74,8 @@ def make_engine(
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")
         log(f"pycalm: {reason}; running the CPU reference engine")
+    if check_finite:
+        log("pycalm: --check-finite checks the GPU engine's logits; the CPU engine runs without it")
     return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
 
 
