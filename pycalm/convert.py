@@ -356,11 +356,15 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
 def source_kind(path: Path) -> str | None:
     """What `path` holds, by its contents, never its name: "hf" (a folder), "gguf" (a file that
     starts with the GGUF magic), "safetensors" (an 8-byte little-endian header length then a
-    JSON object: a pycalm model file, or another safetensors file), or None (anything else)."""
+    JSON object: a pycalm model file, or another safetensors file), or None (anything else).
+    A file that cannot be read is a PycalmError."""
     if path.is_dir():
         return "hf"
-    with open(path, "rb") as f:
-        head = f.read(9)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise PycalmError(f"{path}: cannot read: {e.strerror}") from None
     if head[:4] == b"GGUF":
         return "gguf"
     if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") >= 2:
@@ -377,10 +381,7 @@ def plan_conversion(src: str | Path, dtype: str = "fp16") -> Converted:
         raise PycalmError(f"unsupported weight dtype {dtype!r} (one of {', '.join(WEIGHT_DTYPES)})")
     if not src.exists():
         raise PycalmError(f"source not found: {src}")
-    try:
-        kind = source_kind(src)
-    except OSError as e:
-        raise PycalmError(f"{src}: cannot read: {e.strerror}") from None
+    kind = source_kind(src)
     # the readers build on this module's sources and plan, so they are imported here
     if kind == "hf":
         from pycalm.convert_hf import from_hf

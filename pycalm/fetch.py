@@ -19,7 +19,6 @@ import hashlib
 import os
 import socket
 import sys
-import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -30,6 +29,7 @@ from typing import BinaryIO
 from urllib.parse import unquote, urljoin, urlsplit
 
 from pycalm.errors import PycalmError
+from pycalm.progress import ProgressLine, bar
 
 INDEX_URL = "https://pypi.org/simple"  # pip's default index
 TIMEOUT_S = 60.0  # a connection or a read that waits longer fails
@@ -138,53 +138,34 @@ def wheel_url(index_url: str, package: str, version: str) -> tuple[str, str, str
     raise PycalmError(f"cannot download {what}: {page} lists no wheel of version {version}")
 
 
-class DownloadProgress:
-    """A one-line progress bar on stderr (megabytes, percent, rate), redrawn at most ten times
-    a second; silent when off (stderr not a terminal)."""
-
-    def __init__(self, what: str, total: int, enabled: bool) -> None:
-        self.what, self.total, self.enabled = what, total, enabled
-        self.done = 0
-        self.start = time.perf_counter()
-        self._drawn = 0.0
-
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        now = time.perf_counter()
-        if not self.enabled or (now - self._drawn < 0.1 and self.done != self.total):
-            return
-        self._drawn = now
-        rate = self.done / max(now - self.start, 1e-9) / 1e6
-        if self.total:  # the server said how large it is
-            frac = min(self.done / self.total, 1.0)
-            shown = f"[{'#' * int(30 * frac):<30}] {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB {100 * frac:.0f}%"
-        else:
-            shown = f"{self.done / 1e6:.1f} MB"
-        sys.stderr.write(f"\rfetching {self.what} {shown} {rate:.1f} MB/s")
-        sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+def _download_text(what: str, done: int, total: int, elapsed: float) -> str:
+    """The download's progress line: megabytes, percent (when the size is known), MB/s."""
+    rate = f"{done / max(elapsed, 1e-9) / 1e6:.1f} MB/s"
+    if not total:
+        return f"fetching {what} {done / 1e6:.1f} MB {rate}"
+    shown = f"{done / 1e6:.1f}/{total / 1e6:.1f} MB {100 * min(done / total, 1.0):.0f}%"
+    return f"fetching {what} {bar(done / total)} {shown} {rate}"
 
 
 def download(url: str, dst: Path, what: str, progress: bool) -> str:
-    """Write the body of GET `url` to `dst`; its sha256 (hex)."""
+    """Write the body of GET `url` to `dst`, with a progress line when `progress`; its sha256 (hex)."""
     with _open(url, what) as response, open(dst, "wb") as out:
         total = int(response.headers.get("Content-Length") or 0)
-        bar = DownloadProgress(what, total, progress)
+        line = ProgressLine(total, progress, lambda done, elapsed: _download_text(what, done, total, elapsed))
         digest = hashlib.sha256()
+        done = 0
         try:
             while chunk := response.read(READ_BYTES):
                 out.write(chunk)
                 digest.update(chunk)
-                bar.update(len(chunk))
+                done += len(chunk)
+                line.update(done)
         except OSError as e:  # the connection dropped or stalled, or a short read (IncompleteRead)
-            bar.finish()
-            raise PycalmError(f"download of {what} cut short after {bar.done} bytes: {e}") from None
-        bar.finish()
-    if total and bar.done != total:
-        raise PycalmError(f"download of {what} cut short: {bar.done} of {total} bytes")
+            raise PycalmError(f"download of {what} cut short after {done} bytes: {e}") from None
+        finally:
+            line.finish()
+    if total and done != total:
+        raise PycalmError(f"download of {what} cut short: {done} of {total} bytes")
     return digest.hexdigest()
 
 

@@ -27,6 +27,7 @@ from pycalm.config import WEIGHT_DTYPES, kv_dtype_for
 from pycalm.engine import CpuEngine
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.fetch import DEFAULT_MODEL, KNOWN_MODELS, cache_dir, fetch_gguf
+from pycalm.progress import ProgressLine, bar
 from pycalm.sampler import SamplingParams
 
 # -------------------------------------------------------------------------------------------
@@ -46,10 +47,7 @@ def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str],
         src = Path(arg)
         if not src.exists():
             raise PycalmError(f"model not found: {arg}")
-        try:
-            kind = source_kind(src)
-        except OSError as e:
-            raise PycalmError(f"{arg}: cannot read: {e.strerror}") from None
+        kind = source_kind(src)
         if kind == "safetensors":
             return src
         if kind is None:
@@ -295,39 +293,29 @@ def run_perplexity(engine: object, tok: object, path: str) -> None:
             file=sys.stderr,
             flush=True,
         )
-    bar = ScoreProgress(len(ids) - 1, sys.stderr.isatty())
+    display = ScoreProgress(len(ids) - 1, sys.stderr.isatty())
     t0 = time.perf_counter()
-    nll = mean_nll(engine, ids, bar.update)
-    bar.finish()
+    nll = mean_nll(engine, ids, display.update)
+    display.finish()
     n = len(ids) - 1
     dt = time.perf_counter() - t0
     print(f"perplexity {math.exp(nll):.4f} over {n} tokens ({n / dt:.1f} tok/s, {engine.device})")
 
 
-class ScoreProgress:
-    """A one-line display on stderr of the tokens scored so far and the running perplexity,
-    redrawn at most ten times a second; silent when off (stderr not a terminal)."""
+class ScoreProgress(ProgressLine):
+    """The perplexity's progress line: tokens scored, the running perplexity, tokens a second."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.start = time.perf_counter()
-        self._drawn = 0.0
+        super().__init__(total, enabled, self.line)
+        self.nll = 0.0  # summed over the tokens scored so far
 
-    def update(self, scored: int, nll: float) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self._drawn < 0.1 and scored < self.total):
-            return
-        self._drawn = now
-        bar = "#" * int(30 * scored / self.total)
-        sys.stderr.write(
-            f"\rperplexity [{bar:<30}] {scored}/{self.total} tokens, ppl {math.exp(nll / max(scored, 1)):.4f}, "
-            f"{scored / max(now - self.start, 1e-9):.1f} tok/s"
-        )
-        sys.stderr.flush()
+    def line(self, scored: int, elapsed: float) -> str:
+        ppl = math.exp(self.nll / max(scored, 1))
+        return f"perplexity {bar(scored / self.total)} {scored}/{self.total} tokens, ppl {ppl:.4f}, {scored / max(elapsed, 1e-9):.1f} tok/s"
 
-    def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+    def update(self, scored: int, nll: float = 0.0) -> None:
+        self.nll = nll
+        super().update(scored)
 
 
 def windows(n_tokens: int, window: int) -> list[tuple[int, int, int]]:
