@@ -18,7 +18,8 @@
 # pytest needs -n 0 (no xdist workers) under the sanitizer. The kernel cache stays on: the
 # sanitizer instruments each module as the driver loads it, from a cached cubin as from a fresh
 # one. sanitize_step.py runs the token step as plain launches (a report then names one kernel
-# launch), with --graph (SANITIZE_GRAPH=1) as the captured graph.
+# launch), with --graph (SANITIZE_GRAPH=1) as the captured graph. SANITIZE_PYTEST_ARGS adds
+# pytest arguments (e.g. "-k 'not realistic'" to leave out the large shapes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -40,7 +41,7 @@ case $group in
     for f in "${files[@]}"; do
       f=${f%.py}; f=${f#tests/}
       [ -f "tests/$f.py" ] || { echo "no tests/$f.py"; exit 2; }
-      runs+=("$f|env PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/$f.py")
+      runs+=("$f|env PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/$f.py ${SANITIZE_PYTEST_ARGS:-}")
     done ;;
   steps)
     archs=${1:-llama,qwen2,mistral,mixtral}; dtypes=${2:-}
