@@ -15,7 +15,7 @@ costs a few milliseconds even for a file of many gigabytes.
 
 Entry files: `<source name>-<format>-<key>.pycalm`, and beside it `<same>.json` with where it was
 last converted or found from (the source path) and the format; the JSON file's modification
-time is when the entry was last used. A download or conversion under way writes a `*.tmp` name of
+time is when the entry was last used (a fetched GGUF's own modification time, likewise). A download or conversion under way writes a `*.tmp` name of
 its own (the writer's pid in it) in the cache folder and renames it when complete; one that has
 not been written to for STALE_TMP_S was left by a process killed hard, and is removed the next
 time a model is resolved.

