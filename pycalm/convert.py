@@ -433,12 +433,11 @@ def convert(
             from pycalm.quantize import average_bits
 
             cfg = conv.config
-            q8 = sum(d == "q8" for _, d in cfg.tensor_dtypes)
-            g64 = sum(g == 64 for _, g in cfg.q4_groups)
-            log(
-                f"{average_bits(cfg):.3f} bits a weight over the matrices, scales included "
-                f"({q8} matrices in q8, {g64} in q4 groups of 64)"
-            )
+            line = f"{average_bits(cfg):.3f} bits a weight over the matrices, scales included"
+            if dtype == "q4":
+                q8 = sum(d == "q8" for _, d in cfg.tensor_dtypes)
+                line += f" ({q8} matrices in q8, {len(cfg.q4_groups)} in q4 groups of 64)"
+            log(line)
     return path
 
 

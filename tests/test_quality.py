@@ -1,0 +1,46 @@
+"""Each weight format's perplexity loss on a real model stays at its measured figure.
+
+SmolLM2-135M-Instruct (the GGUF's layers are Q4_1, its embedding Q8_0), converted to every
+format, scored on tests/data/ppl.txt (295 tokens) by pycalm.calibrate.mean_nll (all rows at
+once; equal to `generate -x` on the CPU to 4 digits). The loss is the perplexity over fp16's;
+a change to an encoder, the policy or a decoder that makes a format worse than measured by more
+than MARGIN fails here. docs/QUANTIZATION.md has the full table on longer texts.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import converted_model  # noqa: E402
+
+from pycalm import calibrate  # noqa: E402
+from pycalm.loader import open_model  # noqa: E402
+from pycalm.tokenizer import Tokenizer  # noqa: E402
+
+TEXT = Path(__file__).parent / "data" / "ppl.txt"
+FP16_PPL = 22.2657  # measured (generate -x gives 22.2652)
+# perplexity / fp16's - 1, measured on TEXT
+LOSS = {"q8": 0.0068, "q4": 0.0608, "fp8": 0.1032, "gf4": 0.9538}  # 22.4172 23.6190 24.5633 43.5015
+MARGIN = 0.005  # of the fp16 perplexity: float32 sums in another order move it by 1e-5
+
+
+def perplexity(path: Path) -> float:
+    with open_model(path) as m:
+        cfg = m.config
+        tok = Tokenizer.from_blob(m.tokenizer_kind, m.tokenizer_blob, cfg.bos_id, cfg.eos_ids, "")
+        ids = tok.encode(TEXT.read_text(encoding="utf-8"), add_bos=True)
+        return math.exp(calibrate.mean_nll(cfg, calibrate.model_weights(m), ids))
+
+
+def test_fp16_perplexity(smollm2_fp16):
+    assert perplexity(smollm2_fp16) == pytest.approx(FP16_PPL, abs=2e-3)
+
+
+@pytest.mark.parametrize("dtype", list(LOSS))
+def test_format_loss(smollm2_gguf_path, dtype):
+    loss = perplexity(converted_model(smollm2_gguf_path, dtype)) / FP16_PPL - 1
+    assert loss <= LOSS[dtype] + MARGIN, f"{dtype}: +{loss:.2%} over fp16, measured +{LOSS[dtype]:.2%}"
