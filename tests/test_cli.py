@@ -289,7 +289,9 @@ def test_convert_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert out.exists() and open_model(out).config.weight_dtype == "fp8"
     assert proc.stdout == ""
-    assert proc.stderr.startswith("wrote ")
+    *summary, wrote = proc.stderr.strip("\n").splitlines()  # how the matrices were made, then the file
+    assert wrote.startswith(f"wrote {out} ") and "fp8" in wrote
+    assert summary and all(re.fullmatch(r"\d+ matrices: .+", line) for line in summary), proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------
