@@ -15,7 +15,7 @@ from gguf import quants
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import make_gguf  # noqa: E402
+from tiny_models import make_gguf, make_hf_llama  # noqa: E402
 
 from pycalm import calibrate, formats, quantize  # noqa: E402
 from pycalm.convert import convert, main  # noqa: E402
@@ -123,6 +123,27 @@ def test_gguf_q8(tmp_path):
         )
         nbytes, weights = matrix_bytes(m)
         assert nbytes * 8 / weights == pytest.approx(quantize.average_bits(m.config))
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_hf_bf16_to_q8_and_q4(tmp_path, dtype):
+    """A Hugging Face bf16 checkpoint: every matrix is its source encoded once (q4 without the
+    policy: groups of 32)."""
+    tiny = make_hf_llama(tmp_path, arch="qwen2", dtype="bfloat16", dim=64, hidden_dim=64)
+    out = convert(tiny.path, tmp_path / "m.safetensors", dtype, progress=False, policy=False)
+    w = tiny.weights
+    with open_model(out) as m:
+        assert m.config.weight_dtype == dtype
+        for name, src in [
+            ("tok_embeddings", "model.embed_tokens.weight"),
+            ("output", "lm_head.weight"),
+            ("layers.1.wo", "model.layers.1.self_attn.o_proj.weight"),
+            ("layers.0.w1", "model.layers.0.mlp.gate_proj.weight"),
+            ("layers.1.w2", "model.layers.1.mlp.down_proj.weight"),
+            ("layers.0.w3", "model.layers.0.mlp.up_proj.weight"),
+        ]:
+            want = formats.decode(formats.encode(w[src], dtype), dtype)
+            np.testing.assert_array_equal(stored(m, name), want, err_msg=name)
 
 
 def test_policy_q4_1_tied(tmp_path):
