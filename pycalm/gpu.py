@@ -22,6 +22,7 @@ import numpy as np
 
 from pycalm.config import ModelConfig, kv_dtype_for
 from pycalm.errors import PycalmError
+from pycalm.formats import QUANTIZED, Quantized, bits_per_weight
 from pycalm.gpu_memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.graph import GraphStep
 from pycalm.kernels.attention import KVCache, attention_span
@@ -48,9 +49,10 @@ def gpu_unavailable_reason() -> str | None:
 FINITE_CHECK_EVERY = 64  # with check_finite: tokens between two reads of the flag
 
 
-def _stored_bytes(rows: int, cols: int, dtype: str) -> int:
-    """Bytes of a (rows, cols) matrix as pycalm.formats stores it (gf4: 4 bytes a group of 8)."""
-    return rows * cols * {"fp16": 2, "fp8": 1}[dtype] if dtype != "gf4" else rows * cols // 2
+def _stored_bytes(rows: int, cols: int, dtype: str, group: int = 32) -> int:
+    """Bytes of a (rows, cols) matrix as pycalm.formats stores it, scales included (q4: groups
+    of `group` columns)."""
+    return round(rows * cols * bits_per_weight(dtype, cols, group) / 8)
 
 
 def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[str, int]:
@@ -63,38 +65,42 @@ def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[st
     and writes. The benchmark divides it by the step's time (GB/s)."""
     from pycalm.kernels.argmax import ARGMAX_BLOCKS
 
-    f32, dim, dt = 4, cfg.dim, cfg.weight_dtype
+    f32, dim = 4, cfg.dim
+
+    def stored(name: str, rows: int, cols: int) -> int:  # matrix `name` in its own format
+        return _stored_bytes(rows, cols, cfg.dtype_of(name), cfg.group_of(name))
+
     kv_elem = 1 if kv_dtype == "fp8" else 2
     n_attended = min(pos + 1, cfg.sliding_window) if cfg.sliding_window else pos + 1
     live_chunks = -(-n_attended // chunk)
     slots = cfg.n_experts_active if cfg.n_experts else 1  # the FFN matrices a token reads
     route = 2 * slots * f32  # MoE: the chosen experts' ids and weights
     bias = cfg.qkv_dim * f32 if cfg.qkv_bias else 0
-    layer = {
+    layers = [{
         # wqkv, bias, attn_norm, rope_freqs and x read; q and the cache row written
-        "qkv_rope": _stored_bytes(cfg.qkv_dim, dim, dt) + bias + 2 * dim * f32 + cfg.rotary_dim // 2 * f32
+        "qkv_rope": stored(f"layers.{i}.wqkv", cfg.qkv_dim, dim) + bias + 2 * dim * f32 + cfg.rotary_dim // 2 * f32
         + cfg.q_dim * f32 + 2 * cfg.kv_dim * kv_elem,
         # K and V rows read, q read, out written; the partials written and read by the combine
         "attention": 2 * n_attended * cfg.kv_dim * kv_elem + 2 * cfg.q_dim * f32
         + (2 * live_chunks * cfg.n_heads * (cfg.head_dim + 2) * f32 if live_chunks > 1 else 0),
         # wo and att read, x read and written
-        "wo+res": _stored_bytes(dim, cfg.q_dim, dt) + cfg.q_dim * f32 + 2 * dim * f32,
+        "wo+res": stored(f"layers.{i}.wo", dim, cfg.q_dim) + cfg.q_dim * f32 + 2 * dim * f32,
         # MoE: the router (n_experts, dim) float32, x and ffn_norm read, the route written
         "moe_route": cfg.n_experts * dim * f32 + 2 * dim * f32 + route,
         # w1, w3, x and ffn_norm read, h written (MoE: the route read too)
-        "ffn_gate": slots * 2 * _stored_bytes(cfg.hidden_dim, dim, dt) + 2 * dim * f32
-        + slots * cfg.hidden_dim * f32 + (route if cfg.n_experts else 0),
+        "ffn_gate": slots * (stored(f"layers.{i}.w1", cfg.hidden_dim, dim) + stored(f"layers.{i}.w3", cfg.hidden_dim, dim))
+        + 2 * dim * f32 + slots * cfg.hidden_dim * f32 + (route if cfg.n_experts else 0),
         # w2 and h read, x read and written (MoE: the route read too)
-        "w2+res": slots * _stored_bytes(dim, cfg.hidden_dim, dt) + slots * cfg.hidden_dim * f32 + 2 * dim * f32
+        "w2+res": slots * stored(f"layers.{i}.w2", dim, cfg.hidden_dim) + slots * cfg.hidden_dim * f32 + 2 * dim * f32
         + (route if cfg.n_experts else 0),
-    }  # fmt: skip
-    if not cfg.n_experts:
-        del layer["moe_route"]
+    } for i in range(cfg.n_layers)]  # fmt: skip
+    roles = [role for role in layers[0] if cfg.n_experts or role != "moe_route"]
+    out = "tok_embeddings" if cfg.tied_embeddings else "output"
     return {
-        "embed": _stored_bytes(1, dim, dt) + dim * f32,  # one row read, x written
-        **{role: cfg.n_layers * n for role, n in layer.items()},
+        "embed": stored("tok_embeddings", 1, dim) + dim * f32,  # one row read, x written
+        **{role: sum(layer[role] for layer in layers) for role in roles},
         # Wout, x and norm read, the logits written
-        "classifier": _stored_bytes(cfg.vocab_size, dim, dt) + 2 * dim * f32 + cfg.vocab_size * f32,
+        "classifier": stored(out, cfg.vocab_size, dim) + 2 * dim * f32 + cfg.vocab_size * f32,
         # the logits read, each block's (value, id) written and read, the token written
         "argmax": cfg.vocab_size * f32 + 2 * 2 * ARGMAX_BLOCKS * 4 + 4,
         "advance": 5 * 4,  # pos and feed end read, the prompt's next token read; token, pos written
@@ -103,7 +109,8 @@ def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[st
 
 @dataclass
 class LayerWeights:
-    """One layer's weights on the device, as pycalm.formats stores them."""
+    """One layer's weights on the device, as pycalm.formats stores them: a q8 / q4 matrix is a
+    pycalm.formats.Quantized of its codes and scales, and `dtypes` says each matrix's format."""
 
     attn_norm: object  # (dim,) float32
     wqkv: object  # (q_dim + 2 kv_dim, dim) stored
@@ -113,6 +120,7 @@ class LayerWeights:
     w1: object  # (hidden_dim, dim) stored; MoE: (n_experts, hidden_dim, dim)
     w3: object  # (hidden_dim, dim) stored; MoE: (n_experts, hidden_dim, dim)
     w2: object  # (dim, hidden_dim) stored; MoE: (n_experts, dim, hidden_dim)
+    dtypes: dict[str, str]  # "wqkv", "wo", "w1", "w3", "w2" -> its format (ModelConfig.dtype_of)
     moe_gate: object | None = None  # (n_experts, dim) float32, the router; MoE only
 
 
@@ -205,25 +213,34 @@ class GpuEngine:
                 upload = start_upload(model, names, stream=cuda.stream())
             dev = upload.arrays.__getitem__
 
-        self.tok_embeddings = dev("tok_embeddings")  # (vocab_size, dim) stored
+        def matrix(name: str) -> object:  # a q8 / q4 matrix: its codes and its scales
+            quantized = cfg.dtype_of(name) in QUANTIZED
+            return Quantized(dev(name), dev(name + ".scales")) if quantized else dev(name)
+
+        self.tok_embeddings = matrix("tok_embeddings")  # (vocab_size, dim) stored
+        self.embed_dtype = cfg.dtype_of("tok_embeddings")
         self.rope_freqs = dev("rope_freqs")  # (rotary_dim // 2,) float32
         self.layers = [
             LayerWeights(
                 attn_norm=dev(f"layers.{i}.attn_norm"),
-                wqkv=dev(f"layers.{i}.wqkv"),
+                wqkv=matrix(f"layers.{i}.wqkv"),
                 bqkv=dev(f"layers.{i}.bqkv") if cfg.qkv_bias else None,
-                wo=dev(f"layers.{i}.wo"),
+                wo=matrix(f"layers.{i}.wo"),
                 ffn_norm=dev(f"layers.{i}.ffn_norm"),
-                w1=dev(f"layers.{i}.w1"),
-                w3=dev(f"layers.{i}.w3"),
-                w2=dev(f"layers.{i}.w2"),
+                w1=matrix(f"layers.{i}.w1"),
+                w3=matrix(f"layers.{i}.w3"),
+                w2=matrix(f"layers.{i}.w2"),
+                dtypes={m: cfg.dtype_of(f"layers.{i}.{m}") for m in ("wqkv", "wo", "w1", "w3", "w2")},
                 moe_gate=dev(f"layers.{i}.moe_gate") if cfg.n_experts else None,
             )
             for i in range(cfg.n_layers)
         ]
+        if any(L.dtypes["w1"] != L.dtypes["w3"] for L in self.layers):
+            raise PycalmError("w1 and w3 of a layer must share a format (one launch reads both)")
         self.norm = dev("norm")  # (dim,) float32
         # (vocab_size, dim) stored: the classifier, or the embedding table when they are tied
-        self.output = self.tok_embeddings if cfg.tied_embeddings else dev("output")
+        self.output = self.tok_embeddings if cfg.tied_embeddings else matrix("output")
+        self.output_dtype = cfg.dtype_of("tok_embeddings" if cfg.tied_embeddings else "output")
 
         # the KV cache (the bulk of what __init__ allocates) and the per-position buffers fit, or
         # one line says what did not
@@ -327,17 +344,17 @@ class GpuEngine:
         from pycalm.kernels.sample import sample
         from pycalm.kernels.step import advance
 
-        cfg, dt, eps, s = self.config, self.config.weight_dtype, self.config.norm_eps, self.stream
+        cfg, eps, s = self.config, self.config.norm_eps, self.stream
         x, q, att, h, route, state = self.x, self.q, self.att, self.h, self.route, self.state
         # x = the embedding row of the token
-        embed(self.tok_embeddings, state, x, dt, stream=s)
+        embed(self.tok_embeddings, state, x, self.embed_dtype, stream=s)
         for L, cache in zip(self.layers, self.kv_caches, strict=True):
             # q, k, v = Wqkv rmsnorm(x) (+ bqkv); q and k rotated by pos; cache row pos = k, v
             qkv_rope(L, x, self.rope_freqs, state, q, cache, cfg, stream=s)
             # att = softmax(q k^T / sqrt(head_dim)) v over positions 0..pos (or the window)
             attention(q, cache, state, att, cfg, self.att_scratch, stream=s, span=span)
             # x += Wo att
-            matvec_residual(L.wo, att, x, dt, stream=s)
+            matvec_residual(L.wo, att, x, L.dtypes["wo"], stream=s)
             if cfg.n_experts:
                 # route = the top n_experts_active experts of Wg rmsnorm(x), softmax of their logits
                 moe_route(L, x, route, cfg, stream=s)
@@ -347,11 +364,11 @@ class GpuEngine:
                 moe_matvec_residual(L, h, x, route, cfg, stream=s)
             else:
                 # h = silu(W1 rmsnorm(x)) * W3 rmsnorm(x)
-                ffn_gate(L.w1, L.w3, x, h, dt, stream=s, norm_w=L.ffn_norm, eps=eps)
+                ffn_gate(L.w1, L.w3, x, h, L.dtypes["w1"], stream=s, norm_w=L.ffn_norm, eps=eps)
                 # x += W2 h
-                matvec_residual(L.w2, h, x, dt, stream=s)
+                matvec_residual(L.w2, h, x, L.dtypes["w2"], stream=s)
         # logits = Wout rmsnorm(x)
-        matvec(self.output, x, self.logits_buf, dt, stream=s, norm_w=self.norm, eps=eps)
+        matvec(self.output, x, self.logits_buf, self.output_dtype, stream=s, norm_w=self.norm, eps=eps)
         if self.finite_flag is not None:
             # debug: flag = the first position whose logits hold a NaN or an infinity
             check_finite(self.logits_buf, state, self.finite_flag, stream=s)

@@ -1,8 +1,11 @@
-"""matvec / matvec_residual / ffn_gate kernels against their NumPy references, every weight dtype.
+"""matvec / matvec_residual / ffn_gate kernels against their NumPy references, every weight dtype
+(q4 in groups of 32 and of 64: "q4/64").
 
 Tolerance: the kernels decode exactly and accumulate in float32 in a different order than the
 reference, so each output may differ by a few float32 roundings of the row's |W| |x| sum;
 1e-5 of that sum is well above the accumulation error for these lengths (at most ~16k terms).
+q4 sums (16 + q) x over each 32-column load and adds the group's (m - 16 d) times the load's x
+sum (pycalm.kernels.qdecode): the same tolerance holds it.
 """
 
 import os
@@ -16,20 +19,44 @@ from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
 from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
-DTYPES = ["fp16", "fp8", "gf4"]
-# Rows of a multiple of 16 bytes take the 16-byte-load kernels (fp16 always; fp8 when cols is a
-# multiple of 16, gf4 of 32), other rows the narrow fallbacks: 72 and 136 columns (fp8, gf4
-# narrow), 144 (fp8 wide, gf4 narrow), 256 (every dtype wide; 19 rows: gf4's groups of 4 rows
-# end in a partial group). Rows odd, so the last row group is partial.
-SHAPES = [(40, 72), (37, 136), (5, 144), (19, 256)]
+DTYPES = ["fp16", "fp8", "gf4", "q8", "q4", "q4/64"]
+# Rows of a multiple of 16 bytes take the 16-byte-load kernels (fp16 always; fp8 and q8 when cols
+# is a multiple of 16, gf4 of 32; q4 always), other rows the narrow fallbacks: 72 and 136
+# columns (fp8, q8, gf4 narrow), 144 (fp8, q8 wide, gf4 narrow), 256 (every dtype wide; 19 rows:
+# the last row group is partial), and for q4 (whole groups) 96 (3 groups of 32) and 192 (3 of
+# 64). Rows odd, so the last row group is partial.
+SHAPES = [(40, 72), (37, 136), (5, 144), (19, 256), (5, 96), (37, 192)]
 if GPU:
     SHAPES += [(4099, 4104), (1023, 14344), (4099, 4096), (1021, 14336)]
 RTOL = 1e-5
 
 
+def _fits(dtype, cols):
+    """Whether a dtype stores rows of `cols` (q4: whole groups, and the fp16-era shapes for the rest)."""
+    if dtype.startswith("q4"):
+        return cols % (64 if dtype == "q4/64" else 32) == 0
+    return cols not in (96, 192)  # the q4-only shapes
+
+
+CASES = [(d, r, c) for d in DTYPES for r, c in SHAPES if _fits(d, c)]
+
+
 def _weights(rng, rows, cols, dtype):
-    w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
-    return w, formats.decode(w, dtype).astype(np.float64)
+    """(stored weights, their float64 values); dtype "q4/64": q4 in groups of 64."""
+    base, _, group = dtype.partition("/")
+    w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), base, group=int(group or 32))
+    return w, formats.decode(w, base).astype(np.float64)
+
+
+def _dev(w):
+    """A stored array, or both arrays of a q8 / q4 Quantized, on the device."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
+
+
+def _base(dtype):
+    return dtype.partition("/")[0]
 
 
 def _check(got, want, scale):
@@ -38,34 +65,33 @@ def _check(got, want, scale):
     assert np.all(err <= RTOL * scale + 1e-30), f"max err / scale {np.max(err / scale):.3g}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("dtype,rows,cols", CASES)
 def test_matvec(dtype, rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
-    matvec(cuda.to_device(w), cuda.to_device(x), y, dtype, stream=cuda.default_stream())
+    matvec(_dev(w), cuda.to_device(x), y, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     want = wd @ x.astype(np.float64)
     _check(y.copy_to_host(), want, np.abs(wd) @ np.abs(x))
     # the NumPy reference agrees with the float64 product to the same tolerance
-    _check(matvec_ref(w, x, dtype), want, np.abs(wd) @ np.abs(x))
+    _check(matvec_ref(w, x, _base(dtype)), want, np.abs(wd) @ np.abs(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matvec_fused_norm(dtype):
-    rows, cols, eps = 37, 144, 1e-5
+    rows, cols, eps = 37, 192 if dtype.startswith("q4") else 144, 1e-5
     rng = np.random.default_rng(7)
     w, wd = _weights(rng, rows, cols, dtype)
     x = (3 * rng.standard_normal(cols)).astype(np.float32)
     nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
     matvec(
-        cuda.to_device(w),
+        _dev(w),
         cuda.to_device(x),
         y,
-        dtype,
+        _base(dtype),
         stream=cuda.default_stream(),
         norm_w=cuda.to_device(nw),
         eps=eps,
@@ -75,20 +101,21 @@ def test_matvec_fused_norm(dtype):
     _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
 
 
-RESIDUAL_SHAPES = [(37, 136)]
+RESIDUAL_SHAPES = [(37, 136), (37, 192)]
 if GPU:  # long rows: the default launch shares each row group by two warps (split_for)
     RESIDUAL_SHAPES += [(2047, 5632), (1021, 14336)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,cols", RESIDUAL_SHAPES)
+@pytest.mark.parametrize(
+    "dtype,rows,cols", [(d, r, c) for d in DTYPES for r, c in RESIDUAL_SHAPES if _fits(d, c)]
+)
 def test_matvec_residual(dtype, rows, cols):
     rng = np.random.default_rng(8)
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     r = cuda.to_device(r0)
-    matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
+    matvec_residual(_dev(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
@@ -103,7 +130,7 @@ def test_ffn_gate(dtype):
     nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
     h = cuda.to_device(np.full(rows, np.nan, np.float32))
     ffn_gate(
-        cuda.to_device(w1), cuda.to_device(w3), cuda.to_device(x), h, dtype,
+        _dev(w1), _dev(w3), cuda.to_device(x), h, _base(dtype),
         stream=cuda.default_stream(), norm_w=cuda.to_device(nw), eps=eps,
     )  # fmt: skip
     cuda.synchronize()
@@ -118,18 +145,19 @@ def test_ffn_gate(dtype):
     assert np.all(np.abs(got - want) <= tol)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "gf4"])
+@pytest.mark.parametrize("dtype", ["fp16", "gf4", "q8", "q4/64"])
 def test_matvec_chunked_x(dtype):
-    """Rows longer than XCHUNK columns: x is staged in several chunks."""
+    """Rows longer than XCHUNK columns: x is staged in several chunks (q4: the groups of the
+    second chunk are found by the load's index in the whole row)."""
     from pycalm.kernels.matvec import XCHUNK
 
-    rows, cols = 3, XCHUNK + 144
+    rows, cols = 3, XCHUNK + (192 if dtype.startswith("q4") else 144)
     rng = np.random.default_rng(10)
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     r = cuda.to_device(r0)
-    matvec_residual(cuda.to_device(w), cuda.to_device(x), r, dtype, stream=cuda.default_stream())
+    matvec_residual(_dev(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
@@ -138,12 +166,14 @@ def _launch_kernel(kernel, dtype, wa, wb, x, norm_w, eps, out, mode, split):
     """matvec_kernel launched on its own (launch_matvec's arguments), whatever the split rule
     would choose for the shape: the split kernels at test sizes."""
     from pycalm.kernels.launch import row_group_launch
-    from pycalm.kernels.matvec import GATE, ROWS, XCHUNK, load_bytes, word_view
+    from pycalm.kernels.matvec import GATE, ROWS, XCHUNK, codes_and_scales, load_bytes, word_view
 
+    wa, sa = codes_and_scales(wa, dtype, x)
+    wb, sb = codes_and_scales(wb, dtype, x)
     nbytes = load_bytes(wa, dtype)
     n_groups = -(-wa.shape[0] // (ROWS // 2 if mode == GATE else ROWS))
     args = (
-        word_view(wa, nbytes), word_view(wb, nbytes), x, x.view(np.uint64), x if norm_w is None else norm_w,
+        word_view(wa, nbytes), word_view(wb, nbytes), sa, sb, x, x.view(np.uint64), x if norm_w is None else norm_w,
         np.float32(eps), out, np.int32(mode), np.int32(norm_w is not None), x.view(np.int32), x, np.int32(0),
         np.int32(0),
     )  # fmt: skip
@@ -156,11 +186,11 @@ def test_matvec_split_kernel(dtype):
     """Row groups shared by 2 and 3 warps (split): residual, fused-norm and gate launches give
     the references' values; 13 rows, so a block's warps loop over several groups (the sums'
     buffer halves alternate) and the last group is partial. 1288 columns: 161 loads a row
-    (fp16 wide, fp8 / gf4 narrow), so every part has whole steps, a partial one and, for some,
-    none at the end."""
+    (fp16 wide, fp8 / q8 / gf4 narrow), so every part has whole steps, a partial one and, for
+    some, none at the end; q4: 1344 columns, 42 16-byte loads (21 groups of 64, or 42 of 32)."""
     from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, load_bytes, matvec_kernel
 
-    rows, cols, eps = 13, 1288, 1e-5
+    rows, cols, eps = 13, 1344 if dtype.startswith("q4") else 1288, 1e-5
     rng = np.random.default_rng(11)
     w, wd = _weights(rng, rows, cols, dtype)
     w3, w3d = _weights(rng, rows, cols, dtype)
@@ -168,8 +198,9 @@ def test_matvec_split_kernel(dtype):
     nw = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
-    wdev, w3dev, xdev, nwdev = cuda.to_device(w), cuda.to_device(w3), cuda.to_device(x), cuda.to_device(nw)
-    nbytes = load_bytes(wdev, dtype)
+    wdev, w3dev, xdev, nwdev = _dev(w), _dev(w3), cuda.to_device(x), cuda.to_device(nw)
+    dtype = _base(dtype)
+    nbytes = load_bytes(wdev.codes if dtype in formats.QUANTIZED else wdev, dtype)
     for rows_a_warp, unroll, split in ((2, 2, 2), (2, 1, 3), (4, 2, 2)):
         kernel = matvec_kernel(dtype, nbytes, rows_a_warp, unroll if nbytes == 16 else 1, split)
         r = cuda.to_device(r0)
@@ -195,9 +226,12 @@ def test_split_for_takes_long_residual_rows():
     from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, split_for
 
     def lanes(cols, dtype):  # 16-byte loads a lane a row
-        return cols // {"fp16": 8, "fp8": 16, "gf4": 32}[dtype] // 32
+        return cols // {"fp16": 8, "fp8": 16, "gf4": 32, "q8": 16, "q4": 32}[dtype] // 32
 
     assert split_for("fp8", RESIDUAL, lanes(5632, "fp8"), False) == 2  # 11 loads a lane
+    assert split_for("q8", RESIDUAL, lanes(5632, "q8"), False) == 2  # one byte a weight, as fp8
+    assert split_for("q8", RESIDUAL, lanes(4096, "q8"), False) == 1
+    assert split_for("q4", RESIDUAL, lanes(14336, "q4"), False) == 1
     assert split_for("fp8", RESIDUAL, lanes(4608, "fp8"), False) == 2  # 9
     assert split_for("fp8", RESIDUAL, lanes(4096, "fp8"), False) == 1  # 8
     assert split_for("fp16", RESIDUAL, lanes(14336, "fp16"), False) == 1

@@ -303,31 +303,57 @@ def test_route_kernel_ties():
 
 
 def expert_stack(rng, n_experts: int, rows: int, cols: int, dtype: str, chosen: list[int]) -> np.ndarray:
-    """A stored (n_experts, rows, cols) stack of random experts; the experts not in `chosen` are
-    all 0x7F bytes: NaN in every format (fp16 0x7F7F, e5m2 0x7F, gf4 a NaN group scale), so an
-    output that read any of their weights is not finite."""
-    w = np.stack(
-        [
-            formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
-            for _ in range(n_experts)
-        ]
-    )
+    """A stored (n_experts, rows, cols) stack of random experts (q8 / q4: a Quantized of stacked
+    codes and scales); the experts not in `chosen` are all 0x7F bytes (q4: its scales; q8: 0xFF
+    bytes of its scales): NaN in every format (fp16 0x7F7F, e5m2 0x7F, gf4 a NaN group scale, q8 a
+    NaN float32 scale, q4 NaN fp16 steps and offsets), so an output that read any of their weights
+    is not finite."""
+    ws = [
+        formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype) for _ in range(n_experts)
+    ]
+    if dtype in formats.QUANTIZED:
+        w = formats.Quantized(np.stack([e.codes for e in ws]), np.stack([e.scales for e in ws]))
+    else:
+        w = np.stack(ws)
     for e in set(range(n_experts)) - set(chosen):
-        w[e].view(np.uint8)[...] = 0x7F
-        assert np.isnan(formats.decode(w[e], dtype)).all()
+        (w.scales if dtype in formats.QUANTIZED else w)[e].view(np.uint8)[...] = (
+            0xFF if dtype == "q8" else 0x7F
+        )
+        assert np.isnan(formats.decode(expert(w, e), dtype)).all()
     return w
 
 
+def expert(w: object, e: int) -> object:
+    """Expert e's stored matrix of a stack (q8 / q4: its codes and scales)."""
+    return formats.Quantized(w.codes[e], w.scales[e]) if isinstance(w, formats.Quantized) else w[e]
+
+
+def to_device(w: object) -> object:
+    """A stored array, or both arrays of a Quantized, on the device."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
+
+
+def decoded_stack(w: object, dtype: str) -> np.ndarray:
+    """The (n_experts, rows, cols) float32 weights of a stored stack."""
+    n = (w.codes if isinstance(w, formats.Quantized) else w).shape[0]
+    return np.stack([formats.decode(expert(w, e), dtype) for e in range(n)])
+
+
 # (dtype, n_experts, hidden_dim, dim): (32, 64) takes the wide (16-byte load) kernels of every
-# dtype, (24, 40) the narrow fp8 / gf4 ones (rows of 40 and 24 columns are not whole 16-byte
-# loads; fp16 rows of them are). Small, because the simulator's cost is per block (a Python
-# thread per CUDA thread): about 0.3 s a block of 64 threads.
+# dtype, (24, 40) the narrow fp8 / gf4 / q8 ones (rows of 40 and 24 columns are not whole
+# 16-byte loads; fp16 rows of them are; q4 rows always are). Small, because the simulator's cost
+# is per block (a Python thread per CUDA thread): about 0.3 s a block of 64 threads.
 MOE_CASES = [
     ("fp16", 4, 32, 64),
     ("fp8", 4, 32, 64),
     ("gf4", 4, 32, 64),
     ("fp8", 4, 24, 40),
     ("gf4", 4, 24, 40),
+    ("q8", 4, 32, 64),
+    ("q8", 4, 24, 40),
+    ("q4", 4, 32, 64),
 ]
 
 
@@ -345,9 +371,10 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     k = len(chosen)
     route = Route(cuda.to_device(ids), cuda.to_device(gw))
     layer = SimpleNamespace(
-        w1=cuda.to_device(w1), w3=cuda.to_device(w3), w2=cuda.to_device(w2), ffn_norm=cuda.to_device(nw)
-    )
-    cfg = SimpleNamespace(n_experts_active=k, norm_eps=eps, weight_dtype=dtype)
+        w1=to_device(w1), w3=to_device(w3), w2=to_device(w2), ffn_norm=cuda.to_device(nw),
+        dtypes={"w1": dtype, "w3": dtype, "w2": dtype},
+    )  # fmt: skip
+    cfg = SimpleNamespace(n_experts_active=k, norm_eps=eps)
     h = cuda.to_device(np.full(k * hidden_dim, np.nan, np.float32))
     moe_ffn_gate(layer, cuda.to_device(x), h, route, cfg, stream=cuda.default_stream())
     cuda.synchronize()
@@ -357,8 +384,8 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
     for s, e in enumerate(chosen):
         w1d, w3d = (
-            formats.decode(w1[e], dtype).astype(np.float64),
-            formats.decode(w3[e], dtype).astype(np.float64),
+            formats.decode(expert(w1, e), dtype).astype(np.float64),
+            formats.decode(expert(w3, e), dtype).astype(np.float64),
         )
         a, b = w1d @ xn, w3d @ xn
         ta, tb = 1e-5 * (np.abs(w1d) @ np.abs(xn)), 1e-5 * (np.abs(w3d) @ np.abs(xn))
@@ -367,7 +394,8 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
         part = got[s * hidden_dim : (s + 1) * hidden_dim]
         assert np.all(np.abs(part - want) <= tol), f"slot {s}: max err {np.max(np.abs(part - want)):.3g}"
     # the NumPy reference agrees with it (float32, the reference's own order)
-    ref_h = moe_ffn_gate_ref(w1, w3, rmsnorm_ref(x, nw, eps), dtype, ids, gw)
+    w1f, w3f = decoded_stack(w1, dtype), decoded_stack(w3, dtype)
+    ref_h = moe_ffn_gate_ref(w1f, w3f, rmsnorm_ref(x, nw, eps), "fp32", ids, gw)
     np.testing.assert_allclose(ref_h, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
 
     # x += W2_3 h[0] + W2_1 h[1], with h as the gate wrote it
@@ -380,29 +408,33 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read"
     want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
     for s, e in enumerate(chosen):
-        w2d, hs = formats.decode(w2[e], dtype).astype(np.float64), hv[s * hidden_dim : (s + 1) * hidden_dim]
+        w2d, hs = (
+            formats.decode(expert(w2, e), dtype).astype(np.float64),
+            hv[s * hidden_dim : (s + 1) * hidden_dim],
+        )
         want = want + w2d @ hs
         scale = scale + np.abs(w2d) @ np.abs(hs)
     assert np.all(np.abs(got - want) <= 1e-5 * scale), (
         f"max err / scale {np.max(np.abs(got - want) / scale):.3g}"
     )
-    ref_r = moe_matvec_residual_ref(w2, hv, dtype, ids, r0)
+    ref_r = moe_matvec_residual_ref(decoded_stack(w2, dtype), hv, "fp32", ids, r0)
     assert np.all(np.abs(ref_r - want) <= 1e-5 * scale)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "gf4"])
+@pytest.mark.parametrize("dtype", ["fp16", "gf4", "q4"])
 def test_expert_residual_chunked(dtype):
     """hidden_dim above XCHUNK (Mixtral's 14336): each slot's h is staged in two chunks."""
     rng = np.random.default_rng(11)
-    n_experts, dim, hidden_dim, chosen = 3, 3, XCHUNK + 144, [2, 0]
+    n_experts, dim, chosen = 3, 3, [2, 0]
+    hidden_dim = XCHUNK + (160 if dtype == "q4" else 144)  # q4: whole groups of 32
     w2 = expert_stack(rng, n_experts, dim, hidden_dim, dtype, chosen)
     hv = rng.standard_normal(2 * hidden_dim).astype(np.float32)
     r0 = rng.standard_normal(dim).astype(np.float32)
     r = cuda.to_device(r0)
     route = Route(cuda.to_device(np.array(chosen, np.int32)), cuda.to_device(np.ones(2, np.float32)))
-    cfg = SimpleNamespace(n_experts_active=2, weight_dtype=dtype)
+    cfg = SimpleNamespace(n_experts_active=2)
     moe_matvec_residual(
-        SimpleNamespace(w2=cuda.to_device(w2)),
+        SimpleNamespace(w2=to_device(w2), dtypes={"w2": dtype}),
         cuda.to_device(hv),
         r,
         route,
@@ -413,7 +445,10 @@ def test_expert_residual_chunked(dtype):
     got = r.copy_to_host().astype(np.float64)
     want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
     for s, e in enumerate(chosen):
-        w2d, hs = formats.decode(w2[e], dtype).astype(np.float64), hv[s * hidden_dim : (s + 1) * hidden_dim]
+        w2d, hs = (
+            formats.decode(expert(w2, e), dtype).astype(np.float64),
+            hv[s * hidden_dim : (s + 1) * hidden_dim],
+        )
         want, scale = want + w2d @ hs, scale + np.abs(w2d) @ np.abs(hs)
     assert np.isfinite(got).all()
     assert np.all(np.abs(got - want) <= 1e-5 * scale)

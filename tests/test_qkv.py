@@ -15,6 +15,13 @@ from pycalm.reference import kv_round, qkv_ref, rmsnorm_ref
 RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_matvec)
 
 
+def to_device(w: object) -> object:
+    """A stored array, or both arrays of a q8 / q4 Quantized, on the device."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
+
+
 @pytest.mark.parametrize(
     "dtype,kv_dtype,bias,dim,n_rot",
     [
@@ -24,6 +31,10 @@ RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_ma
         ("gf4", "fp8", True, 72, 4),
         ("fp16", "fp8", False, 136, 3),
         ("gf4", "fp16", True, 256, 4),  # gf4 16-byte loads: 4 rows (two rotary pairs) a warp
+        ("q8", "fp16", True, 72, 4),  # q8 8-byte loads
+        ("q8", "fp8", False, 144, 3),  # q8 16-byte loads
+        ("q4", "fp16", True, 96, 4),  # q4 groups of 32: 3 a row
+        ("q4/64", "fp8", False, 128, 4),  # q4 groups of 64: 2 loads a group
     ],
 )
 def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
@@ -31,7 +42,8 @@ def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     rows = q_dim + 2 * kv_dim
     rng = np.random.default_rng(dim + n_rot)
-    w = formats.encode(rng.standard_normal((rows, dim)).astype(np.float32), dtype)
+    dtype, _, group = dtype.partition("/")  # q4/64: q4 in groups of 64
+    w = formats.encode(rng.standard_normal((rows, dim)).astype(np.float32), dtype, group=int(group or 32))
     wd = formats.decode(w, dtype).astype(np.float64)
     b = rng.standard_normal(rows).astype(np.float32) if bias else None
     x = (2 * rng.standard_normal(dim)).astype(np.float32)
@@ -47,8 +59,9 @@ def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
     kc, vc = cuda.to_device(k0), cuda.to_device(k0)
     q = cuda.to_device(np.full(q_dim, np.nan, np.float32))
     layer = SimpleNamespace(
-        wqkv=cuda.to_device(w), bqkv=None if b is None else cuda.to_device(b), attn_norm=cuda.to_device(nw)
-    )
+        wqkv=to_device(w), bqkv=None if b is None else cuda.to_device(b), attn_norm=cuda.to_device(nw),
+        dtypes={"wqkv": dtype},
+    )  # fmt: skip
     cfg = SimpleNamespace(
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, norm_eps=eps, weight_dtype=dtype
     )
@@ -58,7 +71,9 @@ def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
     cuda.synchronize()
 
     xn = rmsnorm_ref(x, nw, eps)
-    q_ref, k_ref, v_ref = qkv_ref(w, b, xn, dtype, pos, freqs, n_heads, n_kv_heads, head_dim)
+    q_ref, k_ref, v_ref = qkv_ref(
+        wd.astype(np.float32), b, xn, "fp32", pos, freqs, n_heads, n_kv_heads, head_dim
+    )
     # tolerance per output: the row errors of both rows of its rotary pair (rotation mixes them)
     row_tol = RTOL * (np.abs(wd) @ np.abs(xn.astype(np.float64)))
     pair_tol = np.repeat(row_tol.reshape(-1, 2).sum(1), 2) + 1e-6 * np.repeat(

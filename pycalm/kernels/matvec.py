@@ -65,235 +65,45 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, uint64
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import (
-    GF4_RAW_SCALE,
-    WARP,
-    as_f32,
-    as_i32,
-    block_reduce_sum,
-    fp8x4_cvt,
-    gf4_dot8_raw,
-    grid_dependency_wait,
-    h2f2,
-    launch_dependents,
-    ldg128,
-    warp_reduce_sum,
-)
+from pycalm.formats import Quantized
+from pycalm.kernels.common import WARP, grid_dependency_wait, launch_dependents, warp_reduce_sum
 from pycalm.kernels.launch import row_group_launch
+from pycalm.kernels.rowgroup import (  # (qkv and scripts/kernels/matvec.py take them from here too)
+    NARROW_BYTES,  # noqa: F401
+    PART_DOT,  # noqa: F401
+    PART_WEIGHTS,  # noqa: F401
+    ROW_SCALE,
+    XCHUNK,
+    XPAIRS,  # noqa: F401
+    codes_and_scales,
+    load_bytes,
+    rms_factor,
+    row_group,
+    staged_rms,
+    word_view,
+)
 
 # ---------------------------------------------------------------------------------------------
 # the row-group kernel
 
-XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
-XPAIRS = XCHUNK // 2
 ROWS = 2  # rows a warp (a row group; GATE: a row of W1 and the same row of W3)
 UNROLL = 2  # 16-byte loads a row a lane a step (narrow loads: 1)
 SPLIT_LOADS = 9  # fp8 loads a lane a row from which a dense residual launch splits its groups
 RED = 2 * 32 * 4  # split sums: two groups' worth of up to 32 warps of up to 4 rows
-PART_WEIGHTS = {"fp16": 2, "fp8": 4, "gf4": 8}  # weights in one 32-bit part of a load
-NARROW_BYTES = {"fp16": 8, "fp8": 8, "gf4": 4}  # the loads of rows not a multiple of 16 bytes
-ROW_SCALE = {"fp16": 1.0, "fp8": 1.0, "gf4": GF4_RAW_SCALE}  # a row's raw sum times this
 
 # modes of matvec_kernel (a runtime argument: one compiled kernel serves all three)
 PLAIN, RESIDUAL, GATE = 0, 1, 2
 
 
 @cuda.jit(device=True, inline=True)
-def fp16_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + the two fp16 weights of the int32 t (low half first) times xv[0], xv[1]."""
-    f0, f1 = h2f2(t)
-    acc += f0 * xv[0]
-    acc += f1 * xv[1]
-    return acc
-
-
-@cuda.jit(device=True, inline=True)
-def fp8_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + the four e5m2 weights of the int32 t (byte 0 first) times xv[0..3]."""
-    f0, f1, f2, f3 = fp8x4_cvt(t)
-    acc += f0 * xv[0]
-    acc += f1 * xv[1]
-    acc += f2 * xv[2]
-    acc += f3 * xv[3]
-    return acc
-
-
-@cuda.jit(device=True, inline=True)
-def gf4_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + the gf4 group t (8 codes and its scale) times xv[0..7], raw: times GF4_RAW_SCALE
-    for the value."""
-    return acc + gf4_dot8_raw(t, xv[0], xv[1], xv[2], xv[3], xv[4], xv[5], xv[6], xv[7])
-
-
-PART_DOT = {"fp16": fp16_part_dot, "fp8": fp8_part_dot, "gf4": gf4_part_dot}
-
-
-@cuda.jit(device=True, inline=True)
-def pair_times(v: int, norm_w: cuda.devicearray, i: int) -> int:
-    """A uint64 pair of floats (x[i], x[i + 1]) times (norm_w[i], norm_w[i + 1]), repacked (i
-    uint64: no negative-index code)."""
-    lo = as_f32(v) * norm_w[i]
-    hi = as_f32(v >> uint64(32)) * norm_w[i + uint64(1)]
-    return uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
-
-
-@cuda.jit(device=True, inline=True)
-def pair_sq(v: int) -> float:
-    """x[i]^2 + x[i + 1]^2 of a uint64 pair of floats."""
-    lo = as_f32(v)
-    hi = as_f32(v >> uint64(32))
-    return lo * lo + hi * hi
-
-
-@cuda.jit(device=True, inline=True)
-def staged_rms(ss: float, n: int, eps: float, scratch: cuda.devicearray) -> float:
-    """rsqrt(mean(x^2) + eps) from every thread's stage_x sum of squares over all n values of
-    x. Its barrier also publishes what stage_x wrote to shared memory, so a fused RMSNorm costs
-    no extra pass over x and no extra barrier. All threads must call it."""
-    ss = warp_reduce_sum(ss)
-    if cuda.threadIdx.x % WARP == 0:
-        scratch[cuda.threadIdx.x // WARP] = ss
-    cuda.syncthreads()  # the warps' sums, and the staged x, are in shared memory
-    t = float32(0.0)
-    for w in range(cuda.blockDim.x // WARP):
-        t += scratch[w]
-    return float32(1.0) / math.sqrt(t / float32(n) + float32(eps))
-
-
-@cuda.jit(device=True, inline=True)
-def rms_factor(x: cuda.devicearray, eps: float, scratch: cuda.devicearray) -> float:
-    """rsqrt(mean(x^2) + eps) over the whole of x, computed by the whole block (for x longer
-    than a chunk; x is small and in L2). Contains barriers: all threads must call it."""
-    s = float32(0.0)
-    for i in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
-        v = x[i]
-        s += v * v
-    s = block_reduce_sum(s, scratch)
-    return float32(1.0) / math.sqrt(s / float32(x.shape[0]) + float32(eps))
-
-
-@cuda.jit(device=True, inline=True)
 def silu_gate(a: float, b: float) -> float:
     """silu(a) * b in float32."""
     return a / (float32(1.0) + math.exp(-a)) * b
-
-
-class RowGroup(NamedTuple):
-    """The device functions of a row-group kernel (see row_group)."""
-
-    stage_x: object
-    load_first: object
-    group_dot: object
-
-
-@functools.cache
-def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -> RowGroup:
-    """The device functions that read a row group, for compile-time sizes: the weight dtype, the
-    bytes a load (16: ldg128; 8: one uint64; 4: one uint32), rows a warp, loads a row a lane a
-    step, and the warps that share a group. The loaded words, the x values of a part and the
-    row sums are cuda.local.array of constant size indexed in loops of constant trip count:
-    LLVM unrolls the loops fully and keeps the arrays in registers."""
-    WORDS = max(1, load_bytes // 8)  # array elements a load (uint64; uint32 for 4-byte loads)
-    PARTS = load_bytes // 4  # int32 parts a load
-    PW = PART_WEIGHTS[dtype]
-    E = PARTS * PW  # weights a load
-    CW = XCHUNK // E  # loads a chunk
-    HALF_E = E // 2  # x pairs a load
-    STEP = uint64(WARP * unroll * split)  # a warp's loads a row a step
-    SPAN = uint64(WARP * (unroll - 1))  # a step is whole when its last load is in the row
-    HALF = max(1, rows // 2)  # GATE: rows of W1 (the rest are W3's)
-    part_dot = PART_DOT[dtype]
-    wide = load_bytes == 16
-
-    @cuda.jit(device=True, inline=True)
-    def stage_x(x64, norm_w, xs, c0, n, normed):  # noqa: ANN001, ANN202
-        """Copy x[c0 : c0 + n] into xs as transposed float pairs (times norm_w when `normed`)
-        -> this thread's sum of x^2 over what it staged (0 unless normed), which staged_rms
-        finishes. Thread t takes loads t, t + blockDim, ..: its E/2 pairs (E/2 consecutive
-        uint64 of x64, all issued together) go to xs[p * CW + j], so consecutive threads store
-        consecutive slots (no bank conflicts). All threads call it, between two barriers."""
-        ss = float32(0.0)
-        v = cuda.local.array(HALF_E, uint64)  # one load's pairs
-        for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
-            b = c0 // 2 + j * HALF_E  # x64 index of the load's first pair
-            for p in range(HALF_E):
-                v[p] = x64[b + p]
-            if normed:
-                for p in range(HALF_E):
-                    ss += pair_sq(v[p])
-                for p in range(HALF_E):
-                    v[p] = pair_times(v[p], norm_w, uint64(2 * (b + p)))
-            for p in range(HALF_E):  # (unsigned indices: numba adds no negative-index code)
-                xs[uint64(j + p * CW)] = v[p]
-        return ss
-
-    @cuda.jit(device=True, inline=True)
-    def load_rows(wa, wb, row, j, words, u):  # noqa: ANN001, ANN202
-        """Load j (uint64) of each row of the group into slot u of words."""
-        for r in range(rows):
-            m = wa if r < HALF else wb  # PLAIN / RESIDUAL pass wb = wa
-            k = (u * rows + r) * WORDS
-            if wide:
-                words[k], words[k + 1] = ldg128(m, row[r], j)
-            else:
-                words[k] = uint64(m[row[r], j])
-
-    @cuda.jit(device=True, inline=True)
-    def load_first(wa, wb, row, j0, n, first, words):  # noqa: ANN001, ANN202
-        """The first step's loads of the group into words (indices clamped to the row, so
-        always valid; group_dot uses them only when the step is whole)."""
-        last = uint64(n - 1)
-        for u in range(unroll):
-            load_rows(wa, wb, row, uint64(j0) + min(uint64(first + WARP * u), last), words, u)
-
-    @cuda.jit(device=True, inline=True)
-    def dot_load(words, u, xs, j, acc):  # noqa: ANN001, ANN202
-        """acc[r] += row r's weights of load u of the step times x (j: the chunk-local load
-        index). Part by part: a part's x values are read once (64-bit shared loads) for all
-        rows, and only they are live."""
-        xv = cuda.local.array(PW, float32)  # the x values of one part
-        for i in range(PARTS):
-            for p in range(PW // 2):
-                v = xs[j + uint64((i * (PW // 2) + p) * CW)]
-                xv[2 * p] = as_f32(v)
-                xv[2 * p + 1] = as_f32(v >> uint64(32))
-            for r in range(rows):
-                w = words[(u * rows + r) * WORDS + i // 2]
-                acc[r] = part_dot(int32(w >> uint64(32 * (i % 2))), xv, acc[r])
-
-    @cuda.jit(device=True, inline=True)
-    def group_dot(words, wa, wb, row, xs, j0, n, first, acc):  # noqa: ANN001, ANN202
-        """acc[r] = this lane's raw partial sum of row r over the loads j0 .. j0 + n - 1, x in
-        xs (chunk-local load index); words holds the first step's loads (load_first). first:
-        the lane's first load; with split S the S warps of a group take the steps of
-        unroll * 32 loads in turn (warp p starts at lane + p unroll 32)."""
-        for r in range(rows):
-            acc[r] = float32(0.0)
-        j = uint64(first)
-        j0 = uint64(j0)
-        n = uint64(n)
-        if j + SPAN < n:  # the first step: its loads are in words already
-            for u in range(unroll):
-                dot_load(words, u, xs, j + uint64(WARP * u), acc)
-            j += STEP
-            while j + SPAN < n:
-                for u in range(unroll):  # all rows * unroll loads before the first use
-                    load_rows(wa, wb, row, j0 + j + uint64(WARP * u), words, u)
-                for u in range(unroll):
-                    dot_load(words, u, xs, j + uint64(WARP * u), acc)
-                j += STEP
-        while j < n:  # the last loads, one a step
-            load_rows(wa, wb, row, j0 + j, words, 0)
-            dot_load(words, 0, xs, j, acc)
-            j += uint64(WARP)
-
-    return RowGroup(stage_x, load_first, group_dot)
 
 
 @functools.cache
@@ -310,7 +120,9 @@ def matvec_kernel(  # noqa: ANN201
     matvec_ref (PLAIN, with rmsnorm_ref for a fused norm), matvec_residual_ref (RESIDUAL),
     ffn_gate_ref (GATE); with slots moe_ffn_gate_ref / moe_matvec_residual_ref.
 
-    Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); x (cols,) float32 and
+    Arguments: wa, wb (rows, units) word arrays (wb = wa except for GATE); sa, sb their scales
+    (q8: (rows,) float32; q4: (rows, groups) uint32, the (d, m) halves; other dtypes: any array,
+    never read); x (cols,) float32 and
     x64, x viewed as uint64 pairs; norm_w (cols,) float32 (read only when normed); eps float32;
     out float32; mode (PLAIN: out = W x, RESIDUAL: out += W x, GATE: out = silu(Wa x) * (Wb x));
     normed; route_ids (int32), route_w (float32), n_slots, expert_rows: the expert slots, read
@@ -321,7 +133,9 @@ def matvec_kernel(  # noqa: ANN201
     uses the expert_rows rows from route_ids[s] * expert_rows. GATE: out[s * expert_rows + r]
     = route_w[s] * silu(Wa_e x) * (Wb_e x), x shared by the slots; RESIDUAL: out += W_e x_s
     with x_s = x[s * cols : (s + 1) * cols], the slots one after another."""
-    stage_x, load_first, group_dot = row_group(dtype, load_bytes, rows, unroll, split)
+    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
+        dtype, load_bytes, rows, unroll, split
+    )
     WORDS = max(1, load_bytes // 8)
     CW = XCHUNK // (load_bytes // 4 * PART_WEIGHTS[dtype])  # loads a chunk
     SCALE = ROW_SCALE[dtype]
@@ -344,9 +158,11 @@ def matvec_kernel(  # noqa: ANN201
 
     @cuda.jit(cache=True)
     def matvec_kernel(
-        wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
+        wa, wb, sa, sb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
     ):  # noqa: ANN001, ANN202
         xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by load
+        xsum = cuda.shared.array(XSUMS, float32)  # q4: the chunk's x sums, one a load
+        sc = cuda.local.array(SCALES, SCALE_T)  # q4: a step's group scales; q8: the rows' scales
         scratch = cuda.shared.array(WARP, float32)  # block reduction
         red = cuda.shared.array(RED_SIZE, float32)  # split: the parts' sums
         words = cuda.local.array(STEP_WORDS, uint64)  # a step's loads: registers
@@ -369,6 +185,7 @@ def matvec_kernel(  # noqa: ANN201
             n_rows = wa.shape[0]
             cols = x.shape[0]
         n_words = wa.shape[1] // WORDS  # loads a row
+        sha, shb = group_shift(wa, sa), group_shift(wb, sb)  # q4: log2(loads a group)
         n_groups = (n_rows + HALF - 1) // HALF if mode == GATE else (n_rows + rows - 1) // rows
         stride = cuda.gridDim.x * n_teams
         scale = float32(SCALE)
@@ -383,12 +200,14 @@ def matvec_kernel(  # noqa: ANN201
             nw = min(CW, n_words - j0)
             g = cuda.blockIdx.x * n_teams + team
             group_rows(min(g, n_groups - 1), mode, n_rows, base, row)
-            load_first(wa, wb, row, j0, nw, first, words)  # streams in while x is staged
+            load_first(
+                wa, wb, sa, sb, row, j0, nw, first, words, sc, sha, shb
+            )  # streams in while x is staged
             if not SLOTS and c == 0:  # x and out come from earlier kernels: read them after
                 grid_dependency_wait()  # (the weights' first loads above are in flight)
             if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot
                 cuda.syncthreads()  # every warp is done with the previous chunk of xs
-                ss = stage_x(x64, norm_w, xs, slot * cols + c0, min(XCHUNK, cols - c0), normed)
+                ss = stage_x(x64, norm_w, xs, xsum, slot * cols + c0, min(XCHUNK, cols - c0), normed)
                 if normed and n_chunks == 1:  # all of x staged: its sum of squares is complete
                     scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # publishes xs
                 else:
@@ -397,12 +216,14 @@ def matvec_kernel(  # noqa: ANN201
                     cuda.syncthreads()  # xs holds this chunk for every warp
             # split: block-uniform (every warp reaches the barrier below); else warp-uniform
             while (g - team if SPLIT > 1 else g) < n_groups:
-                group_dot(words, wa, wb, row, xs, j0, nw, first, acc)
+                group_dot(words, sc, wa, wb, sa, sb, row, xs, xsum, j0, nw, first, sha, shb, acc)
                 gn = g + stride
                 if not SLOTS and gn >= n_groups:  # this warp's last weights are in:
                     launch_dependents()  # the next kernel may launch and load its own
                 group_rows(min(gn, n_groups - 1), mode, n_rows, base, row)
-                load_first(wa, wb, row, j0, nw, first, words)  # the next group's first step
+                load_first(
+                    wa, wb, sa, sb, row, j0, nw, first, words, sc, sha, shb
+                )  # the next group's first step
                 for r in range(rows):
                     acc[r] = warp_reduce_sum(acc[r])  # xor shuffles: every lane gets the sum
                 if SPLIT > 1:
@@ -436,26 +257,14 @@ def matvec_kernel(  # noqa: ANN201
     return matvec_kernel
 
 
-def load_bytes(w: object, dtype: str) -> int:
-    """The bytes a load of the row-group kernels takes from the stored weights w: 16 where a
-    row is a multiple of 16 bytes (every real model shape), else NARROW_BYTES (test shapes)."""
-    if dtype not in PART_WEIGHTS:
-        raise PycalmError(f"unsupported weight dtype {dtype!r} (one of fp16, fp8, gf4)")
-    return 16 if (w.shape[1] * w.dtype.itemsize) % 16 == 0 else NARROW_BYTES[dtype]
-
-
-def word_view(w: object, nbytes: int) -> object:
-    """The stored weights as the kernels read them: uint32 words for 4-byte loads, else uint64."""
-    return w.view(np.uint32 if nbytes == 4 else np.uint64)
-
-
 def split_for(dtype: str, mode: int, loads_a_lane: int, slots: bool) -> int:
-    """Warps that share a row group: 2 for the dense fp8 residual launches of long rows (w2: at
-    least SPLIT_LOADS loads a lane a row), else 1. A warp's row is then a chain of half the
-    steps, which pays for the barrier a group only there: rows of a few loads a lane (wo), the
-    gate and the classifier, fp16 (no faster) and gf4 (its decode, not the chain, is the bound)
-    keep one warp a group (docs/BENCHMARKS.md has the timings)."""
-    long_rows = dtype == "fp8" and mode == RESIDUAL and not slots and loads_a_lane >= SPLIT_LOADS
+    """Warps that share a row group: 2 for the dense one-byte (fp8, q8) residual launches of long
+    rows (w2: at least SPLIT_LOADS loads a lane a row), else 1. A warp's row is then a chain of
+    half the steps, which pays for the barrier a group only there: rows of a few loads a lane
+    (wo), the gate and the classifier, fp16 (no faster) and gf4 (its decode, not the chain, is
+    the bound) keep one warp a group (docs/BENCHMARKS.md has the timings)."""
+    one_byte = dtype in ("fp8", "q8")
+    long_rows = one_byte and mode == RESIDUAL and not slots and loads_a_lane >= SPLIT_LOADS
     return 2 if long_rows else 1
 
 
@@ -476,9 +285,18 @@ def launch_matvec(
     expert_rows: int = 0,
 ) -> None:
     """Launch matvec_kernel (for the launchers below and pycalm.kernels.moe's). wa, wb: stored
-    weight arrays (wb is wa except for GATE); norm_w None: no fused RMSNorm. n_slots > 0: wa, wb
-    are expert stacks viewed as (n_experts * expert_rows, cols), the slots' experts route_ids
-    (n_slots,) int32 and GATE's weights route_w (n_slots,) float32, device arrays."""
+    weights (a pycalm.formats.Quantized for q8 / q4; wb is wa except for GATE); norm_w None: no
+    fused RMSNorm. n_slots > 0: wa, wb are expert stacks viewed as (n_experts * expert_rows,
+    cols), the slots' experts route_ids (n_slots,) int32 and GATE's weights route_w (n_slots,)
+    float32, device arrays."""
+    if isinstance(wa, Quantized) != (dtype in ("q8", "q4")) or isinstance(wb, Quantized) != isinstance(
+        wa, Quantized
+    ):
+        raise PycalmError(
+            f"matvec: {dtype} weights come as {'codes and scales' if dtype[0] == 'q' else 'one array'}"
+        )
+    wa, sa = codes_and_scales(wa, dtype, x)
+    wb, sb = codes_and_scales(wb, dtype, x)
     nbytes = load_bytes(wa, dtype)
     cols = x.shape[0] // (n_slots if n_slots and mode == RESIDUAL else 1)
     if mode == GATE and cols > XCHUNK:
@@ -494,7 +312,7 @@ def launch_matvec(
         route_ids, route_w = x.view(np.int32), x
     normed = norm_w is not None
     args = (
-        word_view(wa, nbytes), word_view(wb, nbytes), x, x.view(np.uint64), norm_w if normed else x,
+        word_view(wa, nbytes), word_view(wb, nbytes), sa, sb, x, x.view(np.uint64), norm_w if normed else x,
         np.float32(eps), out, np.int32(mode), np.int32(normed), route_ids, route_w, np.int32(n_slots),
         np.int32(expert_rows),
     )  # fmt: skip
@@ -506,12 +324,14 @@ def matvec(
     w: object, x: object, y: object, dtype: str, *, stream: object, norm_w: object = None, eps: float = 0.0
 ) -> None:
     """y = W x, or y = W (rmsnorm(x) * norm_w) when norm_w is given (the final classifier).
-    w: stored (rows, cols) device array, x (cols,) float32, y (rows,) float32."""
+    w: stored (rows, cols) device array (q8 / q4: a Quantized of them), x (cols,) float32, y
+    (rows,) float32."""
     launch_matvec(w, w, x, norm_w, eps, y, dtype, PLAIN, stream=stream)
 
 
 def matvec_residual(w: object, x: object, r: object, dtype: str, *, stream: object) -> None:
-    """r += W x (wo and w2: the residual add fused). w: stored (rows, cols), x (cols,), r (rows,)."""
+    """r += W x (wo and w2: the residual add fused). w: stored (rows, cols) (q8 / q4: a
+    Quantized), x (cols,), r (rows,)."""
     launch_matvec(w, w, x, None, 0.0, r, dtype, RESIDUAL, stream=stream)
 
 
@@ -519,23 +339,29 @@ def ffn_gate(
     w1: object, w3: object, x: object, h: object, dtype: str, *, stream: object, norm_w: object, eps: float
 ) -> None:
     """h = silu(W1 xn) * (W3 xn), xn = rmsnorm(x) * norm_w. w1, w3: stored (hidden_dim, dim),
-    x, norm_w (dim,), h (hidden_dim,) float32."""
+    both in `dtype` (q8 / q4: Quantized), x, norm_w (dim,), h (hidden_dim,) float32."""
     launch_matvec(w1, w3, x, norm_w, eps, h, dtype, GATE, stream=stream)
 
 
-def kernel_sig(nbytes: int) -> str:
-    """The numba signature of matvec_kernel for loads of nbytes (COMPILE_CHECK)."""
+SCALES_SIG = {"q8": "float32[::1]", "q4": "uint32[:, ::1]"}  # other dtypes: a float32 dummy
+
+
+def kernel_sig(nbytes: int, dtype: str) -> str:
+    """The numba signature of matvec_kernel for a dtype and loads of nbytes (COMPILE_CHECK)."""
     t = "uint32" if nbytes == 4 else "uint64"
+    s = SCALES_SIG.get(dtype, "float32[::1]")
     return (
-        f"void({t}[:, ::1], {t}[:, ::1], float32[::1], uint64[::1], float32[::1], float32, float32[::1], int32, "
-        "int32, int32[::1], float32[::1], int32, int32)"
+        f"void({t}[:, ::1], {t}[:, ::1], {s}, {s}, float32[::1], uint64[::1], float32[::1], float32, "
+        "float32[::1], int32, int32, int32[::1], float32[::1], int32, int32)"
     )
 
 
 # every kernel the launchers use: the wide and narrow loads of each dtype, dense and with slots
-# (mode and normed are runtime arguments), and the split one of long fp8 residual rows
+# (mode and normed are runtime arguments), and the split ones of long fp8 / q8 residual rows
 COMPILE_CHECK = [
-    (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes))
+    (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes, dtype))
     for slots in (False, True)
-    for dtype, nbytes in (("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4))
-] + [(matvec_kernel("fp8", 16, ROWS, UNROLL, 2), kernel_sig(16))]
+    for dtype, nbytes in (
+        ("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4), ("q8", 16), ("q8", 8), ("q4", 16)
+    )
+] + [(matvec_kernel(dtype, 16, ROWS, UNROLL, 2), kernel_sig(16, dtype)) for dtype in ("fp8", "q8")]  # fmt: skip

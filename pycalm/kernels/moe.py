@@ -44,6 +44,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
+from pycalm.formats import Quantized
 from pycalm.kernels.common import WARP, block_reduce_sum, dependent_start, warp_reduce_sum
 from pycalm.kernels.matvec import GATE, RESIDUAL, launch_matvec
 
@@ -148,20 +149,33 @@ def moe_route(
 
 
 def _stack_2d(w: object) -> object:
-    """(n_experts, rows, cols) stack -> its (n_experts * rows, cols) view (no copy)."""
+    """(n_experts, rows, cols) stack -> its (n_experts * rows, cols) view (no copy); q8 / q4: the
+    codes' view, and the scales as they are (the matvec launch flattens their leading dims)."""
+    if isinstance(w, Quantized):
+        return Quantized(_stack_2d(w.codes), w.scales)
     return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
+
+
+def _stack_rows(w: object) -> int:
+    """The rows of one expert's matrix in a stored (n_experts, rows, cols) stack."""
+    return (w.codes if isinstance(w, Quantized) else w).shape[1]
 
 
 def moe_ffn_gate(layer: object, x: object, h: object, route: Route, cfg: object, *, stream: object) -> None:
     """h[s * hidden_dim + r] = weights[s] * (silu(W1_e xn) * (W3_e xn))[r], e = route.ids[s],
     xn = rmsnorm(x) * layer.ffn_norm, for the k = cfg.n_experts_active slots. layer: .w1, .w3
-    stored (n_experts, hidden_dim, dim) stacks, .ffn_norm (dim,) float32; x (dim,) float32;
-    h (k * hidden_dim,) float32. Reference: pycalm.reference.moe_ffn_gate_ref."""
-    k, hidden_dim = cfg.n_experts_active, layer.w1.shape[1]
+    stored (n_experts, hidden_dim, dim) stacks (q8 / q4: Quantized), both in the format
+    .dtypes["w1"], .ffn_norm (dim,) float32; x (dim,) float32; h (k * hidden_dim,) float32.
+    Reference: pycalm.reference.moe_ffn_gate_ref."""
+    k, hidden_dim, dtype = cfg.n_experts_active, _stack_rows(layer.w1), layer.dtypes["w1"]
+    if layer.dtypes["w3"] != dtype:
+        raise PycalmError(
+            f"moe_ffn_gate: w1 in {dtype} and w3 in {layer.dtypes['w3']}: one launch takes one format"
+        )
     if h.shape[0] != k * hidden_dim or route.ids.shape[0] < k or route.weights.shape[0] < k:
         raise PycalmError(f"moe_ffn_gate: h of {h.shape[0]} for {k} slots of {hidden_dim}")
     launch_matvec(
-        _stack_2d(layer.w1), _stack_2d(layer.w3), x, layer.ffn_norm, cfg.norm_eps, h, cfg.weight_dtype, GATE,
+        _stack_2d(layer.w1), _stack_2d(layer.w3), x, layer.ffn_norm, cfg.norm_eps, h, dtype, GATE,
         stream=stream, route_ids=route.ids, route_w=route.weights, n_slots=k, expert_rows=hidden_dim,
     )  # fmt: skip
 
@@ -170,15 +184,16 @@ def moe_matvec_residual(
     layer: object, h: object, x: object, route: Route, cfg: object, *, stream: object
 ) -> None:
     """x += sum over the k = cfg.n_experts_active slots s of W2_e h[s * hidden_dim : (s + 1) *
-    hidden_dim], e = route.ids[s]. layer: .w2 stored (n_experts, dim, hidden_dim) stack; h
-    (k * hidden_dim,) float32; x (dim,) float32. Reference: pycalm.reference.moe_matvec_residual_ref."""
-    w2, k = layer.w2, cfg.n_experts_active
-    if x.shape[0] != w2.shape[1] or route.ids.shape[0] < k or h.shape[0] % k:
+    hidden_dim], e = route.ids[s]. layer: .w2 stored (n_experts, dim, hidden_dim) stack (q8 / q4:
+    Quantized) in the format .dtypes["w2"]; h (k * hidden_dim,) float32; x (dim,) float32.
+    Reference: pycalm.reference.moe_matvec_residual_ref."""
+    w2, k, dim = layer.w2, cfg.n_experts_active, _stack_rows(layer.w2)
+    if x.shape[0] != dim or route.ids.shape[0] < k or h.shape[0] % k:
         raise PycalmError(f"moe_matvec_residual: x of {x.shape[0]} and h of {h.shape[0]} for {k} slots")
     w = _stack_2d(w2)
     launch_matvec(
-        w, w, h, None, 0.0, x, cfg.weight_dtype, RESIDUAL, stream=stream,
-        route_ids=route.ids, route_w=h, n_slots=k, expert_rows=w2.shape[1],
+        w, w, h, None, 0.0, x, layer.dtypes["w2"], RESIDUAL, stream=stream,
+        route_ids=route.ids, route_w=h, n_slots=k, expert_rows=dim,
     )  # fmt: skip
 
 

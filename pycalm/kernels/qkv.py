@@ -42,9 +42,11 @@ from pycalm.kernels.launch import row_group_launch
 from pycalm.kernels.matvec import (
     ROW_SCALE,
     ROWS,
+    SCALES_SIG,
     UNROLL,
     XCHUNK,
     XPAIRS,
+    codes_and_scales,
     load_bytes,
     row_group,
     staged_rms,
@@ -58,12 +60,16 @@ KV_STORAGE = {"fp16": "float16", "fp8": "uint8"}  # the caches' element types (n
 def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
     """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
     pycalm.kernels.matvec.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
-    array, bias (rows,) float32 (read only when has_bias), x (dim,) float32 and x64 (x as uint64
-    pairs), norm_w (dim,) float32, eps float32, freqs (rotary_dim // 2,) float32, state int32,
-    q (q_dim,) float32, k_cache, v_cache (seq_len, kv_dim), q_dim, kv_dim, head_dim, has_bias.
+    array, s its scales (q8 / q4, as pycalm.kernels.rowgroup.codes_and_scales makes them; other
+    dtypes: any float32 array, never read), bias (rows,) float32 (read only when has_bias), x
+    (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs
+    (rotary_dim // 2,) float32, state int32, q (q_dim,) float32, k_cache, v_cache (seq_len,
+    kv_dim), q_dim, kv_dim, head_dim, has_bias.
     Reference: pycalm.reference.qkv_ref."""
     unroll = UNROLL if nbytes == 16 else 1
-    stage_x, load_first, group_dot = row_group(dtype, nbytes, ROWS, unroll, 1)
+    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
+        dtype, nbytes, ROWS, unroll, 1
+    )
     WORDS = max(1, nbytes // 8)
     STEP_WORDS = ROWS * unroll * WORDS
     SCALE = ROW_SCALE[dtype]
@@ -104,9 +110,11 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
 
     @cuda.jit(cache=True)
     def qkv_rope_kernel(
-        w, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
+        w, s, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
     ):  # noqa: ANN001, ANN202, E501
         xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by load
+        xsum = cuda.shared.array(XSUMS, float32)  # q4: x's sums, one a load
+        sc = cuda.local.array(SCALES, SCALE_T)  # q4: a step's group scales; q8: the rows' scales
         scratch = cuda.shared.array(WARP, float32)  # block reduction
         words = cuda.local.array(STEP_WORDS, uint64)  # a step's loads: registers
         acc = cuda.local.array(ROWS, float32)  # the rows' sums
@@ -117,22 +125,23 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
         n_rows = w.shape[0]
         cols = x.shape[0]
         nw = w.shape[1] // WORDS  # loads a row
+        sh = group_shift(w, s)  # q4: log2(loads a group)
         n_groups = (n_rows + ROWS - 1) // ROWS
         stride = cuda.gridDim.x * n_warps
         g = cuda.blockIdx.x * n_warps + warp
         group_rows(min(g, n_groups - 1), n_rows, row)
-        load_first(w, w, row, 0, nw, lane, words)  # streams in while x is staged
+        load_first(w, w, s, s, row, 0, nw, lane, words, sc, sh, sh)  # streams in while x is staged
         grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish
         pos = state[STATE_POS]
-        ss = stage_x(x64, norm_w, xs, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2
+        ss = stage_x(x64, norm_w, xs, xsum, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2
         scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs
         while g < n_groups:  # warp-uniform: the shuffles below see every lane
-            group_dot(words, w, w, row, xs, 0, nw, lane, acc)
+            group_dot(words, sc, w, w, s, s, row, xs, xsum, 0, nw, lane, sh, sh, acc)
             gn = g + stride
             if gn >= n_groups:  # this warp's last weights are in: the next kernel may launch
                 launch_dependents()  # (and load its own while this one reduces and writes)
             group_rows(min(gn, n_groups - 1), n_rows, row)
-            load_first(w, w, row, 0, nw, lane, words)  # the next group's first step
+            load_first(w, w, s, s, row, 0, nw, lane, words, sc, sh, sh)  # the next group's first step
             for r in range(ROWS):
                 acc[r] = warp_reduce_sum(acc[r]) * scale  # xor shuffles: every lane gets the sum
             if lane == 0:
@@ -160,24 +169,27 @@ def qkv_rope(
     """q = rope(Wq xn + bq); cache.k[pos] = enc(rope(Wk xn + bk)); cache.v[pos] = enc(Wv xn + bv);
     xn = rmsnorm(x) * layer.attn_norm, pos = state[STATE_POS].
 
-    layer: .wqkv stored (q_dim + 2 kv_dim, dim), .bqkv (q_dim + 2 kv_dim,) float32 or None,
+    layer: .wqkv stored (q_dim + 2 kv_dim, dim) (q8 / q4: a pycalm.formats.Quantized), its format
+    .dtypes["wqkv"], .bqkv (q_dim + 2 kv_dim,) float32 or None,
     .attn_norm (dim,) float32; x (dim,) float32; rope_freqs (rotary_dim // 2,) float32; state
     int32; q (q_dim,) float32; cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len,
     kv_dim) float16 or uint8 e5m2, .dtype); cfg: the ModelConfig (n_heads, n_kv_heads,
-    head_dim, norm_eps, weight_dtype)."""
+    head_dim, norm_eps)."""
     if cache.dtype not in KV_STORAGE:
         raise PycalmError(f"unsupported KV-cache dtype {cache.dtype!r} (fp16 or fp8)")
     if x.shape[0] > XCHUNK:
         raise PycalmError(f"qkv_rope: dim {x.shape[0]} is above the {XCHUNK} columns one block stages")
-    w, bias = layer.wqkv, layer.bqkv
+    dtype = layer.dtypes["wqkv"]
+    w, s = codes_and_scales(layer.wqkv, dtype, x)
+    bias = layer.bqkv
     q_dim, kv_dim, head_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.head_dim
     if w.shape[0] != q_dim + 2 * kv_dim or head_dim % 2:
         raise PycalmError(f"qkv_rope: {w.shape[0]} rows for q_dim {q_dim} and kv_dim {kv_dim}")
-    nbytes = load_bytes(w, cfg.weight_dtype)
-    kernel = qkv_rope_kernel(cfg.weight_dtype, nbytes, cache.dtype)
+    nbytes = load_bytes(w, dtype)
+    kernel = qkv_rope_kernel(dtype, nbytes, cache.dtype)
     has_bias = bias is not None
     args = (
-        word_view(w, nbytes), bias if has_bias else x, x, x.view(np.uint64), layer.attn_norm,
+        word_view(w, nbytes), s, bias if has_bias else x, x, x.view(np.uint64), layer.attn_norm,
         np.float32(cfg.norm_eps), rope_freqs, state, q, cache.k, cache.v, q_dim, kv_dim, head_dim,
         np.int32(has_bias),
     )  # fmt: skip
@@ -188,10 +200,27 @@ def qkv_rope(
 COMPILE_CHECK = [
     (
         qkv_rope_kernel(dtype, nbytes, kv),
-        f"void({'uint32' if nbytes == 4 else 'uint64'}[:, ::1], float32[::1], float32[::1], uint64[::1], "
+        f"void({'uint32' if nbytes == 4 else 'uint64'}[:, ::1], {SCALES_SIG.get(dtype, 'float32[::1]')}, "
+        "float32[::1], float32[::1], uint64[::1], "
         f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {KV_STORAGE[kv]}[:, ::1], "
         f"{KV_STORAGE[kv]}[:, ::1], int64, int64, int64, int32)",
     )
-    for dtype, nbytes in (("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4))
+    for dtype, nbytes in (
+        ("fp16", 16),
+        ("fp8", 16),
+        ("gf4", 16),
+        ("fp8", 8),
+        ("gf4", 4),
+        ("q8", 16),
+        ("q8", 8),
+    )
+    for kv in ("fp16", "fp8")
+] + [
+    (  # q4: every row is whole 16-byte loads
+        qkv_rope_kernel("q4", 16, kv),
+        f"void(uint64[:, ::1], uint32[:, ::1], float32[::1], float32[::1], uint64[::1], float32[::1], float32, "
+        f"float32[::1], int32[::1], float32[::1], {KV_STORAGE[kv]}[:, ::1], {KV_STORAGE[kv]}[:, ::1], int64, "
+        "int64, int64, int32)",
+    )
     for kv in ("fp16", "fp8")
 ]

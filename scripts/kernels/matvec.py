@@ -15,6 +15,8 @@ Versions (a Version below names one; every one is checked before it is timed):
   6 direct    same as 1 but x read from global memory (through L1), no staging, one row group a
               warp (launches without a fused norm, not GATE)
   7 capped    same as 1 compiled with a register cap (max_registers)
+q8 and q4 (codes and scales, pycalm.kernels.qdecode) take versions 1 and 2 only: 3-7 are
+copies of the kernel from before the scales.
 
     python scripts/kernels/matvec.py                # check every version, then the timing table
     python scripts/kernels/matvec.py --check        # the checks only (one big shape a dtype)
@@ -74,11 +76,13 @@ from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
 SIM = numba_config.ENABLE_CUDASIM
 LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
 TINY = [(2048, 2048), (5632, 2048), (2560, 2048), (2048, 5632)]
-DTYPES = ["fp16", "fp8", "gf4"]
+DTYPES = ["fp16", "fp8", "gf4", "q8", "q4"]
 ROTATE_BYTES = 200e6  # weight copies a graph cycles through: 4x the L2
 REPLAYS = 7
 # finite-value masks on random uint32 words: clear one exponent bit of each fp16 / e5m2 / scale
-MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
+MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF, "q8": 0xFFFFFFFF, "q4": 0xFFFFFFFF}
+# q8 / q4 scales: mask and bits of a float32 near 2**-7 / two fp16 d, m near 2**-7
+SCALE_BITS = {"q8": (0x807FFFFF, 0x3C000000), "q4": (0x83FF83FF, 0x20002000)}
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,11 @@ class Version:
         return self == Version()
 
     @property
+    def package_kernel(self) -> bool:
+        """Whether the version runs pycalm.kernels.matvec's kernel (at its sizes and shapes)."""
+        return self.early and self.cvt and not self.prefetch and not self.direct and not self.max_regs
+
+    @property
     def label(self) -> str:
         if self.shipped:
             return "shipped"
@@ -122,6 +131,8 @@ VERSIONS = {
     "fp16": [V(), V(early=False), V(wide=False), V(cvt=False)],
     "fp8": [V(), V(early=False), V(unroll=4), V(cvt=False), V(prefetch=True)],
     "gf4": [V(), V(rows=4, unroll=1, prefetch=True), V(warps=8), V(unroll=4), V(wide=False)],
+    "q8": [V(), V(unroll=4), V(rows=4), V(warps=8), V(split=1)],
+    "q4": [V(), V(unroll=4), V(rows=4), V(unroll=1), V(warps=8)],
 }
 VARIANT_SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (2048, 2048)]
 LAUNCH_KNOBS = [(8, 8), (8, 2), (16, 1), (16, 8)]  # (warps a block, blocks an SM at most)
@@ -176,7 +187,7 @@ def fp8_part_dot_shift(t, xv, acc):  # noqa: ANN001, ANN201
     return acc
 
 
-SHIFT_PART_DOT = {"fp16": fp16_part_dot_shift, "fp8": fp8_part_dot_shift, "gf4": mv.gf4_part_dot}
+SHIFT_PART_DOT = {"fp16": fp16_part_dot_shift, "fp8": fp8_part_dot_shift, "gf4": mv.PART_DOT["gf4"]}
 
 
 @functools.cache
@@ -184,6 +195,8 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
                    prefetch: bool, direct: bool, max_regs: int):  # noqa: ANN201  # fmt: skip
     """The dense matvec kernel (the arguments of pycalm.kernels.matvec.matvec_kernel; the slot
     arguments unread) with the choices of versions 3-7."""
+    if dtype in formats.QUANTIZED:
+        raise ValueError(f"versions 3-7 take fp16, fp8 and gf4 weights, not {dtype}")
     stage_x = mv.row_group(dtype, nbytes, rows, unroll, split).stage_x
     WORDS = max(1, nbytes // 8)
     PARTS = nbytes // 4
@@ -285,7 +298,7 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
                 row[r] = uint64(min(rows * g + r, n_rows - 1))
 
     def version_kernel(
-        wa, wb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
+        wa, wb, sa, sb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
     ):  # noqa: ANN001, ANN202, E501
         xs = cuda.shared.array(XS_PAIRS, uint64)
         scratch = cuda.shared.array(WARP, float32)
@@ -320,7 +333,7 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
             if not direct:
                 cuda.syncthreads()  # every warp is done with the previous chunk of xs
                 c0 = c * mv.XCHUNK
-                ss = stage_x(x64, norm_w, xs, c0, min(mv.XCHUNK, cols - c0), normed)
+                ss = stage_x(x64, norm_w, xs, scratch, c0, min(mv.XCHUNK, cols - c0), normed)  # (no x sums)
                 if normed and n_chunks == 1:
                     scale = float32(SCALE) * mv.staged_rms(ss, cols, eps, scratch)  # publishes xs
                 else:
@@ -383,6 +396,8 @@ def launch_version(v: Version, wa: object, wb: object, x: object, norm_w: object
         return
     if v.direct and (norm_w is not None or mode == mv.GATE):
         raise ValueError("the direct version has no staging to fuse a norm into, nor a gate")
+    wa, sa = mv.codes_and_scales(wa, dtype, x)
+    wb, sb = mv.codes_and_scales(wb, dtype, x)
     nbytes = mv.load_bytes(wa, dtype)
     if not v.wide:  # 8-byte loads where the rows allow them
         nbytes = 8 if (wa.shape[1] * wa.dtype.itemsize) % 8 == 0 else mv.NARROW_BYTES[dtype]
@@ -391,17 +406,16 @@ def launch_version(v: Version, wa: object, wb: object, x: object, norm_w: object
     split = v.split or mv.split_for(
         dtype, mode, cols // (nbytes // 4 * mv.PART_WEIGHTS[dtype]) // WARP, False
     )
-    plain_kernel = v.early and v.cvt and not v.prefetch and not v.direct and not v.max_regs
     kernel = (
         mv.matvec_kernel(dtype, nbytes, v.rows, unroll, split)
-        if plain_kernel
+        if v.package_kernel
         else version_kernel(
             dtype, nbytes, v.rows, unroll, split, v.early, v.cvt, v.prefetch, v.direct, v.max_regs
         )
     )
     n_groups = -(-wa.shape[0] // (v.rows // 2 if mode == mv.GATE else v.rows))
     args = (
-        mv.word_view(wa, nbytes), mv.word_view(wb, nbytes), x, x.view(np.uint64), x if norm_w is None else norm_w,
+        mv.word_view(wa, nbytes), mv.word_view(wb, nbytes), sa, sb, x, x.view(np.uint64), x if norm_w is None else norm_w,
         np.float32(1e-5), out, np.int32(mode), np.int32(norm_w is not None), x.view(np.int32), x, np.int32(0),
         np.int32(0),
     )  # fmt: skip
@@ -421,11 +435,13 @@ def launch_version(v: Version, wa: object, wb: object, x: object, norm_w: object
 
 
 def bytes_moved(mode: int, w: object, x: object, normed: bool) -> int:
-    """What a launch must move: the weights (two matrices for GATE), x, norm_w, and the output
-    written (read and written for RESIDUAL)."""
-    rows = w.shape[0]
+    """What a launch must move: the weights (two matrices for GATE; q8 / q4: codes and scales),
+    x, norm_w, and the output written (read and written for RESIDUAL)."""
+    quantized = isinstance(w, formats.Quantized)
+    rows = (w.codes if quantized else w).shape[0]
+    w_bytes = int(w.codes.nbytes) + int(w.scales.nbytes) if quantized else int(w.nbytes)
     out = {mv.PLAIN: 4, mv.RESIDUAL: 8, mv.GATE: 4}[mode] * rows
-    return (2 if mode == mv.GATE else 1) * int(w.nbytes) + int(x.nbytes) * (2 if normed else 1) + out
+    return (2 if mode == mv.GATE else 1) * w_bytes + int(x.nbytes) * (2 if normed else 1) + out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,14 +469,15 @@ def check(
     for (rows, cols), dtype in [(shape, dtype) for shape in shapes for dtype in dtypes]:
         w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
         w3 = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
-        wd, w3d = cuda.to_device(w), cuda.to_device(w3)
+        wd, w3d = to_device(w), to_device(w3)
         x = rng.standard_normal(cols).astype(np.float32)
         nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
         xd, nwd = cuda.to_device(x), cuda.to_device(nw)
         xn = rmsnorm_ref(x, nw, 1e-5)
         wh = formats.decode(w, dtype).astype(np.float64)
         w3h = formats.decode(w3, dtype).astype(np.float64)
-        for v in VERSIONS[dtype] + extra if versions is None else versions:
+        own = extra if dtype not in formats.QUANTIZED else extra[:2]  # q8 / q4: the package's kernel only
+        for v in VERSIONS[dtype] + own if versions is None else versions:
             errs = {}
             y = cuda.to_device(np.full(rows, np.nan, np.float32))
             launch_version(v, wd, wd, xd, None, y, dtype, mv.PLAIN, stream)
@@ -495,16 +512,28 @@ def check(
 # timings (GPU)
 
 
+def to_device(w: object) -> object:
+    """A stored array, or both arrays of a q8 / q4 Quantized, on the device."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
+
+
 def random_weights(rows: int, cols: int, dtype: str, seed: int) -> object:
+    """Random finite stored weights made on the GPU (q8 / q4: codes, and scales near 2**-7)."""
     from gpubench import fill
 
     w = cuda.device_array(formats.storage_shape(rows, cols, dtype), formats.STORAGE_DTYPE[dtype])
     fill(w.reshape(-1).view(np.uint32), seed, MASK[dtype])
-    return w
+    if dtype not in formats.QUANTIZED:
+        return w
+    sc = cuda.device_array(formats.scales_shape(rows, cols, dtype), formats.SCALES_DTYPE[dtype])
+    fill(sc.reshape(-1).view(np.uint32), seed + 1, *SCALE_BITS[dtype])
+    return formats.Quantized(w, sc)
 
 
 def n_copies(rows: int, cols: int, dtype: str) -> int:
-    one = rows * cols * {"fp16": 2, "fp8": 1, "gf4": 0.5}[dtype]
+    one = rows * cols * formats.bits_per_weight(dtype, cols) / 8
     return int(min(48, max(2, -(-ROTATE_BYTES // one))))
 
 
@@ -616,9 +645,7 @@ def table(s: object, quick: bool) -> None:
                 t = time_version(s, V(), ws, x, y, nw, dtype, mv.GATE)
                 report("ffn_gate (w1+w3, norm)", dtype, shape, nb, t)
             if shape == (6144, 4096):  # Llama-3-8B: 32 heads, 8 KV heads, head_dim 128
-                cfg = SimpleNamespace(
-                    n_heads=32, n_kv_heads=8, head_dim=128, norm_eps=1e-5, weight_dtype=dtype
-                )
+                cfg = SimpleNamespace(n_heads=32, n_kv_heads=8, head_dim=128, norm_eps=1e-5)
                 freqs = cuda.to_device((1.0 / 500000.0 ** (np.arange(64) / 64)).astype(np.float32))
                 state = cuda.to_device(np.array([1, 100, 0], np.int32))
                 q = cuda.device_array(4096, np.float32)
@@ -627,11 +654,14 @@ def table(s: object, quick: bool) -> None:
                 nw = cuda.to_device(np.ones(cols, np.float32))
 
                 def qkv(i: int, ws: list = ws, x: object = x, nw: object = nw, freqs: object = freqs,
-                        state: object = state, q: object = q, cache: object = cache, cfg: object = cfg) -> None:  # fmt: skip
-                    layer = SimpleNamespace(wqkv=ws[i % len(ws)], bqkv=None, attn_norm=nw)
+                        state: object = state, q: object = q, cache: object = cache, cfg: object = cfg,
+                        dtype: str = dtype) -> None:  # fmt: skip
+                    layer = SimpleNamespace(
+                        wqkv=ws[i % len(ws)], bqkv=None, attn_norm=nw, dtypes={"wqkv": dtype}
+                    )
                     qkv_rope(layer, x, freqs, state, q, cache, cfg, stream=s)
 
-                nb = int(ws[0].nbytes) + 2 * int(x.nbytes) + 4 * 4096 + 2 * 1024 * 2
+                nb = bytes_moved(mv.PLAIN, ws[0], x, True) - 4 * 6144 + 4 * 4096 + 2 * 1024 * 2
                 report("qkv_rope (norm, rope, kv fp16)", dtype, shape, nb, timed(s, qkv, max(len(ws), 16)))
             del ws
     print(f"\n== summary (copy ceiling {ceiling:,.0f} GB/s, total {time.time() - t0:.0f} s) ==")
