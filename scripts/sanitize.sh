@@ -58,8 +58,8 @@ for tool in ${tools//,/ }; do
     name=${run%%|*}; cmd=${run#*|}
     log="$out/sanitize-$tool-$name.log"
     start=$(date +%s)
-    # shellcheck disable=SC2086 # cmd is a word list on purpose
-    $sanitizer --tool "$tool" --error-exitcode 1 --print-limit 20 $cmd > "$log" 2>&1
+    # eval: cmd is a shell word list (SANITIZE_PYTEST_ARGS may quote a -k expression)
+    eval "$sanitizer --tool $tool --error-exitcode 1 --print-limit 20 $cmd" > "$log" 2>&1
     rc=$?
     summary=$(grep -E "(ERROR|RACECHECK|SYNCCHECK|INITCHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
     tests=$(grep -E "^[0-9]+ (passed|failed)|(passed|failed|skipped) in " "$log" | tail -1)
