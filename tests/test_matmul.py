@@ -5,6 +5,11 @@ Tolerance: X and the decoded weights are fp16, so the tensor cores' products are
 kernel differs from the reference only in the order and rounding of the float32 sums: 1e-5 of
 the |X| |W|^T sum covers that for these lengths. The gate's fp16 output may further differ by
 one fp16 rounding (2**-11 relative) where the two float32 results straddle a rounding point.
+q8's codes are exact in fp16 and its row scale multiplies the float32 sums (one more rounding);
+a q4 weight d q + m enters the tensor cores rounded to fp16 (pycalm.kernels.matmul), so its
+reference is matmul_ref over those fp16 weights (formats.decode, then fp16_encode), checked at
+the same 1e-5; a second check bounds the distance to the float32 weights' product by the fp16
+rounding, 2**-11 of |X| |W|^T.
 """
 
 import os
@@ -25,18 +30,37 @@ MODES = ["plain", "residual", "gate"]
 SHAPES = [(19, 40, 40), (1, 21, 24)]
 if GPU:
     SHAPES += [(200, 1000, 4104), (1, 4099, 1032), (517, 333, 2056)]
+# q8 (K a multiple of 16: 48 ends in half a step) and q4 with groups of 32 (K = 96: three
+# groups, not a multiple of 64) and 64 (K = 128: two groups), each once with T = 1
+QUANTIZED = [("q8", 32, 19, 40, 48), ("q8", 32, 1, 21, 16), ("q4", 32, 19, 40, 96), ("q4", 64, 1, 21, 128)]
+if GPU:
+    QUANTIZED += [("q8", 32, 517, 333, 2064), ("q4", 32, 200, 1000, 4128), ("q4", 64, 1, 4099, 1024)]
 RTOL = 1e-5
 
 
-def _inputs(rng, t_rows, n, k, dtype, scale=0.5):
+def _inputs(rng, t_rows, n, k, dtype, scale=0.5, group=32):
     x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * scale)
-    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype, group=group)
     return x, w
+
+
+def _decoded(w, dtype):
+    """The weights as the tensor cores take them: fp16 (a q4 weight rounded to it, the others
+    exact; q8's codes times the row scale: float32, the scale being applied to the sums)."""
+    if dtype == "q4":
+        return formats.fp16_encode(formats.decode(w, dtype)), "fp16"
+    return w, dtype
 
 
 def _sum_scale(x, w, dtype):
     """|X| |W|^T: what the float32 rounding of the sums is relative to."""
     return np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
+
+
+def _device(w):
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
 
 
 def _check(got, want, scale):
@@ -48,29 +72,33 @@ def _check(got, want, scale):
 def _run(mode, x, w, dtype, out, w3=None, tile=None):
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
-    matmul(cuda.to_device(x), cuda.to_device(w), d_out, dtype, stream=stream, mode=mode,
-           w3=None if w3 is None else cuda.to_device(w3), tile=tile)  # fmt: skip
+    matmul(cuda.to_device(x), _device(w), d_out, dtype, stream=stream, mode=mode,
+           w3=None if w3 is None else _device(w3), tile=tile)  # fmt: skip
     stream.synchronize()
     return d_out.copy_to_host()
 
 
-def _test(mode, dtype, t_rows, n, k, tile=None, seed=0):
+def _test(mode, dtype, t_rows, n, k, tile=None, seed=0, group=32):
     rng = np.random.default_rng(seed)
-    x, w = _inputs(rng, t_rows, n, k, dtype)
+    x, w = _inputs(rng, t_rows, n, k, dtype, group=group)
     scale = _sum_scale(x, w, dtype)
+    wt, dt = _decoded(w, dtype)  # the reference's weights: what the tensor cores multiply
     if mode == "plain":
         got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float32), tile=tile)
-        _check(got, matmul_ref(x, w, dtype), scale)
+        _check(got, matmul_ref(x, wt, dt), scale)
+        if dt != dtype:  # the fp16 rounding of the weights, against their float32 values
+            _check(got, matmul_ref(x, w, dtype), (RTOL + 2.0**-11) * scale / RTOL)
     elif mode == "residual":
         r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
         got = _run(mode, x, w, dtype, r0.copy(), tile=tile)
-        _check(got, matmul_residual_ref(x, w, dtype, r0), scale + np.abs(r0))
+        _check(got, matmul_residual_ref(x, wt, dt, r0), scale + np.abs(r0))
     else:
-        _, w3 = _inputs(rng, t_rows, n, k, dtype)
+        _, w3 = _inputs(rng, t_rows, n, k, dtype, group=group)
         got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float16), w3=w3, tile=tile)
-        want = matmul_gate_ref(x, w, w3, dtype)
+        w3t, _ = _decoded(w3, dtype)
+        want = matmul_gate_ref(x, wt, w3t, dt)
         assert got.dtype == np.float16 and np.all(np.isfinite(got))
-        a, b = matmul_ref(x, w, dtype), matmul_ref(x, w3, dtype)
+        a, b = matmul_ref(x, wt, dt), matmul_ref(x, w3t, dt)
         da, db = RTOL * scale, RTOL * _sum_scale(x, w3, dtype)
         # one fp16 rounding of the result each side, and the sums' float32 error through the gate
         # (|silu'| <= 1.1, |silu(a)| <= |a| + 0.28), plus fp16's smallest subnormal
@@ -84,6 +112,21 @@ def _test(mode, dtype, t_rows, n, k, tile=None, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul(dtype, mode, t_rows, n, k):
     _test(mode, dtype, t_rows, n, k)
+
+
+@pytest.mark.parametrize("dtype,group,t_rows,n,k", QUANTIZED)
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_quantized(dtype, group, mode, t_rows, n, k):
+    _test(mode, dtype, t_rows, n, k, group=group, seed=3)
+
+
+@pytest.mark.parametrize("tile", [Tile(32, 64, 2, 2), Tile(32, 64, 1, 2)], ids=["2units", "4units"])
+@pytest.mark.parametrize("dtype,group", [("q8", 32), ("q4", 64)])
+def test_matmul_quantized_tiles(dtype, group, tile):
+    # a thread's units of a W row-step: SIM_TILE 1; 2 as in the engine's TILE (q8: one 16-byte
+    # load, q4: one of 8 bytes); 4 (q8: two 16-byte loads, q4: one). K = 80 / 128: a q8 step
+    # half past K
+    _test("gate", dtype, 19, 40, 80 if dtype == "q8" else 128, tile=tile, seed=4, group=group)
 
 
 def test_matmul_default_tile():
@@ -110,3 +153,15 @@ def test_matmul_rejects_bad_shapes():
     x16 = cuda.to_device(np.zeros((2, 16), np.float16))
     with pytest.raises(PycalmError, match="divide"):
         matmul(x16, w, out, "fp16", stream=cuda.default_stream(), tile=Tile(32, 32, 2, 4))
+    with pytest.raises(PycalmError, match="Quantized"):
+        matmul(x16, w, out, "q8", stream=cuda.default_stream())
+    x24 = cuda.to_device(np.zeros((2, 24), np.float16))
+    q8 = formats.Quantized(cuda.to_device(np.zeros((4, 24), np.int8)), cuda.to_device(np.ones(4, np.float32)))
+    with pytest.raises(PycalmError, match="K = 24 does not fit"):  # q8: 16-byte rows
+        matmul(x24, q8, out, "q8", stream=cuda.default_stream())
+    x64 = cuda.to_device(np.zeros((2, 64), np.float16))
+    q4 = formats.Quantized(
+        cuda.to_device(np.zeros((4, 8), np.uint32)), cuda.to_device(np.ones((4, 4, 2), np.float16))
+    )
+    with pytest.raises(PycalmError, match="K = 64 does not fit"):  # groups of 16: two a step
+        matmul(x64, q4, out, "q4", stream=cuda.default_stream())

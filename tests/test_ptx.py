@@ -136,8 +136,14 @@ if sys.argv[2] == "decoders":
     def enc(x, out):
         out[0] = c.fp8_encode(x)
 
+    def q8q4(w, out):
+        g0, g1, g2, g3 = c.q8x4(w)
+        out[0] = g0 + g1 + g2 + g3
+        out[1] = c.q4_code(w, 1) + c.q4_code(w, 6)
+
     for fn, sig in ((fp, "void(int32, float32[::1])"), (fp8, "void(int32, float32[::1])"),
-                    (gf4, "void(int32, float32, float32[::1])"), (enc, "void(float32, int32[::1])")):
+                    (gf4, "void(int32, float32, float32[::1])"), (enc, "void(float32, int32[::1])"),
+                    (q8q4, "void(int32, float32[::1])")):
         ptx = ptx_of(fn, sig, f"decoder kernel {fn.__name__}")
         if ptx is not None and INT64.search(ptx):
             ops = sorted(set(m.group(0) for m in INT64.finditer(ptx)))
@@ -185,5 +191,5 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
         results = list(pool.map(_run, shares, ["decoders"] + ["none"] * (n_workers - 1)))
     problems = [p for r in results for p in r["problems"]]
     assert not problems, "\n".join(problems)
-    assert sum(r["n"] for r in results) == len(work) + 4  # + the 4 decoder kernels
+    assert sum(r["n"] for r in results) == len(work) + 5  # + the 5 decoder kernels
     assert sum(r["sass"] for r in results) == len(work)  # every listed kernel through ptxas

@@ -67,17 +67,26 @@ def _state(pos0):
     return cuda.to_device(state)
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])
+# dim not a multiple of the block (gf4: 9 words); q4: 3 groups of 32, 2 of 64
+@pytest.mark.parametrize(
+    "dtype,dim,group",
+    [("fp16", 72, 32), ("fp8", 72, 32), ("gf4", 72, 32), ("q8", 72, 32), ("q4", 96, 32), ("q4", 128, 64)],
+)
 @pytest.mark.parametrize("n_rows", [1, 5])
-def test_embed_rows(dtype, n_rows):
+def test_embed_rows(dtype, dim, group, n_rows):
     rng = np.random.default_rng(n_rows)
-    vocab, dim = 37, 72  # dim not a multiple of the block (gf4: 9 words)
-    table = formats.encode(rng.standard_normal((vocab, dim)).astype(np.float32) * 3, dtype)
+    vocab = 37
+    table = formats.encode(rng.standard_normal((vocab, dim)).astype(np.float32) * 3, dtype, group=group)
     tokens = rng.integers(0, vocab, n_rows).astype(np.int32)
     tokens[-1] = tokens[0]  # a repeated token
     x = cuda.to_device(np.full((n_rows, dim), np.nan, np.float32))
     stream = cuda.stream()
-    embed_rows(cuda.to_device(table), cuda.to_device(tokens), x, dtype, stream=stream)
+    device_table = (
+        formats.Quantized(cuda.to_device(table.codes), cuda.to_device(table.scales))
+        if isinstance(table, formats.Quantized)
+        else cuda.to_device(table)
+    )
+    embed_rows(device_table, cuda.to_device(tokens), x, dtype, stream=stream)
     stream.synchronize()
     want = embed_rows_ref(table, tokens, dtype)
     np.testing.assert_array_equal(x.copy_to_host(), want)  # decoding is exact

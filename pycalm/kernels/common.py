@@ -514,6 +514,37 @@ def gf4_dot8_raw(
     return acc * fp8_byte_raw(w, 0)
 
 
+@cuda.jit(device=True, inline=True)
+def q8x4(w: int) -> tuple[float, float, float, float]:
+    """Four q8 codes (the int8 bytes of the int32 w, byte 0 first) -> four exact float32: each
+    byte, biased by 128 (one XOR a word), is placed under the exponent of 2**23 by one prmt
+    (0x4B0000xx reads as 2**23 + xx) and one float subtraction of 2**23 + 128 leaves the code."""
+    u = int32(int32(w) ^ int32(0x80808080 - (1 << 32)))  # signed byte b -> unsigned b + 128
+    magic = int32(0x4B000000)  # prmt's second operand: bytes 4..7 are 00 00 00 4B
+    return (
+        as_f32(prmt(u, magic, int32(0x7540))) - float32(8388736.0),
+        as_f32(prmt(u, magic, int32(0x7541))) - float32(8388736.0),
+        as_f32(prmt(u, magic, int32(0x7542))) - float32(8388736.0),
+        as_f32(prmt(u, magic, int32(0x7543))) - float32(8388736.0),
+    )
+
+
+@cuda.jit(device=True, inline=True)
+def q4_code(w: int, k: int) -> float:
+    """Code q_k (0..15) of a q4 word, nibble k (k a constant after inlining), as an exact float32:
+    the nibble is masked in place and given the exponent that makes its mantissa unit 1 (one
+    LOP3, then the float subtraction of 2**(23-p)), as gf4_code; nibbles 4..7 are moved down 16
+    bits first so that their mantissa fits. The weight is d * q_k + m (pycalm.formats q4)."""
+    w = int32(w)
+    if k >= 4:
+        w = sar32(w, 16)  # the copied sign bits land above bit 15, masked off
+        p = 4 * k - 16
+    else:
+        p = 4 * k
+    e = int32(150 - p) << int32(23)  # exponent field: the mantissa unit becomes 1 (fits int32)
+    return as_f32(and_or(w, int32(15) << int32(p), e)) - as_f32(int32(e))
+
+
 # ---------------------------------------------------------------------------------------------
 # encoders for the KV-cache write (bit-exact with pycalm.formats)
 

@@ -1,4 +1,4 @@
-"""Matrix products for T tokens on the tensor cores, with fp16 / fp8 e5m2 / gf4 weights.
+"""Matrix products for T tokens on the tensor cores, with fp16 / fp8 e5m2 / gf4 / q8 / q4 weights.
 
   PLAIN:     out = X W^T                       (qkv, the classifier)
   RESIDUAL:  out += X W^T                      (wo and w2: the residual add fused in)
@@ -7,8 +7,9 @@
 X is (T, K) float16: the activations of T tokens, written in fp16 by the kernel before (the
 RMSNorm of T rows, attention's output, or this kernel's GATE mode, whose h is w2's X), because
 fp16 is what the tensor cores and ldmatrix take. W is the stored (N, K) weight matrix of
-pycalm.formats (float16, uint8 e5m2, or uint32 gf4 groups of 8 along K), the same array the
-decode path (pycalm.kernels.matvec) reads: no second copy. out is (T, N) float32 for PLAIN and
+pycalm.formats (float16, uint8 e5m2, uint32 gf4 groups of 8 along K, or a Quantized q8 / q4
+pair of codes and scales), the same arrays the decode path (pycalm.kernels.matvec) reads: no
+second copy. out is (T, N) float32 for PLAIN and
 RESIDUAL (the residual stream stays float32) and (T, N) float16 for GATE. K is a multiple of 8,
 T and N anything. Reference: pycalm.reference.matmul_ref, matmul_residual_ref, matmul_gate_ref.
 
@@ -41,6 +42,14 @@ the top byte of an fp16, so one prmt builds two halves; a gf4 weight is (q - 4) 
 exact in fp16, from common's exact code and scale decoders and one cvt.rn.f16x2.f32 a pair. The
 decode of a weight is paid once per block and serves the BM rows of X in the tile.
 
+q8 and q4 come through registers too, a thread taking w_units consecutive units of a W row, so
+that its codes come in one load (default tile: q8 16 bytes, q4 8). q8: the tile holds the codes
+(exact in fp16), and the row scale (W's row is out's column) multiplies the float32 sums in the
+epilogue. q4: a step's 32 columns lie in one group (G = 32 or 64), so a thread loads the step d
+and offset m once a step and stores fp16(d q + m) (common.q4_code, one FMA: the reference's
+float32 weight, rounded to fp16 once, 2**-11 relative, since the tensor cores take fp16). K: a
+multiple of 16 for q8, of the group size for q4.
+
 Fragments (pycalm.kernels.tensorcore has the PTX layouts). A (16 x 16 of X) by one ldmatrix.x4:
 lane l addresses row l & 15, columns 8 (l >> 4)..+7 of the m-tile, so matrices 0..3 are the
 quarters (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in a0..a3 order. B for two n-tiles by one
@@ -55,6 +64,15 @@ same outputs in the same lanes, and the gate needs no exchange.
 
 Grid: blockIdx.x over the T tiles (fastest, so the blocks that share a strip of W run together
 and read it from L2), blockIdx.y over the N tiles. Threads: 32 WARPS_M WARPS_N.
+
+Grouped (Mixtral's experts, pycalm.kernels.moe_rows): W is a stack (n_experts, N, K) viewed as
+(n_experts N, K), and blockIdx.x runs over (expert e, m-tile) pairs, e-major, ceil(T / BM)
+m-tiles an expert whatever its count (the counts live on the device; a block past count[e]
+returns before its first barrier). The block's rows are the m-tile's entries of expert e's
+group (pycalm.kernels.rows.moe_group: rows[e, i], the token rows in increasing order), each
+gathered by its own cp.async: row i's output goes to slot t k + j of the (T k, N) output, where
+route_ids[t, j] == e. GATE gathers X by token row t (the normed rows), PLAIN by slot (h, written
+by the grouped GATE). Each expert's weights are read once a pass.
 
 Bytes and FLOPs: 2 T N K FLOPs (GATE: 4 T N K). The weights are read from memory once (later
 T-tile blocks of a strip find them in L2), X is re-read from L2 per N tile, out written (read
@@ -71,13 +89,15 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt
+from pycalm.formats import QUANTIZED, Quantized
+from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt, q4_code, q8x4
 from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
     cp_async_wait_all,
     cp_async_wait_one,
     ldg64,
+    ldg128w,
     ldmatrix_x4,
     mma_16816,
     pack_f16x2,
@@ -155,9 +175,31 @@ def _gf4_words(w: int) -> tuple[int, int, int, int]:
     )
 
 
+@cuda.jit(device=True, inline=True)
+def _q8_words(lo: int, hi: int) -> tuple[int, int, int, int]:
+    """8 q8 codes (two little-endian words of int8) -> 4 f16x2 words of the codes, exact."""
+    c0, c1, c2, c3 = q8x4(lo)
+    c4, c5, c6, c7 = q8x4(hi)
+    return pack_f16x2(c0, c1), pack_f16x2(c2, c3), pack_f16x2(c4, c5), pack_f16x2(c6, c7)
+
+
+@cuda.jit(device=True, inline=True)
+def _q4_words(w: int, d: float, m: float) -> tuple[int, int, int, int]:
+    """One q4 word and its group's step d and offset m -> its 8 weights d q_k + m (float32, as
+    pycalm.formats computes them) rounded to fp16, as 4 f16x2 words."""
+    return (
+        pack_f16x2(d * q4_code(w, 0) + m, d * q4_code(w, 1) + m),
+        pack_f16x2(d * q4_code(w, 2) + m, d * q4_code(w, 3) + m),
+        pack_f16x2(d * q4_code(w, 4) + m, d * q4_code(w, 5) + m),
+        pack_f16x2(d * q4_code(w, 6) + m, d * q4_code(w, 7) + m),
+    )
+
+
 @functools.cache
-def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN201, C901
-    """matmul_kernel for a weight dtype, an epilogue mode and a tile (one compile each)."""
+def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool = False):  # noqa: ANN201, C901
+    """matmul_kernel for a weight dtype, an epilogue mode and a tile (one compile each); grouped:
+    the expert-grouped form (see the module docstring), arguments (x, w1, w3, out, count, rows,
+    route_ids)."""
     block_m, block_n, warps_m, warps_n, stages, blocks_per_sm = tile
     max_registers = min(255, 65536 // (blocks_per_sm * tile.threads) // 8 * 8)  # an SM has 64k
     threads = tile.threads
@@ -174,6 +216,13 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
     residual = mode == RESIDUAL
     fp16 = dtype == "fp16"
     fp8 = dtype == "fp8"
+    q8, q4 = dtype == "q8", dtype == "q4"
+    quantized = q8 or q4  # a thread's units are consecutive in a row (see the module docstring)
+    # q8 / q4: the thread's codes of a step, loaded `pieces` loads of load_words words each
+    load_words = max(1, min(4, 2 * w_units if q8 else w_units))
+    pieces = (2 * w_units if q8 else w_units) // load_words
+    piece_cols = 4 * load_words if q8 else 8 * load_words  # W columns a load covers
+    strided_units = 0 if quantized else w_units  # W units a thread takes threads apart in fetch
     # the shared and local arrays' sizes, as compile-time constants
     x_words, w_words = stages * x_stage, stages * w_stage
     wreg_words = 2 * w_units
@@ -184,6 +233,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         or x_units * threads != block_m * CHUNKS
         or w_units * threads != block_n * CHUNKS
         or stages not in (2, 3)
+        or (quantized and w_units not in (1, 2, 4))  # a thread's units within one row-step
     ):
         raise PycalmError(f"tile {tuple(tile)} does not divide into m16n8k16 warp tiles and fetch units")
 
@@ -195,26 +245,42 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         return 0, n0 + r
 
     @cuda.jit(device=True, inline=True)
-    def fetch(x, w1, w3, smem_x, smem_w, wregs, stage, k0, m0, n0):  # noqa: ANN001, ANN202
-        """Start the step at column k0: X (and fp16 W) by cp.async into `stage`, fp8 / gf4 W
-        units into wregs (stored by put_w after this step's mma). One cp.async group."""
+    def group_slot(e, i, count, rows, route_ids):  # noqa: ANN001, ANN202
+        """Grouped: the slot t k + j of entry i of expert e's group (t = rows[e, i], route_ids[t, j]
+        == e), or -1 past count[e]."""
+        slot = -1
+        if i < count[e]:
+            t = rows[e, i]
+            k = route_ids.shape[1]
+            for j in range(k):
+                if route_ids[t, j] == e:
+                    slot = t * k + j
+        return slot
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, stage, k0, n0, w_row0, w_rows):  # noqa: ANN001, ANN202
+        """Start the step at column k0: X rows x_rows (this thread's, -1: zeros; and fp16 W) by
+        cp.async into `stage`, fp8 / gf4 W units into wregs (stored by put_w after this step's
+        mma). W's tile rows are rows w_row0 + n0.. of w1 / w3, w_rows of them in the matrix. One
+        cp.async group."""
         tid = cuda.threadIdx.x
-        t_rows, n_rows, k_cols = x.shape[0], w1.shape[0], x.shape[1]
+        k_cols = x.shape[1]
         for i in range(x_units):
             u = tid + i * threads
             r, c = u // CHUNKS, u % CHUNKS
-            row, col = m0 + r, k0 + c * UNIT
+            row, col = x_rows[i], k0 + c * UNIT
             word = stage * x_stage + swizzled(r, c)
-            if row < t_rows and col < k_cols:
+            if row >= 0 and col < k_cols:
                 cp_async16(smem_x, word, x, row, col, 16)
             else:  # zero-filled: no byte read from the (in-bounds) address
                 cp_async16(smem_x, word, x, 0, 0, 0)
-        for i in range(w_units):
+        for i in range(strided_units):
             u = tid + i * threads
             r, c = u // CHUNKS, u % CHUNKS
             which, row = w_source_row(r, n0)
             col = k0 + c * UNIT
-            ok = row < n_rows and col < k_cols
+            ok = row < w_rows and col < k_cols
+            row += w_row0  # grouped: expert e's matrix in the stack
             src = w3 if which else w1
             if fp16:
                 word = stage * w_stage + swizzled(r, c)
@@ -236,9 +302,47 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         cp_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def put_w(smem_w, wregs, stage):  # noqa: ANN001, ANN202
-        """fp8 / gf4: decode the fetched units to fp16 and store them into `stage`."""
-        if not fp16:
+    def fetch_codes(w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, k_cols):  # noqa: ANN001, ANN202
+        """q8 / q4 (else a no-op): this thread's w_units consecutive units of a W tile row at
+        column k0 into wregs, by 16-byte loads (8 / 4 where it has fewer bytes), and q4's group
+        step and offset into wscale; zeros past N and K (K a multiple of a load's columns)."""
+        if quantized:
+            u = cuda.threadIdx.x * w_units
+            which, row = w_source_row(u // CHUNKS, n0)
+            col = k0 + (u % CHUNKS) * UNIT
+            src = w3 if which else w1
+            for i in range(wreg_words):
+                wregs[i] = int32(0)
+            for p in range(pieces):
+                c = col + p * piece_cols
+                if row < w_rows and c < k_cols:
+                    e = c if q8 else c // UNIT  # the piece's first element: a code / a word of 8
+                    if load_words == 4:
+                        j = 4 * p
+                        wregs[j], wregs[j + 1], wregs[j + 2], wregs[j + 3] = ldg128w(src, w_row0 + row, e)
+                    elif load_words == 2:
+                        wregs[2 * p], wregs[2 * p + 1] = ldg64(src, w_row0 + row, e)
+                    else:
+                        wregs[p] = int32(src[w_row0 + row, e])
+            if q4:  # the group's step d and offset m (one group: G is a multiple of BK)
+                scales = s3 if which else s1
+                group, ok = col // (k_cols // scales.shape[1]), row < w_rows and col < k_cols
+                wscale[0] = float32(scales[w_row0 + row, group, 0]) if ok else float32(0.0)
+                wscale[1] = float32(scales[w_row0 + row, group, 1]) if ok else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_w(smem_w, wregs, wscale, stage):  # noqa: ANN001, ANN202
+        """fp8 / gf4 / q8 / q4: decode the fetched units to fp16 and store them into `stage`."""
+        if quantized:
+            u = cuda.threadIdx.x * w_units
+            for i in range(w_units):
+                r, c = (u + i) // CHUNKS, (u + i) % CHUNKS
+                if q8:
+                    h0, h1, h2, h3 = _q8_words(wregs[2 * i], wregs[2 * i + 1])
+                else:
+                    h0, h1, h2, h3 = _q4_words(wregs[i], wscale[0], wscale[1])
+                sts128(smem_w, stage * w_stage + swizzled(r, c), h0, h1, h2, h3)
+        elif not fp16:
             tid = cuda.threadIdx.x
             for i in range(w_units):
                 u = tid + i * threads
@@ -257,24 +361,25 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         else:
             cp_async_wait_all()
 
-    @_jit_capped(max_registers)
-    def matmul_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
-        """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
-        docstring. Must match pycalm.reference.matmul_ref / matmul_residual_ref /
-        matmul_gate_ref."""
+    @cuda.jit(device=True, inline=True)
+    def block_product(x, w1, s1, w3, s3, out, count, rows, route_ids):  # noqa: ANN001, ANN202, C901
+        """The block's tile of out (=, +=, gate) X fp16 times W^T stored (s1, s3: q8 / q4 W1's
+        and W3's scales, unread otherwise); grouped: of expert e's m-tile, rows gathered and
+        scattered by group_slot (count, rows, route_ids unread otherwise)."""
         smem_x = cuda.shared.array(x_words, int32)  # (stages, BM, BK) fp16 as words, swizzled
         smem_w = cuda.shared.array(w_words, int32)  # (stages, BN, BK) fp16 as words, swizzled
-        wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4: a step's fetched W units
+        wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4 / q8 / q4: a step's fetched W units
+        wscale = cuda.local.array(2, float32)  # q4: the fetched units' group step d and offset m
         acc = cuda.local.array(acc_words, float32)  # (m_tiles, n_tiles, 4) C fragments
         a = cuda.local.array(a_words, int32)  # (m_tiles, 4) A fragments of one k-slice
         b = cuda.local.array(b_words, int32)  # (n_tiles, 2) B fragments of one k-slice
+        x_rows = cuda.local.array(x_units, int32)  # the X row of each of this thread's copies, -1: none
         for i in range(acc_words):
             acc[i] = float32(0.0)
 
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         wm, wn = warp // warps_n, warp % warps_n
-        m0 = cuda.blockIdx.x * block_m
         n0 = cuda.blockIdx.y * out_n
         steps = (x.shape[1] + BK - 1) // BK
         # ldmatrix row addresses of this lane (words in a stage, for m-tile / n-tile pair 0):
@@ -290,10 +395,31 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
         b_chunk1 = 4 * ((2 + ((lane >> 3) & 1)) ^ flip)
 
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
+        if grouped:  # blockIdx.x: m-tile of expert e, e-major
+            m_tiles_max = (route_ids.shape[0] + block_m - 1) // block_m
+            expert = cuda.blockIdx.x // m_tiles_max
+            m0 = (cuda.blockIdx.x % m_tiles_max) * block_m
+            if m0 >= count[expert]:
+                return  # block-uniform, before any barrier: the expert has fewer rows
+            w_row0, w_rows = expert * out.shape[1], out.shape[1]
+        else:
+            expert = 0
+            m0 = cuda.blockIdx.x * block_m
+            w_row0, w_rows = 0, w1.shape[0]
+        for i in range(x_units):  # the rows this thread copies at every step
+            r = (tid + i * threads) // CHUNKS
+            if grouped:
+                slot = group_slot(expert, m0 + r, count, rows, route_ids)
+                if gate and slot >= 0:  # GATE reads the token row t of slot t k + j
+                    slot = slot // route_ids.shape[1]
+                x_rows[i] = slot
+            else:
+                x_rows[i] = m0 + r if m0 + r < x.shape[0] else -1
         for s in range(stages - 1):  # the first stages - 1 steps in flight
             if s < steps:
-                fetch(x, w1, w3, smem_x, smem_w, wregs, s, s * BK, m0, n0)
-                put_w(smem_w, wregs, s)
+                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, s, s * BK, n0, w_row0, w_rows)
+                fetch_codes(w1, s1, w3, s3, wregs, wscale, s * BK, n0, w_row0, w_rows, x.shape[1])
+                put_w(smem_w, wregs, wscale, s)
             else:
                 cp_async_commit()  # an empty group keeps the count of groups in flight
 
@@ -304,7 +430,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
             # every warp is done reading the stage that the fetch below overwrites
             ahead = step + stages - 1
             if ahead < steps:  # its copies and loads fly during this step's mma
-                fetch(x, w1, w3, smem_x, smem_w, wregs, ahead % stages, ahead * BK, m0, n0)
+                fetch(
+                    x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead % stages, ahead * BK, n0, w_row0, w_rows
+                )
+                fetch_codes(w1, s1, w3, s3, wregs, wscale, ahead * BK, n0, w_row0, w_rows, x.shape[1])
             else:
                 cp_async_commit()  # an empty group
             xs = stage * x_stage + a_row
@@ -328,24 +457,36 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
                             acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
                         )  # fmt: skip
             if ahead < steps:
-                put_w(smem_w, wregs, ahead % stages)  # read at step `ahead`, after its barrier
+                put_w(smem_w, wregs, wscale, ahead % stages)  # read at step `ahead`, after its barrier
 
+        if grouped:  # each block row's output slot, into the X stages (no copy is in flight)
+            cuda.syncthreads()  # every warp is done reading the last step's X tile
+            for r in range(tid, block_m, threads):
+                smem_x[r] = group_slot(expert, m0 + r, count, rows, route_ids)
+            cuda.syncthreads()  # the slots are visible to every warp
         # epilogue: lane holds rows g, g + 8 and columns 2t, 2t + 1 of each 16 x 8 tile
         t_rows, n_cols = out.shape[0], out.shape[1]
         g, t = lane >> 2, lane & 3
         for i in range(m_tiles):
             for half in range(2):
-                row = m0 + wm * warp_m + 16 * i + 8 * half + g
-                if row < t_rows:
+                r = wm * warp_m + 16 * i + 8 * half + g
+                if grouped:
+                    row = smem_x[r]  # the slot, -1 past the expert's count
+                else:
+                    row = m0 + r if m0 + r < t_rows else -1
+                if row >= 0:
                     for j in range(n_tiles):
                         c = 4 * (i * n_tiles + j) + 2 * half
                         if gate:
                             if j % 2 == 0:  # n-tile j: W1, n-tile j + 1: W3, same outputs
                                 col = n0 + 8 * ((wn * warp_n + 8 * j) >> 4) + 2 * t
                                 for e in range(2):
-                                    h1 = acc[c + e]
-                                    h3 = acc[c + 4 + e]
                                     if col + e < n_cols:
+                                        h1 = acc[c + e]
+                                        h3 = acc[c + 4 + e]
+                                        if q8:  # W1's and W3's row scales: the output column's
+                                            h1 *= s1[w_row0 + col + e]
+                                            h3 *= s3[w_row0 + col + e]
                                         out[row, col + e] = fp16_encode(
                                             h1 / (float32(1.0) + math.exp(-h1)) * h3
                                         )
@@ -353,10 +494,45 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE):  # noqa: ANN20
                             col = n0 + wn * warp_n + 8 * j + 2 * t
                             for e in range(2):
                                 if col + e < n_cols:
+                                    v = acc[c + e]
+                                    if q8:  # W's row scale: the output column's
+                                        v *= s1[w_row0 + col + e]
                                     if residual:
-                                        out[row, col + e] += acc[c + e]
+                                        out[row, col + e] += v
                                     else:
-                                        out[row, col + e] = acc[c + e]
+                                        out[row, col + e] = v
+
+    if grouped and quantized:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, s1, w3, s3, out, count, rows, route_ids):  # noqa: ANN001, ANN202
+            """The grouped kernel below for q8 / q4: codes w and scales s of the stacks apart."""
+            block_product(x, w1, s1, w3, s3, out, count, rows, route_ids)
+
+    elif grouped:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, w3, out, count, rows, route_ids):  # noqa: ANN001, ANN202
+            """Grouped: out (T k, N) slots (=, gate) X fp16 times expert W (n_experts N, K)^T
+            stored; see the module docstring. Must match pycalm.reference.expert_matmul_ref /
+            expert_gate_ref."""
+            block_product(x, w1, w1, w3, w3, out, count, rows, route_ids)  # no scales
+
+    elif quantized:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
+            """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
+            block_product(x, w1, s1, w3, s3, out, x, x, x)  # no groups: the last three unread
+
+    else:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
+            """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
+            docstring. Must match pycalm.reference.matmul_ref / matmul_residual_ref /
+            matmul_gate_ref."""
+            block_product(x, w1, w1, w3, w3, out, x, x, x)  # no scales, no groups: unread
 
     return matmul_kernel
 
@@ -373,8 +549,8 @@ def matmul(
     tile: Tile | None = None,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
-    ("gate"); X (T, K) float16, W (and W3) the stored (N, K) weights in `dtype`, out (T, N)
-    float32 (gate: float16). Device arrays."""
+    ("gate"); X (T, K) float16, W (and W3) the stored (N, K) weights in `dtype` (q8 / q4: a
+    formats.Quantized of device arrays), out (T, N) float32 (gate: float16). Device arrays."""
     if mode not in MODES:
         raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
     if (mode == "gate") != (w3 is not None):
@@ -386,15 +562,37 @@ def matmul(
     kernel = make_matmul_kernel(dtype, MODES[mode], tile)
     out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
     grid = ((t_rows + tile.block_m - 1) // tile.block_m, (out.shape[1] + out_n - 1) // out_n)
-    kernel[grid, tile.threads, stream](x, w, w if w3 is None else w3, out)
+    w3 = w if w3 is None else w3
+    if dtype in QUANTIZED:
+        check_quantized(w, dtype, k_cols)
+        check_quantized(w3, dtype, k_cols)
+        kernel[grid, tile.threads, stream](x, w.codes, w.scales, w3.codes, w3.scales, out)
+    else:
+        kernel[grid, tile.threads, stream](x, w, w3, out)
 
 
-_SIG_W = {"fp16": "float16[:, ::1]", "fp8": "uint8[:, ::1]", "gf4": "uint32[:, ::1]"}
+def check_quantized(w: object, dtype: str, k_cols: int) -> None:
+    """A q8 / q4 matrix the kernel takes: a Quantized pair, K a multiple of 16 (q8: 16-byte rows
+    of codes) or of q4's group size, itself a multiple of BK (a step's columns in one group)."""
+    if not isinstance(w, Quantized):
+        raise PycalmError(f"a {dtype} matrix is a formats.Quantized(codes, scales), got {type(w).__name__}")
+    if k_cols % (16 if dtype == "q8" else BK * w.scales.shape[1]):  # q4 scales: (N, groups, 2)
+        raise PycalmError(f"{dtype} matmul: K = {k_cols} does not fit its loads (q8: 16 columns, q4: groups)")
+
+
+# a weight's argument types: q8 / q4 take two, the codes and the scales
+_SIG_W = {
+    "fp16": "float16[:, ::1]",
+    "fp8": "uint8[:, ::1]",
+    "gf4": "uint32[:, ::1]",
+    "q8": "int8[:, ::1], float32[::1]",
+    "q4": "uint32[:, ::1], float16[:, :, ::1]",
+}
 COMPILE_CHECK = [
     (
         make_matmul_kernel(dtype, mode, TILE),
         f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, {'float16' if mode == GATE else 'float32'}[:, ::1])",
     )
-    for dtype in ("fp16", "fp8", "gf4")
+    for dtype in _SIG_W
     for mode in (PLAIN, RESIDUAL, GATE)
 ]

@@ -6,7 +6,9 @@
                                                  past nbytes), cp_async_commit, cp_async_wait_all
                                                  / cp_async_wait_one (wait_group 0 / 1)
   sts128(smem, word, w0..w3)                     st.shared.v4.b32
-  ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes of a uint8 array)
+  ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes) and
+  ldg128w(src, row, col) -> w0..w3               ld.global.nc.v4.b32 (16 bytes) from src[row, col]
+                                                 of a uint8 / int8 / uint32 array
   pack_f16x2(lo, hi) -> word                     cvt.rn.f16x2.f32 (two floats -> two fp16 halves)
 
 Shared memory is a 1-D int32 array (`cuda.shared.array`) addressed by word: a word holds two
@@ -97,11 +99,25 @@ if _numba_config.ENABLE_CUDASIM:
         for e in range(4):
             smem[word + e] = words[e]
 
+    def _words_at(src: np.ndarray, row: int, col: int, n_bytes: int) -> np.ndarray:
+        """The n_bytes from element [row, col] of a 2-D array as int32 words (element reads)."""
+        step = src.dtype.itemsize
+        if (col * step) % n_bytes:
+            raise ValueError(f"a {n_bytes}-byte load at column {col} is not aligned")
+        vals = [src[row, col + e] for e in range(n_bytes // step)]
+        return np.array(vals, dtype=src.dtype).view(np.int32)
+
     def ldg64(src: np.ndarray, row: int, col: int) -> tuple[np.int32, np.int32]:
-        """The 8 bytes src[row, col:col+8] of a uint8 array as two int32 words, low bytes first
-        (simulator: element reads)."""
-        b = np.array([src[row, col + e] for e in range(8)], dtype=np.uint8).view(np.int32)
+        """The 8 bytes from src[row, col] of a uint8 / int8 / uint32 array as two int32 words,
+        low bytes first (simulator: element reads)."""
+        b = _words_at(src, row, col, 8)
         return b[0], b[1]
+
+    def ldg128w(src: np.ndarray, row: int, col: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """The 16 bytes from src[row, col] of a uint8 / int8 / uint32 array as four int32 words,
+        low bytes first (simulator: element reads)."""
+        b = _words_at(src, row, col, 16)
+        return b[0], b[1], b[2], b[3]
 
     def cp_async_commit() -> None:
         """(simulator: the copies are done)"""
@@ -242,14 +258,15 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def ldg64(typingctx, src, row, col):  # noqa: ANN001, ANN201
-        """The 8 bytes src[row, col:col+8] of a 2-D C-contiguous uint8 array (8-byte aligned) as
-        two int32 words, low bytes first: one ld.global.nc.v2.b32 (the weights are read-only
-        while a kernel runs)."""
-        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.uint8):
+    _BYTE_WORD_ARRAYS = (types.uint8, types.int8, types.uint32)
+
+    def _ldg_words(n_words: int, src: object, row: object, col: object) -> object:
+        """The intrinsic body of an n_words-word (8- or 16-byte) ld.global.nc.v{n}.b32 from
+        element [row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array."""
+        if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype in _BYTE_WORD_ARRAYS):
             return None
-        sig = types.UniTuple(types.int32, 2)(src, row, col)
+        sig = types.UniTuple(types.int32, n_words)(src, row, col)
+        regs = ", ".join(f"${i}" for i in range(n_words))
 
         def codegen(context: object, builder: object, sig: object, args: object) -> object:
             sty = sig.args[0]
@@ -257,12 +274,28 @@ else:
             c = context.cast(builder, args[2], sig.args[2], types.intp)
             ary = context.make_array(sty)(context, builder, value=args[0])
             ptr = cgutils.get_item_pointer(context, builder, sty, ary, [r, c], wraparound=False)
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32, _I32]), [ptr.type])
-            res = builder.call(ir.InlineAsm(fnty, "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l"), [ptr])
-            parts = [builder.extract_value(res, 0), builder.extract_value(res, 1)]
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * n_words), [ptr.type])
+            asm = ir.InlineAsm(
+                fnty, f"ld.global.nc.v{n_words}.b32 {{{regs}}}, [${n_words}];", "=r," * n_words + "l"
+            )
+            res = builder.call(asm, [ptr])
+            parts = [builder.extract_value(res, i) for i in range(n_words)]
             return context.make_tuple(builder, sig.return_type, parts)
 
         return sig, codegen
+
+    @intrinsic
+    def ldg64(typingctx, src, row, col):  # noqa: ANN001, ANN201
+        """The 8 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array
+        (8-byte aligned) as two int32 words, low bytes first: one ld.global.nc.v2.b32 (the
+        weights are read-only while a kernel runs)."""
+        return _ldg_words(2, src, row, col)
+
+    @intrinsic
+    def ldg128w(typingctx, src, row, col):  # noqa: ANN001, ANN201
+        """The 16 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array
+        (16-byte aligned) as four int32 words, low bytes first: one ld.global.nc.v4.b32."""
+        return _ldg_words(4, src, row, col)
 
     def _ptx_void(text: str, doc: str) -> object:
         """A no-argument intrinsic that emits the PTX instruction `text` (a memory fence for
