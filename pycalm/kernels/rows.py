@@ -43,13 +43,12 @@ from pycalm.kernels.common import (
     WARP,
     block_reduce_sum,
     dependent_start,
-    fp8_decode,
     fp8_encode,
     fp16_encode,
-    gf4_decode,
     sincos,
     warp_reduce_sum,
 )
+from pycalm.kernels.embed import DECODE_UNIT, SIG_TABLE, table_arrays
 
 SIM = _numba_config.ENABLE_CUDASIM
 THREADS = 32 if SIM else 256  # threads a block (the simulator runs a Python thread per thread)
@@ -60,51 +59,33 @@ MAX_EXPERTS = 32  # moe_route_rows: a warp's worth of logits
 # embedding lookup of T tokens
 
 
-@cuda.jit(cache=True)
-def embed_rows_kernel_fp16(table, tokens, x):  # noqa: ANN001, ANN201
-    """table (vocab, dim) float16, tokens (T,) int32 -> x (T, dim) float32; block (b, t): row t."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    t = cuda.blockIdx.y
-    if i < x.shape[1]:
-        x[t, i] = float32(table[tokens[t], i])
+@functools.cache
+def make_embed_rows_kernel(dtype: str) -> object:
+    """embed_rows_kernel for a table dtype (one compile each)."""
+    decode_unit = DECODE_UNIT[dtype]  # the token step's embed decodes a row with it too
 
+    @cuda.jit(cache=True)
+    def embed_rows_kernel(table, scales, tokens, x):  # noqa: ANN001, ANN202
+        """x (T, dim) float32: row t = decode(table[tokens[t]]); block (b, t), thread i of
+        block b: unit b blockDim + i of the row (an element, or a gf4 / q4 word of 8)."""
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        t = cuda.blockIdx.y
+        if i < table.shape[1]:
+            decode_unit(table, scales, tokens[t], i, x[t])
 
-@cuda.jit(cache=True)
-def embed_rows_kernel_fp8(table, tokens, x):  # noqa: ANN001, ANN201
-    """table (vocab, dim) uint8 e5m2, tokens (T,) int32 -> x (T, dim) float32."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    t = cuda.blockIdx.y
-    if i < x.shape[1]:
-        x[t, i] = fp8_decode(int32(table[tokens[t], i]))
-
-
-@cuda.jit(cache=True)
-def embed_rows_kernel_gf4(table, tokens, x):  # noqa: ANN001, ANN201
-    """table (vocab, dim/8) uint32 gf4, tokens (T,) int32 -> x (T, dim) float32; a thread a word."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    t = cuda.blockIdx.y
-    if i < table.shape[1]:
-        w = int32(table[tokens[t], i])  # the same bits, read as int32 for common's decoders
-        for k in range(8):
-            x[t, i * 8 + k] = gf4_decode(w, k)
-
-
-_EMBED_KERNELS = {"fp16": embed_rows_kernel_fp16, "fp8": embed_rows_kernel_fp8, "gf4": embed_rows_kernel_gf4}
+    return embed_rows_kernel
 
 
 def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: object) -> None:
     """x (T, dim) float32 = decode(table[tokens[t]]) for the T ids of the device array tokens
     (T,) int32; table (vocab_size, dim) as stored by pycalm.formats (gf4: (vocab_size, dim / 8)
-    uint32). Reference: pycalm.reference.embed_rows_ref."""
-    if dtype not in _EMBED_KERNELS:
-        raise PycalmError(f"unsupported embedding dtype {dtype!r} (one of {', '.join(_EMBED_KERNELS)})")
-    n_rows, n = x.shape[0], table.shape[1]  # stored elements a row: gf4 has a word per 8 weights
+    uint32; q8 / q4: a Quantized pair). Reference: pycalm.reference.embed_rows_ref."""
+    codes, scales = table_arrays(table, dtype)
+    n_rows, n = x.shape[0], codes.shape[1]  # stored units a row: gf4 and q4 have a word per 8 weights
     if tokens.shape[0] != n_rows:
         raise PycalmError(f"embed_rows: {tokens.shape[0]} tokens for {n_rows} rows")
-    _EMBED_KERNELS[dtype][(-(-n // THREADS), n_rows), THREADS, stream](table, tokens, x)
+    make_embed_rows_kernel(dtype)[(-(-n // THREADS), n_rows), THREADS, stream](codes, scales, tokens, x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,9 +393,7 @@ def moe_group(routes: RowRoutes, experts: ExpertRows, *, stream: object, threads
 
 _KV = {"fp16": "float16", "fp8": "uint8"}
 COMPILE_CHECK = [
-    (embed_rows_kernel_fp16, "void(float16[:, ::1], int32[::1], float32[:, ::1])"),
-    (embed_rows_kernel_fp8, "void(uint8[:, ::1], int32[::1], float32[:, ::1])"),
-    (embed_rows_kernel_gf4, "void(uint32[:, ::1], int32[::1], float32[:, ::1])"),
+    *[(make_embed_rows_kernel(d), f"void({SIG_TABLE[d]}, int32[::1], float32[:, ::1])") for d in SIG_TABLE],
     (rmsnorm_rows_kernel, "void(float32[:, ::1], float32[::1], float32, float16[:, ::1])"),
     *[
         (
