@@ -17,9 +17,15 @@ The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs
 fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
 logits of the two paths agree to about 1e-3 relative (tests/test_prefill.py).
 
+Mixtral's FFN (n_experts > 0) routes each row to its top experts (pycalm.kernels.rows), groups
+the rows by expert, and runs the experts' matmuls on those groups (pycalm.kernels.moe_rows: each
+expert's weights read once a chunk, the rows gathered and scattered by index), then adds each
+row's weighted expert outputs into the residual stream in a fixed order (the same logits on
+every run).
+
 Models it does not take (unsupported() says why) feed their prompts through the token step
-instead (GpuEngine.prefill falls back to it): Mixtral (n_experts > 0), since no grouped-expert
-matmul exists yet, and head sizes the prefill attention's 16-byte loads do not fit.
+instead (GpuEngine.prefill falls back to it): head sizes the prefill attention's 16-byte loads
+do not fit, and matmul widths that are not a multiple of 8.
 """
 
 from __future__ import annotations
@@ -31,14 +37,13 @@ import numpy as np
 
 from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.kernels.rows import ExpertRows, RowRoutes
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
 
 
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why the multi-token forward cannot run a model of this config, or None when it can."""
-    if cfg.n_experts:
-        return "mixture-of-experts layers (no grouped-expert matmul yet)"
     if cfg.head_dim % 16:
         return f"head_dim {cfg.head_dim} (the prefill attention loads 16 bytes of a head's row)"
     for name in ("dim", "q_dim", "hidden_dim"):  # the matmuls' K: 16-byte rows of fp16
@@ -57,31 +62,68 @@ class RowBuffers:
     qkv: object  # (rows, q_dim + 2 kv_dim) float32, Wqkv xb
     q: object  # (rows, q_dim) float32, the queries with bias and RoPE
     att: object  # (rows, q_dim) float16, attention's output: wo's input
-    h: object  # (rows, hidden_dim) float16, silu(W1 xb) * (W3 xb): w2's input
+    h: object  # (rows, hidden_dim) float16, silu(W1 xb) * (W3 xb): w2's input; MoE: (rows k,
+    # hidden_dim), slot t k + j for row t's j-th expert (k = n_experts_active)
     logits: object  # (logit_rows, vocab_size) float32, a block of rows of logits
+    # MoE only (None otherwise):
+    routes: RowRoutes | None = None  # .ids, .weights (rows, k): each row's experts
+    group_count: object = None  # (n_experts,) int32: rows an expert got
+    group_rows: object = None  # (n_experts * rows,) int32: the (n_experts, rows) lists of moe_group
+    group_w: object = None  # (n_experts * rows,) float32: their routing weights
+    y: object = None  # (rows k, dim) float32: each slot's h W2_e^T
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, rows: int, logit_rows: int, stream: object) -> RowBuffers:
         from numba import cuda
 
-        def empty(shape: tuple[int, int], dtype: type) -> object:
+        def empty(shape: int | tuple[int, int], dtype: type) -> object:
             return cuda.device_array(shape, dtype, stream=stream)
 
+        slots = cfg.n_experts_active if cfg.n_experts else 1  # the FFN rows a token takes
+        moe = {}
+        if cfg.n_experts:
+            moe = dict(
+                routes=RowRoutes(empty((rows, slots), np.int32), empty((rows, slots), np.float32)),
+                group_count=empty(cfg.n_experts, np.int32),
+                group_rows=empty(cfg.n_experts * rows, np.int32),
+                group_w=empty(cfg.n_experts * rows, np.float32),
+                y=empty((rows * slots, cfg.dim), np.float32),
+            )
         return cls(
             x=empty((rows, cfg.dim), np.float32),
             xb=empty((rows, cfg.dim), np.float16),
             qkv=empty((rows, cfg.qkv_dim), np.float32),
             q=empty((rows, cfg.q_dim), np.float32),
             att=empty((rows, cfg.q_dim), np.float16),
-            h=empty((rows, cfg.hidden_dim), np.float16),
+            h=empty((rows * slots, cfg.hidden_dim), np.float16),
             logits=empty((logit_rows, cfg.vocab_size), np.float32),
+            **moe,
         )
 
     def first(self, n: int) -> RowBuffers:
         """Views of the first n rows (the logits block stays whole)."""
+        slots = self.h.shape[0] // self.x.shape[0]
+        moe = {}
+        if self.routes is not None:
+            n_experts = self.group_count.shape[0]
+            moe = dict(
+                routes=RowRoutes(self.routes.ids[:n], self.routes.weights[:n]),
+                group_count=self.group_count,
+                group_rows=self.group_rows[: n_experts * n],
+                group_w=self.group_w[: n_experts * n],
+                y=self.y[: n * slots],
+            )
         return RowBuffers(
-            self.x[:n], self.xb[:n], self.qkv[:n], self.q[:n], self.att[:n], self.h[:n], self.logits
-        )
+            self.x[:n], self.xb[:n], self.qkv[:n], self.q[:n], self.att[:n], self.h[: n * slots], self.logits,
+            **moe,
+        )  # fmt: skip
+
+    @property
+    def experts(self) -> ExpertRows:
+        """MoE: the rows grouped by expert, (n_experts, rows) views of the group buffers."""
+        n_experts = self.group_count.shape[0]
+        shape = (n_experts, self.group_rows.shape[0] // n_experts)
+        return ExpertRows(self.group_count, self.group_rows.reshape(*shape), self.group_w.reshape(*shape))
 
 
 class Prefill:
@@ -108,11 +150,13 @@ class Prefill:
         pos0.. are written, and x holds each row's residual stream after the last layer
         (classify_rows takes it from there)."""
         from pycalm.kernels.matmul import matmul
+        from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
-        from pycalm.kernels.rows import embed_rows, qkv_rows, rmsnorm_rows
+        from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
         e, b = self.engine, self._rows(n_rows)
         cfg, dt, eps, s = e.config, e.config.weight_dtype, e.config.norm_eps, e.stream
+        experts = b.experts if cfg.n_experts else None  # MoE: the group lists of n_rows rows
         # x[t] = the embedding row of the token at position pos0 + t
         embed_rows(e.tok_embeddings, e.feed[pos0 : pos0 + n_rows], b.x, dt, stream=s)
         for L, cache in zip(e.layers, e.kv_caches, strict=True):
@@ -128,10 +172,23 @@ class Prefill:
             matmul(b.att, L.wo, b.x, dt, stream=s, mode="residual")
             # xb = rmsnorm(x) * ffn_norm, fp16
             rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
-            # h = silu(xb W1^T) * (xb W3^T), fp16
-            matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3)
-            # x += h W2^T
-            matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual")
+            if cfg.n_experts:
+                # routes = each row's top n_experts_active experts of Wg rmsnorm(x) * ffn_norm,
+                # and the softmax of their logits
+                moe_route_rows(L, b.x, b.routes, cfg, stream=s)
+                # the rows grouped by expert
+                moe_group(b.routes, experts, stream=s)
+                # h[t k + j] = silu(xb[t] W1_e^T) * (xb[t] W3_e^T), e = ids[t, j], fp16
+                expert_matmul(b.xb, L.w1, b.h, dt, experts, b.routes, stream=s, mode="gate", w3=L.w3)
+                # y[t k + j] = h[t k + j] W2_e^T
+                expert_matmul(b.h, L.w2, b.y, dt, experts, b.routes, stream=s)
+                # x[t] += sum over j of weights[t, j] y[t k + j]
+                moe_combine_rows(b.y, b.routes, b.x, stream=s)
+            else:
+                # h = silu(xb W1^T) * (xb W3^T), fp16
+                matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3)
+                # x += h W2^T
+                matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual")
 
     def classify_rows(self, first: int, n_rows: int) -> None:
         """Enqueue logits[:n_rows] = Wout rmsnorm(x[first + i]) * norm for rows first .. first +

@@ -310,6 +310,44 @@ def moe_group_ref(
     return count, rows, row_w
 
 
+def expert_gate_ref(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str, ids: np.ndarray) -> np.ndarray:
+    """The experts' gate for T rows (prefill): x (T, dim) float16, the normed rows; w1, w3 stored
+    (n_experts, hidden_dim, dim) stacks; ids (T, k) -> h (T k, hidden_dim) float16, slot t k + j
+    = matmul_gate_ref of row t through expert ids[t, j] (unweighted: the weight comes in
+    moe_combine_rows_ref)."""
+    n_rows, k = ids.shape
+    h = np.zeros((n_rows * k, w1.shape[1]), np.float16)
+    for e in range(w1.shape[0]):  # each expert's rows at once, as its weights are read once
+        t, j = np.nonzero(ids == e)
+        if len(t):
+            h[t * k + j] = matmul_gate_ref(x[t], w1[e], w3[e], dtype)
+    return h
+
+
+def expert_matmul_ref(h: np.ndarray, w2: np.ndarray, dtype: str, ids: np.ndarray) -> np.ndarray:
+    """h (T k, hidden_dim) float16 slots; w2 stored (n_experts, dim, hidden_dim) stack; ids (T, k)
+    -> y (T k, dim) float32, slot t k + j = h[t k + j] W2_e^T with e = ids[t, j]."""
+    k = ids.shape[1]
+    y = np.zeros((h.shape[0], w2.shape[1]), np.float32)
+    for e in range(w2.shape[0]):
+        slots = np.flatnonzero(ids.reshape(-1) == e)  # t k + j
+        if len(slots):
+            y[slots] = matmul_ref(h[slots], w2[e], dtype)
+    assert y.shape[0] == ids.shape[0] * k
+    return y
+
+
+def moe_combine_rows_ref(y: np.ndarray, weights: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """residual (T, dim) float32 + sum over j = 0..k-1, in order, of weights[t, j] y[t k + j]: the
+    experts' outputs added to the residual stream (y from expert_matmul_ref)."""
+    n_rows, k = weights.shape
+    out = residual.astype(np.float32)
+    slots = y.reshape(n_rows, k, -1)
+    for j in range(k):
+        out = (out + weights[:, j : j + 1] * slots[:, j]).astype(np.float32)
+    return out
+
+
 def moe_ffn_gate_ref(
     w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str, ids: np.ndarray, weights: np.ndarray
 ) -> np.ndarray:

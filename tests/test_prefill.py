@@ -26,10 +26,14 @@ from pycalm.gpu import EngineOptions, GpuEngine
 from pycalm.loader import open_model
 from pycalm.reference import (
     embed_rows_ref,
+    expert_gate_ref,
+    expert_matmul_ref,
     kv_round,
     matmul_gate_ref,
     matmul_ref,
     matmul_residual_ref,
+    moe_combine_rows_ref,
+    moe_route_rows_ref,
     prefill_attention_ref,
     qkv_rows_ref,
     rmsnorm_rows_ref,
@@ -129,8 +133,14 @@ def prefill_ref(model, kv: str, ids: list[int]) -> tuple[np.ndarray, np.ndarray,
         )
         x = matmul_residual_ref(formats.fp16_encode(att), ref._w(p + "wo"), "fp32", x)
         xb = rmsnorm_rows_ref(x, ref._w(p + "ffn_norm"), cfg.norm_eps)
-        h = matmul_gate_ref(xb, ref._w(p + "w1"), ref._w(p + "w3"), "fp32")
-        x = matmul_residual_ref(h, ref._w(p + "w2"), "fp32", x)
+        w1, w3, w2 = ref._w(p + "w1"), ref._w(p + "w3"), ref._w(p + "w2")
+        if cfg.n_experts:  # Mixtral: route, each expert's rows, the weighted sum of the slots
+            gate, norm = ref._w(p + "moe_gate"), ref._w(p + "ffn_norm")
+            ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)
+            y = expert_matmul_ref(expert_gate_ref(xb, w1, w3, "fp32", ids), w2, "fp32", ids)
+            x = moe_combine_rows_ref(y, weights, x)
+        else:
+            x = matmul_residual_ref(matmul_gate_ref(xb, w1, w3, "fp32"), w2, "fp32", x)
     logits = matmul_ref(rmsnorm_rows_ref(x, ref.norm, cfg.norm_eps), ref.output, "fp32")
     return logits, k_cache, v_cache
 
@@ -141,13 +151,14 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize(
     "arch,dtype,kv,n",
-    # every weight format, both KV dtypes, Qwen2's biases, and Mistral's sliding window (16
-    # positions in tiny_models) with more rows than the window
+    # every weight format, both KV dtypes, Qwen2's biases, Mistral's sliding window (16
+    # positions in tiny_models) with more rows than the window, and Mixtral's experts (4, top 2)
     [
         ("llama", "fp16", "fp16", 9),
         ("llama", "fp8", "fp8", 9),
         ("qwen2", "gf4", "fp8", 9),
         ("mistral", "fp16", "fp16", 21),
+        ("mixtral", "gf4", "fp16", 9),
     ],
 )
 def test_prefill_logits_match_token_path(tmp_path, arch, dtype, kv, n):
@@ -185,6 +196,23 @@ def test_prefill_chunks_and_second_turn(tmp_path):
     check_caches(gpu, cpu, "fp16", 12)
 
 
+def test_mixtral_prefill_chunks_deterministic(tmp_path):
+    """Mixtral (4 experts, top 2) in chunks of 4 rows (4 + 4 + 1: each chunk's rows grouped by
+    expert anew), fp8 weights: logits against prefill_ref and the token path, and a second
+    prefill of the same prompt gives the same logits bit for bit (each slot's sums are one
+    block's and a row's slots are added in a fixed order: no atomics)."""
+    model = tiny_model(tmp_path, "mixtral", "fp8", n_layers=1)
+    ids = tokens(9, seed=6)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(prefill_chunk=4))
+    got = np.concatenate(list(gpu.prefill_logits(ids, 0)))
+    assert rel_l2(got, prefill_ref(model, "fp16", ids)[0]) < 2e-3
+    want, cpu = token_path(model, "fp16", ids)
+    assert rel_l2(got, want) < 2e-3
+    check_caches(gpu, cpu, "fp16", len(ids))
+    again = np.concatenate(list(gpu.prefill_logits(ids, 0)))
+    assert np.array_equal(got, again)
+
+
 def test_generate_greedy_identical(tmp_path):
     """generate's prompt through the multi-token forward, then token steps: the same greedy
     tokens as the reference, for a first turn and a second turn after it."""
@@ -216,8 +244,18 @@ def test_perplexity_matches_reference(tmp_path):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("dtype,kv", [("fp16", "fp16"), ("fp8", "fp16"), ("gf4", "fp16"), ("gf4", "fp8")])
-def test_prefill_realistic_shape(tmp_path, dtype, kv):
+@pytest.mark.parametrize(
+    "arch,dtype,kv",
+    [
+        ("llama", "fp16", "fp16"),
+        ("llama", "fp8", "fp16"),
+        ("llama", "gf4", "fp16"),
+        ("llama", "gf4", "fp8"),
+        ("mixtral", "fp16", "fp16"),
+        ("mixtral", "fp8", "fp8"),
+    ],
+)
+def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     """Head_dim 128, GQA 8:1, dims of many tiles, a 240-token prompt in chunks of 96 (three,
     the last short): logits and KV cache against prefill_ref (the same math in NumPy), and
     position 0's logits against the token path.
@@ -227,12 +265,15 @@ def test_prefill_realistic_shape(tmp_path, dtype, kv):
     activations (4.9e-4 an element) into a 1.2% relative L2 over all rows (8% on the worst row)
     between the fp16-activation and the float32 token path; the NumPy prefill_ref differs from
     the token path by the same 1.2% (0.012379 against the H200's 0.012381 at fp16), so that is
-    the rounding's, not a kernel's. Position 0 (no attention mixing) agrees to 8e-4."""
+    the rounding's, not a kernel's. Position 0 (no attention mixing) agrees to 8e-4.
+
+    Mixtral: 8 experts of hidden_dim 2816, top 2 (about 60 rows an expert a chunk), in the same
+    shape; the routing of prefill_ref is its own (from its residual stream)."""
     tiny = make_hf_llama(
-        tmp_path, arch="llama", dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
-        vocab_size=4096,
+        tmp_path, arch=arch, dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
+        vocab_size=4096, n_experts=8,
     )  # fmt: skip
-    model = open_model(convert(tiny.path, tmp_path / f"big-{dtype}.pycalm", dtype, progress=False))
+    model = open_model(convert(tiny.path, tmp_path / f"big-{arch}-{dtype}.pycalm", dtype, progress=False))
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 4096, 240)]
     gpu = GpuEngine(model, seq_len=256, kv_dtype=kv, options=EngineOptions(prefill_chunk=96))
     got = np.concatenate(list(gpu.prefill_logits(ids, 0)))

@@ -67,14 +67,17 @@ SIM_THREADS = 64
 
 
 @functools.cache
-def moe_route_kernel(n_experts: int):  # noqa: ANN201
-    """The routing kernel for n_experts experts (a compile-time size: the partial sums are
-    registers). Reference: pycalm.reference.moe_route_ref. Arguments: gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,)
-    float32, eps float32, k int32, route_ids (k,) int32 and route_w (k,) float32 (written)."""
+def route_row(n_experts: int):  # noqa: ANN201
+    """The device function that routes one row for n_experts experts (a compile-time size: the
+    partial sums are registers), a block a row: route_row(gate, x, norm_w, eps, k, route_ids,
+    route_w) with gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,) float32,
+    route_ids (k,) int32 and route_w (k,) float32 written by thread 0. moe_route_kernel (the
+    token step) and pycalm.kernels.rows.moe_route_rows_kernel (a block a row of T) call it.
+    Reference: pycalm.reference.moe_route_ref of rmsnorm_ref(x) * norm_w."""
     n = n_experts
 
-    def moe_route_kernel(gate, x, norm_w, eps, k, route_ids, route_w):
-        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    @cuda.jit(device=True, inline=True)
+    def route_row(gate, x, norm_w, eps, k, route_ids, route_w):  # noqa: ANN001, ANN202
         part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
         logits = cuda.shared.array(MAX_EXPERTS, float32)
         chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked
@@ -124,7 +127,22 @@ def moe_route_kernel(n_experts: int):  # noqa: ANN201
                 route_ids[j] = pick[j]
                 route_w[j] = math.exp(logits[pick[j]] - top) / total
 
-    moe_route_kernel.__name__ = moe_route_kernel.__qualname__ = f"moe_route_kernel_{n}"
+    return route_row
+
+
+@functools.cache
+def moe_route_kernel(n_experts: int):  # noqa: ANN201
+    """The routing kernel for n_experts experts: route_row for the token, one block.
+    Reference: pycalm.reference.moe_route_ref. Arguments: gate (n_experts, dim) float32, x
+    (dim,) float32, norm_w (dim,) float32, eps float32, k int32, route_ids (k,) int32 and
+    route_w (k,) float32 (written)."""
+    route = route_row(n_experts)
+
+    def moe_route_kernel(gate, x, norm_w, eps, k, route_ids, route_w):
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        route(gate, x, norm_w, eps, k, route_ids, route_w)
+
+    moe_route_kernel.__name__ = moe_route_kernel.__qualname__ = f"moe_route_kernel_{n_experts}"
     return cuda.jit(cache=True)(moe_route_kernel)
 
 

@@ -57,22 +57,14 @@ KV_STORAGE = {"fp16": "float16", "fp8": "uint8"}  # the caches' element types (n
 
 
 @functools.cache
-def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
-    """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
-    pycalm.kernels.matvec.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
-    array, s its scales (q8 / q4, as pycalm.kernels.rowgroup.codes_and_scales makes them; other
-    dtypes: any float32 array, never read), bias (rows,) float32 (read only when has_bias), x
-    (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs
-    (rotary_dim // 2,) float32, state int32, q (q_dim,) float32, k_cache, v_cache (seq_len,
-    kv_dim), q_dim, kv_dim, head_dim, has_bias.
-    Reference: pycalm.reference.qkv_ref."""
-    unroll = UNROLL if nbytes == 16 else 1
-    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
-        dtype, nbytes, ROWS, unroll, 1
-    )
-    WORDS = max(1, nbytes // 8)
-    STEP_WORDS = ROWS * unroll * WORDS
-    SCALE = ROW_SCALE[dtype]
+def rope_store_pair(kv_dtype: str):  # noqa: ANN201
+    """The device function that finishes one rotary pair of a qkv row for a KV-cache dtype
+    ("fp16" or "fp8"), shared by qkv_rope_kernel (the token) and
+    pycalm.kernels.rows.qkv_rows_kernel (T rows): store_pair(a, b, r0, bias, has_bias, freqs,
+    pos, q, k_cache, v_cache, q_dim, kv_dim, head_dim) takes columns r0, r0 + 1 (values a, b; r0
+    even: one rotary pair) of the qkv row at position pos, adds the bias (when has_bias), rotates
+    q and k pairs below the rotary dims, and writes q[r0], q[r0 + 1] (q: a (q_dim,) float32 row)
+    or encodes k / v into the caches' row pos."""
     FP8_KV = kv_dtype == "fp8"
 
     @cuda.jit(device=True, inline=True)
@@ -101,6 +93,28 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
             else:
                 cache[pos, c] = fp16_encode(a)
                 cache[pos, c + 1] = fp16_encode(b)
+
+    return store_pair
+
+
+@functools.cache
+def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
+    """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
+    pycalm.kernels.matvec.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
+    array, s its scales (q8 / q4, as pycalm.kernels.rowgroup.codes_and_scales makes them; other
+    dtypes: any float32 array, never read), bias (rows,) float32 (read only when has_bias), x
+    (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs
+    (rotary_dim // 2,) float32, state int32, q (q_dim,) float32, k_cache, v_cache (seq_len,
+    kv_dim), q_dim, kv_dim, head_dim, has_bias.
+    Reference: pycalm.reference.qkv_ref."""
+    unroll = UNROLL if nbytes == 16 else 1
+    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
+        dtype, nbytes, ROWS, unroll, 1
+    )
+    WORDS = max(1, nbytes // 8)
+    STEP_WORDS = ROWS * unroll * WORDS
+    SCALE = ROW_SCALE[dtype]
+    store_pair = rope_store_pair(kv_dtype)
 
     @cuda.jit(device=True, inline=True)
     def group_rows(g, n_rows, row):  # noqa: ANN001, ANN202

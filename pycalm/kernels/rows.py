@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32, uint8
+from numba import cuda, float32, int32
 
 from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
@@ -43,12 +43,11 @@ from pycalm.kernels.common import (
     WARP,
     block_reduce_sum,
     dependent_start,
-    fp8_encode,
     fp16_encode,
-    sincos,
-    warp_reduce_sum,
 )
 from pycalm.kernels.embed import DECODE_UNIT, SIG_TABLE, table_arrays
+from pycalm.kernels.moe import route_row
+from pycalm.kernels.qkv import rope_store_pair
 
 SIM = _numba_config.ENABLE_CUDASIM
 THREADS = 32 if SIM else 256  # threads a block (the simulator runs a Python thread per thread)
@@ -124,7 +123,7 @@ def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: objec
 @functools.cache
 def qkv_rows_kernel(kv_dtype: str) -> object:
     """The epilogue for a KV-cache dtype ("fp16": float16 caches, "fp8": uint8 e5m2)."""
-    FP8 = kv_dtype == "fp8"
+    store_pair = rope_store_pair(kv_dtype)  # bias, RoPE, q or the KV-cache write: the decode path's
 
     @cuda.jit(cache=True)
     def qkv_rows_kernel(  # noqa: ANN202
@@ -149,31 +148,8 @@ def qkv_rows_kernel(kv_dtype: str) -> object:
         if c0 >= qkv.shape[1]:
             return
         pos = state[STATE_POS] + t
-        a = qkv[t, c0]
-        b = qkv[t, c0 + 1]
-        if has_bias:
-            a += bias[c0]
-            b += bias[c0 + 1]
-        i = (c0 % head_dim) // 2  # the rotary pair within the head
-        if c0 < q_dim + kv_dim and i < freqs.shape[0]:  # q and k, the rotated part of the head
-            sn, cs = sincos(float32(pos) * freqs[i])
-            a, b = a * cs - b * sn, a * sn + b * cs
-        if c0 < q_dim:
-            q[t, c0] = a
-            q[t, c0 + 1] = b
-            return
-        if c0 < q_dim + kv_dim:
-            c = c0 - q_dim
-            cache = k_cache
-        else:
-            c = c0 - q_dim - kv_dim
-            cache = v_cache
-        if FP8:
-            cache[pos, c] = uint8(fp8_encode(a))
-            cache[pos, c + 1] = uint8(fp8_encode(b))
-        else:
-            cache[pos, c] = fp16_encode(a)
-            cache[pos, c + 1] = fp16_encode(b)
+        store_pair(qkv[t, c0], qkv[t, c0 + 1], c0, bias, has_bias, freqs, pos, q[t], k_cache, v_cache,
+                   q_dim, kv_dim, head_dim)  # fmt: skip
 
     return qkv_rows_kernel
 
@@ -221,9 +197,9 @@ def qkv_rows(
 
 @functools.cache
 def moe_route_rows_kernel(n_experts: int) -> object:
-    """The routing kernel for n_experts (a compile-time size: the partial sums are registers):
-    pycalm.kernels.moe's decode routing, a block a row."""
-    N = n_experts
+    """The routing kernel for n_experts: pycalm.kernels.moe's decode routing of one row
+    (route_row), a block a row."""
+    route = route_row(n_experts)
 
     @cuda.jit(cache=True)
     def moe_route_rows_kernel(gate, x, norm_w, eps, route_ids, route_w):  # noqa: ANN001, ANN202
@@ -231,56 +207,8 @@ def moe_route_rows_kernel(n_experts: int) -> object:
         the lower index, and the softmax over their logits. gate (n_experts, dim) float32; x
         (T, dim) float32; route_ids (T, k) int32, route_w (T, k) float32."""
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        part = cuda.shared.array((MAX_EXPERTS, WARP), float32)  # [e, warp]: a warp's sum for logit e
-        logits = cuda.shared.array(MAX_EXPERTS, float32)
-        chosen = cuda.shared.array(MAX_EXPERTS, int32)  # 1: already picked
-        pick = cuda.shared.array(MAX_EXPERTS, int32)  # the picks in order
-        scratch = cuda.shared.array(WARP, float32)  # block reduction
         row = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        lane = tid % WARP
-        warp = tid // WARP
-        dim = x.shape[1]
-        k = route_ids.shape[1]
-        acc = cuda.local.array(N, float32)  # constant indices after unrolling: registers
-        for e in range(N):
-            acc[e] = float32(0.0)
-        ss = float32(0.0)
-        for i in range(tid, dim, cuda.blockDim.x):
-            v = x[row, i]
-            ss += v * v
-            xn = v * norm_w[i]  # rmsnorm(x) * norm_w, the rsqrt factor applied to the sums
-            for e in range(N):
-                acc[e] += gate[e, i] * xn
-        for e in range(N):
-            s = warp_reduce_sum(acc[e])  # every lane gets the warp's sum
-            if lane == 0:
-                part[e, warp] = s
-        # its first barrier also makes every warp's part visible to the block
-        ss = block_reduce_sum(ss, scratch)
-        rms = float32(1.0) / math.sqrt(ss / float32(dim) + eps)
-        n_warps = cuda.blockDim.x // WARP
-        for e in range(warp, N, n_warps):  # warp-uniform: warp e sums expert e's warp sums
-            s = warp_reduce_sum(part[e, lane] if lane < n_warps else float32(0.0))
-            if lane == 0:
-                logits[e] = s * rms
-                chosen[e] = 0
-        cuda.syncthreads()  # every logit is written and no expert is marked chosen
-        if tid == 0:
-            for j in range(k):  # the largest unpicked logit; strict >: ties to the lower index
-                best = -1
-                for e in range(N):
-                    if chosen[e] == 0 and (best < 0 or logits[e] > logits[best]):
-                        best = e
-                chosen[best] = 1
-                pick[j] = best
-            top = logits[pick[0]]  # the first pick is the largest: exp(l - top) <= 1
-            total = float32(0.0)
-            for j in range(k):
-                total += math.exp(logits[pick[j]] - top)
-            for j in range(k):
-                route_ids[row, j] = pick[j]
-                route_w[row, j] = math.exp(logits[pick[j]] - top) / total
+        route(gate, x[row], norm_w, eps, route_ids.shape[1], route_ids[row], route_w[row])
 
     return moe_route_rows_kernel
 
