@@ -27,9 +27,14 @@ warm-up) and TFLOP/s (2 x the layers' weights x T plus attention's FLOPs; the cl
 not run on prompt rows) against 989 TFLOP/s, the H200's dense fp16 tensor-core rate; the time to
 the first token of a 2,048-token prompt (warm: prefill of 2,047, then the last prompt token's
 step); and for --split cells the time of each kernel role of that prefill (each role's launches
-for all layers of a chunk captured in a graph of their own). Mixtral's prompt takes token steps
-(no grouped-expert matmul yet), and its rows say so.
+for all layers of a chunk captured in a graph of their own). Mixtral's FLOPs count the active
+experts a token goes through (n_experts_active of the FFN), as its GB/s count the active bytes.
+A model that does not fit the GPU's free memory runs with as many layers as fit, and its rows
+say how many; a cell that fails (a format the engine does not take) prints why and the run goes
+on. The table of the issue-14 prefill, every shape and format, in about six minutes:
 
+    python scripts/bench.py --prefill --no-decode --shapes llama3-8b,tinyllama-1.1b,mixtral-8x7b \
+        --dtypes fp16,fp8,gf4,q8,q4
     python scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16 --chunks 512,2048
 
 Mixture-of-experts shapes (mixtral-8x7b) count only the bytes a token reads: the
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import subprocess
@@ -56,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpubench import copy_ceiling, fill  # noqa: E402
 
+from pycalm import formats  # noqa: E402
 from pycalm.config import ModelConfig  # noqa: E402
 from pycalm.gpu import EngineOptions, GpuEngine, step_bytes  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
@@ -161,10 +168,27 @@ _FP8_MASK, _FP8_BITS = 0x87878787, 0x28282828
 _GF4_MASK, _GF4_BITS = 0xFFFFFF00, 0x0000002C
 
 
-def random_weights(rows: int, cols: int, dtype: str, seed: int, stack: tuple[int, ...] = ()) -> object:
+# q8: random code bytes, every row's scale 0.05 / 127; q4: random nibbles, every group's step
+# d = 2^-8 and offset m = -8 d (fp16 0x1C00, 0xA800: Q4_0's symmetric codes)
+_Q8_SCALE_BITS = int(np.float32(0.05 / 127).view(np.uint32))
+_Q4_SCALE_BITS = 0xA8001C00  # one (d, m) pair of fp16 halves, d low
+
+
+def random_weights(
+    rows: int, cols: int, dtype: str, seed: int, stack: tuple[int, ...] = (), group: int = 32
+) -> object:
     """A (*stack, rows, cols) matrix of random finite weights stored as pycalm.formats stores
-    `dtype` (gf4: (*stack, rows, cols // 8) uint32), made on the GPU."""
+    `dtype` (gf4: (*stack, rows, cols // 8) uint32; q8 / q4: a formats.Quantized of codes and
+    scales, q4 in groups of `group` columns), made on the GPU."""
     n = int(np.prod(stack, dtype=np.int64)) * rows * cols
+    if dtype == "q8":
+        codes = random_words(n // 4, seed, 0xFFFFFFFF, 0).view(np.int8).reshape(*stack, rows, cols)
+        scales = random_words(n // cols, seed, 0, _Q8_SCALE_BITS).view(np.float32).reshape(*stack, rows)
+        return formats.Quantized(codes, scales)
+    if dtype == "q4":
+        codes = random_words(n // 8, seed, 0xFFFFFFFF, 0).reshape(*stack, rows, cols // 8)
+        scales = random_words(n // group, seed, 0, _Q4_SCALE_BITS).view(np.float16)
+        return formats.Quantized(codes, scales.reshape(*stack, rows, cols // group, 2))
     if dtype == "fp16":
         return random_words(n // 2, seed, _FP16_MASK, _FP16_BITS).view(np.float16).reshape(*stack, rows, cols)
     if dtype == "fp8":
@@ -205,7 +229,7 @@ class RandomDeviceModel:
         }[name.split(".")[-1]]
         # MoE: w1, w3, w2 are stacks (n_experts, rows, cols)
         stack = (c.n_experts,) if c.n_experts and name.split(".")[-1] in ("w1", "w2", "w3") else ()
-        return random_weights(rows, cols, c.weight_dtype, self._seed, stack)
+        return random_weights(rows, cols, c.weight_dtype, self._seed, stack, c.q4_group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,13 +379,33 @@ PREFILL_LENGTHS = (128, 512, 2048, 4000)
 
 
 def layer_weights(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The (N, K) weight matrices a prefill row multiplies through in one layer, by matmul role."""
+    """The (N, K) weight matrices a prefill row multiplies through in one layer, by matmul role
+    (MoE: the n_experts_active experts a row goes through, stacked along N)."""
+    slots = cfg.n_experts_active if cfg.n_experts else 1
+    ffn = ("expert gate", "expert w2") if cfg.n_experts else ("matmul gate", "matmul w2+res")
     return {
         "matmul qkv": (cfg.qkv_dim, cfg.dim),
         "matmul wo+res": (cfg.dim, cfg.q_dim),
-        "matmul gate": (2 * cfg.hidden_dim, cfg.dim),  # w1 and w3
-        "matmul w2+res": (cfg.dim, cfg.hidden_dim),
+        ffn[0]: (slots * 2 * cfg.hidden_dim, cfg.dim),  # w1 and w3
+        ffn[1]: (slots * cfg.dim, cfg.hidden_dim),
     }
+
+
+def fit_layers(cfg: ModelConfig, chunk: int, seq_len: int) -> ModelConfig:
+    """cfg with as many of its layers as fit the GPU's free memory: the layers' weights (every
+    expert), the fp16 KV cache of seq_len positions, the embedding and classifier, the prefill
+    buffers of a chunk and 2 GiB to spare."""
+    bits = formats.bits_per_weight(cfg.weight_dtype, cfg.dim, cfg.q4_group)
+    experts = max(cfg.n_experts, 1)
+    layer = bits / 8 * (cfg.qkv_dim * cfg.dim + cfg.dim * cfg.q_dim + experts * 3 * cfg.hidden_dim * cfg.dim)
+    layer += 2 * seq_len * cfg.kv_dim * 2
+    slots = cfg.n_experts_active if cfg.n_experts else 1
+    rows = chunk * (
+        cfg.dim * 10 + cfg.qkv_dim * 4 + cfg.q_dim * 6 + slots * (cfg.hidden_dim * 2 + cfg.dim * 4)
+    )
+    fixed = bits / 8 * 2 * cfg.vocab_size * cfg.dim + rows + (64 << 20) + (2 << 30)
+    free, _ = cuda.current_context().get_memory_info()
+    return cfg.replace(n_layers=max(1, min(cfg.n_layers, int((free - fixed) // layer))))
 
 
 def prefill_flops(cfg: ModelConfig, n_tokens: int) -> int:
@@ -388,10 +432,12 @@ def time_prefill(engine: GpuEngine, ids: list[int], reps: int) -> float:
 
 def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     """Seconds of each kernel role of a prefill of n_tokens (its launches for all layers and
-    every chunk, each role's launches of a chunk captured in a graph of their own and replayed)."""
+    every chunk, each role's launches of a chunk captured in a graph of their own and replayed;
+    MoE: the routing and grouping of the rows as of the last prefill)."""
     from pycalm.kernels.matmul import matmul
+    from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
     from pycalm.kernels.prefill_attention import prefill_attention
-    from pycalm.kernels.rows import embed_rows, qkv_rows, rmsnorm_rows
+    from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
     e, cfg, s = engine, engine.config, engine.stream
     dt, eps, p = cfg.weight_dtype, cfg.norm_eps, engine._prefill_step()
@@ -405,6 +451,16 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
         "matmul gate": lambda L, c, b: matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3),
         "matmul w2+res": lambda L, c, b: matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual"),
     }  # fmt: skip
+    if cfg.n_experts:  # the MoE block instead of the dense FFN
+        del roles["matmul gate"], roles["matmul w2+res"]
+        roles.update({
+            "moe_route_rows": lambda L, c, b: moe_route_rows(L, b.x, b.routes, cfg, stream=s),
+            "moe_group": lambda L, c, b: moe_group(b.routes, b.experts, stream=s),
+            "expert gate": lambda L, c, b: expert_matmul(b.xb, L.w1, b.h, dt, b.experts, b.routes, stream=s,
+                                                         mode="gate", w3=L.w3),
+            "expert w2": lambda L, c, b: expert_matmul(b.h, L.w2, b.y, dt, b.experts, b.routes, stream=s),
+            "moe_combine_rows": lambda L, c, b: moe_combine_rows(b.y, b.routes, b.x, stream=s),
+        })  # fmt: skip
 
     def every_layer(launch: Callable, b: object) -> None:
         for L, cache in zip(e.layers, e.kv_caches, strict=True):
@@ -431,7 +487,8 @@ def bench_prefill(
     prompt of first_tokens (warm: the prefill of all but its last token, then the last token's
     step, which samples the first new one); with split, the time of each kernel role of a
     prefill of first_tokens."""
-    cfg = config_for(shape, dtype, 4096)
+    full = config_for(shape, dtype, 4096)
+    cfg = fit_layers(full, chunk, 4096)
     engine = GpuEngine(
         RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions(prefill_chunk=chunk)
     )
@@ -450,8 +507,15 @@ def bench_prefill(
     list(engine.generate(ids[:first_tokens], 0, 1, greedy))
     ttft = time.perf_counter() - t0
     roles = prefill_roles(engine, first_tokens) if split else None
-    moe = " (token steps: no grouped-expert matmul)" if cfg.n_experts else ""
-    return dict(shape=shape + moe, dtype=dtype, chunk=chunk, cells=cells, ttft=ttft, roles=roles, cfg=cfg)
+    del engine
+    gc.collect()
+    cuda.current_context().deallocations.clear()  # the next cell's model needs the memory now
+    layers = (
+        f" ({cfg.n_layers} of {full.n_layers} layers: the rest do not fit)"
+        if cfg.n_layers < full.n_layers
+        else ""
+    )
+    return dict(shape=shape + layers, dtype=dtype, chunk=chunk, cells=cells, ttft=ttft, roles=roles, cfg=cfg)
 
 
 def print_prefill(results: list[dict], lengths: list[int]) -> None:
@@ -507,6 +571,9 @@ def main() -> None:
         help="prefill chunk sizes to time (rows a pass; default: the engine's)",
     )
     ap.add_argument(
+        "--first-tokens", type=int, default=2048, help="prompt length of the time-to-first-token cell"
+    )
+    ap.add_argument(
         "--split", default="llama3-8b:fp16", help="SHAPE:DTYPE cells whose prefill is timed kernel by kernel"
     )
     args = ap.parse_args()
@@ -520,7 +587,16 @@ def main() -> None:
                     split = f"{shape}:{dtype}" in args.split.split(",") and chunk == int(
                         args.chunks.split(",")[0]
                     )
-                    r = bench_prefill(shape, dtype, lengths, chunk, split)
+                    try:
+                        r = bench_prefill(shape, dtype, lengths, chunk, split, args.first_tokens)
+                    except Exception as e:  # noqa: BLE001 - a format the engine does not take yet
+                        print(
+                            f"prefill {shape} {dtype} chunk {chunk}: failed: {type(e).__name__}: {e}",
+                            flush=True,
+                        )
+                        gc.collect()
+                        cuda.current_context().deallocations.clear()
+                        continue
                     prefill.append(r)
                     cells = "  ".join(
                         f"T={n} {c['tok_s']:,.0f} tok/s {c['tflops']:.0f} TF" for n, c in r["cells"].items()

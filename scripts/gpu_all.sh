@@ -23,8 +23,10 @@ while [ $i -lt ${#steps[@]} ]; do
     bench)   python3 scripts/bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.log" | tail -20 ;;
     plain)   python3 scripts/bench.py --plain --json "$out/bench_plain.json" 2>&1 | tee "$out/bench_plain.log" | tail -20 ;;
     attention) python3 scripts/kernels/attention.py --check 2>&1 | tee "$out/kernels_attention.log" | grep -A40 "=== summary" ;;
-    prefill) PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py 2>&1 | tee "$out/tests_prefill.log" | tail -15
-             python3 scripts/bench.py --prefill --no-decode --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -40 ;;
+    prefill) PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py tests/test_moe_rows.py \
+               tests/test_rows.py 2>&1 | tee "$out/tests_prefill.log" | tail -15
+             python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b,tinyllama-1.1b,mixtral-8x7b \
+               --dtypes fp16,fp8,gf4,q8,q4 --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -60 ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))
