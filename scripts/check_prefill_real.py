@@ -1,0 +1,191 @@
+"""On the GPU machine: a real model's multi-token prefill against its token-by-token path.
+
+    python scripts/check_prefill_real.py SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/check_prefill_real.py MODEL.gguf --dtypes fp16,fp8 --kv fp16 --ppl-tokens 800
+
+Converts the GGUF (cached next to it as MODEL.<dtype>.pycalm; a .pycalm file is taken as it is,
+in its own format), then for every weight format and KV dtype:
+  (a) for prompts of --lengths tokens (slices of the text), the last row's logits of the prefill
+      (GpuEngine.prefill_logits) against the GPU token step's (GpuEngine.logits, one position at
+      a time): relative L2, at most 2e-3;
+  (b) greedy continuations of -n tokens of those prompts through generate (the prompt through the
+      prefill, then token steps) and through token steps only: identical;
+  (c) the perplexity (generate.mean_nll, the CLI's -x) of the first --ppl-tokens tokens of the
+      text through the GPU prefill against the CPU reference engine's, within 0.5%.
+The CPU perplexities (a token step a position in NumPy, the slow part) run in worker processes,
+one a (format, KV dtype), alongside the GPU checks. Prints one line a check and exits 1 when
+any fails.
+
+The text defaults to README.md and docs/*.md of this repository, joined (any text of enough
+tokens will do: --text FILE). Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) it runs on a tiny
+model with tiny --lengths / --ppl-tokens / -n, as a smoke test of the script only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pycalm.config import WEIGHT_DTYPES  # noqa: E402
+from pycalm.loader import open_model  # noqa: E402
+from pycalm.sampler import SamplingParams  # noqa: E402
+
+LOGITS_RTOL = 2e-3  # relative L2 of the prefill's last-row logits against the token step's
+PPL_RTOL = 5e-3  # the GPU prefill's perplexity against the CPU reference's
+
+
+def model_file(path: Path, dtype: str) -> Path:
+    """The pycalm file of the GGUF (or Hugging Face folder) in `dtype`, converted once; a .pycalm
+    file as it is."""
+    if path.suffix == ".pycalm":
+        return path
+    out = path.with_suffix(f".{dtype}.pycalm")
+    if not out.exists():
+        from pycalm.convert import convert
+
+        convert(path, out, dtype, progress=False)
+    return out
+
+
+def text_ids(model: object, text: str) -> list[int]:
+    from pycalm.tokenizer import Tokenizer
+
+    cfg = model.config
+    tok = Tokenizer.from_blob(
+        model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
+    )
+    return [int(t) for t in tok.encode(text)]
+
+
+def cpu_perplexity(path: str, kv: str, ids: list[int], seq_len: int) -> float:
+    """The CPU reference engine's perplexity of ids (a worker process)."""
+    from pycalm.engine import CpuEngine
+    from pycalm.generate import mean_nll
+
+    model = open_model(path)
+    return float(np.exp(mean_nll(CpuEngine(model, seq_len=seq_len, kv_dtype=kv), ids)))
+
+
+def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want.astype(np.float64)))
+
+
+def check_engine(gpu: object, prompts: list[list[int]], n_new: int, label: str) -> int:
+    """(a) and (b) on one engine; returns the number of failures."""
+    failures = 0
+    greedy = SamplingParams(temperature=0.0)
+    for ids in prompts:
+        last = list(gpu.prefill_logits(ids, 0))[-1][-1]  # the last row of the last block
+        steps = [gpu.logits(t, pos) for pos, t in enumerate(ids)][-1]  # the token path, its last
+        err = rel_l2(last, steps)
+        ok = err <= LOGITS_RTOL
+        failures += not ok
+        print(f"{label} T={len(ids)}: last-row logits rel L2 {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        through_prefill = list(gpu.generate(ids, 0, n_new, greedy))
+        gpu.multi_token = False  # the same engine, the prompt through token steps
+        try:
+            through_steps = list(gpu.generate(ids, 0, n_new, greedy))
+        finally:
+            gpu.multi_token = True
+        same = through_prefill == through_steps
+        failures += not same
+        print(
+            f"{label} T={len(ids)}: greedy {len(through_prefill)} tokens {'identical' if same else 'DIFFER'}"
+        )
+        if not same:
+            print(f"   prefill {through_prefill}\n   steps   {through_steps}")
+    return failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a GGUF file or Hugging Face folder (converted), or a .pycalm file")
+    ap.add_argument("--dtypes", default=",".join(WEIGHT_DTYPES), help="weight formats")
+    ap.add_argument("--kv", default="fp16,fp8", help="KV-cache dtypes")
+    ap.add_argument("--lengths", default="50,200,600", help="prompt lengths (tokens) of (a) and (b)")
+    ap.add_argument("-n", type=int, default=32, help="greedy tokens of (b)")
+    ap.add_argument("--ppl-tokens", type=int, default=1500, help="tokens of the perplexity text (c)")
+    ap.add_argument("--text", help="the text (default: README.md and docs/*.md)")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="CPU perplexity workers")
+    args = ap.parse_args()
+
+    from pycalm.generate import mean_nll
+    from pycalm.gpu import GpuEngine
+
+    if args.text:
+        text = Path(args.text).read_text()
+    else:
+        text = "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    path = Path(args.model)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    kvs = args.kv.split(",")
+    work = []  # (dtype, kv, model file) of every engine
+    for dtype in args.dtypes.split(","):
+        try:
+            work += [(dtype, kv, model_file(path, dtype)) for kv in kvs]
+        except Exception as e:  # noqa: BLE001 - a format the converter does not take: a failure
+            print(f"{dtype}: conversion failed: {type(e).__name__}: {e}", flush=True)
+            work.append((dtype, None, None))
+    ids = text_ids(open_model(work[0][2] or path), text)
+    if len(ids) < max(*lengths, args.ppl_tokens) + 1:
+        print(f"the text has {len(ids)} tokens, fewer than the checks take", flush=True)
+        return 1
+    prompts = [ids[n : 2 * n] if 2 * n <= len(ids) else ids[:n] for n in lengths]  # different slices
+    ppl_ids = ids[: args.ppl_tokens]
+    failures = sum(kv is None for _, kv, _ in work)
+    work = [w for w in work if w[1] is not None]
+
+    # the CPU perplexities (c) in worker processes, one thread each, while the GPU checks run
+    os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    workers = max(1, min(args.jobs, len(work)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        cpu_ppl = {
+            (dtype, kv): pool.submit(cpu_perplexity, str(f), kv, ppl_ids, args.seq_len)
+            for dtype, kv, f in work
+        }
+        gpu_ppl = {}
+        for dtype, kv, f in work:
+            label = f"{dtype} kv {kv}"
+            try:
+                gpu = GpuEngine(open_model(f), seq_len=args.seq_len, kv_dtype=kv)
+                failures += check_engine(gpu, prompts, args.n, label)
+                gpu_ppl[dtype, kv] = float(np.exp(mean_nll(gpu, ppl_ids)))
+                del gpu
+            except Exception as e:  # noqa: BLE001 - one engine's failure is reported, the rest go on
+                print(f"{label}: failed: {type(e).__name__}: {e}", flush=True)
+                failures += 1
+        for (dtype, kv), future in cpu_ppl.items():
+            if (dtype, kv) not in gpu_ppl:
+                continue
+            try:
+                want = future.result()
+            except Exception as e:  # noqa: BLE001
+                print(
+                    f"{dtype} kv {kv}: CPU reference perplexity failed: {type(e).__name__}: {e}", flush=True
+                )
+                failures += 1
+                continue
+            got = gpu_ppl[dtype, kv]
+            ok = abs(got / want - 1) <= PPL_RTOL
+            failures += not ok
+            print(
+                f"{dtype} kv {kv}: perplexity of {len(ppl_ids)} tokens: GPU prefill {got:.4f}, CPU reference"
+                f" {want:.4f} ({100 * (got / want - 1):+.3f}%) {'ok' if ok else 'FAIL'}",
+                flush=True,
+            )
+    print("FAILURES", failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
