@@ -37,6 +37,7 @@ import numpy as np
 
 from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.gpu_memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.rows import ExpertRows, RowRoutes
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
@@ -100,6 +101,20 @@ class RowBuffers:
             **moe,
         )
 
+    @staticmethod
+    def nbytes(cfg: ModelConfig, rows: int, logit_rows: int) -> int:
+        """The bytes allocate() takes (tests/test_model.py checks the two agree), known before
+        allocating so that what does not fit is one line (pycalm.gpu.require_gpu_memory)."""
+        slots = cfg.n_experts_active if cfg.n_experts else 1
+        f32, f16, i32 = 4, 2, 4
+        per_row = cfg.dim * (f32 + f16) + cfg.qkv_dim * f32 + cfg.q_dim * (f32 + f16)
+        per_row += slots * cfg.hidden_dim * f16
+        moe = 0
+        if cfg.n_experts:  # routes, group counts, rows and weights, the experts' outputs
+            moe = rows * slots * (i32 + f32) + cfg.n_experts * i32 + cfg.n_experts * rows * (i32 + f32)
+            moe += rows * slots * cfg.dim * f32
+        return rows * per_row + logit_rows * cfg.vocab_size * f32 + moe
+
     def first(self, n: int) -> RowBuffers:
         """Views of the first n rows (the logits block stays whole)."""
         slots = self.h.shape[0] // self.x.shape[0]
@@ -140,7 +155,11 @@ class Prefill:
         self.engine = engine
         self.max_chunk = max_chunk
         self.logit_rows = max(1, min(max_chunk, LOGITS_BYTES // (4 * cfg.vocab_size)))
-        self.buffers = RowBuffers.allocate(cfg, max_chunk, self.logit_rows, engine.stream)
+        nbytes = RowBuffers.nbytes(cfg, max_chunk, self.logit_rows)
+        what = f"the prefill buffers of {max_chunk:,} rows (EngineOptions.prefill_chunk)"
+        require_gpu_memory(what, nbytes)
+        with out_of_memory_as_error(what, nbytes):
+            self.buffers = RowBuffers.allocate(cfg, max_chunk, self.logit_rows, engine.stream)
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
 
     # ---------------------------------------------------------------------------------------

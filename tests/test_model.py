@@ -204,6 +204,33 @@ def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
         GpuEngine(model, seq_len=12, kv_dtype="fp16")
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_prefill_buffers_checked_before_allocating(tmp_path, monkeypatch, arch):
+    """RowBuffers.nbytes is what allocate() takes (the sum of its arrays), and a prefill chunk
+    whose buffers do not fit is one line naming them."""
+    from pycalm.errors import PycalmError
+    from pycalm.prefill import Prefill, RowBuffers
+
+    cfg = tiny_model(tmp_path, arch, "fp16").config
+    buffers = RowBuffers.allocate(cfg, 6, 4, stream=0)
+    arrays = [v for v in vars(buffers).values() if hasattr(v, "nbytes")]
+    arrays += [
+        a for v in vars(buffers).values() if hasattr(v, "__dataclass_fields__") for a in vars(v).values()
+    ]
+    assert RowBuffers.nbytes(cfg, 6, 4) == sum(a.nbytes for a in arrays)
+    if arch == "llama":  # heads of 16, which the multi-token forward takes (Mixtral: token steps)
+        tiny = make_hf_llama(tmp_path, dim=64, hidden_dim=64, n_layers=1, n_heads=4, n_kv_heads=2)
+        model = open_model(convert(tiny.path, tmp_path / "h16.pycalm", "fp16", progress=False))
+        cfg = model.config
+        engine = GpuEngine(model, seq_len=12, kv_dtype="fp16")
+        need = RowBuffers.nbytes(cfg, 64, min(64, (64 << 20) // (4 * cfg.vocab_size)))
+        _free_memory(monkeypatch, need - 1)
+        with pytest.raises(
+            PycalmError, match=rf"the prefill buffers of 64 rows .* needs 0 MiB \({need:,} bytes\)"
+        ):
+            Prefill(engine, 64)
+
+
 @pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="a real GPU's memory: GPU only")
 def test_context_larger_than_the_gpu(tmp_path):
     """A context of 10**7 positions on a tiny model whose KV rows are wide (6 layers of 8 heads
