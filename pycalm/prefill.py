@@ -50,6 +50,8 @@ def unsupported(cfg: ModelConfig) -> str | None:
     for name in ("dim", "q_dim", "hidden_dim"):  # the matmuls' K: 16-byte rows of fp16
         if getattr(cfg, name) % 8:
             return f"{name} {getattr(cfg, name)} (the matmuls need K a multiple of 8)"
+        if "q8" in (cfg.weight_dtype, *(d for _, d in cfg.tensor_dtypes)) and getattr(cfg, name) % 16:
+            return f"{name} {getattr(cfg, name)} with q8 weights (their matmuls load 16 codes at once)"
     return None
 
 
@@ -174,21 +176,22 @@ class Prefill:
         from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
         e, b = self.engine, self._rows(n_rows)
-        cfg, dt, eps, s = e.config, e.config.weight_dtype, e.config.norm_eps, e.stream
+        cfg, eps, s = e.config, e.config.norm_eps, e.stream
         experts = b.experts if cfg.n_experts else None  # MoE: the group lists of n_rows rows
         # x[t] = the embedding row of the token at position pos0 + t
-        embed_rows(e.tok_embeddings, e.feed[pos0 : pos0 + n_rows], b.x, dt, stream=s)
+        embed_rows(e.tok_embeddings, e.feed[pos0 : pos0 + n_rows], b.x, e.embed_dtype, stream=s)
         for L, cache in zip(e.layers, e.kv_caches, strict=True):
+            dt = L.dtypes  # each matrix's format
             # xb = rmsnorm(x) * attn_norm, fp16
             rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s)
             # qkv = xb Wqkv^T
-            matmul(b.xb, L.wqkv, b.qkv, dt, stream=s)
+            matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s)
             # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
             qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
             # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
             prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
             # x += att Wo^T
-            matmul(b.att, L.wo, b.x, dt, stream=s, mode="residual")
+            matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual")
             # xb = rmsnorm(x) * ffn_norm, fp16
             rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
             if cfg.n_experts:
@@ -198,16 +201,16 @@ class Prefill:
                 # the rows grouped by expert
                 moe_group(b.routes, experts, stream=s)
                 # h[t k + j] = silu(xb[t] W1_e^T) * (xb[t] W3_e^T), e = ids[t, j], fp16
-                expert_matmul(b.xb, L.w1, b.h, dt, experts, b.routes, stream=s, mode="gate", w3=L.w3)
+                expert_matmul(b.xb, L.w1, b.h, dt["w1"], experts, b.routes, stream=s, mode="gate", w3=L.w3)
                 # y[t k + j] = h[t k + j] W2_e^T
-                expert_matmul(b.h, L.w2, b.y, dt, experts, b.routes, stream=s)
+                expert_matmul(b.h, L.w2, b.y, dt["w2"], experts, b.routes, stream=s)
                 # x[t] += sum over j of weights[t, j] y[t k + j]
                 moe_combine_rows(b.y, b.routes, b.x, stream=s)
             else:
                 # h = silu(xb W1^T) * (xb W3^T), fp16
-                matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3)
+                matmul(b.xb, L.w1, b.h, dt["w1"], stream=s, mode="gate", w3=L.w3)
                 # x += h W2^T
-                matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual")
+                matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual")
 
     def classify_rows(self, first: int, n_rows: int) -> None:
         """Enqueue logits[:n_rows] = Wout rmsnorm(x[first + i]) * norm for rows first .. first +
@@ -220,7 +223,7 @@ class Prefill:
         # xb = rmsnorm(x) * norm, fp16
         rmsnorm_rows(b.x[rows], e.norm, cfg.norm_eps, b.xb[rows], stream=s)
         # logits = xb Wout^T
-        matmul(b.xb[rows], e.output, b.logits[:n_rows], cfg.weight_dtype, stream=s)
+        matmul(b.xb[rows], e.output, b.logits[:n_rows], e.output_dtype, stream=s)
 
     # ---------------------------------------------------------------------------------------
     def run(self, ids: list[int], start_pos: int, logits: str = "none") -> Iterator[np.ndarray]:

@@ -73,32 +73,54 @@ def sum_scale(x: np.ndarray, w: np.ndarray, dtype: str, ids: np.ndarray, by_slot
     return out
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])
+def to_device(w: np.ndarray | formats.Quantized) -> object:
+    """A stored stack on the device (q8 / q4: codes and scales both)."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
+
+
+def reference_weights(stored: tuple, dtype: str) -> tuple[tuple, str]:
+    """The stacks as the references take them, and their dtype: as stored, except q8 decoded to
+    float32 (the row scale goes onto the kernel's sums) and q4 decoded and rounded to fp16 (what
+    the tensor cores multiply; see tests/test_matmul.py)."""
+    if dtype == "q8":
+        return tuple(formats.decode(s, dtype) for s in stored), "fp32"
+    if dtype == "q4":
+        return tuple(formats.fp16_encode(formats.decode(s, dtype)) for s in stored), "fp16"
+    return stored, dtype
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4"])
 def test_expert_matmul_and_combine(dtype):
-    rng = np.random.default_rng({"fp16": 0, "fp8": 1, "gf4": 2}[dtype])
+    rng = np.random.default_rng({"fp16": 0, "fp8": 1, "gf4": 2, "q8": 3, "q4": 4}[dtype])
     n_rows, n_experts, k, dim, hidden_dim = 37, 5, 2, 40, 24  # 37 rows: two 32-row tiles
+    if dtype in formats.QUANTIZED:  # K: q8's 16-code loads, q4's groups of 32 (w2: 64, two groups)
+        dim, hidden_dim = 32, 64
     ids, w = crafted_routes(n_rows, n_experts, k, rng)
     stream = cuda.stream()
     routes, experts = grouped(ids, w, n_experts, stream)
 
-    def stack(rows: int, cols: int) -> np.ndarray:
-        return np.stack([formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
-                         for _ in range(n_experts)])  # fmt: skip
+    def stack(rows: int, cols: int) -> np.ndarray | formats.Quantized:
+        return formats.encode(rng.standard_normal((n_experts, rows, cols)).astype(np.float32), dtype)
 
-    w1, w3, w2 = stack(hidden_dim, dim), stack(hidden_dim, dim), stack(dim, hidden_dim)
+    stored = stack(hidden_dim, dim), stack(hidden_dim, dim), stack(dim, hidden_dim)
+    w1_dev, w3_dev, w2_dev = (to_device(s) for s in stored)
+    (w1, w3, w2), dtype_ref = reference_weights(stored, dtype)
     xb = formats.fp16_encode(rng.standard_normal((n_rows, dim)) * 0.5)  # the normed rows
 
     # h[t k + j] = silu(xb[t] W1_e^T) * (xb[t] W3_e^T)
     h = cuda.to_device(np.full((n_rows * k, hidden_dim), np.nan, np.float16))
-    expert_matmul(cuda.to_device(xb), cuda.to_device(w1), h, dtype, experts, routes, stream=stream,
-                  mode="gate", w3=cuda.to_device(w3))  # fmt: skip
+    expert_matmul(
+        cuda.to_device(xb), w1_dev, h, dtype, experts, routes, stream=stream, mode="gate", w3=w3_dev
+    )
     stream.synchronize()
     got_h = h.copy_to_host()
-    want_h = expert_gate_ref(xb, w1, w3, dtype, ids)
+    want_h = expert_gate_ref(xb, w1, w3, dtype_ref, ids)
     assert np.all(np.isfinite(got_h)), "a slot left unwritten"
-    a = np.abs(expert_matmul_ref(np.repeat(xb, k, 0), w1, dtype, ids))  # |xb W1^T| of each slot
-    b = np.abs(expert_matmul_ref(np.repeat(xb, k, 0), w3, dtype, ids))
-    da, db = RTOL * sum_scale(xb, w1, dtype, ids, False), RTOL * sum_scale(xb, w3, dtype, ids, False)
+    a = np.abs(expert_matmul_ref(np.repeat(xb, k, 0), w1, dtype_ref, ids))  # |xb W1^T| of each slot
+    b = np.abs(expert_matmul_ref(np.repeat(xb, k, 0), w3, dtype_ref, ids))
+    da, db = RTOL * sum_scale(xb, w1, dtype_ref, ids, False), RTOL * sum_scale(xb, w3, dtype_ref, ids, False)
     # one fp16 rounding each side, and the sums' float32 error through the gate (see test_matmul)
     tol = 2.0**-10 * np.abs(want_h.astype(np.float64)) + 1.1 * b * da + (a + 0.28) * db + 2.0**-24
     err = np.abs(got_h.astype(np.float64) - want_h)
@@ -106,12 +128,12 @@ def test_expert_matmul_and_combine(dtype):
 
     # y[t k + j] = h[t k + j] W2_e^T, from the reference's h (the kernel's input exactly)
     y = cuda.to_device(np.full((n_rows * k, dim), np.nan, np.float32))
-    expert_matmul(cuda.to_device(want_h), cuda.to_device(w2), y, dtype, experts, routes, stream=stream)
+    expert_matmul(cuda.to_device(want_h), w2_dev, y, dtype, experts, routes, stream=stream)
     stream.synchronize()
     got_y = y.copy_to_host()
-    want_y = expert_matmul_ref(want_h, w2, dtype, ids)
+    want_y = expert_matmul_ref(want_h, w2, dtype_ref, ids)
     err = np.abs(got_y.astype(np.float64) - want_y)
-    assert np.all(err <= RTOL * sum_scale(want_h, w2, dtype, ids, True) + 1e-30), "w2 slots"
+    assert np.all(err <= RTOL * sum_scale(want_h, w2, dtype_ref, ids, True) + 1e-30), "w2 slots"
 
     # x[t] += sum_j w[t, j] y[t k + j]
     x0 = rng.standard_normal((n_rows, dim)).astype(np.float32)
@@ -125,21 +147,21 @@ def test_expert_matmul_and_combine(dtype):
     xf = xb.astype(np.float32)
     for t in (0, n_rows - 1):
         slots = slice(t * k, (t + 1) * k)
-        h_tok = moe_ffn_gate_ref(w1, w3, xf[t], dtype, ids[t], np.ones(k, np.float32))
+        h_tok = moe_ffn_gate_ref(w1, w3, xf[t], dtype_ref, ids[t], np.ones(k, np.float32))
         np.testing.assert_allclose(want_h[slots].reshape(-1), h_tok, rtol=2.0**-10, atol=2.0**-24)
-        x_tok = moe_matvec_residual_ref(w2, h_tok * np.repeat(w[t], hidden_dim), dtype, ids[t], x0[t])
+        x_tok = moe_matvec_residual_ref(w2, h_tok * np.repeat(w[t], hidden_dim), dtype_ref, ids[t], x0[t])
         np.testing.assert_allclose(want_x[t], x_tok, rtol=3e-3, atol=3e-3 * np.abs(x_tok).max())
-        y_tok = matvec_residual_ref(w2[ids[t, 0]], want_h[t * k].astype(np.float32), dtype, x0[t])
+        y_tok = matvec_residual_ref(w2[ids[t, 0]], want_h[t * k].astype(np.float32), dtype_ref, x0[t])
         np.testing.assert_allclose(x0[t] + want_y[t * k], y_tok, rtol=1e-5, atol=1e-5 * np.abs(y_tok).max())
 
 
 @pytest.mark.skipif(not GPU, reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)")
-@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4"])
+@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4"])
 def test_expert_matmul_mixtral_shape(dtype):
-    """Mixtral-like: dim 4096, hidden_dim 14336 (a slice of it: 1432), 8 experts, top 2, 300
-    rows routed at random, on the default tile."""
+    """Mixtral-like: dim 4096, hidden_dim 14336 (a slice of it: 1432; q8 / q4: 1440, whole
+    groups), 8 experts, top 2, 300 rows routed at random, on the default tile."""
     rng = np.random.default_rng(7)
-    n_rows, n_experts, k, dim, hidden_dim = 300, 8, 2, 4096, 1432
+    n_rows, n_experts, k, dim, hidden_dim = 300, 8, 2, 4096, 1440 if dtype in formats.QUANTIZED else 1432
     ids = np.stack([rng.permutation(n_experts)[:k] for _ in range(n_rows)]).astype(np.int32)
     w = rng.uniform(0.1, 1.0, (n_rows, k)).astype(np.float32)
     stream = cuda.stream()
@@ -148,22 +170,25 @@ def test_expert_matmul_mixtral_shape(dtype):
                            ((n_experts, np.int32), ((n_experts, n_rows), np.int32), ((n_experts, n_rows), np.float32))))  # fmt: skip
     moe_group(routes, experts, stream=stream)
 
-    def stack(rows: int, cols: int) -> np.ndarray:
+    def stack(rows: int, cols: int) -> np.ndarray | formats.Quantized:
         return formats.encode(rng.standard_normal((n_experts, rows, cols)).astype(np.float32), dtype)
 
-    w1, w3, w2 = stack(hidden_dim, dim), stack(hidden_dim, dim), stack(dim, hidden_dim)
+    stored = stack(hidden_dim, dim), stack(hidden_dim, dim), stack(dim, hidden_dim)
+    w1_dev, w3_dev, w2_dev = (to_device(s) for s in stored)
+    (w1, w3, w2), dtype_ref = reference_weights(stored, dtype)
     xb = formats.fp16_encode(rng.standard_normal((n_rows, dim)) * 0.05)
     h = cuda.device_array((n_rows * k, hidden_dim), np.float16)
-    expert_matmul(cuda.to_device(xb), cuda.to_device(w1), h, dtype, experts, routes, stream=stream,
-                  mode="gate", w3=cuda.to_device(w3))  # fmt: skip
-    want_h = expert_gate_ref(xb, w1, w3, dtype, ids)
+    expert_matmul(
+        cuda.to_device(xb), w1_dev, h, dtype, experts, routes, stream=stream, mode="gate", w3=w3_dev
+    )
+    want_h = expert_gate_ref(xb, w1, w3, dtype_ref, ids)
     got_h = h.copy_to_host(stream=stream)
     stream.synchronize()
     rel = np.linalg.norm(got_h.astype(np.float32) - want_h) / np.linalg.norm(want_h.astype(np.float32))
     assert rel < 1e-3
     y = cuda.device_array((n_rows * k, dim), np.float32)
-    expert_matmul(cuda.to_device(want_h), cuda.to_device(w2), y, dtype, experts, routes, stream=stream)
-    want_y = expert_matmul_ref(want_h, w2, dtype, ids)
+    expert_matmul(cuda.to_device(want_h), w2_dev, y, dtype, experts, routes, stream=stream)
+    want_y = expert_matmul_ref(want_h, w2, dtype_ref, ids)
     got_y = y.copy_to_host(stream=stream)
     stream.synchronize()
     assert np.linalg.norm(got_y - want_y) / np.linalg.norm(want_y) < 1e-5

@@ -46,12 +46,17 @@ SEQ_LEN = 32
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def tiny_model(tmp_path, arch: str, dtype: str, n_layers: int = 2, **kw):
+def tiny_model(tmp_path, arch: str, dtype: str, n_layers: int = 2, bits: float = 5.0, **kw):
+    """A tiny random model converted to dtype (q4: its mixed-precision policy within `bits` a
+    weight); q8 / q4 take hidden_dim 64 (q4 groups of 32 columns, q8 loads of 16)."""
+    hidden_dim = 64 if dtype in formats.QUANTIZED else 48
     tiny = make_hf_llama(
-        tmp_path, arch=arch, dim=32, hidden_dim=48, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
+        tmp_path, arch=arch, dim=32, hidden_dim=hidden_dim, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=16,
         vocab_size=64, **kw,
     )  # fmt: skip
-    return open_model(convert(tiny.path, tmp_path / f"{arch}-{dtype}.pycalm", dtype, progress=False))
+    return open_model(
+        convert(tiny.path, tmp_path / f"{arch}-{dtype}.pycalm", dtype, progress=False, bits=bits)
+    )
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -105,13 +110,16 @@ def check_kv(got: np.ndarray, want: np.ndarray, kv: str) -> None:
         assert np.all(np.abs(got - want)[differ] <= step[differ])
 
 
-def prefill_ref(model, kv: str, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def prefill_ref(
+    model, kv: str, ids: list[int], over: GpuEngine | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The multi-token forward in NumPy, from pycalm.reference's row functions in forward_rows's
     order (fp16 activations into the matmuls, as the kernels take them), from position 0:
-    logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32."""
+    logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32. With `over` given,
+    attention reads that engine's KV cache rows instead of its own (fp8: see check_kv)."""
     cfg, n = model.config, len(ids)
     ref = CpuEngine(model, seq_len=n, kv_dtype=kv).ref  # the weights, decoded
-    x = embed_rows_ref(model.tensor("tok_embeddings"), np.asarray(ids), cfg.weight_dtype)
+    x = embed_rows_ref(model.tensor("tok_embeddings"), np.asarray(ids), cfg.dtype_of("tok_embeddings"))
     k_cache = np.zeros((cfg.n_layers, n, cfg.kv_dim), np.float32)
     v_cache = np.zeros_like(k_cache)
     for layer in range(cfg.n_layers):
@@ -121,10 +129,13 @@ def prefill_ref(model, kv: str, ids: list[int]) -> tuple[np.ndarray, np.ndarray,
         bias = ref._w(p + "bqkv") if cfg.qkv_bias else None
         q, k, v = qkv_rows_ref(qkv, bias, 0, ref.rope_freqs, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         k_cache[layer], v_cache[layer] = kv_round(k, kv), kv_round(v, kv)
+        keys, values = k_cache[layer], v_cache[layer]
+        if over is not None:
+            keys, values = (decoded(c, kv)[:n] for c in (over.kv_caches[layer].k, over.kv_caches[layer].v))
         att = prefill_attention_ref(
             q,
-            k_cache[layer],
-            v_cache[layer],
+            keys,
+            values,
             0,
             cfg.n_heads,
             cfg.n_kv_heads,
@@ -150,26 +161,34 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    "arch,dtype,kv,n",
+    "arch,dtype,kv,n,bits",
     # every weight format, both KV dtypes, Qwen2's biases, Mistral's sliding window (16
-    # positions in tiny_models) with more rows than the window, and Mixtral's experts (4, top 2)
+    # positions in tiny_models) with more rows than the window, and Mixtral's experts (4, top 2);
+    # q4's policy mixes formats: at 6 bits a weight the llama's w2 and output are q8, the rest
+    # q4 in groups of 32; at 7 bits Mixtral's expert w2 stack is q8 beside q4 w1 / w3; at 4.6
+    # Qwen2's wo and w2 are q4 in groups of 64
     [
-        ("llama", "fp16", "fp16", 9),
-        ("llama", "fp8", "fp8", 9),
-        ("qwen2", "gf4", "fp8", 9),
-        ("mistral", "fp16", "fp16", 21),
-        ("mixtral", "gf4", "fp16", 9),
+        ("llama", "fp16", "fp16", 9, 5.0),
+        ("llama", "fp8", "fp8", 9, 5.0),
+        ("qwen2", "gf4", "fp8", 9, 5.0),
+        ("mistral", "fp16", "fp16", 21, 5.0),
+        ("mixtral", "gf4", "fp16", 9, 5.0),
+        ("llama", "q8", "fp16", 9, 5.0),
+        ("llama", "q4", "fp16", 9, 6.0),
+        ("qwen2", "q4", "fp8", 9, 4.6),
+        ("mixtral", "q4", "fp16", 9, 7.0),
     ],
 )
-def test_prefill_logits_match_token_path(tmp_path, arch, dtype, kv, n):
-    model = tiny_model(tmp_path, arch, dtype, n_layers=1)
+def test_prefill_logits_match_token_path(tmp_path, arch, dtype, kv, n, bits):
+    model = tiny_model(tmp_path, arch, dtype, n_layers=1, bits=bits)
     ids = tokens(n)
     gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype=kv)
     blocks = list(gpu.prefill_logits(ids, 0))
     got = np.concatenate(blocks)
     assert got.shape == (n, model.config.vocab_size)
-    # the prefill's own math in NumPy (fp16 activations): float32 summation order apart
-    assert rel_l2(got, prefill_ref(model, kv, ids)[0]) < 2e-3
+    # the prefill's own math in NumPy (fp16 activations): float32 summation order apart (fp8:
+    # attending over the engine's cache, check_kv says why)
+    assert rel_l2(got, prefill_ref(model, kv, ids, over=gpu if kv == "fp8" else None)[0]) < 2e-3
     want, cpu = token_path(model, kv, ids)
     check_caches(gpu, cpu, kv, n)
     if kv == "fp8":  # over the prefill's cache (check_kv says why)
@@ -251,8 +270,11 @@ def test_perplexity_matches_reference(tmp_path):
         ("llama", "fp8", "fp16"),
         ("llama", "gf4", "fp16"),
         ("llama", "gf4", "fp8"),
+        ("llama", "q8", "fp16"),
+        ("llama", "q4", "fp8"),
         ("mixtral", "fp16", "fp16"),
         ("mixtral", "fp8", "fp8"),
+        ("mixtral", "q4", "fp16"),
     ],
 )
 def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
@@ -268,7 +290,10 @@ def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     the rounding's, not a kernel's. Position 0 (no attention mixing) agrees to 8e-4.
 
     Mixtral: 8 experts of hidden_dim 2816, top 2 (about 60 rows an expert a chunk), in the same
-    shape; the routing of prefill_ref is its own (from its residual stream)."""
+    shape; the routing of prefill_ref is its own (from its residual stream).
+
+    fp8 KV: the logits against prefill_ref attending over the engine's cache (check_kv says why;
+    its own cache rows are checked against the engine's)."""
     tiny = make_hf_llama(
         tmp_path, arch=arch, dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
         vocab_size=4096, n_experts=8,
@@ -278,9 +303,11 @@ def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     gpu = GpuEngine(model, seq_len=256, kv_dtype=kv, options=EngineOptions(prefill_chunk=96))
     got = np.concatenate(list(gpu.prefill_logits(ids, 0)))
     want, k_cache, v_cache = prefill_ref(model, kv, ids)
-    assert rel_l2(got, want) < 2e-3
     for layer, cache in enumerate(gpu.kv_caches):
         check_kv(decoded(cache.k, kv)[:240], k_cache[layer], kv)
         check_kv(decoded(cache.v, kv)[:240], v_cache[layer], kv)
+    if kv == "fp8":
+        want, _, _ = prefill_ref(model, kv, ids, over=gpu)
+    assert rel_l2(got, want) < 2e-3
     token = GpuEngine(model, seq_len=256, kv_dtype=kv)
     assert rel_l2(got[0], token.logits(ids[0], 0)) < 2e-3

@@ -34,8 +34,20 @@ from numba import config as _numba_config
 from numba import cuda
 
 from pycalm.errors import PycalmError
+from pycalm.formats import QUANTIZED, Quantized
 from pycalm.kernels.common import dependent_start
-from pycalm.kernels.matmul import _SIG_W, GATE, MODES, PLAIN, SIM_TILE, TILE, UNIT, Tile, make_matmul_kernel
+from pycalm.kernels.matmul import (
+    _SIG_W,
+    GATE,
+    MODES,
+    PLAIN,
+    SIM_TILE,
+    TILE,
+    UNIT,
+    Tile,
+    check_quantized,
+    make_matmul_kernel,
+)
 from pycalm.kernels.rows import ExpertRows, RowRoutes
 
 THREADS = 32 if _numba_config.ENABLE_CUDASIM else 256  # moe_combine_rows' block
@@ -57,7 +69,8 @@ def expert_matmul(
     """For every slot t k + j (row t's j-th expert e = routes.ids[t, j]):
     "plain": out[t k + j] = x[t k + j] W_e^T, x (T k, K) float16 (the slots of h), out (T k, N)
     float32; "gate": out[t k + j] = silu(x[t] W_e^T) * (x[t] W3_e^T), x (T, K) float16 (the
-    normed rows), out (T k, N) float16. W (and W3): stored (n_experts, N, K) stacks in `dtype`;
+    normed rows), out (T k, N) float16. W (and W3): stored (n_experts, N, K) stacks in `dtype`
+    (q8 / q4: a formats.Quantized of the codes' and the scales' stacks);
     experts: moe_group's grouping of routes. Device arrays. References:
     pycalm.reference.expert_matmul_ref, expert_gate_ref."""
     if mode not in ("plain", "gate"):
@@ -65,7 +78,7 @@ def expert_matmul(
     if (mode == "gate") != (w3 is not None):
         raise PycalmError("the gate takes w3, and only the gate")
     tile = tile or (SIM_TILE if _numba_config.ENABLE_CUDASIM else TILE)
-    n_experts, n_cols = w.shape[0], w.shape[1]
+    n_experts, n_cols = (w.codes if isinstance(w, Quantized) else w).shape[:2]
     n_rows, k = routes.ids.shape
     x_rows = n_rows if mode == "gate" else n_rows * k
     if x.shape[0] != x_rows or out.shape != (n_rows * k, n_cols) or experts.rows.shape != (n_experts, n_rows):
@@ -78,14 +91,24 @@ def expert_matmul(
     kernel = make_matmul_kernel(dtype, MODES[mode], tile, grouped=True)
     out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
     grid = (n_experts * -(-n_rows // tile.block_m), -(-n_cols // out_n))
-    stack = _stack_2d(w)
-    kernel[grid, tile.threads, stream](
-        x, stack, stack if w3 is None else _stack_2d(w3), out, experts.count, experts.rows, routes.ids
-    )
+    w1 = _stack_2d(w)
+    w3 = w1 if w3 is None else _stack_2d(w3)
+    groups = (experts.count, experts.rows, routes.ids)
+    if dtype in QUANTIZED:
+        check_quantized(w1, dtype, x.shape[1])
+        check_quantized(w3, dtype, x.shape[1])
+        kernel[grid, tile.threads, stream](x, w1.codes, w1.scales, w3.codes, w3.scales, out, *groups)
+    else:
+        kernel[grid, tile.threads, stream](x, w1, w3, out, *groups)
 
 
 def _stack_2d(w: object) -> object:
-    """(n_experts, rows, cols) stack -> its (n_experts * rows, cols) view (no copy)."""
+    """(n_experts, rows, cols) stack -> its (n_experts * rows, cols) view (no copy); q8 / q4: the
+    codes' and the scales' views alike (scales (n_experts * rows,) / (n_experts * rows, groups, 2))."""
+    if isinstance(w, Quantized):
+        return Quantized(
+            _stack_2d(w.codes), w.scales.reshape(w.scales.shape[0] * w.scales.shape[1], *w.scales.shape[2:])
+        )
     return w.reshape(w.shape[0] * w.shape[1], w.shape[2])
 
 
