@@ -64,8 +64,10 @@ from gpubench import copy_ceiling, fill  # noqa: E402
 
 from pycalm import formats  # noqa: E402
 from pycalm.config import ModelConfig  # noqa: E402
+from pycalm.convert import DEFAULT_BITS  # noqa: E402
 from pycalm.gpu import EngineOptions, GpuEngine, step_bytes  # noqa: E402
 from pycalm.graph import GraphStep  # noqa: E402
+from pycalm.quantize import plan_dtypes  # noqa: E402
 from pycalm.sampler import SamplingParams  # noqa: E402
 
 SHAPES = {
@@ -141,7 +143,7 @@ def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
             )
     else:
         spec = dict(SHAPES[shape])
-    return ModelConfig(
+    cfg = ModelConfig(
         **spec,
         max_seq_len=seq_len,
         rotary_dim=spec["head_dim"],
@@ -150,6 +152,9 @@ def config_for(shape: str, dtype: str, seq_len: int) -> ModelConfig:
         eos_ids=(),
         weight_dtype=dtype,
     )
+    # q4: the converter's default mixed-precision policy (what `convert --dtype q4` writes from a
+    # fp16 source: the sensitive matrices in q8, groups of 64 then 32 within DEFAULT_BITS)
+    return plan_dtypes(cfg, set(), DEFAULT_BITS) if dtype == "q4" else cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,10 +207,13 @@ class RandomDeviceModel:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self._seed = 1
+        self._scales: dict[str, object] = {}  # q8 / q4: "NAME.scales" made with NAME's codes
 
     def device_tensor(self, name: str) -> object:
         c = self.config
         self._seed += 1
+        if name.endswith(".scales"):
+            return self._scales.pop(name)
         if name == "rope_freqs":
             i = np.arange(c.rotary_dim // 2, dtype=np.float64)
             return cuda.to_device((c.rope_theta ** (-2 * i / c.rotary_dim)).astype(np.float32))
@@ -229,7 +237,11 @@ class RandomDeviceModel:
         }[name.split(".")[-1]]
         # MoE: w1, w3, w2 are stacks (n_experts, rows, cols)
         stack = (c.n_experts,) if c.n_experts and name.split(".")[-1] in ("w1", "w2", "w3") else ()
-        return random_weights(rows, cols, c.weight_dtype, self._seed, stack, c.q4_group)
+        w = random_weights(rows, cols, c.dtype_of(name), self._seed, stack, c.group_of(name))
+        if isinstance(w, formats.Quantized):
+            self._scales[name + ".scales"] = w.scales
+            return w.codes
+        return w
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,13 +298,14 @@ def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
     from pycalm.kernels.qkv import qkv_rope
 
     e, cfg, s = engine, engine.config, engine.stream
-    dt, eps, span = cfg.weight_dtype, cfg.norm_eps, engine.span(pos)
-    roles = {  # role -> the launch for one layer
+    eps, span = cfg.norm_eps, engine.span(pos)
+    roles = {  # role -> the launch for one layer (each matrix in its own format: L.dtypes)
         "qkv_rope": lambda L, cache: qkv_rope(L, e.x, e.rope_freqs, e.state, e.q, cache, cfg, stream=s),
         "attention": lambda L, cache: attention(e.q, cache, e.state, e.att, cfg, e.att_scratch, stream=s, span=span),
-        "wo+res": lambda L, cache: matvec_residual(L.wo, e.att, e.x, dt, stream=s),
-        "ffn_gate": lambda L, cache: ffn_gate(L.w1, L.w3, e.x, e.h, dt, stream=s, norm_w=L.ffn_norm, eps=eps),
-        "w2+res": lambda L, cache: matvec_residual(L.w2, e.h, e.x, dt, stream=s),
+        "wo+res": lambda L, cache: matvec_residual(L.wo, e.att, e.x, L.dtypes["wo"], stream=s),
+        "ffn_gate": lambda L, cache: ffn_gate(L.w1, L.w3, e.x, e.h, L.dtypes["w1"], stream=s, norm_w=L.ffn_norm,
+                                              eps=eps),
+        "w2+res": lambda L, cache: matvec_residual(L.w2, e.h, e.x, L.dtypes["w2"], stream=s),
     }  # fmt: skip
     if cfg.n_experts:  # the MoE block instead (the experts' launches read the chosen ones only)
         del roles["ffn_gate"], roles["w2+res"]
@@ -305,7 +318,7 @@ def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
             launch(L, cache)
 
     def classifier() -> None:
-        matvec(e.output, e.x, e.logits_buf, dt, stream=s, norm_w=e.norm, eps=eps)
+        matvec(e.output, e.x, e.logits_buf, e.output_dtype, stream=s, norm_w=e.norm, eps=eps)
 
     nbytes = step_bytes(cfg, e.kv_dtype, pos, e.att_scratch.chunk)
     out = {
@@ -440,25 +453,26 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
     e, cfg, s = engine, engine.config, engine.stream
-    dt, eps, p = cfg.weight_dtype, cfg.norm_eps, engine._prefill_step()
-    roles = {  # role -> its launches for one layer and a chunk of rows b
+    eps, p = cfg.norm_eps, engine._prefill_step()
+    roles = {  # role -> its launches for one layer and a chunk of rows b (formats: L.dtypes)
         "rmsnorm_rows": lambda L, c, b: (rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s),
                                               rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)),
-        "matmul qkv": lambda L, c, b: matmul(b.xb, L.wqkv, b.qkv, dt, stream=s),
+        "matmul qkv": lambda L, c, b: matmul(b.xb, L.wqkv, b.qkv, L.dtypes["wqkv"], stream=s),
         "qkv_rows": lambda L, c, b: qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, c, cfg, stream=s),
         "prefill_attention": lambda L, c, b: prefill_attention(b.q, c, e.state, b.att, cfg, stream=s),
-        "matmul wo+res": lambda L, c, b: matmul(b.att, L.wo, b.x, dt, stream=s, mode="residual"),
-        "matmul gate": lambda L, c, b: matmul(b.xb, L.w1, b.h, dt, stream=s, mode="gate", w3=L.w3),
-        "matmul w2+res": lambda L, c, b: matmul(b.h, L.w2, b.x, dt, stream=s, mode="residual"),
+        "matmul wo+res": lambda L, c, b: matmul(b.att, L.wo, b.x, L.dtypes["wo"], stream=s, mode="residual"),
+        "matmul gate": lambda L, c, b: matmul(b.xb, L.w1, b.h, L.dtypes["w1"], stream=s, mode="gate", w3=L.w3),
+        "matmul w2+res": lambda L, c, b: matmul(b.h, L.w2, b.x, L.dtypes["w2"], stream=s, mode="residual"),
     }  # fmt: skip
     if cfg.n_experts:  # the MoE block instead of the dense FFN
         del roles["matmul gate"], roles["matmul w2+res"]
         roles.update({
             "moe_route_rows": lambda L, c, b: moe_route_rows(L, b.x, b.routes, cfg, stream=s),
             "moe_group": lambda L, c, b: moe_group(b.routes, b.experts, stream=s),
-            "expert gate": lambda L, c, b: expert_matmul(b.xb, L.w1, b.h, dt, b.experts, b.routes, stream=s,
-                                                         mode="gate", w3=L.w3),
-            "expert w2": lambda L, c, b: expert_matmul(b.h, L.w2, b.y, dt, b.experts, b.routes, stream=s),
+            "expert gate": lambda L, c, b: expert_matmul(b.xb, L.w1, b.h, L.dtypes["w1"], b.experts, b.routes,
+                                                         stream=s, mode="gate", w3=L.w3),
+            "expert w2": lambda L, c, b: expert_matmul(b.h, L.w2, b.y, L.dtypes["w2"], b.experts, b.routes,
+                                                       stream=s),
             "moe_combine_rows": lambda L, c, b: moe_combine_rows(b.y, b.routes, b.x, stream=s),
         })  # fmt: skip
 
@@ -473,7 +487,7 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
         tokens = e.feed[pos0 : pos0 + n]
         graphs = {name: GraphStep(s, functools.partial(every_layer, fn, b)) for name, fn in roles.items()}
         graphs["embed_rows"] = GraphStep(
-            s, functools.partial(embed_rows, e.tok_embeddings, tokens, b.x, dt, stream=s)
+            s, functools.partial(embed_rows, e.tok_embeddings, tokens, b.x, e.embed_dtype, stream=s)
         )
         for name, g in graphs.items():
             out[name] += time_replays(e, lambda q, g=g: g, pos0, 3)  # sets state: pos0

@@ -181,16 +181,17 @@ def _launch_kernel(kernel, dtype, wa, wb, x, norm_w, eps, out, mode, split):
     kernel[blocks, threads, cuda.default_stream()](*args)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if not d.startswith("q4")])
 def test_matvec_split_kernel(dtype):
     """Row groups shared by 2 and 3 warps (split): residual, fused-norm and gate launches give
     the references' values; 13 rows, so a block's warps loop over several groups (the sums'
     buffer halves alternate) and the last group is partial. 1288 columns: 161 loads a row
     (fp16 wide, fp8 / q8 / gf4 narrow), so every part has whole steps, a partial one and, for
-    some, none at the end; q4: 1344 columns, 42 16-byte loads (21 groups of 64, or 42 of 32)."""
+    some, none at the end. Not q4: split_for never splits it, and its split kernel's registers
+    do not fit the 16 warps a split block has (on the H200: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)."""
     from pycalm.kernels.matvec import GATE, PLAIN, RESIDUAL, load_bytes, matvec_kernel
 
-    rows, cols, eps = 13, 1344 if dtype.startswith("q4") else 1288, 1e-5
+    rows, cols, eps = 13, 1288, 1e-5
     rng = np.random.default_rng(11)
     w, wd = _weights(rng, rows, cols, dtype)
     w3, w3d = _weights(rng, rows, cols, dtype)

@@ -100,23 +100,29 @@ def check_kv(got: np.ndarray, want: np.ndarray, kv: str) -> None:
     neighbouring e5m2 value now and then (a 12-25% step): a few elements may differ, by one e5m2
     step each. Such a step moves the logits by up to about 1% on these tiny models, so with fp8
     the logits are compared with the reference attending over the prefill's own cache
-    (token_path with gpu)."""
+    (token_path with gpu). An element much smaller than its row (a k after RoPE's cancellation)
+    carries the row's absolute error, not its own relative one: on the H200 a 6.1e-4 against a
+    9.8e-4 in rows of magnitude 1-8 (three e5m2 steps apart, 3.7e-4 of the row's scale), so each
+    element may also differ by 2e-3 of its row's rms."""
     if kv == "fp16":
         assert rel_l2(got, want) < 2e-3
     else:
         differ = got != want
         assert differ.mean() < 0.02
-        step = 0.25 * np.maximum(np.abs(got), np.abs(want)) + 2.0**-16  # e5m2: 2 bits, subnormals
+        rms = np.sqrt(np.mean(want * want, axis=-1, keepdims=True))
+        step = 0.25 * np.maximum(np.abs(got), np.abs(want)) + 2e-3 * rms + 2.0**-16  # e5m2: 2 bits
         assert np.all(np.abs(got - want)[differ] <= step[differ])
 
 
 def prefill_ref(
-    model, kv: str, ids: list[int], over: GpuEngine | None = None
+    model, kv: str, ids: list[int], over: GpuEngine | None = None, margins: list | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The multi-token forward in NumPy, from pycalm.reference's row functions in forward_rows's
     order (fp16 activations into the matmuls, as the kernels take them), from position 0:
     logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32. With `over` given,
-    attention reads that engine's KV cache rows instead of its own (fp8: see check_kv)."""
+    attention reads that engine's KV cache rows instead of its own (fp8: see check_kv). With
+    `margins` given (MoE), each MoE layer appends each row's router-logit gap between its k-th
+    and (k+1)-th expert (T,): how far the row is from choosing another expert."""
     cfg, n = model.config, len(ids)
     ref = CpuEngine(model, seq_len=n, kv_dtype=kv).ref  # the weights, decoded
     x = embed_rows_ref(model.tensor("tok_embeddings"), np.asarray(ids), cfg.dtype_of("tok_embeddings"))
@@ -148,6 +154,9 @@ def prefill_ref(
         if cfg.n_experts:  # Mixtral: route, each expert's rows, the weighted sum of the slots
             gate, norm = ref._w(p + "moe_gate"), ref._w(p + "ffn_norm")
             ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)
+            if margins is not None:
+                r = np.sort(rmsnorm_rows_ref(x, norm, cfg.norm_eps) @ gate.T, axis=1)
+                margins.append(r[:, -cfg.n_experts_active] - r[:, -cfg.n_experts_active - 1])
             y = expert_matmul_ref(expert_gate_ref(xb, w1, w3, "fp32", ids), w2, "fp32", ids)
             x = moe_combine_rows_ref(y, weights, x)
         else:
@@ -289,25 +298,33 @@ def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     the token path by the same 1.2% (0.012379 against the H200's 0.012381 at fp16), so that is
     the rounding's, not a kernel's. Position 0 (no attention mixing) agrees to 8e-4.
 
-    Mixtral: 8 experts of hidden_dim 2816, top 2 (about 60 rows an expert a chunk), in the same
-    shape; the routing of prefill_ref is its own (from its residual stream).
+    fp8 KV: prefill_ref attends over the engine's cache, and its own cache rows, made from what
+    that attention gives, are checked against the engine's (check_kv): with its own fp8 cache
+    a layer's rounding flips (check_kv) reach the next layer's k and v, by more than one e5m2
+    step on the H200.
 
-    fp8 KV: the logits against prefill_ref attending over the engine's cache (check_kv says why;
-    its own cache rows are checked against the engine's)."""
+    Mixtral: 8 experts of hidden_dim 2816, top 2 (about 60 rows an expert a chunk), in one layer
+    (the MoE block last). A row whose top-2 choice is decided by a small router-logit gap may
+    take another expert on the GPU (fp16 activations, its summation order) than in NumPy, its
+    own routing; rows with a gap under 0.1 (3 of the 240 here, the smallest 0.049; the median
+    gap is 5.0) are left out of the logits' comparison, and at most 5% may be. With two layers a flipped row reaches every later row through the next layer's
+    attention (on the H200: 5.0e-3 relative L2 over all rows at fp16, the smallest gap 0.017)."""
+    mixtral = arch == "mixtral"
     tiny = make_hf_llama(
-        tmp_path, arch=arch, dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
+        tmp_path, arch=arch, dim=1024, hidden_dim=2816, n_layers=1 if mixtral else 2, n_heads=8, n_kv_heads=1,
         vocab_size=4096, n_experts=8,
     )  # fmt: skip
     model = open_model(convert(tiny.path, tmp_path / f"big-{arch}-{dtype}.pycalm", dtype, progress=False))
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 4096, 240)]
     gpu = GpuEngine(model, seq_len=256, kv_dtype=kv, options=EngineOptions(prefill_chunk=96))
     got = np.concatenate(list(gpu.prefill_logits(ids, 0)))
-    want, k_cache, v_cache = prefill_ref(model, kv, ids)
+    margins: list[np.ndarray] = []
+    want, k_cache, v_cache = prefill_ref(model, kv, ids, over=gpu if kv == "fp8" else None, margins=margins)
     for layer, cache in enumerate(gpu.kv_caches):
         check_kv(decoded(cache.k, kv)[:240], k_cache[layer], kv)
         check_kv(decoded(cache.v, kv)[:240], v_cache[layer], kv)
-    if kv == "fp8":
-        want, _, _ = prefill_ref(model, kv, ids, over=gpu)
-    assert rel_l2(got, want) < 2e-3
+    rows = np.min(margins, axis=0) > 0.1 if mixtral else np.ones(240, bool)
+    assert rows.mean() >= 0.95
+    assert rel_l2(got[rows], want[rows]) < 2e-3
     token = GpuEngine(model, seq_len=256, kv_dtype=kv)
     assert rel_l2(got[0], token.logits(ids[0], 0)) < 2e-3
