@@ -91,20 +91,31 @@ def reference_weights(stored: tuple, dtype: str) -> tuple[tuple, str]:
     return stored, dtype
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4"])
+# q4/mixed: w1 in groups of 32 beside w3 and w2 in groups of 64 (the converter's policy can leave
+# them so: it moves one matrix at a time within the bit budget)
+GROUPS = {"q4/mixed": (32, 64, 64)}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4", "q4/mixed"])
 def test_expert_matmul_and_combine(dtype):
-    rng = np.random.default_rng({"fp16": 0, "fp8": 1, "gf4": 2, "q8": 3, "q4": 4}[dtype])
+    rng = np.random.default_rng(["fp16", "fp8", "gf4", "q8", "q4", "q4/mixed"].index(dtype))
+    dtype, groups = dtype.split("/")[0], GROUPS.get(dtype, (32, 32, 32))
     n_rows, n_experts, k, dim, hidden_dim = 37, 5, 2, 40, 24  # 37 rows: two 32-row tiles
-    if dtype in formats.QUANTIZED:  # K: q8's 16-code loads, q4's groups of 32 (w2: 64, two groups)
-        dim, hidden_dim = 32, 64
+    if dtype in formats.QUANTIZED:  # K: q8's 16-code loads, q4's groups of 32 (w2: two) or 64
+        dim, hidden_dim = (64, 128) if max(groups) == 64 else (32, 64)
     ids, w = crafted_routes(n_rows, n_experts, k, rng)
     stream = cuda.stream()
     routes, experts = grouped(ids, w, n_experts, stream)
 
-    def stack(rows: int, cols: int) -> np.ndarray | formats.Quantized:
-        return formats.encode(rng.standard_normal((n_experts, rows, cols)).astype(np.float32), dtype)
+    def stack(rows: int, cols: int, group: int) -> np.ndarray | formats.Quantized:
+        x = rng.standard_normal((n_experts, rows, cols)).astype(np.float32)
+        return formats.encode(x, dtype, group=group) if dtype == "q4" else formats.encode(x, dtype)
 
-    stored = stack(hidden_dim, dim), stack(hidden_dim, dim), stack(dim, hidden_dim)
+    stored = (
+        stack(hidden_dim, dim, groups[0]),
+        stack(hidden_dim, dim, groups[1]),
+        stack(dim, hidden_dim, groups[2]),
+    )
     w1_dev, w3_dev, w2_dev = (to_device(s) for s in stored)
     (w1, w3, w2), dtype_ref = reference_weights(stored, dtype)
     xb = formats.fp16_encode(rng.standard_normal((n_rows, dim)) * 0.5)  # the normed rows

@@ -326,5 +326,9 @@ def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     rows = np.min(margins, axis=0) > 0.1 if mixtral else np.ones(240, bool)
     assert rows.mean() >= 0.95
     assert rel_l2(got[rows], want[rows]) < 2e-3
+    # position 0 against the GPU token step: within 2e-3, or 1.5x the distance of the NumPy
+    # emulation (fp16 activations) from the float32 token path where that is larger (Mixtral
+    # fp16 here: 5.6e-3 in NumPy, 6.6e-3 on the H200)
+    gap = rel_l2(want[0], CpuEngine(model, seq_len=8, kv_dtype=kv).logits(ids[0], 0))
     token = GpuEngine(model, seq_len=256, kv_dtype=kv)
-    assert rel_l2(got[0], token.logits(ids[0], 0)) < 2e-3
+    assert rel_l2(got[0], token.logits(ids[0], 0)) < max(2e-3, 1.5 * gap)
