@@ -562,13 +562,18 @@ def matmul(
     kernel = make_matmul_kernel(dtype, MODES[mode], tile)
     out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
     grid = ((t_rows + tile.block_m - 1) // tile.block_m, (out.shape[1] + out_n - 1) // out_n)
+    kernel[grid, tile.threads, stream](x, *weight_args(w, w3, dtype, k_cols), out)
+
+
+def weight_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:
+    """The kernel's weight arguments for W and W3 (None: W again, unread): (w, w3), or for q8 /
+    q4 (w codes, w scales, w3 codes, w3 scales), each pair checked by check_quantized."""
     w3 = w if w3 is None else w3
-    if dtype in QUANTIZED:
-        check_quantized(w, dtype, k_cols)
-        check_quantized(w3, dtype, k_cols)
-        kernel[grid, tile.threads, stream](x, w.codes, w.scales, w3.codes, w3.scales, out)
-    else:
-        kernel[grid, tile.threads, stream](x, w, w3, out)
+    if dtype not in QUANTIZED:
+        return w, w3
+    check_quantized(w, dtype, k_cols)
+    check_quantized(w3, dtype, k_cols)
+    return w.codes, w.scales, w3.codes, w3.scales
 
 
 def check_quantized(w: object, dtype: str, k_cols: int) -> None:

@@ -34,7 +34,7 @@ from numba import config as _numba_config
 from numba import cuda
 
 from pycalm.errors import PycalmError
-from pycalm.formats import QUANTIZED, Quantized
+from pycalm.formats import Quantized
 from pycalm.kernels.common import dependent_start
 from pycalm.kernels.matmul import (
     _SIG_W,
@@ -45,8 +45,8 @@ from pycalm.kernels.matmul import (
     TILE,
     UNIT,
     Tile,
-    check_quantized,
     make_matmul_kernel,
+    weight_args,
 )
 from pycalm.kernels.rows import ExpertRows, RowRoutes
 
@@ -91,15 +91,8 @@ def expert_matmul(
     kernel = make_matmul_kernel(dtype, MODES[mode], tile, grouped=True)
     out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
     grid = (n_experts * -(-n_rows // tile.block_m), -(-n_cols // out_n))
-    w1 = _stack_2d(w)
-    w3 = w1 if w3 is None else _stack_2d(w3)
-    groups = (experts.count, experts.rows, routes.ids)
-    if dtype in QUANTIZED:
-        check_quantized(w1, dtype, x.shape[1])
-        check_quantized(w3, dtype, x.shape[1])
-        kernel[grid, tile.threads, stream](x, w1.codes, w1.scales, w3.codes, w3.scales, out, *groups)
-    else:
-        kernel[grid, tile.threads, stream](x, w1, w3, out, *groups)
+    weights = weight_args(_stack_2d(w), None if w3 is None else _stack_2d(w3), dtype, x.shape[1])
+    kernel[grid, tile.threads, stream](x, *weights, out, experts.count, experts.rows, routes.ids)
 
 
 def _stack_2d(w: object) -> object:
