@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 import pytest
+from device_weights import to_device
 from numba import cuda
 
 from pycalm import formats
@@ -57,12 +58,6 @@ def _sum_scale(x, w, dtype):
     return np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
 
 
-def _device(w):
-    if isinstance(w, formats.Quantized):
-        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
-    return cuda.to_device(w)
-
-
 def _check(got, want, scale):
     assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
     err = np.abs(got.astype(np.float64) - want)
@@ -72,8 +67,8 @@ def _check(got, want, scale):
 def _run(mode, x, w, dtype, out, w3=None, tile=None):
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
-    matmul(cuda.to_device(x), _device(w), d_out, dtype, stream=stream, mode=mode,
-           w3=None if w3 is None else _device(w3), tile=tile)  # fmt: skip
+    matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode,
+           w3=None if w3 is None else to_device(w3), tile=tile)  # fmt: skip
     stream.synchronize()
     return d_out.copy_to_host()
 

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from device_weights import to_device
 from numba import cuda
 
 from pycalm import formats
@@ -48,13 +49,6 @@ def _weights(rng, rows, cols, dtype):
     return w, formats.decode(w, base).astype(np.float64)
 
 
-def _dev(w):
-    """A stored array, or both arrays of a q8 / q4 Quantized, on the device."""
-    if isinstance(w, formats.Quantized):
-        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
-    return cuda.to_device(w)
-
-
 def _base(dtype):
     return dtype.partition("/")[0]
 
@@ -71,7 +65,7 @@ def test_matvec(dtype, rows, cols):
     w, wd = _weights(rng, rows, cols, dtype)
     x = rng.standard_normal(cols).astype(np.float32)
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
-    matvec(_dev(w), cuda.to_device(x), y, _base(dtype), stream=cuda.default_stream())
+    matvec(to_device(w), cuda.to_device(x), y, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     want = wd @ x.astype(np.float64)
     _check(y.copy_to_host(), want, np.abs(wd) @ np.abs(x))
@@ -88,7 +82,7 @@ def test_matvec_fused_norm(dtype):
     nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
     matvec(
-        _dev(w),
+        to_device(w),
         cuda.to_device(x),
         y,
         _base(dtype),
@@ -115,7 +109,7 @@ def test_matvec_residual(dtype, rows, cols):
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     r = cuda.to_device(r0)
-    matvec_residual(_dev(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
+    matvec_residual(to_device(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
@@ -130,7 +124,7 @@ def test_ffn_gate(dtype):
     nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
     h = cuda.to_device(np.full(rows, np.nan, np.float32))
     ffn_gate(
-        _dev(w1), _dev(w3), cuda.to_device(x), h, _base(dtype),
+        to_device(w1), to_device(w3), cuda.to_device(x), h, _base(dtype),
         stream=cuda.default_stream(), norm_w=cuda.to_device(nw), eps=eps,
     )  # fmt: skip
     cuda.synchronize()
@@ -157,7 +151,7 @@ def test_matvec_chunked_x(dtype):
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     r = cuda.to_device(r0)
-    matvec_residual(_dev(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
+    matvec_residual(to_device(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
     _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
 
@@ -199,7 +193,7 @@ def test_matvec_split_kernel(dtype):
     nw = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
-    wdev, w3dev, xdev, nwdev = _dev(w), _dev(w3), cuda.to_device(x), cuda.to_device(nw)
+    wdev, w3dev, xdev, nwdev = to_device(w), to_device(w3), cuda.to_device(x), cuda.to_device(nw)
     dtype = _base(dtype)
     nbytes = load_bytes(wdev.codes if dtype in formats.QUANTIZED else wdev, dtype)
     for rows_a_warp, unroll, split in ((2, 2, 2), (2, 1, 3), (4, 2, 2)):

@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from device_weights import to_device
 from numba import cuda
 from tiny_models import TinyModel, make_hf_llama, write_safetensors
 
@@ -326,13 +327,6 @@ def expert_stack(rng, n_experts: int, rows: int, cols: int, dtype: str, chosen: 
 def expert(w: object, e: int) -> object:
     """Expert e's stored matrix of a stack (q8 / q4: its codes and scales)."""
     return formats.Quantized(w.codes[e], w.scales[e]) if isinstance(w, formats.Quantized) else w[e]
-
-
-def to_device(w: object) -> object:
-    """A stored array, or both arrays of a Quantized, on the device."""
-    if isinstance(w, formats.Quantized):
-        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
-    return cuda.to_device(w)
 
 
 def decoded_stack(w: object, dtype: str) -> np.ndarray:

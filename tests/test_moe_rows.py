@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from device_weights import to_device
 from numba import cuda
 
 from pycalm import formats
@@ -71,13 +72,6 @@ def sum_scale(x: np.ndarray, w: np.ndarray, dtype: str, ids: np.ndarray, by_slot
             row = x[t * k + j] if by_slot else x[t]
             out[t * k + j] = np.abs(formats.decode(w[ids[t, j]], dtype)) @ np.abs(row.astype(np.float64))
     return out
-
-
-def to_device(w: np.ndarray | formats.Quantized) -> object:
-    """A stored stack on the device (q8 / q4: codes and scales both)."""
-    if isinstance(w, formats.Quantized):
-        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
-    return cuda.to_device(w)
 
 
 def reference_weights(stored: tuple, dtype: str) -> tuple[tuple, str]:

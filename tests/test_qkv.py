@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from device_weights import to_device
 from numba import cuda
 
 from pycalm import formats
@@ -13,13 +14,6 @@ from pycalm.kernels.qkv import qkv_rope
 from pycalm.reference import kv_round, qkv_ref, rmsnorm_ref
 
 RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_matvec)
-
-
-def to_device(w: object) -> object:
-    """A stored array, or both arrays of a q8 / q4 Quantized, on the device."""
-    if isinstance(w, formats.Quantized):
-        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
-    return cuda.to_device(w)
 
 
 @pytest.mark.parametrize(
