@@ -2,12 +2,17 @@
 
 Kernels run under numba's CUDA simulator unless PYCALM_TEST_GPU=1 (then the same tests run on
 the real GPU). The simulator must be chosen before numba is first imported, so it is set here.
+On a machine of several GPUs, PYCALM_TEST_GPUS=0,1,... gives each pytest-xdist worker one of
+them in turn (CUDA_VISIBLE_DEVICES, set before CUDA starts).
 """
 
 import os
 
 if os.environ.get("PYCALM_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+elif os.environ.get("PYCALM_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _gpus = os.environ["PYCALM_TEST_GPUS"].split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_gpus)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Tolerance: the kernels decode exactly and accumulate in float32 in a different o
 reference, so each output may differ by a few float32 roundings of the row's |W| |x| sum;
 1e-5 of that sum is well above the accumulation error for these lengths (at most ~16k terms).
 q4 sums (16 + q) x over each 32-column load and adds the group's (m - 16 d) times the load's x
-sum (pycalm.kernels.qdecode): the same tolerance holds it.
+sum, q8 sums (1152 + q) x over each 16-column load and subtracts 1152 times the load's x sum
+(pycalm.kernels.qdecode): the same tolerance holds both.
 """
 
 import os

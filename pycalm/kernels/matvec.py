@@ -161,7 +161,7 @@ def matvec_kernel(  # noqa: ANN201
         wa, wb, sa, sb, x, x64, norm_w, eps, out, mode, normed, route_ids, route_w, n_slots, expert_rows
     ):  # noqa: ANN001, ANN202
         xs = cuda.shared.array(XPAIRS, uint64)  # x chunk as float pairs, transposed by load
-        xsum = cuda.shared.array(XSUMS, float32)  # q4: the chunk's x sums, one a load
+        xsum = cuda.shared.array(XSUMS, float32)  # q4, q8: the chunk's x sums, one a load
         sc = cuda.local.array(SCALES, SCALE_T)  # q4: a step's group scales; q8: the rows' scales
         scratch = cuda.shared.array(WARP, float32)  # block reduction
         red = cuda.shared.array(RED_SIZE, float32)  # split: the parts' sums

@@ -127,7 +127,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
         w, s, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
     ):  # noqa: ANN001, ANN202, E501
         xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by load
-        xsum = cuda.shared.array(XSUMS, float32)  # q4: x's sums, one a load
+        xsum = cuda.shared.array(XSUMS, float32)  # q4, q8: x's sums, one a load
         sc = cuda.local.array(SCALES, SCALE_T)  # q4: a step's group scales; q8: the rows' scales
         scratch = cuda.shared.array(WARP, float32)  # block reduction
         words = cuda.local.array(STEP_WORDS, uint64)  # a step's loads: registers

@@ -27,7 +27,7 @@ from pycalm.kernels.common import (
     ldg128,
     warp_reduce_sum,
 )
-from pycalm.kernels.qdecode import Q4_OFFSET, q4x8_raw, q8x4_cvt
+from pycalm.kernels.qdecode import Q4_OFFSET, Q8_OFFSET, q4x8_raw, q8x4_raw
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2
@@ -72,9 +72,9 @@ def gf4_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
 
 @cuda.jit(device=True, inline=True)
 def q8_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + the four int8 codes of the int32 t (byte 0 first) times xv[0..3]: codes, not weights
-    (group_dot multiplies the row's sum by its scale)."""
-    f0, f1, f2, f3 = q8x4_cvt(t)
+    """acc + (1152 + q_k) x_k over the four int8 codes of the int32 t (byte 0 first): dot_load
+    takes the offset 1152 out once a load, and group_dot multiplies the row's sum by its scale."""
+    f0, f1, f2, f3 = q8x4_raw(t)
     acc += f0 * xv[0]
     acc += f1 * xv[1]
     acc += f2 * xv[2]
@@ -159,7 +159,7 @@ class RowGroup(NamedTuple):
     load_first: object
     group_dot: object
     group_shift: object
-    xsums: int  # shared float32 x sums (q4: one a load of the chunk; else 1, unused)
+    xsums: int  # shared float32 x sums (q4, q8: one a load of the chunk; else 1, unused)
     scales: int  # local scale slots a lane holds (q4: a word a load of a step; q8: a row's scale)
     scale_type: object  # their numba type
 
@@ -188,7 +188,8 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
     HALF = max(1, rows // 2)  # GATE: rows of W1 (the rest are W3's)
     part_dot = PART_DOT[dtype]
     wide = load_bytes == 16
-    Q4 = dtype == "q4"  # a group scale a load, and the x sums
+    Q4 = dtype == "q4"  # a group scale a load
+    SUMS = dtype in ("q4", "q8")  # the load's x sums: the codes' offset comes out once a load
     if Q4 and not wide:
         raise PycalmError("q4 rows are read in 16-byte loads only")
 
@@ -248,8 +249,8 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         -> this thread's sum of x^2 over what it staged (0 unless normed), which staged_rms
         finishes. Thread t takes loads t, t + blockDim, ..: its E/2 pairs (E/2 consecutive
         uint64 of x64, all issued together) go to xs[p * CW + j], so consecutive threads store
-        consecutive slots (no bank conflicts); q4: the sum of the load's staged values goes to
-        xsum[j]. All threads call it, between two barriers."""
+        consecutive slots (no bank conflicts); q4 and q8: the sum of the load's staged values
+        goes to xsum[j]. All threads call it, between two barriers."""
         ss = float32(0.0)
         v = cuda.local.array(HALF_E, uint64)  # one load's pairs
         for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
@@ -263,7 +264,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
                     v[p] = pair_times(v[p], norm_w, uint64(2 * (b + p)))
             for p in range(HALF_E):  # (unsigned indices: numba adds no negative-index code)
                 xs[uint64(j + p * CW)] = v[p]
-            if Q4:
+            if SUMS:
                 t = float32(0.0)
                 for p in range(HALF_E):
                     t += as_f32(v[p]) + as_f32(v[p] >> uint64(32))
@@ -298,9 +299,11 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         """acc[r] += row r's weights of load u of the step times x (j: the chunk-local load
         index). Part by part: a part's x values are read once (64-bit shared loads) for all
         rows, and only they are live. q4: the load's sums S of (16 + q) x are kept apart and
-        added as d S + (m - 16 d) X (X: the load's x sum), which is sum (d q + m) x."""
+        added as d S + (m - 16 d) X (X: the load's x sum), which is sum (d q + m) x; q8: its sums
+        of (1152 + q) x are added as S - 1152 X, the sum of q x (kept apart, the sum's rounding
+        stays that of a 16-term sum)."""
         xv = cuda.local.array(PW, float32)  # the x values of one part
-        part = cuda.local.array(rows, float32)  # q4: the load's sums
+        part = cuda.local.array(rows, float32)  # q4, q8: the load's sums
         for r in range(rows):
             part[r] = float32(0.0)
         for i in range(PARTS):
@@ -310,7 +313,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
                 xv[2 * p + 1] = as_f32(v >> uint64(32))
             for r in range(rows):
                 w = int32(words[(u * rows + r) * WORDS + i // 2] >> uint64(32 * (i % 2)))
-                if Q4:
+                if SUMS:
                     part[r] = part_dot(w, xv, part[r])
                 else:
                     acc[r] = part_dot(w, xv, acc[r])
@@ -319,6 +322,10 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
             for r in range(rows):
                 d, m = h2f2(int32(sc[u * rows + r]))
                 acc[r] += d * part[r] + (m - float32(Q4_OFFSET) * d) * xj
+        elif SUMS:
+            xj = xsum[j]
+            for r in range(rows):
+                acc[r] += part[r] - float32(Q8_OFFSET) * xj
 
     @cuda.jit(device=True, inline=True)
     def group_dot(words, sc, wa, wb, sa, sb, row, xs, xsum, j0, n, first, sha, shb, acc):  # noqa: ANN001, ANN202
@@ -352,7 +359,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         load_first,
         group_dot,
         group_shift,
-        XCHUNK // E if Q4 else 1,
+        XCHUNK // E if SUMS else 1,
         rows * unroll if Q4 else rows if dtype == "q8" else 1,
         float32 if dtype == "q8" else uint32,
     )
