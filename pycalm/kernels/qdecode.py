@@ -1,4 +1,4 @@
-"""The q8 and q4 decoders of the token step's kernels (pycalm.kernels.matvec, qkv, moe, embed);
+"""The q8 and q4 decoders of the token step's row-group kernels (pycalm.kernels.matvec, qkv, moe);
 pycalm.formats is their spec, tests/test_matvec.py ties them to it.
 
 Both build fp16 halves by the magic-number trick: a small integer placed in the mantissa under a
@@ -29,7 +29,7 @@ computes int32 shifts in int64).
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32
+from numba import cuda, int32
 
 from pycalm.kernels.common import and_or, h2f2, prmt, sar32, shl32
 
@@ -61,13 +61,3 @@ def q4x8_raw(w: int) -> tuple[float, float, float, float, float, float, float, f
     f2, f6 = h2f2(and_or(sar32(t, 2), mask, halves))  # nibbles 2, 6: bits 8, 24
     f3, f7 = h2f2(and_or(sar32(t, 6), mask, halves))  # nibbles 3, 7: bits 12, 28 (sign copies masked)
     return f0, f1, f2, f3, f4, f5, f6, f7
-
-
-@cuda.jit(device=True, inline=True)
-def q4_weight(w: int, k: int, scale: int) -> float:
-    """Weight k (0..7, a constant after inlining) of the q4 word w whose group's (d, m) are the
-    two fp16 halves of the int32 scale: d * q + m, as pycalm.formats decodes it (d q is exact in
-    float32, so a fused multiply-add rounds once, as the reference's separate add does)."""
-    q = float32(int32(sar32(w, 4 * k) & int32(15)))
-    d, m = h2f2(scale)
-    return d * q + m
