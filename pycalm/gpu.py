@@ -246,7 +246,7 @@ class GpuEngine:
         # one line says what did not
         kv_bytes = 2 * cfg.n_layers * self.seq_len * cfg.kv_dim * (2 if self.kv_dtype == "fp16" else 1)
         kv_what = f"a KV cache of {self.seq_len:,} positions ({self.kv_dtype}, {cfg.n_layers} layers)"
-        require_gpu_memory(kv_what, kv_bytes)  # the per-position buffers: the allocation's check
+        require_gpu_memory(kv_what, kv_bytes + 8 * self.seq_len)  # and each position's feed and draw
         with out_of_memory_as_error(kv_what, kv_bytes):
             self._allocate(cfg, options)
         if upload is not None:

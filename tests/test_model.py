@@ -254,7 +254,8 @@ def test_context_larger_than_the_gpu(tmp_path):
     assert str(e.value).startswith(
         "out of GPU memory: a KV cache of 10,000,000 positions (fp8, 6 layers) needs"
     )
-    assert f"({2 * 6 * 10**7 * 2048:,} bytes)" in str(e.value) and "\n" not in str(e.value)
+    # the keys and values, and each position's feed and draw (8 bytes), as test_out_of_memory_is_one_line
+    assert f"({2 * 6 * 10**7 * 2048 + 8 * 10**7:,} bytes)" in str(e.value) and "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------
