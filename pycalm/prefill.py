@@ -24,8 +24,8 @@ row's weighted expert outputs into the residual stream in a fixed order (the sam
 every run).
 
 Models it does not take (unsupported() says why) feed their prompts through the token step
-instead (GpuEngine.prefill falls back to it): head sizes the prefill attention's 16-byte loads
-do not fit, and matmul widths that are not a multiple of 8.
+instead (GpuEngine.prefill falls back to it): head sizes the prefill attention's k-steps
+do not fit (a multiple of 16), and matmul widths that are not a multiple of 8.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 def unsupported(cfg: ModelConfig) -> str | None:
     """Why the multi-token forward cannot run a model of this config, or None when it can."""
     if cfg.head_dim % 16:
-        return f"head_dim {cfg.head_dim} (the prefill attention loads 16 bytes of a head's row)"
+        return f"head_dim {cfg.head_dim} (the prefill attention takes a head in k-steps of 16)"
     for name in ("dim", "q_dim", "hidden_dim"):  # the matmuls' K: 16-byte rows of fp16
         if getattr(cfg, name) % 8:
             return f"{name} {getattr(cfg, name)} (the matmuls need K a multiple of 8)"

@@ -2,14 +2,16 @@
 both against T calls of the decode reference attention_ref at positions pos0 .. pos0 + T - 1.
 
 The cases cover T = 1, T not a multiple of a block's query positions, pos0 > 0 with earlier
-cache rows filled, GQA groups 1, 2, 3, 7 (a block of 8 rows holds 8 // group positions), a
+cache rows filled, GQA groups 1, 2, 3, 7 (a block of 16 rows holds 16 // group positions), a
 sliding window shorter than T and one longer than the context, both KV dtypes, contexts of
 several key tiles (16 keys a tile under the simulator), and cache rows past pos0 + T holding NaN
 (stale rows of an earlier context), which must not reach the output. Under the simulator the
 head_dims are 16 and 32; with PYCALM_TEST_GPU=1 the same cases run on the GPU, plus the real
 models' head_dims 64 and 128 with the GPU's blocks.
 Tolerance: the kernel writes fp16, so half an fp16 ulp (2^-11 relative) on top of 2e-5 absolute
-for float32 sums in another order (outputs are convex mixes of V rows in [-1, 1]).
+for float32 sums in another order (outputs are convex mixes of V rows in [-1, 1]); q and p reach
+the tensor cores as two fp16 parts each (pycalm.kernels.prefill_attention), which the same
+tolerance holds.
 """
 
 import os
@@ -105,8 +107,8 @@ def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype,
 
 
 def test_prefill_attention_block_shapes():
-    # a block of 32 rows (8 row groups) and row groups of 4 lanes: a tile of 8 keys, 16 positions
-    _run(4, 2, 16, "fp16", 21, 9, 0, rows=32, lanes=4)
+    # a block of 2 warps (32 rows: 16 positions of group 2) and tiles of 32 keys
+    _run(4, 2, 16, "fp16", 21, 9, 0, warps=2, keys=32)
 
 
 def test_prefill_attention_rejects_bad_shapes():
@@ -118,12 +120,12 @@ def test_prefill_attention_rejects_bad_shapes():
         prefill_attention(q, KVCache(cache, cache, "fp32"), state, out, config(4, 2, 16), stream=0)
     with pytest.raises(PycalmError, match="not \\(T, 32\\)"):
         prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(2, 2, 16), stream=0)
-    with pytest.raises(PycalmError, match="at least the group 8"):
-        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(8, 1, 16), stream=0, rows=4)
-    with pytest.raises(PycalmError, match="not whole warps"):
-        prefill_attention(
-            q, KVCache(cache, cache, "fp16"), state, out, config(4, 2, 16), stream=0, rows=8, lanes=8
-        )
+    with pytest.raises(PycalmError, match="fewer than the group 32"):
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(32, 1, 16), stream=0, warps=1)
+    with pytest.raises(PycalmError, match="24 keys a tile: not a multiple of 16"):
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(4, 2, 16), stream=0, keys=24)
+    with pytest.raises(PycalmError, match="head_dim 24 is not a multiple of 16"):
+        prefill_attention(q, KVCache(cache, cache, "fp16"), state, out, config(4, 2, 24), stream=0)
 
 
 def test_prefill_attention_flops_and_bytes():

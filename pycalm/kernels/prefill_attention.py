@@ -1,4 +1,5 @@
-"""Block-causal attention: T query rows at positions pos0 .. pos0 + T - 1 over the KV cache.
+"""Block-causal attention: T query rows at positions pos0 .. pos0 + T - 1 over the KV cache, on
+the tensor cores.
 
 Reference: pycalm.reference.prefill_attention_ref. For query row t (position p = pos0 + t) and
 query head h (kv head g = h // (n_heads // n_kv_heads)) the math is the decode attention's
@@ -9,51 +10,52 @@ The caches hold (seq_len, n_kv_heads * head_dim), fp16 or fp8 e5m2, with the blo
 already written (pycalm.kernels.rows.qkv_rows); q is (T, n_heads * head_dim) float32 and out
 (T, n_heads * head_dim) float16, the wo matmul's input.
 
-GPU: flash-attention style, SIMT fp32 (attention is a few % of a prefill's FLOPs at 2k tokens).
-Grid (n_kv_heads, ceil(T / POSITIONS)). Block (g, b) takes POSITIONS query rows t0 .. t0 +
-POSITIONS - 1 and every query head of kv head g: ROWS = POSITIONS x group (position, head) rows,
-all of which read the same K and V rows, so a K/V tile staged once serves them all. Row r of the
-block is position t0 + r // group, head g group + r % group. The blocks of the last rows (the
-most keys) start first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so that the short ones
-fill the end of the launch instead of a long one running alone. The block walks the keys from
-the first one any of its rows sees to the last, in tiles of KEY_TILE positions:
+GPU: flash-attention 2 on mma.sync m16n8k16 (pycalm.kernels.tensorcore: fp16 operands, float32
+accumulators). Grid (n_kv_heads, ceil(T / POSITIONS)), WARPS warps a block. A block takes
+ROWS = 16 WARPS (position, query head) rows of one kv head: row r is position t0 + r // group,
+head g group + r % group (POSITIONS = ROWS // group positions; the rows past POSITIONS group
+are padding), so every K/V tile staged serves all the heads of the group. Warp w owns rows
+16 w .. 16 w + 15; in a 16 x 8 accumulator tile a lane holds rows lane >> 2 and (lane >> 2) + 8,
+columns 2 (lane & 3) and 2 (lane & 3) + 1. The blocks of the last rows (the most keys) start
+first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the launch's tail.
 
-1. once: the block's q rows, times 1/sqrt(head_dim), into shared memory qs (ROWS, head_dim).
-2. a tile's K rows, decoded to float32, into kvs (KEY_TILE, head_dim): 16-byte loads (8 fp16
-   or 16 e5m2 elements), a thread's few loads all issued before any is decoded and stored, so
-   a tile costs one memory latency. Barrier.
-3. scores: the threads form row groups of LANES threads; a thread holds ROWS_A_THREAD rows x
-   KEYS_A_LANE keys (keys lane, lane + LANES, ...) of the tile in registers and accumulates them
-   over head_dim from shared memory (ROWS_A_THREAD q and KEYS_A_LANE k loads feed that many
-   products). Masked keys (after the row's position, before its window, past the block's last
-   position) get p = 0.
-4. online softmax, per row: the tile's max by xor shuffles inside the row group (its LANES
-   lanes are consecutive lanes of one warp), m_new = max(m, tile max), alpha = exp(m - m_new),
-   p = exp(score - m_new) into shared memory ps (ROWS, KEY_TILE), the sum of exp l = l alpha +
-   sum p (shuffles again), the output accumulators times alpha. m, l in fp32 registers,
-   replicated over the row group. Barrier.
-5. the tile's V rows into kvs (the buffer K used: it keeps the block's shared memory under the
-   48 KB of a static allocation). Barrier.
-6. out += P V: the same thread holds ROWS_A_THREAD rows x head_dim / LANES dims (dims lane,
-   lane + LANES, ...), reading p (broadcast in the row group) and v from shared memory. The
-   next tile's first barrier protects kvs and ps.
-7. out / l, as fp16.
+1. once: the block's q rows times 1/sqrt(head_dim) into shared memory as fp16 pairs, the high
+   part q_hi = fp16(q) and then the low part q_lo = fp16(q - q_hi); each warp takes the A
+   fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffer then holds
+   the K tiles.
+2. a tile of KEYS keys: the K rows as stored (key-major; e5m2 bytes become the top bytes of fp16
+   halves, exact), and the V rows transposed (dim-major: one word holds two keys' halves of one
+   dim), so both are the "col" B operand that ldmatrix reads as it is. Keys past the block's
+   last position are stored as zeros: their p is 0, and 0 times a stale row could be NaN.
+   Barrier.
+3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
+4. masking (a key after the row's position or before its window, or a padding row: p = 0) and
+   the online softmax per row: the tile's max over a lane's 2 KEYS / 8 scores and the row's 4
+   lanes (xor shuffles 1, 2), m_new = max(m, tile max), alpha = exp(m - m_new), p = exp(s -
+   m_new); l (the lane's part of the row's sum) and the output accumulators times alpha.
+5. O += P_hi V + P_lo V: the S accumulators of key tiles 2k and 2k + 1, split into fp16 high and
+   low parts, are exactly the A fragments of k-step k (registers to registers, no shared
+   memory); the B fragments of V^T come by ldmatrix. Barrier (the next tile overwrites K, V^T).
+6. l summed over the row's 4 lanes; out = O / l, as fp16.
 
-Shapes (the defaults): head_dim 128: ROWS 32, LANES 16, KEY_TILE 32, 128 threads, shared
-memory 16.5 + 16.5 + 4.2 KB, 153-167 registers (three blocks an SM); head_dim 64: ROWS 64, 256
-threads, 16.6 + 8.3 + 8.4 KB, 107-118 registers (two blocks an SM; the launch bounds hold it
-under 128, which 256 threads need for two). The shared rows are padded by one float, so the 16
-lanes that read 16 different K rows at one dimension hit 16 different banks. Under the
-simulator (a Python thread per CUDA thread) the blocks are smaller: ROWS 16, LANES 8 (one
-warp), so the tests' short blocks still cover several tiles.
+Numerics: K and V are fp16 (or e5m2, exact in fp16). q and p are not: each is carried as the
+sum of two fp16 halves, hi + lo, which holds it to about 2^-22 relative (below fp16's smallest
+normal the low part keeps 2^-24 absolute), so the products the tensor cores sum in float32 are
+those of the float32 operands to float32 precision, as a float32 kernel's would be, at twice
+the mma work. (A single fp16 rounding of q and p, as most flash-attention kernels do, is about
+twice as fast and off by up to 2^-11 relative in each score and weight:
+scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the figures.)
 
-Decode of the caches: fp16 pairs widened by common.h2f2 (cvt.f32.f16), e5m2 bytes moved into
-fp16 halves and widened by common.fp8x4_cvt: exact, once per element and block (the tile serves
-ROWS rows).
+Shapes (the defaults): WARPS 4 (ROWS 64), KEYS 64, 128 threads; shared memory (ROWS or KEYS) x
+(head_dim + 8) halves for Q / K and head_dim x (KEYS + 8) for V^T (rows padded by 16 bytes, so
+the 8 rows of an ldmatrix fall in 8 distinct groups of 4 banks): 35 KB at head_dim 128. A lane
+keeps head_dim / 2 words of Q fragments, KEYS / 2 scores and head_dim / 2 accumulators in
+registers. Under the simulator (a Python thread per CUDA thread) a block is one warp and a tile
+16 keys, so the tests' short contexts still cover several tiles.
 
-FLOPs: 4 head_dim per (query head, attended key) pair (prefill_attention_flops). Bytes from
-DRAM: q (4 T q_dim), the attended K/V rows of each kv head (once; the blocks of later rows read
-them again from L2), out (2 T q_dim).
+FLOPs: 4 head_dim per (query head, attended key) pair (prefill_attention_flops; the mma work is
+twice that). Bytes from DRAM: q (4 T q_dim), the attended K/V rows of each kv head (once; the
+blocks of later rows read them again from L2), out (2 T q_dim).
 """
 
 from __future__ import annotations
@@ -69,27 +71,17 @@ from numba.cuda import libdevice
 from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS, dependent_start, fp8x4_cvt, fp16_encode, h2f2, ldg128
+from pycalm.kernels.common import STATE_POS, dependent_start, fp16_encode, h2f2, ldg128, prmt
+from pycalm.kernels.tensorcore import ldmatrix_x4, mma_16816, pack_f16x2
 
 KV_DTYPES = ("fp16", "fp8")
-ROWS_A_THREAD = 4  # query rows a thread accumulates (scores and outputs)
-KEYS_A_LANE = 2  # keys of a tile a thread scores: the tile is KEYS_A_LANE * LANES keys
-MIN_BLOCKS = 2  # blocks an SM must hold at least (the launch bounds)
-NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0 and NEG - NEG is 0, not NaN
 SIM = _numba_config.ENABLE_CUDASIM
-
-
-def default_rows(head_dim: int) -> int:
-    """Query rows (position, head) a block: 4096 floats of q in shared memory (16 KB), at most
-    64; 16 under the simulator (with 8 lanes: one warp)."""
-    if SIM:
-        return 16
-    return max(ROWS_A_THREAD, min(64, 4096 // head_dim))
-
-
-def default_lanes() -> int:
-    """Threads a row group: 16 (a key tile of 32); 8 under the simulator."""
-    return 8 if SIM else 16
+WARPS = 1 if SIM else 4  # warps a block: 16 query rows each
+KEYS = 16 if SIM else 64  # keys a tile (a multiple of 16)
+MIN_BLOCKS = 2  # blocks an SM must hold at least (the launch bounds)
+NEG = -1.0e30  # "no score yet": finite, so NEG - NEG is 0, not NaN
+PAD = 4  # words of padding after each shared row (16 bytes)
+FULL = 0xFFFFFFFF
 
 
 def _launch_bounds(threads: int) -> dict:
@@ -100,186 +92,253 @@ def _launch_bounds(threads: int) -> dict:
 
 
 @cuda.jit(device=True, inline=True)
-def _exp(x):  # noqa: ANN001, ANN202
-    """exp(x) as ex2.approx(x log2 e), as the decode attention takes it."""
-    return libdevice.fast_expf(x)
+def _lo(u: int) -> int:
+    """The low 32 bits of a uint64 as int32."""
+    return int32(u & uint64(0xFFFFFFFF))
+
+
+@cuda.jit(device=True, inline=True)
+def _hi(u: int) -> int:
+    """The high 32 bits of a uint64 as int32."""
+    return int32(u >> uint64(32))
+
+
+@cuda.jit(device=True, inline=True)
+def _split(x: float, y: float) -> tuple[int, int]:
+    """Two floats as two fp16 pairs: (fp16(x), fp16(y)) and the remainders (fp16(x - that),
+    fp16(y - that)), each pair a word (x, the lower index, in the low half)."""
+    hi = pack_f16x2(x, y)
+    xh, yh = h2f2(hi)  # exact
+    return hi, pack_f16x2(x - xh, y - yh)
 
 
 @functools.cache
-def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, rows: int, lanes: int) -> object:
-    """The kernel for a head_dim, group size (query heads a kv head), KV dtype, ROWS query rows
-    a block and LANES threads a row group (see the module docstring). The sizes are
-    compile-time constants: the per-thread scores and accumulators are fixed-size local arrays
+def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: int, keys: int) -> object:
+    """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
+    16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); see the module
+    docstring. The sizes are compile-time constants: the fragments are fixed-size local arrays
     indexed by unrolled loops, so they live in registers."""
+    D = head_dim
+    ROWS = 16 * warps  # (position, head) rows a block
+    THREADS = 32 * warps
+    POSITIONS = ROWS // group  # query positions a block
+    USED = POSITIONS * group  # rows that hold a query
+    KSTEPS = D // 16  # k-steps of Q K^T
+    QF = 4 * KSTEPS  # words of a warp's Q fragments (hi, and again lo)
+    S_TILES = keys // 8  # 8-key tiles of S
+    SW = 4 * S_TILES  # S accumulators a lane
+    PSTEPS = keys // 16  # k-steps of P V
+    O_TILES = D // 8  # 8-dim tiles of O
+    OW = 4 * O_TILES  # O accumulators a lane
+    ROW = D // 2 + PAD  # words a Q / K row in shared memory
+    VROW = keys // 2 + PAD  # words a V^T row
+    QK_WORDS = max(ROWS, keys) * ROW
+    V_WORDS = D * VROW
     FP8 = kv_dtype == "fp8"
-    HEAD_DIM = head_dim
-    GROUP = group
-    POSITIONS = rows // group  # query positions a block
-    USED_ROWS = POSITIONS * group  # rows that hold a query (the rest of ROWS are padding)
-    ROWS = rows
-    LANES = lanes
-    KEY_TILE = KEYS_A_LANE * lanes  # keys a tile
-    DIMS_A_LANE = head_dim // lanes  # output dims a thread
-    THREADS = (rows // ROWS_A_THREAD) * lanes
-    QK_ROW = head_dim + 1  # floats a row of qs and kvs (+1: the K rows' lanes hit distinct banks)
-    P_ROW = KEY_TILE + 1  # floats a row of ps
-    ACCS = ROWS_A_THREAD * DIMS_A_LANE  # output accumulators a thread
-    SCORES = ROWS_A_THREAD * KEYS_A_LANE  # scores a thread holds of a tile
+    E = 16 if FP8 else 8  # cache elements a 16-byte load
+    UNITS = D // E  # 16-byte loads a head's K (or V) row
     SCALE = 1.0 / math.sqrt(head_dim)
-    UNIT_ELEMS = 16 if FP8 else 8  # cache elements in a 16-byte load
-    ROW_UNITS = head_dim // UNIT_ELEMS  # 16-byte units of a head's K (or V) row
-    TILE_UNITS = KEY_TILE * ROW_UNITS
-    TILE_LOADS = -(-TILE_UNITS // THREADS)  # 16-byte loads a thread makes a tile
 
     @cuda.jit(device=True, inline=True)
-    def stage_tile(cache, kvs, kt, k_end, g, tid):  # noqa: ANN001, ANN202
-        """kvs = the rows kt .. kt + KEY_TILE - 1 of kv head g, decoded to float32 (past k_end:
-        row k_end - 1 again, masked later). cache: (seq_len, kv_dim bytes / 8) uint64. Every
-        16-byte load of the tile is issued before any is decoded, so a thread's TILE_LOADS loads
-        are in flight together: one memory latency a tile."""
-        lo = cuda.local.array(TILE_LOADS, uint64)  # constant indices after unrolling: registers
-        hi = cuda.local.array(TILE_LOADS, uint64)
-        for u in range(TILE_LOADS):
-            i = min(tid + u * THREADS, TILE_UNITS - 1)  # past the tile: a repeat, not stored
-            key = min(kt + i // ROW_UNITS, k_end - 1)
-            lo[u], hi[u] = ldg128(cache, key, g * ROW_UNITS + i % ROW_UNITS)
-        for u in range(TILE_LOADS):
-            i = tid + u * THREADS
-            if i < TILE_UNITS:
-                row = i // ROW_UNITS
-                d = (i % ROW_UNITS) * UNIT_ELEMS
-                for w in range(4):  # the unit's four 32-bit words, lowest address first
-                    word = lo[u] if w < 2 else hi[u]
-                    if w % 2 == 1:
-                        word = word >> uint64(32)
-                    if FP8:  # (the decoders take the low 32 bits)
-                        f0, f1, f2, f3 = fp8x4_cvt(word)  # e5m2 bytes, lowest address first
-                        kvs[row, d + 4 * w] = f0
-                        kvs[row, d + 4 * w + 1] = f1
-                        kvs[row, d + 4 * w + 2] = f2
-                        kvs[row, d + 4 * w + 3] = f3
-                    else:
-                        f0, f1 = h2f2(word)  # the fp16 at the lower address is the low half
-                        kvs[row, d + 2 * w] = f0
-                        kvs[row, d + 2 * w + 1] = f1
+    def load_words(cache, row, u, w):  # noqa: ANN001, ANN202
+        """16-byte unit u of cache row `row` (uint64 pairs) into w[0 .. E/2) as fp16 words: 8
+        fp16, or 16 e5m2 bytes each made the top byte of a half (prmt; selector nibble 4 takes a
+        zero byte of the second operand)."""
+        a, b = ldg128(cache, row, u)
+        if FP8:
+            for i in range(4):
+                word = _lo(a) if i == 0 else _hi(a) if i == 1 else _lo(b) if i == 2 else _hi(b)
+                w[2 * i] = prmt(word, int32(0), int32(0x1404))  # bytes 0, 1
+                w[2 * i + 1] = prmt(word, int32(0), int32(0x3424))  # bytes 2, 3
+        else:
+            w[0], w[1], w[2], w[3] = _lo(a), _hi(a), _lo(b), _hi(b)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_q(q, qk, t0, g, n_rows, part, tid):  # noqa: ANN001, ANN202
+        """The block's q rows times 1/sqrt(D) as fp16 pairs into qk: part 0 the high halves, 1
+        the low (padding rows and rows past T: zeros)."""
+        for i in range(tid, ROWS * (D // 2), THREADS):
+            r, c = i // (D // 2), i % (D // 2)
+            t = t0 + r // group
+            word = int32(0)
+            if r < USED and t < n_rows:
+                col = (g * group + r % group) * D + 2 * c
+                hi, lo = _split(q[t, col] * float32(SCALE), q[t, col + 1] * float32(SCALE))
+                word = hi if part == 0 else lo
+            qk[r * ROW + c] = word
 
     @cuda.jit(fastmath=False, cache=True, **_launch_bounds(THREADS))
     def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16
-        # or e5m2 elements; state i32; out (T, n_heads*HEAD_DIM) f16
+        # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
+        # elements; state i32; out (T, n_heads*D) f16
+        qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
+        vt = cuda.shared.array(V_WORDS, int32)  # (D, keys) V^T halves
+        q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
+        q_lo = cuda.local.array(QF, int32)
+        s = cuda.local.array(SW, float32)  # S accumulators, then p
+        o = cuda.local.array(OW, float32)  # O accumulators
+        w = cuda.local.array(8, int32)  # a unit's fp16 words
+        w2 = cuda.local.array(8, int32)
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
-        # the block's first query row: the last rows (the most keys) first, the short ones fill
-        # the tail of the launch
-        t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)
+        t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)  # the longest blocks first
         tid = cuda.threadIdx.x
-        group_row = int32(tid // LANES) * ROWS_A_THREAD  # the thread's first row
-        lane = int32(tid % LANES)
-        qs = cuda.shared.array((ROWS, QK_ROW), float32)  # q rows times 1/sqrt(HEAD_DIM)
-        kvs = cuda.shared.array((KEY_TILE, QK_ROW), float32)  # the tile's K rows, then its V rows
-        ps = cuda.shared.array((ROWS, P_ROW), float32)  # the tile's p = exp(score - m)
-
-        # 1. the block's q rows (padding rows: zeros)
-        for i in range(tid, ROWS * HEAD_DIM, THREADS):
-            r = i // HEAD_DIM
-            d = i % HEAD_DIM
-            t = t0 + r // GROUP
-            val = float32(0.0)
-            if r < USED_ROWS and t < n_rows:
-                val = q[t, (g * GROUP + r % GROUP) * HEAD_DIM + d] * float32(SCALE)
-            qs[r, d] = val
-
-        last = min(t0 + POSITIONS, n_rows) - 1  # the block's last query row
-        k_end = pos0 + last + 1  # keys past the last row's position are never read
-        k_begin = int32(0)
+        warp, lane = tid // 32, tid % 32
+        quad = lane & 3
+        last_pos = pos0 + min(t0 + POSITIONS, n_rows) - 1  # the block's last query position
+        first_key = int32(0)
         if window > 0:
-            k_begin = max(int32(0), pos0 + t0 + 1 - window)
-        qpos = cuda.local.array(ROWS_A_THREAD, int32)  # the position of each of the thread's rows
-        m = cuda.local.array(ROWS_A_THREAD, float32)  # running max of the row's scores
-        lsum = cuda.local.array(ROWS_A_THREAD, float32)  # running sum of exp(score - m)
-        acc = cuda.local.array(ACCS, float32)  # unnormalised output, dims lane + LANES j
-        for i in range(ROWS_A_THREAD):
-            qpos[i] = pos0 + t0 + (group_row + i) // GROUP
-            m[i] = float32(NEG)
-            lsum[i] = float32(0.0)
-            for j in range(DIMS_A_LANE):
-                acc[i * DIMS_A_LANE + j] = float32(0.0)
-        scores = cuda.local.array(SCORES, float32)  # the tile's, of the thread's rows and keys
-        k_vals = cuda.local.array(KEYS_A_LANE, float32)  # k at one dim of the thread's keys
-        v_vals = cuda.local.array(DIMS_A_LANE, float32)  # a V row's elements at the thread's dims
+            first_key = max(int32(0), pos0 + t0 + 1 - window)
 
-        for kt in range(k_begin, k_end, KEY_TILE):
-            cuda.syncthreads()  # qs is written; the last tile's P V is done with kvs and ps
-            # 2. the tile's K rows (past k_end: the last row again, masked below)
-            stage_tile(k_cache, kvs, kt, k_end, g, tid)
-            cuda.syncthreads()  # the K tile is in kvs
+        # 1. the A fragments of q_hi, then of q_lo. ldmatrix rows: lane & 15 of the warp's 16,
+        # 16-byte chunk lane >> 4 of each k-step's two
+        a_row = (warp * 16 + (lane & 15)) * ROW + 4 * (lane >> 4)
+        stage_q(q, qk, t0, g, n_rows, 0, tid)
+        cuda.syncthreads()  # q_hi is staged
+        for kk in range(KSTEPS):
+            q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3] = ldmatrix_x4(
+                qk, a_row + 8 * kk
+            )
+        cuda.syncthreads()  # every warp holds its q_hi fragments
+        stage_q(q, qk, t0, g, n_rows, 1, tid)
+        cuda.syncthreads()  # q_lo is staged
+        for kk in range(KSTEPS):
+            q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
+                qk, a_row + 8 * kk
+            )
 
-            # 3. scores of the thread's rows x keys
-            for i in range(SCORES):
-                scores[i] = float32(0.0)
-            for d in range(HEAD_DIM):
-                for j in range(KEYS_A_LANE):
-                    k_vals[j] = kvs[lane + LANES * j, d]
-                for i in range(ROWS_A_THREAD):
-                    q_val = qs[group_row + i, d]
-                    for j in range(KEYS_A_LANE):
-                        scores[i * KEYS_A_LANE + j] += q_val * k_vals[j]
+        # the lane's two rows: r0 = 16 warp + (lane >> 2) and r0 + 8
+        r0 = warp * 16 + (lane >> 2)
+        r1 = r0 + 8
+        pos_r0 = pos0 + t0 + r0 // group
+        pos_r1 = pos0 + t0 + r1 // group
+        ok0 = r0 < USED and t0 + r0 // group < n_rows
+        ok1 = r1 < USED and t0 + r1 // group < n_rows
+        m0, m1 = float32(NEG), float32(NEG)  # running max of each row's scores
+        l0, l1 = float32(0.0), float32(0.0)  # this lane's part of each row's sum of p
+        for i in range(OW):
+            o[i] = float32(0.0)
+        # ldmatrix rows of a B operand (two 8-row tiles, two 16-byte chunks): row (lane & 7) +
+        # 8 (lane >> 4), chunk (lane >> 3) & 1
+        b_row = ((lane & 7) + 8 * (lane >> 4)) * ROW + 4 * ((lane >> 3) & 1)
+        v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
+        cuda.syncthreads()  # every warp holds its q_lo fragments: qk takes K tiles
 
-            # 4. online softmax of each row
-            for i in range(ROWS_A_THREAD):
-                mx = float32(NEG)
-                for j in range(KEYS_A_LANE):
-                    key = kt + lane + LANES * j
-                    ok = key < k_end and key <= qpos[i] and (window <= 0 or key > qpos[i] - window)
-                    if not ok:
-                        scores[i * KEYS_A_LANE + j] = float32(NEG)
-                    mx = max(mx, scores[i * KEYS_A_LANE + j])
-                off = LANES // 2
-                while off > 0:  # xor tree inside the row group: every lane gets the tile max
-                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, off))
-                    off //= 2
-                m_new = max(m[i], mx)
-                alpha = _exp(m[i] - m_new)
-                psum = float32(0.0)
-                for j in range(KEYS_A_LANE):
-                    p = _exp(scores[i * KEYS_A_LANE + j] - m_new)
-                    p = p if scores[i * KEYS_A_LANE + j] > float32(NEG) else float32(0.0)  # masked: 0
-                    ps[group_row + i, lane + LANES * j] = p
-                    psum += p
-                off = LANES // 2
-                while off > 0:  # xor tree inside the row group: every lane gets the tile's sum
-                    psum += cuda.shfl_xor_sync(0xFFFFFFFF, psum, off)
-                    off //= 2
-                lsum[i] = lsum[i] * alpha + psum
-                m[i] = m_new
-                for j in range(DIMS_A_LANE):
-                    acc[i * DIMS_A_LANE + j] *= alpha
-            cuda.syncthreads()  # every p of the tile is in ps; every thread is done with K
+        j0 = (first_key // keys) * keys
+        while j0 <= last_pos:
+            # 2. the K tile, key-major, and the V tile, transposed; keys past last_pos: zeros
+            for i in range(tid, keys * UNITS, THREADS):
+                kr, u = i // UNITS, i % UNITS
+                for e in range(E // 2):
+                    w[e] = int32(0)
+                if j0 + kr <= last_pos:
+                    load_words(k_cache, j0 + kr, g * UNITS + u, w)
+                for e in range(E // 2):
+                    qk[kr * ROW + u * (E // 2) + e] = w[e]
+            for i in range(tid, (keys // 2) * UNITS, THREADS):
+                kp, u = i // UNITS, i % UNITS  # keys j0 + 2 kp and + 1, dims u E .. u E + E - 1
+                for e in range(E // 2):
+                    w[e] = int32(0)
+                    w2[e] = int32(0)
+                if j0 + 2 * kp <= last_pos:
+                    load_words(v_cache, j0 + 2 * kp, g * UNITS + u, w)
+                if j0 + 2 * kp + 1 <= last_pos:
+                    load_words(v_cache, j0 + 2 * kp + 1, g * UNITS + u, w2)
+                for e in range(E // 2):
+                    d = u * E + 2 * e
+                    vt[d * VROW + kp] = prmt(w[e], w2[e], int32(0x5410))  # dim d of the two keys
+                    vt[(d + 1) * VROW + kp] = prmt(w[e], w2[e], int32(0x7632))  # dim d + 1
+            cuda.syncthreads()  # the tile is staged
 
-            # 5. the tile's V rows
-            stage_tile(v_cache, kvs, kt, k_end, g, tid)
-            cuda.syncthreads()  # the V tile is in kvs
+            # 3. S = q_hi K^T + q_lo K^T
+            for i in range(SW):
+                s[i] = float32(0.0)
+            for kk in range(KSTEPS):
+                for p in range(S_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(qk, b_row + p * 16 * ROW + 8 * kk)  # keys 16p ..
+                    for half in range(2):
+                        n = 4 * (2 * p + half)
+                        c0, c1 = (b0, b1) if half == 0 else (b2, b3)
+                        s[n], s[n + 1], s[n + 2], s[n + 3] = mma_16816(
+                            q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3], c0, c1,
+                            s[n], s[n + 1], s[n + 2], s[n + 3],
+                        )  # fmt: skip
+                        s[n], s[n + 1], s[n + 2], s[n + 3] = mma_16816(
+                            q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3], c0, c1,
+                            s[n], s[n + 1], s[n + 2], s[n + 3],
+                        )  # fmt: skip
 
-            # 6. out += P V
-            for kk in range(min(KEY_TILE, k_end - kt)):  # keys past k_end have p = 0
-                for j in range(DIMS_A_LANE):
-                    v_vals[j] = kvs[kk, lane + LANES * j]
-                for i in range(ROWS_A_THREAD):
-                    p = ps[group_row + i, kk]
-                    for j in range(DIMS_A_LANE):
-                        acc[i * DIMS_A_LANE + j] += p * v_vals[j]
+            # 4. masking and the online softmax of the lane's two rows
+            mx0, mx1 = float32(NEG), float32(NEG)
+            for n in range(S_TILES):
+                for c in range(2):
+                    key = j0 + 8 * n + 2 * quad + c
+                    if not (ok0 and key <= pos_r0 and (window <= 0 or key > pos_r0 - window)):
+                        s[4 * n + c] = float32(NEG)
+                    if not (ok1 and key <= pos_r1 and (window <= 0 or key > pos_r1 - window)):
+                        s[4 * n + 2 + c] = float32(NEG)
+                    mx0 = max(mx0, s[4 * n + c])
+                    mx1 = max(mx1, s[4 * n + 2 + c])
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))  # the row's 4 lanes
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+            new0, new1 = max(m0, mx0), max(m1, mx1)
+            alpha0, alpha1 = libdevice.fast_expf(m0 - new0), libdevice.fast_expf(m1 - new1)
+            m0, m1 = new0, new1
+            l0 *= alpha0
+            l1 *= alpha1
+            for n in range(O_TILES):
+                o[4 * n] *= alpha0
+                o[4 * n + 1] *= alpha0
+                o[4 * n + 2] *= alpha1
+                o[4 * n + 3] *= alpha1
+            for n in range(S_TILES):
+                for c in range(2):
+                    e0, e1 = s[4 * n + c], s[4 * n + 2 + c]
+                    p0 = float32(0.0) if e0 <= float32(NEG) else libdevice.fast_expf(e0 - m0)  # masked: 0
+                    p1 = float32(0.0) if e1 <= float32(NEG) else libdevice.fast_expf(e1 - m1)
+                    s[4 * n + c], s[4 * n + 2 + c] = p0, p1
+                    l0 += p0
+                    l1 += p1
 
-        # 7. the rows' outputs (every row with a query has at least its own key: lsum > 0)
-        for i in range(ROWS_A_THREAD):
-            r = group_row + i
-            t = t0 + r // GROUP
-            if r < USED_ROWS and t < n_rows:
-                col = (g * GROUP + r % GROUP) * HEAD_DIM + lane
-                inv = float32(1.0) / lsum[i]
-                for j in range(DIMS_A_LANE):
-                    out[t, col + LANES * j] = fp16_encode(acc[i * DIMS_A_LANE + j] * inv)
+            # 5. O += p_hi V + p_lo V: the p of key tiles 2 kk, 2 kk + 1 are k-step kk's A fragments
+            for kk in range(PSTEPS):
+                a0, z0 = _split(s[8 * kk], s[8 * kk + 1])  # row r0, keys 16 kk + 2 quad, + 1
+                a1, z1 = _split(s[8 * kk + 2], s[8 * kk + 3])  # row r1
+                a2, z2 = _split(s[8 * kk + 4], s[8 * kk + 5])  # row r0, keys 16 kk + 8 + 2 quad, + 1
+                a3, z3 = _split(s[8 * kk + 6], s[8 * kk + 7])  # row r1
+                for p in range(O_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(vt, v_row + p * 16 * VROW + 8 * kk)  # dims 16p ..
+                    for half in range(2):
+                        n = 4 * (2 * p + half)
+                        c0, c1 = (b0, b1) if half == 0 else (b2, b3)
+                        o[n], o[n + 1], o[n + 2], o[n + 3] = mma_16816(
+                            a0, a1, a2, a3, c0, c1, o[n], o[n + 1], o[n + 2], o[n + 3]
+                        )
+                        o[n], o[n + 1], o[n + 2], o[n + 3] = mma_16816(
+                            z0, z1, z2, z3, c0, c1, o[n], o[n + 1], o[n + 2], o[n + 3]
+                        )
+            cuda.syncthreads()  # every warp is done with K and V^T before the next tile's stores
+            j0 += keys
+
+        # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        for half in range(2):
+            ok = ok0 if half == 0 else ok1
+            if ok:
+                r = r0 if half == 0 else r1
+                inv = float32(1.0) / (l0 if half == 0 else l1)
+                t = t0 + r // group
+                col = (g * group + r % group) * D + 2 * quad
+                for n in range(O_TILES):
+                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
+                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
 
     return prefill_attention_kernel
 
@@ -292,43 +351,38 @@ def prefill_attention(
     cfg: ModelConfig,
     *,
     stream: object,
-    rows: int | None = None,
-    lanes: int | None = None,
+    warps: int | None = None,
+    keys: int | None = None,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
     0 .. pos0 + T - 1 are written (pycalm.kernels.rows.qkv_rows writes the block's own).
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
-    .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. rows,
-    lanes: the block shape (default_rows, default_lanes; scripts/kernels/prefill_attention.py
-    times others). Reference: pycalm.reference.prefill_attention_ref."""
+    .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
+    the block shape (default WARPS, KEYS; more warps where the group needs them).
+    Reference: pycalm.reference.prefill_attention_ref."""
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
     group = n_heads // n_kv_heads
-    rows = default_rows(head_dim) if rows is None else rows
-    lanes = default_lanes() if lanes is None else lanes
+    warps = max(WARPS, -(-group // 16)) if warps is None else warps
+    keys = KEYS if keys is None else keys
     if head_dim % 16:
-        raise PycalmError(f"head_dim {head_dim} is not a multiple of 16 (16-byte loads of the cache)")
-    if head_dim % lanes or lanes > 32 or lanes & (lanes - 1):
-        raise PycalmError(f"head_dim {head_dim} is not a multiple of {lanes} lanes (a power of two up to 32)")
-    if rows % ROWS_A_THREAD or rows < group:
-        raise PycalmError(
-            f"{rows} query rows a block: a multiple of {ROWS_A_THREAD}, at least the group {group}"
-        )
-    threads = (rows // ROWS_A_THREAD) * lanes
-    if threads % 32 or threads > 1024:
-        raise PycalmError(f"{rows} rows of {lanes} lanes make {threads} threads, not whole warps up to 1024")
+        raise PycalmError(f"head_dim {head_dim} is not a multiple of 16 (the tensor cores' k-step)")
+    if group > 16 * warps:
+        raise PycalmError(f"{16 * warps} query rows a block ({warps} warps): fewer than the group {group}")
+    if keys % 16 or keys <= 0:
+        raise PycalmError(f"{keys} keys a tile: not a multiple of 16")
     n_rows = q.shape[0]
     if q.shape[1] != n_heads * head_dim or out.shape[0] != n_rows or out.shape[1] != q.shape[1]:
         raise PycalmError(
             f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
         )
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, rows, lanes)
-    grid = (n_kv_heads, -(-n_rows // (rows // group)))
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys)
+    grid = (n_kv_heads, -(-n_rows // ((16 * warps) // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
-    kernel[grid, threads, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
+    kernel[grid, 32 * warps, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
 
 
 def prefill_attention_bytes(n_rows: int, pos0: int, cfg: ModelConfig, kv_dtype: str) -> int:
@@ -357,10 +411,8 @@ def _compile_check() -> list[tuple[object, str, int]]:
     checks = []
     for kv_dtype in KV_DTYPES:
         for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
-            rows = max(ROWS_A_THREAD, min(64, 4096 // head_dim))
-            kernel = prefill_attention_kernel(head_dim, group, kv_dtype, rows, 16)
-            threads = (rows // ROWS_A_THREAD) * 16
-            registers = min(255, 65536 // (MIN_BLOCKS * threads))  # what the launch bounds allow
+            kernel = prefill_attention_kernel(head_dim, group, kv_dtype, 4, 64)
+            registers = min(255, 65536 // (MIN_BLOCKS * 128))  # what the launch bounds allow
             checks.append((kernel, _SIG, registers))
     return checks
 

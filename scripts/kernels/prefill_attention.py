@@ -1,38 +1,38 @@
-"""Block-causal (prefill) attention, pycalm.kernels.prefill_attention: block shapes, a check of
-each against pycalm.reference.prefill_attention_ref, and TFLOP/s on the GPU (llm.c dev/cuda
-style).
+"""Block-causal (prefill) attention: the shipped kernel (pycalm.kernels.prefill_attention, tensor
+cores) and its variants, each checked against pycalm.reference.prefill_attention_ref, then timed
+on the GPU (llm.c dev/cuda style).
 
-    python scripts/kernels/prefill_attention.py                       # the default, checked and timed
-    python scripts/kernels/prefill_attention.py --variants all        # every block shape
+    python scripts/kernels/prefill_attention.py                   # shipped and simt, checked and timed
+    python scripts/kernels/prefill_attention.py --variants all    # every version and block shape
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/prefill_attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
 
-Versions (one kernel; a block takes ROWS (position, query head) rows of one kv head's group,
-row groups of LANES threads, a thread 4 rows x 2 keys of a tile of 2 LANES keys for the scores
-and 4 rows x head_dim / LANES dims for P V; fp32 SIMT, online softmax):
-  default   the shipped shape: ROWS 4096 / head_dim (at most 64), LANES 16 (tile of 32 keys)
-  r16       same as default but 16 rows a block (more blocks, K/V tiles serve fewer rows)
-  r32       same as default but 32 rows a block (head_dim 64; the default at head_dim 128)
-  l8        same as default but 8 lanes a row group (tiles of 16 keys, twice the dims a thread)
-  l32r16    16 rows, 32 lanes (tiles of 64 keys: fewer barriers a key)
-  l32r32    32 rows, 32 lanes
-A shape whose shared memory passes the 48 KB of a static allocation is left out ("n/a").
+Versions:
+  shipped   the package's kernel: flash-attention 2 on mma.sync, q and p as two fp16 parts each
+            (hi + lo), 4 warps (64 rows) a block, tiles of 64 keys; w2 / k32: 2 warps, or tiles
+            of 32 keys
+  simt      the kernel it replaced, kept here for comparison: fp32 SIMT, a block of ROWS (position,
+            head) rows in row groups of LANES threads, a thread 4 rows x 2 keys of a tile of 2 LANES
+            keys for the scores and 4 rows x head_dim / LANES dims for P V, q, K and V tiles and p
+            in shared memory as float32; block shapes simt (ROWS 4096 / head_dim, at most 64, LANES
+            16), simt-r16, simt-r32, simt-l8, simt-l32r16, simt-l32r32
+  tc16      scripts/kernels/prefill_attention_tc.py: the shipped kernel with q and p rounded once
+            to fp16 (half the mma work, 2^-11 relative in each score and weight)
 
 Timing: one launch over a whole prompt of T tokens at positions 0 .. T - 1 (the K/V rows already
 in the cache), captured in a CUDA graph and replayed (median); the cache holds random finite
 fp16 / e5m2 bit patterns made on the GPU. TFLOP/s counts 4 head_dim per (query head, attended
-key) pair (prefill_attention_flops), against the fp32 FMA peak of the GPU (SMs x 128 lanes x 2
-x clock). GB/s counts q, out and the attended K/V rows once (prefill_attention_bytes); the
-kernel is bound by arithmetic, not bytes, so it is small. The check runs each variant at T =
-200 after pos0 = 60 (a later chunk of a prompt) against the reference on the host-decoded
-cache: the worst |error| / (2^-11 |ref| + 2e-5), the tests' tolerance (fp16 output), must be
-at most 1.
+key) pair (prefill_attention_flops; the shipped kernel's mma work is twice that). The check runs
+each variant at T = 200 after pos0 = 60 (a later chunk of a prompt) against the reference on the
+host-decoded cache: the worst |error| / (2^-11 |ref| + 2e-5), the tests' tolerance (fp16
+output), must be at most 1 (tc16: its own bound, in its file).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -42,21 +42,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: gpuben
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: pycalm
 
 from numba import config as numba_config  # noqa: E402
-from numba import cuda  # noqa: E402
+from numba import cuda, float32, int32, uint64  # noqa: E402
+from numba.cuda import libdevice  # noqa: E402
 
 from pycalm import formats  # noqa: E402
 from pycalm.config import ModelConfig  # noqa: E402
+from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.attention import KVCache  # noqa: E402
-from pycalm.kernels.common import STATE_POS  # noqa: E402
+from pycalm.kernels.common import STATE_POS, dependent_start, fp8x4_cvt, fp16_encode, h2f2, ldg128  # noqa: E402
 from pycalm.kernels.prefill_attention import (  # noqa: E402
-    KEYS_A_LANE,
-    default_rows,
+    KV_DTYPES,
     prefill_attention,
     prefill_attention_bytes,
     prefill_attention_flops,
 )
 from pycalm.reference import prefill_attention_ref  # noqa: E402
 
+SIM = numba_config.ENABLE_CUDASIM
 SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
 TINY_SHAPES = {"tiny": (4, 2, 32)}
 N_ROWS = (512, 2048, 4000)
@@ -66,21 +68,309 @@ TINY_CHECK_ROWS, TINY_CHECK_POS0 = 21, 9
 REPLAYS = 7
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF}  # clear an exponent bit: finite values only
 SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a block
+
+
+# ---------------------------------------------------------------------------------------------
+# simt: the fp32 SIMT kernel (block shapes ROWS x LANES)
+
+ROWS_A_THREAD = 4  # query rows a thread accumulates (scores and outputs)
+KEYS_A_LANE = 2  # keys of a tile a thread scores: the tile is KEYS_A_LANE * LANES keys
+MIN_BLOCKS = 2  # blocks an SM must hold at least (the launch bounds)
+NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0 and NEG - NEG is 0, not NaN
+
+
+def default_rows(head_dim: int) -> int:
+    """Query rows (position, head) a block: 4096 floats of q in shared memory (16 KB), at most
+    64; 16 under the simulator (with 8 lanes: one warp)."""
+    if SIM:
+        return 16
+    return max(ROWS_A_THREAD, min(64, 4096 // head_dim))
+
+
+def default_lanes() -> int:
+    """Threads a row group: 16 (a key tile of 32); 8 under the simulator."""
+    return 8 if SIM else 16
+
+
+def _launch_bounds(threads: int) -> dict:
+    """cuda.jit's launch bounds: blocks of `threads`, MIN_BLOCKS of them an SM, so ptxas keeps a
+    thread's registers under 65536 / (MIN_BLOCKS threads) (tests/test_ptx.py compiles with them
+    and checks that limit). The simulator takes no bounds."""
+    return {} if SIM else {"launch_bounds": (threads, MIN_BLOCKS)}
+
+
+@cuda.jit(device=True, inline=True)
+def _exp(x):  # noqa: ANN001, ANN202
+    """exp(x) as ex2.approx(x log2 e), as the decode attention takes it."""
+    return libdevice.fast_expf(x)
+
+
+@functools.cache
+def simt_kernel(head_dim: int, group: int, kv_dtype: str, rows: int, lanes: int) -> object:
+    """The kernel for a head_dim, group size (query heads a kv head), KV dtype, ROWS query rows
+    a block and LANES threads a row group (see the module docstring). The sizes are
+    compile-time constants: the per-thread scores and accumulators are fixed-size local arrays
+    indexed by unrolled loops, so they live in registers."""
+    FP8 = kv_dtype == "fp8"
+    HEAD_DIM = head_dim
+    GROUP = group
+    POSITIONS = rows // group  # query positions a block
+    USED_ROWS = POSITIONS * group  # rows that hold a query (the rest of ROWS are padding)
+    ROWS = rows
+    LANES = lanes
+    KEY_TILE = KEYS_A_LANE * lanes  # keys a tile
+    DIMS_A_LANE = head_dim // lanes  # output dims a thread
+    THREADS = (rows // ROWS_A_THREAD) * lanes
+    QK_ROW = head_dim + 1  # floats a row of qs and kvs (+1: the K rows' lanes hit distinct banks)
+    P_ROW = KEY_TILE + 1  # floats a row of ps
+    ACCS = ROWS_A_THREAD * DIMS_A_LANE  # output accumulators a thread
+    SCORES = ROWS_A_THREAD * KEYS_A_LANE  # scores a thread holds of a tile
+    SCALE = 1.0 / math.sqrt(head_dim)
+    UNIT_ELEMS = 16 if FP8 else 8  # cache elements in a 16-byte load
+    ROW_UNITS = head_dim // UNIT_ELEMS  # 16-byte units of a head's K (or V) row
+    TILE_UNITS = KEY_TILE * ROW_UNITS
+    TILE_LOADS = -(-TILE_UNITS // THREADS)  # 16-byte loads a thread makes a tile
+
+    @cuda.jit(device=True, inline=True)
+    def stage_tile(cache, kvs, kt, k_end, g, tid):  # noqa: ANN001, ANN202
+        """kvs = the rows kt .. kt + KEY_TILE - 1 of kv head g, decoded to float32 (past k_end:
+        row k_end - 1 again, masked later). cache: (seq_len, kv_dim bytes / 8) uint64. Every
+        16-byte load of the tile is issued before any is decoded, so a thread's TILE_LOADS loads
+        are in flight together: one memory latency a tile."""
+        lo = cuda.local.array(TILE_LOADS, uint64)  # constant indices after unrolling: registers
+        hi = cuda.local.array(TILE_LOADS, uint64)
+        for u in range(TILE_LOADS):
+            i = min(tid + u * THREADS, TILE_UNITS - 1)  # past the tile: a repeat, not stored
+            key = min(kt + i // ROW_UNITS, k_end - 1)
+            lo[u], hi[u] = ldg128(cache, key, g * ROW_UNITS + i % ROW_UNITS)
+        for u in range(TILE_LOADS):
+            i = tid + u * THREADS
+            if i < TILE_UNITS:
+                row = i // ROW_UNITS
+                d = (i % ROW_UNITS) * UNIT_ELEMS
+                for w in range(4):  # the unit's four 32-bit words, lowest address first
+                    word = lo[u] if w < 2 else hi[u]
+                    if w % 2 == 1:
+                        word = word >> uint64(32)
+                    if FP8:  # (the decoders take the low 32 bits)
+                        f0, f1, f2, f3 = fp8x4_cvt(word)  # e5m2 bytes, lowest address first
+                        kvs[row, d + 4 * w] = f0
+                        kvs[row, d + 4 * w + 1] = f1
+                        kvs[row, d + 4 * w + 2] = f2
+                        kvs[row, d + 4 * w + 3] = f3
+                    else:
+                        f0, f1 = h2f2(word)  # the fp16 at the lower address is the low half
+                        kvs[row, d + 2 * w] = f0
+                        kvs[row, d + 2 * w + 1] = f1
+
+    @cuda.jit(fastmath=False, **_launch_bounds(THREADS))
+    def simt_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        # q (T, n_heads*HEAD_DIM) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16
+        # or e5m2 elements; state i32; out (T, n_heads*HEAD_DIM) f16
+        n_rows = q.shape[0]
+        pos0 = int32(state[STATE_POS])
+        g = int32(cuda.blockIdx.x)  # kv head
+        # the block's first query row: the last rows (the most keys) first, the short ones fill
+        # the tail of the launch
+        t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)
+        tid = cuda.threadIdx.x
+        group_row = int32(tid // LANES) * ROWS_A_THREAD  # the thread's first row
+        lane = int32(tid % LANES)
+        qs = cuda.shared.array((ROWS, QK_ROW), float32)  # q rows times 1/sqrt(HEAD_DIM)
+        kvs = cuda.shared.array((KEY_TILE, QK_ROW), float32)  # the tile's K rows, then its V rows
+        ps = cuda.shared.array((ROWS, P_ROW), float32)  # the tile's p = exp(score - m)
+
+        # 1. the block's q rows (padding rows: zeros)
+        for i in range(tid, ROWS * HEAD_DIM, THREADS):
+            r = i // HEAD_DIM
+            d = i % HEAD_DIM
+            t = t0 + r // GROUP
+            val = float32(0.0)
+            if r < USED_ROWS and t < n_rows:
+                val = q[t, (g * GROUP + r % GROUP) * HEAD_DIM + d] * float32(SCALE)
+            qs[r, d] = val
+
+        last = min(t0 + POSITIONS, n_rows) - 1  # the block's last query row
+        k_end = pos0 + last + 1  # keys past the last row's position are never read
+        k_begin = int32(0)
+        if window > 0:
+            k_begin = max(int32(0), pos0 + t0 + 1 - window)
+        qpos = cuda.local.array(ROWS_A_THREAD, int32)  # the position of each of the thread's rows
+        m = cuda.local.array(ROWS_A_THREAD, float32)  # running max of the row's scores
+        lsum = cuda.local.array(ROWS_A_THREAD, float32)  # running sum of exp(score - m)
+        acc = cuda.local.array(ACCS, float32)  # unnormalised output, dims lane + LANES j
+        for i in range(ROWS_A_THREAD):
+            qpos[i] = pos0 + t0 + (group_row + i) // GROUP
+            m[i] = float32(NEG)
+            lsum[i] = float32(0.0)
+            for j in range(DIMS_A_LANE):
+                acc[i * DIMS_A_LANE + j] = float32(0.0)
+        scores = cuda.local.array(SCORES, float32)  # the tile's, of the thread's rows and keys
+        k_vals = cuda.local.array(KEYS_A_LANE, float32)  # k at one dim of the thread's keys
+        v_vals = cuda.local.array(DIMS_A_LANE, float32)  # a V row's elements at the thread's dims
+
+        for kt in range(k_begin, k_end, KEY_TILE):
+            cuda.syncthreads()  # qs is written; the last tile's P V is done with kvs and ps
+            # 2. the tile's K rows (past k_end: the last row again, masked below)
+            stage_tile(k_cache, kvs, kt, k_end, g, tid)
+            cuda.syncthreads()  # the K tile is in kvs
+
+            # 3. scores of the thread's rows x keys
+            for i in range(SCORES):
+                scores[i] = float32(0.0)
+            for d in range(HEAD_DIM):
+                for j in range(KEYS_A_LANE):
+                    k_vals[j] = kvs[lane + LANES * j, d]
+                for i in range(ROWS_A_THREAD):
+                    q_val = qs[group_row + i, d]
+                    for j in range(KEYS_A_LANE):
+                        scores[i * KEYS_A_LANE + j] += q_val * k_vals[j]
+
+            # 4. online softmax of each row
+            for i in range(ROWS_A_THREAD):
+                mx = float32(NEG)
+                for j in range(KEYS_A_LANE):
+                    key = kt + lane + LANES * j
+                    ok = key < k_end and key <= qpos[i] and (window <= 0 or key > qpos[i] - window)
+                    if not ok:
+                        scores[i * KEYS_A_LANE + j] = float32(NEG)
+                    mx = max(mx, scores[i * KEYS_A_LANE + j])
+                off = LANES // 2
+                while off > 0:  # xor tree inside the row group: every lane gets the tile max
+                    mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, off))
+                    off //= 2
+                m_new = max(m[i], mx)
+                alpha = _exp(m[i] - m_new)
+                psum = float32(0.0)
+                for j in range(KEYS_A_LANE):
+                    p = _exp(scores[i * KEYS_A_LANE + j] - m_new)
+                    p = p if scores[i * KEYS_A_LANE + j] > float32(NEG) else float32(0.0)  # masked: 0
+                    ps[group_row + i, lane + LANES * j] = p
+                    psum += p
+                off = LANES // 2
+                while off > 0:  # xor tree inside the row group: every lane gets the tile's sum
+                    psum += cuda.shfl_xor_sync(0xFFFFFFFF, psum, off)
+                    off //= 2
+                lsum[i] = lsum[i] * alpha + psum
+                m[i] = m_new
+                for j in range(DIMS_A_LANE):
+                    acc[i * DIMS_A_LANE + j] *= alpha
+            cuda.syncthreads()  # every p of the tile is in ps; every thread is done with K
+
+            # 5. the tile's V rows
+            stage_tile(v_cache, kvs, kt, k_end, g, tid)
+            cuda.syncthreads()  # the V tile is in kvs
+
+            # 6. out += P V
+            for kk in range(min(KEY_TILE, k_end - kt)):  # keys past k_end have p = 0
+                for j in range(DIMS_A_LANE):
+                    v_vals[j] = kvs[kk, lane + LANES * j]
+                for i in range(ROWS_A_THREAD):
+                    p = ps[group_row + i, kk]
+                    for j in range(DIMS_A_LANE):
+                        acc[i * DIMS_A_LANE + j] += p * v_vals[j]
+
+        # 7. the rows' outputs (every row with a query has at least its own key: lsum > 0)
+        for i in range(ROWS_A_THREAD):
+            r = group_row + i
+            t = t0 + r // GROUP
+            if r < USED_ROWS and t < n_rows:
+                col = (g * GROUP + r % GROUP) * HEAD_DIM + lane
+                inv = float32(1.0) / lsum[i]
+                for j in range(DIMS_A_LANE):
+                    out[t, col + LANES * j] = fp16_encode(acc[i * DIMS_A_LANE + j] * inv)
+
+    return simt_attention_kernel
+
+
+def simt_attention(
+    q: object,
+    cache: KVCache,
+    state: object,
+    out: object,
+    cfg: ModelConfig,
+    *,
+    stream: object,
+    rows: int | None = None,
+    lanes: int | None = None,
+) -> None:
+    """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
+    f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
+    0 .. pos0 + T - 1 are written (pycalm.kernels.rows.qkv_rows writes the block's own).
+
+    cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
+    .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. rows,
+    lanes: the block shape (default_rows, default_lanes; scripts/kernels/prefill_attention.py
+    times others). Reference: pycalm.reference.prefill_attention_ref."""
+    n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if cache.dtype not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
+    group = n_heads // n_kv_heads
+    rows = default_rows(head_dim) if rows is None else rows
+    lanes = default_lanes() if lanes is None else lanes
+    if head_dim % 16:
+        raise PycalmError(f"head_dim {head_dim} is not a multiple of 16 (16-byte loads of the cache)")
+    if head_dim % lanes or lanes > 32 or lanes & (lanes - 1):
+        raise PycalmError(f"head_dim {head_dim} is not a multiple of {lanes} lanes (a power of two up to 32)")
+    if rows % ROWS_A_THREAD or rows < group:
+        raise PycalmError(
+            f"{rows} query rows a block: a multiple of {ROWS_A_THREAD}, at least the group {group}"
+        )
+    threads = (rows // ROWS_A_THREAD) * lanes
+    if threads % 32 or threads > 1024:
+        raise PycalmError(f"{rows} rows of {lanes} lanes make {threads} threads, not whole warps up to 1024")
+    n_rows = q.shape[0]
+    if q.shape[1] != n_heads * head_dim or out.shape[0] != n_rows or out.shape[1] != q.shape[1]:
+        raise PycalmError(
+            f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
+        )
+    kernel = simt_kernel(head_dim, group, cache.dtype, rows, lanes)
+    grid = (n_kv_heads, -(-n_rows // (rows // group)))
+    k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
+    kernel[grid, threads, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
+
+
+# ---------------------------------------------------------------------------------------------
+# the versions: name -> (launch with the version's shape, or None where the shape does not fit)
+
 VARIANTS = {
-    "default": lambda hd: (default_rows(hd), 16),
-    "r16": lambda hd: (16, 16),
-    "r32": lambda hd: (32, 16),
-    "l8": lambda hd: (default_rows(hd), 8),
-    "l32r16": lambda hd: (16, 32),
-    "l32r32": lambda hd: (32, 32),
+    "shipped": lambda hd: {},
+    "w2": lambda hd: {"warps": 2},
+    "k32": lambda hd: {"keys": 32},
+    "simt": lambda hd: {"simt": (default_rows(hd), 16)},
+    "simt-r16": lambda hd: {"simt": (16, 16)},
+    "simt-r32": lambda hd: {"simt": (32, 16)},
+    "simt-l8": lambda hd: {"simt": (default_rows(hd), 8)},
+    "simt-l32r16": lambda hd: {"simt": (16, 32)},
+    "simt-l32r32": lambda hd: {"simt": (32, 32)},
 }
-TINY_VARIANTS = {"default": (16, 8), "r32l4": (32, 4), "r8l16": (8, 16)}  # one warp each, or two
+DEFAULT_VARIANTS = "shipped,simt"
+TINY_VARIANTS = {
+    "shipped": {},
+    "w2": {"warps": 2, "keys": 32},
+    "simt": {"simt": (16, 8)},
+    "simt-r32l4": {"simt": (32, 4)},
+    "simt-r8l16": {"simt": (8, 16)},
+}
 
 
-def shared_bytes(rows: int, lanes: int, head_dim: int) -> int:
-    """Static shared memory of a block: q rows, the K/V tile, the p tile (padded rows)."""
+def simt_shared_bytes(rows: int, lanes: int, head_dim: int) -> int:
+    """Static shared memory of a simt block: q rows, the K/V tile, the p tile (padded rows)."""
     tile = KEYS_A_LANE * lanes
     return 4 * (rows * (head_dim + 1) + tile * (head_dim + 1) + rows * (tile + 1))
+
+
+def launcher(
+    q: object, cache: KVCache, state: object, out: object, cfg: ModelConfig, shape: dict, stream: object
+):  # noqa: ANN201
+    """A call of the version with this shape."""
+    if "simt" in shape:
+        rows, lanes = shape["simt"]
+        return functools.partial(
+            simt_attention, q, cache, state, out, cfg, stream=stream, rows=rows, lanes=lanes
+        )
+    return functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream, **shape)
 
 
 def config(n_heads: int, n_kv_heads: int, head_dim: int) -> ModelConfig:
@@ -115,11 +405,11 @@ def state_at(pos0: int) -> object:
     return cuda.to_device(state)
 
 
-def check(cache: KVCache, cfg: ModelConfig, rows: int, lanes: int, n_rows: int, pos0: int) -> float:
+def check(cache: KVCache, cfg: ModelConfig, shape: dict, n_rows: int, pos0: int) -> float:
     """Worst |kernel - reference| / (2^-11 |ref| + 2e-5) for T = n_rows rows after pos0."""
     q = (np.random.default_rng(1).standard_normal((n_rows, cfg.q_dim)) * 0.3).astype(np.float32)
     out = cuda.to_device(np.full((n_rows, cfg.q_dim), np.nan, np.float16))
-    prefill_attention(cuda.to_device(q), cache, state_at(pos0), out, cfg, stream=0, rows=rows, lanes=lanes)
+    launcher(cuda.to_device(q), cache, state_at(pos0), out, cfg, shape, stream=0)()
     cuda.synchronize()
     k, v = (formats.decode(a.copy_to_host(), cache.dtype).astype(np.float32) for a in (cache.k, cache.v))
     want = prefill_attention_ref(q, k, v, pos0, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
@@ -135,7 +425,7 @@ def fp32_peak() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="default", help="'all' or names: " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="'all' or names: " + ",".join(VARIANTS))
     ap.add_argument("--tiny", action="store_true", help="check only, at a tiny shape (simulator)")
     ap.add_argument("--rows", default=",".join(map(str, N_ROWS)), help="prompt lengths T to time")
     args = ap.parse_args()
@@ -157,20 +447,18 @@ def main() -> None:
             cache = random_cache(seq_len, cfg.kv_dim, kv_dtype, seed=7)
             seen = set()
             for name in names:
-                rows, lanes = table[name] if tiny else table[name](head_dim)
-                if (rows, lanes) in seen:
-                    continue  # the same shape as an earlier variant (r32 at head_dim 128)
-                seen.add((rows, lanes))
-                if shared_bytes(rows, lanes, head_dim) > SHARED_LIMIT:
+                spec = table[name] if tiny else table[name](head_dim)
+                if repr(spec) in seen:
+                    continue  # the same shape as an earlier variant (simt-r32 at head_dim 128)
+                seen.add(repr(spec))
+                if "simt" in spec and simt_shared_bytes(*spec["simt"], head_dim) > SHARED_LIMIT:
                     print(
-                        f"{shape:11s} {kv_dtype:5s} {name:8s} n/a: {shared_bytes(rows, lanes, head_dim)} B shared"
+                        f"{shape:11s} {kv_dtype:5s} {name:11s} n/a: {simt_shared_bytes(*spec['simt'], head_dim)} B shared"
                     )
                     continue
-                err = check(cache, cfg, rows, lanes, check_rows, check_pos0)
+                err = check(cache, cfg, spec, check_rows, check_pos0)
                 status = "ok" if err <= 1 else "FAILED"
-                print(
-                    f"{shape:11s} {kv_dtype:5s} {name:8s} rows {rows:2d} lanes {lanes:2d}: check {err:.2f} {status}"
-                )
+                print(f"{shape:11s} {kv_dtype:5s} {name:11s} {spec}: check {err:.2f} {status}")
                 if err > 1:
                     failed.append(f"{shape} {kv_dtype} {name}: {err:.2f}")
                 if tiny:
@@ -186,24 +474,22 @@ def main() -> None:
                     )
                     out = cuda.device_array((n_rows, cfg.q_dim), np.float16)
                     state = state_at(0)
-                    launch = functools.partial(
-                        prefill_attention, q, cache, state, out, cfg, stream=stream, rows=rows, lanes=lanes
-                    )
+                    launch = launcher(q, cache, state, out, cfg, spec, stream)
                     seconds = graph_seconds(stream, launch, REPLAYS)
                     tflops = prefill_attention_flops(n_rows, 0, cfg) / seconds / 1e12
                     gbs = prefill_attention_bytes(n_rows, 0, cfg, kv_dtype) / seconds / 1e9
-                    results.append((shape, kv_dtype, name, rows, lanes, n_rows, seconds * 1e3, tflops, gbs))
-                    print(f"{shape:11s} {kv_dtype:5s} {name:8s} T {n_rows:5d}: {seconds * 1e3:8.3f} ms "
+                    results.append((shape, kv_dtype, name, n_rows, seconds * 1e3, tflops, gbs))
+                    print(f"{shape:11s} {kv_dtype:5s} {name:11s} T {n_rows:5d}: {seconds * 1e3:8.3f} ms "
                           f"{tflops:6.2f} TFLOP/s ({100 * tflops / peak:4.1f}% of fp32) {gbs:7.1f} GB/s",
                           flush=True)  # fmt: skip
     if results:
         print(f"\n=== summary: one layer's prefill attention over T tokens at positions 0..T-1 "
               f"(fp32 FMA peak {peak:.1f} TFLOP/s) ===")  # fmt: skip
-        print(f"{'model':11s} {'kv':5s} {'variant':8s} {'rows':>4s} {'lanes':>5s} {'T':>5s} {'ms':>8s} "
+        print(f"{'model':11s} {'kv':5s} {'variant':11s} {'T':>5s} {'ms':>8s} "
               f"{'TFLOP/s':>8s} {'% fp32':>7s} {'GB/s':>7s}")  # fmt: skip
         for r in results:
-            print(f"{r[0]:11s} {r[1]:5s} {r[2]:8s} {r[3]:4d} {r[4]:5d} {r[5]:5d} {r[6]:8.3f} {r[7]:8.2f} "
-                  f"{100 * r[7] / peak:6.1f}% {r[8]:7.1f}")  # fmt: skip
+            print(f"{r[0]:11s} {r[1]:5s} {r[2]:11s} {r[3]:5d} {r[4]:8.3f} {r[5]:8.2f} "
+                  f"{100 * r[5] / peak:6.1f}% {r[6]:7.1f}")  # fmt: skip
     if failed:
         sys.exit("prefill attention variants off the reference:\n" + "\n".join(failed))
 

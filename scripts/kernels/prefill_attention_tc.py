@@ -1,8 +1,10 @@
-"""Block-causal (prefill) attention on the tensor cores: a variant of
-pycalm.kernels.prefill_attention (SIMT fp32), checked against pycalm.reference.
-prefill_attention_ref and timed beside it (llm.c dev/cuda style; not wired into the engine).
+"""tc16: the shipped tensor-core prefill attention (pycalm.kernels.prefill_attention) with q and p
+rounded once to fp16, as most flash-attention kernels take them (the shipped kernel carries each
+as two fp16 parts, hi + lo, at twice the mma work), checked against pycalm.reference.
+prefill_attention_ref at its own bound and timed beside the shipped kernel (llm.c dev/cuda style;
+scripts/kernels/prefill_attention.py has the other versions).
 
-    python scripts/kernels/prefill_attention_tc.py            # check, then time against the SIMT kernel
+    python scripts/kernels/prefill_attention_tc.py            # check, then time against the shipped kernel
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/prefill_attention_tc.py --tiny   # check only
 
 The math is the shipped kernel's (its docstring): for query row t at position p = pos0 + t and
@@ -96,6 +98,7 @@ def tc_attention_kernel(head_dim: int, group: int, kv_dtype: str) -> object:
     VROW = BK // 2 + PAD  # words a V^T row
     QK_WORDS = max(BR, BK) * ROW
     V_WORDS = D * VROW
+    QF, SW, OW = KS * 4, NS * 4, DN * 4  # fragment words (compile-time sizes of local arrays)
     POS = BR // group  # positions a block
     FP8 = kv_dtype == "fp8"
     UNITS = D // 16 if FP8 else D // 8  # 16-byte loads a cache row
@@ -124,9 +127,9 @@ def tc_attention_kernel(head_dim: int, group: int, kv_dtype: str) -> object:
     def kernel(q, k64, v64, state, out, window):  # noqa: ANN001, ANN202
         qk = cuda.shared.array(QK_WORDS, int32)  # Q rows, then K tiles: (rows, D) fp16, padded
         vt = cuda.shared.array(V_WORDS, int32)  # V^T tile: (D, BK) fp16, padded
-        qf = cuda.local.array(KS * 4, int32)  # this warp's Q A fragments
-        s = cuda.local.array(NS * 4, float32)  # S C fragments
-        o = cuda.local.array(DN * 4, float32)  # O C fragments
+        qf = cuda.local.array(QF, int32)  # this warp's Q A fragments
+        s = cuda.local.array(SW, float32)  # S C fragments
+        o = cuda.local.array(OW, float32)  # O C fragments
         w = cuda.local.array(8, int32)
         w2 = cuda.local.array(8, int32)
         tid = cuda.threadIdx.x
@@ -360,11 +363,14 @@ def main() -> None:
                 state = state_at(0)
                 flops = prefill_attention_flops(n_rows, 0, cfg)
                 for label, launch in (
-                    ("simt", functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream)),
-                    ("tc", functools.partial(tc_attention, q, cache, state, out, cfg, stream)),
+                    (
+                        "shipped",
+                        functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream),
+                    ),
+                    ("tc16", functools.partial(tc_attention, q, cache, state, out, cfg, stream)),
                 ):
                     sec = graph_seconds(stream, launch, 7)
-                    print(f"{name:14s} {kv_dtype:5s} {label:4s} T {n_rows:5d}: {sec * 1e3:8.3f} ms "
+                    print(f"{name:14s} {kv_dtype:5s} {label:7s} T {n_rows:5d}: {sec * 1e3:8.3f} ms "
                           f"{flops / sec / 1e12:7.1f} TFLOP/s", flush=True)  # fmt: skip
     if failed:
         sys.exit("tensor-core prefill attention off the reference:\n" + "\n".join(failed))
