@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels: prefill_attention
 
 from numba import config as numba_config  # noqa: E402
-from numba import cuda, float32, int32, uint64  # noqa: E402
+from numba import cuda, float32, int32  # noqa: E402
 from numba.cuda import libdevice  # noqa: E402
 from prefill_attention import SEQ_LEN, config, random_cache, state_at  # noqa: E402
 
@@ -62,6 +62,8 @@ from pycalm.config import ModelConfig  # noqa: E402
 from pycalm.kernels.attention import KVCache  # noqa: E402
 from pycalm.kernels.common import STATE_POS, fp16_encode, ldg128, prmt  # noqa: E402
 from pycalm.kernels.prefill_attention import (  # noqa: E402
+    _hi,
+    _lo,
     prefill_attention,
     prefill_attention_flops,
 )
@@ -75,16 +77,6 @@ WARPS = 4
 THREADS = 32 * WARPS
 NEG = -1.0e30
 PAD = 4  # words of padding a shared row (16 bytes)
-
-
-@cuda.jit(device=True, inline=True)
-def _lo(u: int) -> int:
-    return int32(u & uint64(0xFFFFFFFF))
-
-
-@cuda.jit(device=True, inline=True)
-def _hi(u: int) -> int:
-    return int32(u >> uint64(32))
 
 
 @functools.cache
