@@ -8,7 +8,7 @@ Each case converts a tiny random Hugging Face model (tests/tiny_models.py: 2 lay
 heads of 16, so the multi-token forward takes it) to the weight format, builds a GpuEngine with
 a 32-position context and runs: the prefill of a 24-token prompt in chunks of 16 rows (two
 chunks, the second starting mid-cache; Mistral's window is 16 positions, so the second chunk's
-rows and the step attend through the window; Mixtral takes its prompt through token steps),
+rows and the step attend through the window; Mixtral's rows go to their experts in groups),
 then the token step at position 24 (logits read back). Qwen2 brings the q/k/v biases. The
 steps run as plain launches, one kernel a launch, so a sanitizer report names the kernel;
 --graph runs the token step as the captured CUDA graph instead (programmatic edges on sm_90).
