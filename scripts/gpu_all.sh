@@ -26,7 +26,6 @@ while [ $i -lt ${#steps[@]} ]; do
     prefill) PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py tests/test_moe_rows.py \
                tests/test_rows.py tests/test_prefill_attention.py 2>&1 | tee "$out/tests_prefill.log" | tail -15
              python3 scripts/kernels/prefill_attention.py 2>&1 | tee "$out/kernels_prefill_attention.log" | tail -30
-             python3 scripts/kernels/prefill_attention_tc.py 2>&1 | tee "$out/kernels_prefill_attention_tc.log" | tail -20
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b,tinyllama-1.1b,mixtral-8x7b \
                --dtypes fp16,fp8,gf4,q8,q4 --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -60 ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;

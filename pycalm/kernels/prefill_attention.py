@@ -112,12 +112,26 @@ def _split(x: float, y: float) -> tuple[int, int]:
     return hi, pack_f16x2(x - xh, y - yh)
 
 
+@cuda.jit(device=True, inline=True)
+def _mma_acc(acc, n, a0, a1, a2, a3, b0, b1):  # noqa: ANN001, ANN202
+    """acc[n .. n + 3] += the 16 x 8 product of the A fragment (a0..a3) and the B fragment
+    (b0, b1): one mma.sync m16n8k16 on the accumulators of one tile (acc: a local array,
+    indices constant after unrolling, so it stays in registers)."""
+    acc[n], acc[n + 1], acc[n + 2], acc[n + 3] = mma_16816(
+        a0, a1, a2, a3, b0, b1, acc[n], acc[n + 1], acc[n + 2], acc[n + 3]
+    )
+
+
 @functools.cache
-def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: int, keys: int) -> object:
+def prefill_attention_kernel(
+    head_dim: int, group: int, kv_dtype: str, warps: int, keys: int, split: bool = True
+) -> object:
     """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
-    16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); see the module
-    docstring. The sizes are compile-time constants: the fragments are fixed-size local arrays
-    indexed by unrolled loops, so they live in registers."""
+    16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); split: q and p as two
+    fp16 parts each (False: rounded once, the faster, coarser form that
+    scripts/kernels/prefill_attention.py times as tc16); see the module docstring. The sizes are
+    compile-time constants: the fragments are fixed-size local arrays indexed by unrolled loops,
+    so they live in registers."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
     THREADS = 32 * warps
@@ -138,6 +152,7 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
     SCALE = 1.0 / math.sqrt(head_dim)
+    SPLIT = split
 
     @cuda.jit(device=True, inline=True)
     def load_words(cache, row, u, w):  # noqa: ANN001, ANN202
@@ -201,13 +216,14 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
             q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3] = ldmatrix_x4(
                 qk, a_row + 8 * kk
             )
-        cuda.syncthreads()  # every warp holds its q_hi fragments
-        stage_q(q, qk, t0, g, n_rows, 1, tid)
-        cuda.syncthreads()  # q_lo is staged
-        for kk in range(KSTEPS):
-            q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
-                qk, a_row + 8 * kk
-            )
+        if SPLIT:
+            cuda.syncthreads()  # every warp holds its q_hi fragments
+            stage_q(q, qk, t0, g, n_rows, 1, tid)
+            cuda.syncthreads()  # q_lo is staged
+            for kk in range(KSTEPS):
+                q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
+                    qk, a_row + 8 * kk
+                )
 
         # the lane's two rows: r0 = 16 warp + (lane >> 2) and r0 + 8
         r0 = warp * 16 + (lane >> 2)
@@ -224,7 +240,7 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
         # 8 (lane >> 4), chunk (lane >> 3) & 1
         b_row = ((lane & 7) + 8 * (lane >> 4)) * ROW + 4 * ((lane >> 3) & 1)
         v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
-        cuda.syncthreads()  # every warp holds its q_lo fragments: qk takes K tiles
+        cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
 
         j0 = (first_key // keys) * keys
         while j0 <= last_pos:
@@ -261,14 +277,20 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
                     for half in range(2):
                         n = 4 * (2 * p + half)
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
-                        s[n], s[n + 1], s[n + 2], s[n + 3] = mma_16816(
-                            q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3], c0, c1,
-                            s[n], s[n + 1], s[n + 2], s[n + 3],
-                        )  # fmt: skip
-                        s[n], s[n + 1], s[n + 2], s[n + 3] = mma_16816(
-                            q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3], c0, c1,
-                            s[n], s[n + 1], s[n + 2], s[n + 3],
-                        )  # fmt: skip
+                        _mma_acc(
+                            s, n, q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3], c0, c1
+                        )
+                        if SPLIT:
+                            _mma_acc(
+                                s,
+                                n,
+                                q_lo[4 * kk],
+                                q_lo[4 * kk + 1],
+                                q_lo[4 * kk + 2],
+                                q_lo[4 * kk + 3],
+                                c0,
+                                c1,
+                            )
 
             # 4. masking and the online softmax of the lane's two rows
             mx0, mx1 = float32(NEG), float32(NEG)
@@ -315,12 +337,9 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
                     for half in range(2):
                         n = 4 * (2 * p + half)
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
-                        o[n], o[n + 1], o[n + 2], o[n + 3] = mma_16816(
-                            a0, a1, a2, a3, c0, c1, o[n], o[n + 1], o[n + 2], o[n + 3]
-                        )
-                        o[n], o[n + 1], o[n + 2], o[n + 3] = mma_16816(
-                            z0, z1, z2, z3, c0, c1, o[n], o[n + 1], o[n + 2], o[n + 3]
-                        )
+                        _mma_acc(o, n, a0, a1, a2, a3, c0, c1)
+                        if SPLIT:
+                            _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
             cuda.syncthreads()  # every warp is done with K and V^T before the next tile's stores
             j0 += keys
 
@@ -343,6 +362,21 @@ def prefill_attention_kernel(head_dim: int, group: int, kv_dtype: str, warps: in
     return prefill_attention_kernel
 
 
+def check_launch(q: object, cache: KVCache, out: object, cfg: ModelConfig) -> None:
+    """The checks every prefill attention kernel's launch makes (this module's and the versions
+    of scripts/kernels/prefill_attention.py): a KV dtype it reads, head_dim a multiple of 16
+    (16-byte loads of the cache, the tensor cores' k-step), q and out (T, n_heads * head_dim)."""
+    if cache.dtype not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
+    if cfg.head_dim % 16:
+        raise PycalmError(
+            f"head_dim {cfg.head_dim} is not a multiple of 16 (16-byte loads, the tensor cores' k-step)"
+        )
+    width = cfg.n_heads * cfg.head_dim
+    if q.shape[1] != width or out.shape[0] != q.shape[0] or out.shape[1] != width:
+        raise PycalmError(f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {width})")
+
+
 def prefill_attention(
     q: object,
     cache: KVCache,
@@ -353,6 +387,7 @@ def prefill_attention(
     stream: object,
     warps: int | None = None,
     keys: int | None = None,
+    split: bool = True,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
@@ -360,27 +395,20 @@ def prefill_attention(
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
-    the block shape (default WARPS, KEYS; more warps where the group needs them).
+    the block shape (default WARPS, KEYS; more warps where the group needs them); split: see
+    prefill_attention_kernel.
     Reference: pycalm.reference.prefill_attention_ref."""
-    n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    if cache.dtype not in KV_DTYPES:
-        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    group = n_heads // n_kv_heads
+    n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
+    group = cfg.n_heads // n_kv_heads
     warps = max(WARPS, -(-group // 16)) if warps is None else warps
     keys = KEYS if keys is None else keys
-    if head_dim % 16:
-        raise PycalmError(f"head_dim {head_dim} is not a multiple of 16 (the tensor cores' k-step)")
     if group > 16 * warps:
         raise PycalmError(f"{16 * warps} query rows a block ({warps} warps): fewer than the group {group}")
     if keys % 16 or keys <= 0:
         raise PycalmError(f"{keys} keys a tile: not a multiple of 16")
-    n_rows = q.shape[0]
-    if q.shape[1] != n_heads * head_dim or out.shape[0] != n_rows or out.shape[1] != q.shape[1]:
-        raise PycalmError(
-            f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {n_heads * head_dim})"
-        )
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys)
-    grid = (n_kv_heads, -(-n_rows // ((16 * warps) // group)))
+    check_launch(q, cache, out, cfg)
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, split)
+    grid = (n_kv_heads, -(-q.shape[0] // ((16 * warps) // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
     kernel[grid, 32 * warps, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
 
