@@ -9,6 +9,9 @@
     ncu --profile-from-start off --cache-control none --clock-control none --csv \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum \\
         python3 scripts/kernels/profile_kernels.py step tinyllama-1.1b fp8 128
+    ncu --profile-from-start off --launch-count 9 --section Occupancy --section WarpStateStats \\
+        --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum \\
+        python3 scripts/kernels/profile_kernels.py prefill llama3-8b fp16 2048
 
 attention 8b|tiny N_POS: attention three times over a random fp16 cache (Llama-3-8B or TinyLlama
 heads) at N_POS positions. matvec ROWSxCOLS DTYPE plain|residual|gate: the engine's matvec,
@@ -113,6 +116,22 @@ def step(shape: str, dtype: str, pos: int) -> None:
     cuda.profile_stop()
 
 
+def prefill(shape: str, dtype: str, n_tokens: int) -> None:
+    from bench import RandomDeviceModel, config_for, fit_layers
+
+    from pycalm.gpu import GpuEngine
+
+    cfg = fit_layers(config_for(shape, dtype, SEQ_LEN), 2048, SEQ_LEN)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=SEQ_LEN, kv_dtype="fp16")
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, n_tokens)]
+    engine.prefill(ids, 0)  # compiles and warms every kernel
+    engine.stream.synchronize()
+    cuda.profile_start()
+    engine.prefill(ids, 0)
+    engine.stream.synchronize()
+    cuda.profile_stop()
+
+
 def main() -> None:
     what, args = sys.argv[1], sys.argv[2:]
     if what == "attention":
@@ -121,8 +140,10 @@ def main() -> None:
         matvec(args[0], args[1], args[2])
     elif what == "step":
         step(args[0], args[1], int(args[2]))
+    elif what == "prefill":
+        prefill(args[0], args[1], int(args[2]))
     else:
-        sys.exit(f"unknown target {what!r}: attention, matvec or step")
+        sys.exit(f"unknown target {what!r}: attention, matvec, step or prefill")
 
 
 if __name__ == "__main__":
