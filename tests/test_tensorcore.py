@@ -4,6 +4,7 @@ with PYCALM_TEST_GPU=1 the same tests run the inline PTX on the GPU.
 """
 
 import numpy as np
+import pytest
 from numba import cuda, int32
 
 from pycalm.kernels.tensorcore import (
@@ -12,6 +13,7 @@ from pycalm.kernels.tensorcore import (
     cp_async_wait_all,
     ldg64,
     ldmatrix_x4,
+    ldmatrix_x4_trans,
     mma_16816,
     pack_f16x2,
     sts128,
@@ -72,16 +74,38 @@ def _ldmatrix_kernel(src, out):  # noqa: ANN001, ANN202
     out[lane, 3] = r3
 
 
-def test_ldmatrix_x4():
+@cuda.jit
+def _ldmatrix_trans_kernel(src, out):  # noqa: ANN001, ANN202
+    # as _ldmatrix_kernel, through the .trans form
+    smem = cuda.shared.array(STAGED_WORDS, int32)  # (32 rows, PITCH) words, rows padded
+    lane = cuda.threadIdx.x
+    for e in range(4):
+        smem[lane * PITCH + e] = src[lane, e]
+        smem[lane * PITCH + 4 + e] = -1  # the padding: never read
+    cuda.syncthreads()  # the rows are in shared memory before any lane loads
+    r0, r1, r2, r3 = ldmatrix_x4_trans(smem, lane * PITCH)  # lane l: the address of row l
+    out[lane, 0] = r0
+    out[lane, 1] = r1
+    out[lane, 2] = r2
+    out[lane, 3] = r3
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4(trans: bool):
     rng = np.random.default_rng(2)
     m = rng.standard_normal((32, 8)).astype(np.float16)  # 4 matrices of 8 x 8, stacked
     words = _words(m)  # (32, 4)
     out = cuda.to_device(np.zeros((32, 4), np.int32))
-    _ldmatrix_kernel[1, 32](cuda.to_device(words), out)
-    got = out.copy_to_host()
-    lane = np.arange(32)
-    for i in range(4):  # register i: matrix i, row lane >> 2, elements 2 (lane & 3), +1
-        np.testing.assert_array_equal(got[:, i], words[8 * i + (lane >> 2), lane & 3])
+    (_ldmatrix_trans_kernel if trans else _ldmatrix_kernel)[1, 32](cuda.to_device(words), out)
+    got = out.copy_to_host().view(np.float16).reshape(32, 4, 2)  # lane, register, half
+    g, t = np.arange(32) >> 2, np.arange(32) & 3
+    for i in range(4):
+        mat = m[8 * i : 8 * i + 8]
+        if trans:  # register i: matrix i's column g, rows 2t and 2t + 1
+            want = np.stack([mat[2 * t, g], mat[2 * t + 1, g]], axis=1)
+        else:  # register i: matrix i's row g, elements 2t and 2t + 1
+            want = np.stack([mat[g, 2 * t], mat[g, 2 * t + 1]], axis=1)
+        np.testing.assert_array_equal(got[:, i], want)
 
 
 @cuda.jit

@@ -23,11 +23,11 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    part q_hi = fp16(q) and then the low part q_lo = fp16(q - q_hi); each warp takes the A
    fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffer then holds
    the K tiles.
-2. a tile of KEYS keys: the K rows as stored (key-major; e5m2 bytes become the top bytes of fp16
-   halves, exact), and the V rows transposed (dim-major: one word holds two keys' halves of one
-   dim), so both are the "col" B operand that ldmatrix reads as it is. Keys past the block's
-   last position are stored as zeros: their p is 0, and 0 times a stale row could be NaN.
-   Barrier.
+2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
+   of fp16 halves, exact), a thread's 16-byte unit of a row by one 16-byte shared store. K is
+   the "col" B operand of Q K^T that ldmatrix reads as it is; V is the B operand of P V stored
+   k-major, which ldmatrix's .trans form reads. Keys past the block's last position are stored
+   as zeros: their p is 0, and 0 times a stale row could be NaN. Barrier.
 3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
 4. masking (a key after the row's position or before its window, or a padding row: p = 0) and
    the online softmax per row: the tile's max over a lane's 2 KEYS / 8 scores and the row's 4
@@ -35,7 +35,7 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    m_new); l (the lane's part of the row's sum) and the output accumulators times alpha.
 5. O += P_hi V + P_lo V: the S accumulators of key tiles 2k and 2k + 1, split into fp16 high and
    low parts, are exactly the A fragments of k-step k (registers to registers, no shared
-   memory); the B fragments of V^T come by ldmatrix. Barrier (the next tile overwrites K, V^T).
+   memory); the B fragments of V come by ldmatrix.trans. Barrier (the next tile overwrites K, V).
 6. l summed over the row's 4 lanes; out = O / l, as fp16.
 
 Numerics: K and V are fp16 (or e5m2, exact in fp16). q and p are not: each is carried as the
@@ -47,8 +47,9 @@ twice as fast and off by up to 2^-11 relative in each score and weight:
 scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the figures.)
 
 Shapes (the defaults): WARPS 4 (ROWS 64), KEYS 64, 128 threads; shared memory (ROWS or KEYS) x
-(head_dim + 8) halves for Q / K and head_dim x (KEYS + 8) for V^T (rows padded by 16 bytes, so
-the 8 rows of an ldmatrix fall in 8 distinct groups of 4 banks): 35 KB at head_dim 128. A lane
+(head_dim + 8) halves for Q / K and KEYS x (head_dim + 8) for V (rows padded by 16 bytes, so the
+8 rows of an ldmatrix fall in 8 distinct groups of 4 banks, and the 8 lanes of a quarter-warp's
+16-byte stores write 128 contiguous bytes): 34 KB at head_dim 128. A lane
 keeps head_dim / 2 words of Q fragments, KEYS / 2 scores and head_dim / 2 accumulators in
 registers. Under the simulator (a Python thread per CUDA thread) a block is one warp and a tile
 16 keys, so the tests' short contexts still cover several tiles.
@@ -72,7 +73,7 @@ from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, dependent_start, fp16_encode, h2f2, ldg128, prmt
-from pycalm.kernels.tensorcore import ldmatrix_x4, mma_16816, pack_f16x2
+from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128
 
 KV_DTYPES = ("fp16", "fp8")
 SIM = _numba_config.ENABLE_CUDASIM
@@ -144,10 +145,9 @@ def prefill_attention_kernel(
     PSTEPS = keys // 16  # k-steps of P V
     O_TILES = D // 8  # 8-dim tiles of O
     OW = 4 * O_TILES  # O accumulators a lane
-    ROW = D // 2 + PAD  # words a Q / K row in shared memory
-    VROW = keys // 2 + PAD  # words a V^T row
+    ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
-    V_WORDS = D * VROW
+    V_WORDS = keys * ROW
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
@@ -169,6 +169,20 @@ def prefill_attention_kernel(
             w[0], w[1], w[2], w[3] = _lo(a), _hi(a), _lo(b), _hi(b)
 
     @cuda.jit(device=True, inline=True)
+    def store_words(smem, word, w, u):  # noqa: ANN001, ANN202
+        """A unit's E / 2 words w into smem[word ..] by 16-byte stores. fp8 (two stores a unit):
+        units u with (u >> 2) & 1 store their second half first, so that the 8 lanes of a
+        quarter-warp (units 32 bytes apart) fill 8 distinct groups of 4 banks."""
+        if not FP8:
+            sts128(smem, word, w[0], w[1], w[2], w[3])
+        elif (u >> 2) & 1:
+            sts128(smem, word + 4, w[4], w[5], w[6], w[7])
+            sts128(smem, word, w[0], w[1], w[2], w[3])
+        else:
+            sts128(smem, word, w[0], w[1], w[2], w[3])
+            sts128(smem, word + 4, w[4], w[5], w[6], w[7])
+
+    @cuda.jit(device=True, inline=True)
     def stage_q(q, qk, t0, g, n_rows, part, tid):  # noqa: ANN001, ANN202
         """The block's q rows times 1/sqrt(D) as fp16 pairs into qk: part 0 the high halves, 1
         the low (padding rows and rows past T: zeros)."""
@@ -188,13 +202,13 @@ def prefill_attention_kernel(
         # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
         # elements; state i32; out (T, n_heads*D) f16
         qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
-        vt = cuda.shared.array(V_WORDS, int32)  # (D, keys) V^T halves
+        vs = cuda.shared.array(V_WORDS, int32)  # (keys, D) V halves
         q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
         q_lo = cuda.local.array(QF, int32)
         s = cuda.local.array(SW, float32)  # S accumulators, then p
         o = cuda.local.array(OW, float32)  # O accumulators
-        w = cuda.local.array(8, int32)  # a unit's fp16 words
-        w2 = cuda.local.array(8, int32)
+        w = cuda.local.array(8, int32)  # a K unit's fp16 words
+        w2 = cuda.local.array(8, int32)  # a V unit's
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
@@ -239,33 +253,24 @@ def prefill_attention_kernel(
         # ldmatrix rows of a B operand (two 8-row tiles, two 16-byte chunks): row (lane & 7) +
         # 8 (lane >> 4), chunk (lane >> 3) & 1
         b_row = ((lane & 7) + 8 * (lane >> 4)) * ROW + 4 * ((lane >> 3) & 1)
-        v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
+        # and of V through .trans (matrices: keys 0-7 | 8-15 of dims 0-7, then of dims 8-15): row
+        # (lane & 7) + 8 ((lane >> 3) & 1), chunk lane >> 4
+        v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
         cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
 
         j0 = (first_key // keys) * keys
         while j0 <= last_pos:
-            # 2. the K tile, key-major, and the V tile, transposed; keys past last_pos: zeros
+            # 2. the K and V tiles, key-major; keys past last_pos: zeros
             for i in range(tid, keys * UNITS, THREADS):
-                kr, u = i // UNITS, i % UNITS
-                for e in range(E // 2):
-                    w[e] = int32(0)
-                if j0 + kr <= last_pos:
-                    load_words(k_cache, j0 + kr, g * UNITS + u, w)
-                for e in range(E // 2):
-                    qk[kr * ROW + u * (E // 2) + e] = w[e]
-            for i in range(tid, (keys // 2) * UNITS, THREADS):
-                kp, u = i // UNITS, i % UNITS  # keys j0 + 2 kp and + 1, dims u E .. u E + E - 1
+                kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
                 for e in range(E // 2):
                     w[e] = int32(0)
                     w2[e] = int32(0)
-                if j0 + 2 * kp <= last_pos:
-                    load_words(v_cache, j0 + 2 * kp, g * UNITS + u, w)
-                if j0 + 2 * kp + 1 <= last_pos:
-                    load_words(v_cache, j0 + 2 * kp + 1, g * UNITS + u, w2)
-                for e in range(E // 2):
-                    d = u * E + 2 * e
-                    vt[d * VROW + kp] = prmt(w[e], w2[e], int32(0x5410))  # dim d of the two keys
-                    vt[(d + 1) * VROW + kp] = prmt(w[e], w2[e], int32(0x7632))  # dim d + 1
+                if j0 + kr <= last_pos:
+                    load_words(k_cache, j0 + kr, g * UNITS + u, w)
+                    load_words(v_cache, j0 + kr, g * UNITS + u, w2)
+                store_words(qk, kr * ROW + u * (E // 2), w, u)
+                store_words(vs, kr * ROW + u * (E // 2), w2, u)
             cuda.syncthreads()  # the tile is staged
 
             # 3. S = q_hi K^T + q_lo K^T
@@ -333,14 +338,14 @@ def prefill_attention_kernel(
                 a2, z2 = _split(s[8 * kk + 4], s[8 * kk + 5])  # row r0, keys 16 kk + 8 + 2 quad, + 1
                 a3, z3 = _split(s[8 * kk + 6], s[8 * kk + 7])  # row r1
                 for p in range(O_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(vt, v_row + p * 16 * VROW + 8 * kk)  # dims 16p ..
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(vs, v_row + kk * 16 * ROW + 8 * p)  # dims 16p ..
                     for half in range(2):
                         n = 4 * (2 * p + half)
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
                         _mma_acc(o, n, a0, a1, a2, a3, c0, c1)
                         if SPLIT:
                             _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
-            cuda.syncthreads()  # every warp is done with K and V^T before the next tile's stores
+            cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
         # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)

@@ -2,6 +2,7 @@
 
   mma_16816(a0..a3, b0, b1, c0..c3) -> d0..d3    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
   ldmatrix_x4(smem, word) -> r0..r3              ldmatrix.sync.aligned.m8n8.x4.shared.b16
+  ldmatrix_x4_trans(smem, word) -> r0..r3        ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16
   cp_async16(smem, word, src, row, col, nbytes)  cp.async.cg.shared.global, 16 bytes (zero-filled
                                                  past nbytes), cp_async_commit, cp_async_wait_all
                                                  / cp_async_wait_one (wait_group 0 / 1)
@@ -28,6 +29,10 @@ ldmatrix .x4 loads four 8 x 8 matrices of 16-bit elements: lanes 8i..8i+7 give t
 of rows 0..7 of matrix i (16 contiguous bytes each), and register i of lane l receives matrix i's
 row l >> 2, elements 2 (l & 3) and 2 (l & 3) + 1: exactly an A or B fragment piece when the
 matrices are the fragment's 8 x 8 quarters (pycalm.kernels.matmul picks the row addresses).
+The .trans form hands out each matrix transposed: register i of lane l holds elements l >> 2 of
+matrix i's rows 2 (l & 3) and 2 (l & 3) + 1, so a B fragment (b0 = B[2t:2t+2, g]) comes from B
+stored k-major, a row of B a 16-byte row of shared memory (pycalm.kernels.prefill_attention's V
+tile).
 
 Each intrinsic has a simulator twin (NUMBA_ENABLE_CUDASIM=1), so the kernels that use them run
 unmodified on a CPU: the warp-wide ones gather every lane's operands through the per-warp
@@ -72,18 +77,31 @@ if _numba_config.ENABLE_CUDASIM:
         g, t = lane >> 2, lane & 3
         return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
 
-    def ldmatrix_x4(smem: np.ndarray, word: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
-        """Four 8 x 8 fp16 matrices from shared memory, this lane's row `word` (4 words) one of
-        them (simulator: the row addresses gathered; register i of lane l is word l & 3 of the
-        row that lane 8 i + (l >> 2) addressed)."""
+    def _ldmatrix(smem: np.ndarray, word: int, trans: bool) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """ldmatrix_x4 (trans: its .trans form) over the warp: the row addresses gathered, the
+        four 8 x 8 matrices rebuilt, this lane's register of each returned."""
         rows = warp_gather((smem, int(word)))
         _aligned16(word)  # after the gather: a lane that raised before it would hang the warp
         lane = _lane()
+        g, t = lane >> 2, lane & 3
         out = []
         for i in range(4):
-            arr, base = rows[8 * i + (lane >> 2)]
-            out.append(np.int32(arr[base + (lane & 3)]))
+            m = np.array([arr[base : base + 4] for arr, base in rows[8 * i : 8 * i + 8]], np.int32)
+            m = m.view(np.float16)  # (8, 8) halves, row r the row lane 8 i + r addressed
+            pair = m[g, 2 * t : 2 * t + 2] if not trans else m[2 * t : 2 * t + 2, g]
+            out.append(np.ascontiguousarray(pair).view(np.int32)[0])
         return out[0], out[1], out[2], out[3]
+
+    def ldmatrix_x4(smem: np.ndarray, word: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """Four 8 x 8 fp16 matrices from shared memory, this lane's row `word` (4 words) one of
+        them (simulator: register i of lane l is word l & 3 of the row that lane 8 i + (l >> 2)
+        addressed)."""
+        return _ldmatrix(smem, word, False)
+
+    def ldmatrix_x4_trans(smem: np.ndarray, word: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """ldmatrix_x4 with each matrix transposed (simulator: register i of lane l holds half
+        l >> 2 of the rows that lanes 8 i + 2 (l & 3) and + 1 addressed)."""
+        return _ldmatrix(smem, word, True)
 
     def cp_async16(smem: np.ndarray, word: int, src: np.ndarray, row: int, col: int, nbytes: int) -> None:
         """Copy 8 fp16 src[row, col:col+8] into smem words word..word+3, bytes past nbytes (0 or
@@ -202,12 +220,8 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def ldmatrix_x4(typingctx, smem, word):  # noqa: ANN001, ANN201
-        """Four 8 x 8 fp16 matrices from shared memory into four f16x2 words a lane (ldmatrix
-        .x4): this lane gives the address of one 16-byte row, word `word` of the 1-D int32 shared
-        array `smem` (lanes 8i..8i+7: rows 0..7 of matrix i); register i of lane l is matrix
-        i's row l >> 2, elements 2 (l & 3), 2 (l & 3) + 1. Every lane must call it."""
+    def _ldmatrix(smem: object, word: object, shape: str) -> object:
+        """The typing and codegen of ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16."""
         if not _is_word_array(smem):
             return None
         sig = types.UniTuple(types.int32, 4)(smem, word)
@@ -217,7 +231,7 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
             asm = ir.InlineAsm(
                 fnty,
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                f"ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
                 "=r,=r,=r,=r,r,~{memory}",
                 side_effect=True,  # reads shared memory: keep it between the barriers it sits in
             )
@@ -226,6 +240,20 @@ else:
             return context.make_tuple(builder, sig.return_type, parts)
 
         return sig, codegen
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, smem, word):  # noqa: ANN001, ANN201
+        """Four 8 x 8 fp16 matrices from shared memory into four f16x2 words a lane (ldmatrix
+        .x4): this lane gives the address of one 16-byte row, word `word` of the 1-D int32 shared
+        array `smem` (lanes 8i..8i+7: rows 0..7 of matrix i); register i of lane l is matrix
+        i's row l >> 2, elements 2 (l & 3), 2 (l & 3) + 1. Every lane must call it."""
+        return _ldmatrix(smem, word, "")
+
+    @intrinsic
+    def ldmatrix_x4_trans(typingctx, smem, word):  # noqa: ANN001, ANN201
+        """ldmatrix_x4 with each 8 x 8 matrix transposed (.trans): register i of lane l holds
+        element l >> 2 of matrix i's rows 2 (l & 3) and 2 (l & 3) + 1. Every lane must call it."""
+        return _ldmatrix(smem, word, ".trans")
 
     @intrinsic
     def cp_async16(typingctx, smem, word, src, row, col, nbytes):  # noqa: ANN001, ANN201
