@@ -59,31 +59,19 @@ STAGED_WORDS = 32 * PITCH
 
 
 @cuda.jit
-def _ldmatrix_kernel(src, out):  # noqa: ANN001, ANN202
-    # src (32, 4) words: rows 8i..8i+7 are matrix i (8 x 8 fp16); out (32, 4) words a lane
+def _ldmatrix_kernel(src, trans, out):  # noqa: ANN001, ANN202
+    # src (32, 4) words: rows 8i..8i+7 are matrix i (8 x 8 fp16); out (32, 4) words a lane;
+    # trans: through the .trans form
     smem = cuda.shared.array(STAGED_WORDS, int32)  # (32 rows, PITCH) words, rows padded
     lane = cuda.threadIdx.x
     for e in range(4):
         smem[lane * PITCH + e] = src[lane, e]
         smem[lane * PITCH + 4 + e] = -1  # the padding: never read
     cuda.syncthreads()  # the rows are in shared memory before any lane loads
-    r0, r1, r2, r3 = ldmatrix_x4(smem, lane * PITCH)  # lane l: the address of row l
-    out[lane, 0] = r0
-    out[lane, 1] = r1
-    out[lane, 2] = r2
-    out[lane, 3] = r3
-
-
-@cuda.jit
-def _ldmatrix_trans_kernel(src, out):  # noqa: ANN001, ANN202
-    # as _ldmatrix_kernel, through the .trans form
-    smem = cuda.shared.array(STAGED_WORDS, int32)  # (32 rows, PITCH) words, rows padded
-    lane = cuda.threadIdx.x
-    for e in range(4):
-        smem[lane * PITCH + e] = src[lane, e]
-        smem[lane * PITCH + 4 + e] = -1  # the padding: never read
-    cuda.syncthreads()  # the rows are in shared memory before any lane loads
-    r0, r1, r2, r3 = ldmatrix_x4_trans(smem, lane * PITCH)  # lane l: the address of row l
+    if trans:  # (uniform over the warp) lane l: the address of row l
+        r0, r1, r2, r3 = ldmatrix_x4_trans(smem, lane * PITCH)
+    else:
+        r0, r1, r2, r3 = ldmatrix_x4(smem, lane * PITCH)
     out[lane, 0] = r0
     out[lane, 1] = r1
     out[lane, 2] = r2
@@ -96,7 +84,7 @@ def test_ldmatrix_x4(trans: bool):
     m = rng.standard_normal((32, 8)).astype(np.float16)  # 4 matrices of 8 x 8, stacked
     words = _words(m)  # (32, 4)
     out = cuda.to_device(np.zeros((32, 4), np.int32))
-    (_ldmatrix_trans_kernel if trans else _ldmatrix_kernel)[1, 32](cuda.to_device(words), out)
+    _ldmatrix_kernel[1, 32](cuda.to_device(words), int(trans), out)
     got = out.copy_to_host().view(np.float16).reshape(32, 4, 2)  # lane, register, half
     g, t = np.arange(32) >> 2, np.arange(32) & 3
     for i in range(4):
