@@ -242,7 +242,11 @@ def until_ctrl_c(tokens: Iterator[int]) -> Iterator[int]:
     """The tokens until Ctrl-C. SIGINT raises KeyboardInterrupt, as Python's own handler does,
     and also sets a flag that ends the loop at the next token: native code running when the
     signal arrives (a tokenizer's, a BLAS call's) may report the exception and drop it, but the
-    flag stays. Python's handler is back when the tokens end or the loop is left."""
+    flag stays. Python's handler is back when the tokens end or the loop is left. A process that
+    ignores SIGINT (started in the background) keeps ignoring it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield from tokens
+        return
     hit = False
 
     def on_sigint(signum: int, frame: object) -> None:

@@ -12,6 +12,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -36,6 +37,9 @@ class Terminal:
         def controlling_terminal() -> None:  # in the child: a session whose terminal is the pty
             os.setsid()
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # Ctrl-C's default action, as a terminal gives its program, whatever this process
+            # inherited (a test run started in the background of a shell ignores SIGINT)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(
             args,
