@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,9 +211,8 @@ def run_chat(
         t0 = t_last = time.perf_counter()
         t_first = None
         tokens = engine.generate(ids[common:], common, steps, sampling)
-        watched = until_ctrl_c(tokens)
         try:
-            for t in watched:
+            for t in tokens:
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
                 reply.append(t)
@@ -225,7 +223,6 @@ def run_chat(
         except KeyboardInterrupt:  # Ctrl-C stops the reply; the chat goes on with what was written
             pass
         finally:
-            watched.close()  # Python's SIGINT handler back
             tokens.close()
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
@@ -236,32 +233,6 @@ def run_chat(
             continue
         cached = ids + reply[:-1]  # the last sampled token was never fed
         messages.append({"role": "assistant", "content": tok.decode([t for t in reply if t not in eos])})
-
-
-def until_ctrl_c(tokens: Iterator[int]) -> Iterator[int]:
-    """The tokens until Ctrl-C. SIGINT raises KeyboardInterrupt, as Python's own handler does,
-    and also sets a flag that ends the loop at the next token: native code running when the
-    signal arrives (a tokenizer's, a BLAS call's) may report the exception and drop it, but the
-    flag stays. Python's handler is back when the tokens end or the loop is left. A process that
-    ignores SIGINT (started in the background) keeps ignoring it."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield from tokens
-        return
-    hit = False
-
-    def on_sigint(signum: int, frame: object) -> None:
-        nonlocal hit
-        hit = True
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        for t in tokens:
-            if hit:
-                raise KeyboardInterrupt
-            yield t
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def fit_context(tok: object, messages: list[dict[str, str]], seq_len: int, steps: int) -> list[int] | None:

@@ -390,35 +390,3 @@ def test_bad_dtype_flag(tmp_path, module):
 def test_bad_flag_values(tiny):
     assert_one_error_line(run(tiny, "-i", "x", "-t", "-1"), "temperature", code=2)
     assert_one_error_line(run(tiny, "-i", "x", "-y", "sys"), "choose one", code=2)
-
-
-def test_ctrl_c_is_not_lost_when_native_code_drops_the_exception():
-    """The chat's reply loop stops at the token after Ctrl-C even when the KeyboardInterrupt
-    that the signal raised was caught and dropped inside the token source (as native code
-    running at that moment may do), and Python's handler is back afterwards. (A process that
-    ignores SIGINT, started in the background, keeps ignoring it: until_ctrl_c then only yields.)"""
-    import signal
-    import time
-
-    from pycalm.generate import until_ctrl_c
-
-    def source():  # noqa: ANN202
-        for i in range(100):
-            if i == 3:
-                try:
-                    os.kill(os.getpid(), signal.SIGINT)
-                    time.sleep(0.05)  # the handler runs here
-                except KeyboardInterrupt:
-                    pass  # dropped
-            yield i
-
-    got = []
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            for t in until_ctrl_c(source()):
-                got.append(t)
-        assert got == [0, 1, 2]
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, before)
