@@ -279,10 +279,11 @@ def prefill_attention_kernel(
         # ldmatrix rows of a B operand (two 8-row tiles, two 16-byte chunks): row (lane & 7) +
         # 8 (lane >> 4), chunk (lane >> 3) & 1
         b_row = ((lane & 7) + 8 * (lane >> 4)) * ROW + 4 * ((lane >> 3) & 1)
-        v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
         if V_KMAJOR:  # V through .trans (matrices: keys 0-7 | 8-15 of dims 0-7, then of dims
             # 8-15): row (lane & 7) + 8 ((lane >> 3) & 1), chunk lane >> 4
             v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
+        else:  # V^T, as b_row
+            v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
         cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
 
         j0 = (first_key // keys) * keys
