@@ -46,6 +46,25 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# str.translate's table for byte-level pieces: each alphabet character to the latin-1 character of
+# its byte, every other character below 256 deleted (a character of 256 and up outside the
+# alphabet is left, and _byte_level_pieces drops it the slow way)
+_BYTE_LEVEL_TABLE = {c: None for c in range(256)} | {ord(c): chr(b) for c, b in _UNICODE_TO_BYTE.items()}
+
+
+def _byte_level_pieces(pieces: list[str]) -> list[bytes]:
+    """The bytes of byte-level BPE pieces: each character of GPT-2's alphabet is one byte,
+    characters outside it are dropped."""
+    parts = "\uffff".join(pieces).translate(_BYTE_LEVEL_TABLE).split("\uffff")  # U+FFFF: kept
+    if len(parts) == len(pieces):  # (no piece holds U+FFFF itself)
+        try:
+            return [p.encode("latin-1") for p in parts]
+        except UnicodeEncodeError:  # a character outside the alphabet: the slow way
+            pass
+    return [bytes(_UNICODE_TO_BYTE[c] for c in p if c in _UNICODE_TO_BYTE) for p in pieces]
+
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -249,16 +268,21 @@ class Tokenizer:
         byte_level = "ByteLevel" in decoders
         model = data.get("model") or {}
         byte_fallback = "ByteFallback" in decoders or bool(model.get("byte_fallback"))
-        unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        vocab = model.get("vocab")  # BPE's piece -> id (already parsed; Unigram's is a list)
+        if not isinstance(vocab, dict):
+            vocab = tok.get_vocab(with_added_tokens=True)
+        pieces = [""] * n  # id -> vocabulary entry ("" for an id without one)
+        for piece, i in vocab.items():
+            if 0 <= i < n:
+                pieces[i] = piece
+        if byte_level:  # the whole vocabulary through one translate (pieces joined by U+FFFF)
+            pieces = _byte_level_pieces(pieces)
         token_bytes = []
-        for i in range(n):
-            piece = tok.id_to_token(i)
-            if piece is None:
-                token_bytes.append(b"")
-            elif i in added:
+        for i, piece in enumerate(pieces):
+            if i in added:
                 token_bytes.append(str(added[i]["content"]).encode())
             elif byte_level:
-                token_bytes.append(bytes(unicode_to_byte[c] for c in piece if c in unicode_to_byte))
+                token_bytes.append(piece)
             elif byte_fallback and _BYTE_PIECE.fullmatch(piece):
                 token_bytes.append(bytes([int(piece[3:5], 16)]))
             else:
