@@ -48,7 +48,7 @@ _DIGESTS = r"""
 from pycalm.kernels import attention, cache, matvec, qkv
 print(cache.closure_digest(attention.attention_kernel(64, 3, "fp16", 256, 256).py_func))
 print(cache.closure_digest(attention.attention_kernel(64, 3, "fp8", 256, 256).py_func))
-for kernel, *_ in matvec.COMPILE_CHECK[:2] + qkv.COMPILE_CHECK[:1]:
+for kernel, *_ in matvec.compile_check()[:2] + qkv.compile_check()[:1]:
     print(cache.closure_digest(kernel.py_func))
 """
 

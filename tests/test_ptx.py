@@ -1,6 +1,6 @@
-"""Real compilation of every kernel in COMPILE_CHECK lists (sm_90), without a GPU.
+"""Real compilation of every kernel the compile_check functions list (sm_90), without a GPU.
 
-Each pycalm.kernels module lists its kernels and numba signatures in COMPILE_CHECK. Worker
+Each pycalm.kernels module lists its kernels and numba signatures in compile_check(). Worker
 subprocesses (the simulator must be off before numba is imported) compile them with
 cuda.compile_ptx and report: a compile error (typing the simulator lets through), `.f64` (an
 untyped literal made the arithmetic float64), or `ld.local` / `st.local` (an array spilled to
@@ -8,7 +8,7 @@ local memory).
 
 Each PTX then goes through ptxas (the NVVM wheel's own, sm_90) for what only the machine code
 shows: any spill to local memory, and a register count above the kernel's limit: the third
-item of its COMPILE_CHECK entry where there is one (pycalm.kernels.sample and argmax: what a
+item of its compile_check entry where there is one (pycalm.kernels.sample and argmax: what a
 block of its launch's threads can have at all), else the module's MAX_REGISTERS
 (pycalm.kernels.attention: two blocks of the shipped 256 threads an SM; a restructured kernel
 at 154-188 registers once ran at one block an SM, up to 1.8x slower at long context, while the
@@ -37,7 +37,7 @@ from importlib import import_module
 
 import pycalm.kernels
 
-# modules that must have COMPILE_CHECK entries (common and tensorcore: via the kernels that use them)
+# modules that must have compile_check entries (common and tensorcore: via the kernels that use them)
 MINE = {"common", "matvec", "qkv", "moe", "matmul", "tensorcore", "prefill_attention", "rows"}
 
 _SCRIPT = r"""
@@ -101,7 +101,7 @@ def ptx_of(fn, sig, label):
 
 for mod_name, index in json.loads(sys.argv[1]):
     module = importlib.import_module("pycalm.kernels." + mod_name)
-    entry = module.COMPILE_CHECK[index]
+    entry = module.compile_check()[index]
     kernel, sig = entry[:2]
     label = f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}"
     ptx = ptx_of(kernel, sig, label)
@@ -175,7 +175,7 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
     names = _modules()
     work, seen, counts = [], set(), {}
     for name in names:
-        entries = getattr(import_module("pycalm.kernels." + name), "COMPILE_CHECK", [])
+        entries = getattr(import_module("pycalm.kernels." + name), "compile_check", list)()
         counts[name] = len(entries)
         for i, (kernel, sig, *_) in enumerate(entries):
             key = (getattr(kernel, "py_func", kernel), sig)
@@ -183,7 +183,7 @@ def test_every_kernel_compiles_without_f64_spills_or_64bit_decoders():
                 seen.add(key)
                 work.append((name, i))
     for name in ("matvec", "qkv", "moe", "matmul", "prefill_attention", "rows"):
-        assert counts.get(name, 0) > 0, f"{name} has no COMPILE_CHECK entries"
+        assert counts.get(name, 0) > 0, f"{name} has no compile_check entries"
     assert MINE <= set(names)
     n_workers = max(1, min(os.cpu_count() or 1, len(work)))
     shares = [work[k::n_workers] for k in range(n_workers)]  # round-robin: similar mixes

@@ -143,8 +143,11 @@ def argmax(
 
 # (kernel, signature, registers a thread at most: what one block of its launch's threads can
 # have, 64k an SM; tests/test_ptx.py checks it with ptxas)
-COMPILE_CHECK = [
-    (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
-    (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),
-    (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)", 65536 // THREADS),  # up to 1024
-]
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [
+        (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
+        (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),
+        (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)", 65536 // THREADS),  # up to 1024
+    ]

@@ -480,7 +480,7 @@ _SIG = (
 )
 
 
-def _compile_check() -> list[tuple[object, str]]:
+def compile_check() -> list[tuple[object, str]]:
     """Every kernel variant the models in use need: head_dim 64 / 128, groups 1..8, both KV
     dtypes, with the shipped tuning."""
     shipped = AttentionTuning()
@@ -490,6 +490,3 @@ def _compile_check() -> list[tuple[object, str]]:
             chunk = attention_chunk_len(head_dim, kv_dtype, shipped)
             checks.append((attention_kernel(head_dim, group, kv_dtype, chunk, shipped.threads), _SIG))
     return checks
-
-
-COMPILE_CHECK = _compile_check()

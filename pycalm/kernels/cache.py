@@ -123,12 +123,13 @@ def install() -> None:
             if Path(py_file).resolve().parent != KERNELS_DIR:
                 return None  # not a pycalm kernel: numba's own locators decide
             self = cls(py_func, py_file)
-            try:
-                self.ensure_cache_path()  # makes the folder and checks that it is writable
-            except OSError:
-                # an unwritable cache folder: a fresh temporary one, never numba's __pycache__
-                # beside the source (whose key would miss a change in another kernel module)
-                self._cache_path = _temporary_folder()
+            if self._cache_path not in _folders:  # checked once a process, not once a kernel
+                try:
+                    self.ensure_cache_path()  # makes the folder and checks that it is writable
+                except OSError:
+                    # an unwritable cache folder: a fresh temporary one, never numba's __pycache__
+                    # beside the source (whose key would miss a change in another kernel module)
+                    self._cache_path = _temporary_folder()
             _folders.add(self._cache_path)
             return self
 

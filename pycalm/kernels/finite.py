@@ -59,4 +59,7 @@ def check_finite(logits: object, state: object, flag: object, *, stream: object)
     check_finite_kernel[blocks, threads, stream](logits, state, flag)
 
 
-COMPILE_CHECK = [(check_finite_kernel, "void(float32[::1], int32[::1], int32[::1])")]
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [(check_finite_kernel, "void(float32[::1], int32[::1], int32[::1])")]

@@ -593,11 +593,16 @@ _SIG_W = {
     "q8": "int8[:, ::1], float32[::1]",
     "q4": "uint32[:, ::1], float16[:, :, ::1]",
 }
-COMPILE_CHECK = [
-    (
-        make_matmul_kernel(dtype, mode, TILE),
-        f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, {'float16' if mode == GATE else 'float32'}[:, ::1])",
-    )
-    for dtype in _SIG_W
-    for mode in (PLAIN, RESIDUAL, GATE)
-]
+
+
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [
+        (
+            make_matmul_kernel(dtype, mode, TILE),
+            f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, {'float16' if mode == GATE else 'float32'}[:, ::1])",
+        )
+        for dtype in _SIG_W
+        for mode in (PLAIN, RESIDUAL, GATE)
+    ]

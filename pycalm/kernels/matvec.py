@@ -347,7 +347,7 @@ SCALES_SIG = {"q8": "float32[::1]", "q4": "uint32[:, ::1]"}  # other dtypes: a f
 
 
 def kernel_sig(nbytes: int, dtype: str) -> str:
-    """The numba signature of matvec_kernel for a dtype and loads of nbytes (COMPILE_CHECK)."""
+    """The numba signature of matvec_kernel for a dtype and loads of nbytes (compile_check)."""
     t = "uint32" if nbytes == 4 else "uint64"
     s = SCALES_SIG.get(dtype, "float32[::1]")
     return (
@@ -358,10 +358,13 @@ def kernel_sig(nbytes: int, dtype: str) -> str:
 
 # every kernel the launchers use: the wide and narrow loads of each dtype, dense and with slots
 # (mode and normed are runtime arguments), and the split ones of long fp8 / q8 residual rows
-COMPILE_CHECK = [
-    (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes, dtype))
-    for slots in (False, True)
-    for dtype, nbytes in (
-        ("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4), ("q8", 16), ("q8", 8), ("q4", 16)
-    )
-] + [(matvec_kernel(dtype, 16, ROWS, UNROLL, 2), kernel_sig(16, dtype)) for dtype in ("fp8", "q8")]  # fmt: skip
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [
+        (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes, dtype))
+        for slots in (False, True)
+        for dtype, nbytes in (
+            ("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4), ("q8", 16), ("q8", 8), ("q4", 16)
+        )
+    ] + [(matvec_kernel(dtype, 16, ROWS, UNROLL, 2), kernel_sig(16, dtype)) for dtype in ("fp8", "q8")]  # fmt: skip

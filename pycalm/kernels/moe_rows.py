@@ -130,15 +130,20 @@ def moe_combine_rows(y: object, routes: RowRoutes, x: object, *, stream: object)
 
 
 _GROUPS = "int32[::1], int32[:, ::1], int32[:, ::1]"  # count, rows, route_ids
-COMPILE_CHECK = [
-    *[
-        (
-            make_matmul_kernel(dtype, mode, TILE, grouped=True),
-            f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, "
-            f"{'float16' if mode == GATE else 'float32'}[:, ::1], {_GROUPS})",
-        )
-        for dtype in _SIG_W  # every weight format the matmul takes
-        for mode in (PLAIN, GATE)
-    ],
-    (moe_combine_rows_kernel, "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"),
-]
+
+
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [
+        *[
+            (
+                make_matmul_kernel(dtype, mode, TILE, grouped=True),
+                f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, "
+                f"{'float16' if mode == GATE else 'float32'}[:, ::1], {_GROUPS})",
+            )
+            for dtype in _SIG_W  # every weight format the matmul takes
+            for mode in (PLAIN, GATE)
+        ],
+        (moe_combine_rows_kernel, "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"),
+    ]

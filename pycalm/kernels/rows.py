@@ -320,20 +320,31 @@ def moe_group(routes: RowRoutes, experts: ExpertRows, *, stream: object, threads
 
 
 _KV = {"fp16": "float16", "fp8": "uint8"}
-COMPILE_CHECK = [
-    *[(make_embed_rows_kernel(d), f"void({SIG_TABLE[d]}, int32[::1], float32[:, ::1])") for d in SIG_TABLE],
-    (rmsnorm_rows_kernel, "void(float32[:, ::1], float32[::1], float32, float16[:, ::1])"),
-    *[
+
+
+def compile_check() -> list[tuple]:
+    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
+    them for sm_90); built when asked for, not at import."""
+    return [
+        *[
+            (make_embed_rows_kernel(d), f"void({SIG_TABLE[d]}, int32[::1], float32[:, ::1])")
+            for d in SIG_TABLE
+        ],
+        (rmsnorm_rows_kernel, "void(float32[:, ::1], float32[::1], float32, float16[:, ::1])"),
+        *[
+            (
+                qkv_rows_kernel(kv),
+                f"void(float32[:, ::1], float32[::1], int32, float32[::1], int32[::1], float32[:, ::1], "
+                f"{_KV[kv]}[:, ::1], {_KV[kv]}[:, ::1], int64, int64, int64)",
+            )
+            for kv in ("fp16", "fp8")
+        ],
         (
-            qkv_rows_kernel(kv),
-            f"void(float32[:, ::1], float32[::1], int32, float32[::1], int32[::1], float32[:, ::1], "
-            f"{_KV[kv]}[:, ::1], {_KV[kv]}[:, ::1], int64, int64, int64)",
-        )
-        for kv in ("fp16", "fp8")
-    ],
-    (
-        moe_route_rows_kernel(8),
-        "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, int32[:, ::1], float32[:, ::1])",
-    ),
-    (moe_group_kernel, "void(int32[:, ::1], float32[:, ::1], int32[::1], int32[:, ::1], float32[:, ::1])"),
-]
+            moe_route_rows_kernel(8),
+            "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, int32[:, ::1], float32[:, ::1])",
+        ),
+        (
+            moe_group_kernel,
+            "void(int32[:, ::1], float32[:, ::1], int32[::1], int32[:, ::1], float32[:, ::1])",
+        ),
+    ]
