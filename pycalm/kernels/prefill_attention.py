@@ -23,13 +23,11 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    part q_hi = fp16(q) and then the low part q_lo = fp16(q - q_hi); each warp takes the A
    fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffer then holds
    the K tiles.
-2. a tile of KEYS keys: the K rows as stored (key-major; e5m2 bytes become the top bytes of fp16
-   halves, exact), and the V rows transposed (dim-major: one word holds two keys' halves of one
-   dim), so both are the "col" B operand that ldmatrix reads as it is. Keys past the block's
-   last position are stored as zeros: their p is 0, and 0 times a stale row could be NaN.
-   Barrier. (v_kmajor, being measured: V stored key-major as K is, a 16-byte unit of a K or V
-   row by one 16-byte shared store, and P V's B fragments read by ldmatrix's .trans form. The
-   transposing stores above put the 16 lanes that share a key pair on one bank.)
+2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
+   of fp16 halves, exact), a thread's 16-byte unit of a K row and of a V row at a time, each by
+   16-byte shared stores. K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
+   V, the "row" operand of P V, is read by ldmatrix's .trans form. Keys past the block's last
+   position are stored as zeros: their p is 0, and 0 times a stale row could be NaN. Barrier.
 3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
 4. masking (a key after the row's position or before its window, or a padding row: p = 0) and
    the online softmax per row: the tile's max over a lane's 2 KEYS / 8 scores and the row's 4
@@ -37,7 +35,8 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    m_new); l (the lane's part of the row's sum) and the output accumulators times alpha.
 5. O += P_hi V + P_lo V: the S accumulators of key tiles 2k and 2k + 1, split into fp16 high and
    low parts, are exactly the A fragments of k-step k (registers to registers, no shared
-   memory); the B fragments of V^T come by ldmatrix. Barrier (the next tile overwrites K, V^T).
+   memory); the B fragments of V come by ldmatrix .trans. Barrier (the next tile overwrites K,
+   V).
 6. l summed over the row's 4 lanes; out = O / l, as fp16.
 
 Numerics: K and V are fp16 (or e5m2, exact in fp16). q and p are not: each is carried as the
@@ -49,9 +48,10 @@ twice as fast and off by up to 2^-11 relative in each score and weight:
 scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the figures.)
 
 Shapes (the defaults): WARPS 4 (ROWS 64), KEYS 64, 128 threads; shared memory (ROWS or KEYS) x
-(head_dim + 8) halves for Q / K and head_dim x (KEYS + 8) for V^T (v_kmajor: KEYS x (head_dim +
-8) for V; rows padded by 16 bytes, so the 8 rows of an ldmatrix fall in 8 distinct groups of 4
-banks): 35 KB at head_dim 128. A lane
+(head_dim + 8) halves for Q / K and KEYS x (head_dim + 8) for V (rows padded by 16 bytes, so
+the 8 rows of an ldmatrix fall in 8 distinct groups of 4 banks): 35 KB at head_dim 128. The
+launch bounds ask for 3 blocks an SM at head_dim 64 and 2 at 128 (`min_blocks`: ptxas keeps
+the registers under 170 / 255 a thread without spilling). A lane
 keeps head_dim / 2 words of Q fragments, KEYS / 2 scores and head_dim / 2 accumulators in
 registers. Under the simulator (a Python thread per CUDA thread) a block is one warp and a tile
 16 keys, so the tests' short contexts still cover several tiles.
@@ -81,17 +81,22 @@ KV_DTYPES = ("fp16", "fp8")
 SIM = _numba_config.ENABLE_CUDASIM
 WARPS = 1 if SIM else 4  # warps a block: 16 query rows each
 KEYS = 16 if SIM else 64  # keys a tile (a multiple of 16)
-MIN_BLOCKS = 2  # blocks an SM must hold at least (the launch bounds)
 NEG = -1.0e30  # "no score yet": finite, so NEG - NEG is 0, not NaN
 PAD = 4  # words of padding after each shared row (16 bytes)
 FULL = 0xFFFFFFFF
 
 
-def _launch_bounds(threads: int) -> dict:
-    """cuda.jit's launch bounds: blocks of `threads`, MIN_BLOCKS of them an SM, so ptxas keeps a
-    thread's registers under 65536 / (MIN_BLOCKS threads) (tests/test_ptx.py compiles with them
+def min_blocks(head_dim: int) -> int:
+    """Blocks an SM must hold at least (the launch bounds): 3 at head_dim 64 and below, 2 above
+    (a lane's fragments and accumulators grow with head_dim)."""
+    return 3 if head_dim <= 64 else 2
+
+
+def _launch_bounds(threads: int, blocks: int) -> dict:
+    """cuda.jit's launch bounds: blocks of `threads`, `blocks` of them an SM, so ptxas keeps a
+    thread's registers under 65536 / (blocks threads) (tests/test_ptx.py compiles with them
     and checks that limit). The simulator takes no bounds."""
-    return {} if SIM else {"launch_bounds": (threads, MIN_BLOCKS)}
+    return {} if SIM else {"launch_bounds": (threads, blocks)}
 
 
 @cuda.jit(device=True, inline=True)
@@ -133,13 +138,11 @@ def prefill_attention_kernel(
     warps: int,
     keys: int,
     split: bool = True,
-    v_kmajor: bool = False,
 ) -> object:
     """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
     16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); split: q and p as two
     fp16 parts each (False: rounded once, the faster, coarser form that
-    scripts/kernels/prefill_attention.py times as tc16); v_kmajor: V staged key-major and read
-    by ldmatrix .trans (that script's kmajor version); see the module docstring. The sizes are
+    scripts/kernels/prefill_attention.py times as tc16); see the module docstring. The sizes are
     compile-time constants: the fragments are fixed-size local arrays indexed by unrolled loops,
     so they live in registers."""
     D = head_dim
@@ -154,11 +157,9 @@ def prefill_attention_kernel(
     PSTEPS = keys // 16  # k-steps of P V
     O_TILES = D // 8  # 8-dim tiles of O
     OW = 4 * O_TILES  # O accumulators a lane
-    ROW = D // 2 + PAD  # words a Q / K row in shared memory (v_kmajor: and a V row)
-    VROW = keys // 2 + PAD  # words a V^T row
+    ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
-    V_WORDS = keys * ROW if v_kmajor else D * VROW
-    V_KMAJOR = v_kmajor
+    V_WORDS = keys * ROW
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
@@ -194,9 +195,9 @@ def prefill_attention_kernel(
             sts128(smem, word + 4, w[4], w[5], w[6], w[7])
 
     @cuda.jit(device=True, inline=True)
-    def stage_kmajor(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
-        """v_kmajor's step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos),
-        a thread's unit of a K row and of a V row at a time, each by 16-byte stores."""
+    def stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
+        """Step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), a thread's
+        unit of a K row and of a V row at a time, each by 16-byte stores."""
         for i in range(tid, keys * UNITS, THREADS):
             kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
             for e in range(E // 2):
@@ -222,19 +223,19 @@ def prefill_attention_kernel(
                 word = hi if part == 0 else lo
             qk[r * ROW + c] = word
 
-    @cuda.jit(fastmath=False, cache=True, **_launch_bounds(THREADS))
+    @cuda.jit(fastmath=False, cache=True, **_launch_bounds(THREADS, min_blocks(head_dim)))
     def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
         # elements; state i32; out (T, n_heads*D) f16
         qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
-        vs = cuda.shared.array(V_WORDS, int32)  # (D, keys) V^T halves (v_kmajor: (keys, D) V)
+        vs = cuda.shared.array(V_WORDS, int32)  # (keys, D) V halves
         q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
         q_lo = cuda.local.array(QF, int32)
         s = cuda.local.array(SW, float32)  # S accumulators, then p
         o = cuda.local.array(OW, float32)  # O accumulators
         w = cuda.local.array(8, int32)  # a unit's fp16 words
-        w2 = cuda.local.array(8, int32)
+        w2 = cuda.local.array(8, int32)  # and a V unit's
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
@@ -279,40 +280,15 @@ def prefill_attention_kernel(
         # ldmatrix rows of a B operand (two 8-row tiles, two 16-byte chunks): row (lane & 7) +
         # 8 (lane >> 4), chunk (lane >> 3) & 1
         b_row = ((lane & 7) + 8 * (lane >> 4)) * ROW + 4 * ((lane >> 3) & 1)
-        if V_KMAJOR:  # V through .trans (matrices: keys 0-7 | 8-15 of dims 0-7, then of dims
-            # 8-15): row (lane & 7) + 8 ((lane >> 3) & 1), chunk lane >> 4
-            v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
-        else:  # V^T, as b_row
-            v_row = ((lane & 7) + 8 * (lane >> 4)) * VROW + 4 * ((lane >> 3) & 1)
+        # V through .trans (matrices: keys 0-7 | 8-15 of dims 0-7, then of dims 8-15): row
+        # (lane & 7) + 8 ((lane >> 3) & 1), chunk lane >> 4
+        v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
         cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
 
         j0 = (first_key // keys) * keys
         while j0 <= last_pos:
-            # 2. the K tile, key-major, and the V tile, transposed; keys past last_pos: zeros
-            if V_KMAJOR:
-                stage_kmajor(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid)
-            else:
-                for i in range(tid, keys * UNITS, THREADS):
-                    kr, u = i // UNITS, i % UNITS
-                    for e in range(E // 2):
-                        w[e] = int32(0)
-                    if j0 + kr <= last_pos:
-                        load_words(k_cache, j0 + kr, g * UNITS + u, w)
-                    for e in range(E // 2):
-                        qk[kr * ROW + u * (E // 2) + e] = w[e]
-                for i in range(tid, (keys // 2) * UNITS, THREADS):
-                    kp, u = i // UNITS, i % UNITS  # keys j0 + 2 kp and + 1, dims u E .. u E + E - 1
-                    for e in range(E // 2):
-                        w[e] = int32(0)
-                        w2[e] = int32(0)
-                    if j0 + 2 * kp <= last_pos:
-                        load_words(v_cache, j0 + 2 * kp, g * UNITS + u, w)
-                    if j0 + 2 * kp + 1 <= last_pos:
-                        load_words(v_cache, j0 + 2 * kp + 1, g * UNITS + u, w2)
-                    for e in range(E // 2):
-                        d = u * E + 2 * e
-                        vs[d * VROW + kp] = prmt(w[e], w2[e], int32(0x5410))  # dim d of the two keys
-                        vs[(d + 1) * VROW + kp] = prmt(w[e], w2[e], int32(0x7632))  # dim d + 1
+            # 2. the K and V tiles, key-major; keys past last_pos: zeros
+            stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid)
             cuda.syncthreads()  # the tile is staged
 
             # 3. S = q_hi K^T + q_lo K^T
@@ -380,17 +356,14 @@ def prefill_attention_kernel(
                 a2, z2 = _split(s[8 * kk + 4], s[8 * kk + 5])  # row r0, keys 16 kk + 8 + 2 quad, + 1
                 a3, z3 = _split(s[8 * kk + 6], s[8 * kk + 7])  # row r1
                 for p in range(O_TILES // 2):
-                    if V_KMAJOR:  # dims 16p ..
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(vs, v_row + kk * 16 * ROW + 8 * p)
-                    else:
-                        b0, b1, b2, b3 = ldmatrix_x4(vs, v_row + p * 16 * VROW + 8 * kk)
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(vs, v_row + kk * 16 * ROW + 8 * p)  # dims 16p ..
                     for half in range(2):
                         n = 4 * (2 * p + half)
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
                         _mma_acc(o, n, a0, a1, a2, a3, c0, c1)
                         if SPLIT:
                             _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
-            cuda.syncthreads()  # every warp is done with K and V^T before the next tile's stores
+            cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
         # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)
@@ -438,7 +411,6 @@ def prefill_attention(
     warps: int | None = None,
     keys: int | None = None,
     split: bool = True,
-    v_kmajor: bool = False,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
@@ -446,8 +418,8 @@ def prefill_attention(
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
-    the block shape (default WARPS, KEYS; more warps where the group needs them); split,
-    v_kmajor: see prefill_attention_kernel.
+    the block shape (default WARPS, KEYS; more warps where the group needs them); split: see
+    prefill_attention_kernel.
     Reference: pycalm.reference.prefill_attention_ref."""
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads
@@ -458,7 +430,7 @@ def prefill_attention(
     if keys % 16 or keys <= 0:
         raise PycalmError(f"{keys} keys a tile: not a multiple of 16")
     check_launch(q, cache, out, cfg)
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, split, v_kmajor)
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, split)
     grid = (n_kv_heads, -(-q.shape[0] // ((16 * warps) // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
     kernel[grid, 32 * warps, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
@@ -483,19 +455,13 @@ def prefill_attention_flops(n_rows: int, pos0: int, cfg: ModelConfig) -> int:
 _SIG = "void(float32[:, ::1], uint64[:, ::1], uint64[:, ::1], int32[::1], float16[:, ::1], int32)"
 
 
-def _compile_check() -> list[tuple[object, str, int]]:
+def compile_check() -> list[tuple[object, str, int]]:
     """(kernel, signature, register limit) for the shapes of the models in use: head_dim 64
     (groups 3, 7, 8) and 128 (groups 1, 4), both KV dtypes, the default blocks of a real GPU
-    (not the simulator's); and v_kmajor's at TinyLlama's and Llama-3-8B's heads."""
+    (not the simulator's)."""
     checks = []
-    registers = min(255, 65536 // (MIN_BLOCKS * 128))  # what the launch bounds allow
     for kv_dtype in KV_DTYPES:
         for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
+            registers = min(255, 65536 // (min_blocks(head_dim) * 128))  # what the launch bounds allow
             checks.append((prefill_attention_kernel(head_dim, group, kv_dtype, 4, 64), _SIG, registers))
-        for head_dim, group in ((64, 8), (128, 4)):
-            kernel = prefill_attention_kernel(head_dim, group, kv_dtype, 4, 64, v_kmajor=True)
-            checks.append((kernel, _SIG, registers))
     return checks
-
-
-COMPILE_CHECK = _compile_check()

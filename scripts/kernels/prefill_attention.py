@@ -2,15 +2,15 @@
 cores) and its variants, each checked against pycalm.reference.prefill_attention_ref, then timed
 on the GPU (llm.c dev/cuda style).
 
-    python scripts/kernels/prefill_attention.py                   # shipped, kmajor, tc16, kmajor16, simt: checked, timed
+    python scripts/kernels/prefill_attention.py                   # shipped, tc16, simt: checked, timed
     python scripts/kernels/prefill_attention.py --variants all    # every version and block shape
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/prefill_attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
 
 Versions:
   shipped   the package's kernel: flash-attention 2 on mma.sync, q and p as two fp16 parts each
-            (hi + lo), 4 warps (64 rows) a block, tiles of 64 keys; w2 / k32: 2 warps, or tiles
-            of 32 keys
+            (hi + lo), K and V staged key-major (V read by ldmatrix .trans), 4 warps (64 rows) a
+            block, tiles of 64 keys; w2 / k32: 2 warps, or tiles of 32 keys
   simt      the kernel it replaced, kept here for comparison: fp32 SIMT, a block of ROWS (position,
             head) rows in row groups of LANES threads, a thread 4 rows x 2 keys of a tile of 2 LANES
             keys for the scores and 4 rows x head_dim / LANES dims for P V, q, K and V tiles and p
@@ -18,8 +18,6 @@ Versions:
             16), simt-r16, simt-r32, simt-l8, simt-l32r16, simt-l32r32
   tc16      the shipped kernel with q and p rounded once to fp16, as most flash-attention kernels
             take them (split=False: half the mma work, 2^-11 relative in each score and weight)
-  kmajor    the shipped kernel with V staged key-major as K is and read by ldmatrix .trans, every
-            K / V unit one 16-byte shared store (v_kmajor=True); kmajor16 with split=False too
 
 Timing: one launch over a whole prompt of T tokens at positions 0 .. T - 1 (the K/V rows already
 in the cache), captured in a CUDA graph and replayed (median); the cache holds random finite
@@ -334,8 +332,6 @@ VARIANTS = {
     "w2": lambda hd: {"warps": 2},
     "k32": lambda hd: {"keys": 32},
     "tc16": lambda hd: {"split": False},
-    "kmajor": lambda hd: {"v_kmajor": True},
-    "kmajor16": lambda hd: {"v_kmajor": True, "split": False},
     "simt": lambda hd: {"simt": (default_rows(hd), 16)},
     "simt-r16": lambda hd: {"simt": (16, 16)},
     "simt-r32": lambda hd: {"simt": (32, 16)},
@@ -343,14 +339,11 @@ VARIANTS = {
     "simt-l32r16": lambda hd: {"simt": (16, 32)},
     "simt-l32r32": lambda hd: {"simt": (32, 32)},
 }
-DEFAULT_VARIANTS = "shipped,kmajor,tc16,kmajor16,simt"
+DEFAULT_VARIANTS = "shipped,tc16,simt"
 TINY_VARIANTS = {
     "shipped": {},
     "w2": {"warps": 2, "keys": 32},
     "tc16": {"split": False},
-    "kmajor": {"v_kmajor": True},
-    "kmajor16": {"v_kmajor": True, "split": False},
-    "kmajor-w2": {"v_kmajor": True, "warps": 2, "keys": 32},
     "simt": {"simt": (16, 8)},
     "simt-r32l4": {"simt": (32, 4)},
     "simt-r8l16": {"simt": (8, 16)},
