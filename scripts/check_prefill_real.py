@@ -79,6 +79,22 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want.astype(np.float64)))
 
 
+def near_tie(gpu: object, ids: list[int], prefill: list[int], steps: list[int]) -> str:
+    """Where two greedy continuations part: the token path's logits of the two tokens there (the
+    prompt and the common tokens fed a position at a time), and their gap against the logits'
+    largest magnitude (a gap below the paths' relative L2 difference is a near tie)."""
+    i = next((k for k, (a, b) in enumerate(zip(prefill, steps, strict=False)) if a != b), None)
+    if i is None:
+        return f"the same tokens, one stopping earlier ({len(prefill)} and {len(steps)})"
+    logits = [gpu.logits(t, pos) for pos, t in enumerate(ids + steps[:i])][-1]
+    a, b = steps[i], prefill[i]
+    gap = float(logits[a] - logits[b])
+    return (
+        f"part at token {i}: the token path's logits {a}: {logits[a]:.5f}, {b}: {logits[b]:.5f}, gap"
+        f" {gap:.2e} ({gap / float(np.abs(logits).max()):.1e} of the largest)"
+    )
+
+
 def check_engine(gpu: object, prompts: list[list[int]], n_new: int, label: str) -> int:
     """(a) and (b) on one engine; returns the number of failures."""
     failures = 0
@@ -103,6 +119,7 @@ def check_engine(gpu: object, prompts: list[list[int]], n_new: int, label: str) 
         )
         if not same:
             print(f"   prefill {through_prefill}\n   steps   {through_steps}")
+            print("   " + near_tie(gpu, ids, through_prefill, through_steps), flush=True)
     return failures
 
 
