@@ -101,3 +101,56 @@ def test_second_cli_run_compiles_nothing(tmp_path):
     assert list((tmp_path / "cache" / "kernels").iterdir()) == [
         tmp_path / "cache" / "kernels" / cache.kernels_key()
     ]
+
+
+_LOAD = r"""
+import sys
+from numba import cuda
+from pycalm.kernels import cache
+cache.set_root(sys.argv[1])
+cache.install()
+from pycalm.kernels import step
+
+
+class Context:  # what load_overload may use of a target context: codegen() for the key
+    refreshed = 0
+
+    def refresh(self):
+        Context.refreshed += 1
+
+    def codegen(self):
+        return type("Codegen", (), {"magic_tuple": lambda self: ("nvptx64", "sm_90", "")})()
+
+
+def other(state, out):  # not a pycalm kernel: numba's own locators and load_overload
+    out[0] = state[0]
+
+
+other = cuda.jit(cache=True)(other)
+for kernel in (step.advance_kernel, other):
+    kernel.enable_caching()
+    got = kernel._cache.load_overload("void(int32[::1], int32[::1])", Context())
+    print(type(kernel._cache._impl.locator).__name__, got, Context.refreshed)
+"""
+
+
+def test_pycalm_kernels_load_without_refreshing_numba_target_context(tmp_path):
+    """A cached pycalm kernel loads without numba's target-context refresh (every typing and
+    lowering registry, scipy included where installed); anyone else's numba function keeps
+    numba's load_overload. Simulator off, no GPU needed: an empty cache answers None."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(REPO)
+    script = tmp_path / "load.py"  # a file, so that numba's own locator takes `other`
+    script.write_text(_LOAD)
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours, theirs = p.stdout.splitlines()
+    assert ours == "KernelsLocator None 0"  # looked up, found nothing, no refresh
+    assert theirs.split()[1:] == ["None", "1"]  # numba's path: refreshed first
+    assert theirs.split()[0] != "KernelsLocator"

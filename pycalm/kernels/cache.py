@@ -36,6 +36,13 @@ the caching of anyone else's numba code in the same process is left as it was):
   kernels to one data file, which the index of one of them then names. IndexDataCacheFile.save
   is wrapped so that, in a pycalm kernel folder, it runs under an exclusive lock on the folder's
   `.lock` file (fcntl; where there is none, as numba does it).
+- Loading. numba's Cache.load_overload first refreshes the target context (loads every typing
+  and lowering registry numba-cuda has, importing numba.cuda.np's modules and, through them,
+  scipy.linalg where scipy is installed: 0.88 s of a warm CLI run on the H200 machine), then
+  rebuilds the kernel from its cached cubin, which needs no registry (numba-cuda 0.30.4:
+  CUDACacheImpl.rebuild is _Kernel._rebuild(**payload); a compile refreshes the context itself,
+  and so does a lowering lookup that misses). For a KernelsLocator's function the wrapper loads
+  without the refresh.
 Under the CUDA simulator nothing compiles and nothing is cached.
 """
 
@@ -159,6 +166,16 @@ def install() -> None:
             return numba_save(self, key, data)
 
     IndexDataCacheFile.save = save
+
+    def load_overload(self: CUDACache, sig: object, target_context: object) -> object:
+        if not isinstance(self._impl.locator, KernelsLocator):
+            return numba_load(self, sig, target_context)
+        # numba's Cache.load_overload without its target_context.refresh() (see the docstring)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+    numba_load = CUDACache.load_overload
+    CUDACache.load_overload = load_overload
 
 
 @contextlib.contextmanager
