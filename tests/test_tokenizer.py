@@ -401,3 +401,18 @@ def test_stream_with_metaspace_decoder(spm_models: dict[str, bytes]) -> None:
         assert tok.decode(ids) == text, text
         stream = tok.stream()
         assert "".join(stream.push(i) for i in ids) + stream.flush() == text, text
+
+
+def test_byte_level_pieces_fast_and_slow_paths() -> None:
+    # GPT-2's alphabet: 'Ġ' is the space byte, 'Ċ' the newline, 'ÃŃ' the two bytes of 'í'
+    from pycalm.tokenizer import _byte_level_pieces
+
+    plain = ["Ġthe", "Ċ", "ÃŃ", "", "!"]
+    assert _byte_level_pieces(plain) == [b" the", b"\n", "í".encode(), b"", b"!"]
+    # a character outside the alphabet (here U+20AC, U+201A) is dropped (the slow path), and the
+    # pieces after it keep their places
+    assert _byte_level_pieces(["a\u201a", "\u20acb", "c"]) == [b"a", b"b", b"c"]
+    # a piece holding the joiner U+FFFF itself must not shift the pieces after it
+    assert _byte_level_pieces(["x\uffffy", "Ġz"]) == [b"xy", b" z"]
+    # characters below 256 outside the alphabet (controls, the raw space) are dropped too
+    assert _byte_level_pieces(["a b\nc"]) == [b"abc"]
