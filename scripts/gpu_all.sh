@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -41,6 +42,10 @@ while [ $i -lt ${#steps[@]} ]; do
              if [ "$group" = tests ]; then bash scripts/sanitize.sh "$tool" tests ${items//,/ }
              else bash scripts/sanitize.sh "$tool" steps $items; fi 2>&1 | tee -a "$out/sanitize.log" ;;
     long)    python3 scripts/long_run.py 2>&1 | tee "$out/long_run.log" | tail -20 ;;
+    prefill-real) gguf=${steps[$i]}; i=$((i + 1))  # the whole output in $out: it is long
+             python3 scripts/check_prefill_real.py "$gguf" 2>&1 | tee "$out/prefill_real.log" | grep -v "^   " | tail -40 ;;
+    startup) npz=${steps[$i]}; i=$((i + 1))  # SmolLM2's tokenizer file (bench_startup.py tokenizer)
+             python3 scripts/bench_startup.py run --tokenizer "$npz" --json "$out/startup.json" 2>&1 | tee "$out/startup.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
