@@ -99,9 +99,12 @@ def ptx_of(fn, sig, label):
     return ptx
 
 
+checks = {}  # module name -> its compile_check() list, built once a worker
 for mod_name, index in json.loads(sys.argv[1]):
     module = importlib.import_module("pycalm.kernels." + mod_name)
-    entry = module.compile_check()[index]
+    if mod_name not in checks:
+        checks[mod_name] = module.compile_check()
+    entry = checks[mod_name][index]
     kernel, sig = entry[:2]
     label = f"{mod_name}[{index}] {getattr(kernel, '__name__', '?')} {sig}"
     ptx = ptx_of(kernel, sig, label)

@@ -141,11 +141,10 @@ def argmax(
     argmax_final_kernel[1, min(1024, 32 * -(-blocks // 32)), stream](scratch, state, int32(n))
 
 
-# (kernel, signature, registers a thread at most: what one block of its launch's threads can
-# have, 64k an SM; tests/test_ptx.py checks it with ptxas)
 def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
+    """(kernel, signature, registers a thread at most: what one block of its launch's threads can
+    have, 64k an SM) for tests/test_ptx.py, which compiles them for sm_90 and checks the registers
+    with ptxas; built when asked for, not at import."""
     return [
         (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
         (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),

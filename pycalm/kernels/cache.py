@@ -167,6 +167,8 @@ def install() -> None:
 
     IndexDataCacheFile.save = save
 
+    numba_load = CUDACache.load_overload
+
     def load_overload(self: CUDACache, sig: object, target_context: object) -> object:
         if not isinstance(self._impl.locator, KernelsLocator):
             return numba_load(self, sig, target_context)
@@ -174,7 +176,6 @@ def install() -> None:
         with self._guard_against_spurious_io_errors():
             return self._load_overload(sig, target_context)
 
-    numba_load = CUDACache.load_overload
     CUDACache.load_overload = load_overload
 
 

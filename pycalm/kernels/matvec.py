@@ -356,11 +356,11 @@ def kernel_sig(nbytes: int, dtype: str) -> str:
     )
 
 
-# every kernel the launchers use: the wide and narrow loads of each dtype, dense and with slots
-# (mode and normed are runtime arguments), and the split ones of long fp8 / q8 residual rows
 def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
+    """Every kernel the launchers use and its numba signature (tests/test_ptx.py compiles them for
+    sm_90): the wide and narrow loads of each dtype, dense and with slots (mode and normed are
+    runtime arguments), and the split ones of long fp8 / q8 residual rows; built when asked for,
+    not at import."""
     return [
         (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes, dtype))
         for slots in (False, True)

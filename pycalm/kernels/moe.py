@@ -215,11 +215,10 @@ def moe_matvec_residual(
     )  # fmt: skip
 
 
-# the routing kernel for Mixtral's 8 experts (the expert-slot matvec kernels are listed in
-# pycalm.kernels.matvec's compile_check)
 def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
+    """The routing kernel for Mixtral's 8 experts and its numba signature (tests/test_ptx.py
+    compiles it for sm_90; the expert-slot matvec kernels are in pycalm.kernels.matvec's list);
+    built when asked for, not at import."""
     return [
         (
             moe_route_kernel(8),

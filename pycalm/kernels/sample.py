@@ -557,11 +557,10 @@ def sample(
     )
 
 
-# (kernel, signature, registers a thread at most: what one block of its launch's threads can
-# have, 64k an SM; tests/test_ptx.py checks it with ptxas)
 def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
+    """(kernel, signature, registers a thread at most: what one block of its launch's threads can
+    have, 64k an SM) for tests/test_ptx.py, which compiles them for sm_90 and checks the registers
+    with ptxas; built when asked for, not at import."""
     return [
         (
             sample_kernel,
