@@ -23,11 +23,8 @@ class CpuEngine:
 
     device = "cpu"
 
-    def __init__(
-        self, model: object, seq_len: int, kv_dtype: str = "fp16", activations: str = "fp32"
-    ) -> None:
-        # activations="fp16": the GPU engine's arithmetic (ReferenceEngine says where it rounds)
-        self.ref = ReferenceEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, activations=activations)
+    def __init__(self, model: object, seq_len: int, kv_dtype: str = "fp16") -> None:
+        self.ref = ReferenceEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
         self.config = model.config
         self.seq_len = self.ref.seq_len
 

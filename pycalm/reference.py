@@ -57,19 +57,11 @@ def embed_rows_ref(table: np.ndarray | formats.Quantized, tokens: np.ndarray, dt
 
 
 def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """rmsnorm_ref of each row of x (T, dim) float32 -> (T, dim) float16: the matrix products'
-    input, rounded to nearest even (formats.fp16_encode); x w times the factor, the order of the
-    GPU kernels (the token step stages x w before the factor is known)."""
+    """rmsnorm_ref of each row of x (T, dim) float32 -> (T, dim) float16: the tensor-core
+    matmuls' input, rounded to nearest even (formats.fp16_encode)."""
     x = x.astype(np.float32)
     ms = np.mean(x * x, axis=1, keepdims=True, dtype=np.float32)  # (T, 1)
-    return formats.fp16_encode(x * w * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))))
-
-
-def act16_ref(x: np.ndarray) -> np.ndarray:
-    """x rounded to fp16 (to nearest even, saturating) and back to float32: the activations every
-    matrix product takes on the GPU, the token step's matvecs as the multi-token forward's
-    tensor-core matmuls (ReferenceEngine with activations="fp16" rounds where they do)."""
-    return formats.fp16_encode(x).astype(np.float32)
+    return formats.fp16_encode(x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))) * w)
 
 
 # =============================================================================================
@@ -468,7 +460,6 @@ def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[
 # the CPU engine
 
 REFERENCE_KV_DTYPES = (*KV_DTYPES, "fp32")  # the GPU's KV formats, and float32 for comparisons
-ACTIVATIONS = ("fp32", "fp16")  # the matrix products' inputs: float32, or rounded as on the GPU
 
 
 class ReferenceEngine:
@@ -476,16 +467,10 @@ class ReferenceEngine:
 
     Weights are decoded from the model file once, on first use, and kept as float32, so a token
     costs only the arithmetic. The KV cache holds float32 values rounded through the KV dtype
-    (kv_round), so that the CPU and GPU engines see the same cached values. activations="fp16"
-    rounds every matrix product's input to fp16 (act16_ref) where the GPU engine does: the
-    normed x before QKV, the FFN and the classifier, attention's output before wo, the gate's
-    output before w2 (the router keeps float32); the GPU then differs from it by float32
-    summation order only. The default, "fp32", is the model's own arithmetic.
+    (kv_round), so that the CPU and GPU engines see the same cached values.
     """
 
-    def __init__(
-        self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16", activations: str = "fp32"
-    ) -> None:
+    def __init__(self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16") -> None:
         # model: a pycalm.loader.ModelFile (anything with .config and .tensor(name))
         cfg: ModelConfig = model.config
         self.config = cfg
@@ -496,9 +481,6 @@ class ReferenceEngine:
                 f"unsupported KV cache dtype {kv_dtype!r} (one of {', '.join(REFERENCE_KV_DTYPES)})"
             )
         self.kv_dtype = kv_dtype
-        if activations not in ACTIVATIONS:
-            raise PycalmError(f"unsupported activations {activations!r} (one of {', '.join(ACTIVATIONS)})")
-        self.act16 = activations == "fp16"
         self.rope_freqs = model.tensor("rope_freqs").astype(np.float32)  # (rotary_dim // 2,)
         self.tok_embeddings = model.tensor("tok_embeddings")  # stored (vocab_size, dim), rows decoded per use
         self.norm = model.tensor("norm").astype(np.float32)  # (dim,)
@@ -520,16 +502,6 @@ class ReferenceEngine:
             self._decoded[name] = w
         return w
 
-    def _in(self, v: np.ndarray) -> np.ndarray:
-        """A matrix product's input: v, or v rounded to fp16 (activations="fp16")."""
-        return act16_ref(v) if self.act16 else v
-
-    def _normed_in(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """rmsnorm(x) * w as a matrix product's input (fp16: in the GPU kernels' order)."""
-        if self.act16:
-            return rmsnorm_rows_ref(x[None], w, self.config.norm_eps)[0].astype(np.float32)
-        return rmsnorm_ref(x, w, self.config.norm_eps)
-
     def reset(self) -> None:
         self.key_cache[:] = 0
         self.value_cache[:] = 0
@@ -546,7 +518,7 @@ class ReferenceEngine:
         for layer in range(cfg.n_layers):
             p = f"layers.{layer}."
             # attention block
-            xb = self._normed_in(x, self._w(p + "attn_norm"))
+            xb = rmsnorm_ref(x, self._w(p + "attn_norm"), cfg.norm_eps)
             bqkv = self._w(p + "bqkv") if cfg.qkv_bias else None
             wqkv = self._w(p + "wqkv")
             q, k, v = qkv_ref(
@@ -564,16 +536,16 @@ class ReferenceEngine:
                 cfg.head_dim,
                 cfg.sliding_window,
             )
-            x = matvec_residual_ref(self._w(p + "wo"), self._in(att), dt, x)
+            x = matvec_residual_ref(self._w(p + "wo"), att, dt, x)
             # feed-forward block
-            xb = self._normed_in(x, self._w(p + "ffn_norm"))
-            if cfg.n_experts:  # the router takes float32
-                xr = rmsnorm_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps)
-                ids, weights = moe_route_ref(self._w(p + "moe_gate"), xr, cfg.n_experts_active)
+            xb = rmsnorm_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps)
+            if cfg.n_experts:
+                ids, weights = moe_route_ref(self._w(p + "moe_gate"), xb, cfg.n_experts_active)
                 w1, w3, w2 = self._w(p + "w1"), self._w(p + "w3"), self._w(p + "w2")
                 h = moe_ffn_gate_ref(w1, w3, xb, dt, ids, weights)
-                x = moe_matvec_residual_ref(w2, self._in(h), dt, ids, x)
+                x = moe_matvec_residual_ref(w2, h, dt, ids, x)
             else:
                 h = ffn_gate_ref(self._w(p + "w1"), self._w(p + "w3"), xb, dt)
-                x = matvec_residual_ref(self._w(p + "w2"), self._in(h), dt, x)
-        return matvec_ref(self.output, self._normed_in(x, self.norm), dt)  # the classifier
+                x = matvec_residual_ref(self._w(p + "w2"), h, dt, x)
+        x = rmsnorm_ref(x, self.norm, cfg.norm_eps)
+        return matvec_ref(self.output, x, dt)  # the classifier

@@ -40,7 +40,7 @@ def main() -> int:
             convert(args.gguf, out, dtype, progress=False)
         model = open_model(out)
         gpu = GpuEngine(model, seq_len=512)
-        cpu = CpuEngine(model, seq_len=512, activations="fp16")  # the GPU engine's arithmetic
+        cpu = CpuEngine(model, seq_len=512)
         for case in golden["cases"]:
             ids = case["prompt_ids"]
             t0 = time.perf_counter()

@@ -1,14 +1,8 @@
 """Matrix-vector products with fp16 / fp8 e5m2 / gf4 weights, and their fusions.
 
-  matvec:           y = W fp16(x), or y = W fp16(rmsnorm(x) * norm_w)
-  matvec_residual:  r += W fp16(x)   (wo and w2: the residual add fused)
-  ffn_gate:         h = silu(W1 xn) * (W3 xn), xn = fp16(rmsnorm(x) * norm_w)
-
-fp16(): x is rounded to fp16 (to nearest even, saturating) as it is staged, and the products are
-float32: the multi-token forward (pycalm.kernels.matmul) feeds its tensor cores the same fp16
-activations, so a prompt's token steps and its multi-token pass compute the same products and
-differ in summation order only (pycalm.reference.act16_ref; ReferenceEngine with
-activations="fp16").
+  matvec:           y = W x, or y = W (rmsnorm(x) * norm_w)
+  matvec_residual:  r += W x   (wo and w2: the residual add fused)
+  ffn_gate:         h = silu(W1 xn) * (W3 xn), xn = rmsnorm(x) * norm_w
 
 References: pycalm.reference.matvec_ref, matvec_residual_ref, ffn_gate_ref (rmsnorm_ref for the
 fused norm).
@@ -36,10 +30,9 @@ are issued before grid_dependency_wait (weights are never written), x and out ar
 it; a warp calls launch_dependents once its last group's loads are issued, so the next kernel's
 launch and first loads overlap this kernel's reductions and writes.
 
-Memory layout of x. x is staged once per block in shared memory, rounded to fp16 and kept as
-float32 (a fused RMSNorm: x * norm_w is staged while the pass sums x^2, one barrier gathers the
-sums into rsqrt(mean(x^2) + eps), and each thread then scales and rounds the values it staged
-itself, pycalm.kernels.rowgroup.round_staged, before the barrier that publishes them), as uint64 pairs of floats
+Memory layout of x. x is staged once per block in shared memory (times norm_w when the RMSNorm
+is fused; the scalar rsqrt(mean(x^2) + eps) factors out of the dot product, comes from the
+staging pass's sum of squares, and is applied to the row sums), as uint64 pairs of floats
 transposed by load: xs[p * CW + j] = (x[j E + 2p], x[j E + 2p + 1]) (E weights a load, CW loads
 a chunk), so one 64-bit shared load gives two x values and the 32 lanes, reading pair p of 32
 consecutive loads, read 256 contiguous bytes (no bank conflicts). Rows longer than XCHUNK
@@ -140,7 +133,7 @@ def matvec_kernel(  # noqa: ANN201
     uses the expert_rows rows from route_ids[s] * expert_rows. GATE: out[s * expert_rows + r]
     = route_w[s] * silu(Wa_e x) * (Wb_e x), x shared by the slots; RESIDUAL: out += W_e x_s
     with x_s = x[s * cols : (s + 1) * cols], the slots one after another."""
-    stage_x, round_staged, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
+    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
         dtype, load_bytes, rows, unroll, split
     )
     WORDS = max(1, load_bytes // 8)
@@ -196,7 +189,6 @@ def matvec_kernel(  # noqa: ANN201
         n_groups = (n_rows + HALF - 1) // HALF if mode == GATE else (n_rows + rows - 1) // rows
         stride = cuda.gridDim.x * n_teams
         scale = float32(SCALE)
-        rs = float32(1.0)  # the fused norm's factor rsqrt(mean(x^2) + eps), or 1
         n_chunks = (cols + XCHUNK - 1) // XCHUNK
         for t in range(n_slots * n_chunks if SLOTS else n_chunks):  # (slot, chunk) pairs
             slot = t // n_chunks if SLOTS else 0
@@ -215,16 +207,13 @@ def matvec_kernel(  # noqa: ANN201
                 grid_dependency_wait()  # (the weights' first loads above are in flight)
             if slot == 0 or mode != GATE:  # GATE: x is one chunk, staged once for every slot
                 cuda.syncthreads()  # every warp is done with the previous chunk of xs
-                n_x = min(XCHUNK, cols - c0)
-                if normed and n_chunks == 1:  # the norm's factor comes from the staging's sums
-                    ss = stage_x(x64, norm_w, xs, xsum, slot * cols + c0, n_x, normed, float32(0.0))
-                    rs = float32(staged_rms(ss, cols, eps, scratch))  # contains a barrier
-                    round_staged(xs, xsum, n_x, rs)
+                ss = stage_x(x64, norm_w, xs, xsum, slot * cols + c0, min(XCHUNK, cols - c0), normed)
+                if normed and n_chunks == 1:  # all of x staged: its sum of squares is complete
+                    scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # publishes xs
                 else:
                     if normed and slot == 0 and c == 0:  # x longer than a chunk: its own pass
-                        rs = float32(rms_factor(x, eps, scratch))  # contains barriers
-                    stage_x(x64, norm_w, xs, xsum, slot * cols + c0, n_x, normed, rs)
-                cuda.syncthreads()  # xs holds this chunk, rounded, for every warp
+                        scale *= rms_factor(x, eps, scratch)  # contains barriers
+                    cuda.syncthreads()  # xs holds this chunk for every warp
             # split: block-uniform (every warp reaches the barrier below); else warp-uniform
             while (g - team if SPLIT > 1 else g) < n_groups:
                 group_dot(words, sc, wa, wb, sa, sb, row, xs, xsum, j0, nw, first, sha, shb, acc)

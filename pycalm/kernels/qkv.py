@@ -108,7 +108,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
     kv_dim), q_dim, kv_dim, head_dim, has_bias.
     Reference: pycalm.reference.qkv_ref."""
     unroll = UNROLL if nbytes == 16 else 1
-    stage_x, round_staged, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
+    stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
         dtype, nbytes, ROWS, unroll, 1
     )
     WORDS = max(1, nbytes // 8)
@@ -147,11 +147,8 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
         load_first(w, w, s, s, row, 0, nw, lane, words, sc, sh, sh)  # streams in while x is staged
         grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish
         pos = state[STATE_POS]
-        ss = stage_x(x64, norm_w, xs, xsum, 0, cols, 1, float32(0.0))  # x * norm_w, and sum of x^2
-        rs = float32(staged_rms(ss, cols, eps, scratch))  # contains a barrier
-        round_staged(xs, xsum, cols, rs)  # fp16(x * norm_w * rs), as the prefill's matmuls take it
-        cuda.syncthreads()  # xs holds x, rounded, for every warp
-        scale = float32(SCALE)
+        ss = stage_x(x64, norm_w, xs, xsum, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2
+        scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs
         while g < n_groups:  # warp-uniform: the shuffles below see every lane
             group_dot(words, sc, w, w, s, s, row, xs, xsum, 0, nw, lane, sh, sh, acc)
             gn = g + stride

@@ -22,7 +22,6 @@ from pycalm.kernels.common import (
     as_i32,
     block_reduce_sum,
     fp8x4_cvt,
-    fp16_encode,
     gf4_dot8_raw,
     h2f2,
     ldg128,
@@ -118,21 +117,6 @@ def pair_times(v: int, norm_w: cuda.devicearray, i: int) -> int:
 
 
 @cuda.jit(device=True, inline=True)
-def pair_round(v: int, rs: float) -> int:
-    """A uint64 pair of floats times rs, each rounded to fp16 (to nearest even, saturating: the
-    tensor-core matmuls' activations, pycalm.kernels.rows) and kept as float32, repacked."""
-    lo = float32(fp16_encode(as_f32(v) * rs))
-    hi = float32(fp16_encode(as_f32(v >> uint64(32)) * rs))
-    return uint64(uint32(as_i32(lo))) | (uint64(uint32(as_i32(hi))) << uint64(32))
-
-
-@cuda.jit(device=True, inline=True)
-def pair_sum(v: int) -> float:
-    """x[i] + x[i + 1] of a uint64 pair of floats."""
-    return as_f32(v) + as_f32(v >> uint64(32))
-
-
-@cuda.jit(device=True, inline=True)
 def pair_sq(v: int) -> float:
     """x[i]^2 + x[i + 1]^2 of a uint64 pair of floats."""
     lo = as_f32(v)
@@ -143,13 +127,12 @@ def pair_sq(v: int) -> float:
 @cuda.jit(device=True, inline=True)
 def staged_rms(ss: float, n: int, eps: float, scratch: cuda.devicearray) -> float:
     """rsqrt(mean(x^2) + eps) from every thread's stage_x sum of squares over all n values of
-    x. A fused RMSNorm costs no extra pass over x in global memory: stage_x stages x * norm_w
-    unrounded and sums x^2, this barrier gathers the sums, round_staged scales and rounds what
-    the thread staged. All threads must call it."""
+    x. Its barrier also publishes what stage_x wrote to shared memory, so a fused RMSNorm costs
+    no extra pass over x and no extra barrier. All threads must call it."""
     ss = warp_reduce_sum(ss)
     if cuda.threadIdx.x % WARP == 0:
         scratch[cuda.threadIdx.x // WARP] = ss
-    cuda.syncthreads()  # every warp's sum is in scratch
+    cuda.syncthreads()  # the warps' sums, and the staged x, are in shared memory
     t = float32(0.0)
     for w in range(cuda.blockDim.x // WARP):
         t += scratch[w]
@@ -173,7 +156,6 @@ class RowGroup(NamedTuple):
     kernel allocates for them."""
 
     stage_x: object
-    round_staged: object
     load_first: object
     group_dot: object
     group_shift: object
@@ -262,16 +244,13 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
             """(no row scales)"""
 
     @cuda.jit(device=True, inline=True)
-    def stage_x(x64, norm_w, xs, xsum, c0, n, normed, rs):  # noqa: ANN001, ANN202
-        """Copy x[c0 : c0 + n] into xs as transposed float pairs, rounded to fp16 as the
-        multi-token forward rounds its matmuls' activations: fp16(x * norm_w * rs) when `normed`,
-        else fp16(x * rs) (rs = 1); q4 and q8: the sum of the load's staged values goes to
-        xsum[j]. -> this thread's sum of x^2 over what it staged (0 unless normed). rs = 0: the
-        norm's factor is not known yet (it comes from these sums through staged_rms): x * norm_w
-        is staged unrounded and round_staged finishes it. Thread t takes loads t, t +
-        blockDim, ..: its E/2 pairs (E/2 consecutive uint64 of x64, all issued together) go to
-        xs[p * CW + j], so consecutive threads store consecutive slots (no bank conflicts). All
-        threads call it, between two barriers."""
+    def stage_x(x64, norm_w, xs, xsum, c0, n, normed):  # noqa: ANN001, ANN202
+        """Copy x[c0 : c0 + n] into xs as transposed float pairs (times norm_w when `normed`)
+        -> this thread's sum of x^2 over what it staged (0 unless normed), which staged_rms
+        finishes. Thread t takes loads t, t + blockDim, ..: its E/2 pairs (E/2 consecutive
+        uint64 of x64, all issued together) go to xs[p * CW + j], so consecutive threads store
+        consecutive slots (no bank conflicts); q4 and q8: the sum of the load's staged values
+        goes to xsum[j]. All threads call it, between two barriers."""
         ss = float32(0.0)
         v = cuda.local.array(HALF_E, uint64)  # one load's pairs
         for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
@@ -283,31 +262,14 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
                     ss += pair_sq(v[p])
                 for p in range(HALF_E):
                     v[p] = pair_times(v[p], norm_w, uint64(2 * (b + p)))
-            if rs > float32(0.0):
-                t = float32(0.0)
-                for p in range(HALF_E):
-                    v[p] = pair_round(v[p], rs)
-                    t += pair_sum(v[p])
-                if SUMS:
-                    xsum[j] = t
             for p in range(HALF_E):  # (unsigned indices: numba adds no negative-index code)
                 xs[uint64(j + p * CW)] = v[p]
-        return ss
-
-    @cuda.jit(device=True, inline=True)
-    def round_staged(xs, xsum, n, rs):  # noqa: ANN001, ANN202
-        """The end of a stage_x with rs = 0: the pairs this thread staged (the same loads j)
-        times rs and rounded to fp16, and (q4, q8) their load sums. Between staged_rms's barrier
-        and the one that publishes xs: every slot it rewrites is its own."""
-        for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
-            t = float32(0.0)
-            for p in range(HALF_E):
-                k = uint64(j + p * CW)
-                v = pair_round(xs[k], rs)
-                xs[k] = v
-                t += pair_sum(v)
             if SUMS:
+                t = float32(0.0)
+                for p in range(HALF_E):
+                    t += as_f32(v[p]) + as_f32(v[p] >> uint64(32))
                 xsum[j] = t
+        return ss
 
     @cuda.jit(device=True, inline=True)
     def load_rows(wa, wb, sa, sb, row, j, words, sc, u, sha, shb):  # noqa: ANN001, ANN202
@@ -394,7 +356,6 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
 
     return RowGroup(
         stage_x,
-        round_staged,
         load_first,
         group_dot,
         group_shift,

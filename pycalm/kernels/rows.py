@@ -93,8 +93,7 @@ def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: 
 
 @cuda.jit(cache=True)
 def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
-    """Block t: out[t] = fp16(x[t] * w * rsqrt(mean(x[t]^2) + eps)) ((x w) times the factor: the
-    order of the token step's staging, pycalm.kernels.rowgroup). x (T, dim) float32, w (dim,)
+    """Block t: out[t] = fp16(x[t] * rsqrt(mean(x[t]^2) + eps) * w). x (T, dim) float32, w (dim,)
     float32, out (T, dim) float16."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(WARP, float32)  # block reduction
@@ -106,7 +105,7 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
     ss = block_reduce_sum(ss, scratch)  # every thread gets the total (the call has barriers)
     r = float32(1.0) / math.sqrt(ss / float32(n) + eps)
     for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        out[t, i] = fp16_encode(x[t, i] * w[i] * r)
+        out[t, i] = fp16_encode(x[t, i] * r * w[i])
 
 
 def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:

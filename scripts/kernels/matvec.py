@@ -71,7 +71,7 @@ from pycalm.kernels.common import (  # noqa: E402
 )
 from pycalm.kernels.launch import SIM_BLOCKS, blocks_for, resident_blocks, row_group_launch  # noqa: E402
 from pycalm.kernels.qkv import qkv_rope  # noqa: E402
-from pycalm.reference import act16_ref, matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
+from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
 
 SIM = numba_config.ENABLE_CUDASIM
 LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
@@ -197,8 +197,7 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
     arguments unread) with the choices of versions 3-7."""
     if dtype in formats.QUANTIZED:
         raise ValueError(f"versions 3-7 take fp16, fp8 and gf4 weights, not {dtype}")
-    rg = mv.row_group(dtype, nbytes, rows, unroll, split)
-    stage_x, round_staged = rg.stage_x, rg.round_staged
+    stage_x = mv.row_group(dtype, nbytes, rows, unroll, split).stage_x
     WORDS = max(1, nbytes // 8)
     PARTS = nbytes // 4
     PW = mv.PART_WEIGHTS[dtype]
@@ -321,7 +320,6 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
         n_groups = (n_rows + HALF - 1) // HALF if mode == mv.GATE else (n_rows + rows - 1) // rows
         stride = cuda.gridDim.x * n_teams
         scale = float32(SCALE)
-        rs = float32(1.0)  # the fused norm's factor, or 1
         n_chunks = 1 if direct else (cols + mv.XCHUNK - 1) // mv.XCHUNK
         for c in range(n_chunks):
             j0 = c * CW
@@ -335,16 +333,13 @@ def version_kernel(dtype: str, nbytes: int, rows: int, unroll: int, split: int, 
             if not direct:
                 cuda.syncthreads()  # every warp is done with the previous chunk of xs
                 c0 = c * mv.XCHUNK
-                n_x = min(mv.XCHUNK, cols - c0)
-                if normed and n_chunks == 1:  # (no x sums: scratch stands in for them)
-                    ss = stage_x(x64, norm_w, xs, scratch, c0, n_x, normed, float32(0.0))
-                    rs = float32(mv.staged_rms(ss, cols, eps, scratch))  # contains a barrier
-                    round_staged(xs, scratch, n_x, rs)
+                ss = stage_x(x64, norm_w, xs, scratch, c0, min(mv.XCHUNK, cols - c0), normed)  # (no x sums)
+                if normed and n_chunks == 1:
+                    scale = float32(SCALE) * mv.staged_rms(ss, cols, eps, scratch)  # publishes xs
                 else:
                     if normed and c == 0:
-                        rs = float32(mv.rms_factor(x, eps, scratch))  # contains barriers
-                    stage_x(x64, norm_w, xs, scratch, c0, n_x, normed, rs)
-                cuda.syncthreads()  # xs holds this chunk, rounded, for every warp
+                        scale *= mv.rms_factor(x, eps, scratch)  # contains barriers
+                    cuda.syncthreads()  # xs holds this chunk for every warp
             while (g - team if split > 1 else g) < n_groups:
                 group_dot(words, later, wa, wb, row, x64 if direct else xs, j0, nw, first, acc)
                 gn = g + stride
@@ -466,9 +461,7 @@ def check(
     one shape a dtype: tiny (the simulator: 37x1536, 16-byte loads for every dtype) or big
     (4096x14336: x in two chunks; and 2051x4096: the gate, a partial last group). versions:
     these instead (tests/test_matvec.py checks a few under the simulator). Tolerance: 1e-5 of |W| |x| (float32
-    accumulation in another order than the reference's). x holds fp16 values, and the fused norm's
-    reference is rounded to fp16 as the staging rounds it (a boundary element the kernel's factor
-    rounds the other way moves a row by far less than the tolerance at these lengths)."""
+    accumulation in another order than the reference's)."""
     rng = np.random.default_rng(0)
     ok_all = True
     extra = [V(split=2, warps=16), V(split=2, warps=16, unroll=1), V(direct=True, warps=8), V(max_regs=64)]
@@ -477,10 +470,10 @@ def check(
         w = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
         w3 = formats.encode(rng.standard_normal((rows, cols)).astype(np.float32), dtype)
         wd, w3d = to_device(w), to_device(w3)
-        x = act16_ref(rng.standard_normal(cols))  # fp16 values: staging keeps them as they are
+        x = rng.standard_normal(cols).astype(np.float32)
         nw = rng.uniform(0.5, 1.5, cols).astype(np.float32)
         xd, nwd = cuda.to_device(x), cuda.to_device(nw)
-        xn = act16_ref(rmsnorm_ref(x, nw, 1e-5))  # as staged: rounded after the norm
+        xn = rmsnorm_ref(x, nw, 1e-5)
         wh = formats.decode(w, dtype).astype(np.float64)
         w3h = formats.decode(w3, dtype).astype(np.float64)
         own = extra if dtype not in formats.QUANTIZED else extra[:2]  # q8 / q4: the package's kernel only
