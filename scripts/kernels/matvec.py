@@ -22,7 +22,7 @@ copies of the kernel from before the scales.
     python scripts/kernels/matvec.py --check        # the checks only (one big shape a dtype)
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matvec.py --check --tiny   # simulator, tiny shapes
     python scripts/kernels/matvec.py --quick        # the table for the shipped version only
-    python scripts/kernels/matvec.py --sweep fp8,gf4 [--tiny-shapes]   # R x U x warps, staged / direct
+    python scripts/kernels/matvec.py --sweep fp8,gf4,q4 [--tiny-shapes]   # R x U x warps, staged / direct
     python scripts/kernels/matvec.py --split fp8 [--launches wo,w2] [--n-versions N]
 
 Timing: each measurement is a CUDA graph of back-to-back launches of one kernel, rotating over
@@ -49,6 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import config as numba_config
 from numba import cuda, float32, int32, uint64
+from numba.cuda.cudadrv.driver import CudaAPIError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (pycalm)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpubench)
@@ -562,15 +563,27 @@ def setup(rows: int, cols: int, dtype: str, rng: object) -> tuple:
 
 
 def sweep(s: object, dtypes: list[str], shapes: list[tuple[int, int]]) -> None:
-    """Plain matvec for every SWEEP version on every shape, best first."""
+    """Plain matvec for every SWEEP version on every shape, best first (q8 / q4: the staged
+    versions only; a version whose launch the GPU refuses, e.g. too many registers for its
+    block, is listed as refused)."""
     rng = np.random.default_rng(1)
     for dtype in dtypes:
+        versions = [v for v in SWEEP if not (v.direct and dtype in formats.QUANTIZED)]
         for rows, cols in shapes:
             ws, x, y = setup(rows, cols, dtype, rng)
             nb = bytes_moved(mv.PLAIN, ws[0], x, False)
-            res = sorted(((nb / time_version(s, v, ws, x, y, None, dtype, mv.PLAIN) / 1e9, v.label) for v in SWEEP),
-                         reverse=True)  # fmt: skip
-            print(f"sweep {dtype} {rows}x{cols}: " + " ".join(f"{n}:{g:.0f}" for g, n in res), flush=True)
+            res, refused = [], []
+            for v in versions:
+                try:  # one plain launch first: a refused one must not happen inside a capture
+                    launch_version(v, ws[0], ws[0], x, None, y, dtype, mv.PLAIN, s)
+                    s.synchronize()
+                except CudaAPIError as e:  # CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES and the like
+                    refused.append(f"{v.label} ({e.code})")
+                    continue
+                res.append((nb / time_version(s, v, ws, x, y, None, dtype, mv.PLAIN) / 1e9, v.label))
+            line = " ".join(f"{n}:{g:.0f}" for g, n in sorted(res, reverse=True))
+            print(f"sweep {dtype} {rows}x{cols}: {line}" + (f" | refused: {', '.join(refused)}" if refused else ""),
+                  flush=True)  # fmt: skip
             del ws
 
 
@@ -677,7 +690,7 @@ def main() -> None:
     )
     ap.add_argument("--tiny", action="store_true", help="with --check: tiny shapes (the simulator)")
     ap.add_argument("--quick", action="store_true", help="the table for the shipped version only")
-    ap.add_argument("--sweep", default="", help="only sweep R x U x warps for these dtypes (fp8,gf4)")
+    ap.add_argument("--sweep", default="", help="only sweep R x U x warps for these dtypes (fp8,gf4,q4)")
     ap.add_argument("--tiny-shapes", action="store_true", help="with --sweep: the TinyLlama shapes only")
     ap.add_argument("--split", default="", help="only time SPLIT_LAUNCHES with SPLIT_VERSIONS, these dtypes")
     ap.add_argument("--launches", default="", help="with --split: these launches only (wo,w2,..)")
