@@ -212,10 +212,11 @@ def q8_encode(x: np.ndarray) -> Quantized:
     for factor in Q8_CANDIDATES:
         scale = (absmax * np.float32(factor)).astype(np.float32)
         for _ in range(2):  # the candidate, then its least-squares refinement
-            err = _sq_error(x, q8_decode(Quantized(q8_codes(x, scale), scale)))
+            codes = q8_codes(x, scale)
+            err = _sq_error(x, q8_decode(Quantized(codes, scale)))
             better = err < best_err
             best, best_err = np.where(better, scale, best), np.where(better, err, best_err)
-            q = q8_codes(x, scale).astype(np.float32)
+            q = codes.astype(np.float32)
             qq = np.einsum("...c,...c->...", q, q)
             with np.errstate(divide="ignore", invalid="ignore"):
                 scale = np.where(qq > 0, np.einsum("...c,...c->...", q, x) / qq, 0).astype(np.float32)
