@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,17 @@ _GGUF_SCALARS = {
 }
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
 GGUF_MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+
+
+class TensorInfo(NamedTuple):
+    """A tensor of a GGUF file, as read_gguf_header checked it."""
+
+    qtype: int  # ggml type (gguf.GGMLQuantizationType's value)
+    nbytes: int  # bytes of data
+    dims: tuple[int, ...]  # dimensions, innermost (the row length) first
+    start: int  # offset of its data from the start of the file
+
+
 GGUF_MAX_NESTING = 4  # arrays of arrays: deeper than any GGUF writes, shallow enough to recurse
 
 
@@ -95,8 +106,8 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return read_gguf_header(path)[0]
 
 
-def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """A GGUF file's metadata and its tensors' (type, data bytes), every count, length, type,
+def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """A GGUF file's metadata and its tensors' TensorInfo, every count, length, type,
     shape and offset checked against the file before anything is sized by it: each tensor of a
     known type, whole blocks a row, aligned, and its bytes inside the file. (gguf.GGUFReader
     trusts them: a lying array count makes it loop and allocate without end.)"""
@@ -148,7 +159,7 @@ def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], dict[str, tuple[
                     f"tensor {name!r} at offset {offset} ({nbytes} bytes) lies outside the file's "
                     f"{size - data_start} bytes of data or off its {alignment}-byte alignment"
                 )
-            tensors[name] = (qtype, nbytes)
+            tensors[name] = TensorInfo(qtype, nbytes, tuple(dims), data_start + offset)
         return fields, tensors
     except FileNotFoundError:
         raise PycalmError(f"GGUF file not found: {path}") from None
