@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -137,39 +137,18 @@ def _gguf_supported() -> dict[Any, str]:
     }
 
 
-class GGUFTensor(NamedTuple):
-    """A tensor of a GGUF file: its ggml type, dimensions (innermost first, as GGUF stores them)
-    and its data, a uint8 view of the memory-mapped file."""
-
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: np.ndarray  # (n_dims,) int64, the row length first
-    data: np.ndarray  # (nbytes,) uint8
-
-
 class GGUFFile:
     """A GGUF file's key/values and tensors, from read_gguf_header (every count, offset and
     length checked against the file), the tensors' data memory-mapped. (gguf.GGUFReader would
-    also parse every element of every metadata array: 14 s for Qwen2.5's vocabulary.)"""
+    also parse every element of every metadata array: about 12 s for Qwen2.5's vocabulary.)"""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGMLQuantizationType
-
         self.path = path
-        self.metadata, infos = read_gguf_header(path)
+        self.metadata, self.tensors = read_gguf_header(path)  # name -> gguf_header.TensorInfo
         try:
-            mapped = np.memmap(path, np.uint8, mode="r")
+            self.mapped = np.memmap(path, np.uint8, mode="r")  # the tensors' data, read on demand
         except (ValueError, OSError) as e:
             raise PycalmError(f"{path}: not a readable GGUF file ({e or type(e).__name__})") from None
-        self.tensors = {
-            name: GGUFTensor(
-                name,
-                GGMLQuantizationType(i.qtype),
-                np.array(i.dims, np.int64),
-                mapped[i.start : i.start + i.nbytes],
-            )
-            for name, i in infos.items()
-        }
         self.supported = _gguf_supported()
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -186,25 +165,26 @@ class GGUFFile:
         Rows are all leading axes flattened (experts first), unless rows_cols says otherwise
         (a bias of n values is read as n rows of one value, so it can be permuted like q/k rows).
         """
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
         t = self.tensors.get(name)
         if t is None:
             raise PycalmError(f"{self.path}: missing tensor {name!r}")
-        if t.tensor_type not in self.supported:
+        qtype = GGMLQuantizationType(t.qtype)  # a known type: read_gguf_header checked it
+        if qtype not in self.supported:
             raise PycalmError(
-                f"{self.path}: tensor {name!r} has type {t.tensor_type.name}; pycalm converts "
+                f"{self.path}: tensor {name!r} has type {qtype.name}; pycalm converts "
                 f"{', '.join(self.supported.values())}"
             )
-        got = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne[0] is the row length
+        got = t.dims[::-1]  # GGUF ne[0] is the row length
         if got != shape:
             raise PycalmError(f"{self.path}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         rows, cols = rows_cols or (int(np.prod(shape[:-1], dtype=np.int64)), shape[-1])
-        from gguf import GGML_QUANT_SIZES
-
-        if cols % GGML_QUANT_SIZES[t.tensor_type][0]:  # a vector read as rows of one value needs a float type
+        if cols % GGML_QUANT_SIZES[qtype][0]:  # a vector read as rows of one value needs a float type
             raise PycalmError(
-                f"{self.path}: tensor {name!r} of {t.tensor_type.name} cannot be read in rows of {cols}"
+                f"{self.path}: tensor {name!r} of {qtype.name} cannot be read in rows of {cols}"
             )
-        return GGUFSource(name, t.data, t.tensor_type, rows, cols)
+        return GGUFSource(name, self.mapped[t.start : t.start + t.nbytes], qtype, rows, cols)
 
     def vector(self, name: str, n: int) -> Callable[[], np.ndarray]:
         return whole(self.source(name, (n,), (1, n)), flat=True)
@@ -494,7 +474,7 @@ def _plan_gguf(path: Path, dtype: str) -> Converted:
     theta = _f32(key("rope.freq_base", 10000.0))
     if "token_embd.weight" not in g.tensors:
         raise PycalmError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab_size = int(g.tensors["token_embd.weight"].shape[1])
+    vocab_size = g.tensors["token_embd.weight"].dims[1]
 
     inv_freq = rope_inv_freq(theta, rotary_dim)
     scaling = g.get(f"{arch}.rope.scaling.type", "none")

@@ -183,8 +183,8 @@ def main() -> int:
             label = f"{dtype} kv {kv}"
             try:
                 gpu = GpuEngine(open_model(f), seq_len=args.seq_len, kv_dtype=kv)
-                f, t = check_engine(gpu, prompts, args.n, label)
-                failures, ties = failures + f, ties + t
+                engine_failures, engine_ties = check_engine(gpu, prompts, args.n, label)
+                failures, ties = failures + engine_failures, ties + engine_ties
                 gpu_ppl[dtype, kv] = float(np.exp(mean_nll(gpu, ppl_ids)))
                 del gpu
             except Exception as e:  # noqa: BLE001 - one engine's failure is reported, the rest go on

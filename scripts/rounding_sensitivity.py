@@ -10,7 +10,7 @@ the multi-token forward's tensor-core matmuls take them. Per position it prints 
 distance of the logits between the two summation orders, for each kind of input.
 
 What it shows (docs/BENCHMARKS.md, fifth 2026-12-02 session): on SmolLM2-135M with float32
-inputs the orders differ by 5e-6 to 1e-4; with fp16 inputs by 2e-4 to 1.6e-3, as much as fp16
+inputs the orders differ by 6e-6 to 9e-5; with fp16 inputs by 6e-5 to 1.8e-3, as much as fp16
 against float32 inputs. A difference of 1e-7 moves some activations across an fp16 rounding
 boundary, and the real model's large activations carry those one-unit steps to the logits. So the
 GPU's token step (matvecs) and multi-token forward (mma tiles) cannot agree closer than this by
