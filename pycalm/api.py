@@ -43,12 +43,15 @@ def load(
     kv: str = "auto",
     cache_dir: str | Path | None = None,
     verbose: bool = True,
+    batch_invariant: bool = False,
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
 
     dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4, q8, q4);
     context: the positions to allocate (at most the model's); kv: the KV-cache format (auto,
     fp16, fp8). verbose: one-line notices (fetching, converting, the CPU fallback) on stderr.
+    batch_invariant: on the GPU, every token through the multi-token forward, so a prompt gives
+    the same tokens however much of it was cached (slower decode; the CPU engine always does).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
     from pycalm.config import WEIGHT_DTYPES
@@ -85,7 +88,9 @@ def load(
         cfg.eos_ids,
         model_file.chat_template,
     )
-    engine = make_engine(model_file, device, min(context, cfg.max_seq_len), kv, log)
+    engine = make_engine(
+        model_file, device, min(context, cfg.max_seq_len), kv, log, batch_invariant=batch_invariant
+    )
     return LLM(engine, tok, name=model_name(model), path=path)
 
 

@@ -56,18 +56,26 @@ def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str],
 
 
 def make_engine(
-    model: object, device: str, seq_len: int, kv: str, log: Callable[[str], None], check_finite: bool = False
+    model: object,
+    device: str,
+    seq_len: int,
+    kv: str,
+    log: Callable[[str], None],
+    check_finite: bool = False,
+    batch_invariant: bool = False,
 ) -> object:
     """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
     KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for.
-    check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite)."""
+    check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite).
+    batch_invariant: the GPU engine runs every token through the multi-token forward
+    (--batch-invariant; the CPU engine feeds every token alone anyway)."""
     kv_dtype = kv_dtype_for(kv, seq_len)
     if device in ("auto", "gpu"):
         from pycalm import gpu as gpu_model
 
         reason = gpu_model.gpu_unavailable_reason()
         if reason is None:
-            options = gpu_model.EngineOptions(check_finite=check_finite)
+            options = gpu_model.EngineOptions(check_finite=check_finite, batch_invariant=batch_invariant)
             return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, options=options)
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")
@@ -439,6 +447,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="debug: check the logits of every token step for NaN and infinity (GPU engine; slower)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="GPU engine: every token through the multi-token forward, so the output does not depend on"
+        " how the prompt is split into passes or fed (one token at a time gives the same tokens); slower decode",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -499,7 +513,15 @@ def main(argv: list[str] | None = None) -> int:
             model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
         )
         seq_len = min(args.context, cfg.max_seq_len)
-        engine = make_engine(model, args.device, seq_len, args.kv, log, check_finite=args.check_finite)
+        engine = make_engine(
+            model,
+            args.device,
+            seq_len,
+            args.kv,
+            log,
+            check_finite=args.check_finite,
+            batch_invariant=args.batch_invariant,
+        )
         timings.load_s = time.perf_counter() - t0
         # worker processes compiling the kernels into an empty kernel cache (pycalm.precompile):
         # prepare's compile time includes the wait for them

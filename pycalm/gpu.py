@@ -156,6 +156,14 @@ class EngineOptions:
     # (pycalm.kernels.finite; the CLI's --check-finite), read every FINITE_CHECK_EVERY tokens;
     # the first failing position is a PycalmError
     check_finite: bool = False
+    # every token through the multi-token forward, the sampled ones too (one row a pass; the
+    # CLI's --batch-invariant): a row's logits do not depend on the rows that share its pass, so
+    # the tokens do not depend on how the prompt is cut into chunks or which prefix was cached,
+    # and feeding the prompt one token at a time gives the same tokens. Off: the sampled tokens
+    # go through the token step (its float32 activations and its own summation order), whose
+    # logits differ from the multi-token forward's by about 1e-3 relative, so the two can part
+    # where the two best logits are that close
+    batch_invariant: bool = False
 
 
 class EagerStep:
@@ -178,6 +186,13 @@ class GpuEngine:
         from numba import config, cuda
 
         cfg: ModelConfig = model.config
+        from pycalm.prefill import unsupported
+
+        if options.batch_invariant and unsupported(cfg):
+            raise PycalmError(
+                f"batch-invariant decoding runs every token through the multi-token forward, which does not take {unsupported(cfg)}"
+            )
+        self.batch_invariant = options.batch_invariant
         self.config = cfg
         self.seq_len = min(seq_len, cfg.max_seq_len)
         self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
@@ -497,6 +512,9 @@ class GpuEngine:
             raise PycalmError(
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
+        if self.batch_invariant:
+            yield from self._generate_rows(ids, start_pos, max_new, sampling)
+            return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.prefill)
         # where it takes the model, else through token steps: the first token step's position
@@ -519,6 +537,36 @@ class GpuEngine:
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end)
+
+    def _generate_rows(
+        self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
+    ) -> Iterator[int]:
+        """generate with every token through the multi-token forward (batch_invariant): the
+        prompt in chunks, then each sampled token in a pass of one row; the last row's logits are
+        read back and the token drawn on the host (pycalm.sampler.Sampler: the coins of the token
+        step's, so the same tokens for the same logits). The last sampled token is not fed, as
+        in generate."""
+        from pycalm.sampler import Sampler
+
+        prefill = self._prefill_step()
+        sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
+        eos = set(self.config.eos_ids)
+        feed, pos = list(ids), start_pos
+        for _ in range(max_new):
+            if pos + len(feed) > self.seq_len:
+                return
+            (block,) = prefill.run(feed, pos, logits="last")  # (1, vocab_size)
+            pos += len(feed)
+            if self.finite_flag is not None and not np.isfinite(block).all():
+                bad = int(np.flatnonzero(~np.isfinite(block[0]))[0])
+                raise PycalmError(
+                    f"non-finite logits (NaN or infinity) at position {pos - 1} (logit {bad}): the first failing pass"
+                )
+            token = sampler.sample(block[0])
+            yield token
+            if token in eos:
+                return
+            feed = [token]
 
     def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:
         """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples,

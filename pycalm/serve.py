@@ -527,6 +527,12 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     ap.add_argument("--dtype", choices=WEIGHT_DTYPES, default="fp16", help="weight format when converting")
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="GPU engine: every token through the multi-token forward, so a request gives the same tokens"
+        " however much of its prompt was cached (slower decode)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -550,7 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     name = model_name(args.model)
 
     def load_model() -> object:
-        options = dict(device=args.device, dtype=args.dtype, context=args.context, kv=args.kv)
+        options = dict(
+            device=args.device,
+            dtype=args.dtype,
+            context=args.context,
+            kv=args.kv,
+            batch_invariant=args.batch_invariant,
+        )
         return load(args.model, cache_dir=args.cache_dir, **options)
 
     def on_loaded(llm: object | None, message: str) -> None:

@@ -532,6 +532,25 @@ def bench_prefill(
     return dict(shape=shape + layers, dtype=dtype, chunk=chunk, cells=cells, ttft=ttft, roles=roles, cfg=cfg)
 
 
+def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
+    """tok/s of generate with EngineOptions.batch_invariant (every sampled token a one-row pass
+    of the multi-token forward, its logits read back, the token drawn on the host) after a
+    16-token prompt, warm; the prompt's pass counted in."""
+    cfg = fit_layers(config_for(shape, dtype, 4096), 16, 4096)
+    options = EngineOptions(batch_invariant=True, prefill_chunk=16)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, 16)]
+    greedy = SamplingParams(temperature=0.0)
+    list(engine.generate(ids, 0, 4, greedy))  # compiles every kernel
+    t0 = time.perf_counter()
+    n = len(list(engine.generate(ids, 0, tokens, greedy)))
+    seconds = time.perf_counter() - t0
+    del engine
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+    return n / seconds
+
+
 def print_prefill(results: list[dict], lengths: list[int]) -> None:
     from pycalm.kernels.prefill_attention import prefill_attention_flops
 
@@ -578,6 +597,11 @@ def main() -> None:
     )
     ap.add_argument("--prefill", action="store_true", help="also time the prefill (the multi-token forward)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode cells (with --prefill)")
+    ap.add_argument(
+        "--invariant-decode",
+        action="store_true",
+        help="only time generate with batch-invariant decoding (every token a one-row multi-token pass)",
+    )
     ap.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)), help="prefill prompt lengths")
     ap.add_argument(
         "--chunks",
@@ -592,6 +616,15 @@ def main() -> None:
     )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
+    if args.invariant_decode:
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                rate = bench_invariant(shape, dtype, args.tokens)
+                print(
+                    f"batch-invariant decode {shape} {dtype}: {rate:.0f} tok/s ({args.tokens} tokens)",
+                    flush=True,
+                )
+        return
     if args.prefill:
         lengths = [int(n) for n in args.lengths.split(",")]
         prefill = []

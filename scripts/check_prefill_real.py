@@ -11,7 +11,11 @@ in its own format), then for every weight format and KV dtype:
   (b) greedy continuations of -n tokens of those prompts through generate (the prompt through the
       prefill, then token steps) and through token steps only: identical;
   (c) the perplexity (generate.mean_nll, the CLI's -x) of the first --ppl-tokens tokens of the
-      text through the GPU prefill against the CPU reference engine's, within 0.5%.
+      text through the GPU prefill against the CPU reference engine's, within 0.5%;
+  (d) batch-invariant decoding (EngineOptions.batch_invariant, the CLI's --batch-invariant):
+      greedy continuations of the same prompts fed in one pass and fed one token at a time,
+      identical; the decode rate of the mode, and how many continuations differ from (b)'s.
+--only-invariant runs (d) alone.
 The CPU perplexities (a token step a position in NumPy, the slow part) run in worker processes,
 one a (format, KV dtype), alongside the GPU checks. Prints one line a check and exits 1 when
 any fails.
@@ -131,6 +135,39 @@ def check_engine(gpu: object, prompts: list[list[int]], n_new: int, label: str) 
     return failures, ties
 
 
+def check_invariant(gpu: object, prompts: list[list[int]], n_new: int, label: str) -> int:
+    """(d) on one engine -> failures."""
+    import time
+
+    failures = 0
+    greedy = SamplingParams(temperature=0.0)
+    for ids in prompts:
+        gpu.batch_invariant = True
+        try:
+            t0 = time.perf_counter()
+            whole = list(gpu.generate(ids, 0, n_new, greedy))
+            seconds = time.perf_counter() - t0
+            for pos, token in enumerate(ids[:-1]):  # the prompt one token at a time
+                gpu.prefill([token], pos)
+            by_token = list(gpu.generate(ids[-1:], len(ids) - 1, n_new, greedy))
+        finally:
+            gpu.batch_invariant = False
+        default = list(gpu.generate(ids, 0, n_new, greedy))  # prefill, then token steps
+        same = whole == by_token
+        failures += not same
+        parted = next((i for i, (a, b) in enumerate(zip(whole, default, strict=False)) if a != b), None)
+        print(
+            f"{label} T={len(ids)}: batch-invariant greedy {len(whole)} tokens, one pass against one token"
+            f" at a time {'identical' if same else 'DIFFER'}; {len(whole) / seconds:.0f} tok/s with the"
+            f" prompt's pass; against prefill + token steps: "
+            + ("identical" if parted is None else f"part at token {parted}"),
+            flush=True,
+        )
+        if not same:
+            print(f"   one pass {whole}\n   by token {by_token}")
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a GGUF file or Hugging Face folder (converted), or a .pycalm file")
@@ -142,6 +179,7 @@ def main() -> int:
     ap.add_argument("--text", help="the text (default: README.md and docs/*.md)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="CPU perplexity workers")
+    ap.add_argument("--only-invariant", action="store_true", help="run (d) only")
     args = ap.parse_args()
 
     from pycalm.generate import mean_nll
@@ -170,6 +208,14 @@ def main() -> int:
     failures, ties = sum(kv is None for _, kv, _ in work), 0
     work = [w for w in work if w[1] is not None]
 
+    if args.only_invariant:
+        for dtype, kv, f in work:
+            gpu = GpuEngine(open_model(f), seq_len=args.seq_len, kv_dtype=kv)
+            failures += check_invariant(gpu, prompts, args.n, f"{dtype} kv {kv}")
+            del gpu
+        print("FAILURES", failures)
+        return 1 if failures else 0
+
     # the CPU perplexities (c) in worker processes, one thread each, while the GPU checks run
     os.environ.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers = max(1, min(args.jobs, len(work)))
@@ -185,6 +231,7 @@ def main() -> int:
                 gpu = GpuEngine(open_model(f), seq_len=args.seq_len, kv_dtype=kv)
                 engine_failures, engine_ties = check_engine(gpu, prompts, args.n, label)
                 failures, ties = failures + engine_failures, ties + engine_ties
+                failures += check_invariant(gpu, prompts, args.n, label)
                 gpu_ppl[dtype, kv] = float(np.exp(mean_nll(gpu, ppl_ids)))
                 del gpu
             except Exception as e:  # noqa: BLE001 - one engine's failure is reported, the rest go on

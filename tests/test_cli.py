@@ -95,6 +95,15 @@ def test_greedy_is_deterministic(tiny):
     assert a.stdout == b.stdout and a.stdout.strip()
 
 
+def test_batch_invariant_flag_on_the_cpu_engine(tiny):
+    """--batch-invariant is accepted everywhere; the CPU engine feeds every token alone anyway,
+    so the tokens are those of a run without it (the GPU engine's mode: tests/test_prefill.py)."""
+    a = run(tiny, "-i", "the cat", "-n", "6", "-t", "0", "--device", "cpu")
+    b = run(tiny, "-i", "the cat", "-n", "6", "-t", "0", "--device", "cpu", "--batch-invariant")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert b.stdout == a.stdout and a.stdout.strip()
+
+
 def test_seeded_sampling(tiny):
     def sample(seed: int) -> str:
         p = run(tiny, "-i", "the", "-n", "16", "-t", "0.8", "-p", "1", "-s", seed, "--device", "cpu")

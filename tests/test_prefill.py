@@ -21,6 +21,7 @@ from tiny_models import make_hf_llama
 from pycalm import formats
 from pycalm.convert import convert
 from pycalm.engine import CpuEngine
+from pycalm.errors import PycalmError
 from pycalm.generate import mean_nll
 from pycalm.gpu import EngineOptions, GpuEngine
 from pycalm.loader import open_model
@@ -248,6 +249,38 @@ def test_prefill_rows_do_not_depend_on_the_pass(tmp_path):
     one = np.concatenate(list(gpu.prefill_logits(ids[3:4], 3)))  # rows 0..2 as the 3-row pass left them
     assert np.array_equal(six[:3], three)
     assert np.array_equal(six[3], one[0])
+
+
+def test_batch_invariant_tokens_do_not_depend_on_how_the_prompt_is_fed(tmp_path):
+    """EngineOptions(batch_invariant=True), every token through the multi-token forward: the
+    prompt in passes of up to 4 rows, one token at a time (a pass of a row each, then generate
+    from the last token), and after a call that cached its first part (the API's prefix reuse)
+    give the same greedy tokens; with an fp8 KV cache, where the token step's logits differ from
+    the prefill's the most. (A seeded sample draws from the same logits: the same tokens.)"""
+    model = tiny_model(tmp_path, "qwen2", "fp8", n_layers=1)
+    ids = tokens(6, seed=8)
+    gpu = GpuEngine(
+        model, seq_len=SEQ_LEN, kv_dtype="fp8", options=EngineOptions(batch_invariant=True, prefill_chunk=4)
+    )
+    want = list(gpu.generate(ids, 0, 2, GREEDY))  # passes of 4 and 2 rows, then one
+    assert len(want) == 2
+    for pos, token in enumerate(ids[:-1]):  # one token at a time
+        gpu.prefill([token], pos)
+    assert list(gpu.generate(ids[-1:], len(ids) - 1, 2, GREEDY)) == want
+    list(gpu.generate(ids[:3], 0, 1, GREEDY))  # caches positions 0..2 (its sampled token unfed)
+    assert list(gpu.generate(ids[3:], 3, 2, GREEDY)) == want
+    assert not gpu._graphs  # no token step was made, let alone run
+
+
+def test_batch_invariant_needs_the_multi_token_forward(tmp_path):
+    """batch_invariant on a model the multi-token forward does not take (head_dim 8): one clear
+    error naming why, before any weight is copied."""
+    tiny = make_hf_llama(
+        tmp_path, dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=64
+    )
+    model = open_model(convert(tiny.path, tmp_path / "hd8.pycalm", "fp16", progress=False))
+    with pytest.raises(PycalmError, match="batch-invariant decoding .* does not take head_dim 8"):
+        GpuEngine(model, seq_len=SEQ_LEN, options=EngineOptions(batch_invariant=True))
 
 
 def test_mixtral_prefill_chunks_deterministic(tmp_path):
