@@ -339,6 +339,8 @@ class GpuEngine:
         # the multi-token forward takes the prompts (else the token step: odd head sizes)
         self.multi_token = unsupported(cfg) is None
         self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
+        self._row_token = None  # batch_invariant: the one-row pass's token id on the device
+        self._row_graph: GraphStep | None = None  # ... and that pass, captured (_row_pass)
         # (FLAG_SIZE,) int32: zeros, or the first position whose logits were not finite
         # (pycalm.kernels.finite); None: the check is off
         from pycalm.kernels.finite import FLAG_SIZE
@@ -555,7 +557,10 @@ class GpuEngine:
         for _ in range(max_new):
             if pos + len(feed) > self.seq_len:
                 return
-            (block,) = prefill.run(feed, pos, logits="last")  # (1, vocab_size)
+            if len(feed) == 1:
+                block = self._row_pass(feed[0], pos)
+            else:
+                (block,) = prefill.run(feed, pos, logits="last")  # (1, vocab_size)
             pos += len(feed)
             if self.finite_flag is not None and not np.isfinite(block).all():
                 bad = int(np.flatnonzero(~np.isfinite(block[0]))[0])
@@ -567,6 +572,34 @@ class GpuEngine:
             if token in eos:
                 return
             feed = [token]
+
+    def _row_pass(self, token: int, pos: int) -> np.ndarray:
+        """The multi-token forward of the one token `token` at pos -> its logits (1,
+        vocab_size): the same kernels as a pass of prefill.run, captured as a graph after the
+        first pass (which compiles them) and replayed, the token read from a one-id device
+        buffer (plain launches under the simulator and for MoE models, whose routing the
+        graph has not been checked with)."""
+        from numba import cuda
+
+        prefill = self._prefill_step()
+        if self._row_token is None:
+            self._row_token = cuda.device_array(1, np.int32)  # (1,) the pass's token id
+        self._row_token.copy_to_device(np.array([token], np.int32), stream=self.stream)
+        self._set_state(token, pos, 0)  # the kernels read the position from state
+
+        def record() -> None:
+            prefill.forward_rows(pos, 1, tokens=self._row_token)  # (pos only names the rows)
+            prefill.classify_rows(0, 1)
+
+        if self._row_graph is not None:
+            self._row_graph.launch()
+        else:
+            record()
+            if self.use_graph and not self.config.n_experts:
+                self._row_graph = GraphStep(self.stream, record)
+        out = prefill.buffers.logits[:1].copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
 
     def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:
         """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples,

@@ -165,11 +165,12 @@ class Prefill:
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
 
     # ---------------------------------------------------------------------------------------
-    def forward_rows(self, pos0: int, n_rows: int) -> None:
-        """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1]; the kernels
-        read pos0 from state[STATE_POS], which must hold it (run sets it). The KV cache rows
-        pos0.. are written, and x holds each row's residual stream after the last layer
-        (classify_rows takes it from there)."""
+    def forward_rows(self, pos0: int, n_rows: int, tokens: object = None) -> None:
+        """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1] (or the
+        device array `tokens` of n_rows ids: a captured pass reads its token from a fixed place);
+        the kernels read pos0 from state[STATE_POS], which must hold it (run sets it). The KV
+        cache rows pos0.. are written, and x holds each row's residual stream after the last
+        layer (classify_rows takes it from there)."""
         from pycalm.kernels.matmul import matmul
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
@@ -178,8 +179,9 @@ class Prefill:
         e, b = self.engine, self._rows(n_rows)
         cfg, eps, s = e.config, e.config.norm_eps, e.stream
         experts = b.experts if cfg.n_experts else None  # MoE: the group lists of n_rows rows
+        ids = e.feed[pos0 : pos0 + n_rows] if tokens is None else tokens
         # x[t] = the embedding row of the token at position pos0 + t
-        embed_rows(e.tok_embeddings, e.feed[pos0 : pos0 + n_rows], b.x, e.embed_dtype, stream=s)
+        embed_rows(e.tok_embeddings, ids, b.x, e.embed_dtype, stream=s)
         for L, cache in zip(e.layers, e.kv_caches, strict=True):
             dt = L.dtypes  # each matrix's format
             # xb = rmsnorm(x) * attn_norm, fp16
