@@ -21,8 +21,9 @@ one a (format, KV dtype), alongside the GPU checks. Prints one line a check and 
 any fails.
 
 The text defaults to README.md and docs/*.md of this repository, joined (any text of enough
-tokens will do: --text FILE). Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) it runs on a tiny
-model with tiny --lengths / --ppl-tokens / -n, as a smoke test of the script only.
+tokens will do: --text FILE). Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1) it runs given a
+tiny model file and tiny --lengths / --ppl-tokens / -n / --seq-len, as a smoke test of the script
+only (minutes).
 """
 
 from __future__ import annotations

@@ -30,6 +30,13 @@ def test_generate_greedy(llm):
     assert llm.generate(PROMPT, max_tokens=4, temperature=0) == " Paris.\n\n"
 
 
+def test_batch_invariant_load(smollm2_fp16):
+    """load(batch_invariant=True) takes the flag to the engine; on the CPU engine, which feeds
+    every token alone anyway, the text is the same (the GPU engine's mode: test_prefill.py)."""
+    llm = pycalm.load(smollm2_fp16, device="cpu", context=512, verbose=False, batch_invariant=True)
+    assert llm.generate(PROMPT, max_tokens=4, temperature=0) == " Paris.\n\n"
+
+
 def test_stream_pieces_and_counts(llm):
     gen = llm.generate(PROMPT, max_tokens=4, temperature=0, stream=True)
     pieces = list(gen)
