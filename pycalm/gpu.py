@@ -554,6 +554,8 @@ class GpuEngine:
         sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
         eos = set(self.config.eos_ids)
         feed, pos = list(ids), start_pos
+        if max_new <= 0 and len(ids) > 1:  # as generate: the prompt but its last token is fed
+            self.prefill(ids[:-1], start_pos)
         for _ in range(max_new):
             if pos + len(feed) > self.seq_len:
                 return
