@@ -20,7 +20,7 @@ from device_weights import to_device
 from numba import cuda
 
 from pycalm import formats
-from pycalm.kernels.matmul import SIM_TILE, TILE, Tile, matmul
+from pycalm.kernels.matmul import ROW_TILE, SIM_TILE, TILE, Tile, matmul
 from pycalm.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
@@ -122,6 +122,22 @@ def test_matmul_quantized_tiles(dtype, group, tile):
     # load, q4: one of 8 bytes); 4 (q8: two 16-byte loads, q4: one). K = 80 / 128: a q8 step
     # half past K
     _test("gate", dtype, 19, 40, 80 if dtype == "q8" else 128, tile=tile, seed=4, group=group)
+
+
+@pytest.mark.parametrize("dtype,group", [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 64)])
+def test_matmul_rows_do_not_depend_on_the_tile(dtype, group):
+    """Passes of at most 16 rows take ROW_TILE, longer ones the larger tile: the same rows give
+    the same bits in either (plain and gate, odd N, K not a multiple of the tile's step), so a
+    row's result does not depend on the pass it is in (batch-invariant decoding rests on it)."""
+    rng = np.random.default_rng(7)
+    k = 128 if dtype == "q4" else 80
+    x, w = _inputs(rng, 5, 37, k, dtype, group=group)
+    _, w3 = _inputs(rng, 5, 37, k, dtype, group=group)
+    big = TILE if GPU else SIM_TILE
+    for mode, out, gate in (("plain", np.float32, None), ("gate", np.float16, w3)):
+        rows = _run(mode, x, w, dtype, np.full((5, 37), np.nan, out), w3=gate, tile=ROW_TILE)
+        assert np.all(np.isfinite(rows))
+        assert np.array_equal(rows, _run(mode, x, w, dtype, np.full((5, 37), np.nan, out), w3=gate, tile=big))
 
 
 def test_matmul_default_tile():

@@ -236,19 +236,20 @@ def test_prefill_chunks_and_second_turn(tmp_path):
 
 
 def test_prefill_rows_do_not_depend_on_the_pass(tmp_path):
-    """A row's logits are the same bits whatever other rows share its pass: rows 0..2 of a
-    6-row prefill against a 3-row one, and row 3 against a 1-row pass at position 3 over the
-    cached rows (the matmuls' tiles and K order do not depend on T; attention's key tiles start
-    at key 0 for every row). Speculative decoding's verification pass needs this: the rows it
-    scores are the ones a shorter pass would give."""
+    """A row's logits are the same bits whatever other rows share its pass: rows 0..2 of an
+    18-row prefill (the matmuls' large tile) against a 3-row one (ROW_TILE), and row 3 against a
+    1-row pass at position 3 over the cached rows (the matmuls' K order does not depend on T or
+    the tile; attention's key tiles start at key 0 for every row). Batch-invariant decoding and
+    speculative decoding's verification pass need this: the rows a pass scores are the ones a
+    shorter pass would give."""
     model = tiny_model(tmp_path, "qwen2", "fp16", n_layers=1)
-    ids = tokens(6, seed=5)
+    ids = tokens(18, seed=5)
     gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
-    six = np.concatenate(list(gpu.prefill_logits(ids, 0)))
+    full = np.concatenate(list(gpu.prefill_logits(ids, 0)))
     three = np.concatenate(list(gpu.prefill_logits(ids[:3], 0)))
     one = np.concatenate(list(gpu.prefill_logits(ids[3:4], 3)))  # rows 0..2 as the 3-row pass left them
-    assert np.array_equal(six[:3], three)
-    assert np.array_equal(six[3], one[0])
+    assert np.array_equal(full[:3], three)
+    assert np.array_equal(full[3], one[0])
 
 
 def test_batch_invariant_tokens_do_not_depend_on_how_the_prompt_is_fed(tmp_path):

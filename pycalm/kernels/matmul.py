@@ -19,7 +19,10 @@ of W in shared memory as fp16; the warps (WARPS_M x WARPS_N) each own a WM x WN 
 (WM = BM / WARPS_M, WN = BN / WARPS_N) and run WM/16 x WN/8 mma.sync m16n8k16 tiles for each
 16 of K, accumulating in float32 registers. Default: BM = BN = 128, 8 warps as 2 x 4, so a warp
 computes 64 x 32 (16 mma tiles, 64 accumulators a thread) and reads each A fragment for 4 mma
-and each B fragment for 4.
+and each B fragment for 4. Passes of at most 16 rows take ROW_TILE, BM = 16 and BN = 32 with 2
+warps of 16 x 16: a block per 32 rows of W, so a one-row pass spreads W over N/32 blocks. A
+row's sums do not depend on the tile (each output element takes K's 16-wide slices in order, in
+one accumulator), so a row's logits are the same bits in a pass of 1 row or of 2,048.
 
 Shared memory: per stage, X tile (BM, BK) and W tile (BN, BK) fp16, row-major in int32 words
 (two halves a word, 64 bytes a row), the four 16-byte chunks of row r stored in the order
@@ -128,6 +131,11 @@ class Tile(NamedTuple):
 
 
 TILE = Tile()
+# passes of at most ROW_TILE.block_m rows (a sampled token's pass, a short chat turn): 16 rows
+# (one m-tile) by 32 of W, 2 warps, so a one-row pass has a block per 32 output rows instead of
+# one per 128 (its 128-row tile would be 127 rows of padding). The sums are the same bits as
+# TILE's: every output element takes the same k-slices in the same order whatever the tile.
+ROW_TILE = Tile(16, 32, 1, 2, 3, 8)
 # under the simulator a Python thread runs each GPU thread: tests use small tiles
 SIM_TILE = Tile(32, 32, 2, 2)
 
@@ -555,8 +563,9 @@ def matmul(
         raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
     if (mode == "gate") != (w3 is not None):
         raise PycalmError("the gate takes w3, and only the gate")
-    tile = tile or (SIM_TILE if _numba_config.ENABLE_CUDASIM else TILE)
     t_rows, k_cols = x.shape
+    if tile is None:
+        tile = ROW_TILE if t_rows <= ROW_TILE.block_m else SIM_TILE if _numba_config.ENABLE_CUDASIM else TILE
     if k_cols % UNIT:
         raise PycalmError(f"matmul needs K a multiple of {UNIT}, got {k_cols}")
     kernel = make_matmul_kernel(dtype, MODES[mode], tile)
@@ -600,9 +609,10 @@ def compile_check() -> list[tuple]:
     them for sm_90); built when asked for, not at import."""
     return [
         (
-            make_matmul_kernel(dtype, mode, TILE),
+            make_matmul_kernel(dtype, mode, tile),
             f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, {'float16' if mode == GATE else 'float32'}[:, ::1])",
         )
         for dtype in _SIG_W
         for mode in (PLAIN, RESIDUAL, GATE)
+        for tile in (TILE, ROW_TILE)
     ]
