@@ -24,7 +24,8 @@ Beside a step's one-token reference stands its form for T tokens at once (the pr
 Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
 is a matrix already decoded to float32 (the engine decodes each once). Activations are
-float32. This module imports no numba: the CPU engine runs without it.
+float32; the q8 and q4 matvecs multiply x rounded to 16-bit integers, a scale a group of 32
+columns (x_int16_ref; the CPU engine, on decoded weights, multiplies x as it is). This module imports no numba: the CPU engine runs without it.
 """
 
 from __future__ import annotations
@@ -68,9 +69,40 @@ def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 # matrix-vector products and their fusions
 
 
+X_GROUP = 32  # columns of x that share a scale in the q8 / q4 matvecs (pycalm.kernels.qdecode)
+X_INT16_MAX = 32639  # the largest |X| of x's 16-bit form (127 * 256 + 127: two signed bytes)
+
+
+def x_int16_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (cols,) float32 -> (X int32 (cols,), s float32 (groups,)): in each group of X_GROUP
+    columns (the last one may be shorter) s = max |x| / X_INT16_MAX and X = round(x / s) (half
+    up), so that s X is x to within s / 2. The q8 and q4 matvecs multiply their integer codes by
+    X (pycalm.kernels.qdecode)."""
+    x = np.asarray(x, np.float32)
+    cols = x.shape[0]
+    pad = np.zeros(-(-cols // X_GROUP) * X_GROUP, np.float32)
+    pad[:cols] = x
+    g = pad.reshape(-1, X_GROUP)
+    a = np.abs(g).max(axis=1)  # (groups,) float32
+    with np.errstate(divide="ignore"):
+        inv = np.where(a > 0, np.float32(X_INT16_MAX) / a, np.float32(0)).astype(np.float32)
+    s = (a / np.float32(X_INT16_MAX)).astype(np.float32)
+    xi = np.floor(g * inv[:, None] + np.float32(0.5)).astype(np.int32)
+    return xi.reshape(-1)[:cols], s
+
+
+def matvec_x_ref(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The x a matvec of `dtype` multiplies: q8, q4 s X (x_int16_ref, float64); else x."""
+    if dtype not in ("q8", "q4"):
+        return x.astype(np.float32)
+    xi, s = x_int16_ref(x)
+    return xi * np.repeat(s.astype(np.float64), X_GROUP)[: x.shape[0]]
+
+
 def matvec_ref(w: np.ndarray, x: np.ndarray, dtype: str) -> np.ndarray:
-    """y = W x; w: stored (rows, cols) in `dtype`, x: (cols,) float32 -> (rows,) float32."""
-    return (formats.decode(w, dtype) @ x.astype(np.float32)).astype(np.float32)
+    """y = W x; w: stored (rows, cols) in `dtype`, x: (cols,) float32 -> (rows,) float32. q8
+    and q4 take x in 16-bit integers (matvec_x_ref)."""
+    return (formats.decode(w, dtype) @ matvec_x_ref(x, dtype)).astype(np.float32)
 
 
 def matvec_residual_ref(w: np.ndarray, x: np.ndarray, dtype: str, residual: np.ndarray) -> np.ndarray:

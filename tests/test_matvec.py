@@ -4,9 +4,9 @@
 Tolerance: the kernels decode exactly and accumulate in float32 in a different order than the
 reference, so each output may differ by a few float32 roundings of the row's |W| |x| sum;
 1e-5 of that sum is well above the accumulation error for these lengths (at most ~16k terms).
-q4 sums (16 + q) x over each 32-column load and adds the group's (m - 16 d) times the load's x
-sum, q8 sums (1152 + q) x over each 16-column load and subtracts 1152 times the load's x sum
-(pycalm.kernels.qdecode): the same tolerance holds both.
+q8 and q4 multiply x in 16-bit integers (pycalm.reference.x_int16_ref, summed exactly in int32
+a load): they are held to the same tolerance against W times that x (matvec_x_ref), and
+test_q_matvec_error_bound bounds their distance to W x by the rounding of x.
 """
 
 import os
@@ -18,7 +18,7 @@ from numba import cuda
 
 from pycalm import formats
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
-from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref
+from pycalm.reference import X_GROUP, matvec_ref, matvec_x_ref, rmsnorm_ref, silu_ref, x_int16_ref
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4", "q8", "q4", "q4/64"]
@@ -54,6 +54,11 @@ def _base(dtype):
     return dtype.partition("/")[0]
 
 
+def _x(x, dtype):
+    """The x a matvec of `dtype` multiplies, float64 (q8, q4: x in 16-bit integers)."""
+    return matvec_x_ref(x, _base(dtype)).astype(np.float64)
+
+
 def _check(got, want, scale):
     assert np.all(np.isfinite(got)), "unwritten or non-finite outputs"
     err = np.abs(got.astype(np.float64) - want)
@@ -68,10 +73,46 @@ def test_matvec(dtype, rows, cols):
     y = cuda.to_device(np.full(rows, np.nan, np.float32))
     matvec(to_device(w), cuda.to_device(x), y, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
-    want = wd @ x.astype(np.float64)
+    want = wd @ _x(x, dtype)
     _check(y.copy_to_host(), want, np.abs(wd) @ np.abs(x))
     # the NumPy reference agrees with the float64 product to the same tolerance
     _check(matvec_ref(w, x, _base(dtype)), want, np.abs(wd) @ np.abs(x))
+
+
+def test_x_int16_ref():
+    """x in 16-bit integers: a scale a group of X_GROUP columns (the last one shorter), |X| at
+    most 32639 (two signed bytes), s X within s / 2 of x, a zero group all zero."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(2 * X_GROUP + 7) * np.logspace(-3, 3, 2 * X_GROUP + 7)).astype(np.float32)
+    x[X_GROUP : 2 * X_GROUP] = 0
+    xi, s = x_int16_ref(x)
+    assert xi.dtype == np.int32 and s.shape == (3,)
+    assert np.abs(xi).max() == 32639 and s[1] == 0 and np.all(xi[X_GROUP : 2 * X_GROUP] == 0)
+    for g, (a, b) in enumerate([(0, X_GROUP), (X_GROUP, 2 * X_GROUP), (2 * X_GROUP, x.shape[0])]):
+        assert s[g] == np.float32(np.abs(x[a:b]).max() / np.float32(32639))
+        err = np.abs(xi[a:b] * np.float64(s[g]) - x[a:b])
+        assert np.all(err <= 0.5001 * s[g])
+        assert np.all((xi[a:b] >> 8) + ((xi[a:b] & 255) > 127) <= 127)  # h a signed byte
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_q_matvec_error_bound(dtype):
+    """The q8 / q4 matvecs against W x with x exact: within the rounding of x, sum_k |w_k| s_k / 2
+    (s_k: column k's group scale; 4.8e-5 of sum |w| |x| here), plus the float32 tolerance; on
+    random x the roundings cancel and the error is within the float32 tolerance alone."""
+    rows, cols = 19, 256
+    rng = np.random.default_rng(12)
+    w, wd = _weights(rng, rows, cols, dtype)
+    x = rng.standard_normal(cols).astype(np.float32)
+    y = cuda.to_device(np.full(rows, np.nan, np.float32))
+    matvec(to_device(w), cuda.to_device(x), y, dtype, stream=cuda.default_stream())
+    cuda.synchronize()
+    s = np.repeat(x_int16_ref(x)[1].astype(np.float64), X_GROUP)[:cols]
+    bound = np.abs(wd) @ (s / 2)
+    scale = np.abs(wd) @ np.abs(x)
+    err = np.abs(y.copy_to_host() - wd @ x.astype(np.float64))
+    assert np.all(err <= bound + RTOL * scale)
+    assert np.all(err <= RTOL * scale)  # on random x the roundings cancel: 3.3e-6 of it measured
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,8 +133,8 @@ def test_matvec_fused_norm(dtype):
         eps=eps,
     )
     cuda.synchronize()
-    xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
-    _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
+    xn = rmsnorm_ref(x, nw, eps)
+    _check(y.copy_to_host(), wd @ _x(xn, dtype), np.abs(wd) @ np.abs(xn))
 
 
 RESIDUAL_SHAPES = [(37, 136), (37, 192)]
@@ -112,7 +153,7 @@ def test_matvec_residual(dtype, rows, cols):
     r = cuda.to_device(r0)
     matvec_residual(to_device(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
-    _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+    _check(r.copy_to_host(), r0 + wd @ _x(x, dtype), np.abs(wd) @ np.abs(x) + np.abs(r0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,7 +171,7 @@ def test_ffn_gate(dtype):
     )  # fmt: skip
     cuda.synchronize()
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
-    a, b = w1d @ xn, w3d @ xn
+    a, b = w1d @ _x(xn, dtype), w3d @ _x(xn, dtype)
     ta, tb = RTOL * (np.abs(w1d) @ np.abs(xn)), RTOL * (np.abs(w3d) @ np.abs(xn))
     want = silu_ref(a) * b
     got = h.copy_to_host().astype(np.float64)
@@ -154,7 +195,7 @@ def test_matvec_chunked_x(dtype):
     r = cuda.to_device(r0)
     matvec_residual(to_device(w), cuda.to_device(x), r, _base(dtype), stream=cuda.default_stream())
     cuda.synchronize()
-    _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
+    _check(r.copy_to_host(), r0 + wd @ _x(x, dtype), np.abs(wd) @ np.abs(x) + np.abs(r0))
 
 
 def _launch_kernel(kernel, dtype, wa, wb, x, norm_w, eps, out, mode, split):
@@ -204,13 +245,13 @@ def test_matvec_split_kernel(dtype):
         y = cuda.to_device(np.full(rows, np.nan, np.float32))
         _launch_kernel(kernel, dtype, wdev, wdev, xdev, nwdev, eps, y, PLAIN, split)
         cuda.synchronize()
-        _check(r.copy_to_host(), r0 + wd @ x, np.abs(wd) @ np.abs(x) + np.abs(r0))
-        _check(y.copy_to_host(), wd @ xn, np.abs(wd) @ np.abs(xn))
+        _check(r.copy_to_host(), r0 + wd @ _x(x, dtype), np.abs(wd) @ np.abs(x) + np.abs(r0))
+        _check(y.copy_to_host(), wd @ _x(xn, dtype), np.abs(wd) @ np.abs(xn))
         if rows_a_warp == 2:  # (the launch's group count assumes ROWS rows a warp for GATE)
             h = cuda.to_device(np.full(rows, np.nan, np.float32))
             _launch_kernel(kernel, dtype, wdev, w3dev, xdev, nwdev, eps, h, GATE, split)
             cuda.synchronize()
-            a, b = wd @ xn, w3d @ xn
+            a, b = wd @ _x(xn, dtype), w3d @ _x(xn, dtype)
             want = a / (1 + np.exp(-a)) * b
             scale = (np.abs(wd) @ np.abs(xn)) * (np.abs(w3d) @ np.abs(xn)) + np.abs(want)
             _check(h.copy_to_host(), want, scale)

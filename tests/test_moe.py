@@ -41,7 +41,14 @@ from pycalm.engine import CpuEngine
 from pycalm.kernels.matvec import XCHUNK
 from pycalm.kernels.moe import Route, moe_ffn_gate, moe_matvec_residual, moe_route
 from pycalm.loader import open_model
-from pycalm.reference import moe_ffn_gate_ref, moe_matvec_residual_ref, moe_route_ref, rmsnorm_ref, silu_ref
+from pycalm.reference import (
+    matvec_x_ref,
+    moe_ffn_gate_ref,
+    moe_matvec_residual_ref,
+    moe_route_ref,
+    rmsnorm_ref,
+    silu_ref,
+)
 
 N_EXPERTS = 4
 TOP_K = 2
@@ -376,12 +383,13 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read, or h not written"
     # float64 want and the tolerance of tests/test_matvec.py's test_ffn_gate, per slot
     xn = rmsnorm_ref(x, nw, eps).astype(np.float64)
+    xq = matvec_x_ref(xn, dtype).astype(np.float64)  # the x the kernels multiply (q8, q4: 16 bits)
     for s, e in enumerate(chosen):
         w1d, w3d = (
             formats.decode(expert(w1, e), dtype).astype(np.float64),
             formats.decode(expert(w3, e), dtype).astype(np.float64),
         )
-        a, b = w1d @ xn, w3d @ xn
+        a, b = w1d @ xq, w3d @ xq
         ta, tb = 1e-5 * (np.abs(w1d) @ np.abs(xn)), 1e-5 * (np.abs(w3d) @ np.abs(xn))
         want = gw[s] * silu_ref(a) * b
         tol = gw[s] * (1.1 * ta * (np.abs(b) + tb) + (np.abs(a) + ta) * tb) + 1e-6 * np.abs(want)
@@ -389,7 +397,7 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
         assert np.all(np.abs(part - want) <= tol), f"slot {s}: max err {np.max(np.abs(part - want)):.3g}"
     # the NumPy reference agrees with it (float32, the reference's own order)
     w1f, w3f = decoded_stack(w1, dtype), decoded_stack(w3, dtype)
-    ref_h = moe_ffn_gate_ref(w1f, w3f, rmsnorm_ref(x, nw, eps), "fp32", ids, gw)
+    ref_h = moe_ffn_gate_ref(w1f, w3f, xq.astype(np.float32), "fp32", ids, gw)
     np.testing.assert_allclose(ref_h, got, rtol=1e-4, atol=1e-4 * np.abs(got).max())
 
     # x += W2_3 h[0] + W2_1 h[1], with h as the gate wrote it
@@ -401,17 +409,18 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     got = r.copy_to_host().astype(np.float64)
     assert np.isfinite(got).all(), "an unchosen expert's (NaN) weights were read"
     want, scale = r0.astype(np.float64), np.abs(r0).astype(np.float64)
+    hq = np.concatenate([matvec_x_ref(hv[s * hidden_dim : (s + 1) * hidden_dim], dtype) for s in range(k)])
     for s, e in enumerate(chosen):
         w2d, hs = (
             formats.decode(expert(w2, e), dtype).astype(np.float64),
-            hv[s * hidden_dim : (s + 1) * hidden_dim],
+            hq[s * hidden_dim : (s + 1) * hidden_dim].astype(np.float64),
         )
         want = want + w2d @ hs
         scale = scale + np.abs(w2d) @ np.abs(hs)
     assert np.all(np.abs(got - want) <= 1e-5 * scale), (
         f"max err / scale {np.max(np.abs(got - want) / scale):.3g}"
     )
-    ref_r = moe_matvec_residual_ref(decoded_stack(w2, dtype), hv, "fp32", ids, r0)
+    ref_r = moe_matvec_residual_ref(decoded_stack(w2, dtype), hq.astype(np.float32), "fp32", ids, r0)
     assert np.all(np.abs(ref_r - want) <= 1e-5 * scale)
 
 

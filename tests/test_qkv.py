@@ -65,9 +65,8 @@ def test_qkv_rope(dtype, kv_dtype, bias, dim, n_rot):
     cuda.synchronize()
 
     xn = rmsnorm_ref(x, nw, eps)
-    q_ref, k_ref, v_ref = qkv_ref(
-        wd.astype(np.float32), b, xn, "fp32", pos, freqs, n_heads, n_kv_heads, head_dim
-    )
+    # (q8, q4: the reference takes x in 16 bits, as the kernel)
+    q_ref, k_ref, v_ref = qkv_ref(w, b, xn, dtype, pos, freqs, n_heads, n_kv_heads, head_dim)
     # tolerance per output: the row errors of both rows of its rotary pair (rotation mixes them)
     row_tol = RTOL * (np.abs(wd) @ np.abs(xn.astype(np.float64)))
     pair_tol = np.repeat(row_tol.reshape(-1, 2).sum(1), 2) + 1e-6 * np.repeat(

@@ -160,6 +160,23 @@ if _numba_config.ENABLE_CUDASIM:
         """(a & m) | e on int32 (the GPU does it in one LOP3)."""
         return np.int32((np.int32(a) & np.int32(m)) | np.int32(e))
 
+    def _dp4a(a: int, b: int, c: int, a_signed: bool) -> np.int32:
+        """c + the four byte products of a and b (b's bytes signed; a's signed or not)."""
+        t = int(c)
+        for k in range(4):
+            x, y = (int(a) >> (8 * k)) & 0xFF, (int(b) >> (8 * k)) & 0xFF
+            x = x - 256 if a_signed and x & 0x80 else x
+            t += x * (y - 256 if y & 0x80 else y)
+        return np.array(t & 0xFFFFFFFF, dtype=np.uint32).view(np.int32)[()]
+
+    def dp4a_us(a: int, b: int, c: int) -> np.int32:
+        """c + sum_k a_k b_k over the bytes (a unsigned, b signed): dp4a.u32.s32."""
+        return _dp4a(a, b, c, False)
+
+    def dp4a_ss(a: int, b: int, c: int) -> np.int32:
+        """c + sum_k a_k b_k over the bytes (both signed): dp4a.s32.s32."""
+        return _dp4a(a, b, c, True)
+
     def _sin_fast(r: float) -> np.float32:
         return np.float32(np.sin(np.float32(r)))
 
@@ -263,6 +280,17 @@ else:
         """(a & m) | e in one lop3.b32. Written in C or numba with two constants, ptxas emits two
         LOP3s (one immediate each); the inline lop3 keeps one constant in a register."""
         return _asm_i32(typingctx, (a, m, e), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+
+    @intrinsic
+    def dp4a_us(typingctx: object, a: object, b: object, c: object) -> object:
+        """c + sum_k a_k b_k over the four bytes of a (unsigned) and b (signed), int32: one
+        dp4a.u32.s32 (IDP.4A: four multiply-adds of 8-bit integers in one instruction)."""
+        return _asm_i32(typingctx, (a, b, c), "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+
+    @intrinsic
+    def dp4a_ss(typingctx: object, a: object, b: object, c: object) -> object:
+        """c + sum_k a_k b_k over the four signed bytes of a and of b, int32: one dp4a.s32.s32."""
+        return _asm_i32(typingctx, (a, b, c), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
 
     @intrinsic
     def h2f2(typingctx: object, w: object) -> object:

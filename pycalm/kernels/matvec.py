@@ -1,4 +1,4 @@
-"""Matrix-vector products with fp16 / fp8 e5m2 / gf4 weights, and their fusions.
+"""Matrix-vector products with fp16 / fp8 e5m2 / gf4 / q8 / q4 weights, and their fusions.
 
   matvec:           y = W x, or y = W (rmsnorm(x) * norm_w)
   matvec_residual:  r += W x   (wo and w2: the residual add fused)
@@ -35,7 +35,11 @@ is fused; the scalar rsqrt(mean(x^2) + eps) factors out of the dot product, come
 staging pass's sum of squares, and is applied to the row sums), as uint64 pairs of floats
 transposed by load: xs[p * CW + j] = (x[j E + 2p], x[j E + 2p + 1]) (E weights a load, CW loads
 a chunk), so one 64-bit shared load gives two x values and the 32 lanes, reading pair p of 32
-consecutive loads, read 256 contiguous bytes (no bank conflicts). Rows longer than XCHUNK
+consecutive loads, read 256 contiguous bytes (no bank conflicts). q8 and q4 stage x instead as
+16-bit integers in two byte limbs, a scale a group of 32 columns (pycalm.kernels.qdecode): one
+uint64 a 32-bit word of codes (q8: 4 columns, both limbs) or two (q4: 8 columns, a limb each),
+transposed by load in the same way, and each load's scale and sum of X in xsum; a thread stages
+one word's columns and the lanes of a group share its max |x| by shuffles. Rows longer than XCHUNK
 columns are done chunk by chunk: each block stages chunk c, its warps add their groups' partial
 sums for chunk c into the output (PLAIN: the first chunk writes), then the next chunk is
 staged; one warp owns each output row, so the order of the adds is fixed. ffn_gate and qkv_rope
@@ -53,8 +57,11 @@ Decoding in registers (the device decoders of pycalm.kernels.common, SASS per we
 fp16 one cvt.f32.f16 (HADD2.F32) and one FFMA; fp8 half a PRMT (two e5m2 bytes into the top
 bytes of two fp16), one HADD2.F32, one FFMA; gf4 one LOP3 (the code masked and given an
 exponent), one exact FADD (q - 4), one FFMA, and the group scale once a group (the row's sum is
-then times GF4_RAW_SCALE). Rows that are not a multiple of 16 bytes (test shapes only) take
-narrow loads (fp16 and fp8 8 bytes, gf4 4 bytes) and one load a row a step.
+then times GF4_RAW_SCALE); q8 no decode, two dp4a (IDP.4A) for 4 weights, the codes times x's
+two limbs; q4 two LOP3 and a shift for 8 codes (nibbles masked into bytes) and four dp4a; both
+sum in int32 and convert once a load (pycalm.kernels.qdecode). Rows that are not a multiple of
+16 bytes (test shapes only) take narrow loads (fp16, fp8 and q8 8 bytes, gf4 4 bytes) and one
+load a row a step.
 
 Bytes moved: the weights (with slots: the chosen experts' matrices only), x once (it is re-read
 per block from L2, not counted), norm_w when fused, and the output (written, or read and

@@ -1,63 +1,82 @@
-"""The q8 and q4 decoders of the token step's row-group kernels (pycalm.kernels.matvec, qkv, moe);
-pycalm.formats is their spec, tests/test_matvec.py ties them to it.
+"""The q8 and q4 dot products of the token step's row-group kernels (pycalm.kernels.matvec, qkv,
+moe): integer codes times x in 16-bit integers, four products an instruction (dp4a).
+pycalm.formats is the codes' spec; pycalm.reference.x_int16_ref is x's; tests/test_matvec.py ties
+the kernels to both.
 
-Both build fp16 halves by the magic-number trick: a small integer placed in the mantissa under a
-fixed exponent reads as that power of two plus the integer, so one 32-bit operation makes two
-values, and a cvt.f32.f16 (Hopper's HADD2.F32, no conversion unit) widens each exactly.
+x in 16 bits. Each group of X_GROUP = 32 columns of x (the last group of a row may be shorter) is
+staged as integers X_k = round(x_k / s) with s = max_k |x_k| / XQ, XQ = 32639, split into two
+signed bytes X = 256 h + l (h, l in -128..127; XQ = 127 * 256 + 127 keeps h a byte): a q4 load
+(32 columns) is one group, two q8 loads are one (four narrow ones). The rounding error |x_k - s X_k| <= s / 2 is at
+most 1.5e-5 of the group's largest |x| (fp16 x would be 4.9e-4 of each value). Each load's scale
+s and its sum of X are staged next to the limbs (pycalm.reference.x_int16_ref is the spec).
 
-* q8 (int8 codes, a float32 scale a row): one XOR biases the four signed bytes of a word by 128,
-  two byte permutes (prmt) put them under the exponent of 1024 (0x64 over a byte is the fp16
-  1024 + byte, so each half reads as 1152 + code). No subtraction a weight: the kernels sum
-  (1152 + q) x over a 16-column load and subtract 1152 X once a load (X: the load's x sum,
-  staged with x), 7 instructions for 4 weights (a sub.f16x2 a pair would make it 9). The row's
-  dot product is summed over the codes and times the scale once. The offset is large against
-  the codes (|q| <= 127), so the load's sum is kept apart from the row's and its rounding is that
-  of 16 terms of about 1152 |x|: tests/test_matvec.py holds the result to the same 1e-5 of
-  sum |w| |x| as every other format.
-* q4 (4-bit codes, an fp16 step d and offset m a group of 32 or 64 columns): a shift moves
-  nibbles k and k + 4 of a word to bits 6..9 of its two halves and one LOP3 masks them under the
-  exponent of 16 (0x4C00 | q << 6 reads as 16 + q): no subtraction a weight. A load's 32 weights
-  sum (16 + q_k) x_k, and the group's step and offset come in once a load:
-  d (S - 16 X) + m X = d S + (m - 16 d) X, X the sum of the load's x values (staged with x).
-  The offset is 16 rather than the usual 1024 (nibble at bits 0..3) so that the folded sum
-  loses no precision: S is at most 31 times the x sum, and its float32 rounding stays far below
-  the weights' own.
+* q4 (4-bit codes, an fp16 step d and offset m a group of 32 or 64 columns): a word's eight codes
+  are two words of four bytes, c0 = w & 0x0F0F0F0F (nibbles 0, 2, 4, 6) and c1 = (w >> 4) &
+  0x0F0F0F0F (1, 3, 5, 7); x is staged in that order. Four dp4a sum the codes times both limbs:
+  three integer instructions and four dp4a for eight weights. Once a load (32 columns, one group
+  or half of one): S = 256 sum(q h) + sum(q l) (exact in int32 and in float32: |S| < 2^24), and
+  the load adds s (d S + m sum X), which is sum (d q + m) s X: W times x as staged, exactly but
+  for float32 rounding.
+* q8 (int8 codes, a float32 scale a row): the stored bytes are dp4a's operand as they are: two
+  dp4a (the two limbs) for four weights, no decode at all. Once a load the row's sum takes s S,
+  and the row's sum is times its scale at the end.
 
-All integer work is int32, shifts through shl32 / sar32 (pycalm.kernels.common: real numba
-computes int32 shifts in int64).
+The row-group kernels keep the two limbs' integer sums of a load apart (int32 accumulators, two
+a row), so there is no float work a weight.
 """
 
 from __future__ import annotations
 
-from numba import cuda, int32
+import math
 
-from pycalm.kernels.common import and_or, h2f2, prmt, sar32, shl32
+from numba import cuda, float32, int32, uint64
 
-Q8_HALVES = 0x64646464  # prmt's second operand: 0x64 over a byte is the fp16 1024 + byte
-Q4_NIBBLE_MASK = 0x03C003C0  # bits 6..9 of each half: a nibble there has the mantissa unit 1 ...
-Q4_HALVES = 0x4C004C00  # ... under the fp16 exponent of 16: the half reads as 16 + q
-Q4_OFFSET = 16.0  # what q4x8_raw adds to every code
-Q8_OFFSET = 1152.0  # what q8x4_raw adds to every code
+from pycalm.kernels.common import dp4a_ss, dp4a_us, sar32, shl32
 
-
-@cuda.jit(device=True, inline=True)
-def q8x4_raw(w: int) -> tuple[float, float, float, float]:
-    """Four q8 codes (the int8 bytes of the int32 w, byte 0 first) -> four exact float32
-    1152 + code: XOR, two prmt, four cvt.f32.f16 (7 instructions for 4 weights)."""
-    u = int32(int32(w) ^ int32(0x80808080 - (1 << 32)))  # signed b -> b + 128, 0..255
-    f0, f1 = h2f2(prmt(u, int32(Q8_HALVES), int32(0x4140)))  # bytes 0, 1: 1024 + 128 + code
-    f2, f3 = h2f2(prmt(u, int32(Q8_HALVES), int32(0x4342)))  # bytes 2, 3
-    return f0, f1, f2, f3
+X_GROUP = 32  # columns of x that share a scale (a q4 load; two q8 loads)
+XQ = 32639.0  # the largest |X| of x's 16-bit form: 127 * 256 + 127 (h stays a signed byte)
+NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
 
 
 @cuda.jit(device=True, inline=True)
-def q4x8_raw(w: int) -> tuple[float, float, float, float, float, float, float, float]:
-    """The eight q4 codes of the int32 w (nibble k = bits 4k..4k+3, k = 0 first) -> eight exact
-    float32 16 + q_k: four shifts, four LOP3, eight cvt.f32.f16 (16 instructions for 8 weights)."""
-    t = int32(w)
-    mask, halves = int32(Q4_NIBBLE_MASK), int32(Q4_HALVES)
-    f0, f4 = h2f2(and_or(shl32(t, 6), mask, halves))  # nibbles 0, 4: bits 0, 16 -> 6, 22
-    f1, f5 = h2f2(and_or(shl32(t, 2), mask, halves))  # nibbles 1, 5: bits 4, 20
-    f2, f6 = h2f2(and_or(sar32(t, 2), mask, halves))  # nibbles 2, 6: bits 8, 24
-    f3, f7 = h2f2(and_or(sar32(t, 6), mask, halves))  # nibbles 3, 7: bits 12, 28 (sign copies masked)
-    return f0, f1, f2, f3, f4, f5, f6, f7
+def x_limbs(v: float, inv: float) -> tuple[int, int]:
+    """x value v, the load's XQ / max |x| -> (h, l): X = round(v inv) = 256 h + l, both in
+    -128..127 (|v inv| <= XQ)."""
+    q = int32(math.floor(v * inv + float32(0.5)))
+    h = sar32(int32(q + int32(128)), 8)
+    return h, int32(q - shl32(h, 8))
+
+
+@cuda.jit(device=True, inline=True)
+def limb_byte(b: int, k: int) -> int:
+    """A limb (-128..127) as byte k of a uint64 (its two's complement byte)."""
+    return uint64(b & 0xFF) << uint64(8 * k)
+
+
+@cuda.jit(device=True, inline=True)
+def q4_dot8(w: int, hx: int, lx: int, ah: int, al: int) -> tuple[int, int]:
+    """(ah + sum q_k h_k, al + sum q_k l_k) over the eight q4 codes of the int32 w (nibble k =
+    bits 4k..4k+3) and the staged limb words hx, lx (uint64: the even-nibble columns' bytes in
+    the low word, the odd ones' in the high word): two LOP3, one shift and four dp4a."""
+    c0 = int32(int32(w) & int32(NIBBLES))  # nibbles 0, 2, 4, 6, one a byte
+    c1 = int32(sar32(w, 4) & int32(NIBBLES))  # nibbles 1, 3, 5, 7
+    ah = dp4a_us(c0, int32(hx), ah)
+    ah = dp4a_us(c1, int32(hx >> uint64(32)), ah)
+    al = dp4a_us(c0, int32(lx), al)
+    al = dp4a_us(c1, int32(lx >> uint64(32)), al)
+    return ah, al
+
+
+@cuda.jit(device=True, inline=True)
+def q8_dot4(w: int, x2: int, ah: int, al: int) -> tuple[int, int]:
+    """(ah + sum q_k h_k, al + sum q_k l_k) over the four int8 codes of the int32 w and the
+    staged limbs x2 (uint64: h bytes low, l bytes high): two dp4a."""
+    ah = dp4a_ss(w, int32(x2), ah)
+    al = dp4a_ss(w, int32(x2 >> uint64(32)), al)
+    return ah, al
+
+
+@cuda.jit(device=True, inline=True)
+def limb_sum(ah: int, al: int) -> float:
+    """256 ah + al as a float32 (the load's sum of codes times X)."""
+    return float32(int32(shl32(ah, 8) + al))

@@ -16,6 +16,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from pycalm.errors import PycalmError
 from pycalm.formats import Quantized
 from pycalm.kernels.common import (
+    FULL_MASK,
     GF4_RAW_SCALE,
     WARP,
     as_f32,
@@ -25,9 +26,10 @@ from pycalm.kernels.common import (
     gf4_dot8_raw,
     h2f2,
     ldg128,
+    shl32,
     warp_reduce_sum,
 )
-from pycalm.kernels.qdecode import Q4_OFFSET, Q8_OFFSET, q4x8_raw, q8x4_raw
+from pycalm.kernels.qdecode import X_GROUP, XQ, limb_byte, limb_sum, q4_dot8, q8_dot4, x_limbs
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2
@@ -70,41 +72,11 @@ def gf4_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
     return acc + gf4_dot8_raw(t, xv[0], xv[1], xv[2], xv[3], xv[4], xv[5], xv[6], xv[7])
 
 
-@cuda.jit(device=True, inline=True)
-def q8_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + (1152 + q_k) x_k over the four int8 codes of the int32 t (byte 0 first): dot_load
-    takes the offset 1152 out once a load, and group_dot multiplies the row's sum by its scale."""
-    f0, f1, f2, f3 = q8x4_raw(t)
-    acc += f0 * xv[0]
-    acc += f1 * xv[1]
-    acc += f2 * xv[2]
-    acc += f3 * xv[3]
-    return acc
-
-
-@cuda.jit(device=True, inline=True)
-def q4_part_dot(t: int, xv: cuda.devicearray, acc: float) -> float:
-    """acc + (16 + q_k) x_k over the eight codes of the int32 t (nibble 0 first): dot_load folds
-    the offset 16 and the group's step and offset in once a load."""
-    f0, f1, f2, f3, f4, f5, f6, f7 = q4x8_raw(t)
-    acc += f0 * xv[0]
-    acc += f1 * xv[1]
-    acc += f2 * xv[2]
-    acc += f3 * xv[3]
-    acc += f4 * xv[4]
-    acc += f5 * xv[5]
-    acc += f6 * xv[6]
-    acc += f7 * xv[7]
-    return acc
-
-
 PART_DOT = {
     "fp16": fp16_part_dot,
     "fp8": fp8_part_dot,
     "gf4": gf4_part_dot,
-    "q8": q8_part_dot,
-    "q4": q4_part_dot,
-}
+}  # q8, q4: pycalm.kernels.qdecode's integer dot products
 
 
 @cuda.jit(device=True, inline=True)
@@ -159,7 +131,7 @@ class RowGroup(NamedTuple):
     load_first: object
     group_dot: object
     group_shift: object
-    xsums: int  # shared float32 x sums (q4, q8: one a load of the chunk; else 1, unused)
+    xsums: int  # shared float32 (q4, q8: a sum and a scale a load of the chunk; else 1, unused)
     scales: int  # local scale slots a lane holds (q4: a word a load of a step; q8: a row's scale)
     scale_type: object  # their numba type
 
@@ -186,10 +158,13 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
     STEP = uint64(WARP * unroll * split)  # a warp's loads a row a step
     SPAN = uint64(WARP * (unroll - 1))  # a step is whole when its last load is in the row
     HALF = max(1, rows // 2)  # GATE: rows of W1 (the rest are W3's)
-    part_dot = PART_DOT[dtype]
+    part_dot = PART_DOT.get(dtype)
     wide = load_bytes == 16
     Q4 = dtype == "q4"  # a group scale a load
-    SUMS = dtype in ("q4", "q8")  # the load's x sums: the codes' offset comes out once a load
+    SUMS = dtype in ("q4", "q8")  # x in 16-bit integers (two byte limbs), a scale and a sum a load
+    XQ_F = float32(XQ)
+    WORD_PAIRS = PW // 2  # float pairs of a 32-bit word's columns
+    LPW_LOG = int(math.log2(X_GROUP // PW))  # log2(the lanes, a word each, of an x group: q4 4, q8 8)
     if Q4 and not wide:
         raise PycalmError("q4 rows are read in 16-byte loads only")
 
@@ -244,13 +219,72 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
             """(no row scales)"""
 
     @cuda.jit(device=True, inline=True)
+    def stage_limbs(x64, norm_w, xs, xsum, c0, n, normed):  # noqa: ANN001, ANN202
+        """stage_x for q4 and q8: x[c0 : c0 + n] into xs as 16-bit integers in two byte limbs
+        (pycalm.kernels.qdecode) -> this thread's sum of x^2 (0 unless normed). A thread takes
+        the columns of one 32-bit word of codes (q4 8, q8 4; the block's threads take words t,
+        t + blockDim, .., every lane of a warp the same number of times), the LPW lanes of an x
+        group find its max |x| by xor shuffles, and each lane stores its word's limbs: q4 word
+        i of load j (columns 8i .. 8i + 7, the even columns' bytes in the low word) at
+        xs[j + 2i CW] (h) and xs[j + (2i + 1) CW] (l), q8's (columns 4i .. 4i + 3, h low, l
+        high) at xs[j + i CW]. The first lane of a load writes its scale to xsum[CW + j] and
+        (q4) its sum of X to xsum[j]."""
+        ss = float32(0.0)
+        pv = cuda.local.array(WORD_PAIRS, uint64)  # the word's columns as float pairs
+        lane = cuda.threadIdx.x % WARP
+        n_words = n // E * PARTS
+        for w0 in range(cuda.threadIdx.x - lane, (n_words + WARP - 1) // WARP * WARP, cuda.blockDim.x):
+            w = w0 + lane  # (w0: warp-uniform, so every lane reaches the shuffles)
+            ok = w < n_words
+            b = c0 // 2 + min(w, n_words - 1) * WORD_PAIRS  # x64 index of the word's first pair
+            a = float32(0.0)
+            for p in range(WORD_PAIRS):
+                v = x64[b + p] if ok else uint64(0)
+                if normed:
+                    ss += pair_sq(v)
+                    v = pair_times(v, norm_w, uint64(2 * (b + p)))
+                pv[p] = v
+                a = max(a, max(abs(as_f32(v)), abs(as_f32(v >> uint64(32)))))
+            for m in range(LPW_LOG):  # the group's max |x|: its LPW lanes are aligned in the warp
+                a = max(a, cuda.shfl_xor_sync(FULL_MASK, a, 1 << m))
+            inv = XQ_F / a if a > float32(0.0) else float32(0.0)
+            hw = uint64(0)
+            lw = uint64(0)
+            xi = int32(0)
+            for k in range(PW):
+                h, lb = x_limbs(as_f32(pv[k // 2] >> uint64(32 * (k % 2))), inv)
+                xi += int32(shl32(h, 8) + lb)
+                if Q4:  # even columns' bytes in the low word, odd ones' in the high word
+                    hw |= limb_byte(h, k // 2 + 4 * (k % 2))
+                    lw |= limb_byte(lb, k // 2 + 4 * (k % 2))
+                else:
+                    hw |= limb_byte(h, k) | limb_byte(lb, k + 4)
+            if Q4:  # the load's sum of X: its 4 words' lanes
+                xi += cuda.shfl_xor_sync(FULL_MASK, xi, 1)
+                xi += cuda.shfl_xor_sync(FULL_MASK, xi, 2)
+            j = uint64(w // PARTS)  # the load and the word in it
+            i = uint64(w % PARTS)
+            if ok:
+                if Q4:
+                    xs[j + i * uint64(2 * CW)] = hw
+                    xs[j + i * uint64(2 * CW) + uint64(CW)] = lw
+                else:
+                    xs[j + i * uint64(CW)] = hw
+                if i == uint64(0):
+                    xsum[j] = float32(xi)
+                    xsum[j + uint64(CW)] = a / XQ_F
+        return ss
+
+    @cuda.jit(device=True, inline=True)
     def stage_x(x64, norm_w, xs, xsum, c0, n, normed):  # noqa: ANN001, ANN202
         """Copy x[c0 : c0 + n] into xs as transposed float pairs (times norm_w when `normed`)
         -> this thread's sum of x^2 over what it staged (0 unless normed), which staged_rms
         finishes. Thread t takes loads t, t + blockDim, ..: its E/2 pairs (E/2 consecutive
         uint64 of x64, all issued together) go to xs[p * CW + j], so consecutive threads store
-        consecutive slots (no bank conflicts); q4 and q8: the sum of the load's staged values
-        goes to xsum[j]. All threads call it, between two barriers."""
+        consecutive slots (no bank conflicts). q4, q8: stage_limbs. All threads call it,
+        between two barriers."""
+        if SUMS:
+            return stage_limbs(x64, norm_w, xs, xsum, c0, n, normed)
         ss = float32(0.0)
         v = cuda.local.array(HALF_E, uint64)  # one load's pairs
         for j in range(cuda.threadIdx.x, n // E, cuda.blockDim.x):
@@ -264,11 +298,6 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
                     v[p] = pair_times(v[p], norm_w, uint64(2 * (b + p)))
             for p in range(HALF_E):  # (unsigned indices: numba adds no negative-index code)
                 xs[uint64(j + p * CW)] = v[p]
-            if SUMS:
-                t = float32(0.0)
-                for p in range(HALF_E):
-                    t += as_f32(v[p]) + as_f32(v[p] >> uint64(32))
-                xsum[j] = t
         return ss
 
     @cuda.jit(device=True, inline=True)
@@ -297,35 +326,48 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
     @cuda.jit(device=True, inline=True)
     def dot_load(words, sc, u, xs, xsum, j, acc):  # noqa: ANN001, ANN202
         """acc[r] += row r's weights of load u of the step times x (j: the chunk-local load
-        index). Part by part: a part's x values are read once (64-bit shared loads) for all
-        rows, and only they are live. q4: the load's sums S of (16 + q) x are kept apart and
-        added as d S + (m - 16 d) X (X: the load's x sum), which is sum (d q + m) x; q8: its sums
-        of (1152 + q) x are added as S - 1152 X, the sum of q x (kept apart, the sum's rounding
-        stays that of a 16-term sum)."""
-        xv = cuda.local.array(PW, float32)  # the x values of one part
-        part = cuda.local.array(rows, float32)  # q4, q8: the load's sums
-        for r in range(rows):
-            part[r] = float32(0.0)
-        for i in range(PARTS):
-            for p in range(PW // 2):
-                v = xs[j + uint64((i * (PW // 2) + p) * CW)]
-                xv[2 * p] = as_f32(v)
-                xv[2 * p + 1] = as_f32(v >> uint64(32))
+        index). fp16, fp8, gf4: part by part, a part's x values read once (64-bit shared loads)
+        for all rows, and only they live. q4, q8: the codes times x's integer limbs summed in
+        int32 (dp4a), then once a load the sum S times the load's scale s: q4 adds d s S + m X
+        (X the load's x sum), the sum of (d q + m) x; q8 adds s S (the row's scale comes at the
+        end)."""
+        if SUMS:
+            ah = cuda.local.array(rows, int32)  # the load's sums of q h and q l
+            al = cuda.local.array(rows, int32)
             for r in range(rows):
-                w = int32(words[(u * rows + r) * WORDS + i // 2] >> uint64(32 * (i % 2)))
-                if SUMS:
-                    part[r] = part_dot(w, xv, part[r])
+                ah[r] = int32(0)
+                al[r] = int32(0)
+            for i in range(PARTS):
+                if Q4:
+                    hx = xs[j + uint64(2 * i * CW)]
+                    lx = xs[j + uint64((2 * i + 1) * CW)]
                 else:
+                    hx = xs[j + uint64(i * CW)]
+                for r in range(rows):
+                    w = int32(words[(u * rows + r) * WORDS + i // 2] >> uint64(32 * (i % 2)))
+                    if Q4:
+                        ah[r], al[r] = q4_dot8(w, hx, lx, ah[r], al[r])
+                    else:
+                        ah[r], al[r] = q8_dot4(w, hx, ah[r], al[r])
+            sj = xsum[j + uint64(CW)]
+            if Q4:
+                xj = xsum[j]  # the load's sum of X
+                for r in range(rows):
+                    d, m = h2f2(int32(sc[u * rows + r]))
+                    acc[r] += (d * limb_sum(ah[r], al[r]) + m * xj) * sj
+            else:
+                for r in range(rows):
+                    acc[r] += limb_sum(ah[r], al[r]) * sj
+        else:
+            xv = cuda.local.array(PW, float32)  # the x values of one part
+            for i in range(PARTS):
+                for p in range(PW // 2):
+                    v = xs[j + uint64((i * (PW // 2) + p) * CW)]
+                    xv[2 * p] = as_f32(v)
+                    xv[2 * p + 1] = as_f32(v >> uint64(32))
+                for r in range(rows):
+                    w = int32(words[(u * rows + r) * WORDS + i // 2] >> uint64(32 * (i % 2)))
                     acc[r] = part_dot(w, xv, acc[r])
-        if Q4:
-            xj = xsum[j]
-            for r in range(rows):
-                d, m = h2f2(int32(sc[u * rows + r]))
-                acc[r] += d * part[r] + (m - float32(Q4_OFFSET) * d) * xj
-        elif SUMS:
-            xj = xsum[j]
-            for r in range(rows):
-                acc[r] += part[r] - float32(Q8_OFFSET) * xj
 
     @cuda.jit(device=True, inline=True)
     def group_dot(words, sc, wa, wb, sa, sb, row, xs, xsum, j0, n, first, sha, shb, acc):  # noqa: ANN001, ANN202
@@ -359,7 +401,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         load_first,
         group_dot,
         group_shift,
-        XCHUNK // E if SUMS else 1,
+        2 * (XCHUNK // E) if SUMS else 1,
         rows * unroll if Q4 else rows if dtype == "q8" else 1,
         float32 if dtype == "q8" else uint32,
     )

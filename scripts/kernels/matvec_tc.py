@@ -53,11 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (mat
 
 from pycalm import formats  # noqa: E402
 from pycalm.kernels.common import WARP, and_or, h2f2, sar32, shl32  # noqa: E402
-from pycalm.kernels.qdecode import Q4_HALVES, Q4_NIBBLE_MASK, Q4_OFFSET  # noqa: E402
 from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2  # noqa: E402
 from pycalm.reference import matvec_ref  # noqa: E402
 
 SIM = numba_config.ENABLE_CUDASIM
+Q4_NIBBLE_MASK = 0x03C003C0  # bits 6..9 of each half: a nibble there has the mantissa unit 1 ...
+Q4_HALVES = 0x4C004C00  # ... under the fp16 exponent of 16: the half reads as 16 + q
+Q4_OFFSET = 16.0  # what q4_pairs adds to every code
 KMAX = 8192  # columns of x staged at once (the experiment takes rows of up to KMAX)
 REGIONS = KMAX // 32
 RSTRIDE = 9  # uint64 a staged region: 8 B fragments and one of padding
@@ -70,7 +72,8 @@ XSUM_LEN = 2 * REGIONS
 @cuda.jit(device=True, inline=True)
 def q4_pairs(w: int) -> tuple[int, int, int, int]:
     """The eight codes of the int32 w as four fp16x2 words of 16 + q: nibbles (0, 4), (1, 5),
-    (2, 6), (3, 7) (pycalm.kernels.qdecode's shifts and LOP3, kept in fp16)."""
+    (2, 6), (3, 7): a shift moves nibbles k and k + 4 to bits 6..9 of the two halves, one LOP3 masks
+    them under the exponent of 16."""
     m, e = int32(Q4_NIBBLE_MASK), int32(Q4_HALVES)
     return (
         and_or(shl32(w, 6), m, e),
