@@ -525,7 +525,12 @@ def parse_args(argv: list[str] | None) -> Any:
     ap.add_argument(
         "--device", choices=("auto", "gpu", "cpu"), default="auto", help="auto: the GPU when present"
     )
-    ap.add_argument("--dtype", choices=WEIGHT_DTYPES, default="fp16", help="weight format when converting")
+    ap.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default="fp16",
+        help="weight format when converting (default fp16; q8, q4: smaller and faster)",
+    )
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
     ap.add_argument(
         "--batch-invariant",
