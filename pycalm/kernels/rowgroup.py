@@ -148,7 +148,8 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
     group's first step and multiplied into the lane's sums at the end of group_dot; q4 a uint32
     word a group (its fp16 step d and offset m), loaded with each 16-byte load (32 weights: a
     group of 32, or half a group of 64: group index = load index >> group_shift) and applied
-    once a load, with the load's x sum, which stage_x stages with x (pycalm.kernels.qdecode)."""
+    once a load, with the load's sum of X. Both multiply the codes by x in 16-bit integers
+    (stage_limbs stages them, dot_load sums with dp4a; pycalm.kernels.qdecode)."""
     WORDS = max(1, load_bytes // 8)  # array elements a load (uint64; uint32 for 4-byte loads)
     PARTS = load_bytes // 4  # int32 parts a load
     PW = PART_WEIGHTS[dtype]
@@ -161,7 +162,7 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
     part_dot = PART_DOT.get(dtype)
     wide = load_bytes == 16
     Q4 = dtype == "q4"  # a group scale a load
-    SUMS = dtype in ("q4", "q8")  # x in 16-bit integers (two byte limbs), a scale and a sum a load
+    SUMS = dtype in ("q4", "q8")  # x in 16-bit integers (two byte limbs); a scale and a sum of X a load
     XQ_F = float32(XQ)
     WORD_PAIRS = PW // 2  # float pairs of a 32-bit word's columns
     LPW_LOG = int(math.log2(X_GROUP // PW))  # log2(the lanes, a word each, of an x group: q4 4, q8 8)
