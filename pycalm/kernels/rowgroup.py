@@ -329,9 +329,8 @@ def row_group(dtype: str, load_bytes: int, rows: int, unroll: int, split: int) -
         """acc[r] += row r's weights of load u of the step times x (j: the chunk-local load
         index). fp16, fp8, gf4: part by part, a part's x values read once (64-bit shared loads)
         for all rows, and only they live. q4, q8: the codes times x's integer limbs summed in
-        int32 (dp4a), then once a load the sum S times the load's scale s: q4 adds d s S + m X
-        (X the load's x sum), the sum of (d q + m) x; q8 adds s S (the row's scale comes at the
-        end)."""
+        int32 (dp4a), S = sum q X; once a load q4 adds s (d S + m sum X), the sum of (d q + m) s X,
+        and q8 adds s S (the row's scale comes at the end); s the load's scale."""
         if SUMS:
             ah = cuda.local.array(rows, int32)  # the load's sums of q h and q l
             al = cuda.local.array(rows, int32)
