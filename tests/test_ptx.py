@@ -12,7 +12,8 @@ item of its compile_check entry where there is one (pycalm.kernels.sample and ar
 block of its launch's threads can have at all), else the module's MAX_REGISTERS
 (pycalm.kernels.attention: two blocks of the shipped 256 threads an SM; a restructured kernel
 at 154-188 registers once ran at one block an SM, up to 1.8x slower at long context, while the
-PTX looked clean).
+PTX looked clean; pycalm.kernels.matvec: a block of 16 warps, which the q8 / q4 staging once
+exceeded, and the launch failed).
 
 Every listed kernel must also contain griddepcontrol.wait and griddepcontrol.launch_dependents
 (pycalm.kernels.common.dependent_start): in a graph with programmatic edges a kernel without the

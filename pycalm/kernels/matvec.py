@@ -102,6 +102,10 @@ ROWS = 2  # rows a warp (a row group; GATE: a row of W1 and the same row of W3)
 UNROLL = 2  # 16-byte loads a row a lane a step (narrow loads: 1)
 SPLIT_LOADS = 9  # fp8 loads a lane a row from which a dense residual launch splits its groups
 RED = 2 * 32 * 4  # split sums: two groups' worth of up to 32 warps of up to 4 rows
+# registers a thread at most: launches of x in several chunks and split launches take blocks of
+# 16 warps (pycalm.kernels.launch), which fit an SM's 65,536 registers only at 128 a thread (above
+# it they fail with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES); tests/test_ptx.py holds every kernel to it
+MAX_REGISTERS = 128
 
 # modes of matvec_kernel (a runtime argument: one compiled kernel serves all three)
 PLAIN, RESIDUAL, GATE = 0, 1, 2
