@@ -25,7 +25,8 @@ Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8", "gf4", or "q8" 
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
 is a matrix already decoded to float32 (the engine decodes each once). Activations are
 float32; the q8 and q4 matvecs multiply x rounded to 16-bit integers, a scale a group of 32
-columns (x_int16_ref; the CPU engine, on decoded weights, multiplies x as it is). This module imports no numba: the CPU engine runs without it.
+columns (x_int16_ref; the CPU engine, on decoded weights, multiplies x as it is). This module
+imports no numba: the CPU engine runs without it.
 """
 
 from __future__ import annotations

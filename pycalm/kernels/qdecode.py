@@ -32,9 +32,9 @@ import math
 from numba import cuda, float32, int32, uint64
 
 from pycalm.kernels.common import dp4a_ss, dp4a_us, sar32, shl32
+from pycalm.reference import X_INT16_MAX  # x's 16-bit form, as the reference specifies it
 
-X_GROUP = 32  # columns of x that share a scale (a q4 load; two q8 loads)
-XQ = 32639.0  # the largest |X| of x's 16-bit form: 127 * 256 + 127 (h stays a signed byte)
+XQ = float(X_INT16_MAX)  # the largest |X|: 127 * 256 + 127 (h stays a signed byte)
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte
 
 

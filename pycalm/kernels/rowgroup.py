@@ -29,7 +29,8 @@ from pycalm.kernels.common import (
     shl32,
     warp_reduce_sum,
 )
-from pycalm.kernels.qdecode import X_GROUP, XQ, limb_byte, limb_sum, q4_dot8, q8_dot4, x_limbs
+from pycalm.kernels.qdecode import XQ, limb_byte, limb_sum, q4_dot8, q8_dot4, x_limbs
+from pycalm.reference import X_GROUP
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2
