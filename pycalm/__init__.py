@@ -1,7 +1,7 @@
 """pycalm: single-GPU LLM inference in pure Python, every GPU kernel a numba @cuda.jit function.
 
 import pycalm
-llm = pycalm.load("smollm2")          # pycalm.api: generate, chat, tokenize, perplexity
+llm = pycalm.load("smollm2")          # pycalm.app.api: generate, chat, tokenize, perplexity
 """
 
 __version__ = "0.1.0"
@@ -12,7 +12,7 @@ __all__ = ["LLM", "Generation", "load", "__version__"]
 def __getattr__(name: str) -> object:
     # the API is imported on first use, so `import pycalm` (and every pycalm.* module) stays light
     if name in ("LLM", "Generation", "load"):
-        from pycalm import api
+        from pycalm.app import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'pycalm' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""python -m pycalm: the `pycalm` command (pycalm.cli)."""
+"""python -m pycalm: the `pycalm` command (pycalm.app.cli)."""
 
 import sys
 
-from pycalm.cli import main
+from pycalm.app.cli import main
 
 sys.exit(main())

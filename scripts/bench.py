@@ -6,7 +6,7 @@ weight format it times, with CUDA events after warm-up:
   - the last 32 at a 4000-token offset (positions 4000..4031: the KV cache read grows),
   - each kernel role (qkv, attention, wo, ffn_gate, w2, classifier) alone: its launches for all
     layers captured in a graph of their own, so GB/s per kernel excludes the others.
-GB/s divides pycalm.gpu.step_bytes (every weight a launch reads, the KV cache at the position,
+GB/s divides pycalm.gpu.engine.step_bytes (every weight a launch reads, the KV cache at the position,
 attention's partials and the float32 activations; per role the same count) by the time.
 The copy ceiling is measured in the same run, after the cells (torch device-to-device copy in a
 process of its own when torch is there, else a numba uint64 copy), counting bytes read plus
@@ -19,9 +19,9 @@ bytes written.
     python scripts/bench.py --plain                  # the engine with plain graph edges only
 
 The engine's default step has programmatic graph edges where the GPU has them (compute
-capability 9.0+, pycalm.graph); the same step captured with plain edges is timed alongside.
+capability 9.0+, pycalm.gpu.graph); the same step captured with plain edges is timed alongside.
 
---prefill adds the multi-token forward (pycalm.prefill): for prompts of --lengths tokens (128,
+--prefill adds the multi-token forward (pycalm.gpu.prefill): for prompts of --lengths tokens (128,
 512, 2048, 4000) the prefill's tok/s (wall clock, launches included, best of 2-3 after a
 warm-up) and TFLOP/s (2 x the layers' weights x T plus attention's FLOPs; the classifier does
 not run on prompt rows) against 989 TFLOP/s, the H200's dense fp16 tensor-core rate; the time to
@@ -62,13 +62,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpubench import copy_ceiling, fill  # noqa: E402
 
-from pycalm import formats  # noqa: E402
-from pycalm.config import ModelConfig  # noqa: E402
-from pycalm.convert import DEFAULT_BITS  # noqa: E402
-from pycalm.gpu import EngineOptions, GpuEngine, step_bytes  # noqa: E402
-from pycalm.graph import GraphStep  # noqa: E402
-from pycalm.quantize import plan_dtypes  # noqa: E402
-from pycalm.sampler import SamplingParams  # noqa: E402
+from pycalm.convert.main import DEFAULT_BITS  # noqa: E402
+from pycalm.convert.quantize import plan_dtypes  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
+from pycalm.gpu.engine import EngineOptions, GpuEngine, step_bytes  # noqa: E402
+from pycalm.gpu.graph import GraphStep  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.config import ModelConfig  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(
@@ -182,7 +182,7 @@ _Q4_SCALE_BITS = 0xA8001C00  # one (d, m) pair of fp16 halves, d low
 def random_weights(
     rows: int, cols: int, dtype: str, seed: int, stack: tuple[int, ...] = (), group: int = 32
 ) -> object:
-    """A (*stack, rows, cols) matrix of random finite weights stored as pycalm.formats stores
+    """A (*stack, rows, cols) matrix of random finite weights stored as pycalm.model.formats stores
     `dtype` (gf4: (*stack, rows, cols // 8) uint32; q8 / q4: a formats.Quantized of codes and
     scales, q4 in groups of `group` columns), made on the GPU."""
     n = int(np.prod(stack, dtype=np.int64)) * rows * cols
@@ -385,7 +385,7 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = N
 
 
 # ---------------------------------------------------------------------------------------------
-# prefill: the multi-token forward (pycalm.prefill) over prompts of T tokens
+# prefill: the multi-token forward (pycalm.gpu.prefill) over prompts of T tokens
 
 TENSOR_PEAK = 989.0  # TFLOP/s: the H200's dense fp16 tensor-core rate (datasheet, wgmma)
 PREFILL_LENGTHS = (128, 512, 2048, 4000)

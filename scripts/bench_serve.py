@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from tiny_models import make_gguf  # noqa: E402
 
-from pycalm.convert import convert  # noqa: E402
-from pycalm.loader import ModelWriter, open_model  # noqa: E402
+from pycalm.convert.main import convert  # noqa: E402
+from pycalm.model.loader import ModelWriter, open_model  # noqa: E402
 
 PROMPT = "the cat"
 

@@ -52,9 +52,9 @@ PROMPT = "The capital of France is"
 def save_tokenizer(out: Path, gguf: str | None) -> None:
     """SmolLM2's config, tokenizer and chat template in one small file (from the GGUF, fetched and
     converted once when none is given)."""
-    from pycalm.fetch import cache_dir
-    from pycalm.generate import resolve_model
-    from pycalm.loader import open_model
+    from pycalm.app.models import resolve_model
+    from pycalm.model.loader import open_model
+    from pycalm.paths import cache_dir
 
     m = open_model(resolve_model(gguf, "gf4", cache_dir(), print))
     np.savez(
@@ -71,7 +71,7 @@ def write_random_model(out: Path, config: object, kind: str, blob: bytes, templa
     right), written in 64 MiB chunks cut from one random pool; -> seconds."""
     from bench import _FP8_BITS, _FP8_MASK, _FP16_BITS, _FP16_MASK, _GF4_BITS, _GF4_MASK
 
-    from pycalm.loader import ModelWriter
+    from pycalm.model.loader import ModelWriter
 
     t0 = time.perf_counter()
     mask, bits = {
@@ -137,12 +137,12 @@ def cli_first_token(model: Path, cache: Path, steps: int = 64) -> dict:
 _READY = r"""
 import json, sys, time
 t_start = float(sys.argv[3])
-from pycalm.kernels import cache
+from pycalm.gpu import kernel_cache as cache
 cache.set_root(sys.argv[2])
 before = cache.cached_kernels()
-from pycalm.gpu import EngineOptions, GpuEngine
-from pycalm.loader import open_model
-from pycalm.sampler import SamplingParams
+from pycalm.gpu.engine import EngineOptions, GpuEngine
+from pycalm.model.loader import open_model
+from pycalm.cpu.sampler import SamplingParams
 t_import = time.time()
 model = open_model(sys.argv[1])
 t0 = time.perf_counter()
@@ -182,12 +182,12 @@ def engine_ready(model: Path, cache: Path, overlap: bool = True) -> dict:
 _FIRST_CALL = r"""
 import json, sys, time
 sys.path.insert(0, "scripts")
-from pycalm.kernels import cache
+from pycalm.gpu import kernel_cache as cache
 cache.set_root(sys.argv[3])
 before = cache.cached_kernels()
 from bench import RandomDeviceModel, config_for
-from pycalm.gpu import EngineOptions, GpuEngine
-from pycalm.sampler import SamplingParams
+from pycalm.gpu.engine import EngineOptions, GpuEngine
+from pycalm.cpu.sampler import SamplingParams
 options = EngineOptions(parallel_compile=json.loads(sys.argv[4]))
 t0 = time.perf_counter()
 engine = GpuEngine(RandomDeviceModel(config_for(sys.argv[1], sys.argv[2], 4096)), seq_len=4096, kv_dtype="fp16",
@@ -273,8 +273,8 @@ def decode_cell(shape: str, dtype: str, tokens: int = 256) -> dict:
 
     from bench import RandomDeviceModel, config_for, time_replays
 
-    from pycalm.gpu import EngineOptions, GpuEngine
-    from pycalm.sampler import SamplingParams
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
 
     greedy = SamplingParams(temperature=0.0)
     out = dict(shape=shape, dtype=dtype)
@@ -305,8 +305,8 @@ def decode_cell(shape: str, dtype: str, tokens: int = 256) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pycalm.config import ModelConfig
-    from pycalm.kernels import cache as kernel_cache
+    from pycalm.gpu import kernel_cache as kernel_cache
+    from pycalm.model.config import ModelConfig
 
     work = Path(tempfile.mkdtemp(prefix="pycalm-startup-"))
     kernel_cache.set_root(work / "decode-cache")  # the decode cells' own cache (this process)
@@ -395,7 +395,7 @@ def upload_sweep(args: argparse.Namespace) -> None:
     from bench import config_for
     from numba import cuda
 
-    from pycalm import loader
+    from pycalm.model import loader
 
     tk = np.load(args.tokenizer)
     path = Path(tempfile.mkdtemp(prefix="pycalm-upload-")) / "big.pycalm"

@@ -40,9 +40,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pycalm.config import WEIGHT_DTYPES  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
-from pycalm.sampler import SamplingParams  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
+from pycalm.model.config import WEIGHT_DTYPES  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 LOGITS_RTOL = 2e-3  # relative L2 of the prefill's last-row logits against the token step's
 PPL_RTOL = 5e-3  # the GPU prefill's perplexity against the CPU reference's
@@ -55,14 +55,14 @@ def model_file(path: Path, dtype: str) -> Path:
         return path
     out = path.with_suffix(f".{dtype}.pycalm")
     if not out.exists():
-        from pycalm.convert import convert
+        from pycalm.convert.main import convert
 
         convert(path, out, dtype, progress=False)
     return out
 
 
 def text_ids(model: object, text: str) -> list[int]:
-    from pycalm.tokenizer import Tokenizer
+    from pycalm.model.tokenizer import Tokenizer
 
     cfg = model.config
     tok = Tokenizer.from_blob(
@@ -73,8 +73,8 @@ def text_ids(model: object, text: str) -> list[int]:
 
 def cpu_perplexity(path: str, kv: str, ids: list[int], seq_len: int) -> float:
     """The CPU reference engine's perplexity of ids (a worker process)."""
-    from pycalm.engine import CpuEngine
-    from pycalm.generate import mean_nll
+    from pycalm.app.perplexity import mean_nll
+    from pycalm.cpu.engine import CpuEngine
 
     model = open_model(path)
     return float(np.exp(mean_nll(CpuEngine(model, seq_len=seq_len, kv_dtype=kv), ids)))
@@ -183,8 +183,8 @@ def main() -> int:
     ap.add_argument("--only-invariant", action="store_true", help="run (d) only")
     args = ap.parse_args()
 
-    from pycalm.generate import mean_nll
-    from pycalm.gpu import GpuEngine
+    from pycalm.app.perplexity import mean_nll
+    from pycalm.gpu.engine import GpuEngine
 
     if args.text:
         text = Path(args.text).read_text()

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pycalm.convert import convert  # noqa: E402
-from pycalm.engine import CpuEngine  # noqa: E402
-from pycalm.gpu import GpuEngine  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
-from pycalm.sampler import SamplingParams  # noqa: E402
+from pycalm.convert.main import convert  # noqa: E402
+from pycalm.cpu.engine import CpuEngine  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
+from pycalm.gpu.engine import GpuEngine  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ import numpy as np
 from numba import cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pycalm.graph import GraphStep  # noqa: E402
+from pycalm.gpu.graph import GraphStep  # noqa: E402
 
 
 @cuda.jit

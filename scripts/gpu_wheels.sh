@@ -3,7 +3,7 @@
 # or has in a version that breaks numba-cuda; scripts/gpu_all.sh installs them there first.
 #   numpy 2.4.6: numba-cuda 0.30.4 needs numpy < 2.5 (with 2.5.x the first kernel compile fails:
 #                AttributeError: module 'numpy' has no attribute 'row_stack').
-#   gguf 0.19.0: the pure-Python GGUF reader that pycalm.convert_gguf uses.
+#   gguf 0.19.0: the pure-Python GGUF reader that pycalm.convert.gguf uses.
 # Run it here (with network), then carry .whl/ along to the GPU machine. There, before anything
 # imports numpy:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import cuda, uint32
 
-from pycalm.graph import GraphStep
+from pycalm.gpu.graph import GraphStep
 
 
 @cuda.jit

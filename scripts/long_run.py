@@ -8,7 +8,7 @@ tokens identical across two runs.
 The model: SmolLM2-135M's shape (dim 576, 9 heads of 64, 3 KV heads, hidden 1536, vocabulary
 49,152, tied embeddings) with --layers layers of random weights (normal, scaled by 1/sqrt of the
 row length: activations stay of order one), written as a pycalm file in each weight format
-(pycalm.formats.encode, pycalm.loader.ModelWriter) and loaded the way the CLI loads one. Each
+(pycalm.model.formats.encode, pycalm.model.loader.ModelWriter) and loaded the way the CLI loads one. Each
 case (weight format x KV format) builds a GpuEngine with EngineOptions(check_finite=True) and
 runs greedy generation from a 16-token prompt to the last position of the context, twice on the
 same engine (the second run rewrites the cache), and compares the two token lists. No EOS is
@@ -32,11 +32,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pycalm import formats  # noqa: E402
-from pycalm.config import WEIGHT_DTYPES, ModelConfig  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.fetch import cache_dir  # noqa: E402
-from pycalm.loader import ModelWriter, open_model  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.config import WEIGHT_DTYPES, ModelConfig  # noqa: E402
+from pycalm.model.loader import ModelWriter, open_model  # noqa: E402
+from pycalm.paths import cache_dir  # noqa: E402
 
 PROMPT_TOKENS = 16
 
@@ -99,8 +99,8 @@ def write_random_model(path: Path, cfg: ModelConfig, seed: int = 0) -> Path:
 
 def run_case(model: object, kv: str, context: int) -> tuple[bool, str]:
     """(passed, summary) of two greedy runs to the end of the context on one engine."""
-    from pycalm.gpu import EngineOptions, GpuEngine
-    from pycalm.sampler import SamplingParams
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
 
     engine = GpuEngine(model, seq_len=context, kv_dtype=kv, options=EngineOptions(check_finite=True))
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, model.config.vocab_size, PROMPT_TOKENS)]
@@ -134,7 +134,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--cache-dir", help="pycalm's cache folder, for the compiled kernels")
     args = ap.parse_args()
-    from pycalm.kernels import cache as kernel_cache
+    from pycalm.gpu import kernel_cache as kernel_cache
 
     kernel_cache.set_root(cache_dir(args.cache_dir))  # before any kernel module is imported
     failed = 0

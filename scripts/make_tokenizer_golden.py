@@ -1,6 +1,6 @@
 """Write tests/data/tokenizer_<model>.json: token ids and chat renderings made by Hugging Face transformers.
 
-pycalm's tokenizer is built from a GGUF file's vocabulary (pycalm.convert_gguf.tokenizer_json_from_gguf);
+pycalm's tokenizer is built from a GGUF file's vocabulary (pycalm.convert.gguf.tokenizer_json_from_gguf);
 these files hold what transformers' own GGUF tokenizer loader and chat-template renderer produce for
 the same GGUF files, so tests/test_tokenizer.py checks pycalm against code nobody here wrote.
 

@@ -3,7 +3,7 @@ changes, with float32 activations and with every product's input rounded to fp16
 
     python scripts/rounding_sensitivity.py MODEL.gguf|MODEL.pycalm [-n 12] [--dtype fp16]
 
-The reference engine (pycalm.reference) runs the same tokens four times: its matvecs summed in
+The reference engine (pycalm.cpu.reference) runs the same tokens four times: its matvecs summed in
 float32 (as it is) or in float64 and then rounded to float32 (another summation order, a change
 of about 1e-7 of each product), each with float32 inputs or with the inputs rounded to fp16 as
 the multi-token forward's tensor-core matmuls take them. Per position it prints the relative L2
@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pycalm.reference as ref  # noqa: E402
-from pycalm import formats  # noqa: E402
-from pycalm.convert import convert  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
+import pycalm.cpu.reference as ref  # noqa: E402
+from pycalm.convert.main import convert  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 
 def matvec_variant(fp16_inputs: bool, float64_sums: bool):  # noqa: ANN201

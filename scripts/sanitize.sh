@@ -9,7 +9,7 @@
 # tests: PYCALM_TEST_GPU=1 pytest over each kernel's test file (default: every one present), one
 #   sanitizer run a file. steps: scripts/sanitize_step.py, one prefill chunk and one token step of
 #   each architecture (default llama,qwen2,mistral,mixtral) and weight format (default every one
-#   of pycalm.config.WEIGHT_DTYPES) at tiny shapes, one sanitizer run an architecture.
+#   of pycalm.model.config.WEIGHT_DTYPES) at tiny shapes, one sanitizer run an architecture.
 # Each run prints its summary line ("ERROR SUMMARY: 0 errors", "RACECHECK SUMMARY: 0 hazards
 # displayed ...") after its name; the full output goes to $OUT/sanitize-TOOL-NAME.log. The exit
 # code is non-zero if any run found an error or failed.

@@ -32,10 +32,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tiny_models import make_hf_llama  # noqa: E402
 
-from pycalm.config import WEIGHT_DTYPES  # noqa: E402
-from pycalm.convert import convert  # noqa: E402
-from pycalm.gpu import EngineOptions, GpuEngine  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
+from pycalm.convert.main import convert  # noqa: E402
+from pycalm.gpu.engine import EngineOptions, GpuEngine  # noqa: E402
+from pycalm.model.config import WEIGHT_DTYPES  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "mistral", "mixtral")
 PROMPT_TOKENS, CHUNK, SEQ_LEN = 24, 16, 32

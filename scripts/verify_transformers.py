@@ -6,7 +6,7 @@
 Part 1, random weights, one small model per architecture (Llama, Mistral with a sliding window
 shorter than the sequence, Qwen2 with q/k/v biases, Mixtral with 8 experts / top 2; Qwen2 also
 saved as bfloat16). Each is built with transformers' own config and model classes, saved with
-save_pretrained (safetensors), converted with pycalm.convert to fp16, and both sides read the same
+save_pretrained (safetensors), converted with pycalm.convert.main to fp16, and both sides read the same
 SEQ random token ids: transformers in float32 in one forward over the whole sequence (eager
 attention), pycalm one token at a time through its engine's KV cache. Reported per model:
   rel L2   ||ours - theirs|| / ||theirs|| over all SEQ x vocab logits, theirs = the float32 model;
@@ -54,10 +54,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pycalm.convert import convert  # noqa: E402
+from pycalm.convert.main import convert  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
-from pycalm.sampler import SamplingParams  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 SEQ = 64  # positions compared per random model
 VOCAB = 503  # a prime: no power-of-two shortcut anywhere
@@ -254,10 +254,10 @@ def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
 
 def make_engine(kind: str, model: Any, seq_len: int, kv_dtype: str = "fp16") -> Any:
     if kind == "cpu":
-        from pycalm.engine import CpuEngine
+        from pycalm.cpu.engine import CpuEngine
 
         return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
-    from pycalm.gpu import GpuEngine
+    from pycalm.gpu.engine import GpuEngine
 
     return GpuEngine(model, seq_len=seq_len)
 

@@ -52,7 +52,7 @@ def converted_model(gguf: Path, dtype: str) -> Path:
     """The pycalm file of `gguf` in `dtype`, converted on first use and cached between runs."""
     import realmodels
 
-    from pycalm.convert import convert
+    from pycalm.convert.main import convert
 
     pkg = Path(__file__).resolve().parent.parent / "pycalm"
     code = hashlib.sha256(b"".join((pkg / m).read_bytes() for m in _CONVERTER_MODULES)).hexdigest()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from pycalm import formats
+from pycalm.model import formats
 
 
 def to_device(w: object) -> object:

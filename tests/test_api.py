@@ -164,7 +164,7 @@ def test_perplexity_of_a_long_text_equals_cli(tmp_path):
     """A text longer than the context: the API and the CLI's -x share one windowed evaluation."""
     from tiny_models import make_gguf
 
-    from pycalm.convert import convert
+    from pycalm.convert.main import convert
 
     model = convert(make_gguf(tmp_path, qtype="F16").path, tmp_path / "tiny.pycalm", "fp16", progress=False)
     text = "the cat sat on the hat then the bat ate the rat " * 3
@@ -185,7 +185,7 @@ def test_perplexity_of_a_long_text_equals_cli(tmp_path):
         f"perplexity {small.perplexity(text):.4f} over {len(small.tokenize(text)) - 1} tokens"
     )
     # the KV cache holds the last window (from position 0): a prompt that starts with it reuses it
-    from pycalm.generate import windows
+    from pycalm.app.perplexity import windows
 
     ids = small.tokenize(text)
     start, _, _ = windows(len(ids), 16)[-1]

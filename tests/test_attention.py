@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm import formats
-from pycalm.config import ModelConfig
+from pycalm.cpu.reference import attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
     SHIPPED,
@@ -29,7 +28,8 @@ from pycalm.kernels.attention import (
     attention_scratch,
     attention_span,
 )
-from pycalm.reference import attention_ref
+from pycalm.model import formats
+from pycalm.model.config import ModelConfig
 
 CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
 

@@ -1,4 +1,4 @@
-"""The kernels' compile cache (pycalm.kernels.cache): its folder's key, its per-kernel key, and a
+"""The kernels' compile cache (pycalm.gpu.kernel_cache): its folder's key, its per-kernel key, and a
 second run that compiles nothing.
 
 numba-cuda's cache needs a GPU to compile or load (its key holds the device's compute
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pycalm.kernels import cache
+from pycalm.gpu import kernel_cache as cache
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_second_cli_run_compiles_nothing(tmp_path):
     every kernel from the cache ('cache hit'); a changed kernel module would name a new folder."""
     from tiny_models import make_hf_llama
 
-    from pycalm.convert import convert
+    from pycalm.convert.main import convert
 
     src = make_hf_llama(tmp_path, dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
     model = convert(src.path, tmp_path / "tiny.pycalm", "fp16", progress=False)
@@ -106,7 +106,7 @@ def test_second_cli_run_compiles_nothing(tmp_path):
 _LOAD = r"""
 import sys
 from numba import cuda
-from pycalm.kernels import cache
+from pycalm.gpu import kernel_cache as cache
 cache.set_root(sys.argv[1])
 cache.install()
 from pycalm.kernels import step

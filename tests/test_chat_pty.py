@@ -21,9 +21,9 @@ import time
 import pytest
 from test_cli import REPO, _env
 
-from pycalm.generate import fit_context
-from pycalm.loader import open_model
-from pycalm.tokenizer import Tokenizer
+from pycalm.app.generate import fit_context
+from pycalm.model.loader import open_model
+from pycalm.model.tokenizer import Tokenizer
 
 PROMPT = "user> "
 

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from tiny_models import make_gguf, make_hf_llama
 
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.loader import open_model
-from pycalm.sampler import SamplingParams
-from pycalm.tokenizer import Tokenizer
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.model.loader import open_model
+from pycalm.model.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TOK_S = re.compile(r"\d+(\.\d+)? tok/s")
@@ -198,7 +198,7 @@ def test_timing_line(tiny, steps):
 
 
 def _gpu_present() -> bool:
-    probe = "from pycalm.gpu import gpu_unavailable_reason as r; print(r() is None)"
+    probe = "from pycalm.gpu.engine import gpu_unavailable_reason as r; print(r() is None)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=_env(), cwd=REPO)
     return out.stdout.strip() == "True"
 
@@ -320,7 +320,7 @@ def test_truncated_model_file(tiny, tmp_path):
 
 def test_corrupt_safetensors_header(tmp_path):
     bad = tmp_path / "corrupt.safetensors"
-    header = b'{"__metadata__": {"pycalm.config": '  # cut short: not JSON
+    header = b'{"__metadata__": {"pycalm.model.config": '  # cut short: not JSON
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
     assert_one_error_line(run(bad, "-i", "x", "--device", "cpu"), "corrupt.safetensors")
     huge = tmp_path / "huge.safetensors"

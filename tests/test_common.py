@@ -1,10 +1,10 @@
-"""The device helpers of pycalm.kernels.common against pycalm.formats, bit for bit."""
+"""The device helpers of pycalm.kernels.common against pycalm.model.formats, bit for bit."""
 
 import numpy as np
 from numba import cuda, float32, int32
 
-from pycalm import formats
 from pycalm.kernels import common
+from pycalm.model import formats
 
 
 @cuda.jit

@@ -1,6 +1,6 @@
 """Converter tests: tiny HF folders and GGUF files in, every output tensor checked by value.
 
-Expected values are computed here independently of pycalm.convert (the rotary permutation as a
+Expected values are computed here independently of pycalm.convert.main (the rotary permutation as a
 reshape, the RoPE frequencies from their formulas) and passed through formats.encode/decode, so
 they carry exactly the rounding of the chosen weight dtype.
 """
@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_gguf, make_hf_llama  # noqa: E402
 
-from pycalm import convert as convert_mod  # noqa: E402
-from pycalm import formats  # noqa: E402
-from pycalm.convert import convert, main  # noqa: E402
+from pycalm.convert import main as convert_mod  # noqa: E402
+from pycalm.convert.main import convert, main  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 DTYPES = ("fp16", "fp8", "gf4")
 

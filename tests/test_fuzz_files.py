@@ -97,14 +97,14 @@ def mutate_safetensors(data: bytes, rng: np.random.Generator) -> tuple[str, byte
             return f"__metadata__ = {header['__metadata__']!r}", _join_safetensors(header, body)
         key = str(rng.choice(sorted(meta)))
         if what <= 4:  # one config field lies
-            config = json.loads(meta["pycalm.config"])
+            config = json.loads(meta["pycalm.model.config"])
             field = str(rng.choice(sorted(config)))
             config[field] = _json_lie(rng)
-            meta["pycalm.config"] = json.dumps(config)
+            meta["pycalm.model.config"] = json.dumps(config)
             return f"config {field} = {config[field]!r}", _join_safetensors(header, body)
         if what == 5:  # the config is not a JSON object
-            meta["pycalm.config"] = str(rng.choice(["[]", "1", "null", "{", '"x"', "[" * 100_000]))
-            return f"config {meta['pycalm.config'][:12]!r}", _join_safetensors(header, body)
+            meta["pycalm.model.config"] = str(rng.choice(["[]", "1", "null", "{", '"x"', "[" * 100_000]))
+            return f"config {meta['pycalm.model.config'][:12]!r}", _join_safetensors(header, body)
         if what == 6:  # a metadata value of the wrong kind or missing
             if rng.random() < 0.5:
                 del meta[key]
@@ -238,7 +238,7 @@ def mutate_gguf(data: bytes, layout: GGUFLayout, rng: np.random.Generator) -> tu
 
 
 def read_pycalm(path: Path) -> None:
-    from pycalm.loader import open_model
+    from pycalm.model.loader import open_model
 
     with open_model(path) as model:
         for name in model.names():
@@ -246,8 +246,8 @@ def read_pycalm(path: Path) -> None:
 
 
 def read_gguf(path: Path) -> None:
-    from pycalm.convert import Source
-    from pycalm.convert_gguf import from_gguf
+    from pycalm.convert.common import Source
+    from pycalm.convert.gguf import from_gguf
 
     conv = from_gguf(path, "fp16")
     for item in conv.plan.values():
@@ -378,7 +378,7 @@ def _tiny_gguf(folder: Path) -> Path:
 
 
 def test_fuzz_pycalm_file(tmp_path):
-    from pycalm.convert import convert
+    from pycalm.convert.main import convert
 
     count, seed = _inputs()
     model = convert(_tiny_gguf(tmp_path), tmp_path / "tiny.pycalm", "fp8", progress=False)

@@ -18,11 +18,12 @@ import pytest
 from test_cli import TIMINGS, assert_one_error_line, run
 from tiny_models import make_gguf
 
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.generate import ScoreProgress, mean_nll, windows
-from pycalm.loader import open_model
-from pycalm.tokenizer import Tokenizer
+from pycalm.app.generate import ScoreProgress
+from pycalm.app.perplexity import mean_nll, windows
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.model.loader import open_model
+from pycalm.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,9 @@ def with_config(model: Path, out: Path, **changes: object) -> Path:
     data = model.read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
-    cfg = json.loads(header["__metadata__"]["pycalm.config"])
+    cfg = json.loads(header["__metadata__"]["pycalm.model.config"])
     cfg.update(changes)
-    header["__metadata__"]["pycalm.config"] = json.dumps(cfg)
+    header["__metadata__"]["pycalm.model.config"] = json.dumps(cfg)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     out.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
@@ -291,7 +292,7 @@ def test_gpu_engine_perplexity_in_windows(tmp_path):
     windows, each through its multi-token forward (prefill_logits); within 0.5% of the CPU's."""
     from tiny_models import make_hf_llama
 
-    from pycalm.gpu import GpuEngine
+    from pycalm.gpu.engine import GpuEngine
 
     hf = make_hf_llama(tmp_path, dim=32, hidden_dim=48, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16)
     model = open_model(convert(hf.path, tmp_path / "m.pycalm", "fp16", progress=False))

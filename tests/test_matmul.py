@@ -1,4 +1,4 @@
-"""matmul (plain / residual / gate) against pycalm.reference's matmul_ref, matmul_residual_ref and
+"""matmul (plain / residual / gate) against pycalm.cpu.reference's matmul_ref, matmul_residual_ref and
 matmul_gate_ref, every weight dtype, at shapes that are not multiples of the tile.
 
 Tolerance: X and the decoded weights are fp16, so the tensor cores' products are exact and the
@@ -19,9 +19,9 @@ import pytest
 from device_weights import to_device
 from numba import cuda
 
-from pycalm import formats
+from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
 from pycalm.kernels.matmul import ROW_TILE, SIM_TILE, TILE, Tile, matmul
-from pycalm.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
+from pycalm.model import formats
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4"]

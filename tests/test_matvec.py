@@ -4,7 +4,7 @@
 Tolerance: the kernels decode exactly and accumulate in float32 in a different order than the
 reference, so each output may differ by a few float32 roundings of the row's |W| |x| sum;
 1e-5 of that sum is well above the accumulation error for these lengths (at most ~16k terms).
-q8 and q4 multiply x in 16-bit integers (pycalm.reference.x_int16_ref, summed exactly in int32
+q8 and q4 multiply x in 16-bit integers (pycalm.cpu.reference.x_int16_ref, summed exactly in int32
 a load): they are held to the same tolerance against W times that x (matvec_x_ref), and
 test_q_matvec_error_bound bounds their distance to W x by the rounding of x.
 """
@@ -16,9 +16,9 @@ import pytest
 from device_weights import to_device
 from numba import cuda
 
-from pycalm import formats
+from pycalm.cpu.reference import X_GROUP, matvec_ref, matvec_x_ref, rmsnorm_ref, silu_ref, x_int16_ref
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
-from pycalm.reference import X_GROUP, matvec_ref, matvec_x_ref, rmsnorm_ref, silu_ref, x_int16_ref
+from pycalm.model import formats
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4", "q8", "q4", "q4/64"]

@@ -1,4 +1,4 @@
-"""The whole GPU engine (pycalm.gpu) against the reference engine, on tiny random models.
+"""The whole GPU engine (pycalm.gpu.engine) against the reference engine, on tiny random models.
 
 Under the CUDA simulator in CI (the step runs as eager launches), on the GPU with
 PYCALM_TEST_GPU=1 (the step is a captured CUDA graph). Greedy tokens must be identical and the
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from tiny_models import make_hf_llama
 
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.gpu import EngineOptions, GpuEngine, step_bytes
-from pycalm.loader import open_model
-from pycalm.sampler import SamplingParams
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.gpu.engine import EngineOptions, GpuEngine, step_bytes
+from pycalm.model.loader import open_model
 
 PROMPT = [5, 9]
 GPU_ONLY = pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")
@@ -158,13 +158,13 @@ def test_step_bytes_counts_every_array(tmp_path, arch, dtype, kv, pos, chunk):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU memory: what does not fit is one line (pycalm.gpu_memory)
+# GPU memory: what does not fit is one line (pycalm.gpu.memory)
 
 
 def _free_memory(monkeypatch, *free: int) -> None:
     """The free-memory query answers free[0], free[1], ... (then the last) of a 1 GiB GPU: the
     simulator's own answer is infinite."""
-    import pycalm.gpu_memory
+    import pycalm.gpu.memory
 
     answers = iter(free)
     last = [free[-1]]
@@ -173,7 +173,7 @@ def _free_memory(monkeypatch, *free: int) -> None:
         last[0] = next(answers, last[0])
         return last[0], 1 << 30
 
-    monkeypatch.setattr(pycalm.gpu_memory, "gpu_memory_info", info)
+    monkeypatch.setattr(pycalm.gpu.memory, "gpu_memory_info", info)
 
 
 def test_out_of_memory_is_one_line(tmp_path, monkeypatch):
@@ -215,7 +215,7 @@ def test_prefill_buffers_checked_before_allocating(tmp_path, monkeypatch, arch):
     """RowBuffers.nbytes is what allocate() takes (the sum of its arrays), and a prefill chunk
     whose buffers do not fit is one line naming them."""
     from pycalm.errors import PycalmError
-    from pycalm.prefill import Prefill, RowBuffers
+    from pycalm.gpu.prefill import Prefill, RowBuffers
 
     cfg = tiny_model(tmp_path, arch, "fp16").config
     buffers = RowBuffers.allocate(cfg, 6, 4, stream=0)

@@ -1,4 +1,4 @@
-"""The model cache (pycalm.cache): conversions keyed on the source's content, temporary files of
+"""The model cache (pycalm.app.cache): conversions keyed on the source's content, temporary files of
 killed processes swept, and `python -m pycalm.cache` / `pycalm cache` to list and clear it. The
 commands run as processes, as a user runs them."""
 
@@ -15,8 +15,8 @@ import pytest
 from test_cli import REPO, _env, run
 from tiny_models import make_gguf
 
-from pycalm import cache as model_cache
-from pycalm.fetch import KNOWN_MODELS
+from pycalm.app import cache as model_cache
+from pycalm.app.fetch import KNOWN_MODELS
 
 ARGS = ("-i", "the", "-n", "2", "-t", "0", "--device", "cpu")
 
@@ -74,8 +74,8 @@ def test_a_conversion_killed_hard_leaves_no_tmp_for_good(tiny_gguf, tmp_path):
     # a conversion into the cache, killed (SIGKILL) once its temporary file is half written
     script = (
         "import os, sys\n"
-        "from pycalm.convert import plan_conversion\n"
-        "from pycalm.loader import ModelWriter\n"
+        "from pycalm.convert.main import plan_conversion\n"
+        "from pycalm.model.loader import ModelWriter\n"
         "conv = plan_conversion(sys.argv[1], 'fp16')\n"
         "w = ModelWriter(sys.argv[2], conv.config, conv.tokenizer_kind, conv.tokenizer_blob)\n"
         "w._f.write(b'half a model'); w._f.flush()\n"
@@ -101,7 +101,7 @@ def test_a_conversion_killed_hard_leaves_no_tmp_for_good(tiny_gguf, tmp_path):
 
 
 def cache_command(*args: str, via_cli: bool = False) -> subprocess.CompletedProcess:
-    module = "pycalm.cli" if via_cli else "pycalm.cache"
+    module = "pycalm.app.cli" if via_cli else "pycalm.cache"
     prefix = ("cache",) if via_cli else ()
     return subprocess.run(
         [sys.executable, "-m", module, *prefix, *map(str, args)],

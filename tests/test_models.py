@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pycalm.engine import CpuEngine
-from pycalm.generate import run_perplexity
-from pycalm.loader import open_model
-from pycalm.reference import ReferenceEngine
-from pycalm.sampler import SamplingParams
-from pycalm.tokenizer import Tokenizer
+from pycalm.app.generate import run_perplexity
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.reference import ReferenceEngine
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.model.loader import open_model
+from pycalm.model.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
 LOGIT_TOL = 0.03

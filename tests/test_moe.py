@@ -14,7 +14,7 @@ The engines hold fp16 matrices, so the independent forward uses the same fp16-ro
 difference left is float32 against float64 arithmetic; with the fp16 KV cache the independent
 forward rounds keys and values to fp16 at the same point.
 
-ENGINES lists the engines under test, the GPU engine (pycalm.gpu.GpuEngine) among them: on the
+ENGINES lists the engines under test, the GPU engine (pycalm.gpu.engine.GpuEngine) among them: on the
 GPU (PYCALM_TEST_GPU=1) on every case; under the CUDA simulator in CI (about a minute a token
 step here) on the crafted routing of test_mixtral_forced_experts only, over SIM_GPU_TOKENS.
 
@@ -35,13 +35,9 @@ from device_weights import to_device
 from numba import cuda
 from tiny_models import TinyModel, make_hf_llama, write_safetensors
 
-from pycalm import formats
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.kernels.matvec import XCHUNK
-from pycalm.kernels.moe import Route, moe_ffn_gate, moe_matvec_residual, moe_route
-from pycalm.loader import open_model
-from pycalm.reference import (
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.reference import (
     matvec_x_ref,
     moe_ffn_gate_ref,
     moe_matvec_residual_ref,
@@ -49,6 +45,10 @@ from pycalm.reference import (
     rmsnorm_ref,
     silu_ref,
 )
+from pycalm.kernels.matvec import XCHUNK
+from pycalm.kernels.moe import Route, moe_ffn_gate, moe_matvec_residual, moe_route
+from pycalm.model import formats
+from pycalm.model.loader import open_model
 
 N_EXPERTS = 4
 TOP_K = 2
@@ -75,7 +75,7 @@ def tokens_for(kind: str) -> list[int]:
 def make_engine(kind: str, model: object, seq_len: int, kv: str) -> object:
     if kind == "cpu":
         return CpuEngine(model, seq_len=seq_len, kv_dtype=kv)
-    from pycalm.gpu import GpuEngine
+    from pycalm.gpu.engine import GpuEngine
 
     return GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
 

@@ -1,5 +1,5 @@
 """The expert FFN of T rows (pycalm.kernels.moe_rows: the grouped tensor-core matmul and the
-combine) against pycalm.reference's expert_gate_ref, expert_matmul_ref and moe_combine_rows_ref,
+combine) against pycalm.cpu.reference's expert_gate_ref, expert_matmul_ref and moe_combine_rows_ref,
 and those against the token step's MoE references row by row.
 
 Routing crafted so that one expert takes every row, one none, and the others split the rest,
@@ -17,11 +17,7 @@ import pytest
 from device_weights import to_device
 from numba import cuda
 
-from pycalm import formats
-from pycalm.errors import PycalmError
-from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
-from pycalm.kernels.rows import ExpertRows, RowRoutes, moe_group
-from pycalm.reference import (
+from pycalm.cpu.reference import (
     expert_gate_ref,
     expert_matmul_ref,
     matvec_residual_ref,
@@ -30,6 +26,10 @@ from pycalm.reference import (
     moe_group_ref,
     moe_matvec_residual_ref,
 )
+from pycalm.errors import PycalmError
+from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
+from pycalm.kernels.rows import ExpertRows, RowRoutes, moe_group
+from pycalm.model import formats
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 RTOL = 1e-5

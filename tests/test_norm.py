@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from pycalm.cpu.reference import rmsnorm_ref
 from pycalm.kernels.norm import rmsnorm
-from pycalm.reference import rmsnorm_ref
 
 
 @pytest.mark.parametrize("dim,in_place", [(72, False), (520, True)])

@@ -1,4 +1,4 @@
-"""Parallel cold compilation (pycalm.precompile): the order and the claims that share the kernels
+"""Parallel cold compilation (pycalm.gpu.precompile): the order and the claims that share the kernels
 out, the recording launch that replaces numba's in a worker, the engine's side when workers fail,
 and on a GPU (PYCALM_TEST_GPU=1) a cold run whose workers leave a cache from which the engine and
 a second process compile nothing, with the same tokens.
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pycalm import precompile
-from pycalm.config import ModelConfig
-from pycalm.gpu import EngineOptions
-from pycalm.precompile import Item, Precompile, Walk, claim, estimated_cost, schedule
+from pycalm.gpu import precompile
+from pycalm.gpu.engine import EngineOptions
+from pycalm.gpu.precompile import Item, Precompile, Walk, claim, estimated_cost, schedule
+from pycalm.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,7 +210,7 @@ def test_nothing_starts_under_the_simulator():
 
 _RUN = r"""
 import json, sys
-from pycalm.kernels import cache
+from pycalm.gpu import kernel_cache as cache
 cache.set_root(sys.argv[2])
 from numba.cuda import dispatcher
 compiles = []  # kernels this process compiles (a cache load rebuilds a _Kernel without __init__)
@@ -219,9 +219,9 @@ def counted(self, py_func, *args, **kwargs):
     compiles.append(py_func.__qualname__)
     init(self, py_func, *args, **kwargs)
 dispatcher._Kernel.__init__ = counted
-from pycalm.gpu import GpuEngine
-from pycalm.loader import open_model
-from pycalm.sampler import SamplingParams
+from pycalm.gpu.engine import GpuEngine
+from pycalm.model.loader import open_model
+from pycalm.cpu.sampler import SamplingParams
 before = cache.cached_kernels()
 engine = GpuEngine(open_model(sys.argv[1]), seq_len=256)
 ids = [1 + (5 * i) % 120 for i in range(40)]
@@ -241,7 +241,7 @@ def test_cold_run_with_workers_leaves_everything_in_the_cache(tmp_path):
     none after them), and a second process compiles nothing and gives the same tokens."""
     from tiny_models import make_hf_llama
 
-    from pycalm.convert import convert
+    from pycalm.convert.main import convert
 
     src = make_hf_llama(tmp_path, dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128)
     model = convert(src.path, tmp_path / "tiny.pycalm", "fp16", progress=False)

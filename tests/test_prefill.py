@@ -1,4 +1,4 @@
-"""The multi-token forward (pycalm.prefill, GpuEngine.prefill / prefill_logits) against the
+"""The multi-token forward (pycalm.gpu.prefill, GpuEngine.prefill / prefill_logits) against the
 token-by-token path, on tiny random models.
 
 Under the CUDA simulator the token-by-token path is the reference engine (CpuEngine: the GPU's
@@ -18,14 +18,10 @@ import numpy as np
 import pytest
 from tiny_models import make_hf_llama
 
-from pycalm import formats
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.errors import PycalmError
-from pycalm.generate import mean_nll
-from pycalm.gpu import EngineOptions, GpuEngine
-from pycalm.loader import open_model
-from pycalm.reference import (
+from pycalm.app.perplexity import mean_nll
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.reference import (
     embed_rows_ref,
     expert_gate_ref,
     expert_matmul_ref,
@@ -39,7 +35,11 @@ from pycalm.reference import (
     qkv_rows_ref,
     rmsnorm_rows_ref,
 )
-from pycalm.sampler import SamplingParams
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.errors import PycalmError
+from pycalm.gpu.engine import EngineOptions, GpuEngine
+from pycalm.model import formats
+from pycalm.model.loader import open_model
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 GPU_ONLY = pytest.mark.skipif(not GPU, reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)")
@@ -118,7 +118,7 @@ def check_kv(got: np.ndarray, want: np.ndarray, kv: str) -> None:
 def prefill_ref(
     model, kv: str, ids: list[int], over: GpuEngine | None = None, margins: list | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The multi-token forward in NumPy, from pycalm.reference's row functions in forward_rows's
+    """The multi-token forward in NumPy, from pycalm.cpu.reference's row functions in forward_rows's
     order (fp16 activations into the matmuls, as the kernels take them), from position 0:
     logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32. With `over` given,
     attention reads that engine's KV cache rows instead of its own (fp8: see check_kv). With

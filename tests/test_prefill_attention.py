@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm import formats
-from pycalm.config import ModelConfig
+from pycalm.cpu.reference import attention_ref, prefill_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS
@@ -30,7 +29,8 @@ from pycalm.kernels.prefill_attention import (
     prefill_attention_bytes,
     prefill_attention_flops,
 )
-from pycalm.reference import attention_ref, prefill_attention_ref
+from pycalm.model import formats
+from pycalm.model.config import ModelConfig
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 

@@ -115,7 +115,7 @@ for mod_name, index in json.loads(sys.argv[1]):
         else:
             max_regs = entry[2] if len(entry) > 2 else getattr(module, "MAX_REGISTERS", None)
             sass_check(ptx, label, max_regs)
-    # every kernel of the token step may be a programmatic dependent (pycalm.graph)
+    # every kernel of the token step may be a programmatic dependent (pycalm.gpu.graph)
     for inst in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         if ptx is not None and inst not in ptx:
             out["problems"].append(f"{label}: no {inst} (a programmatic graph would race)")

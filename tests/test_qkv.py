@@ -7,11 +7,11 @@ import pytest
 from device_weights import to_device
 from numba import cuda
 
-from pycalm import formats
+from pycalm.cpu.reference import kv_round, qkv_ref, rmsnorm_ref
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, STATE_TOKEN
 from pycalm.kernels.qkv import qkv_rope
-from pycalm.reference import kv_round, qkv_ref, rmsnorm_ref
+from pycalm.model import formats
 
 RTOL = 1e-5  # of the row's |W| |x| sum: float32 accumulation order (see test_matvec)
 

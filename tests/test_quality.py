@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (the GGUF's layers are Q4_1, its embedding Q8_0), converted to every
 format, and Qwen2.5-Coder-0.5B-Instruct (Q8_0 layers), converted to q8 and q4 (the formats of
 issue 17; each conversion takes about a minute on two cores), scored on tests/data/ppl.txt by
-pycalm.calibrate.mean_nll (all rows at once; equal to `generate -x` on the CPU to 4 digits). The
+pycalm.convert.calibrate.mean_nll (all rows at once; equal to `generate -x` on the CPU to 4 digits). The
 loss is the perplexity over fp16's; a change to an encoder, the policy or a decoder that makes a
 format worse than measured by more than MARGIN fails here. docs/QUANTIZATION.md has the full
 table on longer texts.
@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import converted_model  # noqa: E402
 
-from pycalm import calibrate  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
-from pycalm.tokenizer import Tokenizer  # noqa: E402
+from pycalm.convert import calibrate  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
+from pycalm.model.tokenizer import Tokenizer  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "ppl.txt"
 FP16_PPL = 22.2657  # measured (generate -x gives 22.2652)

@@ -17,11 +17,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_gguf, make_hf_llama  # noqa: E402
 
-from pycalm import calibrate, formats, quantize  # noqa: E402
-from pycalm.convert import convert, main  # noqa: E402
-from pycalm.engine import CpuEngine  # noqa: E402
+from pycalm.convert import calibrate, quantize
+from pycalm.convert.main import convert, main  # noqa: E402
+from pycalm.cpu.engine import CpuEngine  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
-from pycalm.loader import open_model  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.loader import open_model  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # GGUF blocks -> q4
@@ -199,7 +200,7 @@ def test_calibrated_policy_and_cli(tmp_path, capsys):
     with open_model(out) as m:
         assert 4.5 < quantize.average_bits(m.config) <= 5.2
     # the ranking: one q8 step for every fresh matrix and a groups-of-32 step where 64 fit
-    from pycalm.convert import plan_conversion
+    from pycalm.convert.main import plan_conversion
 
     conv = plan_conversion(tiny.path, "q4")
     steps = calibrate.rank_steps(conv, text, set())

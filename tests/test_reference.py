@@ -1,4 +1,4 @@
-"""pycalm.reference, the CPU path: it runs without numba, and advance_ref's feed rule.
+"""pycalm.cpu.reference, the CPU path: it runs without numba, and advance_ref's feed rule.
 
 The forward pass itself is tested against independent NumPy forwards (test_moe, test_models)
 and against transformers' logits (scripts/verify_transformers.py); each kernel test compares a
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from tiny_models import make_gguf
 
-from pycalm.convert import convert
-from pycalm.reference import advance_ref
+from pycalm.convert.main import convert
+from pycalm.cpu.reference import advance_ref
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_cpu_engine_imports_no_numba() -> None:
     proc = _python(
         "import sys\n"
-        "import pycalm.engine, pycalm.reference, pycalm.sampler\n"
+        "import pycalm.cpu.engine, pycalm.cpu.reference, pycalm.cpu.sampler\n"
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
     )
     assert proc.returncode == 0, proc.stderr
@@ -43,7 +43,7 @@ def test_cli_on_the_cpu_imports_no_numba(tmp_path: Path) -> None:
     model = convert(src.path, tmp_path / "tiny.pycalm", "fp16", progress=False)
     proc = _python(
         "import sys\n"
-        "from pycalm.generate import main\n"
+        "from pycalm.app.generate import main\n"
         f"rc = main([{str(model)!r}, '-i', 'ab', '-n', '3', '-t', '0', '--device', 'cpu'])\n"
         "assert 'numba' not in sys.modules, 'numba was imported'\n"
         "sys.exit(rc)\n"

@@ -1,4 +1,4 @@
-"""The T-row kernels of pycalm.kernels.rows against their references in pycalm.reference, and
+"""The T-row kernels of pycalm.kernels.rows against their references in pycalm.cpu.reference, and
 the references against the one-token ones row by row (embed_ref, rmsnorm_ref, rope_ref,
 moe_route_ref at each row's position).
 
@@ -14,21 +14,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm import formats
-from pycalm.config import ModelConfig
-from pycalm.errors import PycalmError
-from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS
-from pycalm.kernels.rows import (
-    ExpertRows,
-    RowRoutes,
-    embed_rows,
-    moe_group,
-    moe_route_rows,
-    qkv_rows,
-    rmsnorm_rows,
-)
-from pycalm.reference import (
+from pycalm.cpu.reference import (
     embed_ref,
     embed_rows_ref,
     kv_round,
@@ -41,6 +27,20 @@ from pycalm.reference import (
     rope_ref,
     rope_rows_ref,
 )
+from pycalm.errors import PycalmError
+from pycalm.kernels.attention import KVCache
+from pycalm.kernels.common import STATE_POS
+from pycalm.kernels.rows import (
+    ExpertRows,
+    RowRoutes,
+    embed_rows,
+    moe_group,
+    moe_route_rows,
+    qkv_rows,
+    rmsnorm_rows,
+)
+from pycalm.model import formats
+from pycalm.model.config import ModelConfig
 
 GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 
@@ -55,7 +55,7 @@ def config(n_heads=2, n_kv_heads=1, head_dim=8, n_experts=0, k=0):
 
 
 class Layer:
-    """The layer weights a row kernel reads (the rest of pycalm.gpu.LayerWeights)."""
+    """The layer weights a row kernel reads (the rest of pycalm.gpu.engine.LayerWeights)."""
 
     def __init__(self, **weights):
         self.__dict__.update(weights)

@@ -1,4 +1,4 @@
-"""GPU argmax / sample against pycalm.reference.sample_ref, token for token.
+"""GPU argmax / sample against pycalm.cpu.reference.sample_ref, token for token.
 
 Random logits have no ties, and the coins are random: a coin that lands within float32 rounding
 (~1e-6 of the kept mass) of a boundary between two tokens could legitimately differ from the
@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from pycalm.cpu.reference import sample_ref
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.kernels.argmax import argmax
 from pycalm.kernels.sample import sample
-from pycalm.reference import sample_ref
-from pycalm.sampler import SamplingParams
 
 THREADS = 64
 

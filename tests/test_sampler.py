@@ -1,13 +1,13 @@
-"""pycalm.sampler: exact picks on crafted logits for each filter, determinism, and frequencies."""
+"""pycalm.cpu.sampler: exact picks on crafted logits for each filter, determinism, and frequencies."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from pycalm.cpu.reference import filtered_distribution, sample_ref
+from pycalm.cpu.sampler import Sampler
 from pycalm.errors import PycalmError
-from pycalm.reference import filtered_distribution, sample_ref
-from pycalm.sampler import Sampler
 
 # probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1, deliberately not in id order
 P = np.array([0.15, 0.5, 0.05, 0.3])

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from tiny_models import make_hf_llama
 
-from pycalm.convert import convert
-from pycalm.engine import CpuEngine
-from pycalm.loader import open_model
-from pycalm.reference import attention_ref
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.reference import attention_ref
+from pycalm.model.loader import open_model
 
 TOKENS = [7, 3, 60, 12, 45, 9, 31, 22, 5, 50]
 

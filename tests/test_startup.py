@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from tiny_models import make_hf_llama
 
-from pycalm import loader
-from pycalm.convert import convert
-from pycalm.gpu import EngineOptions, GpuEngine
+from pycalm.convert.main import convert
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.gpu.engine import EngineOptions, GpuEngine
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_TOKEN
-from pycalm.loader import open_model, upload_tensors
-from pycalm.sampler import SamplingParams
+from pycalm.model import loader
+from pycalm.model.loader import open_model, upload_tensors
 
 GREEDY = SamplingParams(temperature=0.0)
 

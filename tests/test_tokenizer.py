@@ -1,4 +1,4 @@
-"""pycalm.tokenizer and the GGUF vocabulary conversion (pycalm.convert_gguf) against references
+"""pycalm.model.tokenizer and the GGUF vocabulary conversion (pycalm.convert.gguf) against references
 nobody here wrote.
 
 - Real GGUF vocabularies (SmolLM2, Qwen2.5-Coder) turned into tokenizers JSON by
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import realmodels
 
-from pycalm.convert_gguf import (
+from pycalm.convert.gguf import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
@@ -26,7 +26,7 @@ from pycalm.convert_gguf import (
     tokenizer_json_from_gguf,
 )
 from pycalm.errors import PycalmError
-from pycalm.tokenizer import Tokenizer, chatml
+from pycalm.model.tokenizer import Tokenizer, chatml
 
 DATA = Path(__file__).parent / "data"
 MODELS = {"smollm2": realmodels.smollm2_gguf, "qwen2": realmodels.qwen2_gguf}
@@ -405,7 +405,7 @@ def test_stream_with_metaspace_decoder(spm_models: dict[str, bytes]) -> None:
 
 def test_byte_level_pieces_fast_and_slow_paths() -> None:
     # GPT-2's alphabet: 'Ġ' is the space byte, 'Ċ' the newline, 'ÃŃ' the two bytes of 'í'
-    from pycalm.tokenizer import _byte_level_pieces
+    from pycalm.model.tokenizer import _byte_level_pieces
 
     plain = ["Ġthe", "Ċ", "ÃŃ", "", "!"]
     assert _byte_level_pieces(plain) == [b" the", b"\n", "í".encode(), b"", b"!"]

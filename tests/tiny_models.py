@@ -2,7 +2,7 @@
 
     tiny = make_hf_llama(tmp_path, arch="qwen2", dtype="bfloat16")   # tiny.path is the folder
     tiny = make_gguf(tmp_path, arch="llama")                          # tiny.path is the .gguf file
-    out = pycalm.convert.convert(tiny.path, tmp_path / "m.safetensors", "fp16", progress=False)
+    out = pycalm.convert.main.convert(tiny.path, tmp_path / "m.safetensors", "fp16", progress=False)
 
 `tiny.weights` maps each source tensor name to the float32 values the converter will read
 (after bf16 rounding or GGUF quantization), so a test can compute what the converted tensors

@@ -1,6 +1,6 @@
 """Greedy decoding on the GPU: state[STATE_TOKEN] = argmax(logits), the lowest id on ties.
 
-The reference is pycalm.reference.sample_ref at temperature 0 (numpy's argmax: the first
+The reference is pycalm.cpu.reference.sample_ref at temperature 0 (numpy's argmax: the first
 maximum). With scratch (what the engine launches): pass 1, ARGMAX_BLOCKS blocks each take a
 grid-stride share of the logits and write their best (value, id) pair to scratch; pass 2, one
 block picks the best pair (largest value, then lowest id). One block alone (the fallback

@@ -1,6 +1,6 @@
 """Grouped-query attention of one query position over the KV cache.
 
-The reference is pycalm.reference.attention_ref. For query head h (kv head g = h // (n_heads //
+The reference is pycalm.cpu.reference.attention_ref. For query head h (kv head g = h // (n_heads //
 n_kv_heads)) and cached positions t in [start, n_pos), start = max(0, n_pos - window) with a
 sliding window, else 0:
   score_t = q_h . k_t,g / sqrt(head_dim);  p = softmax(score);  out_h = sum_t p_t v_t,g
@@ -48,7 +48,7 @@ here wrap every shift in int32() (real numba computes int32 shifts in int64).
 
 Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM (plus
 (group - 1) times that from L2), q, the partials of a multi-chunk context (written and read)
-and out (pycalm.gpu.step_bytes counts them).
+and out (pycalm.gpu.engine.step_bytes counts them).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32, int64, uint32
 from numba.cuda import libdevice
 
-from pycalm.config import KV_DTYPES, ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
     FP_RAW_SCALE,
@@ -74,6 +73,7 @@ from pycalm.kernels.common import (
     warp_reduce_max,
     warp_reduce_sum,
 )
+from pycalm.model.config import KV_DTYPES, ModelConfig
 
 # ---------------------------------------------------------------------------------------------
 # GPU kernel
@@ -123,7 +123,7 @@ class KVCache:
 
     k: object  # (seq_len, n_kv_heads * head_dim) float16, or uint8 holding fp8 e5m2
     v: object  # (seq_len, n_kv_heads * head_dim), as k
-    dtype: str  # "fp16" or "fp8" (pycalm.config.kv_dtype_for decides)
+    dtype: str  # "fp16" or "fp8" (pycalm.model.config.kv_dtype_for decides)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Device helpers shared by the kernels: the state layout, warp and block reductions, and the
-bit-level decoders / encoders of the number formats (pycalm.formats is their spec; the tests tie
+bit-level decoders / encoders of the number formats (pycalm.model.formats is their spec; the tests tie
 them to it bit for bit).
 
 Decoding without conversion instructions (the KV caches in pycalm.kernels.attention, single
@@ -40,7 +40,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 from numba.types import float16
 
-from pycalm.formats import FP8_MAX_BYTE, FP16_MAX  # the largest finite values (formats: the spec)
+from pycalm.model.formats import FP8_MAX_BYTE, FP16_MAX  # the largest finite values (formats: the spec)
 
 
 @functools.cache
@@ -52,57 +52,6 @@ def sm90() -> bool:
     except Exception:  # noqa: BLE001  (no GPU, no driver)
         return True
 
-
-def _linear_singly_assigned_variables() -> None:
-    """Make numba-cuda's lowering find its singly assigned variables in linear time.
-
-    Lower._find_singly_assigned_variable rescans a variable's whole basic block for every
-    variable, which is quadratic in the block size; the unrolled matvec loop bodies are blocks
-    of thousands of statements, and this one scan took half of their compile time (tens of
-    seconds each). The replacement counts each block's assignments once and returns the same
-    set. numba-cuda is pinned (0.30.4); if its lowering ever lacks the method, nothing is
-    patched."""
-    try:
-        from collections import Counter, defaultdict
-
-        from numba.cuda import lowering
-    except ImportError:  # pragma: no cover
-        return
-    if not hasattr(lowering.Lower, "_find_singly_assigned_variable"):  # pragma: no cover
-        return
-    ir_mod = lowering.ir
-
-    def _find_singly_assigned_variable(self: object) -> None:
-        sav = set()
-        if not self.func_ir.func_id.is_generator:
-            blocks = self.func_ir.blocks
-            use_defs = lowering.compute_use_defs(blocks)
-            alloca_vars = lowering.must_use_alloca(blocks)
-            var_assign_map = defaultdict(set)
-            for blk, vl in use_defs.defmap.items():
-                for var in vl:
-                    var_assign_map[var].add(blk)
-            var_use_map = defaultdict(set)
-            for blk, vl in use_defs.usemap.items():
-                for var in vl:
-                    var_use_map[var].add(blk)
-            counts: dict = {}  # block -> how often each name is assigned in it
-            for var, blks in var_assign_map.items():
-                if var not in alloca_vars and len(blks) == 1 and not var_use_map[var]:
-                    [defblk] = blks
-                    if defblk not in counts:
-                        insts = self.blocks[defblk].find_insts(ir_mod.assign_types)
-                        counts[defblk] = Counter(stmt.target.name for stmt in insts)
-                    if counts[defblk][var] == 1:
-                        sav.add(var)
-        self._singly_assigned_vars = sav
-        self._blk_local_varmap = {}
-
-    lowering.Lower._find_singly_assigned_variable = _find_singly_assigned_variable
-
-
-if not _numba_config.ENABLE_CUDASIM:
-    _linear_singly_assigned_variables()
 
 # The per-token state, an int32 array in device memory, so that a captured step needs no
 # per-token launch argument (pycalm.kernels.step advances it at the end of every step):
@@ -246,7 +195,7 @@ else:
         "griddepcontrol.wait;",
         """Wait until the kernels this one depends on have finished and their writes are
         visible. A no-op unless the kernel was launched as a programmatic dependent (a graph
-        captured with programmatic edges, pycalm.graph): then it may start while the kernel
+        captured with programmatic edges, pycalm.gpu.graph): then it may start while the kernel
         before it runs, and must read nothing that kernel (or any before it) writes before
         this call. Weights, which nothing writes, may be loaded before it.""",
     )
@@ -354,7 +303,7 @@ def dependent_start() -> None:
     """The start of a kernel whose first reads are what earlier kernels wrote: wait for the
     earlier ones (grid_dependency_wait), then let a programmatic next kernel launch
     (launch_dependents): in that order a kernel runs at most one ahead of the one it waits for.
-    Both are no-ops outside a graph with programmatic edges (pycalm.graph). The weight-reading
+    Both are no-ops outside a graph with programmatic edges (pycalm.gpu.graph). The weight-reading
     kernels (pycalm.kernels.matvec, qkv) instead issue their first loads before the wait and
     trigger the next launch once a warp's last row group's loads are in, so that the next
     kernel's launch and first loads overlap their reductions and writes, not their own loads.
@@ -562,7 +511,7 @@ def q4_code(w: int, k: int) -> float:
     """Code q_k (0..15) of a q4 word, nibble k (k a constant after inlining), as an exact float32:
     the nibble is masked in place and given the exponent that makes its mantissa unit 1 (one
     LOP3, then the float subtraction of 2**(23-p)), as gf4_code; nibbles 4..7 are moved down 16
-    bits first so that their mantissa fits. The weight is d * q_k + m (pycalm.formats q4)."""
+    bits first so that their mantissa fits. The weight is d * q_k + m (pycalm.model.formats q4)."""
     w = int32(w)
     if k >= 4:
         w = sar32(w, 16)  # the copied sign bits land above bit 15, masked off
@@ -574,7 +523,7 @@ def q4_code(w: int, k: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# encoders for the KV-cache write (bit-exact with pycalm.formats)
+# encoders for the KV-cache write (bit-exact with pycalm.model.formats)
 
 
 @cuda.jit(device=True, inline=True)

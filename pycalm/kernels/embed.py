@@ -1,10 +1,10 @@
-"""Embedding lookup: x = decode(tok_embeddings[token]); the reference is pycalm.reference.embed_ref.
+"""Embedding lookup: x = decode(tok_embeddings[token]); the reference is pycalm.cpu.reference.embed_ref.
 
 decode_unit_<dtype> decodes one stored unit of a table row: an fp16, an e5m2 byte or a q8 code
 (one weight; q8 times its row's scale), or a gf4 / q4 word (8 weights; q4: d q + m with its
 group's step and offset). The token step's embed_kernel (here) and the prefill's
 embed_rows_kernel (pycalm.kernels.rows) are both a thread a unit around the same function, so a
-format is decoded in one place, exactly as pycalm.formats does it.
+format is decoded in one place, exactly as pycalm.model.formats does it.
 
 GPU: the token step's kernel reads the token id from state[STATE_TOKEN] on the device (so the
 captured graph stays valid). Every kernel takes (table, scales, ...): q8 / q4 tables are the
@@ -20,8 +20,8 @@ import functools
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.formats import QUANTIZED
 from pycalm.kernels.common import STATE_TOKEN, dependent_start, fp8_decode, gf4_decode, q4_code
+from pycalm.model.formats import QUANTIZED
 
 THREADS = 256
 
@@ -100,7 +100,7 @@ def make_embed_kernel(dtype: str) -> object:
 
 def embed(table: object, state: object, x: object, dtype: str, *, stream: object) -> None:
     """x (dim,) float32 = decode(table[state[STATE_TOKEN]]); table (vocab_size, dim) as stored
-    by pycalm.formats (gf4: (vocab_size, dim / 8) uint32; q8 / q4: a Quantized pair)."""
+    by pycalm.model.formats (gf4: (vocab_size, dim / 8) uint32; q8 / q4: a Quantized pair)."""
     codes, scales = table_arrays(table, dtype)
     n = codes.shape[1]  # stored units a row: gf4 and q4 have one word per 8 weights
     make_embed_kernel(dtype)[(n + THREADS - 1) // THREADS, THREADS, stream](codes, scales, state, x)

@@ -10,7 +10,7 @@ reference is check_finite_ref. `flag` is three int32 on the device, zero until a
 
 Only the first failing step is recorded: a compare-and-swap on flag[FLAG_FAILED] picks one
 thread of one step, and every later failure leaves the flag alone. The host reads the flag when
-it chooses (pycalm.gpu: every FINITE_CHECK_EVERY tokens and at the end of a call).
+it chooses (pycalm.gpu.engine: every FINITE_CHECK_EVERY tokens and at the end of a call).
 
 A grid-stride loop over the vocabulary: each thread reads vocab_size / (blocks * threads)
 float32 logits, which the sampler reads anyway (a few hundred kB a token).

@@ -7,11 +7,11 @@
 X is (T, K) float16: the activations of T tokens, written in fp16 by the kernel before (the
 RMSNorm of T rows, attention's output, or this kernel's GATE mode, whose h is w2's X), because
 fp16 is what the tensor cores and ldmatrix take. W is the stored (N, K) weight matrix of
-pycalm.formats (float16, uint8 e5m2, uint32 gf4 groups of 8 along K, or a Quantized q8 / q4
+pycalm.model.formats (float16, uint8 e5m2, uint32 gf4 groups of 8 along K, or a Quantized q8 / q4
 pair of codes and scales), the same arrays the decode path (pycalm.kernels.matvec) reads: no
 second copy. out is (T, N) float32 for PLAIN and
 RESIDUAL (the residual stream stays float32) and (T, N) float16 for GATE. K is a multiple of 8,
-T and N anything. Reference: pycalm.reference.matmul_ref, matmul_residual_ref, matmul_gate_ref.
+T and N anything. Reference: pycalm.cpu.reference.matmul_ref, matmul_residual_ref, matmul_gate_ref.
 
 Tiling. A block computes a BM x BN tile of out (GATE: BM x BN/2, from BN/2 rows of W1 and the
 same rows of W3), K in steps of BK = 32. Each step stages a BM x BK tile of X and a BN x BK tile
@@ -92,7 +92,6 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.formats import QUANTIZED, Quantized
 from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt, q4_code, q8x4
 from pycalm.kernels.tensorcore import (
     cp_async16,
@@ -106,6 +105,7 @@ from pycalm.kernels.tensorcore import (
     pack_f16x2,
     sts128,
 )
+from pycalm.model.formats import QUANTIZED, Quantized
 
 PLAIN, RESIDUAL, GATE = 0, 1, 2  # epilogue modes
 MODES = {"plain": PLAIN, "residual": RESIDUAL, "gate": GATE}
@@ -194,7 +194,7 @@ def _q8_words(lo: int, hi: int) -> tuple[int, int, int, int]:
 @cuda.jit(device=True, inline=True)
 def _q4_words(w: int, d: float, m: float) -> tuple[int, int, int, int]:
     """One q4 word and its group's step d and offset m -> its 8 weights d q_k + m (float32, as
-    pycalm.formats computes them) rounded to fp16, as 4 f16x2 words."""
+    pycalm.model.formats computes them) rounded to fp16, as 4 f16x2 words."""
     return (
         pack_f16x2(d * q4_code(w, 0) + m, d * q4_code(w, 1) + m),
         pack_f16x2(d * q4_code(w, 2) + m, d * q4_code(w, 3) + m),
@@ -522,7 +522,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         @_jit_capped(max_registers)
         def matmul_kernel(x, w1, w3, out, count, rows, route_ids):  # noqa: ANN001, ANN202
             """Grouped: out (T k, N) slots (=, gate) X fp16 times expert W (n_experts N, K)^T
-            stored; see the module docstring. Must match pycalm.reference.expert_matmul_ref /
+            stored; see the module docstring. Must match pycalm.cpu.reference.expert_matmul_ref /
             expert_gate_ref."""
             block_product(x, w1, w1, w3, w3, out, count, rows, route_ids)  # no scales
 
@@ -538,7 +538,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         @_jit_capped(max_registers)
         def matmul_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
             """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
-            docstring. Must match pycalm.reference.matmul_ref / matmul_residual_ref /
+            docstring. Must match pycalm.cpu.reference.matmul_ref / matmul_residual_ref /
             matmul_gate_ref."""
             block_product(x, w1, w1, w3, w3, out, x, x, x)  # no scales, no groups: unread
 

@@ -4,10 +4,10 @@
   matvec_residual:  r += W x   (wo and w2: the residual add fused)
   ffn_gate:         h = silu(W1 xn) * (W3 xn), xn = rmsnorm(x) * norm_w
 
-References: pycalm.reference.matvec_ref, matvec_residual_ref, ffn_gate_ref (rmsnorm_ref for the
+References: pycalm.cpu.reference.matvec_ref, matvec_residual_ref, ffn_gate_ref (rmsnorm_ref for the
 fused norm).
 
-W is the stored array of pycalm.formats (float16 / uint8 / uint32 groups of 8); x, y float32.
+W is the stored array of pycalm.model.formats (float16 / uint8 / uint32 groups of 8); x, y float32.
 One kernel, matvec_kernel, runs all three (the mode is a runtime argument) and, in its slot
 form, the chosen experts of pycalm.kernels.moe; pycalm.kernels.qkv builds its fused kernel from
 the same device functions (row_group).
@@ -25,7 +25,7 @@ pycalm.kernels.launch.row_group_launch. The dense residual launches of long fp8 
 least SPLIT_LOADS loads a lane a row) give a group to 2 consecutive warps of a block, which take
 its steps in turn and add their sums through shared memory: a warp's chain is half as long.
 
-Programmatic launches (a graph with programmatic edges, pycalm.graph): the first weight loads
+Programmatic launches (a graph with programmatic edges, pycalm.gpu.graph): the first weight loads
 are issued before grid_dependency_wait (weights are never written), x and out are read after
 it; a warp calls launch_dependents once its last group's loads are issued, so the next kernel's
 launch and first loads overlap this kernel's reductions and writes.
@@ -77,7 +77,6 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from pycalm.errors import PycalmError
-from pycalm.formats import Quantized
 from pycalm.kernels.common import WARP, grid_dependency_wait, launch_dependents, warp_reduce_sum
 from pycalm.kernels.launch import row_group_launch
 from pycalm.kernels.rowgroup import (  # (qkv and scripts/kernels/matvec.py take them from here too)
@@ -94,6 +93,7 @@ from pycalm.kernels.rowgroup import (  # (qkv and scripts/kernels/matvec.py take
     staged_rms,
     word_view,
 )
+from pycalm.model.formats import Quantized
 
 # ---------------------------------------------------------------------------------------------
 # the row-group kernel
@@ -296,7 +296,7 @@ def launch_matvec(
     expert_rows: int = 0,
 ) -> None:
     """Launch matvec_kernel (for the launchers below and pycalm.kernels.moe's). wa, wb: stored
-    weights (a pycalm.formats.Quantized for q8 / q4; wb is wa except for GATE); norm_w None: no
+    weights (a pycalm.model.formats.Quantized for q8 / q4; wb is wa except for GATE); norm_w None: no
     fused RMSNorm. n_slots > 0: wa, wb are expert stacks viewed as (n_experts * expert_rows,
     cols), the slots' experts route_ids (n_slots,) int32 and GATE's weights route_w (n_slots,)
     float32, device arrays."""

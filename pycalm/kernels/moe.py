@@ -3,7 +3,7 @@
   xb = rmsnorm(x) * ffn_norm
   logits = G xb  (G: (n_experts, dim) float32);  chosen = the k largest (ties: lower index first)
   weights = softmax(logits[chosen]);  x += sum_j weights_j * W2_e(silu(W1_e xb) * W3_e xb)
-Only the chosen experts' weights are read. References: pycalm.reference.moe_route_ref,
+Only the chosen experts' weights are read. References: pycalm.cpu.reference.moe_route_ref,
 moe_ffn_gate_ref, moe_matvec_residual_ref.
 
 On the GPU a layer's MoE block is three launches, with no host round trip (the token step is
@@ -44,9 +44,9 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.formats import Quantized
 from pycalm.kernels.common import WARP, block_reduce_sum, dependent_start, warp_reduce_sum
 from pycalm.kernels.matvec import GATE, RESIDUAL, launch_matvec
+from pycalm.model.formats import Quantized
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def route_row(n_experts: int):  # noqa: ANN201
     route_w) with gate (n_experts, dim) float32, x (dim,) float32, norm_w (dim,) float32,
     route_ids (k,) int32 and route_w (k,) float32 written by thread 0. moe_route_kernel (the
     token step) and pycalm.kernels.rows.moe_route_rows_kernel (a block a row of T) call it.
-    Reference: pycalm.reference.moe_route_ref of rmsnorm_ref(x) * norm_w."""
+    Reference: pycalm.cpu.reference.moe_route_ref of rmsnorm_ref(x) * norm_w."""
     n = n_experts
 
     @cuda.jit(device=True, inline=True)
@@ -133,7 +133,7 @@ def route_row(n_experts: int):  # noqa: ANN201
 @functools.cache
 def moe_route_kernel(n_experts: int):  # noqa: ANN201
     """The routing kernel for n_experts experts: route_row for the token, one block.
-    Reference: pycalm.reference.moe_route_ref. Arguments: gate (n_experts, dim) float32, x
+    Reference: pycalm.cpu.reference.moe_route_ref. Arguments: gate (n_experts, dim) float32, x
     (dim,) float32, norm_w (dim,) float32, eps float32, k int32, route_ids (k,) int32 and
     route_w (k,) float32 (written)."""
     route = route_row(n_experts)
@@ -152,7 +152,7 @@ def moe_route(
     """route.ids, route.weights = the top k experts of G (rmsnorm(x) * ffn_norm) and the softmax
     over their logits, k = cfg.n_experts_active. layer: .moe_gate (n_experts, dim) float32,
     .ffn_norm (dim,) float32; x (dim,) float32. threads: a multiple of 32 up to 1024 (default
-    THREADS; SIM_THREADS under the simulator). Reference: pycalm.reference.moe_route_ref."""
+    THREADS; SIM_THREADS under the simulator). Reference: pycalm.cpu.reference.moe_route_ref."""
     gate = layer.moe_gate
     n_experts, k = gate.shape[0], cfg.n_experts_active
     if not 0 < n_experts <= MAX_EXPERTS:
@@ -184,7 +184,7 @@ def moe_ffn_gate(layer: object, x: object, h: object, route: Route, cfg: object,
     xn = rmsnorm(x) * layer.ffn_norm, for the k = cfg.n_experts_active slots. layer: .w1, .w3
     stored (n_experts, hidden_dim, dim) stacks (q8 / q4: Quantized), both in the format
     .dtypes["w1"], .ffn_norm (dim,) float32; x (dim,) float32; h (k * hidden_dim,) float32.
-    Reference: pycalm.reference.moe_ffn_gate_ref."""
+    Reference: pycalm.cpu.reference.moe_ffn_gate_ref."""
     k, hidden_dim, dtype = cfg.n_experts_active, _stack_rows(layer.w1), layer.dtypes["w1"]
     if layer.dtypes["w3"] != dtype:
         raise PycalmError(
@@ -204,7 +204,7 @@ def moe_matvec_residual(
     """x += sum over the k = cfg.n_experts_active slots s of W2_e h[s * hidden_dim : (s + 1) *
     hidden_dim], e = route.ids[s]. layer: .w2 stored (n_experts, dim, hidden_dim) stack (q8 / q4:
     Quantized) in the format .dtypes["w2"]; h (k * hidden_dim,) float32; x (dim,) float32.
-    Reference: pycalm.reference.moe_matvec_residual_ref."""
+    Reference: pycalm.cpu.reference.moe_matvec_residual_ref."""
     w2, k, dim = layer.w2, cfg.n_experts_active, _stack_rows(layer.w2)
     if x.shape[0] != dim or route.ids.shape[0] < k or h.shape[0] % k:
         raise PycalmError(f"moe_matvec_residual: x of {x.shape[0]} and h of {h.shape[0]} for {k} slots")

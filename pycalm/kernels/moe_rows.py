@@ -8,7 +8,7 @@ read once a pass.
   x[t]       += sum over j = 0..k-1 of weights[t, j] y[t k + j] moe_combine_rows       moe_combine_rows_ref
 
 with e = routes.ids[t, j] and k = n_experts_active: slot t k + j is row t's j-th choice. The
-references are in pycalm.reference (next to the token step's MoE references, which they match
+references are in pycalm.cpu.reference (next to the token step's MoE references, which they match
 row by row up to the fp16 rounding of the matmuls' inputs).
 
 The two expert launches are pycalm.kernels.matmul's tensor-core kernel in its grouped form: a
@@ -34,7 +34,6 @@ from numba import config as _numba_config
 from numba import cuda
 
 from pycalm.errors import PycalmError
-from pycalm.formats import Quantized
 from pycalm.kernels.common import dependent_start
 from pycalm.kernels.matmul import (
     _SIG_W,
@@ -49,6 +48,7 @@ from pycalm.kernels.matmul import (
     weight_args,
 )
 from pycalm.kernels.rows import ExpertRows, RowRoutes
+from pycalm.model.formats import Quantized
 
 THREADS = 32 if _numba_config.ENABLE_CUDASIM else 256  # moe_combine_rows' block
 
@@ -72,7 +72,7 @@ def expert_matmul(
     normed rows), out (T k, N) float16. W (and W3): stored (n_experts, N, K) stacks in `dtype`
     (q8 / q4: a formats.Quantized of the codes' and the scales' stacks);
     experts: moe_group's grouping of routes. Device arrays. References:
-    pycalm.reference.expert_matmul_ref, expert_gate_ref."""
+    pycalm.cpu.reference.expert_matmul_ref, expert_gate_ref."""
     if mode not in ("plain", "gate"):
         raise PycalmError(f"unknown expert matmul mode {mode!r} (plain or gate)")
     if (mode == "gate") != (w3 is not None):
@@ -122,7 +122,7 @@ def moe_combine_rows_kernel(y, weights, x):  # noqa: ANN001, ANN201
 
 def moe_combine_rows(y: object, routes: RowRoutes, x: object, *, stream: object) -> None:
     """x[t] += sum over j of routes.weights[t, j] * y[t k + j], j in order; y (T k, dim)
-    float32, x (T, dim) float32. Reference: pycalm.reference.moe_combine_rows_ref."""
+    float32, x (T, dim) float32. Reference: pycalm.cpu.reference.moe_combine_rows_ref."""
     n_rows, dim = x.shape
     if routes.weights.shape[0] != n_rows or y.shape != (n_rows * routes.weights.shape[1], dim):
         raise PycalmError(f"moe_combine_rows: y {y.shape}, weights {routes.weights.shape}, x {x.shape}")

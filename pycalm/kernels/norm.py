@@ -1,6 +1,6 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * w.
 
-Reference: pycalm.reference.rmsnorm_ref. On the GPU the norm is fused into the matvec that
+Reference: pycalm.cpu.reference.rmsnorm_ref. On the GPU the norm is fused into the matvec that
 consumes it where possible. The standalone `rmsnorm_kernel` (final norm, tests, debugging) is
 one block of 1024 threads: a grid-stride sum of squares, a block reduction, then each thread
 scales its elements. Bytes: x and w read, y written (3 * dim * 4).

@@ -1,9 +1,9 @@
 """Block-causal attention: T query rows at positions pos0 .. pos0 + T - 1 over the KV cache, on
 the tensor cores.
 
-Reference: pycalm.reference.prefill_attention_ref. For query row t (position p = pos0 + t) and
+Reference: pycalm.cpu.reference.prefill_attention_ref. For query row t (position p = pos0 + t) and
 query head h (kv head g = h // (n_heads // n_kv_heads)) the math is the decode attention's
-(pycalm.reference.attention_ref at n_pos = p + 1), row by row:
+(pycalm.cpu.reference.attention_ref at n_pos = p + 1), row by row:
   keys j in [start, p], start = max(0, p + 1 - window) with a sliding window, else 0
   score_j = q_t,h . k_j,g / sqrt(head_dim);  P = softmax(score);  out_t,h = sum_j P_j v_j,g
 The caches hold (seq_len, n_kv_heads * head_dim), fp16 or fp8 e5m2, with the block's own K/V rows
@@ -71,11 +71,11 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32, uint64
 from numba.cuda import libdevice
 
-from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, dependent_start, fp16_encode, h2f2, ldg128, prmt
 from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128
+from pycalm.model.config import ModelConfig
 
 KV_DTYPES = ("fp16", "fp8")
 SIM = _numba_config.ENABLE_CUDASIM
@@ -420,7 +420,7 @@ def prefill_attention(
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
     the block shape (default WARPS, KEYS; more warps where the group needs them); split: see
     prefill_attention_kernel.
-    Reference: pycalm.reference.prefill_attention_ref."""
+    Reference: pycalm.cpu.reference.prefill_attention_ref."""
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads
     warps = max(WARPS, -(-group // 16)) if warps is None else warps

@@ -1,6 +1,6 @@
 """The q8 and q4 dot products of the token step's row-group kernels (pycalm.kernels.matvec, qkv,
 moe): integer codes times x in 16-bit integers, four products an instruction (dp4a).
-pycalm.formats is the codes' spec; pycalm.reference.x_int16_ref is x's; tests/test_matvec.py ties
+pycalm.model.formats is the codes' spec; pycalm.cpu.reference.x_int16_ref is x's; tests/test_matvec.py ties
 the kernels to both.
 
 x in 16 bits. Each group of X_GROUP = 32 columns of x (the last group of a row may be shorter) is
@@ -8,7 +8,7 @@ staged as integers X_k = round(x_k / s) with s = max_k |x_k| / XQ, XQ = 32639, s
 signed bytes X = 256 h + l (h, l in -128..127; XQ = 127 * 256 + 127 keeps h a byte): a q4 load
 (32 columns) is one group, two q8 loads are one (four narrow ones). The rounding error |x_k - s X_k| <= s / 2 is at
 most 1.5e-5 of the group's largest |x| (fp16 x would be 4.9e-4 of each value). Each load's scale
-s and its sum of X are staged next to the limbs (pycalm.reference.x_int16_ref is the spec).
+s and its sum of X are staged next to the limbs (pycalm.cpu.reference.x_int16_ref is the spec).
 
 * q4 (4-bit codes, an fp16 step d and offset m a group of 32 or 64 columns): a word's eight codes
   are two words of four bytes, c0 = w & 0x0F0F0F0F (nibbles 0, 2, 4, 6) and c1 = (w >> 4) &
@@ -31,8 +31,8 @@ import math
 
 from numba import cuda, float32, int32, uint64
 
+from pycalm.cpu.reference import X_INT16_MAX  # x's 16-bit form, as the reference specifies it
 from pycalm.kernels.common import dp4a_ss, dp4a_us, sar32, shl32
-from pycalm.reference import X_INT16_MAX  # x's 16-bit form, as the reference specifies it
 
 XQ = float(X_INT16_MAX)  # the largest |X|: 127 * 256 + 127 (h stays a signed byte)
 NIBBLES = 0x0F0F0F0F  # the low nibble of each byte

@@ -5,7 +5,7 @@
   q, k rotated in interleaved pairs: for i < rotary_dim / 2, with a = pos * freqs[i],
       (x[2i], x[2i+1]) -> (x[2i] cos a - x[2i+1] sin a, x[2i] sin a + x[2i+1] cos a)
   k, v written to the caches at row pos; q goes to the attention step.
-Reference: pycalm.reference.qkv_ref (with rmsnorm_ref and kv_round).
+Reference: pycalm.cpu.reference.qkv_ref (with rmsnorm_ref and kv_round).
 
 Thread mapping: the row groups of pycalm.kernels.matvec (one warp, ROWS consecutive rows of
 Wqkv, the same device functions: row_group), x * attn_norm staged in shared memory once (dim <=
@@ -106,7 +106,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
     (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs
     (rotary_dim // 2,) float32, state int32, q (q_dim,) float32, k_cache, v_cache (seq_len,
     kv_dim), q_dim, kv_dim, head_dim, has_bias.
-    Reference: pycalm.reference.qkv_ref."""
+    Reference: pycalm.cpu.reference.qkv_ref."""
     unroll = UNROLL if nbytes == 16 else 1
     stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
         dtype, nbytes, ROWS, unroll, 1
@@ -183,7 +183,7 @@ def qkv_rope(
     """q = rope(Wq xn + bq); cache.k[pos] = enc(rope(Wk xn + bk)); cache.v[pos] = enc(Wv xn + bv);
     xn = rmsnorm(x) * layer.attn_norm, pos = state[STATE_POS].
 
-    layer: .wqkv stored (q_dim + 2 kv_dim, dim) (q8 / q4: a pycalm.formats.Quantized), its format
+    layer: .wqkv stored (q_dim + 2 kv_dim, dim) (q8 / q4: a pycalm.model.formats.Quantized), its format
     .dtypes["wqkv"], .bqkv (q_dim + 2 kv_dim,) float32 or None,
     .attn_norm (dim,) float32; x (dim,) float32; rope_freqs (rotary_dim // 2,) float32; state
     int32; q (q_dim,) float32; cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len,

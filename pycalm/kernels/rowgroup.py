@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from pycalm.cpu.reference import X_GROUP
 from pycalm.errors import PycalmError
-from pycalm.formats import Quantized
 from pycalm.kernels.common import (
     FULL_MASK,
     GF4_RAW_SCALE,
@@ -30,7 +30,7 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 from pycalm.kernels.qdecode import XQ, limb_byte, limb_sum, q4_dot8, q8_dot4, x_limbs
-from pycalm.reference import X_GROUP
+from pycalm.model.formats import Quantized
 
 XCHUNK = 8192  # floats of x staged in shared memory at a time (32 KiB, as 4096 uint64 pairs)
 XPAIRS = XCHUNK // 2

@@ -11,7 +11,7 @@ The tensor-core matmuls (pycalm.kernels.matmul) take fp16 (T, K) activations and
   moe_route_rows   Mixtral: each row's top-k experts and their weights       moe_route_rows_ref
   moe_group        the rows grouped by expert (each expert's weights read once a pass)
                                                                              moe_group_ref
-The references are in pycalm.reference. pos0 is state[STATE_POS] on the device (as in the decode
+The references are in pycalm.cpu.reference. pos0 is state[STATE_POS] on the device (as in the decode
 step), so a captured graph replays at any position; T is the arrays' row count.
 
 Thread mappings: embed_rows and qkv_rows, grid (column blocks, T): a thread an element (gf4: a
@@ -35,7 +35,6 @@ import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32
 
-from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import (
@@ -48,6 +47,7 @@ from pycalm.kernels.common import (
 from pycalm.kernels.embed import DECODE_UNIT, SIG_TABLE, table_arrays
 from pycalm.kernels.moe import route_row
 from pycalm.kernels.qkv import rope_store_pair
+from pycalm.model.config import ModelConfig
 
 SIM = _numba_config.ENABLE_CUDASIM
 THREADS = 32 if SIM else 256  # threads a block (the simulator runs a Python thread per thread)
@@ -78,8 +78,8 @@ def make_embed_rows_kernel(dtype: str) -> object:
 
 def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: object) -> None:
     """x (T, dim) float32 = decode(table[tokens[t]]) for the T ids of the device array tokens
-    (T,) int32; table (vocab_size, dim) as stored by pycalm.formats (gf4: (vocab_size, dim / 8)
-    uint32; q8 / q4: a Quantized pair). Reference: pycalm.reference.embed_rows_ref."""
+    (T,) int32; table (vocab_size, dim) as stored by pycalm.model.formats (gf4: (vocab_size, dim / 8)
+    uint32; q8 / q4: a Quantized pair). Reference: pycalm.cpu.reference.embed_rows_ref."""
     codes, scales = table_arrays(table, dtype)
     n_rows, n = x.shape[0], codes.shape[1]  # stored units a row: gf4 and q4 have a word per 8 weights
     if tokens.shape[0] != n_rows:
@@ -110,7 +110,7 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
 
 def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
     """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32.
-    Reference: pycalm.reference.rmsnorm_rows_ref."""
+    Reference: pycalm.cpu.reference.rmsnorm_rows_ref."""
     if out.shape != x.shape:
         raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
     rmsnorm_rows_kernel[x.shape[0], THREADS, stream](x, w, float32(eps), out)
@@ -171,7 +171,7 @@ def qkv_rows(
     qkv: (T, q_dim + 2 kv_dim) float32, the matmul of the normed rows; layer: .bqkv
     (q_dim + 2 kv_dim,) float32 or None (Qwen2 has one); rope_freqs (rotary_dim // 2,) float32;
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
-    .dtype); cfg: n_heads, n_kv_heads, head_dim. Reference: pycalm.reference.qkv_rows_ref, then
+    .dtype); cfg: n_heads, n_kv_heads, head_dim. Reference: pycalm.cpu.reference.qkv_rows_ref, then
     kv_round for the cache rows."""
     if cache.dtype not in ("fp16", "fp8"):
         raise PycalmError(f"unsupported KV-cache dtype {cache.dtype!r} (fp16 or fp8)")
@@ -235,7 +235,7 @@ def moe_route_rows(layer: object, x: object, routes: RowRoutes, cfg: ModelConfig
     """routes.ids, routes.weights (T, k) = for each row of x (T, dim) float32, the top k =
     cfg.n_experts_active experts of G (rmsnorm(x[t]) * ffn_norm) and the softmax over their
     logits. layer: .moe_gate (n_experts, dim) float32, .ffn_norm (dim,) float32.
-    Reference: pycalm.reference.moe_route_rows_ref."""
+    Reference: pycalm.cpu.reference.moe_route_rows_ref."""
     gate = layer.moe_gate
     n_experts, dim = gate.shape
     n_rows, k = routes.ids.shape
@@ -304,7 +304,7 @@ def moe_group_kernel(route_ids, route_w, count, rows, row_w):  # noqa: ANN001, A
 def moe_group(routes: RowRoutes, experts: ExpertRows, *, stream: object, threads: int = THREADS) -> None:
     """experts.count, .rows, .weights = the rows that chose each expert, in increasing order,
     and their routing weights (see moe_group_kernel). threads: a multiple of 32 up to 1024 (the
-    tests take several warps under the simulator). Reference: pycalm.reference.moe_group_ref."""
+    tests take several warps under the simulator). Reference: pycalm.cpu.reference.moe_group_ref."""
     n_experts, n_rows = experts.rows.shape
     if (
         routes.ids.shape[0] != n_rows

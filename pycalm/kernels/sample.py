@@ -1,7 +1,7 @@
 """Sampling on the GPU, so that only a token id crosses to the host each step.
 
 `sample` (temperature with top-k / min-p / top-p; at temperature 0 pycalm.kernels.argmax)
-writes the chosen token into state[STATE_TOKEN]. The reference is pycalm.reference.sample_ref
+writes the chosen token into state[STATE_TOKEN]. The reference is pycalm.cpu.reference.sample_ref
 (float64); the kernel makes the same walk in float32.
 
 The random number: `sample` reads coin = coins[state[STATE_POS]] from a device array of
@@ -51,6 +51,7 @@ import math
 from numba import config as _numba_config
 from numba import cuda, float32, int32, uint32
 
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.kernels.argmax import argmax
 from pycalm.kernels.common import (
@@ -64,7 +65,6 @@ from pycalm.kernels.common import (
     warp_reduce_max,
     warp_reduce_sum,
 )
-from pycalm.sampler import SamplingParams
 
 SAMPLE_THREADS = 512  # the sample kernel needs ~86 registers a thread: 1024 would not launch
 BINS = 256

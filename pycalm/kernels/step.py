@@ -1,6 +1,6 @@
 """The end of a token step: choose what the next step feeds, and move to the next position.
 
-The reference is pycalm.reference.advance_ref. The whole step is one captured CUDA graph, so
+The reference is pycalm.cpu.reference.advance_ref. The whole step is one captured CUDA graph, so
 the per-token values live on the device, in `state` (its layout: pycalm.kernels.common):
   state[STATE_TOKEN]     the token the next step embeds (the sampler has just written its pick)
   state[STATE_POS]       the position of the step that just ran; advanced by one here

@@ -27,7 +27,7 @@ the engine's grid (attention_span) and with a grid over the whole cache. GB/s co
 rows read at n_pos; the ceiling is a uint64 grid-stride copy measured in the same run (bytes read
 + written). Caches hold random finite fp16 / e5m2 bit patterns made on the GPU. N_POS includes
 64 (a short chat) and the chunk + 1 (the shortest context that goes through the combine).
---check compares every variant's output for layer 0 with pycalm.reference.attention_ref on the
+--check compares every variant's output for layer 0 with pycalm.cpu.reference.attention_ref on the
 host-decoded cache: max |error| / max |ref| (float32 summation order only), against 1e-5.
 """
 
@@ -47,8 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from numba import config as numba_config  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from pycalm import formats  # noqa: E402
-from pycalm.config import ModelConfig  # noqa: E402
+from pycalm.cpu.reference import attention_ref  # noqa: E402
 from pycalm.kernels.attention import (  # noqa: E402
     AttentionTuning,
     KVCache,
@@ -56,7 +55,8 @@ from pycalm.kernels.attention import (  # noqa: E402
     attention_scratch,
     attention_span,
 )
-from pycalm.reference import attention_ref  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.config import ModelConfig  # noqa: E402
 
 SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
 TINY_SHAPES = {"tiny": (3, 1, 32)}

@@ -1,5 +1,5 @@
 """Tensor-core matmul for T tokens (pycalm.kernels.matmul): tile variants, a check of each against
-pycalm.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
+pycalm.cpu.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
 
     python scripts/kernels/matmul.py                  # check, variants, the table (GPU)
     python scripts/kernels/matmul.py --check          # only the checks against the reference
@@ -48,9 +48,9 @@ from numba import cuda, uint32
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from pycalm import formats  # noqa: E402
+from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
 from pycalm.kernels.matmul import SIM_TILE, TILE, Tile, matmul  # noqa: E402
-from pycalm.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
+from pycalm.model import formats  # noqa: E402
 
 VERSIONS = {
     1: TILE,
@@ -321,7 +321,7 @@ def main() -> None:
     versions = {v: VERSIONS[v] for v in map(int, args.versions.split(","))}
     everything = not (args.check or args.table or args.variants)
     if args.check or everything:
-        print("check against pycalm.reference")
+        print("check against pycalm.cpu.reference")
         ok = True
         if args.tiny or numba_config.ENABLE_CUDASIM:
             ok &= check(7, SIM_TILE, (19, 40, 40), ["plain", "residual", "gate"])

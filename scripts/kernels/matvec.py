@@ -54,7 +54,7 @@ from numba.cuda.cudadrv.driver import CudaAPIError
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (pycalm)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpubench)
 
-from pycalm import formats  # noqa: E402
+from pycalm.cpu.reference import matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
 from pycalm.kernels import matvec as mv  # noqa: E402
 from pycalm.kernels.attention import KVCache  # noqa: E402
 from pycalm.kernels.common import (  # noqa: E402
@@ -72,7 +72,7 @@ from pycalm.kernels.common import (  # noqa: E402
 )
 from pycalm.kernels.launch import SIM_BLOCKS, blocks_for, resident_blocks, row_group_launch  # noqa: E402
 from pycalm.kernels.qkv import qkv_rope  # noqa: E402
-from pycalm.reference import matvec_ref, rmsnorm_ref, silu_ref  # noqa: E402
+from pycalm.model import formats  # noqa: E402
 
 SIM = numba_config.ENABLE_CUDASIM
 LLAMA = [(14336, 4096), (4096, 14336), (4096, 4096), (6144, 4096)]
@@ -458,7 +458,7 @@ def _rel_err(got: np.ndarray, want: np.ndarray, scale: np.ndarray) -> float:
 def check(
     stream: object, tiny: bool, dtypes: list[str] = DTYPES, versions: list[Version] | None = None
 ) -> bool:
-    """Every version of VERSIONS (and split, direct and capped ones) against pycalm.reference at
+    """Every version of VERSIONS (and split, direct and capped ones) against pycalm.cpu.reference at
     one shape a dtype: tiny (the simulator: 37x1536, 16-byte loads for every dtype) or big
     (4096x14336: x in two chunks; and 2051x4096: the gate, a partial last group). versions:
     these instead (tests/test_matvec.py checks a few under the simulator). Tolerance: 1e-5 of |W| |x| (float32

@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpubench)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (matvec.py)
 
-from pycalm import formats  # noqa: E402
+from pycalm.cpu.reference import matvec_ref  # noqa: E402
 from pycalm.kernels.common import WARP, and_or, h2f2, sar32, shl32  # noqa: E402
 from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2  # noqa: E402
-from pycalm.reference import matvec_ref  # noqa: E402
+from pycalm.model import formats  # noqa: E402
 
 SIM = numba_config.ENABLE_CUDASIM
 Q4_NIBBLE_MASK = 0x03C003C0  # bits 6..9 of each half: a nibble there has the mantissa unit 1 ...

@@ -1,5 +1,5 @@
 """Block-causal (prefill) attention: the shipped kernel (pycalm.kernels.prefill_attention, tensor
-cores) and its variants, each checked against pycalm.reference.prefill_attention_ref, then timed
+cores) and its variants, each checked against pycalm.cpu.reference.prefill_attention_ref, then timed
 on the GPU (llm.c dev/cuda style).
 
     python scripts/kernels/prefill_attention.py                   # shipped, tc16, simt: checked, timed
@@ -46,8 +46,7 @@ from numba import config as numba_config  # noqa: E402
 from numba import cuda, float32, int32, uint64  # noqa: E402
 from numba.cuda import libdevice  # noqa: E402
 
-from pycalm import formats  # noqa: E402
-from pycalm.config import ModelConfig  # noqa: E402
+from pycalm.cpu.reference import prefill_attention_ref  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.kernels.attention import KVCache  # noqa: E402
 from pycalm.kernels.common import STATE_POS, dependent_start, fp8x4_cvt, fp16_encode, h2f2, ldg128  # noqa: E402
@@ -57,7 +56,8 @@ from pycalm.kernels.prefill_attention import (  # noqa: E402
     prefill_attention_bytes,
     prefill_attention_flops,
 )
-from pycalm.reference import prefill_attention_ref  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+from pycalm.model.config import ModelConfig  # noqa: E402
 
 SIM = numba_config.ENABLE_CUDASIM
 SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
@@ -303,7 +303,7 @@ def simt_attention(
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. rows,
     lanes: the block shape (default_rows, default_lanes). Reference:
-    pycalm.reference.prefill_attention_ref."""
+    pycalm.cpu.reference.prefill_attention_ref."""
     check_launch(q, cache, out, cfg)
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads

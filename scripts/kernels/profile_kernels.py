@@ -100,8 +100,8 @@ def matvec(shape: str, dtype: str, mode: str) -> None:
 def step(shape: str, dtype: str, pos: int) -> None:
     from bench import RandomDeviceModel, config_for
 
-    from pycalm.gpu import GpuEngine
-    from pycalm.sampler import SamplingParams
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.gpu.engine import GpuEngine
 
     engine = GpuEngine(RandomDeviceModel(config_for(shape, dtype, SEQ_LEN)), seq_len=SEQ_LEN, kv_dtype="fp16")
     graph = engine.graph(SamplingParams(), pos)
@@ -119,7 +119,7 @@ def step(shape: str, dtype: str, pos: int) -> None:
 def prefill(shape: str, dtype: str, n_tokens: int) -> None:
     from bench import RandomDeviceModel, config_for, fit_layers
 
-    from pycalm.gpu import GpuEngine
+    from pycalm.gpu.engine import GpuEngine
 
     cfg = fit_layers(config_for(shape, dtype, SEQ_LEN), 2048, SEQ_LEN)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=SEQ_LEN, kv_dtype="fp16")

@@ -14,7 +14,7 @@ How to run (on the GPU machine, from the repository root):
     NUMBA_ENABLE_CUDASIM=1 python3 scripts/kernels/sample.py --tiny   # the checks, small vocabulary
 
 Over VOCAB logits, each version as a graph of REPS launches, replayed and timed with CUDA events
-(median). Every version's picks are first compared with pycalm.reference.sample_ref for the
+(median). Every version's picks are first compared with pycalm.cpu.reference.sample_ref for the
 same coins, COINS (the tokens must be the same).
 """
 
@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from numba import config as numba_config  # noqa: E402
 from numba import cuda  # noqa: E402
 
+from pycalm.cpu.reference import sample_ref  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.kernels.argmax import argmax, argmax_scratch_shape  # noqa: E402
 from pycalm.kernels.sample import sample  # noqa: E402
-from pycalm.reference import sample_ref  # noqa: E402
-from pycalm.sampler import SamplingParams  # noqa: E402
 
 VOCAB = 128256
 TINY_VOCAB = 301

@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from pycalm import formats
-from pycalm.config import METADATA_KEY, ModelConfig
 from pycalm.errors import PycalmError
-from pycalm.tokenizer import TOKENIZER_KINDS
+from pycalm.model import formats
+from pycalm.model.config import METADATA_KEY, ModelConfig
+from pycalm.model.tokenizer import TOKENIZER_KINDS
 
 FORMAT_VERSION = "1"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; a larger "length" means a corrupt file
@@ -303,7 +303,7 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise PycalmError(f"{path}: bad model config in metadata: {e or type(e).__name__}") from None
     _check_config(path, config, len(entries))
-    kind = meta.get("pycalm.tokenizer", "")
+    kind = meta.get("pycalm.model.tokenizer", "")
     if kind not in TOKENIZER_KINDS:
         raise PycalmError(
             f"{path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(TOKENIZER_KINDS)})"
@@ -468,7 +468,7 @@ class ModelWriter:
             "__metadata__": {
                 "pycalm.format_version": FORMAT_VERSION,
                 METADATA_KEY: config.to_json(),
-                "pycalm.tokenizer": tokenizer_kind,
+                "pycalm.model.tokenizer": tokenizer_kind,
                 "pycalm.chat_template": chat_template or "",
             }
         }

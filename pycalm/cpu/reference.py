@@ -21,7 +21,7 @@ one token through the model:
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
 `*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`).
 
-Weights come as stored by pycalm.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
+Weights come as stored by pycalm.model.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
 is a matrix already decoded to float32 (the engine decodes each once). Activations are
 float32; the q8 and q4 matvecs multiply x rounded to 16-bit integers, a scale a group of 32
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pycalm import formats
-from pycalm.config import KV_DTYPES, ModelConfig
 from pycalm.errors import PycalmError
+from pycalm.model import formats
+from pycalm.model.config import KV_DTYPES, ModelConfig
 
 # =============================================================================================
 # embedding and RMSNorm
@@ -410,7 +410,7 @@ def moe_matvec_residual_ref(
 #
 # sample_ref takes the random number as an argument (a "coin" in [0, 1)) instead of drawing it,
 # so that the CPU and the GPU can be handed the same coin and must then pick the same token
-# (pycalm.sampler.Sampler draws the coins). For temperature T > 0:
+# (pycalm.cpu.sampler.Sampler draws the coins). For temperature T > 0:
 #
 #     p = softmax(logits / T)                     (float64)
 #     order tokens by p, descending; equal p: lower id first
@@ -504,7 +504,7 @@ class ReferenceEngine:
     """
 
     def __init__(self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16") -> None:
-        # model: a pycalm.loader.ModelFile (anything with .config and .tensor(name))
+        # model: a pycalm.model.loader.ModelFile (anything with .config and .tensor(name))
         cfg: ModelConfig = model.config
         self.config = cfg
         self.model = model

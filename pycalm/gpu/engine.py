@@ -8,7 +8,7 @@ grid covers, a power-of-two multiple of its chunk (at 4096 positions of cache an
 context has one live). Every later token, prompt tokens included, is one replay of the graph
 for its position. On compute capability 9.0 and up the graphs' edges are programmatic: each
 kernel launches, and issues its first weight loads, while the one before it finishes
-(pycalm.graph). Nothing per token is a launch argument: the token, the position and the
+(pycalm.gpu.graph). Nothing per token is a launch argument: the token, the position and the
 prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
 The host only reads back the token ids.
 """
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.config import ModelConfig, kv_dtype_for
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.formats import QUANTIZED, Quantized, bits_per_weight
-from pycalm.gpu_memory import out_of_memory_as_error, require_gpu_memory
-from pycalm.graph import GraphStep
+from pycalm.gpu.graph import GraphStep
+from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_span
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
-from pycalm.sampler import SamplingParams
+from pycalm.model.config import ModelConfig, kv_dtype_for
+from pycalm.model.formats import QUANTIZED, Quantized, bits_per_weight
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -50,7 +50,7 @@ FINITE_CHECK_EVERY = 64  # with check_finite: tokens between two reads of the fl
 
 
 def _stored_bytes(rows: int, cols: int, dtype: str, group: int = 32) -> int:
-    """Bytes of a (rows, cols) matrix as pycalm.formats stores it, scales included (q4: groups
+    """Bytes of a (rows, cols) matrix as pycalm.model.formats stores it, scales included (q4: groups
     of `group` columns)."""
     return round(rows * cols * bits_per_weight(dtype, cols, group) / 8)
 
@@ -109,8 +109,8 @@ def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[st
 
 @dataclass
 class LayerWeights:
-    """One layer's weights on the device, as pycalm.formats stores them: a q8 / q4 matrix is a
-    pycalm.formats.Quantized of its codes and scales, and `dtypes` says each matrix's format."""
+    """One layer's weights on the device, as pycalm.model.formats stores them: a q8 / q4 matrix is a
+    pycalm.model.formats.Quantized of its codes and scales, and `dtypes` says each matrix's format."""
 
     attn_norm: object  # (dim,) float32
     wqkv: object  # (q_dim + 2 kv_dim, dim) stored
@@ -130,7 +130,7 @@ class EngineOptions:
 
     # capture the step as CUDA graphs (None: yes, except under the CUDA simulator, which cannot)
     use_graph: bool | None = None
-    # graph edges as programmatic dependencies (pycalm.graph; None: where the GPU has them,
+    # graph edges as programmatic dependencies (pycalm.gpu.graph; None: where the GPU has them,
     # compute capability 9.0 and up): each kernel launches and loads its first weights while the
     # one before it finishes (pycalm.kernels.common.dependent_start)
     programmatic: bool | None = None
@@ -140,16 +140,16 @@ class EngineOptions:
     # token steps generate() enqueues ahead of the one whose token the host waits for (1: a host
     # round trip a token; more hides the host's work between tokens behind the GPU's)
     decode_lookahead: int = 4
-    # rows a multi-token pass (pycalm.prefill) takes at most: 2048 prefills a 2,048-token prompt
+    # rows a multi-token pass (pycalm.gpu.prefill) takes at most: 2048 prefills a 2,048-token prompt
     # of Llama-3-8B 22% faster than 512 (docs/BENCHMARKS.md); its buffers take about 270 MB
     # there. The tests take a few rows, so that a short prompt spans several chunks.
     prefill_chunk: int = 2048
     # compile the token step's kernels (or load them from the kernel cache) while a model file's
-    # weights are copied to the device (pycalm.loader.start_upload), not after; graphs only. Off:
+    # weights are copied to the device (pycalm.model.loader.start_upload), not after; graphs only. Off:
     # measured no faster (numba's compiler and cache loader hold the GIL; docs/BENCHMARKS.md)
     compile_while_loading: bool = False
     # worker processes that compile the kernels into an empty kernel cache while the weights load
-    # (pycalm.precompile; None: as many as the cores allow, at most 8; 0: off, this process
+    # (pycalm.gpu.precompile; None: as many as the cores allow, at most 8; 0: off, this process
     # compiles them one after another on first use)
     parallel_compile: int | None = None
     # debug: check every token step's logits for NaN and infinity on the device
@@ -186,7 +186,7 @@ class GpuEngine:
         from numba import config, cuda
 
         cfg: ModelConfig = model.config
-        from pycalm.prefill import unsupported
+        from pycalm.gpu.prefill import unsupported
 
         if options.batch_invariant and unsupported(cfg):
             raise PycalmError(
@@ -196,10 +196,10 @@ class GpuEngine:
         self.config = cfg
         self.seq_len = min(seq_len, cfg.max_seq_len)
         self.kv_dtype = kv_dtype_for(kv_dtype, self.seq_len)
-        from pycalm import precompile
+        from pycalm.gpu import precompile
 
         # a kernel cache without this engine's kernels: worker processes compile them into it
-        # while the weights load here (pycalm.precompile; None: none started); graph(), prepare()
+        # while the weights load here (pycalm.gpu.precompile; None: none started); graph(), prepare()
         # and the first prefill wait for the kernels they launch (_await_kernels)
         self.precompile = precompile.start(cfg, self.seq_len, self.kv_dtype, options)
         self.stream = cuda.stream()
@@ -213,13 +213,13 @@ class GpuEngine:
         # weights: a model that makes its own device arrays (the benchmark's random weights)
         # offers device_tensor(name); a model file's tensors are read into device arrays
         # through pinned staging buffers, the whole file in one pass, by a thread on a stream of
-        # its own (pycalm.loader.start_upload): the arrays exist now, their bytes arrive while
+        # its own (pycalm.model.loader.start_upload): the arrays exist now, their bytes arrive while
         # the rest of __init__ runs
         upload = None
         if hasattr(model, "device_tensor"):
             dev = model.device_tensor
         else:
-            from pycalm.loader import start_upload
+            from pycalm.model.loader import start_upload
 
             names = [n for n in model.names() if n != "tokenizer"]
             weight_bytes = sum(model._entries[n].end - model._entries[n].begin for n in names)
@@ -333,12 +333,12 @@ class GpuEngine:
         self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
         self._token_events = [cuda.event() for _ in range(options.decode_lookahead)]
         self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
-        from pycalm.prefill import unsupported
+        from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
         # the multi-token forward takes the prompts (else the token step: odd head sizes)
         self.multi_token = unsupported(cfg) is None
-        self._prefill = None  # pycalm.prefill.Prefill, made (with its buffers) on first use
+        self._prefill = None  # pycalm.gpu.prefill.Prefill, made (with its buffers) on first use
         self._row_token = None  # batch_invariant: the one-row pass's token id on the device
         self._row_graph: GraphStep | None = None  # ... and that pass, captured (_row_pass)
         # (FLAG_SIZE,) int32: zeros, or the first position whose logits were not finite
@@ -422,7 +422,7 @@ class GpuEngine:
         return g
 
     def prepare(self, sampling: SamplingParams, positions: range) -> None:
-        """Compile (or load from the kernel cache, pycalm.kernels.cache) and capture the token
+        """Compile (or load from the kernel cache, pycalm.gpu.kernel_cache) and capture the token
         steps of these positions now rather than in generate's first call, so a caller can tell
         the two costs apart (and, where worker processes fill the kernel cache, waits for the
         multi-token forward's kernels too). Changes no state but what graph() does."""
@@ -432,7 +432,7 @@ class GpuEngine:
             self._await_kernels("prefill")
 
     def _await_kernels(self, *groups: str) -> None:
-        """Where worker processes compile this engine's kernels (pycalm.precompile): wait until
+        """Where worker processes compile this engine's kernels (pycalm.gpu.precompile): wait until
         those of `groups` are in the kernel cache (or the workers gave up: then they compile here)."""
         if self.precompile is not None:
             self.precompile.wait_for(groups)
@@ -444,9 +444,9 @@ class GpuEngine:
 
     # ---------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start_pos: int) -> None:
-        """Feed ids at positions start_pos.. through the multi-token forward (pycalm.prefill),
+        """Feed ids at positions start_pos.. through the multi-token forward (pycalm.gpu.prefill),
         caching their keys and values; where it does not take the model (odd head sizes:
-        pycalm.prefill.unsupported), through the token step, one token at a time. The state is left for the caller to set."""
+        pycalm.gpu.prefill.unsupported), through the token step, one token at a time. The state is left for the caller to set."""
         if not self.multi_token:  # token steps (greedy, the sampled tokens unused), tokens from feed
             end = start_pos + len(ids)
             steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
@@ -460,7 +460,7 @@ class GpuEngine:
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order
-        (a block holds at most pycalm.prefill.LOGITS_BYTES; without the multi-token forward, a
+        (a block holds at most pycalm.gpu.prefill.LOGITS_BYTES; without the multi-token forward, a
         row a block from the token step)."""
         if not self.multi_token:
             for i, token in enumerate(ids):
@@ -470,7 +470,7 @@ class GpuEngine:
 
     def _prefill_step(self) -> object:
         if self._prefill is None:
-            from pycalm.prefill import Prefill
+            from pycalm.gpu.prefill import Prefill
 
             self._await_kernels("prefill")
             self._prefill = Prefill(self, self.prefill_chunk)
@@ -518,7 +518,7 @@ class GpuEngine:
             yield from self._generate_rows(ids, start_pos, max_new, sampling)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
-        # the prompt but its last token goes through the multi-token forward (pycalm.prefill)
+        # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)
         # where it takes the model, else through token steps: the first token step's position
         first = end - 1 if self.multi_token else start_pos
         # every token step this call runs, captured before the state is set
@@ -545,10 +545,10 @@ class GpuEngine:
     ) -> Iterator[int]:
         """generate with every token through the multi-token forward (batch_invariant): the
         prompt in chunks, then each sampled token in a pass of one row; the last row's logits are
-        read back and the token drawn on the host (pycalm.sampler.Sampler: the coins of the token
+        read back and the token drawn on the host (pycalm.cpu.sampler.Sampler: the coins of the token
         step's, so the same tokens for the same logits). The last sampled token is not fed, as
         in generate."""
-        from pycalm.sampler import Sampler
+        from pycalm.cpu.sampler import Sampler
 
         prefill = self._prefill_step()
         sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)

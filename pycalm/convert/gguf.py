@@ -2,7 +2,7 @@
 
 A GGUF file (llama.cpp's format) holds key/value metadata (the hyperparameters under
 "<arch>.", the tokenizer under "tokenizer.ggml.") and tensors, float or block-quantized.
-`from_gguf` (called by pycalm.convert.convert) reads the hyperparameters into the model config,
+`from_gguf` (called by pycalm.convert.main.convert) reads the hyperparameters into the model config,
 plans each pycalm tensor as rows of GGUF tensors, dequantized by gguf.quants as they are read,
 and turns the vocabulary into a Hugging Face tokenizers JSON (`tokenizer_json_from_gguf`), the
 way llama.cpp interprets those fields, so every GGUF model runs with the one tokenizer kind.
@@ -10,7 +10,7 @@ way llama.cpp interprets those fields, so every GGUF model runs with the one tok
 Shapes: GGUF lists a tensor's dimensions innermost first (ne[0] is the row length); `source`
 reverses them into numpy order, so a matrix is (rows, cols) = (out_features, in_features) as in
 a Hugging Face checkpoint. The q/k rows of llama-architecture files are already in interleaved
-rotary pairs; those of qwen2 files are permuted (pycalm.convert.make_plan).
+rotary pairs; those of qwen2 files are permuted (pycalm.convert.main.make_plan).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from pycalm.convert import Converted, Source, make_config, make_plan, rope_inv_freq, whole
+from pycalm.convert.common import Converted, Source, make_config, make_plan, rope_inv_freq, whole
+from pycalm.convert.gguf_header import read_gguf_header, read_gguf_metadata
+from pycalm.convert.quantize import Q4_BLOCK, TRANSCODED, q4_from_gguf
 from pycalm.errors import PycalmError
-from pycalm.formats import Quantized
-from pycalm.gguf_header import read_gguf_header, read_gguf_metadata
-from pycalm.quantize import Q4_BLOCK, TRANSCODED, q4_from_gguf
+from pycalm.model.formats import Quantized
 
 GGUF_ARCHS = ("llama", "qwen2")  # Mixtral GGUF files say "llama" and carry expert_count
 
-# the GGUF tensor of each role of pycalm.convert.make_plan (per layer: after "blk.<layer>.";
+# the GGUF tensor of each role of pycalm.convert.main.make_plan (per layer: after "blk.<layer>.";
 # Mixtral's stacked experts: ffn_gate_exps.weight, ...)
 GGUF_NAMES = {
     "tok_embeddings": "token_embd.weight",
@@ -111,7 +111,7 @@ class GGUFSource(Source):
         return self.qtype.name in TRANSCODED
 
     def encode_rows(self, idx: np.ndarray, dtype: str, group: int = 32) -> np.ndarray | Quantized:
-        """q4 at groups of 32 from Q4_0 / Q4_1 / Q4_K blocks: transcoded (pycalm.quantize)."""
+        """q4 at groups of 32 from Q4_0 / Q4_1 / Q4_K blocks: transcoded (pycalm.convert.quantize)."""
         if dtype != "q4" or group != Q4_BLOCK or not self.on_q4_grid:
             return super().encode_rows(idx, dtype, group)
         out, rounded = q4_from_gguf(self.data[idx], self.kind, self.cols)
@@ -533,7 +533,7 @@ def _plan_gguf(path: Path, dtype: str) -> Converted:
     }
 
     def tensor(role: str, layer: int) -> Source:
-        """The GGUF tensor of a role (pycalm.convert.make_plan), checked against its shape."""
+        """The GGUF tensor of a role (pycalm.convert.main.make_plan), checked against its shape."""
         name = GGUF_NAMES[role] if layer < 0 else f"blk.{layer}." + GGUF_NAMES[role]
         if n_experts and role in ("w1", "w2", "w3"):
             name = name.replace(".weight", "_exps.weight")

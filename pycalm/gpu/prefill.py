@@ -1,7 +1,7 @@
 """The multi-token forward: a prompt's tokens through the layers T rows at a time.
 
 GpuEngine.prefill and GpuEngine.prefill_logits run it. forward_rows below is the token step of
-pycalm.gpu (GpuEngine.forward) for T tokens at once, one launch per line in the same order: the
+pycalm.gpu.engine (GpuEngine.forward) for T tokens at once, one launch per line in the same order: the
 weight matrix products become tensor-core matmuls of T rows (pycalm.kernels.matmul, each weight
 read once a chunk instead of once a token), and the kernels between them take T rows
 (pycalm.kernels.rows, pycalm.kernels.prefill_attention). Row t of a chunk is the token at
@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.config import ModelConfig
 from pycalm.errors import PycalmError
-from pycalm.gpu_memory import out_of_memory_as_error, require_gpu_memory
+from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.rows import ExpertRows, RowRoutes
+from pycalm.model.config import ModelConfig
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
 
@@ -106,7 +106,7 @@ class RowBuffers:
     @staticmethod
     def nbytes(cfg: ModelConfig, rows: int, logit_rows: int) -> int:
         """The bytes allocate() takes (tests/test_model.py checks the two agree), known before
-        allocating so that what does not fit is one line (pycalm.gpu.require_gpu_memory)."""
+        allocating so that what does not fit is one line (pycalm.gpu.engine.require_gpu_memory)."""
         slots = cfg.n_experts_active if cfg.n_experts else 1
         f32, f16, i32 = 4, 2, 4
         per_row = cfg.dim * (f32 + f16) + cfg.qkv_dim * f32 + cfg.q_dim * (f32 + f16)

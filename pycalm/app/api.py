@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.sampler import SamplingParams
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
 
@@ -54,11 +54,11 @@ def load(
     the same tokens however much of it was cached (slower decode; the CPU engine always does).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
-    from pycalm.config import WEIGHT_DTYPES
-    from pycalm.fetch import cache_dir as default_cache_dir
-    from pycalm.generate import make_engine, resolve_model
-    from pycalm.loader import open_model
-    from pycalm.tokenizer import Tokenizer
+    from pycalm.app.models import make_engine, resolve_model
+    from pycalm.model.config import WEIGHT_DTYPES
+    from pycalm.model.loader import open_model
+    from pycalm.model.tokenizer import Tokenizer
+    from pycalm.paths import cache_dir as default_cache_dir
 
     if device not in ("auto", "gpu", "cpu"):
         raise PycalmError(f"device must be auto, gpu or cpu, not {device!r}")
@@ -73,7 +73,7 @@ def load(
         if verbose:
             print(msg, file=sys.stderr, flush=True)
 
-    from pycalm.kernels import cache as kernel_cache
+    from pycalm.gpu import kernel_cache as kernel_cache
 
     # compiled kernels are kept beside the models, as the CLI keeps them (set before the kernel
     # modules are imported)
@@ -97,7 +97,7 @@ def load(
 def model_name(model: str | Path | None) -> str:
     """The name a model is shown under (the server's model id): a known name, or the file or
     folder name of a path."""
-    from pycalm.fetch import DEFAULT_MODEL
+    from pycalm.app.fetch import DEFAULT_MODEL
 
     return Path(model).name if model is not None else DEFAULT_MODEL
 
@@ -249,7 +249,7 @@ class LLM:
             raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {self.seq_len}")
         if max_tokens < 0:
             raise PycalmError(f"max_tokens must be 0 or more, not {max_tokens}")
-        from pycalm.reference import check_sampling
+        from pycalm.cpu.reference import check_sampling
 
         check_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
         if self._active is not None:  # one generation at a time: an abandoned stream ends here
@@ -335,10 +335,10 @@ class LLM:
 
     def perplexity(self, text: str) -> float:
         """exp(mean negative log-likelihood) of the model on `text` (encoded with the BOS), by
-        the function `python -m pycalm.generate -x FILE` uses (pycalm.generate.mean_nll): a text
+        the function `python -m pycalm.generate -x FILE` uses (pycalm.app.perplexity.mean_nll): a text
         longer than the context is evaluated in context-sized windows, each scoring the tokens
         past its first half."""
-        from pycalm.generate import mean_nll, windows
+        from pycalm.app.perplexity import mean_nll, windows
 
         ids = self.tokenize(text)
         if len(ids) < 2:

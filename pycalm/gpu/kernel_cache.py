@@ -11,7 +11,7 @@ module: a change in common.py alone would leave every stale kernel in place.
 
 So pycalm chooses the folder: CACHE_ROOT/kernels/KEY, where KEY hashes the text of every
 pycalm/kernels/*.py and the numba-cuda version (`kernels_key`), and CACHE_ROOT is pycalm's cache
-folder (pycalm.fetch.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
+folder (pycalm.paths.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
 module gives a new, empty folder; nothing in an old folder is ever read again.
 
 How (numba-cuda 0.30.4 internals, all set by `install()`, all confined to pycalm's kernels, so
@@ -31,7 +31,7 @@ the caching of anyone else's numba code in the same process is left as it was):
   code and their own cells); the rest of the key is numba's.
 - Several processes at once. numba adds an entry to a function's index file by reading it,
   adding the entry and writing it back, and names the entry's data file by the index's length:
-  two processes adding entries to one index at once (pycalm.precompile's workers, which compile
+  two processes adding entries to one index at once (pycalm.gpu.precompile's workers, which compile
   the specialisations of one factory side by side) would lose an entry or, worse, write two
   kernels to one data file, which the index of one of them then names. IndexDataCacheFile.save
   is wrapped so that, in a pycalm kernel folder, it runs under an exclusive lock on the folder's
@@ -56,9 +56,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-KERNELS_DIR = Path(__file__).resolve().parent  # pycalm/kernels/: the sources the key hashes
+KERNELS_DIR = (
+    Path(__file__).resolve().parent.parent / "kernels"
+)  # pycalm/kernels/: the sources the key hashes
 
-# the cache root of this process (None: pycalm.fetch.cache_dir()); chosen once, by set_root,
+# the cache root of this process (None: pycalm.paths.cache_dir()); chosen once, by set_root,
 # before any kernel module is imported: numba fixes each kernel's folder when it is declared
 _root: Path | None = None
 _folders: set[str] = set()  # the folders KernelsLocator has answered with (their saves take the lock)
@@ -91,7 +93,7 @@ def _key() -> str:
 
 def folder() -> Path:
     """Where this process's kernels are cached: ROOT/kernels/KEY."""
-    from pycalm.fetch import cache_dir
+    from pycalm.paths import cache_dir
 
     return (_root or cache_dir()) / "kernels" / _key()
 

@@ -2,7 +2,7 @@
 
 `SamplingParams` holds the options (greedy, temperature, top-k, top-p, min-p, the seed) that both
 engines take. `Sampler` draws one uniform coin a token from a seeded NumPy generator and picks
-the token with pycalm.reference.sample_ref, the specification that the GPU sampling kernel
+the token with pycalm.cpu.reference.sample_ref, the specification that the GPU sampling kernel
 (pycalm/kernels/sample.py) follows; the GPU engine takes the same coins (`next_coin`), so the CPU
 and the GPU pick the same tokens from the same logits.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.reference import check_sampling, sample_ref
+from pycalm.cpu.reference import check_sampling, sample_ref
 
 
 @dataclass(frozen=True)

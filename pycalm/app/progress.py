@@ -1,5 +1,5 @@
 """A progress line on stderr, redrawn in place ("\\r"), for the long steps a user waits on: a
-download (pycalm.fetch) and a perplexity evaluation (pycalm.generate). Silent when off: the
+download (pycalm.app.fetch) and a perplexity evaluation (pycalm.app.generate). Silent when off: the
 callers turn it on only when stderr is a terminal, so logs and pipes get no control characters."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ are, never dequantized and quantized again:
                                     fp16 once and the codes kept (q4_from_gguf counts them)
 
 Every other source (F32, F16, BF16, Q8_0, Q5_*, Q6_K) is dequantized exactly and quantized
-once by pycalm.formats' encoders: Q8_0 into q8 is one rounding, since its scale is per block
+once by pycalm.model.formats' encoders: Q8_0 into q8 is one rounding, since its scale is per block
 of 32 and q8's per row.
 
 The policy (`--dtype q4`, the converter's default for q4) decides each matrix's format and
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm import formats
-from pycalm.config import ModelConfig
+from pycalm.model import formats
+from pycalm.model.config import ModelConfig
 
 Q4_BLOCK = 32  # weights in a Q4_0 / Q4_1 block and a Q4_K sub-block: q4's group of 32
 Q4_K_BLOCK = 256  # weights in a Q4_K super-block

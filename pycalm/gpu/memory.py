@@ -1,6 +1,6 @@
 """GPU memory: what does not fit is one line naming it, the bytes it needs and the bytes free.
 
-GpuEngine (the weights, the KV cache) and pycalm.prefill (its row buffers) check each size known
+GpuEngine (the weights, the KV cache) and pycalm.gpu.prefill (its row buffers) check each size known
 in advance against the device's free memory before allocating (require_gpu_memory), and turn a
 driver out-of-memory error while allocating into the same kind of line (out_of_memory_as_error).
 """

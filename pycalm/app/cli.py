@@ -31,15 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "generate":
-        from pycalm.generate import main as run
+        from pycalm.app.generate import main as run
     elif command == "convert":
-        from pycalm.convert import main as run
+        from pycalm.convert.main import main as run
     elif command == "serve":
-        from pycalm.serve import main as run
+        from pycalm.app.serve import main as run
     elif command == "cache":
-        from pycalm.cache import main as run
+        from pycalm.app.cache import main as run
     elif command == "fetch":
-        from pycalm.fetch import main as run
+        from pycalm.app.fetch import main as run
     else:
         print(
             f"error: unknown command {command!r}: one of generate, convert, serve, cache, fetch (see pycalm --help)",

@@ -5,7 +5,7 @@ proto or a Hugging Face tokenizers JSON. `Tokenizer.from_blob` wraps the matchin
 splitting rules are the libraries' own, not a re-implementation that could drift.
 
 A GGUF file carries a vocabulary instead of a tokenizer file: the converter turns it into a
-tokenizers JSON (pycalm.convert_gguf.tokenizer_json_from_gguf), so the runtime sees only these
+tokenizers JSON (pycalm.convert.gguf.tokenizer_json_from_gguf), so the runtime sees only these
 two kinds.
 
 What pycalm adds on top:
@@ -26,7 +26,7 @@ from typing import Any
 
 from pycalm.errors import PycalmError
 
-TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")  # the model file's pycalm.tokenizer values
+TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")  # the model file's pycalm.model.tokenizer values
 
 # =============================================================================================
 # Streaming decode: bytes in, whole characters out

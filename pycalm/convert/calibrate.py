@@ -1,8 +1,8 @@
 """Calibration for the q4 policy, and perplexity over many tokens at once, on the CPU.
 
-    python -m pycalm.calibrate MODEL TEXT [-c N]     the perplexity of TEXT (as generate's -x)
+    python -m pycalm.convert.calibrate MODEL TEXT [-c N]     the perplexity of TEXT (as generate's -x)
 
-`forward_rows` is the CPU engine's forward pass (pycalm.reference's token step) for T tokens
+`forward_rows` is the CPU engine's forward pass (pycalm.cpu.reference's token step) for T tokens
 at once, in float32 with the KV values rounded through fp16 as the CPU engine caches them: the
 same function of the weights, computed as matrix products (the order of float32 sums apart), so
 a perplexity over a few thousand tokens takes seconds where the token path takes many minutes.
@@ -14,7 +14,7 @@ CALIBRATE_TOKENS tokens of TEXT when that matrix alone is q4 (the policy's start
 against the unquantized model; the layers before the matrix's own are not run again (their
 outputs are kept from the unquantized pass). Each possible step of the policy (the matrix to
 q8, which removes that divergence, or to groups of 32, which removes the share that the weight
-error falls by) is ranked by divergence removed per stored bit added; pycalm.quantize.plan_dtypes
+error falls by) is ranked by divergence removed per stored bit added; pycalm.convert.quantize.plan_dtypes
 takes them in that order within the budget.
 """
 
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pycalm import formats
-from pycalm.config import ModelConfig
+from pycalm.convert.quantize import Step, matrix_shapes
+from pycalm.cpu.reference import kv_round, prefill_attention_ref, qkv_rows_ref, silu_ref
 from pycalm.errors import OneLineParser, PycalmError
-from pycalm.quantize import Step, matrix_shapes
-from pycalm.reference import kv_round, prefill_attention_ref, qkv_rows_ref, silu_ref
+from pycalm.model import formats
+from pycalm.model.config import ModelConfig
 
 CALIBRATE_TOKENS = 128  # tokens of the calibration text scored; the cost is linear in it
 LOGIT_ROWS = 256  # classifier rows at a time: bounds the (rows, vocab_size) logits in memory
@@ -111,7 +111,7 @@ def mean_nll(cfg: ModelConfig, w: Weights, ids: list[int]) -> float:
 
 
 def model_weights(model: object) -> Weights:
-    """Every tensor of an open pycalm model file (pycalm.loader.ModelFile), decoded to float32."""
+    """Every tensor of an open pycalm model file (pycalm.model.loader.ModelFile), decoded to float32."""
     cfg: ModelConfig = model.config
     out = {}
     for name in model.names():
@@ -142,9 +142,9 @@ def rank_steps(
     conv: object, text: Path, on_grid: set[str], log: Callable[[str], None] | None = None
 ) -> list[Step]:
     """The policy's steps ranked by divergence removed per bit added (module docstring), for a
-    conversion plan (pycalm.convert.Converted) and a calibration text."""
-    from pycalm.convert import Source
-    from pycalm.tokenizer import Tokenizer
+    conversion plan (pycalm.convert.main.Converted) and a calibration text."""
+    from pycalm.convert.common import Source
+    from pycalm.model.tokenizer import Tokenizer
 
     cfg: ModelConfig = conv.config
     try:
@@ -197,7 +197,7 @@ def rank_steps(
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(
-        prog="python -m pycalm.calibrate",
+        prog="python -m pycalm.convert.calibrate",
         description="Perplexity of a text over all its tokens at once on the CPU (generate's -x).",
     )
     parser.add_argument("model", help="pycalm model file")
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "-c", "--context", type=int, default=4096, help="tokens scored at most (default 4096)"
     )
     args = parser.parse_args(argv)
-    from pycalm.loader import open_model
-    from pycalm.tokenizer import Tokenizer
+    from pycalm.model.loader import open_model
+    from pycalm.model.tokenizer import Tokenizer
 
     try:
         with open_model(args.model) as model:

@@ -4,7 +4,7 @@ A folder holds config.json (the hyperparameters), the weights in *.safetensors s
 or BF16, memory-mapped; model.safetensors.index.json names the shards), the tokenizer
 (tokenizer.json or a sentencepiece tokenizer.model) and tokenizer_config.json (the chat
 template), sometimes generation_config.json (the end-of-turn tokens of instruct models).
-`from_hf` (called by pycalm.convert.convert) reads the hyperparameters into the model config,
+`from_hf` (called by pycalm.convert.main.convert) reads the hyperparameters into the model config,
 the RoPE scaling into the frequencies, and plans each pycalm tensor from the checkpoint's
 tensors (HF_NAMES; q and k rows permuted from rotate-half order, Mixtral's experts stacked).
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from pycalm.convert import Concat, Converted, Source, make_config, make_plan, rope_inv_freq
+from pycalm.convert.common import Concat, Converted, Source, make_config, make_plan, rope_inv_freq
 from pycalm.errors import PycalmError
-from pycalm.loader import read_safetensors_header
+from pycalm.model.loader import read_safetensors_header
 
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from pycalm.cpu.reference import ReferenceEngine
+from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.reference import ReferenceEngine
-from pycalm.sampler import Sampler, SamplingParams
 
 
 class CpuEngine:

@@ -1,0 +1,63 @@
+"""Opening a MODEL argument: the pycalm file it names or converts to (resolve_model) and the
+engine that runs it (make_engine). Shared by the CLI, the API and the server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
+from pycalm.cpu.engine import CpuEngine
+from pycalm.errors import PycalmError
+from pycalm.model.config import kv_dtype_for
+
+
+def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
+    """A pycalm model file for MODEL, recognised by its contents (never its name): a pycalm file
+    is used as is (open_model then checks it); a Hugging Face folder or a GGUF file is converted
+    once and cached, keyed on its content (pycalm.app.cache)."""
+    from pycalm.app import cache as model_cache
+    from pycalm.convert.main import source_kind
+
+    if arg is None or arg in KNOWN_MODELS:
+        src = fetch_gguf(arg or DEFAULT_MODEL, cache, log=True)
+    else:
+        src = Path(arg)
+        if not src.exists():
+            raise PycalmError(f"model not found: {arg}")
+        kind = source_kind(src)
+        if kind == "safetensors":
+            return src
+        if kind is None:
+            raise PycalmError(f"{arg}: not a pycalm model file, GGUF file or Hugging Face model folder")
+    return model_cache.converted(src, dtype, cache, log)
+
+
+def make_engine(
+    model: object,
+    device: str,
+    seq_len: int,
+    kv: str,
+    log: Callable[[str], None],
+    check_finite: bool = False,
+    batch_invariant: bool = False,
+) -> object:
+    """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
+    KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for.
+    check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite).
+    batch_invariant: the GPU engine runs every token through the multi-token forward
+    (--batch-invariant; the CPU engine feeds every token alone anyway)."""
+    kv_dtype = kv_dtype_for(kv, seq_len)
+    if device in ("auto", "gpu"):
+        from pycalm.gpu import engine as gpu_model
+
+        reason = gpu_model.gpu_unavailable_reason()
+        if reason is None:
+            options = gpu_model.EngineOptions(check_finite=check_finite, batch_invariant=batch_invariant)
+            return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, options=options)
+        if device == "gpu":
+            raise PycalmError(f"--device gpu: {reason}")
+        log(f"pycalm: {reason}; running the CPU reference engine")
+    if check_finite:
+        log("pycalm: --check-finite checks the GPU engine's logits; the CPU engine runs without it")
+    return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)

@@ -1,0 +1,600 @@
+"""The HTTP server: python -m pycalm.serve [MODEL] [--host 127.0.0.1] [--port 8000].
+
+An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
+
+  POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not
+  POST /v1/completions        a plain continuation of a prompt (text or token ids)
+  GET  /v1/models             the one model served
+  GET  /health                503 while the model loads, 200 once it is ready
+  GET  /metrics               Prometheus text: tokens, tok/s, queue length
+
+Requests take max_tokens, temperature, top_p, stop, seed, stream (and top_k, min_p beyond
+OpenAI's set); the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
+prompt_tokens_details.cached_tokens, the prompt tokens whose keys and values were already in the
+KV cache (pycalm.app.api: the next turn of a chat feeds only its new tokens). Errors have OpenAI's
+shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 503 while the
+model loads.
+
+One engine serves one request at a time: a worker thread loads the model (after the server
+listens, so /health answers 503 first) and then runs the requests in arrival order from a
+queue; each request's text pieces cross to the event loop through a deque (Job). A client
+that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
+token: the generation stops there and the next request starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.errors import OneLineParser, PycalmError
+
+# a streaming response sends at most one chunk of text this often (the pieces made meanwhile go
+# out together): an event loop woken for every token would take the GIL from the worker thread
+# that many more times, and the decode would slow down with it
+STREAM_INTERVAL_S = 0.01
+
+# -------------------------------------------------------------------------------------------
+# requests: checked fields and OpenAI's error shape
+
+
+class BadRequest(Exception):
+    """A request the server refuses: its status and OpenAI's error object."""
+
+    def __init__(
+        self, message: str, param: str | None = None, code: str | None = None, status: int = 400
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"'{name}' must be a number, not {type(value).__name__}", name)
+    if value < low or value > high or (low_open and value == low):
+        bounds = f"{'above' if low_open else 'at least'} {low} and at most {high}"
+        raise BadRequest(f"'{name}' must be {bounds}, not {value}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer, not {type(value).__name__}", name)
+    if low is not None and value < low:
+        raise BadRequest(f"'{name}' must be at least {low}, not {value}", name)
+    return value
+
+
+def _boolean(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false, not {type(value).__name__}", name)
+    return value
+
+
+def _unsupported(body: dict, name: str, off: tuple) -> None:
+    """A field pycalm does not implement is accepted only at its 'off' values."""
+    if name in body and body[name] not in off:
+        raise BadRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+
+@dataclass
+class Request:
+    """What a completion request asks for, checked."""
+
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_common(body: dict) -> Request:
+    """The fields both endpoints share; BadRequest names the first bad one."""
+    if not isinstance(body.get("model", ""), str):
+        raise BadRequest("'model' must be a string", "model")
+    if _integer(body, "n", 1, 1) != 1:
+        raise BadRequest("only n = 1 is supported (one choice a request)", "n", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _number(body, name, 0.0, -2.0, 2.0)
+        _unsupported(body, name, (None, 0, 0.0))
+    _unsupported(body, "logit_bias", (None, {}))
+    _unsupported(body, "best_of", (None, 1))
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    top_k = _integer(body, "top_k", 0, 0)
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    seed = _integer(body, "seed", None)
+    if seed is None:
+        seed = time.time_ns() % (2**31)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of them", "stop")
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    include_usage = _boolean(options or {}, "include_usage")
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, seed % (2**63))
+    return Request(max_tokens, sampling, stop, stream, include_usage)
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """The chat's messages as [{"role", "content"}] with text content ("developer" is "system")."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "developer", "user", "assistant"):
+            raise BadRequest(f"messages[{i}]: role must be system, user or assistant", "messages")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):  # content parts: text only
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise BadRequest(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}]: content must be a string", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """The completion's prompt: text, or token ids (a list of one of either is taken too)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    raise BadRequest("'prompt' must be a string or a list of token ids (one prompt a request)", "prompt")
+
+
+# -------------------------------------------------------------------------------------------
+# the worker: one engine, one request at a time
+
+
+@dataclass
+class Job:
+    """One request on its way through the worker: its prompt, and the events it sends back.
+
+    The worker appends events to a deque and wakes the event loop only when no wake-up is on its
+    way already, so pieces made while the loop is busy go out together, at one wake-up."""
+
+    ids: list[int]
+    max_tokens: int
+    request: Request
+    prime: bool  # decode as the prompt's continuation (completions) or as a reply (chat)
+    loop: asyncio.AbstractEventLoop
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    events: deque = field(
+        default_factory=deque
+    )  # ("text", str)..., then ("done", Generation) or ("error", str)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    woken: bool = False  # a wake-up is on its way to the loop
+
+    def emit(self, kind: str, value: object) -> None:  # on the worker thread
+        self.events.append((kind, value))
+        if not self.woken:
+            self.woken = True
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def drain(self) -> list[tuple[str, object]]:  # on the event loop
+        await self.ready.wait()
+        self.ready.clear()
+        self.woken = False  # before taking the events: one appended from here on wakes again
+        return [self.events.popleft() for _ in range(len(self.events))]
+
+
+@dataclass
+class Metrics:
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0  # seconds the engine spent on requests
+    last_decode_tok_s: float = 0.0
+    last_prompt_tok_s: float = 0.0
+    running: int = 0
+
+
+class Worker(threading.Thread):
+    """Loads the model, then runs the queued jobs in arrival order, one at a time. All engine
+    work (and so every GPU call) happens on this thread."""
+
+    def __init__(self, load: Callable[[], object], on_loaded: Callable[[object | None, str], None]) -> None:
+        super().__init__(name="pycalm-worker", daemon=True)
+        self.load = load
+        self.on_loaded = on_loaded  # (llm, "") once loaded, (None, message) when loading fails
+        self.llm: object | None = None
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.metrics = Metrics()
+
+    def run(self) -> None:
+        try:
+            llm = self.load()
+        except (PycalmError, OSError) as e:
+            self.on_loaded(None, str(e))
+            return
+        except Exception as e:  # a bug: shown whole, and the server still ends
+            traceback.print_exc()
+            self.on_loaded(None, f"loading failed: {e}")
+            return
+        self.llm = llm
+        self.on_loaded(llm, "")
+        while (job := self.jobs.get()) is not None:
+            if not job.cancel.is_set():  # a client that left while queued costs nothing
+                self.run_job(job)
+
+    def run_job(self, job: Job) -> None:
+        m = self.metrics
+        m.running = 1
+        t0 = time.perf_counter()
+        try:
+            r = job.request
+            gen = self.llm.start(job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set)
+            for piece in gen:
+                job.emit("text", piece)
+            m.requests += 1
+            m.prompt_tokens += gen.prompt_tokens
+            m.reused_tokens += gen.reused_tokens
+            m.generated_tokens += gen.completion_tokens
+            if gen.completion_tokens > 1:
+                m.last_decode_tok_s = gen.decode_tok_s
+            if gen.prompt_s > 0:
+                m.last_prompt_tok_s = (gen.prompt_tokens - gen.reused_tokens) / gen.prompt_s
+            job.emit("done", gen)
+        except PycalmError as e:
+            job.emit("error", str(e))
+        except Exception as e:  # a bug ends this request, not the server
+            traceback.print_exc()
+            job.emit("error", f"internal error: {e}")
+        finally:
+            m.busy_s += time.perf_counter() - t0
+            m.running = 0
+
+    def metrics_text(self) -> str:
+        """The counters in Prometheus' text format."""
+        m = self.metrics
+        rows = [  # (name, type, help, value)
+            ("requests_total", "counter", "Requests completed.", m.requests),
+            ("prompt_tokens_total", "counter", "Prompt tokens.", m.prompt_tokens),
+            ("prompt_tokens_reused_total", "counter", "Prompt tokens from the cache.", m.reused_tokens),
+            ("generation_tokens_total", "counter", "Tokens generated.", m.generated_tokens),
+            ("busy_seconds_total", "counter", "Seconds the engine spent on requests.", m.busy_s),
+            ("decode_tokens_per_second", "gauge", "Decode tok/s, last request.", m.last_decode_tok_s),
+            ("prompt_tokens_per_second", "gauge", "Fed prompt tok/s, last request.", m.last_prompt_tok_s),
+            ("queue_length", "gauge", "Requests waiting for the engine.", self.jobs.qsize()),
+            ("requests_running", "gauge", "Requests on the engine (0 or 1).", m.running),
+            ("model_loaded", "gauge", "1 once the model is loaded.", int(self.llm is not None)),
+        ]
+        out = []
+        for name, kind, about, value in rows:
+            out += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
+            out.append(f"pycalm_{name} {value:g}")
+        return "\n".join(out) + "\n"
+
+
+# -------------------------------------------------------------------------------------------
+# the app
+
+
+def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | None = None) -> object:
+    """The Starlette app over `worker` (started by on_startup or by the caller)."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    created = int(time.time())
+
+    def fail(e: BadRequest) -> JSONResponse:
+        kind = "invalid_request_error" if e.status == 400 else "unavailable_error"
+        return JSONResponse(error_body(str(e), kind, e.param, e.code), status_code=e.status)
+
+    async def read_body(request: HttpRequest) -> dict:
+        if worker.llm is None:
+            raise BadRequest("the model is loading; try again shortly", None, "model_loading", 503)
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def submit(ids: list[int], r: Request, prime: bool) -> Job:
+        llm = worker.llm
+        if len(ids) >= llm.seq_len:
+            raise BadRequest(
+                f"the prompt is {len(ids)} tokens; the context holds {llm.seq_len} (prompt and reply)",
+                "messages" if not prime else "prompt",
+                "context_length_exceeded",
+            )
+        room = llm.seq_len - len(ids)
+        max_tokens = room if r.max_tokens is None else min(r.max_tokens, room)
+        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop())
+        worker.jobs.put(job)
+        return job
+
+    def usage(gen: object) -> dict:
+        return {
+            "prompt_tokens": gen.prompt_tokens,
+            "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.reused_tokens},
+        }
+
+    def log(path: str, gen: object) -> None:
+        rate = f"{gen.decode_tok_s:.1f} tok/s" if gen.completion_tokens > 1 else "-"
+        print(
+            f"pycalm: {path}: {gen.prompt_tokens} prompt tokens ({gen.reused_tokens} reused from the cache) "
+            f"+ {gen.completion_tokens} generated, {rate}, finish {gen.finish_reason}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    async def events(job: Job) -> AsyncIterator[tuple[str, object]]:
+        """The job's events; the text pieces of one wake-up come as one. Leaving early (a client
+        gone) cancels the job, which the worker sees at its next token."""
+        try:
+            while True:
+                batch = await job.drain()
+                text = "".join(value for kind, value in batch if kind == "text")
+                if text:
+                    yield "text", text
+                    await asyncio.sleep(STREAM_INTERVAL_S)
+                for kind, value in batch:
+                    if kind != "text":
+                        yield kind, value
+                        return
+        finally:
+            job.cancel.set()
+
+    async def run(request: HttpRequest, chat: bool) -> object:
+        path = request.url.path
+        try:
+            body = await read_body(request)
+            r = parse_common(body)
+            for name, off in (("logprobs", (None, False)), ("tools", (None, [])), ("echo", (None, False))):
+                _unsupported(body, name, off)
+            if chat:
+                ids = worker.llm.chat_ids(parse_messages(body))
+            else:
+                _unsupported(body, "suffix", (None, ""))
+                prompt = parse_prompt(body)
+                ids = worker.llm.tokenize(prompt) if isinstance(prompt, str) else prompt
+                if any(not 0 <= t < worker.llm.config.vocab_size for t in ids):
+                    raise BadRequest("a token id is outside the vocabulary", "prompt")
+            job = submit(ids, r, prime=not chat)
+        except BadRequest as e:
+            return fail(e)
+        except PycalmError as e:  # e.g. the chat template rejects the conversation
+            return fail(BadRequest(str(e)))
+        name = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        head = {"id": name, "created": int(time.time()), "model": model_name}
+
+        def choice(text: str | None, finish: str | None) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if r.stream:
+                delta = {} if text is None else {"content": text}
+                return {"index": 0, "delta": delta, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+        if not r.stream:
+            pieces = []
+            async for kind, value in events(job):
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    return JSONResponse(error_body(value, "server_error"), status_code=500)
+                else:
+                    log(path, value)
+                    obj = "chat.completion" if chat else "text_completion"
+                    out = {**head, "object": obj, "choices": [choice("".join(pieces), value.finish_reason)]}
+                    return JSONResponse({**out, "usage": usage(value)})
+
+        async def sse() -> AsyncIterator[str]:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(choices: list[dict], **extra: object) -> str:
+                return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
+
+            if chat:
+                yield chunk(
+                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                )
+            async for kind, value in events(job):
+                if kind == "text":
+                    yield chunk([choice(value, None)])
+                elif kind == "error":
+                    yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
+                else:
+                    log(path, value)
+                    yield chunk([choice(None, value.finish_reason)])
+                    if r.include_usage:
+                        yield chunk([], usage=usage(value))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def chat_completions(request: HttpRequest) -> object:
+        return await run(request, chat=True)
+
+    async def completions(request: HttpRequest) -> object:
+        return await run(request, chat=False)
+
+    async def models(request: HttpRequest) -> JSONResponse:
+        entry = {"id": model_name, "object": "model", "created": created, "owned_by": "pycalm"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: HttpRequest) -> JSONResponse:
+        if worker.llm is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: HttpRequest) -> PlainTextResponse:
+        return PlainTextResponse(worker.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @asynccontextmanager
+    async def lifespan(app: object) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()
+        yield
+        worker.jobs.put(None)
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+# -------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> Any:
+    from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
+    from pycalm.model.config import WEIGHT_DTYPES
+
+    ap = OneLineParser(
+        prog="python -m pycalm.serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).",
+    )
+    ap.add_argument(
+        "model",
+        nargs="?",
+        help=f"pycalm file, HF folder, .gguf, or one of {', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
+    )
+    ap.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    ap.add_argument(
+        "-c", "--context", "--ctx-size", type=int, default=4096, help="context to allocate (default 4096)"
+    )
+    ap.add_argument("--kv", choices=("auto", "fp16", "fp8"), default="auto", help="KV cache dtype")
+    ap.add_argument(
+        "--device", choices=("auto", "gpu", "cpu"), default="auto", help="auto: the GPU when present"
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default="fp16",
+        help="weight format when converting (default fp16; q8, q4: smaller and faster)",
+    )
+    ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="GPU engine: every token through the multi-token forward, so a request gives the same tokens"
+        " however much of its prompt was cached (slower decode)",
+    )
+    args = ap.parse_args(argv)
+    if args.model and args.model_option:
+        ap.error("give MODEL once (as an argument or with --model)")
+    args.model = args.model or args.model_option
+    if args.context < 2 or not 0 <= args.port < 65536:
+        ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        print("error: the server needs starlette and uvicorn: pip install starlette uvicorn", file=sys.stderr)
+        return 1
+    from pycalm.app.api import load, model_name
+
+    failed: list[str] = []
+    tasks: list[asyncio.Task] = []  # held, so the task is not collected while it runs
+    name = model_name(args.model)
+
+    def load_model() -> object:
+        options = dict(
+            device=args.device,
+            dtype=args.dtype,
+            context=args.context,
+            kv=args.kv,
+            batch_invariant=args.batch_invariant,
+        )
+        return load(args.model, cache_dir=args.cache_dir, **options)
+
+    def on_loaded(llm: object | None, message: str) -> None:
+        if llm is None:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            failed.append(message)
+            server.should_exit = True
+        else:
+            print(f"pycalm: {name} ready ({llm.device}, context {llm.seq_len})", file=sys.stderr, flush=True)
+
+    def start_loading() -> None:
+        async def when_listening() -> None:
+            while not server.started and not server.should_exit:
+                await asyncio.sleep(0.01)
+            print(f"pycalm: listening on http://{args.host}:{args.port}; loading {name}", file=sys.stderr)
+            worker.start()
+
+        tasks.append(asyncio.get_running_loop().create_task(when_listening()))
+
+    worker = Worker(load_model, on_loaded)
+    app = make_app(worker, name, on_startup=start_loading)
+    # uvicorn's own lines only for warnings and errors: pycalm logs one line a request
+    config = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=3)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **config))
+    server.run()
+    return 1 if failed or not server.started else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from pycalm.convert.main import main
+
+sys.exit(main())
