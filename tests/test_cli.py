@@ -320,7 +320,7 @@ def test_truncated_model_file(tiny, tmp_path):
 
 def test_corrupt_safetensors_header(tmp_path):
     bad = tmp_path / "corrupt.safetensors"
-    header = b'{"__metadata__": {"pycalm.model.config": '  # cut short: not JSON
+    header = b'{"__metadata__": {"pycalm.config": '  # cut short: not JSON
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
     assert_one_error_line(run(bad, "-i", "x", "--device", "cpu"), "corrupt.safetensors")
     huge = tmp_path / "huge.safetensors"

@@ -97,14 +97,14 @@ def mutate_safetensors(data: bytes, rng: np.random.Generator) -> tuple[str, byte
             return f"__metadata__ = {header['__metadata__']!r}", _join_safetensors(header, body)
         key = str(rng.choice(sorted(meta)))
         if what <= 4:  # one config field lies
-            config = json.loads(meta["pycalm.model.config"])
+            config = json.loads(meta["pycalm.config"])
             field = str(rng.choice(sorted(config)))
             config[field] = _json_lie(rng)
-            meta["pycalm.model.config"] = json.dumps(config)
+            meta["pycalm.config"] = json.dumps(config)
             return f"config {field} = {config[field]!r}", _join_safetensors(header, body)
         if what == 5:  # the config is not a JSON object
-            meta["pycalm.model.config"] = str(rng.choice(["[]", "1", "null", "{", '"x"', "[" * 100_000]))
-            return f"config {meta['pycalm.model.config'][:12]!r}", _join_safetensors(header, body)
+            meta["pycalm.config"] = str(rng.choice(["[]", "1", "null", "{", '"x"', "[" * 100_000]))
+            return f"config {meta['pycalm.config'][:12]!r}", _join_safetensors(header, body)
         if what == 6:  # a metadata value of the wrong kind or missing
             if rng.random() < 0.5:
                 del meta[key]

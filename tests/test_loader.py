@@ -217,15 +217,15 @@ def test_mismatched_tensors(tmp_path):
 def test_bad_metadata(tmp_path):
     path, _ = write(tmp_path / "m.safetensors", tiny_config())
     bad = tmp_path / "bad.safetensors"
-    rewrite(path, bad, meta_changes={"pycalm.model.config": "{not json"})
+    rewrite(path, bad, meta_changes={"pycalm.config": "{not json"})
     with pytest.raises(PycalmError, match="bad model config in metadata"):
         open_model(bad)
     cfg = json.loads(tiny_config().to_json())
     cfg["arch"] = "gpt2"
-    rewrite(path, bad, meta_changes={"pycalm.model.config": json.dumps(cfg)})
+    rewrite(path, bad, meta_changes={"pycalm.config": json.dumps(cfg)})
     with pytest.raises(PycalmError, match="unsupported architecture 'gpt2'"):
         open_model(bad)
-    rewrite(path, bad, meta_changes={"pycalm.model.tokenizer": "wordpiece"})
+    rewrite(path, bad, meta_changes={"pycalm.tokenizer": "wordpiece"})
     with pytest.raises(PycalmError, match="unknown tokenizer kind 'wordpiece'"):
         open_model(bad)
     rewrite(path, bad, meta_changes={"pycalm.format_version": "2"})
@@ -272,7 +272,7 @@ def test_lying_config(tmp_path, field, value, message):
     path, _ = write(tmp_path / "m.safetensors", tiny_config())
     cfg = json.loads(tiny_config().to_json())
     cfg[field] = value
-    bad = rewrite(path, tmp_path / "bad.safetensors", meta_changes={"pycalm.model.config": json.dumps(cfg)})
+    bad = rewrite(path, tmp_path / "bad.safetensors", meta_changes={"pycalm.config": json.dumps(cfg)})
     with pytest.raises(PycalmError, match=message) as e:
         open_model(bad)
     assert str(e.value).startswith(f"{bad}: ") and "\n" not in str(e.value)

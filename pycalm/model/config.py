@@ -15,7 +15,7 @@ from pycalm.model.formats import Q4_GROUPS
 
 ARCHS = ("llama", "mistral", "qwen2", "mixtral")
 WEIGHT_DTYPES = ("fp16", "fp8", "gf4", "q8", "q4")
-METADATA_KEY = "pycalm.model.config"
+METADATA_KEY = "pycalm.config"
 KV_DTYPES = ("fp16", "fp8")  # KV cache formats: float16, or fp8 e5m2 bytes
 KV_FP8_ABOVE = 4096  # contexts longer than this get an fp8 KV cache unless asked otherwise
 

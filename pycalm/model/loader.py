@@ -303,7 +303,7 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     except (ValueError, TypeError, AttributeError, RecursionError) as e:
         raise PycalmError(f"{path}: bad model config in metadata: {e or type(e).__name__}") from None
     _check_config(path, config, len(entries))
-    kind = meta.get("pycalm.model.tokenizer", "")
+    kind = meta.get("pycalm.tokenizer", "")
     if kind not in TOKENIZER_KINDS:
         raise PycalmError(
             f"{path}: unknown tokenizer kind {kind!r} (expected one of {', '.join(TOKENIZER_KINDS)})"
@@ -468,7 +468,7 @@ class ModelWriter:
             "__metadata__": {
                 "pycalm.format_version": FORMAT_VERSION,
                 METADATA_KEY: config.to_json(),
-                "pycalm.model.tokenizer": tokenizer_kind,
+                "pycalm.tokenizer": tokenizer_kind,
                 "pycalm.chat_template": chat_template or "",
             }
         }

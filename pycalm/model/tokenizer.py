@@ -26,7 +26,7 @@ from typing import Any
 
 from pycalm.errors import PycalmError
 
-TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")  # the model file's pycalm.model.tokenizer values
+TOKENIZER_KINDS = ("sentencepiece", "tokenizers-json")  # the model file's pycalm.tokenizer values
 
 # =============================================================================================
 # Streaming decode: bytes in, whole characters out
