@@ -420,7 +420,14 @@ def _converted(gguf: Path, cache: Path) -> Path:
     import pycalm
 
     h = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode())
-    for mod in ("convert.py", "formats.py", "loader.py", "tokenizer.py", "config.py"):
+    for mod in (
+        "convert/common.py",
+        "convert/main.py",
+        "model/formats.py",
+        "model/loader.py",
+        "model/tokenizer.py",
+        "model/config.py",
+    ):
         h.update((Path(pycalm.__file__).parent / mod).read_bytes())
     out = cache / f"{gguf.stem}-fp16-{h.hexdigest()[:12]}.pycalm"
     if not out.exists():
