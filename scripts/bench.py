@@ -109,7 +109,7 @@ SHAPES = {
 SHAPES["mixtral-8x7b"] = dict(
     SHAPES["llama3-8b"], arch="mixtral", vocab_size=32000, rope_theta=1e6, n_experts=8, n_experts_active=2
 )
-CALM_H200 = {  # calm's own tok/s on this H200 (docs/BENCHMARKS.md, "calm on the H200")
+CALM_H200 = {  # calm's own tok/s on this H200, 2026-11-29 (docs/BENCHMARKS.md, "Decode")
     ("llama3-8b", "fp16"): 193,
     ("llama3-8b", "fp8"): 322,
     ("llama3-8b", "gf4"): 266,

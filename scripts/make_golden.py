@@ -1,6 +1,6 @@
 """Record Hugging Face transformers' greedy outputs for the two real models, as test data.
 
-Why: pycalm's NumPy reference engine (pycalm/reference.py) is our own reading of the model
+Why: pycalm's NumPy reference engine (pycalm/cpu/reference.py) is our own reading of the model
 math. To check it against an implementation nobody here wrote, this script runs transformers
 (CPU, float32, weights dequantized from the same GGUF files) and writes small JSON files that the
 test suite reads without needing torch or transformers:

@@ -9,7 +9,7 @@ of about 1e-7 of each product), each with float32 inputs or with the inputs roun
 the multi-token forward's tensor-core matmuls take them. Per position it prints the relative L2
 distance of the logits between the two summation orders, for each kind of input.
 
-What it shows (docs/BENCHMARKS.md, fifth 2026-12-02 session): on SmolLM2-135M with float32
+What it shows (docs/BENCHMARKS.md at b282afd, fifth 2026-12-02 session): on SmolLM2 with float32
 inputs the orders differ by 6e-6 to 9e-5; with fp16 inputs by 6e-5 to 1.8e-3, as much as fp16
 against float32 inputs. A difference of 1e-7 moves some activations across an fp16 rounding
 boundary, and the real model's large activations carry those one-unit steps to the logits. So the

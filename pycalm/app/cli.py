@@ -1,7 +1,7 @@
 """The `pycalm` command: pycalm generate | convert | serve | cache | fetch [options], pycalm --version.
 
-Each subcommand is the module of the same name (python -m pycalm.generate, ...), given the rest
-of the command line.
+Each subcommand is a module's main (pycalm.app.generate, pycalm.convert.main, pycalm.app.serve,
+pycalm.app.cache, pycalm.app.fetch), given the rest of the command line.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ way llama.cpp interprets those fields, so every GGUF model runs with the one tok
 Shapes: GGUF lists a tensor's dimensions innermost first (ne[0] is the row length); `source`
 reverses them into numpy order, so a matrix is (rows, cols) = (out_features, in_features) as in
 a Hugging Face checkpoint. The q/k rows of llama-architecture files are already in interleaved
-rotary pairs; those of qwen2 files are permuted (pycalm.convert.main.make_plan).
+rotary pairs; those of qwen2 files are permuted (pycalm.convert.common.make_plan).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pycalm.model.formats import Quantized
 
 GGUF_ARCHS = ("llama", "qwen2")  # Mixtral GGUF files say "llama" and carry expert_count
 
-# the GGUF tensor of each role of pycalm.convert.main.make_plan (per layer: after "blk.<layer>.";
+# the GGUF tensor of each role of pycalm.convert.common.make_plan (per layer: after "blk.<layer>.";
 # Mixtral's stacked experts: ffn_gate_exps.weight, ...)
 GGUF_NAMES = {
     "tok_embeddings": "token_embd.weight",
@@ -533,7 +533,7 @@ def _plan_gguf(path: Path, dtype: str) -> Converted:
     }
 
     def tensor(role: str, layer: int) -> Source:
-        """The GGUF tensor of a role (pycalm.convert.main.make_plan), checked against its shape."""
+        """The GGUF tensor of a role (pycalm.convert.common.make_plan), checked against its shape."""
         name = GGUF_NAMES[role] if layer < 0 else f"blk.{layer}." + GGUF_NAMES[role]
         if n_experts and role in ("w1", "w2", "w3"):
             name = name.replace(".weight", "_exps.weight")

@@ -141,12 +141,12 @@ class EngineOptions:
     # round trip a token; more hides the host's work between tokens behind the GPU's)
     decode_lookahead: int = 4
     # rows a multi-token pass (pycalm.gpu.prefill) takes at most: 2048 prefills a 2,048-token prompt
-    # of Llama-3-8B 22% faster than 512 (docs/BENCHMARKS.md); its buffers take about 270 MB
+    # of Llama-3-8B 22% faster than 512 (BENCHMARKS.md at b282afd); its buffers take about 270 MB
     # there. The tests take a few rows, so that a short prompt spans several chunks.
     prefill_chunk: int = 2048
     # compile the token step's kernels (or load them from the kernel cache) while a model file's
     # weights are copied to the device (pycalm.model.loader.start_upload), not after; graphs only. Off:
-    # measured no faster (numba's compiler and cache loader hold the GIL; docs/BENCHMARKS.md)
+    # measured no faster (numba's compiler and cache loader hold the GIL; BENCHMARKS.md at b282afd)
     compile_while_loading: bool = False
     # worker processes that compile the kernels into an empty kernel cache while the weights load
     # (pycalm.gpu.precompile; None: as many as the cores allow, at most 8; 0: off, this process

@@ -1,7 +1,7 @@
 """A CUDA graph captured from the numba kernel launches that one function makes on a stream.
 
 Launching a numba kernel from Python costs tens of microseconds; replaying the same launches
-from a graph costs about 1 us a kernel (docs/BENCHMARKS.md, "Figures the code relies on").
+from a graph costs about 1 us a kernel (docs/HARDWARE.md, "Launch costs").
 Capture goes through the CUDA driver bindings on the numba stream's own handle, so the kernels
 and launchers need no change.
 

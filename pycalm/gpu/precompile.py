@@ -69,7 +69,7 @@ POLL_S = 0.02  # how often the engine looks for a group's marker
 GROUPS = ("step", "sample", "prefill")  # in the order the walk visits them
 
 # the compile cost of a kernel by its module, in seconds, roughly as measured with 8 workers
-# compiling at once on the H200's machine (docs/BENCHMARKS.md): the sampling kernel is the
+# compiling at once on the H200's machine (docs/BENCHMARKS.md at b282afd): the sampling kernel is the
 # slowest, then the tensor-core matmuls and the matvecs, whose quantized decode makes them slower
 MODULE_COST = {
     "sample": 14,

@@ -38,7 +38,7 @@ chain is a few hundred instructions, and up to `chunk` positions there is one ke
 partials. The `group` query heads of a kv head read the same K and V rows: the first block
 brings them into L2, the others read them from there. The price is at long context, where every
 head's block decodes the rows itself and the blocks run in waves. The measurements behind these
-choices, and the variants tried (scripts/kernels/attention.py), are in docs/BENCHMARKS.md.
+choices, and the variants tried (scripts/kernels/attention.py), are in docs/BENCHMARKS.md at b282afd.
 
 Decode of the caches in registers: fp16 and e5m2 are both "sign, 5-bit exponent, mantissa",
 so shifting the bits into an fp32 (sign to bit 31, the rest to bits 13 / 21 on) gives the

@@ -273,7 +273,7 @@ def split_for(dtype: str, mode: int, loads_a_lane: int, slots: bool) -> int:
     rows (w2: at least SPLIT_LOADS loads a lane a row), else 1. A warp's row is then a chain of
     half the steps, which pays for the barrier a group only there: rows of a few loads a lane
     (wo), the gate and the classifier, fp16 (no faster) and gf4 (its decode, not the chain, is
-    the bound) keep one warp a group (docs/BENCHMARKS.md has the timings)."""
+    the bound) keep one warp a group (timed in docs/BENCHMARKS.md at b282afd)."""
     one_byte = dtype in ("fp8", "q8")
     long_rows = one_byte and mode == RESIDUAL and not slots and loads_a_lane >= SPLIT_LOADS
     return 2 if long_rows else 1

@@ -45,7 +45,7 @@ normal the low part keeps 2^-24 absolute), so the products the tensor cores sum 
 those of the float32 operands to float32 precision, as a float32 kernel's would be, at twice
 the mma work. (A single fp16 rounding of q and p, as most flash-attention kernels do, is about
 twice as fast and off by up to 2^-11 relative in each score and weight:
-scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the figures.)
+scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the kernel's figure.)
 
 Shapes (the defaults): WARPS 4 (ROWS 64), KEYS 64, 128 threads; shared memory (ROWS or KEYS) x
 (head_dim + 8) halves for Q / K and KEYS x (head_dim + 8) for V (rows padded by 16 bytes, so

@@ -100,7 +100,7 @@ def rope_store_pair(kv_dtype: str):  # noqa: ANN201
 @functools.cache
 def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
     """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
-    pycalm.kernels.matvec.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
+    pycalm.kernels.rowgroup.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
     array, s its scales (q8 / q4, as pycalm.kernels.rowgroup.codes_and_scales makes them; other
     dtypes: any float32 array, never read), bias (rows,) float32 (read only when has_bias), x
     (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs

@@ -334,7 +334,7 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
 STAGING_BYTES = 16 << 20  # one pinned staging buffer
 STAGING_BUFFERS = 8  # buffers, and so reads, in flight
 # threads reading the file: a read releases the GIL, and one thread alone gets a fraction of the
-# page cache's rate (docs/BENCHMARKS.md, the weights' upload by reader threads)
+# page cache's rate (docs/BENCHMARKS.md, "Start-up": the weights' upload by reader threads)
 READERS = min(8, os.cpu_count() or 1)
 
 

@@ -32,8 +32,8 @@ kernel as the token step's graph runs it. GB/s counts the bytes the kernel must 
 norm_w, the output read and / or written); the ceiling is a uint64 grid-stride copy timed the
 same way (bytes read + written). Weights are random finite bit patterns made on the GPU. Shapes:
 the Llama-3-8B layer matrices (wq/wo 4096x4096, w1/w3 14336x4096, w2 4096x14336, qkv 6144x4096)
-and TinyLlama-1.1B's (2048x2048, 5632x2048, 2560x2048 qkv, 2048x5632). docs/BENCHMARKS.md has
-the H200 figures.
+and TinyLlama-1.1B's (2048x2048, 5632x2048, 2560x2048 qkv, 2048x5632). The H200 figures are in
+docs/BENCHMARKS.md at b282afd (docs/BENCHMARKS.md keeps the sweep's summary).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The question it answers: does the q4 decode get faster when the multiply-adds go
 cores? The shipped kernels take about the same time a launch in every format (H200, 14336 x 4096:
 fp8 19.8 us, gf4 18.4, q4 19.5 for half the bytes) at about 3.2 instructions a weight, so the
 instructions looked like the bound. Here one mma.sync m16n8k16 does 256 multiply-adds of
-(16 + q) x. Answer (docs/BENCHMARKS.md, sixth 2026-12-02 session): no. The kernel is correct
+(16 + q) x. Answer (docs/BENCHMARKS.md at b282afd, sixth 2026-12-02 session): no. The kernel is correct
 (within 1.2e-7 of sum |w| |x|), but its SASS still spends 3.0 instructions a weight (decode one,
 then 64-bit addresses, scale loads and the fold) and its best launch shape takes 20.2 us, the
 shipped kernel's time; only a decode of about one instruction a weight in total would change

@@ -18,7 +18,7 @@ heads) at N_POS positions. matvec ROWSxCOLS DTYPE plain|residual|gate: the engin
 matvec_residual or ffn_gate launch three times on random weights (gate: W1 and W3 of that shape,
 with the fused norm). step SHAPE DTYPE POS: one replay of scripts/bench.py's whole token step
 (random weights) at POS, after warm-up, between cudaProfilerStart and Stop: each kernel of the
-step alone. The figures in docs/BENCHMARKS.md's profiles came from these.
+step alone. The profiles in docs/BENCHMARKS.md at b282afd came from these.
 """
 
 from __future__ import annotations
