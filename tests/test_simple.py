@@ -374,3 +374,18 @@ def test_simple_kernels_compile_for_sm90():
     result = json.loads(lines[-1][len("RESULT") :])
     assert not result["problems"], "\n".join(result["problems"])
     assert result["n"] == 27  # 6 format-free, 3 for each of 5 formats, 3 for each KV format
+
+
+def test_kernel_cache_key_covers_the_simple_tier(tmp_path):
+    """A change in pycalm/kernels/simple/ gives the compiled kernels a new cache folder
+    (pycalm.gpu.kernel_cache.kernels_key hashes the subfolders too)."""
+    import shutil
+
+    from pycalm.gpu import kernel_cache
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(kernel_cache.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    key = kernel_cache.kernels_key(kernels)
+    decode = kernels / "simple" / "decode.py"
+    decode.write_text(decode.read_text() + "\n# changed\n")
+    assert kernel_cache.kernels_key(kernels) != key
