@@ -389,3 +389,22 @@ def test_kernel_cache_key_covers_the_simple_tier(tmp_path):
     decode = kernels / "simple" / "decode.py"
     decode.write_text(decode.read_text() + "\n# changed\n")
     assert kernel_cache.kernels_key(kernels) != key
+
+
+def test_the_flag_reaches_the_engine(tmp_path, monkeypatch):
+    """--kernels in the CLI and the server, pycalm.load(kernels=) and make_engine: the GPU
+    engine runs the simple kernels (here the simulator stands in for the GPU)."""
+    from pycalm.app import generate, serve
+    from pycalm.app.api import load
+    from pycalm.app.models import make_engine
+    from pycalm.gpu import engine
+
+    assert generate.parse_args(["--kernels", "simple", "-i", "hi"]).kernels == "simple"
+    assert serve.parse_args(["--kernels", "simple"]).kernels == "simple"
+    assert generate.parse_args(["-i", "hi"]).kernels == serve.parse_args([]).kernels == "fast"
+    with pytest.raises(PycalmError, match=r"^kernels must be fast or simple, not 'plain'$"):
+        load(tmp_path / "none", kernels="plain")
+    monkeypatch.setattr(engine, "gpu_unavailable_reason", lambda: None)
+    model = tiny_model(tmp_path, "llama", "fp16")
+    assert make_engine(model, "gpu", 8, "fp16", print, kernels="simple").simple
+    assert not make_engine(model, "gpu", 8, "fp16", print).simple
