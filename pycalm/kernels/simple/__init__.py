@@ -12,9 +12,10 @@ them, one launch a line, like llama2.c's forward()). In the order a token meets 
     matmul       Y = X W^T (the prompt's rows)                   a warp a 16x8 tile, one mma
     rope_kv      q, k rotated; the cache row pos = k, v         a thread a pair of columns
     attention    softmax(q k^T / sqrt(head_dim)) v               a block a head
-    silu_gate    h = silu(a) * b                                 a thread an element
-    residual     x += y                                          a thread an element
+    elementwise  h = silu(a) * b (silu_gate); x += y (residual_add)   a thread an element
     argmax       token = argmax(logits)                          one block
+
+(The step's end, `advance`, is pycalm.kernels.step's one-thread kernel, already plain.)
 
 docs/READING.md walks them, then what each fast kernel (pycalm/kernels/*.py) adds.
 """
