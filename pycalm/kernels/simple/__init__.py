@@ -5,15 +5,15 @@ pycalm.cpu.reference it matches), one `@cuda.jit` kernel and its launcher, in un
 lines. `EngineOptions(kernels="simple")` runs the whole engine on them (pycalm.gpu.simple wires
 them, one launch a line, like llama2.c's forward()). In the order a token meets them:
 
-    decode       one device function a weight format: weight (r, c) of a stored matrix
-    embed        x = tok_embeddings[token]                      a thread a column
-    rmsnorm      xb = x / sqrt(mean(x^2) + eps) * w              a block a row
-    matvec       y = W x                                         a warp a row
-    matmul       Y = X W^T (the prompt's rows)                   a warp a 16x8 tile, one mma
-    rope_kv      q, k rotated; the cache row pos = k, v         a thread a pair of columns
-    attention    softmax(q k^T / sqrt(head_dim)) v               a block a head
-    elementwise  h = silu(a) * b (silu_gate); x += y (residual_add)   a thread an element
-    argmax       token = argmax(logits)                          one block
+    decode       W[r, c] as float32, one function a format
+    embed        x = tok_embeddings[token]            a thread a column
+    rmsnorm      xb = x / sqrt(mean(x^2) + eps) * w   a block a row
+    matvec       y = W x                              a warp a row
+    matmul       Y = X W^T (the prompt's rows)        a warp a 16x8 tile, one mma
+    rope_kv      q, k rotated; cache row pos = k, v   a thread a pair of columns
+    attention    softmax(q k^T / sqrt(head_dim)) v    a block a head
+    elementwise  h = silu(a) * b; x += y              a thread an element
+    argmax       token = argmax(logits)               one block
 
 (The step's end, `advance`, is pycalm.kernels.step's one-thread kernel, already plain.)
 
