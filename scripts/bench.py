@@ -17,6 +17,7 @@ bytes written.
     python scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4
     python scripts/bench.py --shapes path/to/config.json
     python scripts/bench.py --plain                  # the engine with plain graph edges only
+    python scripts/bench.py --kernels simple         # the engine on the simple kernels (no per-kernel split)
 
 The engine's default step has programmatic graph edges where the GPU has them (compute
 capability 9.0+, pycalm.gpu.graph); the same step captured with plain edges is timed alongside.
@@ -328,10 +329,12 @@ def kernel_roles(engine: GpuEngine, pos: int) -> dict[str, tuple[object, int]]:
     return out
 
 
-def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = None) -> dict:
+def bench_one(
+    shape: str, dtype: str, tokens: int, programmatic: bool | None = None, kernels: str = "fast"
+) -> dict:
     t0 = time.perf_counter()
     cfg = config_for(shape, dtype, 4096)
-    options = EngineOptions(programmatic=programmatic)
+    options = EngineOptions(programmatic=programmatic, kernels=kernels)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
     step = functools.partial(engine.graph, SamplingParams())  # pos -> the step's graph
     step(0)
@@ -358,7 +361,7 @@ def bench_one(shape: str, dtype: str, tokens: int, programmatic: bool | None = N
     bytes_first = mean_bytes(0, tokens)
     bytes_last = mean_bytes(4000, 32)
     roles = {}
-    for name, (graph, nbytes) in kernel_roles(engine, 128).items():
+    for name, (graph, nbytes) in (kernel_roles(engine, 128) if kernels == "fast" else {}).items():
         engine._set_state(token=1, pos=128, feed_end=0)
         graph.launch()
         t = time_replays(engine, lambda p, g=graph: g, 128, 20)
@@ -495,7 +498,13 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
 
 
 def bench_prefill(
-    shape: str, dtype: str, lengths: list[int], chunk: int, split: bool, first_tokens: int = 2048
+    shape: str,
+    dtype: str,
+    lengths: list[int],
+    chunk: int,
+    split: bool,
+    first_tokens: int = 2048,
+    kernels: str = "fast",
 ) -> dict:
     """tok/s and TFLOP/s of the prefill of each prompt length; time to the first token of a
     prompt of first_tokens (warm: the prefill of all but its last token, then the last token's
@@ -503,9 +512,8 @@ def bench_prefill(
     prefill of first_tokens."""
     full = config_for(shape, dtype, 4096)
     cfg = fit_layers(full, chunk, 4096)
-    engine = GpuEngine(
-        RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions(prefill_chunk=chunk)
-    )
+    options = EngineOptions(prefill_chunk=chunk, kernels=kernels)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(3, cfg.vocab_size, max([*lengths, first_tokens]))]
     engine.prefill(ids[:128], 0)  # compiles every kernel
@@ -520,7 +528,7 @@ def bench_prefill(
     t0 = time.perf_counter()
     list(engine.generate(ids[:first_tokens], 0, 1, greedy))
     ttft = time.perf_counter() - t0
-    roles = prefill_roles(engine, first_tokens) if split else None
+    roles = prefill_roles(engine, first_tokens) if split and kernels == "fast" else None
     del engine
     gc.collect()
     cuda.current_context().deallocations.clear()  # the next cell's model needs the memory now
@@ -614,6 +622,12 @@ def main() -> None:
     ap.add_argument(
         "--split", default="llama3-8b:fp16", help="SHAPE:DTYPE cells whose prefill is timed kernel by kernel"
     )
+    ap.add_argument(
+        "--kernels",
+        choices=("fast", "simple"),
+        default="fast",
+        help="the engine's kernels (EngineOptions.kernels); simple: no per-kernel split",
+    )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
     if args.invariant_decode:
@@ -635,7 +649,9 @@ def main() -> None:
                         args.chunks.split(",")[0]
                     )
                     try:
-                        r = bench_prefill(shape, dtype, lengths, chunk, split, args.first_tokens)
+                        r = bench_prefill(
+                            shape, dtype, lengths, chunk, split, args.first_tokens, args.kernels
+                        )
                     except Exception as e:  # noqa: BLE001 - a format the engine does not take yet
                         print(
                             f"prefill {shape} {dtype} chunk {chunk}: failed: {type(e).__name__}: {e}",
@@ -662,7 +678,7 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
-            r = bench_one(shape, dtype, args.tokens, False if args.plain else None)
+            r = bench_one(shape, dtype, args.tokens, False if args.plain else None, args.kernels)
             results.append(r)
             roles = "  ".join(f"{k} {v[1]:,.0f}" for k, v in r["roles"].items())
             moe = f" (bytes of the {r['experts']} active a token)" if r["experts"] else ""

@@ -44,6 +44,7 @@ def load(
     cache_dir: str | Path | None = None,
     verbose: bool = True,
     batch_invariant: bool = False,
+    kernels: str = "fast",
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
 
@@ -52,6 +53,8 @@ def load(
     fp16, fp8). verbose: one-line notices (fetching, converting, the CPU fallback) on stderr.
     batch_invariant: on the GPU, every token through the multi-token forward, so a prompt gives
     the same tokens however much of it was cached (slower decode; the CPU engine always does).
+    kernels: on the GPU, "fast" or "simple" (the plain kernels of pycalm/kernels/simple/: the
+    same tokens, slower).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
     from pycalm.app.models import make_engine, resolve_model
@@ -64,6 +67,8 @@ def load(
         raise PycalmError(f"device must be auto, gpu or cpu, not {device!r}")
     if dtype not in WEIGHT_DTYPES:
         raise PycalmError(f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {dtype!r}")
+    if kernels not in ("fast", "simple"):
+        raise PycalmError(f"kernels must be fast or simple, not {kernels!r}")
     if kv not in ("auto", "fp16", "fp8"):
         raise PycalmError(f"kv must be auto, fp16 or fp8, not {kv!r}")
     if context < 2:
@@ -89,7 +94,13 @@ def load(
         model_file.chat_template,
     )
     engine = make_engine(
-        model_file, device, min(context, cfg.max_seq_len), kv, log, batch_invariant=batch_invariant
+        model_file,
+        device,
+        min(context, cfg.max_seq_len),
+        kv,
+        log,
+        batch_invariant=batch_invariant,
+        kernels=kernels,
     )
     return LLM(engine, tok, name=model_name(model), path=path)
 

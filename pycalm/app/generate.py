@@ -350,6 +350,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="GPU engine: every token through the multi-token forward, so the output does not depend on"
         " how the prompt is split into passes or fed (one token at a time gives the same tokens); slower decode",
     )
+    ap.add_argument(
+        "--kernels",
+        choices=("fast", "simple"),
+        default="fast",
+        help="GPU engine: the fast kernels, or the simple ones a learner reads first (pycalm/kernels/simple/;"
+        " the same tokens, slower; docs/READING.md)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -418,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             log,
             check_finite=args.check_finite,
             batch_invariant=args.batch_invariant,
+            kernels=args.kernels,
         )
         timings.load_s = time.perf_counter() - t0
         # worker processes compiling the kernels into an empty kernel cache (pycalm.gpu.precompile):

@@ -41,19 +41,23 @@ def make_engine(
     log: Callable[[str], None],
     check_finite: bool = False,
     batch_invariant: bool = False,
+    kernels: str = "fast",
 ) -> object:
     """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
     KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for.
     check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite).
     batch_invariant: the GPU engine runs every token through the multi-token forward
-    (--batch-invariant; the CPU engine feeds every token alone anyway)."""
+    (--batch-invariant; the CPU engine feeds every token alone anyway). kernels: the GPU engine's
+    kernels, fast or simple (--kernels; pycalm.gpu.engine.EngineOptions)."""
     kv_dtype = kv_dtype_for(kv, seq_len)
     if device in ("auto", "gpu"):
         from pycalm.gpu import engine as gpu_model
 
         reason = gpu_model.gpu_unavailable_reason()
         if reason is None:
-            options = gpu_model.EngineOptions(check_finite=check_finite, batch_invariant=batch_invariant)
+            options = gpu_model.EngineOptions(
+                check_finite=check_finite, batch_invariant=batch_invariant, kernels=kernels
+            )
             return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, options=options)
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")

@@ -538,6 +538,12 @@ def parse_args(argv: list[str] | None) -> Any:
         help="GPU engine: every token through the multi-token forward, so a request gives the same tokens"
         " however much of its prompt was cached (slower decode)",
     )
+    ap.add_argument(
+        "--kernels",
+        choices=("fast", "simple"),
+        default="fast",
+        help="GPU engine: the fast kernels, or the simple ones a learner reads first (slower)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -567,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             context=args.context,
             kv=args.kv,
             batch_invariant=args.batch_invariant,
+            kernels=args.kernels,
         )
         return load(args.model, cache_dir=args.cache_dir, **options)
 

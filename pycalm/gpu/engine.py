@@ -11,6 +11,9 @@ kernel launches, and issues its first weight loads, while the one before it fini
 (pycalm.gpu.graph). Nothing per token is a launch argument: the token, the position and the
 prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
 The host only reads back the token ids.
+
+With EngineOptions(kernels="simple") the step and the prompt pass run the plain kernels of
+pycalm/kernels/simple/ instead, wired by pycalm.gpu.simple.
 """
 
 from __future__ import annotations
@@ -164,6 +167,10 @@ class EngineOptions:
     # logits differ from the multi-token forward's by about 1e-3 relative, so the two can part
     # where the two best logits are that close
     batch_invariant: bool = False
+    # which kernels run the engine: "fast" (pycalm/kernels/*.py), or "simple", the plain kernels
+    # a learner reads first (pycalm/kernels/simple/, wired by pycalm.gpu.simple; the CLI's
+    # --kernels): the same tokens, slower; no Mixtral, no batch_invariant
+    kernels: str = "fast"
 
 
 class EagerStep:
@@ -186,8 +193,15 @@ class GpuEngine:
         from numba import config, cuda
 
         cfg: ModelConfig = model.config
+        from pycalm.gpu import simple
         from pycalm.gpu.prefill import unsupported
 
+        if options.kernels not in ("fast", "simple"):
+            raise PycalmError(f"kernels must be fast or simple, not {options.kernels!r}")
+        self.simple = options.kernels == "simple"
+        why = simple.unsupported(cfg, options.batch_invariant) if self.simple else None
+        if why:
+            raise PycalmError(f"the simple kernels do not take {why}")
         if options.batch_invariant and unsupported(cfg):
             raise PycalmError(
                 f"batch-invariant decoding runs every token through the multi-token forward, which does not take {unsupported(cfg)}"
@@ -201,14 +215,14 @@ class GpuEngine:
         # a kernel cache without this engine's kernels: worker processes compile them into it
         # while the weights load here (pycalm.gpu.precompile; None: none started); graph(), prepare()
         # and the first prefill wait for the kernels they launch (_await_kernels)
-        self.precompile = precompile.start(cfg, self.seq_len, self.kv_dtype, options)
+        self.precompile = None if self.simple else precompile.start(cfg, self.seq_len, self.kv_dtype, options)
         self.stream = cuda.stream()
         s = self.stream
         self.use_graph = not config.ENABLE_CUDASIM if options.use_graph is None else options.use_graph
         programmatic = options.programmatic
         if programmatic is None:
             programmatic = self.use_graph and cuda.get_current_device().compute_capability >= (9, 0)
-        self.programmatic = programmatic
+        self.programmatic = programmatic and not self.simple  # (simple kernels: plain edges)
 
         # weights: a model that makes its own device arrays (the benchmark's random weights)
         # offers device_tensor(name); a model file's tensors are read into device arrays
@@ -336,8 +350,15 @@ class GpuEngine:
         from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
-        # the multi-token forward takes the prompts (else the token step: odd head sizes)
-        self.multi_token = unsupported(cfg) is None
+        # the multi-token forward takes the prompts (else the token step: odd head sizes; the
+        # simple kernels' prompt pass takes any)
+        self.multi_token = unsupported(cfg) is None or self.simple
+        # the simple token step's activations (pycalm.gpu.simple; None: the fast kernels run)
+        self.simple_step = None
+        if self.simple:
+            from pycalm.gpu.simple import Activations
+
+            self.simple_step = Activations.allocate(cfg, 1, self.seq_len, 0, s)
         self._prefill = None  # pycalm.gpu.prefill.Prefill, made (with its buffers) on first use
         self._row_token = None  # batch_invariant: the one-row pass's token id on the device
         self._row_graph: GraphStep | None = None  # ... and that pass, captured (_row_pass)
@@ -352,6 +373,10 @@ class GpuEngine:
         """Enqueue one token step on self.stream for positions below span (default: seq_len,
         see pycalm.kernels.attention.attention_span): the token state[STATE_TOKEN] at position
         state[STATE_POS] in, the next token and position out."""
+        if self.simple:  # the simple kernels (pycalm.gpu.simple; sampling > 0 draws on the host)
+            from pycalm.gpu import simple
+
+            return simple.forward(self)
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.finite import check_finite
@@ -395,7 +420,10 @@ class GpuEngine:
         advance(state, self.feed, stream=s)
 
     def span(self, pos: int) -> int:
-        """The attention span of the step at pos: its grid holds the live chunks at most twice."""
+        """The attention span of the step at pos: its grid holds the live chunks at most twice
+        (the simple kernels: the whole cache, one graph)."""
+        if self.simple:
+            return self.seq_len
         return attention_span(pos, self.att_scratch.chunk, self.seq_len)
 
     def graph(self, sampling: SamplingParams, pos: int = 0) -> GraphStep | EagerStep:
@@ -471,9 +499,10 @@ class GpuEngine:
     def _prefill_step(self) -> object:
         if self._prefill is None:
             from pycalm.gpu.prefill import Prefill
+            from pycalm.gpu.simple import SimplePrefill
 
             self._await_kernels("prefill")
-            self._prefill = Prefill(self, self.prefill_chunk)
+            self._prefill = (SimplePrefill if self.simple else Prefill)(self, self.prefill_chunk)
         return self._prefill
 
     def logits(self, token: int, pos: int) -> np.ndarray:
@@ -516,6 +545,11 @@ class GpuEngine:
             )
         if self.batch_invariant:
             yield from self._generate_rows(ids, start_pos, max_new, sampling)
+            return
+        if self.simple and sampling.temperature > 0:  # the token drawn on the host
+            from pycalm.gpu.simple import generate_sampled
+
+            yield from generate_sampled(self, ids, start_pos, max_new, sampling)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)

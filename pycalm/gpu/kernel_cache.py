@@ -10,7 +10,7 @@ version. It does not cover the device functions and intrinsics a kernel calls fr
 module: a change in common.py alone would leave every stale kernel in place.
 
 So pycalm chooses the folder: CACHE_ROOT/kernels/KEY, where KEY hashes the text of every
-pycalm/kernels/*.py and the numba-cuda version (`kernels_key`), and CACHE_ROOT is pycalm's cache
+pycalm/kernels/**/*.py (the simple tier's subfolder included) and the numba-cuda version (`kernels_key`), and CACHE_ROOT is pycalm's cache
 folder (pycalm.paths.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
 module gives a new, empty folder; nothing in an old folder is ever read again.
 
@@ -20,7 +20,7 @@ the caching of anyone else's numba code in the same process is left as it was):
   lives (numba.cuda.core.caching.CacheImpl._locator_classes, here the class attribute of
   numba.cuda.dispatcher.CUDACacheImpl; its first entry honours NUMBA_CACHE_DIR, the next one the
   source file's __pycache__). `KernelsLocator` goes first and answers only for functions whose
-  source file is in pycalm/kernels/. numba builds the locator when the kernel is declared (at
+  source file is in pycalm/kernels/ or a folder below it. numba builds the locator when the kernel is declared (at
   import of its module), so `set_root` must run before the kernel modules are imported; the CLI
   calls it first thing.
 - The key. numba hashes the closure cells by pickling them, and a pickled device function carries
@@ -74,14 +74,15 @@ def set_root(root: str | os.PathLike[str]) -> None:
 
 
 def kernels_key(folder: Path = KERNELS_DIR) -> str:
-    """A hex digest of every *.py file of `folder` (name and text) and the numba-cuda version:
-    it changes whenever any kernel module, or a helper it imports from its neighbours, changes."""
+    """A hex digest of every *.py file in `folder` and the folders below it (path and text) and
+    the numba-cuda version: it changes whenever any kernel module, or a helper it imports from
+    its neighbours, changes."""
     import numba_cuda
 
     h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         text = path.read_bytes()
-        h.update(f"{path.name} {len(text)}\n".encode())
+        h.update(f"{path.relative_to(folder).as_posix()} {len(text)}\n".encode())
         h.update(text)
     return h.hexdigest()[:16]
 
@@ -112,7 +113,7 @@ def install() -> None:
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
     class KernelsLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
-        """numba's locator protocol for the functions of pycalm/kernels/*.py: folder() as the
+        """numba's locator protocol for the functions of pycalm/kernels/**/*.py: folder() as the
         place, the kernels' key as the source stamp (numba drops an index whose stamp differs;
         the folder's name already carries the key, so a touched file costs nothing)."""
 
@@ -129,7 +130,7 @@ def install() -> None:
 
         @classmethod
         def from_function(cls, py_func: object, py_file: str) -> KernelsLocator | None:
-            if Path(py_file).resolve().parent != KERNELS_DIR:
+            if not Path(py_file).resolve().is_relative_to(KERNELS_DIR):
                 return None  # not a pycalm kernel: numba's own locators decide
             self = cls(py_func, py_file)
             if self._cache_path not in _folders:  # checked once a process, not once a kernel
