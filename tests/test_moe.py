@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -422,6 +423,22 @@ def test_expert_kernels_match_ref(dtype, n_experts, hidden_dim, dim):
     )
     ref_r = moe_matvec_residual_ref(decoded_stack(w2, dtype), hq.astype(np.float32), "fp32", ids, r0)
     assert np.all(np.abs(ref_r - want) <= 1e-5 * scale)
+
+
+@pytest.mark.skipif(GPU, reason="the simulator's threads (on a GPU: test_expert_kernels_match_ref)")
+def test_expert_kernels_match_ref_under_racing_threads(monkeypatch):
+    """The q8 case of test_expert_kernels_match_ref with every NumPy allocation handing the GIL
+    over first, so that the simulator's threads interleave where a block's shared and local
+    arrays are made: every thread of a block must get the same shared array of a call site (two
+    threads that made two would each miss the other's writes), whatever the interleaving."""
+    empty = np.empty
+
+    def yielding_empty(*args: object, **kwargs: object) -> np.ndarray:
+        time.sleep(0)  # another simulated thread runs here
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", yielding_empty)
+    test_expert_kernels_match_ref("q8", 4, 32, 64)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "gf4", "q4"])

@@ -7,15 +7,23 @@ per-warp barrier until all lanes have posted, reads the source lane's slot, and 
 that no lane overwrites a slot before everyone has read it. Like the hardware with a full mask,
 it expects every lane of the warp to take part (a partial last warp counts only its lanes).
 
+The shim also replaces the simulator's cuda.shared.array (numba-cuda 0.30.4), which looks a
+call site's array up and, on a miss, allocates and stores it without a lock: two threads of a
+block that both miss get two arrays, and what one writes the other never sees (a rare wrong
+result, seen once in tests/test_moe.py). Here the look-up and the first allocation hold a lock.
+
 Only used when NUMBA_ENABLE_CUDASIM=1; the real GPU uses numba's own intrinsics.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
 import numpy as np
+from numba.cuda import types
+from numba.cuda.np import numpy_support
 
 _WARP = 32
 
@@ -92,6 +100,27 @@ def fast_expf(x: float) -> float:
     return np.exp(np.float32(x))
 
 
+_SHARED_LOCK = threading.Lock()  # the simulator runs one kernel at a time: one lock serves all
+_sim_shared_array = None  # the simulator's own FakeCUDAShared.array (install() keeps it)
+
+
+def _shared_array(self, shape, dtype, alignment=None):  # noqa: ANN001, ANN202
+    """The simulator's FakeCUDAShared.array with its look-up and first allocation under a lock:
+    one array a call site (file, line) a launch, keyed as the simulator keys them, the same for
+    every thread (the blocks run one after another, each on the arrays the last one left)."""
+    if shape == 0 or alignment is not None:  # dynamic shared memory (no allocation); alignment: an error
+        return _sim_shared_array(self, shape, dtype, alignment)
+    caller = sys._getframe(1)
+    key = (caller.f_code.co_filename, caller.f_lineno)
+    with _SHARED_LOCK:
+        res = self._allocations.get(key)
+        if res is None:
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            res = self._allocations[key] = np.empty(shape, dtype)
+    return res
+
+
 def _yielding_is_alive(self: threading.Thread) -> bool:
     """The simulator's block loop polls every thread's is_alive() without pause, holding the
     GIL against the very threads it waits for; a zero sleep hands the GIL over at each poll
@@ -101,13 +130,17 @@ def _yielding_is_alive(self: threading.Thread) -> bool:
 
 
 def install() -> None:
-    """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent), and make
-    the simulator's block loop yield the GIL while it polls."""
+    """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent), make the
+    simulator's block loop yield the GIL while it polls, and its shared arrays race-free."""
+    global _sim_shared_array
     from numba.cuda import libdevice
     from numba.cuda.simulator.kernel import BlockThread
-    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule, FakeCUDAShared
 
     BlockThread.is_alive = _yielding_is_alive
+    if FakeCUDAShared.array is not _shared_array:
+        _sim_shared_array = FakeCUDAShared.array
+        FakeCUDAShared.array = _shared_array
     FakeCUDAModule.shfl_sync = shfl_sync
     FakeCUDAModule.shfl_down_sync = shfl_down_sync
     FakeCUDAModule.shfl_up_sync = shfl_up_sync
