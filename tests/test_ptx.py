@@ -72,8 +72,8 @@ MODELS = {
                         vocab_size=32000, sliding_window=4096), _FORMATS),
     "mixtral-8x7b": (dict(arch="mixtral", dim=4096, hidden_dim=14336, head_dim=128, n_heads=32, n_kv_heads=8,
                           vocab_size=32000, n_experts=8, n_experts_active=2), _FORMATS),
-    # the engine tests' tiny shape: rows of 24 to 72 bytes take the narrow loads (no q4: its
-    # groups of 32 columns do not divide 48)
+    # a test-sized model: rows of 24 to 72 bytes take the narrow loads that only such shapes
+    # launch (no q4: its groups of 32 columns do not divide 48)
     "tiny": (dict(arch="llama", dim=48, hidden_dim=72, head_dim=16, n_heads=3, n_kv_heads=1, vocab_size=64),
              ("fp16", "fp8", "gf4", "q8")),
 }  # fmt: skip
