@@ -68,6 +68,8 @@ from pycalm.convert.quantize import plan_dtypes  # noqa: E402
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.gpu.engine import EngineOptions, GpuEngine, step_bytes  # noqa: E402
 from pycalm.gpu.graph import GraphStep  # noqa: E402
+from pycalm.gpu.prefill import Prefill  # noqa: E402
+from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 from pycalm.model.config import ModelConfig  # noqa: E402
 
@@ -276,11 +278,19 @@ def copy_ceiling_gbs() -> tuple[float, str]:
     return copy_ceiling(cuda.stream()), "numba uint64 copy"
 
 
+def set_state(engine: GpuEngine, token: int, pos: int, feed_end: int = 0) -> None:
+    """The engine's per-token state on the device (pycalm.kernels.common's STATE_* layout): the
+    token the next step embeds, its position, and the end of the fed prompt."""
+    host = np.zeros(STATE_SIZE, np.int32)
+    host[STATE_TOKEN], host[STATE_POS], host[STATE_FEED_END] = token, pos, feed_end
+    engine.state.copy_to_device(host, stream=engine.stream)
+
+
 def time_replays(engine: GpuEngine, step: Callable[[int], GraphStep], pos0: int, n: int) -> float:
     """Seconds per step over n steps starting at position pos0; step(pos) is the graph to
     replay at pos (the engine's step for pos's attention span, or one graph throughout)."""
     graphs = [step(p) for p in range(pos0, pos0 + n)]  # captured before the timing
-    engine._set_state(token=1, pos=pos0, feed_end=0)
+    set_state(engine, token=1, pos=pos0)
     s, e = cuda.event(timing=True), cuda.event(timing=True)
     s.record(engine.stream)
     for g in graphs:
@@ -362,7 +372,7 @@ def bench_one(
     bytes_last = mean_bytes(4000, 32)
     roles = {}
     for name, (graph, nbytes) in (kernel_roles(engine, 128) if kernels == "fast" else {}).items():
-        engine._set_state(token=1, pos=128, feed_end=0)
+        set_state(engine, token=1, pos=128)
         graph.launch()
         t = time_replays(engine, lambda p, g=graph: g, 128, 20)
         roles[name] = (t, nbytes / t / 1e9 if t > 0 else float("nan"))
@@ -456,7 +466,8 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
     e, cfg, s = engine, engine.config, engine.stream
-    eps, p = cfg.norm_eps, engine._prefill_step()
+    eps = cfg.norm_eps
+    p = Prefill(engine, engine.prefill_chunk)  # row buffers of its own (fit_layers spares them)
     roles = {  # role -> its launches for one layer and a chunk of rows b (formats: L.dtypes)
         "rmsnorm_rows": lambda L, c, b: (rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s),
                                               rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)),
@@ -486,7 +497,7 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     out = dict.fromkeys(["embed_rows", *roles], 0.0)
     for pos0 in range(0, n_tokens, p.max_chunk):
         n = min(p.max_chunk, n_tokens - pos0)
-        b = p._rows(n)
+        b = p.buffers.first(n)
         tokens = e.feed[pos0 : pos0 + n]
         graphs = {name: GraphStep(s, functools.partial(every_layer, fn, b)) for name, fn in roles.items()}
         graphs["embed_rows"] = GraphStep(

@@ -156,6 +156,6 @@ def test_kernel_script_versions():
     for spec in (
         {"simt": (16, 8)},
         {"warps": 2, "keys": 32},
-        {"split": False},
+        {"tc": False},
     ):
         assert script.check(cache, cfg, spec, 9, 17) <= 1, spec

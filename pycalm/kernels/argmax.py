@@ -139,14 +139,3 @@ def argmax(
     blocks = scratch.shape[1]
     argmax_part_kernel[blocks, min(threads, ARGMAX_THREADS), stream](logits, scratch)
     argmax_final_kernel[1, min(1024, 32 * -(-blocks // 32)), stream](scratch, state, int32(n))
-
-
-def compile_check() -> list[tuple]:
-    """(kernel, signature, registers a thread at most: what one block of its launch's threads can
-    have, 64k an SM) for tests/test_ptx.py, which compiles them for sm_90 and checks the registers
-    with ptxas; built when asked for, not at import."""
-    return [
-        (argmax_kernel, "void(float32[::1], int32[::1])", 65536 // THREADS),
-        (argmax_part_kernel, "void(float32[::1], int32[:, ::1])", 65536 // ARGMAX_THREADS),
-        (argmax_final_kernel, "void(int32[:, ::1], int32[::1], int32)", 65536 // THREADS),  # up to 1024
-    ]

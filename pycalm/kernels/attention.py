@@ -7,17 +7,17 @@ sliding window, else 0:
 A layer's cache (KVCache) holds (seq_len, n_kv_heads * head_dim) keys and values, fp16 or fp8
 e5m2.
 
-GPU: one kernel, grid (n_heads, n_chunks), `threads` threads a block. Block (h, c) takes query
+GPU: one kernel, grid (n_heads, n_chunks), THREADS threads a block. Block (h, c) takes query
 head h and the c-th chunk of `chunk` positions (a power of two, sized so that a thread's share
-of the chunk's K and V rows fits in `reg_words` int64 registers each). A captured grid cannot
+of the chunk's K and V rows fits in REG_WORDS int64 registers each). A captured grid cannot
 depend on pos, so n_chunks covers a span of positions (attention_span: the engine captures a
 step for each power-of-two multiple of the chunk) and blocks past the live chunks exit at once.
 A block:
 
 1. issues ALL its K and V loads first, before any arithmetic: one DRAM round trip for the chunk.
    K: teams of K_TEAM lanes, one position a team, each lane K_LANE_WORDS interleaved int64 words
-   of the row (about `k_words`: a few shuffles per position). V: teams of V_TEAM lanes,
-   V_LANE_WORDS words a lane (about `v_words`).
+   of the row (about K_WORDS: a few shuffles per position). V: teams of V_TEAM lanes,
+   V_LANE_WORDS words a lane (about V_WORDS).
 2. scores: each team dots its K row with the lane's slice of q (held in registers, times
    1/sqrt(head_dim)), xor-shuffles the partial dots inside the team, and writes the score to
    shared memory. One barrier.
@@ -79,26 +79,19 @@ from pycalm.model.config import KV_DTYPES, ModelConfig
 # GPU kernel
 
 
-@dataclass(frozen=True)
-class AttentionTuning:
-    """The kernel's tuning parameters; the defaults are the shipped kernel.
-    (scripts/kernels/attention.py times the alternatives.)"""
-
-    threads: int = 256  # threads a block
-    max_chunk: int = 256  # most positions a block takes
-    reg_words: int = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
-    k_words: int = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
-    v_words: int = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
-    unroll: int = 8  # independent partial loads in flight per thread of the combine
-
-
-# under the CUDA simulator (a Python thread per CUDA thread) smaller blocks and chunks of the same
-# kernel, so that the tests' short contexts still cover several chunks
-SHIPPED = AttentionTuning(threads=64, max_chunk=16) if _numba_config.ENABLE_CUDASIM else AttentionTuning()
-# registers a thread at most, so that two blocks of the shipped 256 threads fit an SM's 64k
-# (tests/test_ptx.py checks it with ptxas): one block an SM runs the blocks of a long context in
-# twice the waves
-MAX_REGISTERS = 65536 // (2 * AttentionTuning().threads)
+# the kernel's sizes (scripts/kernels/attention.py times other values). Under the CUDA simulator (a
+# Python thread per CUDA thread) smaller blocks and chunks of the same kernel, so that the tests'
+# short contexts still cover several chunks.
+SIM = _numba_config.ENABLE_CUDASIM
+THREADS = 64 if SIM else 256  # threads a block
+MAX_CHUNK = 16 if SIM else 256  # most positions a block takes
+REG_WORDS = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
+K_WORDS = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
+V_WORDS = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
+UNROLL = 8  # independent partial loads in flight per thread of the combine
+# registers a thread at most, so that two blocks of 256 threads fit an SM's 64k (tests/test_ptx.py
+# checks it with ptxas): one block an SM runs the blocks of a long context in twice the waves
+MAX_REGISTERS = 65536 // (2 * 256)
 NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0, not NaN
 _LINE = 32  # floats in a 128-byte cache line
 
@@ -107,12 +100,12 @@ def _elems_per_word(kv_dtype: str) -> int:
     return 8 if kv_dtype == "fp8" else 4
 
 
-def attention_chunk_len(head_dim: int, kv_dtype: str, tuning: AttentionTuning = SHIPPED) -> int:
-    """Positions a block takes: tuning.max_chunk, or fewer (a power of two) where a thread's
-    share of the chunk's K words (chunk x words a row / threads) would exceed tuning.reg_words."""
+def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
+    """Positions a block takes: MAX_CHUNK, or fewer (a power of two) where a thread's share of
+    the chunk's K words (chunk x words a row / THREADS) would exceed REG_WORDS."""
     row_words = head_dim // _elems_per_word(kv_dtype)
-    chunk = tuning.max_chunk
-    while chunk > 1 and chunk * row_words > tuning.reg_words * tuning.threads:
+    chunk = MAX_CHUNK
+    while chunk > 1 and chunk * row_words > REG_WORDS * THREADS:
         chunk //= 2
     return chunk
 
@@ -137,13 +130,11 @@ class AttentionScratch:
     count: (n_heads,) int32, chunks of the head finished in the running launch; zero between
       launches (the last block resets it), so it must start zeroed.
     chunk: positions a block takes.
-    tuning: the kernel's tuning parameters, which every launch with this scratch uses.
     """
 
     part: object
     count: object
     chunk: int
-    tuning: AttentionTuning = SHIPPED
 
 
 def attention_scratch(
@@ -153,13 +144,12 @@ def attention_scratch(
     seq_len: int,
     *,
     chunk: int | None = None,
-    tuning: AttentionTuning = SHIPPED,
     stream: object = 0,
 ) -> AttentionScratch:
     """Allocate the scratch for contexts of up to seq_len positions (see AttentionScratch).
     chunk: positions a block takes, a power of two no larger than attention_chunk_len (the
     default); the tests take short chunks to cover the combine at short contexts."""
-    longest = attention_chunk_len(head_dim, kv_dtype, tuning)
+    longest = attention_chunk_len(head_dim, kv_dtype)
     chunk = longest if chunk is None else chunk
     if chunk < 1 or chunk & (chunk - 1) or chunk > longest:
         raise PycalmError(f"attention chunk {chunk} is not a power of two up to {longest}")
@@ -167,7 +157,7 @@ def attention_scratch(
     padded = -(-(head_dim + 2) // _LINE) * _LINE
     part = cuda.device_array((n_heads, n_chunks, padded), np.float32, stream=stream)
     count = cuda.to_device(np.zeros(n_heads, np.int32), stream=stream)
-    return AttentionScratch(part, count, chunk, tuning)
+    return AttentionScratch(part, count, chunk)
 
 
 @cuda.jit(device=True, inline=True)
@@ -204,44 +194,35 @@ def _team(row_words: int, words_a_lane: int) -> int:
 
 
 @functools.cache
-def attention_kernel(
-    head_dim: int,
-    group: int,
-    kv_dtype: str,
-    chunk: int,
-    threads: int,
-    k_words: int = AttentionTuning.k_words,
-    v_words: int = AttentionTuning.v_words,
-    unroll: int = AttentionTuning.unroll,
-) -> object:
-    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype,
-    chunk length (a power of two), block size and the tuning of AttentionTuning. The sizes are
-    compile-time constants so the per-lane loads, query slice and accumulators are fixed-size
-    local arrays that the compiler keeps in registers (all loops over them unroll)."""
+def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int) -> object:
+    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype and
+    chunk length (a power of two), in blocks of THREADS. The sizes are compile-time constants so
+    the per-lane loads, query slice and accumulators are fixed-size local arrays that the
+    compiler keeps in registers (all loops over them unroll)."""
     IS_FP8 = kv_dtype == "fp8"
     ELEMS_PER_WORD = _elems_per_word(kv_dtype)  # cache elements an int64 word holds
     ROW_WORDS = head_dim // ELEMS_PER_WORD  # words of one head's K (or V) row
-    N_WARPS = threads // 32
+    N_WARPS = THREADS // 32
     CHUNK_LOG2 = chunk.bit_length() - 1
     # K loads: a team of K_TEAM lanes takes one position, each lane K_LANE_WORDS words of its
     # row (interleaved: lane l of the team takes words l, l + K_TEAM, ...); one load step of the
     # block covers K_STEP_POSITIONS positions, K_STEPS steps cover the chunk, and a lane holds
     # K_REG_WORDS words in all
-    K_TEAM = _team(ROW_WORDS, k_words)
+    K_TEAM = _team(ROW_WORDS, K_WORDS)
     K_LANE_WORDS = ROW_WORDS // K_TEAM
     K_LANE_ELEMS = K_LANE_WORDS * ELEMS_PER_WORD
     K_STEP_POSITIONS = N_WARPS * (32 // K_TEAM)
     K_STEPS = -(-chunk // K_STEP_POSITIONS)
     K_REG_WORDS = K_STEPS * K_LANE_WORDS
     # V loads: the same, with V's team
-    V_TEAM = _team(ROW_WORDS, v_words)
+    V_TEAM = _team(ROW_WORDS, V_WORDS)
     V_LANE_WORDS = ROW_WORDS // V_TEAM
     V_LANE_ELEMS = V_LANE_WORDS * ELEMS_PER_WORD
     V_STEP_POSITIONS = N_WARPS * (32 // V_TEAM)
     V_STEPS = -(-chunk // V_STEP_POSITIONS)
     V_REG_WORDS = V_STEPS * V_LANE_WORDS
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
-    SLICES = max(1, threads // head_dim)  # combine: thread (slice, d) sums every SLICES-th chunk
+    SLICES = max(1, THREADS // head_dim)  # combine: thread (slice, d) sums every SLICES-th chunk
 
     @cuda.jit(fastmath=False, cache=True)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
@@ -353,7 +334,7 @@ def attention_kernel(
         cuda.syncthreads()  # every warp's sum is in warp_sums
 
         # 5. one chunk: the output; several: this chunk's partial, and the last block combines
-        for d in range(tid, head_dim, threads):
+        for d in range(tid, head_dim, THREADS):
             acc = float32(0.0)
             for w in range(N_WARPS):
                 acc += warp_sums[w, d]
@@ -385,18 +366,18 @@ def attention_kernel(
         for c in range(lane, live_chunks, 32):
             denom += _exp(part[head, c, head_dim] - head_max) * part[head, c, head_dim + 1]
         denom = warp_reduce_sum(denom)
-        for i in range(tid, SLICES * head_dim, threads):
+        for i in range(tid, SLICES * head_dim, THREADS):
             sl = i // head_dim  # this thread's slice of the chunks
             d = i % head_dim
             acc = float32(0.0)
-            for c0 in range(sl * unroll, live_chunks, SLICES * unroll):
-                for u in range(unroll):  # independent loads; past-the-end ones read chunk live_chunks - 1
+            for c0 in range(sl * UNROLL, live_chunks, SLICES * UNROLL):
+                for u in range(UNROLL):  # independent loads; past-the-end ones read chunk live_chunks - 1
                     c = min(c0 + u, live_chunks - 1)
                     x = _exp(part[head, c, head_dim] - head_max) * part[head, c, d]
                     acc += x if c0 + u < live_chunks else float32(0.0)
             slice_sums[sl, d] = acc
         cuda.syncthreads()  # every slice's sum is in slice_sums
-        for d in range(tid, head_dim, threads):
+        for d in range(tid, head_dim, THREADS):
             acc = float32(0.0)
             for sl in range(SLICES):
                 acc += slice_sums[sl, d]
@@ -422,7 +403,7 @@ def attention(
     positions [start, state[STATE_POS]] of one layer's cache (see the module docstring).
 
     cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. scratch: from
-    attention_scratch(n_heads, head_dim, cache.dtype, >= seq_len); its tuning picks the kernel.
+    attention_scratch(n_heads, head_dim, cache.dtype, >= seq_len); its chunk picks the kernel.
     span: the grid covers positions 0..span-1 (ceil(span / chunk) blocks a head; default the
     whole cache): the launch is right only while state[STATE_POS] < span. A graph captured at
     seq_len 4096 would otherwise launch 16 blocks a head where a short context has one live
@@ -444,22 +425,10 @@ def attention(
     if not 0 < span <= seq_len:
         raise PycalmError(f"attention span {span} is outside the cache's 1..{seq_len} positions")
     grid_chunks = -(-span // scratch.chunk)
-    tuning = scratch.tuning
-    kernel = attention_kernel(
-        head_dim,
-        n_heads // n_kv_heads,
-        cache.dtype,
-        scratch.chunk,
-        tuning.threads,
-        tuning.k_words,
-        tuning.v_words,
-        tuning.unroll,
-    )
+    kernel = attention_kernel(head_dim, n_heads // n_kv_heads, cache.dtype, scratch.chunk)
     k64, v64 = cache.k.view(np.int64), cache.v.view(np.int64)
     window = int32(cfg.sliding_window)
-    kernel[(n_heads, grid_chunks), tuning.threads, stream](
-        q, k64, v64, state, part, scratch.count, out, window
-    )
+    kernel[(n_heads, grid_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, window)
 
 
 def attention_span(pos: int, chunk: int, seq_len: int) -> int:
@@ -472,21 +441,3 @@ def attention_span(pos: int, chunk: int, seq_len: int) -> int:
     while span <= pos:
         span *= 2
     return min(span, seq_len)
-
-
-_SIG = (
-    "void(float32[::1], int64[:, ::1], int64[:, ::1], int32[::1], float32[:, :, ::1], int32[::1],"
-    " float32[::1], int32)"
-)
-
-
-def compile_check() -> list[tuple[object, str]]:
-    """Every kernel variant the models in use need: head_dim 64 / 128, groups 1..8, both KV
-    dtypes, with the shipped tuning."""
-    shipped = AttentionTuning()
-    checks = []
-    for kv_dtype in KV_DTYPES:
-        for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
-            chunk = attention_chunk_len(head_dim, kv_dtype, shipped)
-            checks.append((attention_kernel(head_dim, group, kv_dtype, chunk, shipped.threads), _SIG))
-    return checks

@@ -104,22 +104,3 @@ def embed(table: object, state: object, x: object, dtype: str, *, stream: object
     codes, scales = table_arrays(table, dtype)
     n = codes.shape[1]  # stored units a row: gf4 and q4 have one word per 8 weights
     make_embed_kernel(dtype)[(n + THREADS - 1) // THREADS, THREADS, stream](codes, scales, state, x)
-
-
-# a table's argument types (codes and scales; the other formats: the table twice)
-SIG_TABLE = {
-    "fp16": "float16[:, ::1], float16[:, ::1]",
-    "fp8": "uint8[:, ::1], uint8[:, ::1]",
-    "gf4": "uint32[:, ::1], uint32[:, ::1]",
-    "q8": "int8[:, ::1], float32[::1]",
-    "q4": "uint32[:, ::1], float16[:, :, ::1]",
-}
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [
-        (make_embed_kernel(dtype), f"void({SIG_TABLE[dtype]}, int32[::1], float32[::1])")
-        for dtype in SIG_TABLE
-    ]

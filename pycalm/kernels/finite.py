@@ -57,9 +57,3 @@ def check_finite(logits: object, state: object, flag: object, *, stream: object)
     threads = min(CHECK_THREADS, 32 * -(-n // 32))
     blocks = min(CHECK_BLOCKS, -(-n // threads))
     check_finite_kernel[blocks, threads, stream](logits, state, flag)
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [(check_finite_kernel, "void(float32[::1], int32[::1], int32[::1])")]

@@ -66,10 +66,10 @@ def resident_blocks(kernel: object, args: tuple, threads: int) -> int | None:
     return _RESIDENT[key]
 
 
-def blocks_for(n_groups: int, warps: int, split: int, resident: int | None, cap: int = BLOCKS_PER_SM) -> int:
-    """Blocks for n_groups row groups: every block resident at once (at most `cap` an SM) and
-    every team (the warps sharing a group) the same number of groups."""
-    per_sm = min(cap, max(1, resident)) if resident is not None else cap
+def blocks_for(n_groups: int, warps: int, split: int, resident: int | None) -> int:
+    """Blocks for n_groups row groups: every block resident at once (at most BLOCKS_PER_SM an SM)
+    and every team (the warps sharing a group) the same number of groups."""
+    per_sm = min(BLOCKS_PER_SM, max(1, resident)) if resident is not None else BLOCKS_PER_SM
     teams = warps // split  # the row groups a block takes at once
     per_team = max(1, -(-n_groups // (n_sm() * per_sm * teams)))
     return max(1, -(-n_groups // (teams * per_team)))

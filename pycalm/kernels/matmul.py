@@ -592,27 +592,3 @@ def check_quantized(w: object, dtype: str, k_cols: int) -> None:
         raise PycalmError(f"a {dtype} matrix is a formats.Quantized(codes, scales), got {type(w).__name__}")
     if k_cols % (16 if dtype == "q8" else BK * w.scales.shape[1]):  # q4 scales: (N, groups, 2)
         raise PycalmError(f"{dtype} matmul: K = {k_cols} does not fit its loads (q8: 16 columns, q4: groups)")
-
-
-# a weight's argument types: q8 / q4 take two, the codes and the scales
-_SIG_W = {
-    "fp16": "float16[:, ::1]",
-    "fp8": "uint8[:, ::1]",
-    "gf4": "uint32[:, ::1]",
-    "q8": "int8[:, ::1], float32[::1]",
-    "q4": "uint32[:, ::1], float16[:, :, ::1]",
-}
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [
-        (
-            make_matmul_kernel(dtype, mode, tile),
-            f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, {'float16' if mode == GATE else 'float32'}[:, ::1])",
-        )
-        for dtype in _SIG_W
-        for mode in (PLAIN, RESIDUAL, GATE)
-        for tile in (TILE, ROW_TILE)
-    ]

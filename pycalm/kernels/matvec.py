@@ -79,13 +79,11 @@ from numba import cuda, float32, uint64
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import WARP, grid_dependency_wait, launch_dependents, warp_reduce_sum
 from pycalm.kernels.launch import row_group_launch
-from pycalm.kernels.rowgroup import (  # (qkv and scripts/kernels/matvec.py take them from here too)
-    NARROW_BYTES,  # noqa: F401
-    PART_DOT,  # noqa: F401
-    PART_WEIGHTS,  # noqa: F401
+from pycalm.kernels.rowgroup import (
+    PART_WEIGHTS,
     ROW_SCALE,
     XCHUNK,
-    XPAIRS,  # noqa: F401
+    XPAIRS,
     codes_and_scales,
     load_bytes,
     rms_factor,
@@ -352,30 +350,3 @@ def ffn_gate(
     """h = silu(W1 xn) * (W3 xn), xn = rmsnorm(x) * norm_w. w1, w3: stored (hidden_dim, dim),
     both in `dtype` (q8 / q4: Quantized), x, norm_w (dim,), h (hidden_dim,) float32."""
     launch_matvec(w1, w3, x, norm_w, eps, h, dtype, GATE, stream=stream)
-
-
-SCALES_SIG = {"q8": "float32[::1]", "q4": "uint32[:, ::1]"}  # other dtypes: a float32 dummy
-
-
-def kernel_sig(nbytes: int, dtype: str) -> str:
-    """The numba signature of matvec_kernel for a dtype and loads of nbytes (compile_check)."""
-    t = "uint32" if nbytes == 4 else "uint64"
-    s = SCALES_SIG.get(dtype, "float32[::1]")
-    return (
-        f"void({t}[:, ::1], {t}[:, ::1], {s}, {s}, float32[::1], uint64[::1], float32[::1], float32, "
-        "float32[::1], int32, int32, int32[::1], float32[::1], int32, int32)"
-    )
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel the launchers use and its numba signature (tests/test_ptx.py compiles them for
-    sm_90): the wide and narrow loads of each dtype, dense and with slots (mode and normed are
-    runtime arguments), and the split ones of long fp8 / q8 residual rows; built when asked for,
-    not at import."""
-    return [
-        (matvec_kernel(dtype, nbytes, ROWS, UNROLL if nbytes == 16 else 1, 1, slots), kernel_sig(nbytes, dtype))
-        for slots in (False, True)
-        for dtype, nbytes in (
-            ("fp16", 16), ("fp8", 16), ("gf4", 16), ("fp8", 8), ("gf4", 4), ("q8", 16), ("q8", 8), ("q4", 16)
-        )
-    ] + [(matvec_kernel(dtype, 16, ROWS, UNROLL, 2), kernel_sig(16, dtype)) for dtype in ("fp8", "q8")]  # fmt: skip

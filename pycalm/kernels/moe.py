@@ -213,15 +213,3 @@ def moe_matvec_residual(
         w, w, h, None, 0.0, x, layer.dtypes["w2"], RESIDUAL, stream=stream,
         route_ids=route.ids, route_w=h, n_slots=k, expert_rows=dim,
     )  # fmt: skip
-
-
-def compile_check() -> list[tuple]:
-    """The routing kernel for Mixtral's 8 experts and its numba signature (tests/test_ptx.py
-    compiles it for sm_90; the expert-slot matvec kernels are in pycalm.kernels.matvec's list);
-    built when asked for, not at import."""
-    return [
-        (
-            moe_route_kernel(8),
-            "void(float32[:, ::1], float32[::1], float32[::1], float32, int32, int32[::1], float32[::1])",
-        )
-    ]

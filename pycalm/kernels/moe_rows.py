@@ -36,10 +36,7 @@ from numba import cuda
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import dependent_start
 from pycalm.kernels.matmul import (
-    _SIG_W,
-    GATE,
     MODES,
-    PLAIN,
     SIM_TILE,
     TILE,
     UNIT,
@@ -127,23 +124,3 @@ def moe_combine_rows(y: object, routes: RowRoutes, x: object, *, stream: object)
     if routes.weights.shape[0] != n_rows or y.shape != (n_rows * routes.weights.shape[1], dim):
         raise PycalmError(f"moe_combine_rows: y {y.shape}, weights {routes.weights.shape}, x {x.shape}")
     moe_combine_rows_kernel[(-(-dim // THREADS), n_rows), THREADS, stream](y, routes.weights, x)
-
-
-_GROUPS = "int32[::1], int32[:, ::1], int32[:, ::1]"  # count, rows, route_ids
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [
-        *[
-            (
-                make_matmul_kernel(dtype, mode, TILE, grouped=True),
-                f"void(float16[:, ::1], {_SIG_W[dtype]}, {_SIG_W[dtype]}, "
-                f"{'float16' if mode == GATE else 'float32'}[:, ::1], {_GROUPS})",
-            )
-            for dtype in _SIG_W  # every weight format the matmul takes
-            for mode in (PLAIN, GATE)
-        ],
-        (moe_combine_rows_kernel, "void(float32[:, ::1], float32[:, ::1], float32[:, ::1])"),
-    ]

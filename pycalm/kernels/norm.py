@@ -38,9 +38,3 @@ def rmsnorm(x: object, w: object, eps: float, out: object, *, stream: object, th
     threads: a multiple of 32 up to 1024 (tests use fewer: the simulator runs a thread per thread).
     """
     rmsnorm_kernel[1, threads, stream](x, w, float32(eps), out)
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [(rmsnorm_kernel, "void(float32[::1], float32[::1], float32, float32[::1])")]

@@ -137,14 +137,11 @@ def prefill_attention_kernel(
     kv_dtype: str,
     warps: int,
     keys: int,
-    split: bool = True,
 ) -> object:
     """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
-    16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); split: q and p as two
-    fp16 parts each (False: rounded once, the faster, coarser form that
-    scripts/kernels/prefill_attention.py times as tc16); see the module docstring. The sizes are
-    compile-time constants: the fragments are fixed-size local arrays indexed by unrolled loops,
-    so they live in registers."""
+    16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); see the module
+    docstring. The sizes are compile-time constants: the fragments are fixed-size local arrays
+    indexed by unrolled loops, so they live in registers."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
     THREADS = 32 * warps
@@ -164,7 +161,6 @@ def prefill_attention_kernel(
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
     SCALE = 1.0 / math.sqrt(head_dim)
-    SPLIT = split
 
     @cuda.jit(device=True, inline=True)
     def load_words(cache, row, u, w):  # noqa: ANN001, ANN202
@@ -257,14 +253,13 @@ def prefill_attention_kernel(
             q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3] = ldmatrix_x4(
                 qk, a_row + 8 * kk
             )
-        if SPLIT:
-            cuda.syncthreads()  # every warp holds its q_hi fragments
-            stage_q(q, qk, t0, g, n_rows, 1, tid)
-            cuda.syncthreads()  # q_lo is staged
-            for kk in range(KSTEPS):
-                q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
-                    qk, a_row + 8 * kk
-                )
+        cuda.syncthreads()  # every warp holds its q_hi fragments
+        stage_q(q, qk, t0, g, n_rows, 1, tid)
+        cuda.syncthreads()  # q_lo is staged
+        for kk in range(KSTEPS):
+            q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
+                qk, a_row + 8 * kk
+            )
 
         # the lane's two rows: r0 = 16 warp + (lane >> 2) and r0 + 8
         r0 = warp * 16 + (lane >> 2)
@@ -303,17 +298,9 @@ def prefill_attention_kernel(
                         _mma_acc(
                             s, n, q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3], c0, c1
                         )
-                        if SPLIT:
-                            _mma_acc(
-                                s,
-                                n,
-                                q_lo[4 * kk],
-                                q_lo[4 * kk + 1],
-                                q_lo[4 * kk + 2],
-                                q_lo[4 * kk + 3],
-                                c0,
-                                c1,
-                            )
+                        _mma_acc(
+                            s, n, q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3], c0, c1
+                        )
 
             # 4. masking and the online softmax of the lane's two rows
             mx0, mx1 = float32(NEG), float32(NEG)
@@ -361,8 +348,7 @@ def prefill_attention_kernel(
                         n = 4 * (2 * p + half)
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
                         _mma_acc(o, n, a0, a1, a2, a3, c0, c1)
-                        if SPLIT:
-                            _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
+                        _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
             cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
@@ -385,21 +371,6 @@ def prefill_attention_kernel(
     return prefill_attention_kernel
 
 
-def check_launch(q: object, cache: KVCache, out: object, cfg: ModelConfig) -> None:
-    """The checks every prefill attention kernel's launch makes (this module's and the versions
-    of scripts/kernels/prefill_attention.py): a KV dtype it reads, head_dim a multiple of 16
-    (16-byte loads of the cache, the tensor cores' k-step), q and out (T, n_heads * head_dim)."""
-    if cache.dtype not in KV_DTYPES:
-        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    if cfg.head_dim % 16:
-        raise PycalmError(
-            f"head_dim {cfg.head_dim} is not a multiple of 16 (16-byte loads, the tensor cores' k-step)"
-        )
-    width = cfg.n_heads * cfg.head_dim
-    if q.shape[1] != width or out.shape[0] != q.shape[0] or out.shape[1] != width:
-        raise PycalmError(f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {width})")
-
-
 def prefill_attention(
     q: object,
     cache: KVCache,
@@ -410,7 +381,6 @@ def prefill_attention(
     stream: object,
     warps: int | None = None,
     keys: int | None = None,
-    split: bool = True,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
@@ -418,8 +388,7 @@ def prefill_attention(
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
-    the block shape (default WARPS, KEYS; more warps where the group needs them); split: see
-    prefill_attention_kernel.
+    the block shape (default WARPS, KEYS; more warps where the group needs them).
     Reference: pycalm.cpu.reference.prefill_attention_ref."""
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads
@@ -429,8 +398,16 @@ def prefill_attention(
         raise PycalmError(f"{16 * warps} query rows a block ({warps} warps): fewer than the group {group}")
     if keys % 16 or keys <= 0:
         raise PycalmError(f"{keys} keys a tile: not a multiple of 16")
-    check_launch(q, cache, out, cfg)
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, split)
+    if cache.dtype not in KV_DTYPES:
+        raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
+    if head_dim % 16:
+        raise PycalmError(
+            f"head_dim {head_dim} is not a multiple of 16 (16-byte loads, the tensor cores' k-step)"
+        )
+    width = cfg.n_heads * head_dim
+    if q.shape[1] != width or out.shape[0] != q.shape[0] or out.shape[1] != width:
+        raise PycalmError(f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {width})")
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys)
     grid = (n_kv_heads, -(-q.shape[0] // ((16 * warps) // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
     kernel[grid, 32 * warps, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
@@ -450,18 +427,3 @@ def prefill_attention_flops(n_rows: int, pos0: int, cfg: ModelConfig) -> int:
     window = cfg.sliding_window
     keys = pos + 1 if window <= 0 else np.minimum(pos + 1, window)
     return int(4 * cfg.head_dim * cfg.n_heads * keys.sum())
-
-
-_SIG = "void(float32[:, ::1], uint64[:, ::1], uint64[:, ::1], int32[::1], float16[:, ::1], int32)"
-
-
-def compile_check() -> list[tuple[object, str, int]]:
-    """(kernel, signature, register limit) for the shapes of the models in use: head_dim 64
-    (groups 3, 7, 8) and 128 (groups 1, 4), both KV dtypes, the default blocks of a real GPU
-    (not the simulator's)."""
-    checks = []
-    for kv_dtype in KV_DTYPES:
-        for head_dim, group in ((64, 3), (64, 7), (64, 8), (128, 1), (128, 4)):
-            registers = min(255, 65536 // (min_blocks(head_dim) * 128))  # what the launch bounds allow
-            checks.append((prefill_attention_kernel(head_dim, group, kv_dtype, 4, 64), _SIG, registers))
-    return checks

@@ -39,11 +39,9 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 from pycalm.kernels.launch import row_group_launch
-from pycalm.kernels.matvec import (
+from pycalm.kernels.matvec import ROWS, UNROLL
+from pycalm.kernels.rowgroup import (
     ROW_SCALE,
-    ROWS,
-    SCALES_SIG,
-    UNROLL,
     XCHUNK,
     XPAIRS,
     codes_and_scales,
@@ -165,7 +163,6 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
                                    k_cache, v_cache, q_dim, kv_dim, head_dim)  # fmt: skip
             g = gn
 
-    qkv_rope_kernel.label = (dtype, nbytes, kv_dtype)  # which compile_check entry it is
     return qkv_rope_kernel
 
 
@@ -209,35 +206,3 @@ def qkv_rope(
     )  # fmt: skip
     blocks, threads = row_group_launch(kernel, args, -(-w.shape[0] // ROWS), 1)
     kernel[blocks, threads, stream](*args)
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [
-        (
-            qkv_rope_kernel(dtype, nbytes, kv),
-            f"void({'uint32' if nbytes == 4 else 'uint64'}[:, ::1], {SCALES_SIG.get(dtype, 'float32[::1]')}, "
-            "float32[::1], float32[::1], uint64[::1], "
-            f"float32[::1], float32, float32[::1], int32[::1], float32[::1], {KV_STORAGE[kv]}[:, ::1], "
-            f"{KV_STORAGE[kv]}[:, ::1], int64, int64, int64, int32)",
-        )
-        for dtype, nbytes in (
-            ("fp16", 16),
-            ("fp8", 16),
-            ("gf4", 16),
-            ("fp8", 8),
-            ("gf4", 4),
-            ("q8", 16),
-            ("q8", 8),
-        )
-        for kv in ("fp16", "fp8")
-    ] + [
-        (  # q4: every row is whole 16-byte loads
-            qkv_rope_kernel("q4", 16, kv),
-            f"void(uint64[:, ::1], uint32[:, ::1], float32[::1], float32[::1], uint64[::1], float32[::1], float32, "
-            f"float32[::1], int32[::1], float32[::1], {KV_STORAGE[kv]}[:, ::1], {KV_STORAGE[kv]}[:, ::1], int64, "
-            "int64, int64, int32)",
-        )
-        for kv in ("fp16", "fp8")
-    ]

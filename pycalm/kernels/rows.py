@@ -44,7 +44,7 @@ from pycalm.kernels.common import (
     dependent_start,
     fp16_encode,
 )
-from pycalm.kernels.embed import DECODE_UNIT, SIG_TABLE, table_arrays
+from pycalm.kernels.embed import DECODE_UNIT, table_arrays
 from pycalm.kernels.moe import route_row
 from pycalm.kernels.qkv import rope_store_pair
 from pycalm.model.config import ModelConfig
@@ -317,34 +317,3 @@ def moe_group(routes: RowRoutes, experts: ExpertRows, *, stream: object, threads
     moe_group_kernel[n_experts, threads, stream](
         routes.ids, routes.weights, experts.count, experts.rows, experts.weights
     )
-
-
-_KV = {"fp16": "float16", "fp8": "uint8"}
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [
-        *[
-            (make_embed_rows_kernel(d), f"void({SIG_TABLE[d]}, int32[::1], float32[:, ::1])")
-            for d in SIG_TABLE
-        ],
-        (rmsnorm_rows_kernel, "void(float32[:, ::1], float32[::1], float32, float16[:, ::1])"),
-        *[
-            (
-                qkv_rows_kernel(kv),
-                f"void(float32[:, ::1], float32[::1], int32, float32[::1], int32[::1], float32[:, ::1], "
-                f"{_KV[kv]}[:, ::1], {_KV[kv]}[:, ::1], int64, int64, int64)",
-            )
-            for kv in ("fp16", "fp8")
-        ],
-        (
-            moe_route_rows_kernel(8),
-            "void(float32[:, ::1], float32[:, ::1], float32[::1], float32, int32[:, ::1], float32[:, ::1])",
-        ),
-        (
-            moe_group_kernel,
-            "void(int32[:, ::1], float32[:, ::1], int32[::1], int32[:, ::1], float32[:, ::1])",
-        ),
-    ]

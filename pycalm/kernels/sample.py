@@ -555,16 +555,3 @@ def sample(
     sample_kernel[1, threads, stream](
         logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
     )
-
-
-def compile_check() -> list[tuple]:
-    """(kernel, signature, registers a thread at most: what one block of its launch's threads can
-    have, 64k an SM) for tests/test_ptx.py, which compiles them for sm_90 and checks the registers
-    with ptxas; built when asked for, not at import."""
-    return [
-        (
-            sample_kernel,
-            "void(float32[::1], int32[::1], float32[::1], float32, int32, float32, float32)",
-            65536 // SAMPLE_THREADS,
-        ),
-    ]

@@ -31,9 +31,3 @@ def advance(state: object, feed: object, *, stream: object) -> None:
     """state (STATE_SIZE,) int32: pos += 1, and token = feed[pos] while pos < feed end;
     feed (seq_len,) int32, the prompt by position."""
     advance_kernel[1, 32, stream](state, feed)
-
-
-def compile_check() -> list[tuple]:
-    """Every kernel variant the launchers use and its numba signature (tests/test_ptx.py compiles
-    them for sm_90); built when asked for, not at import."""
-    return [(advance_kernel, "void(int32[::1], int32[::1])")]

@@ -16,7 +16,7 @@ registers decoded to fp16 tiles:
   4. 128 x 256, 2 x 4 warps (64 x 64 each), 2 stages, 1 block an SM (255 registers)
   5. 256 x 128, 4 x 2 warps (64 x 64 each), 2 stages, 1 block an SM
   6. 64 x 128, 2 x 4 warps (32 x 32 each), 3 stages, 2 blocks an SM (more blocks for small T)
-  7. 32 x 32, 2 x 2 warps (16 x 16 each), 3 stages: the simulator's tile (SIM_TILE)
+  7. 32 x 32, 2 x 2 warps (16 x 16 each), 3 stages: the simulator's tile (SIM_TILE below)
 
 Timing: each cell is the mean of back-to-back launches between two CUDA events (after one launch
 that compiles and warms), at least 20 ms of them. X (T, K) fp16 and the weights are random
@@ -49,9 +49,10 @@ from numba import cuda, uint32
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
-from pycalm.kernels.matmul import SIM_TILE, TILE, Tile, matmul  # noqa: E402
+from pycalm.kernels.matmul import TILE, Tile, matmul  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 
+SIM_TILE = Tile(32, 32, 2, 2)  # the tile pycalm.kernels.matmul takes under the simulator
 VERSIONS = {
     1: TILE,
     2: Tile(stages=2),

@@ -14,7 +14,8 @@
         python3 scripts/kernels/profile_kernels.py prefill llama3-8b fp16 2048
 
 attention 8b|tiny N_POS: attention three times over a random fp16 cache (Llama-3-8B or TinyLlama
-heads) at N_POS positions. matvec ROWSxCOLS DTYPE plain|residual|gate: the engine's matvec,
+heads) at N_POS positions (the SASS: scripts/kernels/attention.py's copy of the kernel at the
+shipped tuning, the same code). matvec ROWSxCOLS DTYPE plain|residual|gate: the engine's matvec,
 matvec_residual or ffn_gate launch three times on random weights (gate: W1 and W3 of that shape,
 with the fused norm). step SHAPE DTYPE POS: one replay of scripts/bench.py's whole token step
 (random weights) at POS, after warm-up, between cudaProfilerStart and Stop: each kernel of the
@@ -35,7 +36,8 @@ import numpy as np  # noqa: E402
 from gpubench import fill  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from pycalm.kernels import attention as att  # noqa: E402
+from pycalm.kernels.attention import KVCache, attention_scratch  # noqa: E402
+from pycalm.kernels.attention import attention as attention_launch  # noqa: E402
 
 SEQ_LEN = 4096
 
@@ -59,19 +61,24 @@ def attention(model: str, n_pos: int, outdir: str | None) -> None:
         .reshape(SEQ_LEN, cfg.kv_dim)
         for seed in (1, 2)
     )
-    cache = att.KVCache(k, v, "fp16")
+    cache = KVCache(k, v, "fp16")
     q = cuda.to_device(np.random.default_rng(0).standard_normal(cfg.q_dim).astype(np.float32))
     out = cuda.device_array(cfg.q_dim, np.float32)
-    scratch = att.attention_scratch(cfg.n_heads, cfg.head_dim, "fp16", SEQ_LEN, stream=s)
+    scratch = attention_scratch(cfg.n_heads, cfg.head_dim, "fp16", SEQ_LEN, stream=s)
     state = cuda.to_device(np.array([0, n_pos - 1, 0], np.int32))
     for _ in range(3):
-        att.attention(q, cache, state, out, cfg, scratch, stream=s)
+        attention_launch(q, cache, state, out, cfg, scratch, stream=s)
     s.synchronize()
     if outdir:
-        t = scratch.tuning
-        group = cfg.n_heads // cfg.n_kv_heads
-        kern = att.attention_kernel(
-            cfg.head_dim, group, "fp16", scratch.chunk, t.threads, t.k_words, t.v_words, t.unroll
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels: the copy
+        from attention import DEFAULT, tuned_attention, tuned_kernel, tuned_scratch
+
+        tuned = tuned_scratch(cfg.n_heads, cfg.head_dim, "fp16", SEQ_LEN, DEFAULT, s)
+        tuned_attention(q, cache, state, out, cfg, tuned, stream=s)  # compiles it
+        s.synchronize()
+        t, group = DEFAULT, cfg.n_heads // cfg.n_kv_heads
+        kern = tuned_kernel(
+            cfg.head_dim, group, "fp16", tuned.chunk, t.threads, t.k_words, t.v_words, t.unroll
         )
         write_sass(kern, outdir, f"attention_{model}")
 
@@ -98,7 +105,7 @@ def matvec(shape: str, dtype: str, mode: str) -> None:
 
 
 def step(shape: str, dtype: str, pos: int) -> None:
-    from bench import RandomDeviceModel, config_for
+    from bench import RandomDeviceModel, config_for, set_state
 
     from pycalm.cpu.sampler import SamplingParams
     from pycalm.gpu.engine import GpuEngine
@@ -106,9 +113,9 @@ def step(shape: str, dtype: str, pos: int) -> None:
     engine = GpuEngine(RandomDeviceModel(config_for(shape, dtype, SEQ_LEN)), seq_len=SEQ_LEN, kv_dtype="fp16")
     graph = engine.graph(SamplingParams(), pos)
     for _ in range(3):
-        engine._set_state(token=1, pos=pos, feed_end=0)
+        set_state(engine, token=1, pos=pos)
         graph.launch()
-    engine._set_state(token=1, pos=pos, feed_end=0)
+    set_state(engine, token=1, pos=pos)
     engine.stream.synchronize()
     cuda.profile_start()
     graph.launch()
