@@ -19,7 +19,8 @@ one token through the model:
     advance          what the next step feeds, at which position       advance_ref
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
-`*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`).
+`*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`). The CPU engine runs
+both: ReferenceEngine.forward a token, ReferenceEngine.forward_rows a prompt's rows.
 
 Weights come as stored by pycalm.model.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
@@ -281,8 +282,8 @@ def prefill_attention_ref(
 ) -> np.ndarray:
     """Block-causal attention of T query rows (prefill): row t is attention_ref of q[t] at
     n_pos = pos0 + t + 1, so it sees keys max(0, pos0 + t + 1 - window) .. pos0 + t. The query
-    heads that share a kv head go together: two matrix products a kv head, its scores
-    (group T, keys) float32 the one large temporary.
+    heads that share a kv head go together: two matrix products a kv head, whose scores
+    (group, T, keys) float32 are the one large temporary.
 
     q: (T, n_heads*head_dim); caches: (>= pos0 + T, n_kv_heads*head_dim) float32 (already
     decoded) -> (T, n_heads*head_dim) float32 (the kernel writes it as fp16)."""
@@ -511,11 +512,12 @@ REFERENCE_KV_DTYPES = (*KV_DTYPES, "fp32")  # the GPU's KV formats, and float32 
 
 
 class ReferenceEngine:
-    """forward(token, pos) -> logits, with a KV cache of up to `seq_len` positions.
+    """forward(token, pos) -> logits, with a KV cache of up to `seq_len` positions; for T tokens
+    at once (a prompt), forward_rows(tokens, pos0) then classify_rows.
 
     Weights are decoded from the model file once, when the engine is made, and kept as float32,
-    so a token costs only the arithmetic. The KV cache holds float32 values rounded through the KV dtype
-    (kv_round), so that the CPU and GPU engines see the same cached values.
+    so a token costs only the arithmetic. The KV cache holds float32 values rounded through the
+    KV dtype (kv_round), so that the CPU and GPU engines see the same cached values.
     """
 
     def __init__(self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16") -> None:
