@@ -234,8 +234,9 @@ def _nll_ref(model, ids: list[int], window: int) -> float:
 
 
 class BlockEngine:
-    """The CPU engine seen through the GPU engine's interface: prefill_logits yields the logits
-    of every position in blocks of 3 rows, as the multi-token forward yields its chunks."""
+    """The CPU engine's token step behind the multi-token forward's interface: prefill_logits
+    yields the logits of every position in blocks of 3 rows, as the multi-token forward yields
+    its chunks."""
 
     def __init__(self, engine: CpuEngine) -> None:
         self.engine, self.seq_len = engine, engine.seq_len
@@ -255,9 +256,10 @@ def test_perplexity_of_a_long_text_in_windows(tiny, tmp_path):
     window = 16
     assert len(ids) > 4 * window
     want = _nll_ref(model, ids, window)
-    # the CPU engine (token steps) and the GPU engine's interface (blocks of rows) agree with it
-    assert mean_nll(CpuEngine(model, seq_len=window), ids) == pytest.approx(want, rel=1e-9)
+    # token steps behind the interface of blocks of rows agree with it; the CPU engine's own
+    # multi-token forward to its float32 sums through an fp16 KV cache (tests/test_cpu_rows.py)
     assert mean_nll(BlockEngine(CpuEngine(model, seq_len=window)), ids) == pytest.approx(want, rel=1e-9)
+    assert mean_nll(CpuEngine(model, seq_len=window), ids) == pytest.approx(want, rel=1e-6)
     path = tmp_path / "long.txt"
     path.write_text(text)
     proc = run(tiny, "-x", path, "-c", window, "--device", "cpu")

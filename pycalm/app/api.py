@@ -45,19 +45,23 @@ def load(
     verbose: bool = True,
     batch_invariant: bool = False,
     kernels: str = "fast",
+    threads: int | None = None,
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
 
     dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4, q8, q4);
     context: the positions to allocate (at most the model's); kv: the KV-cache format (auto,
     fp16, fp8). verbose: one-line notices (fetching, converting, the CPU fallback) on stderr.
-    batch_invariant: on the GPU, every token through the multi-token forward, so a prompt gives
-    the same tokens however much of it was cached (slower decode; the CPU engine always does).
+    batch_invariant: every token through one path (the GPU's multi-token forward, the CPU's
+    token step), so a prompt gives the same tokens however much of it was cached (slower decode
+    on the GPU, a slower prompt on the CPU).
     kernels: on the GPU, "fast" or "simple" (the plain kernels of pycalm/kernels/simple/: the
     same tokens, slower).
+    threads: the CPU engine's BLAS threads (default 1; pycalm.cpu.engine says why).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
     from pycalm.app.models import make_engine, resolve_model
+    from pycalm.cpu.engine import check_threads
     from pycalm.model.config import WEIGHT_DTYPES
     from pycalm.model.loader import open_model
     from pycalm.model.tokenizer import Tokenizer
@@ -73,6 +77,7 @@ def load(
         raise PycalmError(f"kv must be auto, fp16 or fp8, not {kv!r}")
     if context < 2:
         raise PycalmError(f"context must be 2 or more, not {context}")
+    check_threads(threads)
 
     def log(msg: str) -> None:
         if verbose:
@@ -101,6 +106,7 @@ def load(
         log,
         batch_invariant=batch_invariant,
         kernels=kernels,
+        threads=threads,
     )
     return LLM(engine, tok, name=model_name(model), path=path)
 

@@ -345,10 +345,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="debug: check the logits of every token step for NaN and infinity (GPU engine; slower)",
     )
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU engine: BLAS threads of its matrix products (default 1: on a machine whose cores are"
+        " busy, more threads than idle cores wait on each other; give the idle cores' count)",
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="GPU engine: every token through the multi-token forward, so the output does not depend on"
-        " how the prompt is split into passes or fed (one token at a time gives the same tokens); slower decode",
+        help="every token through one path (GPU: the multi-token forward, slower decode; CPU: the token"
+        " step, slower prompts), so the output does not depend on how the prompt is split into passes or fed",
     )
     ap.add_argument(
         "--kernels",
@@ -376,6 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (args.top_k >= 0, f"-k/--top-k {args.top_k}: must be 0 or more (0: off)"),
         (0 <= args.min_p <= 1, f"-m/--min-p {args.min_p}: must be in [0, 1] (0: off)"),
         (args.seed is None or args.seed >= 0, f"-s/--seed {args.seed}: must be 0 or more"),
+        (args.threads is None or args.threads >= 1, f"--threads {args.threads}: must be 1 or more"),
     ]
     for ok, message in problems:
         if not ok:
@@ -426,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             check_finite=args.check_finite,
             batch_invariant=args.batch_invariant,
             kernels=args.kernels,
+            threads=args.threads,
         )
         timings.load_s = time.perf_counter() - t0
         # worker processes compiling the kernels into an empty kernel cache (pycalm.gpu.precompile):

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS, fetch_gguf
-from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.engine import CpuEngine, check_threads
 from pycalm.errors import PycalmError
 from pycalm.model.config import kv_dtype_for
 
@@ -42,13 +42,16 @@ def make_engine(
     check_finite: bool = False,
     batch_invariant: bool = False,
     kernels: str = "fast",
+    threads: int | None = None,
 ) -> object:
     """The GPU engine when asked for or when a CUDA GPU is present, else the CPU reference; the
     KV cache format `kv` (auto, fp16, fp8) for seq_len positions decided by kv_dtype_for.
     check_finite: the GPU engine checks every step's logits for NaN and infinity (--check-finite).
-    batch_invariant: the GPU engine runs every token through the multi-token forward
-    (--batch-invariant; the CPU engine feeds every token alone anyway). kernels: the GPU engine's
+    batch_invariant: the GPU engine runs every token through the multi-token forward, the CPU
+    engine every token through its token step (--batch-invariant). threads: the CPU engine's
+    BLAS threads (--threads; None: pycalm.cpu.engine.DEFAULT_THREADS). kernels: the GPU engine's
     kernels, fast or simple (--kernels; pycalm.gpu.engine.EngineOptions)."""
+    check_threads(threads)  # a bad count is an error on either device
     kv_dtype = kv_dtype_for(kv, seq_len)
     if device in ("auto", "gpu"):
         from pycalm.gpu import engine as gpu_model
@@ -58,10 +61,14 @@ def make_engine(
             options = gpu_model.EngineOptions(
                 check_finite=check_finite, batch_invariant=batch_invariant, kernels=kernels
             )
+            if threads is not None:
+                log("pycalm: --threads sets the CPU engine's threads; the GPU engine runs without it")
             return gpu_model.GpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype, options=options)
         if device == "gpu":
             raise PycalmError(f"--device gpu: {reason}")
         log(f"pycalm: {reason}; running the CPU reference engine")
     if check_finite:
         log("pycalm: --check-finite checks the GPU engine's logits; the CPU engine runs without it")
-    return CpuEngine(model, seq_len=seq_len, kv_dtype=kv_dtype)
+    return CpuEngine(
+        model, seq_len=seq_len, kv_dtype=kv_dtype, threads=threads, batch_invariant=batch_invariant
+    )

@@ -25,31 +25,35 @@ def windows(n_tokens: int, window: int) -> list[tuple[int, int, int]]:
     return spans
 
 
+NLL_ROWS = 16  # rows of logits in float64 at a time: 6 MB at a 49,152 vocabulary, reused
+# from one group to the next where a whole block's float64 copy is a fresh mapping to fault in
+
+
 def mean_nll(engine: object, ids: list[int], progress: Callable[[int, float], None] | None = None) -> float:
     """The mean negative log-likelihood of ids[1:], each token given the ones before it, in the
-    context-sized windows of `windows` (one when ids fit the context). The GPU engine computes
-    the logits of every position of a window in its multi-token forward (prefill_logits, blocks
-    of rows); the CPU engine one token step a position. progress(tokens scored, their summed
-    negative log-likelihood) is called after each block."""
+    context-sized windows of `windows` (one when ids fit the context). Both engines compute the
+    logits of every position of a window in their multi-token forward (prefill_logits, blocks
+    of rows). progress(tokens scored, their summed negative log-likelihood) is called after each
+    block."""
     nll, scored = 0.0, 0
     targets = np.asarray(ids, dtype=np.int64)
     for start, end, first in windows(len(ids), engine.seq_len):
         feed = ids[start : end - 1]  # row r's logits predict ids[start + r + 1]
-        if hasattr(engine, "prefill_logits"):
-            blocks = engine.prefill_logits(feed, 0)
-        else:
-            blocks = (engine.logits(token, pos)[None] for pos, token in enumerate(feed))
         row = 0
-        for block in blocks:  # (rows, vocab_size) logits of window positions row .. row + rows - 1
-            keep = np.arange(max(row, first - 1), row + len(block))  # the rows this window scores
-            if len(keep):
-                logits = block[keep - row].astype(np.float64)
+        # blocks of (rows, vocab_size) logits, of window positions row .. row + rows - 1
+        for block in engine.prefill_logits(feed, 0):
+            rows = np.arange(max(row, first - 1), row + len(block))  # those this window scores
+            # the log-softmax in float64, NLL_ROWS rows at a time
+            for i in range(0, len(rows), NLL_ROWS):
+                keep = rows[i : i + NLL_ROWS]
+                logits = block[keep - row].astype(np.float64)  # (rows, vocab_size)
+                target = logits[np.arange(len(keep)), targets[start + keep + 1]]  # (rows,)
                 m = logits.max(axis=1)
-                log_sum = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
-                nexts = targets[start + keep + 1]
-                nll += float((log_sum - logits[np.arange(len(keep)), nexts]).sum())
-                scored += len(keep)
-                if progress is not None:
-                    progress(scored, nll)
+                logits -= m[:, None]
+                log_sum = m + np.log(np.exp(logits, out=logits).sum(axis=1))
+                nll += float((log_sum - target).sum())
+            scored += len(rows)
+            if len(rows) and progress is not None:
+                progress(scored, nll)
             row += len(block)
     return nll / scored

@@ -533,10 +533,13 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
     ap.add_argument(
+        "--threads", type=int, default=None, metavar="N", help="CPU engine: BLAS threads (default 1)"
+    )
+    ap.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="GPU engine: every token through the multi-token forward, so a request gives the same tokens"
-        " however much of its prompt was cached (slower decode)",
+        help="every token through one path (GPU: the multi-token forward, slower decode; CPU: the token"
+        " step, slower prompts), so a request gives the same tokens however much of its prompt was cached",
     )
     ap.add_argument(
         "--kernels",
@@ -550,6 +553,8 @@ def parse_args(argv: list[str] | None) -> Any:
     args.model = args.model or args.model_option
     if args.context < 2 or not 0 <= args.port < 65536:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads {args.threads}: must be 1 or more")
     return args
 
 
@@ -574,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             kv=args.kv,
             batch_invariant=args.batch_invariant,
             kernels=args.kernels,
+            threads=args.threads,
         )
         return load(args.model, cache_dir=args.cache_dir, **options)
 

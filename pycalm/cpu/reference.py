@@ -19,7 +19,8 @@ one token through the model:
     advance          what the next step feeds, at which position       advance_ref
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
-`*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`).
+`*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`). The CPU engine runs
+both: ReferenceEngine.forward a token, ReferenceEngine.forward_rows a prompt's rows.
 
 Weights come as stored by pycalm.model.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
@@ -58,12 +59,14 @@ def embed_rows_ref(table: np.ndarray | formats.Quantized, tokens: np.ndarray, dt
     return formats.decode(formats.take_rows(table, np.asarray(tokens)), dtype).astype(np.float32)
 
 
-def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rmsnorm_rows_ref(x: np.ndarray, w: np.ndarray, eps: float, fp16: bool = True) -> np.ndarray:
     """rmsnorm_ref of each row of x (T, dim) float32 -> (T, dim) float16: the tensor-core
-    matmuls' input, rounded to nearest even (formats.fp16_encode)."""
+    matmuls' input, rounded to nearest even (formats.fp16_encode); fp16=False: float32, the
+    CPU engine's matrix products' input."""
     x = x.astype(np.float32)
     ms = np.mean(x * x, axis=1, keepdims=True, dtype=np.float32)  # (T, 1)
-    return formats.fp16_encode(x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))) * w)
+    y = x * (np.float32(1.0) / np.sqrt(ms + np.float32(eps))) * w  # (T, dim) float32
+    return formats.fp16_encode(y) if fp16 else y.astype(np.float32, copy=False)
 
 
 # =============================================================================================
@@ -125,8 +128,9 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 
 
 def matmul_ref(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
-    """Y = X W^T; x: (T, K) float16 activations, w: stored (N, K) in `dtype` -> (T, N) float32."""
-    return (x.astype(np.float32) @ formats.decode(w, dtype).T).astype(np.float32)
+    """Y = X W^T; x: (T, K) float16 (or float32) activations, w: stored (N, K) in `dtype` -> (T,
+    N) float32."""
+    return (x.astype(np.float32, copy=False) @ formats.decode(w, dtype).T).astype(np.float32, copy=False)
 
 
 def matmul_residual_ref(x: np.ndarray, w: np.ndarray, dtype: str, residual: np.ndarray) -> np.ndarray:
@@ -134,9 +138,13 @@ def matmul_residual_ref(x: np.ndarray, w: np.ndarray, dtype: str, residual: np.n
     return (residual + matmul_ref(x, w, dtype)).astype(np.float32)
 
 
-def matmul_gate_ref(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str) -> np.ndarray:
-    """silu(X W1^T) * (X W3^T) -> (T, hidden_dim) float16 (w2's activations), saturating."""
-    return formats.fp16_encode(silu_ref(matmul_ref(x, w1, dtype)) * matmul_ref(x, w3, dtype))
+def matmul_gate_ref(
+    x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str, fp16: bool = True
+) -> np.ndarray:
+    """silu(X W1^T) * (X W3^T) -> (T, hidden_dim) float16 (w2's activations), saturating;
+    fp16=False: float32 (the CPU engine's)."""
+    h = silu_ref(matmul_ref(x, w1, dtype)) * matmul_ref(x, w3, dtype)  # (T, hidden_dim) float32
+    return formats.fp16_encode(h) if fp16 else h
 
 
 # =============================================================================================
@@ -273,28 +281,34 @@ def prefill_attention_ref(
     window: int = 0,
 ) -> np.ndarray:
     """Block-causal attention of T query rows (prefill): row t is attention_ref of q[t] at
-    n_pos = pos0 + t + 1, so it sees keys max(0, pos0 + t + 1 - window) .. pos0 + t.
+    n_pos = pos0 + t + 1, so it sees keys max(0, pos0 + t + 1 - window) .. pos0 + t. The query
+    heads that share a kv head go together: two matrix products a kv head, whose scores
+    (group, T, keys) float32 are the one large temporary.
 
     q: (T, n_heads*head_dim); caches: (>= pos0 + T, n_kv_heads*head_dim) float32 (already
     decoded) -> (T, n_heads*head_dim) float32 (the kernel writes it as fp16)."""
     n_rows, n_pos = q.shape[0], pos0 + q.shape[0]
     group = n_heads // n_kv_heads
-    qh = q.astype(np.float32).reshape(n_rows, n_heads, head_dim)
-    k = k_cache[:n_pos].astype(np.float32).reshape(n_pos, n_kv_heads, head_dim)
-    v = v_cache[:n_pos].astype(np.float32).reshape(n_pos, n_kv_heads, head_dim)
-    kh = np.repeat(k, group, axis=1)  # (n_pos, n_heads, head_dim)
-    vh = np.repeat(v, group, axis=1)
-    scores = np.einsum("thd,jhd->htj", qh, kh) / np.float32(np.sqrt(head_dim))  # (n_heads, T, n_pos)
+    first = max(0, pos0 + 1 - window) if window > 0 else 0  # the first key that row 0 sees
+    n_keys = n_pos - first
+    # query head h = j group + g reads kv head j: (n_kv_heads, group, T, head_dim)
+    qh = q.astype(np.float32).reshape(n_rows, n_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+    k = np.asarray(k_cache[first:n_pos], np.float32).reshape(n_keys, n_kv_heads, head_dim)
+    v = np.asarray(v_cache[first:n_pos], np.float32).reshape(n_keys, n_kv_heads, head_dim)
     pos = np.arange(pos0, n_pos)[:, None]  # (T, 1): each row's position
-    key = np.arange(n_pos)[None, :]  # (1, n_pos)
-    seen = key <= pos  # causal
+    key = np.arange(first, n_pos)[None, :]  # (1, n_keys)
+    hidden = key > pos  # (T, n_keys): causal
     if window > 0:
-        seen &= key > pos - window  # the sliding window
-    scores = np.where(seen[None], scores, -np.inf)
-    scores = scores - scores.max(axis=2, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=2, keepdims=True)
-    return np.einsum("htj,jhd->thd", p, vh).reshape(n_rows, -1).astype(np.float32)
+        hidden |= key <= pos - window  # the sliding window
+    out = np.empty((n_kv_heads, group, n_rows, head_dim), np.float32)
+    for j in range(n_kv_heads):  # kv head j and its group of query heads
+        scores = (qh[j] @ k[:, j].T) / np.float32(np.sqrt(head_dim))  # (group, T, n_keys)
+        np.copyto(scores, -np.inf, where=hidden)
+        scores -= scores.max(axis=2, keepdims=True)
+        p = np.exp(scores, out=scores)  # in place: the largest array here
+        p /= p.sum(axis=2, keepdims=True)
+        out[j] = p @ v[:, j]  # (group, T, head_dim)
+    return out.transpose(2, 0, 1, 3).reshape(n_rows, -1)  # row t, head j group + g
 
 
 # =============================================================================================
@@ -343,17 +357,19 @@ def moe_group_ref(
     return count, rows, row_w
 
 
-def expert_gate_ref(x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str, ids: np.ndarray) -> np.ndarray:
+def expert_gate_ref(
+    x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str, ids: np.ndarray, fp16: bool = True
+) -> np.ndarray:
     """The experts' gate for T rows (prefill): x (T, dim) float16, the normed rows; w1, w3 stored
-    (n_experts, hidden_dim, dim) stacks; ids (T, k) -> h (T k, hidden_dim) float16, slot t k + j
-    = matmul_gate_ref of row t through expert ids[t, j] (unweighted: the weight comes in
-    moe_combine_rows_ref)."""
+    (n_experts, hidden_dim, dim) stacks; ids (T, k) -> h (T k, hidden_dim) float16 (fp16=False:
+    float32), slot t k + j = matmul_gate_ref of row t through expert ids[t, j] (unweighted: the
+    weight comes in moe_combine_rows_ref)."""
     n_rows, k = ids.shape
-    h = np.zeros((n_rows * k, w1.shape[1]), np.float16)
+    h = np.zeros((n_rows * k, w1.shape[1]), np.float16 if fp16 else np.float32)
     for e in range(w1.shape[0]):  # each expert's rows at once, as its weights are read once
         t, j = np.nonzero(ids == e)
         if len(t):
-            h[t * k + j] = matmul_gate_ref(x[t], w1[e], w3[e], dtype)
+            h[t * k + j] = matmul_gate_ref(x[t], w1[e], w3[e], dtype, fp16)
     return h
 
 
@@ -496,11 +512,12 @@ REFERENCE_KV_DTYPES = (*KV_DTYPES, "fp32")  # the GPU's KV formats, and float32 
 
 
 class ReferenceEngine:
-    """forward(token, pos) -> logits, with a KV cache of up to `seq_len` positions.
+    """forward(token, pos) -> logits, with a KV cache of up to `seq_len` positions; for T tokens
+    at once (a prompt), forward_rows(tokens, pos0) then classify_rows.
 
-    Weights are decoded from the model file once, on first use, and kept as float32, so a token
-    costs only the arithmetic. The KV cache holds float32 values rounded through the KV dtype
-    (kv_round), so that the CPU and GPU engines see the same cached values.
+    Weights are decoded from the model file once, when the engine is made, and kept as float32,
+    so a token costs only the arithmetic. The KV cache holds float32 values rounded through the
+    KV dtype (kv_round), so that the CPU and GPU engines see the same cached values.
     """
 
     def __init__(self, model: object, seq_len: int | None = None, kv_dtype: str = "fp16") -> None:
@@ -520,10 +537,18 @@ class ReferenceEngine:
         out_name = "tok_embeddings" if cfg.tied_embeddings else "output"
         out = model.tensor(out_name)
         self.output = formats.decode(out, cfg.dtype_of(out_name))  # (vocab_size, dim) float32
-        self._decoded: dict[str, np.ndarray] = {}
-        # KV cache: (n_layers, seq_len, kv_dim) float32, values rounded through kv_dtype
-        self.key_cache = np.zeros((cfg.n_layers, self.seq_len, cfg.kv_dim), np.float32)
-        self.value_cache = np.zeros((cfg.n_layers, self.seq_len, cfg.kv_dim), np.float32)
+        self._decoded: dict[str, np.ndarray] = {}  # name -> the weight decoded to float32
+        for layer in range(cfg.n_layers):
+            names = ["attn_norm", "wqkv", "wo", "ffn_norm", "w1", "w3", "w2"]
+            names += ["bqkv"] * cfg.qkv_bias + ["moe_gate"] * bool(cfg.n_experts)
+            for name in names:
+                self._w(f"layers.{layer}.{name}")
+        # KV cache: (n_layers, seq_len, kv_dim) float32, values rounded through kv_dtype; laid
+        # out position by position (every layer's row of a position together), so that a short
+        # prompt writes the first pages of the zeroed memory only, each page costing a fault
+        shape = (self.seq_len, cfg.n_layers, cfg.kv_dim)
+        self.key_cache = np.zeros(shape, np.float32).transpose(1, 0, 2)
+        self.value_cache = np.zeros(shape, np.float32).transpose(1, 0, 2)
 
     def _w(self, name: str) -> np.ndarray:
         """A weight decoded to float32 (norms, biases and router are float32 already)."""
@@ -582,3 +607,64 @@ class ReferenceEngine:
                 x = matvec_residual_ref(self._w(p + "w2"), h, dt, x)
         x = rmsnorm_ref(x, self.norm, cfg.norm_eps)
         return matvec_ref(self.output, x, dt)  # the classifier
+
+    def forward_rows(self, tokens: np.ndarray, pos0: int) -> np.ndarray:
+        """The multi-token forward (a prompt's chunk): tokens (T,) at positions pos0 .. pos0 + T
+        - 1 through the layers as matrix products, in forward's order with the rows forms (as
+        pycalm.gpu.prefill runs them), their keys and values cached -> the residual stream after
+        the last layer, (T, dim) float32 (classify_rows makes it logits). The activations stay
+        float32 (fp16=False), so row t is forward(tokens[t], pos0 + t) to float32 rounding."""
+        cfg, dt = self.config, "fp32"  # weights come decoded from _w
+        tokens = np.asarray(tokens, np.int64).reshape(-1)  # (T,)
+        n_rows = tokens.shape[0]
+        bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
+        if len(bad):
+            raise PycalmError(f"token id {bad[0]} outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if not (n_rows > 0 and 0 <= pos0 and pos0 + n_rows <= self.seq_len):
+            raise PycalmError(
+                f"{n_rows} tokens at position {pos0} do not fit the context length {self.seq_len}"
+            )
+        rows = slice(pos0, pos0 + n_rows)  # their KV cache rows
+
+        x = embed_rows_ref(self.tok_embeddings, tokens, cfg.dtype_of("tok_embeddings"))  # (T, dim) residual
+        for layer in range(cfg.n_layers):
+            p = f"layers.{layer}."
+            # attention block
+            xb = rmsnorm_rows_ref(x, self._w(p + "attn_norm"), cfg.norm_eps, fp16=False)  # (T, dim)
+            bqkv = self._w(p + "bqkv") if cfg.qkv_bias else None
+            qkv = matmul_ref(xb, self._w(p + "wqkv"), dt)  # (T, q_dim + 2 kv_dim)
+            q, k, v = qkv_rows_ref(
+                qkv, bqkv, pos0, self.rope_freqs, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+            )
+            self.key_cache[layer, rows] = kv_round(k, self.kv_dtype)
+            self.value_cache[layer, rows] = kv_round(v, self.kv_dtype)
+            att = prefill_attention_ref(
+                q,
+                self.key_cache[layer],
+                self.value_cache[layer],
+                pos0,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                cfg.sliding_window,
+            )  # (T, q_dim)
+            x = matmul_residual_ref(att, self._w(p + "wo"), dt, x)
+            # feed-forward block
+            xb = rmsnorm_rows_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps, fp16=False)
+            w1, w3, w2 = self._w(p + "w1"), self._w(p + "w3"), self._w(p + "w2")
+            if cfg.n_experts:
+                gate, norm = self._w(p + "moe_gate"), self._w(p + "ffn_norm")
+                ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)  # (T, k)
+                h = expert_gate_ref(xb, w1, w3, dt, ids, fp16=False)  # (T k, hidden_dim)
+                x = moe_combine_rows_ref(expert_matmul_ref(h, w2, dt, ids), weights, x)
+            else:
+                h = matmul_gate_ref(xb, w1, w3, dt, fp16=False)  # (T, hidden_dim)
+                x = matmul_residual_ref(h, w2, dt, x)
+        return x
+
+    def classify_rows(self, x: np.ndarray) -> np.ndarray:
+        """The classifier of rows of forward_rows's output: x (T, dim) -> logits (T, vocab_size)
+        float32."""
+        return matmul_ref(
+            rmsnorm_rows_ref(x, self.norm, self.config.norm_eps, fp16=False), self.output, "fp32"
+        )
