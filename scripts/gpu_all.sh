@@ -16,7 +16,7 @@ while [ $i -lt ${#steps[@]} ]; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)   PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_common.py tests/test_matvec.py \
-               tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_norm.py tests/test_sample.py \
+               tests/test_qkv.py tests/test_attention.py tests/test_embed.py tests/test_simple.py tests/test_sample.py \
                tests/test_model.py tests/test_moe.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
     kernels) python3 scripts/kernels/matvec.py 2>&1 | tee "$out/kernels_matvec.log" | tail -40
              python3 scripts/kernels/attention.py 2>&1 | tee "$out/kernels_attention.log" | tail -25

@@ -37,7 +37,7 @@ tools=${1:?$usage}; group=${2:?$usage}
 shift 2
 
 KERNEL_TESTS=(test_prefill_attention test_matmul test_moe_rows test_rows test_tensorcore test_attention test_matvec
-  test_qkv test_moe test_sample test_embed test_common test_norm)  # longest first; each launches kernels
+  test_qkv test_moe test_sample test_embed test_common)  # longest first; each launches kernels
 
 runs=()  # "name|command"
 add_tests() {
