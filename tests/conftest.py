@@ -28,16 +28,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-_CONVERTER_MODULES = (
-    "convert.py",
-    "convert_gguf.py",
-    "convert_hf.py",
-    "quantize.py",
-    "formats.py",
-    "loader.py",
-    "tokenizer.py",
-    "config.py",
-)
+# the packages whose code decides a converted file's bytes: the converters and the file format
+_CONVERTER_PACKAGES = ("convert", "model")
 
 
 def _sha256(path: Path) -> str:
@@ -55,7 +47,8 @@ def converted_model(gguf: Path, dtype: str) -> Path:
     from pycalm.convert.main import convert
 
     pkg = Path(__file__).resolve().parent.parent / "pycalm"
-    code = hashlib.sha256(b"".join((pkg / m).read_bytes() for m in _CONVERTER_MODULES)).hexdigest()
+    sources = sorted(f for d in _CONVERTER_PACKAGES for f in (pkg / d).glob("*.py"))
+    code = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     key = f"{_sha256(gguf)[:16]}-{code[:12]}"
     folder = realmodels.cache_dir() / "converted"
     folder.mkdir(parents=True, exist_ok=True)
