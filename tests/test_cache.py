@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from gpu import gpu_only
 
 from pycalm.gpu import kernel_cache as cache
 
@@ -45,7 +45,8 @@ def test_folder_is_under_the_root_and_the_key(tmp_path, monkeypatch):
 
 
 _DIGESTS = r"""
-from pycalm.kernels import attention, cache, matvec, qkv
+from pycalm.gpu import kernel_cache as cache
+from pycalm.kernels import attention, matvec, qkv
 print(cache.closure_digest(attention.attention_kernel(64, 3, "fp16", 256, 256).py_func))
 print(cache.closure_digest(attention.attention_kernel(64, 3, "fp8", 256, 256).py_func))
 for kernel, *_ in matvec.compile_check()[:2] + qkv.compile_check()[:1]:
@@ -70,7 +71,7 @@ def test_kernel_key_is_the_same_in_every_process():
     assert len(set(runs[0])) == 5  # each specialisation is its own entry
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="numba caches only on a GPU")
+@gpu_only("numba caches only on a GPU")
 def test_second_cli_run_compiles_nothing(tmp_path):
     """The CLI twice on one cache folder: the first run compiles and says so, the second loads
     every kernel from the cache ('cache hit'); a changed kernel module would name a new folder."""
