@@ -142,7 +142,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    if config.stash.get(_FAST_SET, False):
+    if config.stash.get(_FAST_SET, False) and not config.option.collectonly:
         terminalreporter.write_line(
             "the fast set ran (-m 'not slow'); `python -m pytest -q -m slow` runs the rest"
         )
