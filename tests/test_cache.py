@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from gpu import gpu_only
 
 from pycalm.gpu import kernel_cache as cache
 
@@ -70,7 +70,7 @@ def test_kernel_key_is_the_same_in_every_process():
     assert len(set(runs[0])) == 5  # each specialisation is its own entry
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="numba caches only on a GPU")
+@gpu_only("numba caches only on a GPU")
 def test_second_cli_run_compiles_nothing(tmp_path):
     """The CLI twice on one cache folder: the first run compiles and says so, the second loads
     every kernel from the cache ('cache hit'); a changed kernel module would name a new folder."""

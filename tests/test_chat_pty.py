@@ -4,6 +4,11 @@ The chat runs with the pty as its controlling terminal, so Ctrl-C and Ctrl-D go 
 terminal's line discipline as typed keys do: Ctrl-C (SIGINT) stops the reply being written and
 returns to `user>`; Ctrl-C or Ctrl-D at the prompt leaves. A conversation longer than the
 context drops its oldest turns with a notice and goes on.
+
+The waits are measured in the chat process's own CPU time, not on the wall clock: a loaded machine
+slows the process without failing a test. A wait fails when the process exits, spends more CPU
+time than the step allows, or stops using the CPU (STALL_S) before it writes what is awaited:
+then it waits for something that does not come.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from test_cli import REPO, _env
@@ -26,6 +33,9 @@ from pycalm.model.loader import open_model
 from pycalm.model.tokenizer import Tokenizer
 
 PROMPT = "user> "
+# A wait fails once the process has used no CPU time at all for this many seconds: it is not
+# working but waiting for input (a runnable process gets some CPU time each second, however loaded)
+STALL_S = 60.0
 
 
 class Terminal:
@@ -62,13 +72,37 @@ class Terminal:
                 data = b""
             self.out += data.decode("utf-8", "replace").replace("\r\n", "\n")
 
-    def expect(self, pattern: str, start: int = 0, timeout: float = 120) -> re.Match:
-        """The first match of `pattern` in the output after `start`, waiting for it."""
-        deadline = time.monotonic() + timeout
-        while (m := re.compile(pattern).search(self.out, start)) is None:
-            assert time.monotonic() < deadline and self.proc.poll() is None, (pattern, self.out)
+    def cpu_seconds(self) -> float:
+        """The CPU time the process has used so far, all its threads (Linux: /proc/PID/stat)."""
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def wait(self, done: Callable[[], bool], what: object, cpu_s: float) -> None:
+        """Read the output until done() holds, while the process works towards it: fails once it
+        has exited, spent cpu_s CPU seconds since the call, or used no CPU for STALL_S seconds."""
+        start = last = None  # CPU seconds at the first look and at the last increase
+        idle_since = time.monotonic()
+        while not done():
+            if self.proc.poll() is not None:  # it ended: what it wrote last is all that will come
+                for _ in range(20):
+                    self.read(0.05)
+                assert done(), ("the process exited", what, self.out)
+                return
+            used = self.cpu_seconds()  # an ended process stays readable until poll() reaps it
+            if last is None:
+                start = last = used
+            if used > last:
+                last, idle_since = used, time.monotonic()
+            assert used - start < cpu_s, (f"{cpu_s} CPU seconds spent", what, self.out)
+            assert time.monotonic() - idle_since < STALL_S, ("the process stopped working", what, self.out)
             self.read(0.1)
-        return m
+
+    def expect(self, pattern: str, start: int = 0, cpu_s: float = 120) -> re.Match:
+        """The first match of `pattern` in the output after `start`, waiting for it (`wait`)."""
+        regex = re.compile(pattern)
+        self.wait(lambda: regex.search(self.out, start) is not None, pattern, cpu_s)
+        return regex.search(self.out, start)
 
     def type(self, text: str) -> int:
         """Type text; returns where the output stood (what comes after is the answer to it)."""
@@ -76,10 +110,9 @@ class Terminal:
         os.write(self.master, text.encode())
         return at
 
-    def wait_exit(self, timeout: float = 60) -> int:
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
-            self.read(0.1)
+    def wait_exit(self, cpu_s: float = 60) -> int:
+        """The exit code, once the process has ended (`wait`) and what it wrote last is read."""
+        self.wait(lambda: self.proc.poll() is not None, "exit", cpu_s)
         for _ in range(20):  # what was written just before the end
             self.read(0.05)
         return self.proc.wait(timeout=5)
@@ -121,10 +154,8 @@ def test_ctrl_c_stops_the_reply_and_a_second_leaves(chat):
     at = term.type("Write a very long story about a dragon who loves tea.\n")
     echo = term.expect(r"tea\.\n", at).end()
     term.expect(r"\w+ \w+ \w+ \w+ \w+", echo)  # a few words of the reply
-    t0 = time.monotonic()
     at = term.type("\x03")
-    term.expect(PROMPT, at)  # back at the prompt: the reply stopped
-    assert time.monotonic() - t0 < 20
+    term.expect(PROMPT, at, cpu_s=20)  # back at the prompt: the reply stopped
     assert term.proc.poll() is None  # the chat goes on
     at = term.type("What is the capital of France?\n")
     term.expect("Paris", at)

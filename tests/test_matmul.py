@@ -12,18 +12,16 @@ the same 1e-5; a second check bounds the distance to the float32 weights' produc
 rounding, 2**-11 of |X| |W|^T.
 """
 
-import os
-
 import numpy as np
 import pytest
 from device_weights import to_device
+from gpu import GPU, gpu_only
 from numba import cuda
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
 from pycalm.kernels.matmul import ROW_TILE, SIM_TILE, TILE, Tile, matmul
 from pycalm.model import formats
 
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4"]
 MODES = ["plain", "residual", "gate"]
 # (T, N, K): T = 1; T and N not multiples of the tile (SIM_TILE 32 x 32, gate: 16 outputs a
@@ -145,7 +143,7 @@ def test_matmul_default_tile():
     _test("residual", "gf4", 70, 100, 56, tile=TILE, seed=1)
 
 
-@pytest.mark.skipif(not GPU, reason="the small tile is what the simulator runs already")
+@gpu_only("the small tile is what the simulator runs already")
 @pytest.mark.parametrize("mode", MODES)
 def test_matmul_small_tile_on_gpu(mode):
     _test(mode, "gf4", 45, 77, 264, tile=SIM_TILE, seed=2)

@@ -9,18 +9,16 @@ a load): they are held to the same tolerance against W times that x (matvec_x_re
 test_q_matvec_error_bound bounds their distance to W x by the rounding of x.
 """
 
-import os
-
 import numpy as np
 import pytest
 from device_weights import to_device
+from gpu import GPU
 from numba import cuda
 
 from pycalm.cpu.reference import X_GROUP, matvec_ref, matvec_x_ref, rmsnorm_ref, silu_ref, x_int16_ref
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
 from pycalm.model import formats
 
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 DTYPES = ["fp16", "fp8", "gf4", "q8", "q4", "q4/64"]
 # Rows of a multiple of 16 bytes take the 16-byte-load kernels (fp16 always; fp8 and q8 when cols
 # is a multiple of 16, gf4 of 32; q4 always), other rows the narrow fallbacks: 72 and 136

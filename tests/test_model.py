@@ -6,10 +6,9 @@ logits close: both engines read the same stored weights and round the KV cache t
 so the difference is float32 summation order only.
 """
 
-import os
-
 import numpy as np
 import pytest
+from gpu import gpu_only
 from tiny_models import make_hf_llama
 
 from pycalm.convert.main import convert
@@ -19,7 +18,7 @@ from pycalm.gpu.engine import EngineOptions, GpuEngine, step_bytes
 from pycalm.model.loader import open_model
 
 PROMPT = [5, 9]
-GPU_ONLY = pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")
+GPU_ONLY = gpu_only("simulator time")
 
 
 def tiny_model(tmp_path, arch: str, dtype: str, **kw):
@@ -65,9 +64,7 @@ def test_gpu_engine_matches_reference(tmp_path, arch, dtype, kv):
     assert got == want and len(got) == 2  # no end-of-sequence token: the step at 2 ran
 
 
-@pytest.mark.skipif(
-    os.environ.get("PYCALM_TEST_GPU") != "1", reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)"
-)
+@gpu_only("realistic shapes")
 @pytest.mark.parametrize(
     "dtype,programmatic", [("fp16", False), ("fp8", False), ("gf4", False), ("fp8", True), ("gf4", True)]
 )
@@ -237,7 +234,7 @@ def test_prefill_buffers_checked_before_allocating(tmp_path, monkeypatch, arch):
             Prefill(engine, 64)
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="a real GPU's memory: GPU only")
+@gpu_only("a real GPU's memory")
 def test_context_larger_than_the_gpu(tmp_path):
     """A context of 10**7 positions on a tiny model whose KV rows are wide (6 layers of 8 heads
     of 256: 245 GB of fp8 keys and values) is refused before allocating, in one line."""
@@ -298,7 +295,7 @@ def test_check_finite_engine(tmp_path):
     assert GpuEngine(model, seq_len=8, kv_dtype="fp16").finite_flag is None  # off by default
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")
+@GPU_ONLY
 def test_check_finite_generate(tmp_path):
     """Greedy generation with a NaN in the embedding row of a token it samples (the first that
     is new, at index j): the step that feeds it, at position len(prompt) + j, step j + 2 of the

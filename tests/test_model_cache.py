@@ -17,6 +17,7 @@ from tiny_models import make_gguf
 
 from pycalm.app import cache as model_cache
 from pycalm.app.fetch import KNOWN_MODELS
+from pycalm.paths import STALE_TMP_S
 
 ARGS = ("-i", "the", "-n", "2", "-t", "0", "--device", "cpu")
 
@@ -91,7 +92,7 @@ def test_a_conversion_killed_hard_leaves_no_tmp_for_good(tiny_gguf, tmp_path):
     old_download = cache / "tmpk1ll3d"  # an older pycalm's download folder, killed hard
     old_download.mkdir()
     (old_download / "model.gguf").write_bytes(b"GGUF")
-    hour_ago = time.time() - model_cache.STALE_TMP_S - 60
+    hour_ago = time.time() - STALE_TMP_S - 60
     for p in (left, old_download):
         os.utime(p, (hour_ago, hour_ago))
     assert converted(run(tiny_gguf, *ARGS, "--cache-dir", cache))

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from pycalm.app.generate import run_perplexity
+from pycalm.convert import calibrate
 from pycalm.cpu.engine import CpuEngine
 from pycalm.cpu.reference import ReferenceEngine
 from pycalm.cpu.sampler import SamplingParams
@@ -140,6 +141,7 @@ def test_quantized_smollm2_knows_paris(dtype, request):
 
 
 def _perplexity(path: Path, capsys: pytest.CaptureFixture[str]) -> float:
+    """The CLI's -x: run_perplexity on the CPU engine."""
     model, tok = _open(path)
     engine = CpuEngine(model, seq_len=512)
     capsys.readouterr()
@@ -151,17 +153,28 @@ def _perplexity(path: Path, capsys: pytest.CaptureFixture[str]) -> float:
     return float(m.group(1))
 
 
+def _perplexity_all_rows(path: Path) -> float:
+    """The same text's perplexity from one forward over all its rows (pycalm.convert.calibrate)."""
+    model, tok = _open(path)
+    ids = tok.encode(PPL_TEXT.read_text(encoding="utf-8"), add_bos=True)
+    return math.exp(calibrate.mean_nll(model.config, calibrate.model_weights(model), ids))
+
+
 def test_perplexity_fp16_fp8_gf4(smollm2_fp16, smollm2_fp8, smollm2_gf4, capsys):
-    """Measured on tests/data/ppl.txt (295 tokens): fp16 22.26, fp8 24.56, gf4 43.50."""
+    """Measured on tests/data/ppl.txt (295 tokens): fp16 22.26, fp8 24.56, gf4 43.50. The CLI's
+    -x scores fp16; all rows at once give the same to 2e-3 (float32 sums in another order) and
+    score fp8 and gf4, whose CPU engine path test_quantized_smollm2_knows_paris runs."""
+    cli = _perplexity(smollm2_fp16, capsys)
     ppl = {
-        d: _perplexity(p, capsys)
+        d: _perplexity_all_rows(p)
         for d, p in (("fp16", smollm2_fp16), ("fp8", smollm2_fp8), ("gf4", smollm2_gf4))
     }
     with capsys.disabled():
         print(
-            f"\nSmolLM2-135M perplexity on {PPL_TEXT.name}: "
-            + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items())
+            f"\nSmolLM2-135M perplexity on {PPL_TEXT.name}: -x {cli:.4f}; all rows "
+            + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items())
         )
+    assert cli == pytest.approx(ppl["fp16"], abs=2e-3)
     assert all(math.isfinite(v) for v in ppl.values())
     # an instruct model of 135M parameters on plain English prose: well above 1, well below 40
     assert 10 < ppl["fp16"] < 30

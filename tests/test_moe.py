@@ -25,7 +25,6 @@ their NumPy references in the middle section.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from device_weights import to_device
+from gpu import GPU, gpu_only
 from numba import cuda
 from tiny_models import TinyModel, make_hf_llama, write_safetensors
 
@@ -61,8 +61,7 @@ TOKENS = [5, 17, 3, 42, 9, 30]
 # The GPU engine (fp16 KV; it has no float32 cache): measured 2.6e-7 / 3.5e-7 on the first two
 # positions under the simulator (the CPU engine: 3.1e-7 / 2.2e-7), float32 arithmetic in another
 # order only, so the CPU engine's bound holds for it too.
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
-GPU_ONLY = pytest.mark.skipif(not GPU, reason="simulator time: GPU only")
+GPU_ONLY = gpu_only("simulator time")
 ENGINES = [("cpu", "fp32", 1e-5), ("cpu", "fp16", 1e-5), ("gpu", "fp16", 1e-5)]
 # positions the GPU engine runs under the simulator: the first (whose routing at layer 0 the
 # forced-experts test crafts) and the second (a second KV row, routes that differ from the first)

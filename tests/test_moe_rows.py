@@ -10,11 +10,10 @@ products exact, so the kernel differs from the reference by the order of the flo
 (1e-5 of the |X| |W|^T sum) and, for the gate's fp16 output, one fp16 rounding.
 """
 
-import os
-
 import numpy as np
 import pytest
 from device_weights import to_device
+from gpu import gpu_only
 from numba import cuda
 
 from pycalm.cpu.reference import (
@@ -31,7 +30,6 @@ from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
 from pycalm.kernels.rows import ExpertRows, RowRoutes, moe_group
 from pycalm.model import formats
 
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 RTOL = 1e-5
 
 
@@ -160,7 +158,7 @@ def test_expert_matmul_and_combine(dtype):
         np.testing.assert_allclose(x0[t] + want_y[t * k], y_tok, rtol=1e-5, atol=1e-5 * np.abs(y_tok).max())
 
 
-@pytest.mark.skipif(not GPU, reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)")
+@gpu_only("realistic shapes")
 @pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4"])
 def test_expert_matmul_mixtral_shape(dtype):
     """Mixtral-like: dim 4096, hidden_dim 14336 (a slice of it: 1432; q8 / q4: 1440, whole

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from gpu import gpu_only
 
 from pycalm.gpu import precompile
 from pycalm.gpu.engine import EngineOptions
@@ -235,7 +236,7 @@ print("RESULT" + json.dumps(dict(before=before, end=cache.cached_kernels(), comp
 """
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="numba compiles only on a GPU")
+@gpu_only("numba compiles only on a GPU")
 def test_cold_run_with_workers_leaves_everything_in_the_cache(tmp_path):
     """A cold engine: its workers compile every kernel the run launches (the engine itself compiles
     none after them), and a second process compiles nothing and gives the same tokens."""

@@ -12,10 +12,9 @@ Shapes stay tiny (1-2 layers, dim 32, vocab 64, head_dim 16 for the prefill atte
 loads): a tensor-core matmul launch costs about a second under the simulator.
 """
 
-import os
-
 import numpy as np
 import pytest
+from gpu import GPU, gpu_only
 from tiny_models import make_hf_llama
 
 from pycalm.app.perplexity import mean_nll
@@ -41,8 +40,7 @@ from pycalm.gpu.engine import EngineOptions, GpuEngine
 from pycalm.model import formats
 from pycalm.model.loader import open_model
 
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
-GPU_ONLY = pytest.mark.skipif(not GPU, reason="realistic shapes: GPU only (PYCALM_TEST_GPU=1)")
+GPU_ONLY = gpu_only("realistic shapes")
 SEQ_LEN = 32
 GREEDY = SamplingParams(temperature=0.0)
 

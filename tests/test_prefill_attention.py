@@ -14,10 +14,9 @@ the tensor cores as two fp16 parts each (pycalm.kernels.prefill_attention), whic
 tolerance holds.
 """
 
-import os
-
 import numpy as np
 import pytest
+from gpu import GPU
 from numba import cuda
 
 from pycalm.cpu.reference import attention_ref, prefill_attention_ref
@@ -31,8 +30,6 @@ from pycalm.kernels.prefill_attention import (
 )
 from pycalm.model import formats
 from pycalm.model.config import ModelConfig
-
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 
 
 def config(n_heads, n_kv_heads, head_dim, window=0):

@@ -8,10 +8,9 @@ rows than a block's threads for the expert grouping. With PYCALM_TEST_GPU=1 the 
 the GPU, plus real-model sizes.
 """
 
-import os
-
 import numpy as np
 import pytest
+from gpu import GPU
 from numba import cuda
 
 from pycalm.cpu.reference import (
@@ -41,8 +40,6 @@ from pycalm.kernels.rows import (
 )
 from pycalm.model import formats
 from pycalm.model.config import ModelConfig
-
-GPU = os.environ.get("PYCALM_TEST_GPU") == "1"
 
 
 def config(n_heads=2, n_kv_heads=1, head_dim=8, n_experts=0, k=0):

@@ -9,10 +9,10 @@ position changes the tokens. With PYCALM_TEST_GPU=1 a second test runs the real 
 """
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
+from gpu import gpu_only
 from tiny_models import make_hf_llama
 
 from pycalm.convert.main import convert
@@ -167,7 +167,7 @@ def test_prepare_captures_one_step_a_span(tiny):
     assert engine.trace == []  # the simulator's eager steps run nothing until launched
 
 
-@pytest.mark.skipif(os.environ.get("PYCALM_TEST_GPU") != "1", reason="simulator time: GPU only")
+@gpu_only("simulator time")
 def test_real_step_lookahead_matches_round_trip_over_a_long_run(tiny):
     """The real token step (graphs on the GPU), 150 tokens across four attention spans: the same
     tokens, and the same state after, with a round trip a token and with steps enqueued ahead."""
