@@ -3,10 +3,12 @@ references, under the CUDA simulator (and on the GPU with PYCALM_TEST_GPU=1).
 
 Each kernel at small odd shapes, in every weight format and both KV formats; the engine on
 the simple kernels against the CPU engine on tiny random models: the token step's logits close
-(float32 summation order only), the prompt pass's within its fp16 activations' rounding, greedy
-and sampled tokens equal. The simulator runs each format once (1 layer, about 5 s a token
-step); the GPU runs every architecture and format. Last, every simple kernel compiles for sm_90
-without a GPU, with no float64 in its PTX (a worker process, the simulator off).
+(float32 summation order only, over the same cached values), the prompt pass's to its own
+rounding in NumPy and to the CPU engine within what that rounding moves, greedy and sampled
+tokens the same wherever a near tie cannot split them. The simulator runs each format once (1
+layer, about 5 s a token step); the GPU runs every architecture and format. Last, every simple
+kernel compiles for sm_90 without a GPU, with no float64 in its PTX (a worker process, the
+simulator off).
 """
 
 import json
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 from device_weights import to_device
 from numba import cuda
+from test_prefill import check_kv, decoded, prefill_ref, rel_l2
 from tiny_models import make_hf_llama
 
 from pycalm.convert.main import convert
@@ -35,7 +38,7 @@ from pycalm.cpu.reference import (
     sample_ref,
     silu_ref,
 )
-from pycalm.cpu.sampler import SamplingParams
+from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.engine import EngineOptions, GpuEngine
 from pycalm.kernels.attention import KVCache
@@ -139,9 +142,10 @@ def test_matmul(dtype, n_rows, n, cols):
     y = cuda.to_device(np.full((n_rows, n), np.nan, np.float32))
     matmul(cuda.to_device(x), to_device(w), y, dtype, stream=STREAM)
     scale = np.abs(x.astype(np.float32)) @ np.abs(wd).T
-    # fp16, fp8, gf4 weights are exact in fp16; q8 and q4 are rounded to it (2**-11 relative)
-    rounding = 2.0**-11 if dtype in formats.QUANTIZED else 0.0
-    assert np.all(np.abs(y.copy_to_host() - matmul_ref(x, w, dtype)) <= (1e-5 + rounding) * scale)
+    # the tensor cores' operands: fp16, fp8 and gf4 weights and q8's codes are exact in fp16 (q8's
+    # row scale multiplies the sums); a q4 weight d q + m is rounded to it, the kernel's rounding
+    wt = formats.fp16_encode(wd).astype(np.float32) if dtype == "q4" else wd
+    assert np.all(np.abs(y.copy_to_host() - matmul_ref(x, wt, "fp32")) <= 1e-5 * scale)
 
 
 @pytest.mark.parametrize("kv,rotary_dim,bias", [("fp16", 8, True), ("fp8", 6, False)])
@@ -251,37 +255,129 @@ def cases(sim: list[tuple]) -> list:
     return sim + [pytest.param(*c, marks=GPU_ONLY) for c in ALL_CASES if c not in sim]
 
 
+class GpuRows(np.ndarray):
+    """A reference engine's KV cache (n_layers, seq_len, kv_dim) that reads as the GPU's rows;
+    the engine's own writes are kept aside, in .written[layer, pos]."""
+
+    def __setitem__(self, key, value) -> None:
+        self.written[key] = np.asarray(value, np.float32)
+
+
+def over(cpu: CpuEngine, gpu: GpuEngine) -> CpuEngine:
+    """cpu attending over gpu's KV cache as it stands (GpuRows): the same cached values, so its
+    logits differ from the GPU step's by float32 summation order only. With its own cache, a k or
+    v whose float32 lies within a few ulps of a rounding midpoint of the cache's format may be
+    stored as the other neighbour on the GPU: one fp16 step of one key (layer 0, position 1,
+    2.9e-7 from the midpoint) moved qwen2-q8-fp16's logits by 1.6e-3 (2.4e-4 of the largest) on
+    the H200, and that flip in NumPy moves them by the same vector (and the next layer's keys
+    and values by up to 2e-3, two fp16 steps)."""
+    for name, side in (("key_cache", "k"), ("value_cache", "v")):
+        rows = np.stack([decoded(getattr(c, side), gpu.kv_dtype) for c in gpu.kv_caches]).view(GpuRows)
+        rows.written = {}
+        setattr(cpu.ref, name, rows)
+    return cpu
+
+
+def check_rows(got: np.ndarray, want: np.ndarray, kv: str) -> None:
+    """KV cache rows against reference rows rounded the same way from float32 a few ulps apart:
+    each element the same value or a neighbour in the cache's format (a float32 near a rounding
+    midpoint), and at most 1 in 8 not the same (a rounding that is off is off by a step often)."""
+    step, tiny = (2.0**-10, 2.0**-24) if kv == "fp16" else (2.0**-2, 2.0**-16)  # a neighbour, relative
+    np.testing.assert_allclose(got, want, rtol=step, atol=tiny)
+    assert np.mean(got != want) <= 1 / 8
+
+
+def gpu_rows(gpu: GpuEngine, rows: slice | int) -> np.ndarray:
+    """The GPU's KV cache rows, (2 n_layers, ...) float32: each layer's keys, then its values."""
+    return np.stack([decoded(getattr(c, side), gpu.kv_dtype)[rows] for side in "kv" for c in gpu.kv_caches])
+
+
+def check_greedy(model, kv: str, gpu: GpuEngine, fed: int, pos: int, got: list[int], n: int) -> None:
+    """got: the n greedy tokens gpu.generate gave after `fed` at `pos` (fewer after an end of
+    sequence). Each is the argmax of the CPU engine's logits over the GPU's cache (`over`) up to
+    twice 2e-4 of their largest (the step's bound, test_engine_token_step: within it the two
+    engines may order a near tie either way); where the CPU's top two are further apart, the
+    argmax itself. At least 3 in 4 steps must be such clear ones, or the check says little."""
+    assert len(got) == n or (got and got[-1] in model.config.eos_ids)
+    cpu, clear = over(CpuEngine(model, seq_len=gpu.seq_len, kv_dtype=kv), gpu), 0
+    for i, (token, want) in enumerate(zip([fed, *got[:-1]], got, strict=True)):
+        logits = cpu.logits(token, pos + i)
+        tol = 4e-4 * np.abs(logits).max()
+        assert logits[want] >= logits.max() - tol
+        clear += int(np.sort(logits)[-2] < logits.max() - tol)
+    assert clear >= len(got) - len(got) // 4
+
+
 @pytest.mark.parametrize("arch,dtype,kv", cases(SIM_CASES))
 def test_engine_token_step(tmp_path, arch, dtype, kv):
-    """The token step's logits at positions 0 and 1, then a greedy token at 2 (through generate's
-    decode loop: the argmax kernel's token)."""
+    """The token step's logits at positions 0 and 1 against the CPU engine over the GPU's cache
+    (`over`: float32 summation order only, 2e-4 of the largest), and the cache row each step
+    wrote against the CPU's from the same cache (check_rows); then greedy tokens from position
+    2 through generate's decode loop (the argmax kernel's), check_greedy."""
     model = tiny_model(tmp_path, arch, dtype, LAYERS)
-    cpu = CpuEngine(model, seq_len=8, kv_dtype=kv)
     gpu = GpuEngine(model, seq_len=8, kv_dtype=kv, options=SIMPLE)
     for pos, tok in enumerate([5, 9]):
-        want, got = cpu.logits(tok, pos), gpu.logits(tok, pos)
+        got = gpu.logits(tok, pos)
+        cpu = over(CpuEngine(model, seq_len=8, kv_dtype=kv), gpu)
+        want = cpu.logits(tok, pos)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
+        written = [getattr(cpu.ref, name).written[layer, pos] for name in ("key_cache", "value_cache")
+                   for layer in range(model.config.n_layers)]  # fmt: skip
+        check_rows(gpu_rows(gpu, pos), np.stack(written), kv)
     n = 4 if GPU else 1
-    want = list(cpu.generate([12], 2, n, GREEDY))
-    assert list(gpu.generate([12], 2, n, GREEDY)) == want and want
+    check_greedy(model, kv, gpu, 12, 2, list(gpu.generate([12], 2, n, GREEDY)), n)
+
+
+def tensor_core_weights(cpu: CpuEngine) -> CpuEngine:
+    """cpu (a CpuEngine) multiplying by the weights the tensor cores take (pycalm.kernels.simple.
+    matmul): q4 matrices rounded to fp16; the other formats' weights, and q8's codes, are exact."""
+    ref, cfg = cpu.ref, cpu.config
+    names = [f"layers.{i}.{m}" for i in range(cfg.n_layers) for m in ("wqkv", "wo", "w1", "w3", "w2")]
+    for name in (n for n in names if cfg.dtype_of(n) == "q4"):
+        ref._decoded[name] = formats.fp16_encode(ref._w(name)).astype(np.float32)
+    if cfg.dtype_of("tok_embeddings" if cfg.tied_embeddings else "output") == "q4":
+        ref.output = formats.fp16_encode(ref.output).astype(np.float32)
+    return cpu
 
 
 @pytest.mark.parametrize("arch,dtype,kv", cases([("qwen2", "gf4", "fp8")]))
 def test_engine_prompt_pass(tmp_path, arch, dtype, kv):
-    """A 4-token prompt through the prompt pass (the mma-tile matmuls) in chunks of 3 rows: its
-    logits within the fp16 activations' rounding of the CPU's (relative L2 2e-3, as the fast
-    prefill); then generate (the prompt but its last token through the prompt pass) gives the
-    CPU's greedy tokens."""
-    model = tiny_model(tmp_path, arch, dtype, LAYERS)
+    """A 4-token prompt through the prompt pass (the mma-tile matmuls) in chunks of 3 rows, one
+    layer (as tests/test_prefill.py), then generate (the prompt but its last token through the
+    prompt pass), check_greedy.
+
+    1. Against its own rounding in NumPy (test_prefill.prefill_ref: fp16 activations into the
+    matmuls, q4 weights rounded to fp16, q8 codes exact, as the simple and the fast matmul both
+    do): relative L2 2e-3, and its cache rows (check_rows: one layer, so each row comes from its
+    own token's activations alone). fp8 KV: attending over the pass's cache, whose e5m2 rounding
+    turns a few-ulp difference into a 12-25% step now and then.
+
+    2. Against the CPU engine (float32 throughout; fp8 KV: over the pass's cache, as 1.): the
+    logits move by what the pass rounds. The fp16 activations (xb, att, h and the classifier's
+    xb, 2**-11 relative each) move them by at most 1.6e-3 in this model (NumPy: every format and
+    KV format, three prompts), 2e-3 allowed, as for the fast prefill. q4's weights rounded to
+    fp16 move them too, by d = rel_l2(the CPU engine on those weights, the CPU engine), 1.1e-3 to
+    1.6e-3 here: the bound is 2e-3 + d (the triangle inequality; d = 0 for the other formats).
+    Two layers double the activations' share (up to 3.5e-3 in NumPy for other prompts), hence
+    one."""
+    model = tiny_model(tmp_path, arch, dtype)
     prompt = [7, 3, 24, 9]
-    cpu = CpuEngine(model, seq_len=10, kv_dtype=kv)
-    want = np.stack([cpu.logits(t, pos) for pos, t in enumerate(prompt)])
     gpu = GpuEngine(model, seq_len=10, kv_dtype=kv, options=EngineOptions(kernels="simple", prefill_chunk=3))
     got = np.concatenate(list(gpu.prefill_logits(prompt, 0)))
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+    want, keys, values = prefill_ref(model, kv, prompt, over=gpu if kv == "fp8" else None)
+    assert rel_l2(got, want) < 2e-3
+    check_rows(gpu_rows(gpu, slice(0, len(prompt))), np.concatenate([keys, values]), kv)
+
+    def cpu_logits(cpu: CpuEngine) -> np.ndarray:
+        cpu = over(cpu, gpu) if kv == "fp8" else cpu
+        return np.stack([cpu.logits(t, pos) for pos, t in enumerate(prompt)])
+
+    cpu = cpu_logits(CpuEngine(model, seq_len=10, kv_dtype=kv))
+    d = rel_l2(cpu_logits(tensor_core_weights(CpuEngine(model, seq_len=10, kv_dtype=kv))), cpu)
+    assert d == 0 or dtype == "q4"
+    assert rel_l2(got, cpu) < 2e-3 + d
     n = 4 if GPU else 1
-    want_tokens = list(CpuEngine(model, seq_len=10, kv_dtype=kv).generate(prompt, 0, n, GREEDY))
-    assert list(gpu.generate(prompt, 0, n, GREEDY)) == want_tokens
+    check_greedy(model, kv, gpu, prompt[-1], len(prompt) - 1, list(gpu.generate(prompt, 0, n, GREEDY)), n)
 
 
 def test_engine_sampled(tmp_path):
@@ -296,36 +392,66 @@ def test_engine_sampled(tmp_path):
     assert gpu.state.copy_to_host()[[STATE_TOKEN, STATE_POS]].tolist() == [want[-1], 2]
 
 
+def stepped_logits(gpu: GpuEngine, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
+    """The logits of gpu's token steps along prompt + tokens from position len(prompt) - 1 (the
+    prompt but its last token through the prompt pass first), as generate computes them."""
+    gpu.prefill(prompt[:-1], 0)
+    return [gpu.logits(t, len(prompt) - 1 + i) for i, t in enumerate([prompt[-1], *tokens[:-1]])]
+
+
 @GPU_ONLY
 def test_engine_sampled_matches_the_fast_engine(tmp_path):
-    """The fast engine's sampling kernel and the simple engine's host draw take the same coins:
-    the same tokens, at several settings (a coin within ~1e-6 of a boundary between two tokens
-    could split them: the kernel sums in float32; these seeds do not). fp16 weights: the fast q8
-    and q4 matvecs round x to 16-bit integers, the simple ones do not."""
+    """The fast engine's sampling kernel and the simple engine's host draw take the same coins.
+    Each step's logits differ between the engines (summation orders, and a cache value may round
+    to another neighbour), so a draw whose coin lies near a boundary of the distribution may
+    split them: along the fast engine's tokens, a step is compared where sample_ref gives one
+    token for both engines' logits and the coin moved by 1e-5 either way (the kernel's float32
+    coin and sums), and that token must be the fast engine's; the simple engine's tokens must
+    be the fast one's up to the first step that is not. 8 of each setting's 10 steps at least.
+    fp16 weights: the fast q8 and q4 matvecs round x to 16-bit integers, the simple ones do not."""
     model = tiny_model(tmp_path, "qwen2", "fp16", 2)
     prompt = [7, 3, 24]
+    fast, simple = GpuEngine(model, seq_len=16), GpuEngine(model, seq_len=16, options=SIMPLE)
     for hot in (
         SamplingParams(0.8, seed=1),
         SamplingParams(1.2, top_k=8, seed=2),
         SamplingParams(1.0, top_p=0.7, seed=3),
     ):
-        fast = list(GpuEngine(model, seq_len=16).generate(prompt, 0, 10, hot))
-        simple = list(GpuEngine(model, seq_len=16, options=SIMPLE).generate(prompt, 0, 10, hot))
-        assert simple == fast
+        want = list(fast.generate(prompt, 0, 10, hot))
+        got = list(simple.generate(prompt, 0, 10, hot))
+        assert len(want) == 10  # no end of sequence
+        sampler = Sampler(hot.temperature, hot.top_k, hot.top_p, hot.min_p, hot.seed)
+        decided = []
+        fast_logits, simple_logits = stepped_logits(fast, prompt, want), stepped_logits(simple, prompt, want)
+        for token, *logits in zip(want, fast_logits, simple_logits, strict=True):
+            coin = sampler.next_coin()
+            draws = {sample_ref(x, hot.temperature, hot.top_k, hot.top_p, hot.min_p, c)
+                     for x in logits for c in (coin - 1e-5, coin, coin + 1e-5)}  # fmt: skip
+            decided.append(len(draws) == 1)
+            assert not decided[-1] or draws == {token}
+        assert sum(decided) >= 8
+        first = decided.index(False) if False in decided else 10
+        assert got[:first] == want[:first]
 
 
 @GPU_ONLY
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_realistic_shape(tmp_path, dtype):
-    """Many blocks a kernel, GQA 8:1, head_dim 128, a 150-token prompt (the prompt pass in
-    chunks of 64 rows), then 8 greedy tokens: the CPU engine's."""
+    """Many blocks a kernel, GQA 8:1, head_dim 128, a 150-token prompt through the prompt pass
+    in chunks of 64 rows: its logits against its own rounding in NumPy (test_prefill.prefill_ref,
+    relative L2 2e-3) and its cache rows (test_prefill.check_kv, which allows for rows that
+    RoPE's cancellation leaves small); then 8 greedy tokens, check_greedy."""
     tiny = make_hf_llama(tmp_path, arch="llama", dim=1024, hidden_dim=2816, n_layers=2, n_heads=8, n_kv_heads=1,
                          vocab_size=4096)  # fmt: skip
     model = open_model(convert(tiny.path, tmp_path / f"big-{dtype}.pycalm", dtype, progress=False))
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 4096, 150)]
-    want = list(CpuEngine(model, seq_len=160).generate(prompt, 0, 8, GREEDY))
     gpu = GpuEngine(model, seq_len=160, options=EngineOptions(kernels="simple", prefill_chunk=64))
-    assert list(gpu.generate(prompt, 0, 8, GREEDY)) == want
+    got = np.concatenate(list(gpu.prefill_logits(prompt, 0)))
+    want, keys, values = prefill_ref(model, "fp16", prompt)
+    assert rel_l2(got, want) < 2e-3
+    for got_rows, want_rows in zip(gpu_rows(gpu, slice(0, 150)), np.concatenate([keys, values]), strict=True):
+        check_kv(got_rows, want_rows, "fp16")
+    check_greedy(model, "fp16", gpu, prompt[-1], 149, list(gpu.generate(prompt, 0, 8, GREEDY)), 8)
 
 
 def test_engine_refuses_what_it_does_not_take(tmp_path):

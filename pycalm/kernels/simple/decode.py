@@ -1,8 +1,9 @@
 """Weight (r, c) of a stored matrix as float32: one device function a format.
 
-Every simple kernel that reads weights (embed, matvec, matmul) calls `DECODE[dtype](w, scales,
-r, c)`, and attention reads the fp16 / fp8 KV cache through the same two functions. The formats
-are pycalm.model.formats (the bit-level spec; formats.decode is the NumPy twin of each):
+Every simple kernel that reads weights (embed, matvec, matmul; the matmul's q8 aside, below)
+calls `DECODE[dtype](w, scales, r, c)`, and attention reads the fp16 / fp8 KV cache through the
+same two functions. The formats are pycalm.model.formats (the bit-level spec; formats.decode is
+the NumPy twin of each):
 
     fp16  w (rows, cols) float16                      float32(w[r, c])
     fp8   w (rows, cols) uint8, e5m2                  e5m2_to_f32(w[r, c])
@@ -14,6 +15,10 @@ are pycalm.model.formats (the bit-level spec; formats.decode is the NumPy twin o
 
 Every decode is exact (the same float32 as formats.decode). It decodes one weight and reads its
 word again for the next: the fast kernels (pycalm.kernels.common) decode a whole word at once.
+
+The tensor-core matmul takes fp16 operands, where s * code of a q8 weight would lose up to 20
+of its 31 bits: it takes the code (exact in fp16) from MMA_OPERAND and multiplies the row's
+float32 sum by its scale (ROW_SCALE; 1 for the other formats), as the fast matmul does.
 """
 
 from __future__ import annotations
@@ -66,6 +71,26 @@ def decode_q4(w, scales, r, c):  # noqa: ANN001, ANN201
 
 
 DECODE = {"fp16": decode_fp16, "fp8": decode_fp8, "gf4": decode_gf4, "q8": decode_q8, "q4": decode_q4}
+
+
+@cuda.jit(device=True, inline=True)
+def code_q8(w, scales, r, c):  # noqa: ANN001, ANN201
+    return float32(w[r, c])
+
+
+@cuda.jit(device=True, inline=True)
+def unscaled(scales, r):  # noqa: ANN001, ANN201
+    return float32(1.0)
+
+
+@cuda.jit(device=True, inline=True)
+def scale_q8(scales, r):  # noqa: ANN001, ANN201
+    return scales[r] if r < scales.shape[0] else float32(0.0)
+
+
+# the matmul's fp16 operand for W[r, c], and what row r's sums are multiplied by
+MMA_OPERAND = {**DECODE, "q8": code_q8}
+ROW_SCALE = {d: scale_q8 if d == "q8" else unscaled for d in DECODE}
 
 
 def arrays(w: object, dtype: str) -> tuple[object, object]:

@@ -14,8 +14,10 @@ back. With g = lane / 4 and t = lane % 4 (tensorcore's docstring draws it):
     C, D: rows g and g + 8 of Y's tile, columns 2t and 2t + 1
 
 Every element is read with a bounds check (zero outside), so T, N and K can be anything. Each
-weight is decoded to float32 and rounded to fp16 (pack_f16x2), the tensor cores' input: exact
-for fp16, fp8 and gf4; q8 and q4 weights are rounded once, 2**-11 relative.
+weight is decoded to float32 and rounded to fp16 (pack_f16x2), the tensor cores' input, as the
+fast matmul does: exact for fp16, fp8 and gf4; a q4 weight d q + m is rounded once (2**-11
+relative); a q8 weight enters as its code (exact) and Y's column n, a sum over W's row n, is
+multiplied by that row's scale at the end (decode.MMA_OPERAND, ROW_SCALE).
 
 Bytes moved: W once a 16-row tile of X (ceil(T / 16) times, mostly from L2), X once an 8-column
 tile of W, Y written. The fast matmul (pycalm.kernels.matmul) stages 128 x 128 tiles in shared
@@ -28,7 +30,7 @@ import functools
 
 from numba import cuda, float32
 
-from pycalm.kernels.simple.decode import DECODE, arrays
+from pycalm.kernels.simple.decode import MMA_OPERAND, ROW_SCALE, arrays
 from pycalm.kernels.tensorcore import mma_16816, pack_f16x2
 
 
@@ -52,11 +54,11 @@ def y_pair(y, r, c, v0, v1):  # noqa: ANN001, ANN201
 @functools.cache
 def matmul_kernel(dtype: str) -> object:
     """The kernel for one weight format."""
-    decode = DECODE[dtype]
+    decode, row_scale = MMA_OPERAND[dtype], ROW_SCALE[dtype]
 
     @cuda.jit(device=True, inline=True)
     def w_pair(w, scales, n, k, n_rows, K):  # noqa: ANN001, ANN202
-        """W[n, k] and W[n, k + 1] decoded, as one word of two fp16 (zero outside W)."""
+        """W[n, k] and W[n, k + 1] (q8: their codes), as one word of two fp16 (zero outside W)."""
         a = decode(w, scales, n, k) if n < n_rows and k < K else float32(0.0)
         b = decode(w, scales, n, k + 1) if n < n_rows and k + 1 < K else float32(0.0)
         return pack_f16x2(a, b)
@@ -74,8 +76,9 @@ def matmul_kernel(dtype: str) -> object:
             b0, b1 = w_pair(w, scales, n, k, N, K), w_pair(w, scales, n, k + 8, N, K)
             c0, c1, c2, c3 = mma_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)  # the whole warp
         col = 8 * cuda.blockIdx.y + 2 * t  # this lane's columns of Y: col, col + 1
-        y_pair(y, r, col, c0, c1)
-        y_pair(y, r + 8, col, c2, c3)
+        s0, s1 = row_scale(scales, col), row_scale(scales, col + 1)  # q8: W's row scales
+        y_pair(y, r, col, c0 * s0, c1 * s1)
+        y_pair(y, r + 8, col, c2 * s0, c3 * s1)
 
     return matmul_kernel
 
