@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from gpu import gpu_only
+from gpu import GPU, gpu_only
 
 from pycalm.gpu import precompile
 from pycalm.gpu.engine import EngineOptions
@@ -205,6 +205,7 @@ def test_a_group_is_marked_once_every_kernel_in_it_is_done(tmp_path):
     assert all(m.exists() for m in markers.values())
 
 
+@pytest.mark.skipif(GPU, reason="the simulator's case")
 def test_nothing_starts_under_the_simulator():
     assert precompile.start(_config(), 64, "fp16", EngineOptions()) is None
 

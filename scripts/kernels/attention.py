@@ -513,7 +513,7 @@ def main() -> None:
                     scratch = attention_scratch(n_heads, head_dim, kv_dtype, seq_len, stream=stream)
                 else:
                     scratch = tuned_scratch(n_heads, head_dim, kv_dtype, seq_len, tuning, stream)
-                for n_pos in (*positions, scratch.chunk + 1):
+                for n_pos in (*positions, min(scratch.chunk + 1, seq_len)):  # past one chunk where it fits
                     span = attention_span(n_pos - 1, scratch.chunk, seq_len)  # the engine's grid
                     err = (
                         check(q_host, caches[0], cfg, scratch, n_pos, span)
