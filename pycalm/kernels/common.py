@@ -480,6 +480,8 @@ def gf4_dot8_raw(
     decoder)."""
     w = int32(w)
     u = sar32(w, 12)  # codes 5..7 moved down so that their mantissa fits
+    # line k: code k sits at bit p = 8 + 3k (p - 12 in u for k >= 5); mask 7 << p, exponent field
+    # (150 - p) << 23 (the float 2**(23 - p) + q: the code's unit is 1), minus 2**(23 - p) + 4
     acc = (as_f32(and_or(w, int32(0x700), int32(142 << 23))) - float32(2.0**15 + 4.0)) * x0
     acc += (as_f32(and_or(w, int32(0x3800), int32(139 << 23))) - float32(2.0**12 + 4.0)) * x1
     acc += (as_f32(and_or(w, int32(0x1C000), int32(136 << 23))) - float32(2.0**9 + 4.0)) * x2
