@@ -50,6 +50,10 @@ def server(smollm2_fp16, tmp_path_factory):
                 "cpu",
                 "-c",
                 "512",
+                "--alias",
+                "smollm2",  # the README's name
+                "--alias",
+                "m",
             ],
             stdout=err,
             stderr=subprocess.STDOUT,
@@ -238,6 +242,60 @@ def test_bad_requests(server, client):
         client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "hi"}])
     r = httpx.post(server["url"] + "/v1/completions", content=b"{not json", timeout=30)
     assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404_and_aliases_answer(server, client):
+    """A `model` other than the one served (or an --alias of it) gets OpenAI's 404,
+    model_not_found, streaming or not; the served name and each alias answer."""
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=1, stream=stream)
+        err = e.value.response.json()["error"]
+        assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"]
+    served = client.models.list().data[0].id
+    for name in (served, "smollm2", "m"):
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=1, temperature=0)
+        assert out.choices[0].text and out.model == served
+
+
+def test_api_key(smollm2_fp16, tmp_path):
+    """--api-key: every endpoint but /health asks for the key (401, invalid_api_key, through the
+    openai client); with it, requests are served."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pycalm.serve", str(smollm2_fp16), "--port", str(port), "--device", "cpu"]
+    with open(tmp_path / "server.log", "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "-c", "64", "--api-key", "sesame"],
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:  # no key needed
+                    break
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="open", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as e:
+            wrong.completions.create(model="m", prompt=PROMPT, max_tokens=1)
+        assert e.value.response.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        assert httpx.get(f"{url}/metrics", timeout=5).status_code == 401
+        right = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        served = right.models.list().data[0].id
+        out = right.completions.create(model=served, prompt=PROMPT, max_tokens=1, temperature=0)
+        assert out.choices[0].text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_disconnect_mid_stream_frees_the_engine(server, client):

@@ -25,6 +25,7 @@ token: the generation stops there and the next request starts.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
 import sys
@@ -321,8 +322,17 @@ class Worker(threading.Thread):
 # the app
 
 
-def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | None = None) -> object:
-    """The Starlette app over `worker` (started by on_startup or by the caller)."""
+def make_app(
+    worker: Worker,
+    model_name: str,
+    on_startup: Callable[[], None] | None = None,
+    aliases: tuple[str, ...] = (),
+    api_key: str | None = None,
+) -> object:
+    """The Starlette app over `worker` (started by on_startup or by the caller). A request's
+    `model`, where given, must be model_name or one of `aliases` (else OpenAI's 404,
+    model_not_found); with `api_key`, every endpoint but /health asks for
+    `Authorization: Bearer <api_key>` (else 401, invalid_api_key)."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
@@ -332,9 +342,22 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
 
     created = int(time.time())
 
+    served = {model_name, *aliases}  # the names a request's `model` may take
+
     def fail(e: BadRequest) -> JSONResponse:
-        kind = "invalid_request_error" if e.status == 400 else "unavailable_error"
+        kind = "invalid_request_error" if e.status < 500 else "unavailable_error"
         return JSONResponse(error_body(str(e), kind, e.param, e.code), status_code=e.status)
+
+    def authorized(request: HttpRequest) -> bool:
+        if api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+    def refused() -> JSONResponse:
+        return fail(
+            BadRequest("a valid API key is needed: Authorization: Bearer KEY", None, "invalid_api_key", 401)
+        )
 
     async def read_body(request: HttpRequest) -> dict:
         if worker.llm is None:
@@ -397,9 +420,18 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
 
     async def run(request: HttpRequest, chat: bool) -> object:
         path = request.url.path
+        if not authorized(request):
+            return refused()
         try:
             body = await read_body(request)
             r = parse_common(body)
+            if body.get("model") and body["model"] not in served:
+                raise BadRequest(
+                    f"the model '{body['model']}' does not exist: this server serves '{model_name}'",
+                    "model",
+                    "model_not_found",
+                    404,
+                )
             for name, off in (("logprobs", (None, False)), ("tools", (None, [])), ("echo", (None, False))):
                 _unsupported(body, name, off)
             if chat:
@@ -471,6 +503,8 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
         return await run(request, chat=False)
 
     async def models(request: HttpRequest) -> JSONResponse:
+        if not authorized(request):
+            return refused()
         entry = {"id": model_name, "object": "model", "created": created, "owned_by": "pycalm"}
         return JSONResponse({"object": "list", "data": [entry]})
 
@@ -480,6 +514,8 @@ def make_app(worker: Worker, model_name: str, on_startup: Callable[[], None] | N
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: HttpRequest) -> PlainTextResponse:
+        if not authorized(request):
+            return refused()
         return PlainTextResponse(worker.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @asynccontextmanager
@@ -542,6 +578,18 @@ def parse_args(argv: list[str] | None) -> Any:
         " step, slower prompts), so a request gives the same tokens however much of its prompt was cached",
     )
     ap.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name a request's 'model' may give (repeatable); any other name gets a 404",
+    )
+    ap.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every endpoint but /health asks for 'Authorization: Bearer KEY' (default: none asked)",
+    )
+    ap.add_argument(
         "--kernels",
         choices=("fast", "simple"),
         default="fast",
@@ -601,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
     worker = Worker(load_model, on_loaded)
-    app = make_app(worker, name, on_startup=start_loading)
+    app = make_app(worker, name, on_startup=start_loading, aliases=tuple(args.alias), api_key=args.api_key)
     # uvicorn's own lines only for warnings and errors: pycalm logs one line a request
     config = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=3)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **config))
