@@ -315,6 +315,21 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     assert time.monotonic() - t0 < 60
 
 
+def test_abandoned_request_frees_the_engine(server, client):
+    """A non-streaming request whose client gives up (a 2 s read timeout) stops at its next
+    token: the next request does not wait for 400 tokens, and the server logs the abandon."""
+    before = _metrics(server)
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server["url"] + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert out.choices[0].text == " Paris."
+    after = _metrics(server)
+    generated = after["pycalm_generation_tokens_total"] - before["pycalm_generation_tokens_total"]
+    assert generated < 400, generated  # the abandoned request stopped before its 400 tokens
+    assert "the client went away" in server["log"].read_text()
+
+
 def test_two_concurrent_clients(server, client):
     prompts = [PROMPT, "The capital of Germany is"]
     expected = [

@@ -49,6 +49,8 @@ STREAM_INTERVAL_S = 0.01
 # -------------------------------------------------------------------------------------------
 # requests: checked fields and OpenAI's error shape
 
+ABANDON_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
 
 class BadRequest(Exception):
     """A request the server refuses: its status and OpenAI's error object."""
@@ -418,6 +420,16 @@ def make_app(
         finally:
             job.cancel.set()
 
+    async def abandoned(request: HttpRequest, job: Job, path: str) -> None:
+        """A non-streaming request whose client goes away: the job is cancelled (the worker stops
+        at its next token) and a line says so. (A stream sees its client go when a write fails.)"""
+        while not job.cancel.is_set():
+            if await request.is_disconnected():
+                job.cancel.set()
+                print(f"pycalm: {path}: the client went away; the request stops", file=sys.stderr, flush=True)
+                return
+            await asyncio.sleep(ABANDON_POLL_S)
+
     async def run(request: HttpRequest, chat: bool) -> object:
         path = request.url.path
         if not authorized(request):
@@ -461,16 +473,24 @@ def make_app(
 
         if not r.stream:
             pieces = []
-            async for kind, value in events(job):
-                if kind == "text":
-                    pieces.append(value)
-                elif kind == "error":
-                    return JSONResponse(error_body(value, "server_error"), status_code=500)
-                else:
-                    log(path, value)
-                    obj = "chat.completion" if chat else "text_completion"
-                    out = {**head, "object": obj, "choices": [choice("".join(pieces), value.finish_reason)]}
-                    return JSONResponse({**out, "usage": usage(value)})
+            watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
+            try:
+                async for kind, value in events(job):
+                    if kind == "text":
+                        pieces.append(value)
+                    elif kind == "error":
+                        return JSONResponse(error_body(value, "server_error"), status_code=500)
+                    else:
+                        log(path, value)
+                        obj = "chat.completion" if chat else "text_completion"
+                        out = {
+                            **head,
+                            "object": obj,
+                            "choices": [choice("".join(pieces), value.finish_reason)],
+                        }
+                        return JSONResponse({**out, "usage": usage(value)})
+            finally:
+                watch.cancel()
 
         async def sse() -> AsyncIterator[str]:
             obj = "chat.completion.chunk" if chat else "text_completion"
