@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -328,6 +329,59 @@ def test_abandoned_request_frees_the_engine(server, client):
     generated = after["pycalm_generation_tokens_total"] - before["pycalm_generation_tokens_total"]
     assert generated < 400, generated  # the abandoned request stopped before its 400 tokens
     assert "the client went away" in server["log"].read_text()
+
+
+def test_shutdown_with_requests_running_and_queued(smollm2_fp16, tmp_path):
+    """SIGINT with one request on the engine and one queued: the running one answers with what
+    it has, the queued one with a 503, and the process ends at once, with no traceback."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "pycalm.serve", str(smollm2_fp16), "--port", str(port), "--device", "cpu"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "-c", "512"], stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
+        answers: dict[str, httpx.Response] = {}
+
+        def post(key: str) -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+            answers[key] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=post, args=(k,)) for k in ("running", "queued")]
+        threads[0].start()
+        while _metrics({"url": url})["pycalm_requests_running"] != 1:
+            time.sleep(0.02)
+        threads[1].start()
+        while _metrics({"url": url})["pycalm_queue_length"] != 1:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 0 and "Traceback" not in text, text
+    assert answers["running"].status_code == 200, answers["running"].text
+    assert answers["running"].json()["usage"]["completion_tokens"] < 400
+    assert answers["queued"].status_code == 503
+    assert answers["queued"].json()["error"]["message"] == "the server is shutting down"
+    # a token step and the process's exit, not the 3 s graceful-shutdown limit or 400 tokens
+    assert took < 3, took
 
 
 def test_two_concurrent_clients(server, client):

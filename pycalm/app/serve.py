@@ -49,6 +49,7 @@ STREAM_INTERVAL_S = 0.01
 # -------------------------------------------------------------------------------------------
 # requests: checked fields and OpenAI's error shape
 
+SHUTTING_DOWN = "the server is shutting down"
 ABANDON_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
@@ -254,6 +255,8 @@ class Worker(threading.Thread):
         self.llm: object | None = None
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.metrics = Metrics()
+        self.current: Job | None = None  # the job on the engine
+        self.stopping = False  # the server is shutting down: no job starts any more
 
     def run(self) -> None:
         try:
@@ -268,8 +271,24 @@ class Worker(threading.Thread):
         self.llm = llm
         self.on_loaded(llm, "")
         while (job := self.jobs.get()) is not None:
-            if not job.cancel.is_set():  # a client that left while queued costs nothing
+            self.current = job  # before reading `stopping`: shutdown() reads them the other way round
+            if self.stopping:
+                job.emit("error", SHUTTING_DOWN)
+            elif not job.cancel.is_set():  # a client that left while queued costs nothing
                 self.run_job(job)
+            self.current = None
+
+    def shutdown(self) -> None:
+        """The server is stopping (on the event loop): the running job stops at its next token
+        and answers with what it has; the queued ones answer with an error at once."""
+        self.stopping = True
+        if (job := self.current) is not None:
+            job.cancel.set()
+        with self.jobs.mutex:
+            queued = [j for j in self.jobs.queue if j is not None]
+        for job in queued:
+            job.cancel.set()
+            job.emit("error", SHUTTING_DOWN)
 
     def run_job(self, job: Job) -> None:
         m = self.metrics
@@ -479,7 +498,8 @@ def make_app(
                     if kind == "text":
                         pieces.append(value)
                     elif kind == "error":
-                        return JSONResponse(error_body(value, "server_error"), status_code=500)
+                        status = 503 if value == SHUTTING_DOWN else 500
+                        return JSONResponse(error_body(value, "server_error"), status_code=status)
                     else:
                         log(path, value)
                         obj = "chat.completion" if chat else "text_completion"
@@ -672,8 +692,17 @@ def main(argv: list[str] | None = None) -> int:
     app = make_app(worker, name, on_startup=start_loading, aliases=tuple(args.alias), api_key=args.api_key)
     # uvicorn's own lines only for warnings and errors: pycalm logs one line a request
     config = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=3)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **config))
-    server.run()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:  # Ctrl-C, SIGTERM
+            worker.shutdown()  # the requests answer now, so the graceful shutdown takes no wait
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, **config))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        pass
     return 1 if failed or not server.started else 0
 
 
