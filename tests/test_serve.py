@@ -299,8 +299,13 @@ def test_api_key(smollm2_fp16, tmp_path):
         proc.wait(timeout=30)
 
 
+def _gone(server) -> int:
+    """How many requests the server has logged as abandoned by their client."""
+    return server["log"].read_text().count("the client went away; the request stops")
+
+
 def test_disconnect_mid_stream_frees_the_engine(server, client):
-    before = _metrics(server)
+    before, gone = _metrics(server), _gone(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -314,12 +319,13 @@ def test_disconnect_mid_stream_frees_the_engine(server, client):
     generated = after["pycalm_generation_tokens_total"] - before["pycalm_generation_tokens_total"]
     assert generated < 100, generated  # the abandoned stream stopped early (2 of them are the next request's)
     assert time.monotonic() - t0 < 60
+    assert _gone(server) == gone + 1  # and said so
 
 
 def test_abandoned_request_frees_the_engine(server, client):
     """A non-streaming request whose client gives up (a 2 s read timeout) stops at its next
     token: the next request does not wait for 400 tokens, and the server logs the abandon."""
-    before = _metrics(server)
+    before, gone = _metrics(server), _gone(server)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server["url"] + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=2))
@@ -328,7 +334,7 @@ def test_abandoned_request_frees_the_engine(server, client):
     after = _metrics(server)
     generated = after["pycalm_generation_tokens_total"] - before["pycalm_generation_tokens_total"]
     assert generated < 400, generated  # the abandoned request stopped before its 400 tokens
-    assert "the client went away" in server["log"].read_text()
+    assert _gone(server) == gone + 1
 
 
 def test_shutdown_with_requests_running_and_queued(smollm2_fp16, tmp_path):

@@ -422,9 +422,10 @@ def make_app(
             flush=True,
         )
 
-    async def events(job: Job) -> AsyncIterator[tuple[str, object]]:
+    async def events(job: Job, path: str) -> AsyncIterator[tuple[str, object]]:
         """The job's events; the text pieces of one wake-up come as one. Leaving early (a client
-        gone) cancels the job, which the worker sees at its next token."""
+        gone) cancels the job, which the worker sees at its next token, and says so in a line."""
+        ended = False  # the job's last event was taken
         try:
             while True:
                 batch = await job.drain()
@@ -434,9 +435,12 @@ def make_app(
                     await asyncio.sleep(STREAM_INTERVAL_S)
                 for kind, value in batch:
                     if kind != "text":
+                        ended = True
                         yield kind, value
                         return
         finally:
+            if not ended and not job.cancel.is_set():
+                print(f"pycalm: {path}: the client went away; the request stops", file=sys.stderr, flush=True)
             job.cancel.set()
 
     async def abandoned(request: HttpRequest, job: Job, path: str) -> None:
@@ -494,7 +498,7 @@ def make_app(
             pieces = []
             watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
             try:
-                async for kind, value in events(job):
+                async for kind, value in events(job, path):
                     if kind == "text":
                         pieces.append(value)
                     elif kind == "error":
@@ -522,7 +526,7 @@ def make_app(
                 yield chunk(
                     [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
                 )
-            async for kind, value in events(job):
+            async for kind, value in events(job, path):
                 if kind == "text":
                     yield chunk([choice(value, None)])
                 elif kind == "error":
