@@ -399,3 +399,25 @@ def test_bad_dtype_flag(tmp_path, module):
 def test_bad_flag_values(tiny):
     assert_one_error_line(run(tiny, "-i", "x", "-t", "-1"), "temperature", code=2)
     assert_one_error_line(run(tiny, "-i", "x", "-y", "sys"), "choose one", code=2)
+
+
+def test_prompt_from_a_file_and_stop_strings(tiny, tmp_path):
+    """-f FILE continues the file's text as -i does with the same text; --stop STR ends the text
+    where STR first appears, STR not printed (the stop strings are cut from the greedy output
+    itself, so each one does appear in it); a missing -f file or an empty --stop is one line."""
+    args = (tiny, "-n", "24", "-t", "0", "--device", "cpu")
+    full = run(*args, "-i", "hello world")
+    assert full.returncode == 0, full.stderr
+    text = full.stdout.rstrip("\n")
+    assert len(text) >= 8, text
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello world", encoding="utf-8")
+    assert run(*args, "-f", prompt).stdout == full.stdout
+    for stop in (text[3:6], text[-3:], text[:2]):
+        cut = run(*args, "-i", "hello world", "--stop", "never there", "--stop", stop)
+        assert cut.returncode == 0, cut.stderr
+        assert cut.stdout == text[: text.find(stop)] + "\n", (stop, cut.stdout)
+    assert run(*args, "-i", "hello world", "--stop", "never there").stdout == full.stdout
+    assert_one_error_line(run(*args, "-f", tmp_path / "missing.txt"), "prompt file not found")
+    proc = run(*args, "-i", "hello world", "--stop", "")
+    assert proc.returncode == 2 and "--stop: an empty stop string" in proc.stderr

@@ -155,12 +155,12 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
 
-def _stop_at(text: str, stops: list[str]) -> int:
+def stop_at(text: str, stops: list[str]) -> int:
     """Where the first stop string in `text` begins (-1: none)."""
     return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
-def _held_back(text: str, stops: list[str]) -> int:
+def held_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of `text` could start a stop string (kept back until the
     next piece shows whether one follows)."""
     keep = 0
@@ -322,12 +322,12 @@ class LLM:
                     gen.finish_reason = "stop"
                     break
                 pending += decoder.push(t)
-                cut = _stop_at(pending, stops)
+                cut = stop_at(pending, stops)
                 if cut >= 0:
                     gen.finish_reason = "stop"
                     pending, stopped = pending[:cut], True
                     break
-                keep = _held_back(pending, stops)
+                keep = held_back(pending, stops)
                 if len(pending) > keep:
                     yield pending[: len(pending) - keep]
                     pending = pending[len(pending) - keep :]
@@ -335,7 +335,7 @@ class LLM:
                 gen.finish_reason = "length"
             if not stopped:  # the decoder's last bytes may complete a stop string
                 pending += decoder.flush()
-                cut = _stop_at(pending, stops)
+                cut = stop_at(pending, stops)
                 if cut >= 0:
                     gen.finish_reason = "stop"
                     pending = pending[:cut]

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pycalm.app.api import held_back, stop_at
 from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from pycalm.app.models import make_engine, resolve_model
 from pycalm.app.perplexity import mean_nll, windows
@@ -83,8 +84,18 @@ class Timings:
 
 
 def run_prompt(
-    engine: object, tok: object, prompt: str, steps: int, sampling: SamplingParams, timings: Timings
+    engine: object,
+    tok: object,
+    prompt: str,
+    steps: int,
+    sampling: SamplingParams,
+    timings: Timings,
+    stops: list[str] | None = None,
 ) -> None:
+    """Stream the continuation of `prompt` to stdout; it ends at an EOS, after `steps` tokens, at
+    the end of the context, or where one of `stops` appears (that text and what follows are not
+    printed: a piece that could start one is held back until the next shows)."""
+    stops = stops or []
     ids = tok.encode(prompt, add_bos=True)
     if not ids:
         raise PycalmError("empty prompt and the model has no BOS token to start from: give a prompt with -i")
@@ -99,17 +110,30 @@ def run_prompt(
     t_first = None
     n = 0
     eos = set(engine.config.eos_ids)
-    stopped = False  # by an EOS
-    for t in engine.generate(ids, 0, steps, sampling):
+    stopped = False  # by an EOS or a stop string
+    pending = ""  # text not printed yet: it may be the start of a stop string
+    tokens = engine.generate(ids, 0, steps, sampling)
+    for t in tokens:
         t_last = time.perf_counter()
         t_first = t_first or t_last
         n += 1
         if t in eos:
             stopped = True
             break
-        sys.stdout.write(stream.push(t))
+        pending += stream.push(t)
+        if (cut := stop_at(pending, stops)) >= 0:
+            pending, stopped = pending[:cut], True
+            break
+        keep = held_back(pending, stops)
+        sys.stdout.write(pending[: len(pending) - keep])
         sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
+        pending = pending[len(pending) - keep :]
+    tokens.close()
+    if not stopped:  # the decoder's last bytes may complete a stop string
+        pending += stream.flush()
+        if (cut := stop_at(pending, stops)) >= 0:
+            pending = pending[:cut]
+    sys.stdout.write(pending + "\n")
     sys.stdout.flush()  # the text before the timing line on stderr
     timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
     room = engine.seq_len - len(ids) + 1  # tokens sampled at positions len(ids) - 1 .. seq_len - 1
@@ -224,14 +248,19 @@ def fit_context(tok: object, messages: list[dict[str, str]], seq_len: int, steps
     return ids
 
 
-def run_perplexity(engine: object, tok: object, path: str) -> None:
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of a file the user names (-f, -x), or one line saying why not."""
     p = Path(path)
     if not p.is_file():
-        raise PycalmError(f"perplexity text not found: {path}")
+        raise PycalmError(f"{what} not found: {path}")
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise PycalmError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def run_perplexity(engine: object, tok: object, path: str) -> None:
+    text = read_text(path, "perplexity text")
     ids = tok.encode(text, add_bos=True)
     if len(ids) < 2:
         raise PycalmError(f"{path}: too short to measure perplexity (needs 2 tokens or more)")
@@ -289,6 +318,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # --top-p, --top-k, --min-p, --seed, --ctx-size, --n-predict
     ap.add_argument("--model", dest="model_option", metavar="MODEL", help="MODEL, as an option")
     ap.add_argument("-i", "--prompt", help="prompt mode: continue this text")
+    ap.add_argument("-f", "--file", metavar="FILE", help="prompt mode: continue the text of FILE")
+    ap.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="prompt mode: end the text where STR appears (not printed; repeatable)",
+    )
     ap.add_argument(
         "-y", "--system", help="chat mode with this system prompt ('' for none); user turns from stdin"
     )
@@ -369,9 +406,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
     args.model = args.model or args.model_option
-    modes = sum(x is not None for x in (args.prompt, args.system, args.perplexity))
+    modes = sum(x is not None for x in (args.prompt, args.file, args.system, args.perplexity))
     if modes > 1:
-        ap.error("choose one of -i (prompt), -y (chat) and -x (perplexity)")
+        ap.error("choose one of -i / -f (prompt), -y (chat) and -x (perplexity)")
+    if "" in args.stop:
+        ap.error("--stop: an empty stop string")
     # every number is checked here, before anything is fetched, converted or loaded
     problems = [
         (args.steps >= 0, f"-n/--steps {args.steps}: the tokens to generate must be 0 or more"),
@@ -399,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
+        if args.file is not None:  # read before anything is fetched or loaded
+            args.prompt = read_text(args.file, "prompt file")
         from pycalm.model.loader import open_model
         from pycalm.model.tokenizer import Tokenizer
 
@@ -451,9 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
         else:
-            run_prompt(
-                engine, tok, args.prompt if args.prompt is not None else "", args.steps, sampling, timings
-            )
+            prompt = args.prompt if args.prompt is not None else ""
+            run_prompt(engine, tok, prompt, args.steps, sampling, timings, args.stop)
             timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
     except PycalmError as e:
