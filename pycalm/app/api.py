@@ -155,12 +155,12 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
 
-def stop_at(text: str, stops: list[str]) -> int:
+def _stop_at(text: str, stops: list[str]) -> int:
     """Where the first stop string in `text` begins (-1: none)."""
     return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
 
 
-def held_back(text: str, stops: list[str]) -> int:
+def _held_back(text: str, stops: list[str]) -> int:
     """How many characters at the end of `text` could start a stop string (kept back until the
     next piece shows whether one follows)."""
     keep = 0
@@ -170,6 +170,38 @@ def held_back(text: str, stops: list[str]) -> int:
                 keep = k
                 break
     return keep
+
+
+class StopText:
+    """Decoded text pieces in, the text to hand out: cut where a stop string first appears (it
+    and what follows are dropped, `stopped` is set), and an end that could start one held back
+    until the next piece shows. Used by LLM.start and the CLI's prompt mode."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.pending = ""  # text not handed out yet: it may be the start of a stop string
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        self.pending += piece
+        cut = _stop_at(self.pending, self.stops)
+        if cut >= 0:
+            self.pending, self.stopped = self.pending[:cut], True
+            return ""
+        keep = _held_back(self.pending, self.stops)
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def finish(self, flush: Callable[[], str]) -> str:
+        """What is left: the decoder's last bytes (flush(), read only if no stop string was found:
+        they may complete one) and the held-back end."""
+        if not self.stopped:
+            self.pending += flush()
+            cut = _stop_at(self.pending, self.stops)
+            if cut >= 0:
+                self.pending, self.stopped = self.pending[:cut], True
+        out, self.pending = self.pending, ""
+        return out
 
 
 class LLM:
@@ -299,7 +331,7 @@ class LLM:
             decoder.flush()
         eos = set(self.config.eos_ids)
         reply: list[int] = []
-        pending = ""  # text not handed out yet: it may be the start of a stop string
+        text = StopText(stops)
         if max_tokens == 0:
             gen.finish_reason = "length"
             return
@@ -307,7 +339,6 @@ class LLM:
         t_first = t0
         tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
         try:
-            stopped = False  # by a stop string
             for t in tokens:
                 now = time.perf_counter()
                 if not reply:
@@ -321,26 +352,17 @@ class LLM:
                 if t in eos:
                     gen.finish_reason = "stop"
                     break
-                pending += decoder.push(t)
-                cut = stop_at(pending, stops)
-                if cut >= 0:
+                if piece := text.push(decoder.push(t)):
+                    yield piece
+                if text.stopped:
                     gen.finish_reason = "stop"
-                    pending, stopped = pending[:cut], True
                     break
-                keep = held_back(pending, stops)
-                if len(pending) > keep:
-                    yield pending[: len(pending) - keep]
-                    pending = pending[len(pending) - keep :]
             else:  # max_tokens, or the end of the context
                 gen.finish_reason = "length"
-            if not stopped:  # the decoder's last bytes may complete a stop string
-                pending += decoder.flush()
-                cut = stop_at(pending, stops)
-                if cut >= 0:
-                    gen.finish_reason = "stop"
-                    pending = pending[:cut]
-            if pending:
-                yield pending
+            if piece := text.finish(decoder.flush):
+                yield piece
+            if text.stopped:
+                gen.finish_reason = "stop"
         finally:
             tokens.close()
             if reply:  # every prompt token was fed, and every sampled token but the last

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pycalm.app.api import held_back, stop_at
+from pycalm.app.api import StopText
 from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from pycalm.app.models import make_engine, resolve_model
 from pycalm.app.perplexity import mean_nll, windows
@@ -111,7 +111,7 @@ def run_prompt(
     n = 0
     eos = set(engine.config.eos_ids)
     stopped = False  # by an EOS or a stop string
-    pending = ""  # text not printed yet: it may be the start of a stop string
+    text = StopText(stops)
     tokens = engine.generate(ids, 0, steps, sampling)
     for t in tokens:
         t_last = time.perf_counter()
@@ -120,20 +120,13 @@ def run_prompt(
         if t in eos:
             stopped = True
             break
-        pending += stream.push(t)
-        if (cut := stop_at(pending, stops)) >= 0:
-            pending, stopped = pending[:cut], True
-            break
-        keep = held_back(pending, stops)
-        sys.stdout.write(pending[: len(pending) - keep])
+        sys.stdout.write(text.push(stream.push(t)))
         sys.stdout.flush()
-        pending = pending[len(pending) - keep :]
+        if text.stopped:
+            stopped = True
+            break
     tokens.close()
-    if not stopped:  # the decoder's last bytes may complete a stop string
-        pending += stream.flush()
-        if (cut := stop_at(pending, stops)) >= 0:
-            pending = pending[:cut]
-    sys.stdout.write(pending + "\n")
+    sys.stdout.write(text.finish(stream.flush) + "\n")
     sys.stdout.flush()  # the text before the timing line on stderr
     timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
     room = engine.seq_len - len(ids) + 1  # tokens sampled at positions len(ids) - 1 .. seq_len - 1
