@@ -20,6 +20,7 @@ from numba import cuda
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
 from pycalm.kernels.matmul import ROW_TILE, SIM_TILE, TILE, Tile, matmul
+from pycalm.kernels.skinny import MAX_ROWS, skinny_matmul
 from pycalm.model import formats
 
 DTYPES = ["fp16", "fp8", "gf4"]
@@ -63,10 +64,14 @@ def _check(got, want, scale):
 
 
 def _run(mode, x, w, dtype, out, w3=None, tile=None):
+    """The kernel's out: matmul with `tile`, or the skinny kernel for tile="skinny"."""
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
-    matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode,
-           w3=None if w3 is None else to_device(w3), tile=tile)  # fmt: skip
+    w3 = None if w3 is None else to_device(w3)
+    if tile == "skinny":
+        skinny_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
+    else:
+        matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3, tile=tile)
     stream.synchronize()
     return d_out.copy_to_host()
 
@@ -174,3 +179,57 @@ def test_matmul_rejects_bad_shapes():
     )
     with pytest.raises(PycalmError, match="K = 64 does not fit"):  # groups of 16: two a step
         matmul(x64, q4, out, "q4", stream=cuda.default_stream())
+
+
+# ---------------------------------------------------------------------------------------------
+# the skinny kernel (pycalm.kernels.skinny): the same products for T <= 64, against the same
+# references at the same tolerances. (T, N, K) per dtype: K a multiple of its 16-byte unit (fp16
+# 8, fp8 / q8 16, gf4 / q4 32 columns) and not of a step (4 units); T = 1, T in the second and in
+# the eighth n-tile; N odd (a partial tile of 16, or of 8 for the gate)
+SKINNY_K = {"fp16": 40, "fp8": 48, "gf4": 96, "q8": 48, "q4": 96}
+SKINNY_SHAPES = [(1, 21), (13, 37), (41, 19)]
+if GPU:
+    SKINNY_SHAPES += [(8, 4099), (64, 1000), (29, 333)]
+
+
+@pytest.mark.parametrize("t_rows,n", SKINNY_SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", ["fp16", "fp8", "gf4", "q8", "q4"])
+def test_skinny(dtype, mode, t_rows, n):
+    k = SKINNY_K[dtype] * (103 if GPU else 1)  # on the GPU: 4,120 to 9,888 columns
+    _test(mode, dtype, t_rows, n, k, tile="skinny", seed=5)
+
+
+def test_skinny_q4_groups_of_64():
+    _test("gate", "q4", 9, 21, 192, tile="skinny", seed=6, group=64)
+
+
+@pytest.mark.parametrize("dtype,group", [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 64)])
+def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
+    """A row's outputs are the same bits in a pass of 1 row, of 5, of 13 and of 40 (1, 2 and 8
+    n-tiles), at any place in the pass: batch-invariant decoding rests on it."""
+    rng = np.random.default_rng(8)
+    k = SKINNY_K[dtype] * 2
+    x, w = _inputs(rng, 40, 21, k, dtype, group=group)
+    _, w3 = _inputs(rng, 40, 21, k, dtype, group=group)
+    for mode, out, gate in (("residual", np.float32, None), ("gate", np.float16, w3)):
+        full = _run(mode, x, w, dtype, np.ones((40, 21), out), w3=gate, tile="skinny")
+        assert np.all(np.isfinite(full))
+        for rows in (slice(3, 4), slice(0, 5), slice(27, 40)):
+            part = _run(
+                mode, x[rows], w, dtype, np.ones((rows.stop - rows.start, 21), out), w3=gate, tile="skinny"
+            )
+            assert np.array_equal(part, full[rows]), (mode, rows)
+
+
+def test_skinny_rejects_bad_shapes():
+    from pycalm.errors import PycalmError
+
+    s = cuda.default_stream()
+    w = cuda.to_device(np.zeros((4, 40), np.float16))
+    out = cuda.to_device(np.zeros((MAX_ROWS + 1, 4), np.float32))
+    with pytest.raises(PycalmError, match="1 to 64 rows"):
+        skinny_matmul(cuda.to_device(np.zeros((MAX_ROWS + 1, 40), np.float16)), w, out, "fp16", stream=s)
+    with pytest.raises(PycalmError, match="multiple of 32 for gf4"):
+        skinny_matmul(cuda.to_device(np.zeros((2, 40), np.float16)), cuda.to_device(np.zeros((4, 5), np.uint32)),
+                      out, "gf4", stream=s)  # fmt: skip

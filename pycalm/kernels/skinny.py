@@ -1,0 +1,285 @@
+"""Matrix products for a few rows (T up to 64) on the tensor cores, each weight read once a pass.
+
+  PLAIN:     out = X W^T                       (qkv, the classifier)
+  RESIDUAL:  out += X W^T                      (wo and w2: the residual add fused in)
+  GATE:      out = silu(X W1^T) * (X W3^T)     (w1 and w3 in one kernel)
+
+The arrays and the references are pycalm.kernels.matmul's: X (T, K) float16, W the stored (N, K)
+weights in any format (fp16, fp8 e5m2, gf4, q8, q4), out (T, N) float32 (GATE: float16);
+pycalm.cpu.reference.matmul_ref, matmul_residual_ref, matmul_gate_ref. What differs is the
+shape of the work. matmul stages 16 x 32 tiles of X and W in shared memory and walks K serially
+in a block per 32 rows of W: at a few rows it reads the weights at a fraction of the memory's
+speed. Here the weights stream straight from memory into the tensor cores' registers, like the
+token step's matvec (pycalm.kernels.matvec), and the few rows of X ride along.
+
+Mapping ("swap A and B"). An mma m16n8k16 multiplies A (16 x 16) by B (16 x 8). A is a tile of
+16 rows of W and B holds 8 rows of X (tokens), so one mma serves 16 weight rows and 8 tokens,
+and a pass of up to 8 rows costs the mma work of one. Lane l = 4 g + t holds A rows g and g + 8
+(pycalm.kernels.tensorcore has the fragment layouts). A dot product's k may be taken in any
+order if A and B agree, so the lanes' k are permuted to suit the loads: lane t of a quad loads
+one 16-byte unit of each of its two rows, E consecutive weights (fp16 8, fp8 and q8 16, gf4
+and q4 32), and the quad's 4 units are a step of 4 E columns. Of a unit's E weights, k-tile j
+(E / 4 of them a unit) takes weights 4j..4j+3: a0 = row g's 4j, 4j+1 and a2 = its 4j+2, 4j+3
+(a1, a3 the same of row g + 8), and b0, b1 = the same columns of X row 8p + g for n-tile p.
+A lane thus reads X row 8p + g over its unit's columns (E halves, 16 to 64 bytes) for each
+n-tile p, from L1 / L2 (X is a few KB, read by every warp). GATE: A rows g are W1's rows and rows
+g + 8 the same rows of W3, so a lane holds both sums of its outputs and the gate needs no
+exchange; a tile then makes 8 outputs.
+
+Decoding into A fragments (f16x2 words, the same exact conversions as matmul's fetch): fp16
+as loaded; fp8 one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 the codes, exact in
+fp16 (q8x4, pack), the row scale applied to the sums; gf4 (q - 4) (-s/4), exact; q4 fp16(d q + m)
+with the group's step d and offset m (a unit lies in one group: 32 columns, G = 32 or 64). A
+unit's weights are decoded once for all the n-tiles.
+
+Blocks and warps. A block takes one 16-row tile of W (GATE: 8 outputs) and its WARPS warps split
+K: warp w takes the chunks of UNROLL consecutive steps w, w + WARPS, ... (its UNROLL steps' loads
+are issued together, then decoded and multiplied). The warps' partial sums meet in shared
+memory and are added in warp order, one thread an output, which then applies the epilogue
+(the q8 row scale, the residual add or the gate). Grid: one block a tile, ceil(N / 16) blocks
+(GATE: ceil(N / 8)). n_tiles = ceil(T / 8) mma tiles along the tokens, a compile-time size:
+the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows); X rows past T are
+zeros.
+
+Batch invariance: a row's sums depend only on its own X row, the fixed split of K (WARPS,
+UNROLL) and the fixed order of the adds, not on T, n_tiles or the row's place in the pass, so a
+row's outputs are the same bits in every pass of up to 64 rows. They are not matmul's bits (the
+k order differs).
+
+Bytes: the weights once (the decode of a weight is paid once a pass), X from L1 / L2 once a
+block (T K 2 bytes, about 0.5 (fp16) to 2 (4-bit) times a unit's weight bytes per n-tile), out
+written (read and written for RESIDUAL). FLOPs 2 T N K, done as 2 ceil(T / 8) 8 N K.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import config as _numba_config
+from numba import cuda, float32, int32
+
+from pycalm.errors import PycalmError
+from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt, q4_code, q8x4
+from pycalm.kernels.matmul import MODES, weight_args
+from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2
+
+PLAIN, RESIDUAL, GATE = 0, 1, 2  # epilogue modes (matmul's)
+MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
+UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
+# elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
+# (two halves), gf4 and q4 are uint32 words of 8 weights
+COLS_AN_ELEMENT = {"fp16": 2, "fp8": 1, "q8": 1, "gf4": 8, "q4": 8}
+SIM = _numba_config.ENABLE_CUDASIM
+WARPS = 2 if SIM else 8  # warps a block, splitting K (the simulator runs a Python thread a thread)
+# steps a warp loads at once: 64 to 128 bytes a lane in flight; more and the compiler no longer
+# unrolls the decode and mma loops (their fragments spill to local memory: tests/test_ptx.py)
+UNROLL = {"fp16": 4, "fp8": 2, "q8": 2, "gf4": 1, "q4": 1}
+
+
+def n_tiles_for(t_rows: int) -> int:
+    """The compiled n-tile count that covers t_rows rows: 1, 2, 4 or 8."""
+    if not 1 <= t_rows <= MAX_ROWS:
+        raise PycalmError(f"the skinny matmul takes 1 to {MAX_ROWS} rows, got {t_rows}")
+    n = 1
+    while 8 * n < t_rows:
+        n *= 2
+    return n
+
+
+def fits(dtype: str, k_cols: int) -> bool:
+    """Whether the kernel takes K (a whole number of 16-byte units a row; q4: groups of 32 or
+    more, so a unit lies in one group)."""
+    return dtype in UNIT and k_cols % UNIT[dtype] == 0
+
+
+@functools.cache
+def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = 0):  # noqa: ANN201, C901
+    """skinny_kernel for a weight dtype, an epilogue mode and an n-tile count (one compile each);
+    warps a block and steps a load (0: UNROLL's, 1 under the simulator) for experiments."""
+    unroll = unroll or (1 if SIM else UNROLL[dtype])
+    E = UNIT[dtype]  # weights a unit
+    KT = E // 4  # k-tiles (mma) a unit
+    STEP = 4 * E  # columns a step (the 4 lanes of a quad)
+    XW = E // 2  # words of X a lane reads an n-tile a step
+    EL = COLS_AN_ELEMENT[dtype]
+    ACC = 4 * n_tiles  # accumulators a lane
+    CHUNK_WORDS = 4 * unroll  # words of a row a chunk brings a lane (a unit a step)
+    A_WORDS = 4 * KT  # a unit's A fragments
+    threads = 32 * warps
+    fp16, fp8, gf4 = dtype == "fp16", dtype == "fp8", dtype == "gf4"
+    q8, q4 = dtype == "q8", dtype == "q4"
+    gate, residual = mode == GATE, mode == RESIDUAL
+
+    @cuda.jit(device=True, inline=True)
+    def a_pair(w, i, j, d, m):  # noqa: ANN001, ANN202
+        """The two f16x2 words of k-tile j of the unit in w[4 i : 4 i + 4]: weights 4j, 4j + 1
+        and 4j + 2, 4j + 3 of the unit, decoded (q4: with the group's d and m)."""
+        if fp16:
+            return w[4 * i + 2 * j], w[4 * i + 2 * j + 1]
+        if fp8:
+            v = w[4 * i + j]  # bytes 4j..4j+3: each the top byte of an fp16
+            return prmt(v, int32(0), int32(0x1404)), prmt(v, int32(0), int32(0x3424))
+        if q8:
+            c0, c1, c2, c3 = q8x4(w[4 * i + j])
+            return pack_f16x2(c0, c1), pack_f16x2(c2, c3)
+        v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) ..
+        h = 4 * (j % 2)
+        if gf4:
+            s = gf4_scale(v)
+            return (
+                pack_f16x2(gf4_code(v, h) * s, gf4_code(v, h + 1) * s),
+                pack_f16x2(gf4_code(v, h + 2) * s, gf4_code(v, h + 3) * s),
+            )
+        return (
+            pack_f16x2(d * q4_code(v, h) + m, d * q4_code(v, h + 1) + m),
+            pack_f16x2(d * q4_code(v, h + 2) + m, d * q4_code(v, h + 3) + m),
+        )
+
+    @cuda.jit(device=True, inline=True)
+    def load_unit(w, s, row, col, ok, words, i, dm, r):  # noqa: ANN001, ANN202
+        """words[4 i : 4 i + 4] = the 16-byte unit of W row `row` from column col (zeros where
+        not ok); q4: dm[2 r], dm[2 r + 1] = its group's d and m."""
+        if ok:
+            words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = ldg128w(w, row, col // EL)
+        else:
+            for e in range(4):
+                words[4 * i + e] = int32(0)
+        if q4:
+            group = col // (w.shape[1] * 8 // s.shape[1])  # (G = K / groups)
+            dm[2 * r] = float32(s[row, group, 0]) if ok else float32(0.0)
+            dm[2 * r + 1] = float32(s[row, group, 1]) if ok else float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
+        """The block's tile of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
+        scales of W1 and W3 (unread otherwise)."""
+        red = cuda.shared.array((warps, ACC, 32), float32)  # each warp's sums, lane-major
+        wg = cuda.local.array(CHUNK_WORDS, int32)  # the chunk's units of row g, a step each
+        wh = cuda.local.array(CHUNK_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
+        dm = cuda.local.array(CHUNK_WORDS, float32)  # q4: (d, m) of row g's and row g + 8's units
+        a = cuda.local.array(A_WORDS, int32)  # a step's A fragments, a0..a3 a k-tile
+        xb = cuda.local.array(XW, int32)  # an n-tile's B words of a step
+        acc = cuda.local.array(ACC, float32)  # (n_tiles, 4) C fragments
+        for i in range(ACC):
+            acc[i] = float32(0.0)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane >> 2, lane & 3
+        n_rows = w1.shape[0]
+        t_rows, k_cols = x.shape[0], x.shape[1] * 2  # x: (T, K / 2) words
+        if gate:  # A rows g: W1's output o0 + g; rows g + 8: W3's
+            row_g = cuda.blockIdx.x * 8 + g
+            row_h = row_g
+        else:
+            row_g = cuda.blockIdx.x * 16 + g
+            row_h = row_g + 8
+        ok_g, ok_h = row_g < n_rows, row_h < n_rows
+        row_g, row_h = min(row_g, n_rows - 1), min(row_h, n_rows - 1)
+        n_steps = (k_cols + STEP - 1) // STEP
+        dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
+
+        chunk = warp
+        while chunk * unroll < n_steps:  # warp-uniform
+            for u in range(unroll):  # the chunk's loads, all in flight before the first use
+                col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
+                load_unit(w1, s1, row_g, col, ok_g and col < k_cols, wg, u, dm, 2 * u)
+                load_unit(w3, s3, row_h, col, ok_h and col < k_cols, wh, u, dm, 2 * u + 1)
+            for u in range(unroll):
+                col = ((chunk * unroll + u) * 4 + t) * E
+                for j in range(KT):  # the unit's A fragments, decoded once for every n-tile
+                    a[4 * j], a[4 * j + 2] = a_pair(wg, u, j, dm[4 * u], dm[4 * u + 1])
+                    a[4 * j + 1], a[4 * j + 3] = a_pair(wh, u, j, dm[4 * u + 2], dm[4 * u + 3])
+                for p in range(n_tiles):
+                    token = 8 * p + g
+                    for i in range(XW // 4):  # X row `token`, the unit's columns
+                        if token < t_rows and col < k_cols:
+                            xb[4 * i], xb[4 * i + 1], xb[4 * i + 2], xb[4 * i + 3] = ldg128w(
+                                x, token, col // 2 + 4 * i
+                            )
+                        else:
+                            for e in range(4):
+                                xb[4 * i + e] = int32(0)
+                    for j in range(KT):
+                        c = 4 * p
+                        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
+                            a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], xb[2 * j], xb[2 * j + 1],
+                            acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
+                        )  # fmt: skip
+            chunk += warps
+
+        for i in range(ACC):
+            red[warp, i, lane] = acc[i]
+        cuda.syncthreads()  # every warp's partial sums are in red
+        n_cols = out.shape[1]
+        for e in range(tid, ACC * 32, threads):  # (accumulator i, lane l) of the tile, in order
+            i, ln = e // 32, e % 32
+            s = red[0, i, ln]
+            for v in range(1, warps):  # the warps' parts in a fixed order
+                s += red[v, i, ln]
+            # accumulator i = 4 p + r of lane ln: A row (ln >> 2) + 8 (r >> 1), token 8 p + 2 (ln & 3) + (r & 1)
+            p, r = i // 4, i % 4
+            token = 8 * p + 2 * (ln & 3) + (r & 1)
+            if gate:
+                if r < 2:  # r: W1's sum, r + 2: W3's, of output o0 + (ln >> 2)
+                    col = cuda.blockIdx.x * 8 + (ln >> 2)
+                    h3 = red[0, i + 2, ln]
+                    for v in range(1, warps):
+                        h3 += red[v, i + 2, ln]
+                    if token < t_rows and col < n_cols:
+                        if q8:
+                            s *= s1[col]
+                            h3 *= s3[col]
+                        out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+            else:
+                col = cuda.blockIdx.x * 16 + (ln >> 2) + 8 * (r >> 1)
+                if token < t_rows and col < n_cols:
+                    if q8:
+                        s *= s1[col]
+                    if residual:
+                        out[token, col] += s
+                    else:
+                        out[token, col] = s
+
+    if q8 or q4:
+
+        @cuda.jit(cache=True)
+        def skinny_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
+            """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
+            block_product(x, w1, s1, w3, s3, out)
+
+    else:
+
+        @cuda.jit(cache=True)
+        def skinny_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
+            """out (T, N) (=, +=, gate) X (T, K) fp16 (as (T, K / 2) words) times W (N, K)^T
+            stored; see the module docstring. Must match pycalm.cpu.reference.matmul_ref /
+            matmul_residual_ref / matmul_gate_ref."""
+            block_product(x, w1, w1, w3, w3, out)  # no scales: unread
+
+    return skinny_kernel
+
+
+def skinny_matmul(
+    x: object, w: object, out: object, dtype: str, *, stream: object, mode: str = "plain", w3: object = None
+) -> None:
+    """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
+    ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= MAX_ROWS and K a
+    multiple of UNIT[dtype] (fits)."""
+    if mode not in MODES:
+        raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
+    if (mode == "gate") != (w3 is not None):
+        raise PycalmError("the gate takes w3, and only the gate")
+    t_rows, k_cols = x.shape
+    if not fits(dtype, k_cols):
+        raise PycalmError(
+            f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
+        )
+    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles_for(t_rows))
+    args = weight_args(w, w3, dtype, k_cols)
+    if dtype == "fp16":
+        args = tuple(a.view(np.uint32) for a in args)  # (N, K / 2) words of two halves
+    tile_rows = 8 if mode == "gate" else 16
+    grid = (out.shape[1] + tile_rows - 1) // tile_rows
+    kernel[grid, 32 * WARPS, stream](x.view(np.uint32), *args, out)

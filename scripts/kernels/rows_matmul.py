@@ -1,0 +1,167 @@
+"""Weight products for a few rows (T = 1..64): the kernels that could run the rows pass, timed
+against each other on the Llama-3-8B shapes (llm.c's dev/cuda pattern; pycalm.kernels.skinny
+and pycalm.kernels.matmul are what the package runs).
+
+Versions:
+  matvec   pycalm.kernels.matvec, the token step's kernel (T = 1 only: the bar for one row)
+  tile     pycalm.kernels.matmul with its row tile (16 x 32, T <= 16) or its 128 x 128 tile
+  skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
+           variants of warps a block (splitting K) and steps a warp loads at once
+
+    python scripts/kernels/rows_matmul.py                     # table: every dtype, T = 1..64
+    python scripts/kernels/rows_matmul.py --sweep             # skinny's warps x unroll at T = 8, 64
+    python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
+
+Each figure is the mean of back-to-back launches (time_launches of scripts/kernels/matmul.py);
+GB/s counts the weights' bytes only (what a pass must read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from numba import cuda, uint32
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (pycalm)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (matmul.py)
+
+from matmul import fill_kernel, time_launches  # noqa: E402
+
+from pycalm.kernels import skinny  # noqa: E402
+from pycalm.kernels.matmul import MODES, matmul  # noqa: E402
+from pycalm.kernels.matmul import weight_args as mm_weight_args  # noqa: E402
+from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
+from pycalm.model import formats  # noqa: E402
+
+DTYPES = ["fp16", "fp8", "gf4", "q8", "q4"]
+# (name, N, K, mode) of a Llama-3-8B layer
+SHAPES = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("gate", 14336, 4096, "gate"),
+          ("w2", 4096, 14336, "residual")]  # fmt: skip
+MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF, "q8": 0x7F7F7F7F, "q4": 0xFFFFFFFF}
+
+
+def random_words(n_words: int, seed: int, mask: int) -> object:
+    words = cuda.device_array(n_words, np.uint32)
+    fill_kernel[1024, 256](words, uint32(seed), uint32(mask))
+    return words
+
+
+def random_weights(n: int, k: int, dtype: str, seed: int) -> object:
+    """A stored (n, k) matrix of `dtype` with random finite values (q8 / q4: a Quantized)."""
+    rows, cols = formats.storage_shape(n, k, dtype)
+    storage = formats.STORAGE_DTYPE[dtype]
+    codes = (
+        random_words(rows * cols * storage.itemsize // 4, seed, MASK[dtype]).view(storage).reshape(rows, cols)
+    )
+    if dtype == "q8":
+        return formats.Quantized(codes, cuda.to_device(np.full(n, 0.01, np.float32)))
+    if dtype == "q4":
+        scales = np.zeros((n, k // 32, 2), np.float16)
+        scales[..., 0], scales[..., 1] = 0.01, -0.08
+        return formats.Quantized(codes, cuda.to_device(scales))
+    return codes
+
+
+def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
+    return (2 if gate else 1) * n * k * formats.bits_per_weight(dtype, k) / 8
+
+
+def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll):  # noqa: ANN001, ANN201
+    """A skinny launch with a chosen block shape (the package's launcher uses WARPS, UNROLL)."""
+    kernel = skinny.make_skinny_kernel(dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll)
+    args = mm_weight_args(w, w3, dtype, x.shape[1])
+    if dtype == "fp16":
+        args = tuple(a.view(np.uint32) for a in args)
+    grid = (out.shape[1] + (7 if mode == "gate" else 15)) // (8 if mode == "gate" else 16)
+    xw = x.view(np.uint32)
+    return lambda: kernel[grid, 32 * warps, 0](xw, *args, out)
+
+
+def tile_launch(x, w, w3, out, dtype, mode):  # noqa: ANN001, ANN201
+    return lambda: matmul(x, w, out, dtype, stream=0, mode=mode, w3=w3)
+
+
+def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
+    if mode == "gate":
+        norm = cuda.to_device(np.ones(x1.shape[0], np.float32))
+        return lambda: ffn_gate(w, w3, x1, out1, dtype, stream=0, norm_w=norm, eps=1e-5)
+    if mode == "residual":
+        return lambda: matvec_residual(w, x1, out1, dtype, stream=0)
+    return lambda: matvec(w, x1, out1, dtype, stream=0)
+
+
+def table(dtypes: list[str], rows: list[int], variant: tuple[int, int]) -> None:
+    print(f"skinny: {variant[0]} warps a block, {variant[1]} steps a load; microseconds (GB/s of weights)")
+    for dtype in dtypes:
+        total: dict[str, list[float]] = {
+            "matvec": [0.0],
+            "tile": [0.0] * len(rows),
+            "skinny": [0.0] * len(rows),
+        }
+        for name, n, k, mode in SHAPES:
+            w = random_weights(n, k, dtype, 1)
+            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
+            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
+            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            x1 = cuda.to_device(np.random.default_rng(0).standard_normal(k).astype(np.float32) * 0.1)
+            out1 = cuda.device_array(n, np.float32)
+            nbytes = weight_bytes(n, k, dtype, mode == "gate")
+            mv = time_launches(matvec_launch(w, w3, x1, out1, dtype, mode))
+            total["matvec"][0] += mv
+            line = [f"{dtype:4s} {name:4s} matvec {mv * 1e6:7.1f} ({nbytes / mv / 1e9:5.0f})"]
+            for i, t in enumerate(rows):
+                tl = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode))
+                sk = time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *variant))
+                total["tile"][i] += tl
+                total["skinny"][i] += sk
+                line.append(f"T={t}: tile {tl * 1e6:7.1f} skinny {sk * 1e6:6.1f} ({nbytes / sk / 1e9:5.0f})")
+            print("  ".join(line), flush=True)
+        per_layer = "  ".join(
+            f"T={t}: tile {total['tile'][i] * 1e6:6.0f} skinny {total['skinny'][i] * 1e6:6.0f} "
+            f"({total['skinny'][i] / total['matvec'][0]:.2f}x matvec)"
+            for i, t in enumerate(rows)
+        )
+        print(
+            f"{dtype} a layer's four products: matvec {total['matvec'][0] * 1e6:.0f} us; {per_layer}",
+            flush=True,
+        )
+
+
+def sweep(dtypes: list[str], rows: list[int]) -> None:
+    variants = [(4, 0), (8, 0), (16, 0), (8, 1), (8, 2), (16, 1)]
+    for dtype in dtypes:
+        for name, n, k, mode in SHAPES:
+            w = random_weights(n, k, dtype, 1)
+            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
+            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
+            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            nbytes = weight_bytes(n, k, dtype, mode == "gate")
+            for t in rows:
+                cells = []
+                for v in variants:
+                    s = time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *v))
+                    cells.append(f"{v[0]}x{v[1]} {s * 1e6:6.1f} ({nbytes / s / 1e9:4.0f})")
+                print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--sweep", action="store_true", help="skinny's block shapes at T = 8 and 64")
+    ap.add_argument("--variant", default=f"{skinny.WARPS},0", help="warps,unroll of the table (0: the dtype's)")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    rows = [int(r) for r in args.rows.split(",")]
+    if args.sweep:
+        sweep(dtypes, rows if args.rows != ap.get_default("rows") else [8, 64])
+    else:
+        warps, unroll = (int(v) for v in args.variant.split(","))
+        table(dtypes, rows, (warps, unroll))
+
+
+if __name__ == "__main__":
+    main()
