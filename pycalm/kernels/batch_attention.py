@@ -44,7 +44,7 @@ online softmax, every sum in float32):
 6. out = acc / l, as fp16.
 
 Shared memory: keys x (head_dim + 1) + keys x head_dim floats for K and V, group x head_dim for
-q and group x keys for p: 35 KB at head_dim 128, 32 keys, group 8 (batch_attention_keys halves
+q and group x keys for p: 35 KB at head_dim 128, 32 keys, group 4 (batch_attention_keys halves
 the tile where the static 48 KB would not hold it). Under the simulator (a Python thread per
 CUDA thread) a block is 2 warps and a tile 16 keys, so the tests' short contexts still cover
 several tiles and heads round-robin over warps.
