@@ -1,10 +1,11 @@
 """Real compilation of every kernel the GPU engine launches (sm_90), without a GPU.
 
 Which kernels, with which numba signatures, is not written down here: it is what GpuEngine
-launches. Worker subprocesses (the simulator must be off before numba is imported) build the
+launches (and walk_unwired, what it is about to). Worker subprocesses (the simulator must be off before numba is imported) build the
 engine of each config of MODELS, in each weight format and KV format, on stand-in weights, and
 walk everything a run launches (pycalm.gpu.precompile_worker.walk_engine: the token step for
-every attention span, greedy and sampled, and the multi-token forward), recording each distinct
+every attention span, greedy and sampled, and the multi-token forward; and walk_unwired: the
+kernels written but not yet launched by the engine), recording each distinct
 (kernel, argument types) as pycalm.gpu.precompile.Walk does for the precompile workers. There is
 no GPU here, so the walk runs in `no_device()`: a stand-in CUDA context whose arrays are never
 allocated and whose copies do nothing (numba types an array argument by its dtype, rank and
@@ -78,8 +79,8 @@ MODELS = {
              ("fp16", "fp8", "gf4", "q8")),
 }  # fmt: skip
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
-FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe", "moe_rows",
-            "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
+FAMILIES = {"argmax", "attention", "batch_attention", "embed", "finite", "matmul", "matvec", "moe",
+            "moe_rows", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +192,27 @@ def walk_configs() -> Iterator[tuple[object, str, str]]:
                 yield cfg, weight_dtype, kv_dtype
 
 
+def walk_unwired(cfg: object, kv_dtype: str) -> None:
+    """Launch, at cfg's shapes on stand-in arrays, the kernels written and tested but not yet
+    launched by the engine, so that they compile here too: pycalm.kernels.batch_attention
+    (batched serving's decode attention over a paged cache). A kernel leaves this list when
+    the engine launches it."""
+    import numpy as np
+    from numba import cuda
+
+    from pycalm.kernels.attention import KVCache
+    from pycalm.kernels.batch_attention import batch_attention
+
+    n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
+    pool = cuda.device_array((n_pages * page_size, cfg.kv_dim), np.uint8 if kv_dtype == "fp8" else np.float16)
+    q = cuda.device_array((n_rows, cfg.q_dim), np.float32)  # (M, q_dim)
+    out = cuda.device_array((n_rows, cfg.q_dim), np.float16)  # (M, q_dim)
+    table = cuda.device_array((n_seqs, n_pages), np.int32)  # (n_seqs, max_pages)
+    rows = cuda.device_array(n_rows, np.int32)  # (M,): seq_of_row and positions
+    cache = KVCache(pool, pool, kv_dtype)
+    batch_attention(q, cache, table, rows, rows, out, cfg, stream=cuda.stream(), page_size=page_size)
+
+
 def launched_kernels() -> tuple[list, dict]:
     """Every distinct (kernel, argument types) the engines of walk_configs() launch (precompile
     Items, in schedule order), and for each kernel function whose blocks have a fixed size the
@@ -224,6 +246,7 @@ def launched_kernels() -> tuple[list, dict]:
         try:
             for cfg, _, kv_dtype in walk_configs():
                 walk_engine(engine_spec(cfg, SEQ_LEN, kv_dtype, options), walk)
+                walk_unwired(cfg, kv_dtype)
         finally:
             CUDADispatcher.call, CUDADispatcher.compile = recording
     return schedule(walk.items), {fn: t for fn, t in threads.items() if fn not in sized}

@@ -20,7 +20,8 @@ one token through the model:
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
 `*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`). The CPU engine runs
-both: ReferenceEngine.forward a token, ReferenceEngine.forward_rows a prompt's rows.
+both: ReferenceEngine.forward a token, ReferenceEngine.forward_rows a prompt's rows. Batched
+serving (M sequences advanced a token each) reads a paged cache: `batch_attention_ref`.
 
 Weights come as stored by pycalm.model.formats (`dtype` "fp16", "fp8", "gf4", or "q8" and "q4" as a
 formats.Quantized; each matrix's dtype is config.dtype_of(name)) and are decoded with it; "fp32"
@@ -309,6 +310,39 @@ def prefill_attention_ref(
         p /= p.sum(axis=2, keepdims=True)
         out[j] = p @ v[:, j]  # (group, T, head_dim)
     return out.transpose(2, 0, 1, 3).reshape(n_rows, -1)  # row t, head j group + g
+
+
+def batch_attention_ref(
+    q: np.ndarray,
+    k_pool: np.ndarray,
+    v_pool: np.ndarray,
+    block_table: np.ndarray,
+    seq_of_row: np.ndarray,
+    positions: np.ndarray,
+    page_size: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    window: int = 0,
+) -> np.ndarray:
+    """Decode attention of M rows, each of its own sequence (batched serving: many sequences
+    advanced one token each): row r of sequence s = seq_of_row[r] at position p = positions[r] is
+    attention_ref of q[r] over s's keys 0..p (n_pos = p + 1; the window as there). The caches are
+    a pool of pages of page_size rows: key t of sequence s is pool row
+    block_table[s, t // page_size] * page_size + t % page_size. A row with s < 0 is padding: zeros.
+
+    q: (M, n_heads*head_dim); pools: (n_pages * page_size, n_kv_heads*head_dim) float32 (already
+    decoded); block_table (n_seqs, max_pages) int; seq_of_row, positions (M,) int
+    -> (M, n_heads*head_dim) float32 (the kernel writes it as fp16)."""
+    out = np.zeros((q.shape[0], n_heads * head_dim), np.float32)
+    for r, (s, p) in enumerate(zip(seq_of_row, positions, strict=True)):
+        if s < 0:
+            continue
+        n_pos = int(p) + 1
+        t = np.arange(n_pos)
+        rows = block_table[s, t // page_size].astype(np.int64) * page_size + t % page_size  # (n_pos,)
+        out[r] = attention_ref(q[r], k_pool[rows], v_pool[rows], n_pos, n_heads, n_kv_heads, head_dim, window)
+    return out
 
 
 # =============================================================================================
