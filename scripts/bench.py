@@ -570,6 +570,57 @@ def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
     return n / seconds
 
 
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bench_rows(shape: str, dtype: str, rows: list[int], both: bool) -> dict:
+    """ms of a rows pass (GpuEngine.forward_rows: its captured graph replayed at position 128)
+    for each row count, beside the token step's ms at the same position, in one engine; with
+    `both`, every row count also with the tiled matmul (skinny's crossover)."""
+    cfg = fit_layers(config_for(shape, dtype, 4096), max(rows), 4096)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions())
+    step = functools.partial(engine.graph, SamplingParams())
+    step(0)
+    time_replays(engine, step, 0, 16)  # warm-up
+    token_step = time_replays(engine, step, 128, 64)
+    rng = np.random.default_rng(0)
+    prefill = engine._prefill_step()
+    cells: dict[str, dict[int, float]] = {}
+    for kind in ("skinny", "tile") if both else ("default",):
+        if kind != "default":
+            prefill.skinny_rows = 64 if kind == "skinny" else 0
+            prefill._rows_graphs.clear()
+        cells[kind] = {}
+        for n in rows:
+            ids = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
+            engine.forward_rows(ids, 128)  # compiles and captures the bucket's pass
+            engine.forward_rows(ids, 128)
+            bucket = next(b for b in ROWS if b >= n)
+            graph = prefill._rows_graphs[bucket]
+            s, e = cuda.event(timing=True), cuda.event(timing=True)
+            s.record(engine.stream)
+            for _ in range(20):
+                graph.launch()
+            e.record(engine.stream)
+            e.synchronize()
+            cells[kind][n] = cuda.event_elapsed_time(s, e) / 1e3 / 20
+    del engine, prefill
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+    return dict(shape=shape, dtype=dtype, token_step=token_step, cells=cells, layers=cfg.n_layers)
+
+
+def print_rows(results: list[dict], rows: list[int]) -> None:
+    print("\nrows pass (GpuEngine.forward_rows, graph replay at position 128): ms, and x the token step")
+    print(f"| shape | weights | kernels | token step | {' | '.join(f'{n} rows' for n in rows)} |")
+    print("|---|---|---|---|" + "---|" * len(rows))
+    for r in results:
+        for kind, cells in r["cells"].items():
+            t1 = r["token_step"]
+            body = " | ".join(f"{1e3 * cells[n]:.2f} ({cells[n] / t1:.2f}x)" for n in rows)
+            print(f"| {r['shape']} | {r['dtype']} | {kind} | {1e3 * t1:.2f} | {body} |")
+
+
 def print_prefill(results: list[dict], lengths: list[int]) -> None:
     from pycalm.kernels.prefill_attention import prefill_attention_flops
 
@@ -623,6 +674,13 @@ def main() -> None:
     )
     ap.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)), help="prefill prompt lengths")
     ap.add_argument(
+        "--rows",
+        nargs="?",
+        const=",".join(map(str, ROWS)),
+        help="only time the rows pass (GpuEngine.forward_rows) at these row counts beside the token step",
+    )
+    ap.add_argument("--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count")
+    ap.add_argument(
         "--chunks",
         default=str(EngineOptions().prefill_chunk),
         help="prefill chunk sizes to time (rows a pass; default: the engine's)",
@@ -641,6 +699,16 @@ def main() -> None:
     )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
+    if args.rows:
+        counts = [int(n) for n in args.rows.split(",")]
+        found = []
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                r = bench_rows(shape, dtype, counts, args.rows_both)
+                found.append(r)
+                print_rows([r], counts)
+        print_rows(found, counts)
+        return
     if args.invariant_decode:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):

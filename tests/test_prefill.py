@@ -390,3 +390,28 @@ def test_prefill_realistic_shape(tmp_path, arch, dtype, kv):
     gap = rel_l2(want[0], CpuEngine(model, seq_len=8, kv_dtype=kv).logits(ids[0], 0))
     token = GpuEngine(model, seq_len=256, kv_dtype=kv)
     assert rel_l2(got[0], token.logits(ids[0], 0)) < max(2e-3, 1.5 * gap)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", "q4"), ("qwen2", "fp8")])
+def test_rows_pass(tmp_path, arch, dtype):
+    """GpuEngine.forward_rows (the rows pass: pycalm.kernels.skinny's products): its logits for 5
+    tokens at position 0 and then 3 at position 5 match the multi-token forward's NumPy reference
+    and the token path, and its KV cache rows the reference's; under batch_invariant a row's
+    logits are the same bits in a pass of 1, 3 and 8 rows, and the same as the prompt's pass
+    gave them."""
+    model = tiny_model(tmp_path, arch, dtype, n_layers=1)
+    ids = tokens(8, seed=9)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    got = np.concatenate([gpu.forward_rows(ids[:5], 0), gpu.forward_rows(ids[5:], 5)])
+    assert got.shape == (8, model.config.vocab_size)
+    assert rel_l2(got, prefill_ref(model, "fp16", ids)[0]) < 2e-3
+    want, cpu = token_path(model, "fp16", ids)
+    assert rel_l2(got, want) < 2e-3
+    check_caches(gpu, cpu, "fp16", 8)
+    inv = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(batch_invariant=True))
+    eight = inv.forward_rows(ids, 0)
+    assert np.array_equal(eight[:3], inv.forward_rows(ids[:3], 0))
+    assert np.array_equal(eight[3], inv.forward_rows(ids[3:4], 3)[0])
+    assert np.array_equal(eight, np.concatenate(list(inv.prefill_logits(ids, 0))))
+    with pytest.raises(PycalmError, match="a rows pass takes 1 to 64 tokens"):
+        gpu.forward_rows(ids, SEQ_LEN - 4)

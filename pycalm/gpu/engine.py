@@ -27,6 +27,7 @@ from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
+from pycalm.gpu.prefill import ROW_BUCKETS
 from pycalm.kernels.attention import KVCache, attention_span
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.model.config import ModelConfig, kv_dtype_for
@@ -360,8 +361,6 @@ class GpuEngine:
 
             self.simple_step = Activations.allocate(cfg, 1, self.seq_len, 0, s)
         self._prefill = None  # pycalm.gpu.prefill.Prefill, made (with its buffers) on first use
-        self._row_token = None  # batch_invariant: the one-row pass's token id on the device
-        self._row_graph: GraphStep | None = None  # ... and that pass, captured (_row_pass)
         # (FLAG_SIZE,) int32: zeros, or the first position whose logits were not finite
         # (pycalm.kernels.finite); None: the check is off
         from pycalm.kernels.finite import FLAG_SIZE
@@ -486,6 +485,15 @@ class GpuEngine:
         for _ in self._prefill_step().run(ids, start_pos):
             pass
 
+    def forward_rows(self, ids: list[int], pos: int) -> np.ndarray:
+        """The logits (n, vocab_size) float32 of the n = len(ids) tokens (1 to 64) at positions pos
+        .. pos + n - 1, in one pass (each weight read once), their keys and values cached: the
+        captured rows pass of pycalm.gpu.prefill (a graph for each row bucket). The state is
+        left for the caller to set."""
+        if self.simple:
+            raise PycalmError("forward_rows runs the fast kernels (not --kernels simple)")
+        return self._prefill_step().rows(ids, pos)
+
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order
         (a block holds at most pycalm.gpu.prefill.LOGITS_BYTES; without the multi-token forward, a
@@ -593,10 +601,10 @@ class GpuEngine:
         for _ in range(max_new):
             if pos + len(feed) > self.seq_len:
                 return
-            if len(feed) == 1:
-                block = self._row_pass(feed[0], pos)
+            if len(feed) <= ROW_BUCKETS[-1]:  # a captured rows pass (pycalm.gpu.prefill)
+                block = prefill.rows(feed, pos)[-1:]  # (1, vocab_size)
             else:
-                (block,) = prefill.run(feed, pos, logits="last")  # (1, vocab_size)
+                (block,) = prefill.run(feed, pos, logits="last")
             pos += len(feed)
             if self.finite_flag is not None and not np.isfinite(block).all():
                 bad = int(np.flatnonzero(~np.isfinite(block[0]))[0])
@@ -608,34 +616,6 @@ class GpuEngine:
             if token in eos:
                 return
             feed = [token]
-
-    def _row_pass(self, token: int, pos: int) -> np.ndarray:
-        """The multi-token forward of the one token `token` at pos -> its logits (1,
-        vocab_size): the same kernels as a pass of prefill.run, captured as a graph after the
-        first pass (which compiles them) and replayed, the token read from a one-id device
-        buffer (plain launches under the simulator and for MoE models, whose routing the
-        graph has not been checked with)."""
-        from numba import cuda
-
-        prefill = self._prefill_step()
-        if self._row_token is None:
-            self._row_token = cuda.device_array(1, np.int32)  # (1,) the pass's token id
-        self._row_token.copy_to_device(np.array([token], np.int32), stream=self.stream)
-        self._set_state(token, pos, 0)  # the kernels read the position from state
-
-        def record() -> None:
-            prefill.forward_rows(pos, 1, tokens=self._row_token)  # (pos only names the rows)
-            prefill.classify_rows(0, 1)
-
-        if self._row_graph is not None:
-            self._row_graph.launch()
-        else:
-            record()
-            if self.use_graph and not self.config.n_experts:
-                self._row_graph = GraphStep(self.stream, record)
-        out = prefill.buffers.logits[:1].copy_to_host(stream=self.stream)
-        self.stream.synchronize()
-        return out
 
     def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:
         """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples,

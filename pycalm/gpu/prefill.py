@@ -13,6 +13,14 @@ allocated once, on the first prefill (an engine that only decodes allocates noth
 chunk is plain launches on the engine's stream (about nine a layer, each milliseconds of work
 at a chunk of 2048 rows on an 8B model, so the launch cost is hidden behind the GPU's work).
 
+A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, short chat turns,
+batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
+replayed: the token ids come from a device buffer and the position from state, so nothing in
+the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
+SKINNY_ROWS rows. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are padding
+(token 0) that write cache rows past the last real one, which the next pass rewrites before any
+row reads them (a row attends only to positions up to its own).
+
 The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs are written in
 fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
 logits of the two paths agree to about 1e-3 relative (tests/test_prefill.py).
@@ -36,11 +44,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from pycalm.errors import PycalmError
+from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.rows import ExpertRows, RowRoutes
 from pycalm.model.config import ModelConfig
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
+# passes of at most SKINNY_ROWS rows take pycalm.kernels.skinny's weight products (each weight read
+# once a pass at close to the token step's speed), longer ones matmul's tiles (scripts/bench.py
+# --rows has the measurement); batch-invariant engines take skinny's for every pass
+SKINNY_ROWS = 32
+# the row counts a rows pass is captured for: a pass of n rows replays the smallest that holds n
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def unsupported(cfg: ModelConfig) -> str | None:
@@ -154,15 +169,39 @@ class Prefill:
             raise PycalmError(f"the multi-token forward does not take {reason}")
         if max_chunk < 1:
             raise PycalmError(f"a prefill chunk takes at least one row, got {max_chunk}")
+        from numba import cuda
+
+        from pycalm.kernels import skinny
+
         self.engine = engine
+        # the skinny products take every matrix of the model (K a whole number of their loads)
+        shapes = [(cfg.dim, dt) for dt in (*engine.layers[0].dtypes.values(), engine.output_dtype)]
+        shapes += [(cfg.q_dim, engine.layers[0].dtypes["wo"]), (cfg.hidden_dim, engine.layers[0].dtypes["w2"])]
+        skinny_ok = all(skinny.fits(dt, k) for k, dt in shapes)
+        # batch invariance: one kind of product for every pass, so every pass is at most MAX_ROWS
+        self.invariant = engine.batch_invariant and skinny_ok
+        if self.invariant:
+            max_chunk = min(max_chunk, skinny.MAX_ROWS)
+        self.skinny_rows = skinny.MAX_ROWS if self.invariant else SKINNY_ROWS if skinny_ok else 0
         self.max_chunk = max_chunk
-        self.logit_rows = max(1, min(max_chunk, LOGITS_BYTES // (4 * cfg.vocab_size)))
-        nbytes = RowBuffers.nbytes(cfg, max_chunk, self.logit_rows)
-        what = f"the prefill buffers of {max_chunk:,} rows (EngineOptions.prefill_chunk)"
+        rows = max(max_chunk, ROW_BUCKETS[-1])  # a prompt's chunk, or a rows pass of any bucket
+        self.logit_rows = max(ROW_BUCKETS[-1], min(max_chunk, LOGITS_BYTES // (4 * cfg.vocab_size)))
+        nbytes = RowBuffers.nbytes(cfg, rows, self.logit_rows)
+        what = f"the prefill buffers of {rows:,} rows (EngineOptions.prefill_chunk)"
         require_gpu_memory(what, nbytes)
         with out_of_memory_as_error(what, nbytes):
-            self.buffers = RowBuffers.allocate(cfg, max_chunk, self.logit_rows, engine.stream)
+            self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
+        self.rows_tokens = cuda.to_device(np.zeros(ROW_BUCKETS[-1], np.int32), stream=engine.stream)  # (64,)
+        self._rows_graphs: dict[int, GraphStep] = {}  # bucket -> its pass, captured
+
+    def products(self, n_rows: int) -> object:
+        """The weight-product launcher of a pass of n_rows rows: skinny_matmul up to skinny_rows,
+        else the tiled matmul (the same arguments)."""
+        from pycalm.kernels.matmul import matmul
+        from pycalm.kernels.skinny import skinny_matmul
+
+        return skinny_matmul if n_rows <= self.skinny_rows else matmul
 
     # ---------------------------------------------------------------------------------------
     def forward_rows(self, pos0: int, n_rows: int, tokens: object = None) -> None:
@@ -171,13 +210,13 @@ class Prefill:
         the kernels read pos0 from state[STATE_POS], which must hold it (run sets it). The KV
         cache rows pos0.. are written, and x holds each row's residual stream after the last
         layer (classify_rows takes it from there)."""
-        from pycalm.kernels.matmul import matmul
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
         from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
 
         e, b = self.engine, self._rows(n_rows)
         cfg, eps, s = e.config, e.config.norm_eps, e.stream
+        matmul = self.products(n_rows)  # skinny_matmul for a few rows, else the tiled one
         experts = b.experts if cfg.n_experts else None  # MoE: the group lists of n_rows rows
         ids = e.feed[pos0 : pos0 + n_rows] if tokens is None else tokens
         # x[t] = the embedding row of the token at position pos0 + t
@@ -217,11 +256,11 @@ class Prefill:
     def classify_rows(self, first: int, n_rows: int) -> None:
         """Enqueue logits[:n_rows] = Wout rmsnorm(x[first + i]) * norm for rows first .. first +
         n_rows - 1 of the last forward_rows (n_rows at most logit_rows)."""
-        from pycalm.kernels.matmul import matmul
         from pycalm.kernels.rows import rmsnorm_rows
 
         e, b = self.engine, self.buffers
         cfg, s, rows = e.config, e.stream, slice(first, first + n_rows)
+        matmul = self.products(n_rows)
         # xb = rmsnorm(x) * norm, fp16
         rmsnorm_rows(b.x[rows], e.norm, cfg.norm_eps, b.xb[rows], stream=s)
         # logits = xb Wout^T
@@ -257,6 +296,42 @@ class Prefill:
                 out = self.buffers.logits[:count].copy_to_host(stream=e.stream)
                 e.stream.synchronize()
                 yield out
+
+    def rows(self, ids: list[int], pos0: int) -> np.ndarray:
+        """The logits (n, vocab_size) float32 of the n = len(ids) <= 64 tokens ids at positions
+        pos0.., whose keys and values are cached: one replay of the captured pass of the smallest
+        row bucket that holds n (the first pass of a bucket runs eagerly, compiling its kernels,
+        and captures it). Without graphs (the simulator), or where the bucket's padding rows would
+        pass the end of the cache, plain launches of exactly n rows."""
+        e = self.engine
+        n = len(ids)
+        if not 1 <= n <= ROW_BUCKETS[-1] or pos0 < 0 or pos0 + n > e.seq_len:
+            raise PycalmError(
+                f"a rows pass takes 1 to {ROW_BUCKETS[-1]} tokens inside the context of {e.seq_len}; "
+                f"got {n} at position {pos0}"
+            )
+        bucket = next(b for b in ROW_BUCKETS if b >= n)
+        if not e.use_graph or pos0 + bucket > e.seq_len:
+            bucket = n
+        tokens = np.zeros(bucket, np.int32)
+        tokens[:n] = ids
+        self.rows_tokens[:bucket].copy_to_device(tokens, stream=e.stream)
+        e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
+
+        def record() -> None:
+            self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket])  # (pos0 only names the rows)
+            self.classify_rows(0, bucket)
+
+        graph = self._rows_graphs.get(bucket)
+        if graph is not None:
+            graph.launch()
+        else:
+            record()  # compiles the kernels; also this pass's result
+            if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
+                self._rows_graphs[bucket] = GraphStep(e.stream, record)
+        out = self.buffers.logits[:n].copy_to_host(stream=e.stream)
+        e.stream.synchronize()
+        return out
 
     def _rows(self, n: int) -> RowBuffers:
         views = self._views.get(n)

@@ -12,8 +12,9 @@ Versions:
     python scripts/kernels/rows_matmul.py --sweep             # skinny's warps x unroll at T = 8, 64
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
 
-Each figure is the mean of back-to-back launches (time_launches of scripts/kernels/matmul.py);
-GB/s counts the weights' bytes only (what a pass must read).
+Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
+replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
+weights' bytes only (what a pass must read).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import numpy as np
 from numba import cuda, uint32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (pycalm)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpubench)
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (matmul.py)
 
-from matmul import fill_kernel, time_launches  # noqa: E402
+from gpubench import graph_seconds  # noqa: E402
+from matmul import fill_kernel  # noqa: E402
 
 from pycalm.kernels import skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES, matmul  # noqa: E402
@@ -40,6 +43,22 @@ DTYPES = ["fp16", "fp8", "gf4", "q8", "q4"]
 # (name, N, K, mode) of a Llama-3-8B layer
 SHAPES = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("gate", 14336, 4096, "gate"),
           ("w2", 4096, 14336, "residual")]  # fmt: skip
+REPEAT = 10  # launches a timed graph
+
+
+STREAM = None  # the stream the timed graphs are captured on (main makes it)
+
+
+def time_launches(launch: object) -> float:
+    """Seconds of one launch, replayed in a graph of REPEAT launches on STREAM."""
+
+    def record() -> None:
+        for _ in range(REPEAT):
+            launch()
+
+    return graph_seconds(STREAM, record, 9) / REPEAT
+
+
 MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF, "q8": 0x7F7F7F7F, "q4": 0xFFFFFFFF}
 
 
@@ -77,20 +96,20 @@ def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll):  # noqa: ANN001, A
         args = tuple(a.view(np.uint32) for a in args)
     grid = (out.shape[1] + (7 if mode == "gate" else 15)) // (8 if mode == "gate" else 16)
     xw = x.view(np.uint32)
-    return lambda: kernel[grid, 32 * warps, 0](xw, *args, out)
+    return lambda: kernel[grid, 32 * warps, STREAM](xw, *args, out)
 
 
 def tile_launch(x, w, w3, out, dtype, mode):  # noqa: ANN001, ANN201
-    return lambda: matmul(x, w, out, dtype, stream=0, mode=mode, w3=w3)
+    return lambda: matmul(x, w, out, dtype, stream=STREAM, mode=mode, w3=w3)
 
 
 def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
     if mode == "gate":
         norm = cuda.to_device(np.ones(x1.shape[0], np.float32))
-        return lambda: ffn_gate(w, w3, x1, out1, dtype, stream=0, norm_w=norm, eps=1e-5)
+        return lambda: ffn_gate(w, w3, x1, out1, dtype, stream=STREAM, norm_w=norm, eps=1e-5)
     if mode == "residual":
-        return lambda: matvec_residual(w, x1, out1, dtype, stream=0)
-    return lambda: matvec(w, x1, out1, dtype, stream=0)
+        return lambda: matvec_residual(w, x1, out1, dtype, stream=STREAM)
+    return lambda: matvec(w, x1, out1, dtype, stream=STREAM)
 
 
 def table(dtypes: list[str], rows: list[int], variant: tuple[int, int]) -> None:
@@ -152,8 +171,12 @@ def main() -> None:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="skinny's block shapes at T = 8 and 64")
-    ap.add_argument("--variant", default=f"{skinny.WARPS},0", help="warps,unroll of the table (0: the dtype's)")
+    ap.add_argument(
+        "--variant", default=f"{skinny.WARPS},0", help="warps,unroll of the table (0: the dtype's)"
+    )
     args = ap.parse_args()
+    global STREAM
+    STREAM = cuda.stream()
     dtypes = args.dtypes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
     if args.sweep:
