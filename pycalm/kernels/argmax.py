@@ -5,6 +5,8 @@ maximum). With scratch (what the engine launches): pass 1, ARGMAX_BLOCKS blocks 
 grid-stride share of the logits and write their best (value, id) pair to scratch; pass 2, one
 block picks the best pair (largest value, then lowest id). One block alone (the fallback
 without scratch) is latency-bound; the two passes spread the loads over the SMs.
+block_argmax, the one-block pass as a device function, is also the greedy row of
+pycalm.kernels.sample.sample_rows_kernel (a block a row).
 
 Bytes moved: vocab_size * 4 (the logits), the blocks' pairs written and read, the token.
 """
@@ -56,13 +58,11 @@ def _block_best(best_v, best_i, warp_v, warp_i, n):  # noqa: ANN001, ANN202
     return best_v, best_i
 
 
-@cuda.jit(cache=True)
-def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
-    """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
-    lowest id among equal maxima."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    warp_v = cuda.shared.array(32, float32)
-    warp_i = cuda.shared.array(32, int32)
+@cuda.jit(device=True, inline=True)
+def block_argmax(logits, warp_v, warp_i):  # noqa: ANN001, ANN202
+    """All threads of one block: argmax(logits (n,)), the lowest id among equal maxima (0 if
+    nothing is above -inf, or all NaN), valid in warp 0. warp_v / warp_i: float32 / int32
+    shared arrays of 32. Also the greedy rows of pycalm.kernels.sample.sample_rows_kernel."""
     n = logits.shape[0]
     best_v = float32(-math.inf)
     best_i = int32(n)
@@ -72,8 +72,19 @@ def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
             best_v = v
             best_i = int32(i)
     best_v, best_i = _block_best(best_v, best_i, warp_v, warp_i, n)
+    return best_i if best_i < n else int32(0)  # all -inf / NaN: token 0
+
+
+@cuda.jit(cache=True)
+def argmax_kernel(logits, state):  # noqa: ANN001, ANN201
+    """One block (the fallback without scratch). state[STATE_TOKEN] <- argmax(logits), the
+    lowest id among equal maxima."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    warp_v = cuda.shared.array(32, float32)
+    warp_i = cuda.shared.array(32, int32)
+    token = block_argmax(logits, warp_v, warp_i)
     if cuda.threadIdx.x == 0:
-        state[STATE_TOKEN] = best_i if best_i < n else int32(0)  # all -inf / NaN: token 0
+        state[STATE_TOKEN] = token
 
 
 @cuda.jit(cache=True)

@@ -1,16 +1,25 @@
 """Sampling on the GPU, so that only a token id crosses to the host each step.
 
-`sample` (temperature with top-k / min-p / top-p; at temperature 0 pycalm.kernels.argmax)
-writes the chosen token into state[STATE_TOKEN]. The reference is pycalm.cpu.reference.sample_ref
-(float64); the kernel makes the same walk in float32.
+Two launchers, one walk (_sample_row, a device function both kernels call):
+  * `sample` (temperature with top-k / min-p / top-p; at temperature 0 pycalm.kernels.argmax)
+    writes the chosen token of one logits row (vocab_size,) into state[STATE_TOKEN]. The random
+    number: it reads coin = coins[state[STATE_POS]] from a device array of uniform [0, 1)
+    numbers the host draws once per generation (one per position, as the CPU Sampler draws
+    them), so the captured graph needs no per-token host work. temperature / top_k / top_p /
+    min_p are launch arguments, fixed for a run (a graph a setting).
+  * `sample_rows` picks a token for each of M rows of logits (M, vocab_size) at once, each row
+    with its own options, read from device memory (RowSampling: temperature, top_k, top_p,
+    min_p, each (M,)), its own coin coins[r] (coins: (M,)), into tokens[r] (tokens: (M,) int32).
+    Grid M, one block a row (sample_rows_kernel); M is the arrays' row count and nothing else
+    goes into the launch, so one captured graph serves any mix of requests (batched serving,
+    speculative verification). A row at temperature 0 takes its argmax in its own block
+    (pycalm.kernels.argmax.block_argmax: lowest id among equal maxima), the others the walk below.
+The reference is pycalm.cpu.reference.sample_ref (float64), row by row for sample_rows; the
+kernels make the same walk in float32.
 
-The random number: `sample` reads coin = coins[state[STATE_POS]] from a device array of
-uniform [0, 1) numbers the host draws once per generation (one per position, as the CPU
-Sampler draws them), so the captured graph needs no per-token host work. temperature / top_k /
-top_p / min_p are launch arguments, fixed for a run.
-
-sample, how (one block of SAMPLE_THREADS threads over the whole vocabulary; the logits, up to
-600 KB, stay in L2 between passes; 1024 threads need more registers than an SM has for one block):
+The walk, how (one block of SAMPLE_THREADS threads over a row's whole vocabulary; the logits, up
+to 600 KB a row, stay in L2 between passes; 1024 threads need more registers than an SM has for
+one block):
   * The walk order is "descending logit, lower id first": for T > 0, p = exp((l - max) / T) is
     monotonic in the logit, so the order needs no probabilities. Each logit gets a 32-bit key
     whose unsigned order is the float order.
@@ -21,7 +30,7 @@ sample, how (one block of SAMPLE_THREADS threads over the whole vocabulary; the 
     (shared-memory atomics), and one warp scans the 256 bins (shuffle prefix sums) for the
     crossing bin. Equal keys (equal logits) are then ordered by id: the j-th smallest id among
     them by an atomic min (j == 0, the usual case) or 3 more radix passes over the id bits.
-  * sample: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
+  * A row: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
     (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
     the walk (a mass select): 7 to 17 passes over the logits. The three selects share one
     call site in a loop over stages (the select is compiled once: half the PTX).
@@ -41,19 +50,24 @@ sample, how (one block of SAMPLE_THREADS threads over the whole vocabulary; the 
 Ties in floating point: the running sums are float32 sums in histogram order, not float64 sums
 in walk order, so a coin within ~1e-6 of a boundary between two tokens may pick the neighbour.
 
-Bytes moved: vocab_size * 4 per pass (from L2, counted as memory) plus a few words.
+Bytes moved: vocab_size * 4 per pass (from L2, counted as memory) plus a few words, a row
+(sample_rows: M rows, each block its own passes, the rows' blocks on different SMs).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
+import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32, uint32
 
+from pycalm.cpu.reference import check_sampling
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.kernels.argmax import argmax
+from pycalm.kernels.argmax import argmax, block_argmax
 from pycalm.kernels.common import (
     STATE_POS,
     STATE_TOKEN,
@@ -66,7 +80,7 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 
-SAMPLE_THREADS = 512  # the sample kernel needs ~86 registers a thread: 1024 would not launch
+SAMPLE_THREADS = 512  # the sample kernels need ~107 registers a thread: 1024 would not launch
 BINS = 256
 HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (summed into the first)
 # the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
@@ -421,16 +435,14 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
     return hist_n[KEPT + best[0]]
 
 
-@cuda.jit(cache=True)
-def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
-    """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    scratch = cuda.shared.array(32, float32)
-    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
-    hist_mass = cuda.shared.array(HIST, float32)
-    cross = cuda.shared.array(4, int32)
-    cross_mass = cuda.shared.array(2, float32)
-    best = cuda.shared.array(1, int32)
+@cuda.jit(device=True, inline=True)
+def _sample_row(
+    logits, inv_t, top_k, top_p, min_p, coin, scratch, hist_n, hist_mass, cross, cross_mass, best
+):  # noqa: ANN001, ANN202
+    """All threads of the block, every argument block-uniform. The token sample_ref picks from
+    logits (n,) for temperature 1 / inv_t (> 0), top_k, top_p, min_p and the coin, in every
+    thread. The shared arrays: scratch (32,) float32, hist_n / hist_mass (HIST,) int32 / float32,
+    cross (4,) int32, cross_mass (2,) float32, best (1,) int32."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
@@ -463,7 +475,7 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
     cut = int32(n)  # tokens kept: the first `cut` of the walk order
     mass = total  # their mass
     last = int32(0)  # the id of the last kept token (when cut < n)
-    coin = coins[state[STATE_POS]]
+    token = int32(0)  # the pick (set by the walk, the last stage)
     # Three selects: the top-k / min-p cut (stage 0, only when it cuts), the top-p cut (stage 1,
     # only when top_p < 1), the coin walk (stage 2). One call site in a loop whose trip count
     # is known only at run time, so the (large) select is compiled once, not three times.
@@ -522,9 +534,70 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
         else:
             if r >= cut:  # coin * mass rounded past the kept tokens: the spec takes the last kept
                 idx = last
-            if tid == 0:
-                state[STATE_TOKEN] = idx
+            token = idx
         stage += int32(1)
+    return token
+
+
+@cuda.jit(cache=True)
+def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
+    """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    scratch = cuda.shared.array(32, float32)
+    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
+    hist_mass = cuda.shared.array(HIST, float32)
+    cross = cuda.shared.array(4, int32)
+    cross_mass = cuda.shared.array(2, float32)
+    best = cuda.shared.array(1, int32)
+    coin = coins[state[STATE_POS]]
+    token = _sample_row(
+        logits, inv_t, top_k, top_p, min_p, coin, scratch, hist_n, hist_mass, cross, cross_mass, best
+    )
+    if cuda.threadIdx.x == 0:
+        state[STATE_TOKEN] = token
+
+
+@cuda.jit(cache=True)
+def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens):  # noqa: ANN001, ANN201
+    """Block r (grid M): tokens[r] <- sample_ref(logits[r], temperature[r], top_k[r], top_p[r],
+    min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties)."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    scratch = cuda.shared.array(32, float32)  # block reductions; the argmax's warp values
+    warp_i = cuda.shared.array(32, int32)  # the argmax's warp ids
+    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
+    hist_mass = cuda.shared.array(HIST, float32)
+    cross = cuda.shared.array(4, int32)
+    cross_mass = cuda.shared.array(2, float32)
+    best = cuda.shared.array(1, int32)
+    r = cuda.blockIdx.x
+    row = logits[r]  # (vocab_size,)
+    t = temperature[r]
+    if t == float32(0.0):  # block-uniform: the whole block takes one branch
+        token = block_argmax(row, scratch, warp_i)
+    else:
+        inv_t = float32(1.0) / t  # (sample's launcher rounds 1 / T from float64: may differ in a bit)
+        token = _sample_row(
+            row,
+            inv_t,
+            top_k[r],
+            top_p[r],
+            min_p[r],
+            coins[r],
+            scratch,
+            hist_n,
+            hist_mass,
+            cross,
+            cross_mass,
+            best,
+        )
+    if cuda.threadIdx.x == 0:
+        tokens[r] = token
+
+
+def _check_threads(threads: int) -> None:
+    """One histogram a warp in shared memory: at most SAMPLE_THREADS threads, whole warps."""
+    if not 32 <= threads <= SAMPLE_THREADS or threads % 32:
+        raise PycalmError(f"sample takes 32 to {SAMPLE_THREADS} threads in whole warps, got {threads}")
 
 
 def sample(
@@ -549,9 +622,86 @@ def sample(
         return
     if not 0.0 < top_p <= 1.0 or not 0.0 <= min_p <= 1.0 or top_k < 0:
         raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
-    if not 32 <= threads <= SAMPLE_THREADS or threads % 32:
-        raise PycalmError(f"sample takes 32 to {SAMPLE_THREADS} threads in whole warps, got {threads}")
+    _check_threads(threads)
     inv_t = float32(1.0 / temperature)
     sample_kernel[1, threads, stream](
         logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
     )
+
+
+class RowSampling(NamedTuple):
+    """The sampling options of M rows in device memory, one entry a row, read by
+    sample_rows_kernel at run time (so one captured graph serves any mix of requests)."""
+
+    temperature: object  # (M,) float32: 0 greedy (the row's argmax)
+    top_k: object  # (M,) int32: 0 off
+    top_p: object  # (M,) float32: 1 off
+    min_p: object  # (M,) float32: 0 off
+
+    @classmethod
+    def allocate(cls, rows: int, *, stream: object) -> RowSampling:
+        """M = `rows` rows, each greedy until set_row / set_rows gives it options."""
+        return cls.from_host(*_host_rows([SamplingParams()] * rows), stream=stream)
+
+    @classmethod
+    def from_host(cls, *arrays: np.ndarray, stream: object) -> RowSampling:
+        """From host arrays (temperature, top_k, top_p, min_p), each (M,) of the field's dtype."""
+        return cls(*(cuda.to_device(a, stream=stream) for a in arrays))
+
+    def set_rows(self, samplings: Sequence[SamplingParams], *, first: int = 0, stream: object) -> None:
+        """Rows first .. first + len(samplings) - 1 take these options (checked as the CLI's):
+        one host-to-device copy a field."""
+        if not (0 <= first and first + len(samplings) <= self.rows):
+            raise PycalmError(f"rows {first}..{first + len(samplings) - 1} of {self.rows}")
+        for device, host in zip(self, _host_rows(samplings), strict=True):
+            device[first : first + len(host)].copy_to_device(host, stream=stream)
+
+    def set_row(self, row: int, sampling: SamplingParams, *, stream: object) -> None:
+        """Row `row` takes the options of `sampling`."""
+        self.set_rows([sampling], first=row, stream=stream)
+
+    @property
+    def rows(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _host_rows(samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
+    """(temperature, top_k, top_p, min_p) host arrays of RowSampling's dtypes, each option
+    checked as sample_ref checks it."""
+    for s in samplings:
+        check_sampling(s.temperature, s.top_k, s.top_p, s.min_p)
+    return (
+        np.array([s.temperature for s in samplings], np.float32),  # (M,)
+        np.array([s.top_k for s in samplings], np.int32),  # (M,)
+        np.array([s.top_p for s in samplings], np.float32),  # (M,)
+        np.array([s.min_p for s in samplings], np.float32),  # (M,)
+    )
+
+
+def sample_rows(
+    logits: object,
+    params: RowSampling,
+    coins: object,
+    tokens: object,
+    *,
+    stream: object,
+    threads: int = SAMPLE_THREADS,
+) -> None:
+    """tokens[r] = sample_ref(logits[r], temperature[r], top_k[r], top_p[r], min_p[r], coins[r])
+    for every row r of logits (M, vocab_size) float32, the options of `params`, coins (M,)
+    float32 uniform [0, 1), tokens (M,) int32: one block a row, M blocks. Nothing but the
+    arrays goes into the launch, so a graph captured once serves any options and coins."""
+    rows = logits.shape[0]
+    arrays = (logits, *params, coins, tokens)
+    dtypes = (np.float32, np.float32, np.int32, np.float32, np.float32, np.float32, np.int32)
+    if (
+        logits.ndim != 2
+        or any(a.shape != (rows,) for a in arrays[1:])
+        or any(a.dtype != d for a, d in zip(arrays, dtypes, strict=True))
+    ):
+        raise PycalmError(
+            f"sample_rows: logits (M, vocab_size) float32, then the options, coins and tokens (M,) of "
+            f"RowSampling's dtypes, float32 and int32, got {[(a.shape, str(a.dtype)) for a in arrays]}"
+        )
+    _check_threads(threads)
+    sample_rows_kernel[rows, threads, stream](logits, *params, coins, tokens)
