@@ -415,3 +415,23 @@ def test_rows_pass(tmp_path, arch, dtype):
     assert np.array_equal(eight, np.concatenate(list(inv.prefill_logits(ids, 0))))
     with pytest.raises(PycalmError, match="a rows pass takes 1 to 64 tokens"):
         gpu.forward_rows(ids, SEQ_LEN - 4)
+
+
+def test_rows_pass_samples_every_row(tmp_path):
+    """forward_rows with a SamplingParams and a coin a row: each row's token is sample_ref's over
+    that row's logits (the same pass's, read back), greedy rows and sampled ones in one pass."""
+    from pycalm.cpu.reference import sample_ref
+
+    model = tiny_model(tmp_path, "llama", "fp8", n_layers=1)
+    ids = tokens(5, seed=10)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    logits = gpu.forward_rows(ids, 0)
+    settings = [GREEDY, SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=1.0, top_p=0.9),
+                GREEDY, SamplingParams(temperature=1.3, min_p=0.05)]  # fmt: skip
+    coins = np.array([0.5, 0.31, 0.77, 0.2, 0.05], np.float32)
+    got = gpu.forward_rows(ids, 0, settings, coins)
+    want = [
+        sample_ref(row, s.temperature, s.top_k, s.top_p, s.min_p, c)
+        for row, s, c in zip(logits, settings, coins)
+    ]
+    assert list(got) == want

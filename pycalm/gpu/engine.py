@@ -485,14 +485,22 @@ class GpuEngine:
         for _ in self._prefill_step().run(ids, start_pos):
             pass
 
-    def forward_rows(self, ids: list[int], pos: int) -> np.ndarray:
-        """The logits (n, vocab_size) float32 of the n = len(ids) tokens (1 to 64) at positions pos
-        .. pos + n - 1, in one pass (each weight read once), their keys and values cached: the
-        captured rows pass of pycalm.gpu.prefill (a graph for each row bucket). The state is
-        left for the caller to set."""
+    def forward_rows(
+        self,
+        ids: list[int],
+        pos: int,
+        samplings: list[SamplingParams] | None = None,
+        coins: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The n = len(ids) tokens (1 to 64) at positions pos .. pos + n - 1 in one pass (each
+        weight read once), their keys and values cached: the captured rows pass of
+        pycalm.gpu.prefill (a graph for each row bucket). Returns every row's logits (n,
+        vocab_size) float32, or with samplings (a SamplingParams a row) and coins (a uniform
+        draw a row) the (n,) int32 tokens each row samples on the GPU. The state is left for the
+        caller to set."""
         if self.simple:
             raise PycalmError("forward_rows runs the fast kernels (not --kernels simple)")
-        return self._prefill_step().rows(ids, pos)
+        return self._prefill_step().rows(ids, pos, samplings, coins)
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order

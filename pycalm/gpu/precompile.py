@@ -18,7 +18,7 @@ never allocated or copied (`virtual_memory`: one small real allocation stands be
 array; copies to the device do nothing, copies to the host read zeros), and with numba's launch
 replaced by a record of (kernel, argument types) (`Walk`). It then runs what a real run runs:
 the token step for every attention span graph() captures, greedy and sampled, and the
-multi-token forward (pycalm.gpu.prefill) at its chunk sizes, with the logits rows. That visits
+multi-token forward (pycalm.gpu.prefill) at its chunk sizes and row buckets, with the logits rows. That visits
 every launch site, and each worker records the same list in the same order. Each kernel belongs
 to the group whose walk reached it first: "step" (the greedy token step), "sample" (what a
 sampled step adds: the sampling kernel) and "prefill" (the multi-token forward's kernels).
@@ -74,6 +74,7 @@ GROUPS = ("step", "sample", "prefill")  # in the order the walk visits them
 MODULE_COST = {
     "sample": 14,
     "matmul": 5,
+    "skinny": 3,
     "moe_rows": 5,
     "matvec": 4,
     "moe": 4,

@@ -36,7 +36,7 @@ def walk_engine(spec: dict, walk: Walk) -> None:
     `walk`, which records the launches, and on a GPU virtual_memory)."""
     from pycalm.cpu.sampler import SamplingParams
     from pycalm.gpu.engine import EngineOptions, GpuEngine
-    from pycalm.gpu.prefill import Prefill
+    from pycalm.gpu.prefill import ROW_BUCKETS, Prefill
     from pycalm.model.config import ModelConfig
 
     cfg = ModelConfig.from_json(spec["config"])
@@ -49,9 +49,11 @@ def walk_engine(spec: dict, walk: Walk) -> None:
     walk.group = "prefill"
     if engine.multi_token:
         prefill = Prefill(engine, engine.prefill_chunk)
-        for rows in sorted({1, engine.prefill_chunk}):
-            prefill.forward_rows(0, min(rows, engine.seq_len))
-        for rows in sorted({1, prefill.logit_rows}):
+        # a prompt's chunk, and a rows pass of each kind of product (skinny's n-tile counts)
+        buckets = {b for b in ROW_BUCKETS if b in (1, 16, 32, 64)}
+        for rows in sorted({min(r, engine.seq_len) for r in (*buckets, prefill.max_chunk)}):
+            prefill.forward_rows(0, rows)
+        for rows in sorted({*buckets, prefill.logit_rows}):
             prefill.classify_rows(0, rows)
 
 

@@ -169,6 +169,7 @@ class Prefill:
             raise PycalmError(f"the multi-token forward does not take {reason}")
         if max_chunk < 1:
             raise PycalmError(f"a prefill chunk takes at least one row, got {max_chunk}")
+        from numba import config as numba_config
         from numba import cuda
 
         from pycalm.kernels import skinny
@@ -176,7 +177,10 @@ class Prefill:
         self.engine = engine
         # the skinny products take every matrix of the model (K a whole number of their loads)
         shapes = [(cfg.dim, dt) for dt in (*engine.layers[0].dtypes.values(), engine.output_dtype)]
-        shapes += [(cfg.q_dim, engine.layers[0].dtypes["wo"]), (cfg.hidden_dim, engine.layers[0].dtypes["w2"])]
+        shapes += [
+            (cfg.q_dim, engine.layers[0].dtypes["wo"]),
+            (cfg.hidden_dim, engine.layers[0].dtypes["w2"]),
+        ]
         skinny_ok = all(skinny.fits(dt, k) for k, dt in shapes)
         # batch invariance: one kind of product for every pass, so every pass is at most MAX_ROWS
         self.invariant = engine.batch_invariant and skinny_ok
@@ -192,8 +196,19 @@ class Prefill:
         with out_of_memory_as_error(what, nbytes):
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
-        self.rows_tokens = cuda.to_device(np.zeros(ROW_BUCKETS[-1], np.int32), stream=engine.stream)  # (64,)
+        from pycalm.kernels.sample import RowSampling
+
+        most = ROW_BUCKETS[-1]
+        self.rows_tokens = cuda.to_device(
+            np.zeros(most, np.int32), stream=engine.stream
+        )  # (64,) the pass's ids
+        # each row's sampling options, uniform draw and sampled token (pycalm.kernels.sample.sample_rows)
+        self.row_sampling = RowSampling.allocate(most, stream=engine.stream)  # (64,) each field
+        self.row_coins = cuda.to_device(np.zeros(most, np.float32), stream=engine.stream)  # (64,)
+        self.row_sampled = cuda.to_device(np.zeros(most, np.int32), stream=engine.stream)  # (64,)
         self._rows_graphs: dict[int, GraphStep] = {}  # bucket -> its pass, captured
+        # under the simulator (a Python thread a GPU thread) sample_rows takes blocks of 64
+        self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
 
     def products(self, n_rows: int) -> object:
         """The weight-product launcher of a pass of n_rows rows: skinny_matmul up to skinny_rows,
@@ -297,12 +312,16 @@ class Prefill:
                 e.stream.synchronize()
                 yield out
 
-    def rows(self, ids: list[int], pos0: int) -> np.ndarray:
-        """The logits (n, vocab_size) float32 of the n = len(ids) <= 64 tokens ids at positions
-        pos0.., whose keys and values are cached: one replay of the captured pass of the smallest
-        row bucket that holds n (the first pass of a bucket runs eagerly, compiling its kernels,
-        and captures it). Without graphs (the simulator), or where the bucket's padding rows would
-        pass the end of the cache, plain launches of exactly n rows."""
+    def rows(
+        self, ids: list[int], pos0: int, samplings: list | None = None, coins: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The n = len(ids) <= 64 tokens ids at positions pos0.., their keys and values cached, in
+        one replay of the captured pass of the smallest row bucket that holds n (the first pass
+        of a bucket runs eagerly, compiling its kernels, and captures it; without graphs (the
+        simulator), or where the bucket's padding rows would pass the end of the cache, plain
+        launches of exactly n rows). Returns the logits (n, vocab_size) float32, or with
+        `samplings` (a SamplingParams a row) and `coins` (n uniform draws) the (n,) int32 tokens
+        each row samples on the GPU (sample_rows: the logits stay there)."""
         e = self.engine
         n = len(ids)
         if not 1 <= n <= ROW_BUCKETS[-1] or pos0 < 0 or pos0 + n > e.seq_len:
@@ -316,11 +335,22 @@ class Prefill:
         tokens = np.zeros(bucket, np.int32)
         tokens[:n] = ids
         self.rows_tokens[:bucket].copy_to_device(tokens, stream=e.stream)
+        if samplings is not None:
+            if len(samplings) != n or coins is None or len(coins) != n:
+                raise PycalmError(f"a rows pass of {n} tokens samples with {n} settings and {n} coins")
+            self.row_sampling.set_rows(samplings, stream=e.stream)
+            self.row_coins[:n].copy_to_device(np.asarray(coins, np.float32), stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
         def record() -> None:
+            from pycalm.kernels.sample import RowSampling, sample_rows
+
             self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket])  # (pos0 only names the rows)
             self.classify_rows(0, bucket)
+            # sampled[r] = row r's token, drawn with its own options and coin (padding rows: whatever)
+            params = RowSampling(*(a[:bucket] for a in self.row_sampling))
+            sample_rows(self.buffers.logits[:bucket], params, self.row_coins[:bucket], self.row_sampled[:bucket],
+                        stream=e.stream, **self.sample_options)  # fmt: skip
 
         graph = self._rows_graphs.get(bucket)
         if graph is not None:
@@ -329,7 +359,9 @@ class Prefill:
             record()  # compiles the kernels; also this pass's result
             if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
                 self._rows_graphs[bucket] = GraphStep(e.stream, record)
-        out = self.buffers.logits[:n].copy_to_host(stream=e.stream)
+        out = (self.buffers.logits if samplings is None else self.row_sampled)[:n].copy_to_host(
+            stream=e.stream
+        )
         e.stream.synchronize()
         return out
 

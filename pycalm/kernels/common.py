@@ -109,6 +109,23 @@ if _numba_config.ENABLE_CUDASIM:
         """(a & m) | e on int32 (the GPU does it in one LOP3)."""
         return np.int32((np.int32(a) & np.int32(m)) | np.int32(e))
 
+    def _half2(w: int) -> np.ndarray:
+        """The two fp16 halves of an int32 word (low first) as float64."""
+        return np.array([int(w) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float64)
+
+    def _word(h: np.ndarray) -> np.int32:
+        """Two float64 values rounded once to fp16 (nearest even) -> an int32 word, low first."""
+        return np.array(h, dtype=np.float64).astype(np.float16).view(np.int32)[0]
+
+    def hsub2(a: int, b: int) -> np.int32:
+        """a - b on the two fp16 halves of int32 words, rounded once (sub.rn.f16x2)."""
+        return _word(_half2(a) - _half2(b))
+
+    def hfma2(a: int, b: int, c: int) -> np.int32:
+        """a * b + c on the two fp16 halves of int32 words, rounded once (fma.rn.f16x2; the
+        float64 twin is exact for the products and sums of the decoders' operands)."""
+        return _word(_half2(a) * _half2(b) + _half2(c))
+
     def _dp4a(a: int, b: int, c: int, a_signed: bool) -> np.int32:
         """c + the four byte products of a and b (b's bytes signed; a's signed or not)."""
         t = int(c)
@@ -229,6 +246,16 @@ else:
         """(a & m) | e in one lop3.b32. Written in C or numba with two constants, ptxas emits two
         LOP3s (one immediate each); the inline lop3 keeps one constant in a register."""
         return _asm_i32(typingctx, (a, m, e), "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r")
+
+    @intrinsic
+    def hsub2(typingctx: object, a: object, b: object) -> object:
+        """a - b on the two fp16 halves of int32 words, one sub.rn.f16x2 (HADD2)."""
+        return _asm_i32(typingctx, (a, b), "sub.rn.f16x2 $0, $1, $2;", "=r,r,r")
+
+    @intrinsic
+    def hfma2(typingctx: object, a: object, b: object, c: object) -> object:
+        """a * b + c on the two fp16 halves of int32 words, rounded once: one fma.rn.f16x2 (HFMA2)."""
+        return _asm_i32(typingctx, (a, b, c), "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
 
     @intrinsic
     def dp4a_us(typingctx: object, a: object, b: object, c: object) -> object:

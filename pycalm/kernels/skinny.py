@@ -26,14 +26,18 @@ n-tile p, from L1 / L2 (X is a few KB, read by every warp). GATE: A rows g are W
 g + 8 the same rows of W3, so a lane holds both sums of its outputs and the gate needs no
 exchange; a tile then makes 8 outputs.
 
-Decoding into A fragments (f16x2 words, the same exact conversions as matmul's fetch): fp16
-as loaded; fp8 one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 the codes, exact in
-fp16 (q8x4, pack), the row scale applied to the sums; gf4 (q - 4) (-s/4), exact; q4 fp16(d q + m)
-with the group's step d and offset m (a unit lies in one group: 32 columns, G = 32 or 64). A
-unit's weights are decoded once for all the n-tiles.
+Decoding into A fragments (f16x2 words, the same values as matmul's fetch): fp16 as loaded; fp8
+one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 a prmt and an HADD2 a pair (the
+biased byte under the fp16 exponent of 1024, minus 1152: the code, exact), the row scale applied
+to the sums; gf4 (q - 4) (-s/4), exact; q4 a prmt, a LOP3, an HADD2 and two HFMA2 a pair of pairs
+(the nibbles under exponents whose mantissa unit is 1, minus those powers, then d q + m rounded
+once to fp16, d and m being fp16: matmul's fp16(d q + m) but for a float32 double rounding once
+in a great while), with the group's d and m (a unit lies in one group: 32 columns, G = 32 or 64).
+A unit's weights are decoded once for all the n-tiles.
 
-Blocks and warps. A block takes one 16-row tile of W (GATE: 8 outputs) and its WARPS warps split
-K: warp w takes the chunks of UNROLL consecutive steps w, w + WARPS, ... (its UNROLL steps' loads
+Blocks and warps. A block takes one 16-row tile of W (GATE: 8 outputs) and its warps (WARPS, or
+LONG_WARPS for rows longer than LONG_K) split K: warp w takes the chunks of UNROLL consecutive
+steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit 32 registers,
 are issued together, then decoded and multiplied). The warps' partial sums meet in shared
 memory and are added in warp order, one thread an output, which then applies the epilogue
 (the q8 row scale, the residual add or the gate). Grid: one block a tile, ceil(N / 16) blocks
@@ -41,7 +45,7 @@ memory and are added in warp order, one thread an output, which then applies the
 the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows); X rows past T are
 zeros.
 
-Batch invariance: a row's sums depend only on its own X row, the fixed split of K (WARPS,
+Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles or the row's place in the pass, so a
 row's outputs are the same bits in every pass of up to 64 rows. They are not matmul's bits (the
 k order differs).
@@ -61,21 +65,41 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt, q4_code, q8x4
+from pycalm.kernels.common import (
+    and_or,
+    dependent_start,
+    fp16_encode,
+    gf4_code,
+    gf4_scale,
+    hfma2,
+    hsub2,
+    prmt,
+)
 from pycalm.kernels.matmul import MODES, weight_args
 from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2
 
 PLAIN, RESIDUAL, GATE = 0, 1, 2  # epilogue modes (matmul's)
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
+Q8_BIAS = 0x64806480  # (1152, 1152) as f16x2: 1024 + 128, the exponent and the code's bias
+Q4_BIAS = 0x54006400  # (1024, 64) as f16x2: a low nibble's exponent, a high nibble's
 UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
 # elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
 # (two halves), gf4 and q4 are uint32 words of 8 weights
 COLS_AN_ELEMENT = {"fp16": 2, "fp8": 1, "q8": 1, "gf4": 8, "q4": 8}
 SIM = _numba_config.ENABLE_CUDASIM
-WARPS = 2 if SIM else 8  # warps a block, splitting K (the simulator runs a Python thread a thread)
-# steps a warp loads at once: 64 to 128 bytes a lane in flight; more and the compiler no longer
-# unrolls the decode and mma loops (their fragments spill to local memory: tests/test_ptx.py)
-UNROLL = {"fp16": 4, "fp8": 2, "q8": 2, "gf4": 1, "q4": 1}
+# warps a block, splitting K: 8, and 16 for rows longer than LONG_K (w2), where a warp's chain
+# of steps would otherwise be long (H200, fp16, 8 rows: w2 44.8 -> 34.1 us; 16 elsewhere is
+# slower: the gate 61.4 -> 67.7). The simulator runs a Python thread a thread: 2.
+WARPS, LONG_WARPS, LONG_K = (2, 2, 0) if SIM else (8, 16, 8192)
+# steps a warp loads at once: one (32 bytes a lane in flight; more warps resident do better
+# than more loads a warp: fp16 gate at 8 rows, 4 steps 92.0 us at 60 registers, 1 step 61.4 at
+# 44), and each extra step multiplies the registers the decode and mma loops unroll into
+UNROLL = 1
+
+
+def warps_for(k_cols: int) -> int:
+    """Warps a block for rows of k_cols columns (a function of the matrix only: batch invariance)."""
+    return LONG_WARPS if k_cols > LONG_K else WARPS
 
 
 def n_tiles_for(t_rows: int) -> int:
@@ -95,10 +119,9 @@ def fits(dtype: str, k_cols: int) -> bool:
 
 
 @functools.cache
-def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = 0):  # noqa: ANN201, C901
-    """skinny_kernel for a weight dtype, an epilogue mode and an n-tile count (one compile each);
-    warps a block and steps a load (0: UNROLL's, 1 under the simulator) for experiments."""
-    unroll = unroll or (1 if SIM else UNROLL[dtype])
+def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = UNROLL):  # noqa: ANN201, C901
+    """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
+    a block, steps a load), one compile each."""
     E = UNIT[dtype]  # weights a unit
     KT = E // 4  # k-tiles (mma) a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
@@ -107,6 +130,10 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
     ACC = 4 * n_tiles  # accumulators a lane
     CHUNK_WORDS = 4 * unroll  # words of a row a chunk brings a lane (a unit a step)
     A_WORDS = 4 * KT  # a unit's A fragments
+    # X of a whole chunk in registers, loaded with its weights, where it takes at most 32 words
+    # (passes of up to 16 rows); else an n-tile's X a step, loaded where it is used
+    PREFETCH_X = n_tiles * unroll * XW <= 32
+    X_WORDS = n_tiles * unroll * XW if PREFETCH_X else XW
     threads = 32 * warps
     fp16, fp8, gf4 = dtype == "fp16", dtype == "fp8", dtype == "gf4"
     q8, q4 = dtype == "q8", dtype == "q4"
@@ -121,26 +148,40 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
         if fp8:
             v = w[4 * i + j]  # bytes 4j..4j+3: each the top byte of an fp16
             return prmt(v, int32(0), int32(0x1404)), prmt(v, int32(0), int32(0x3424))
-        if q8:
-            c0, c1, c2, c3 = q8x4(w[4 * i + j])
-            return pack_f16x2(c0, c1), pack_f16x2(c2, c3)
-        v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) ..
-        h = 4 * (j % 2)
+        if q8:  # codes 4j..4j+3, biased to unsigned, under the fp16 exponent of 1024, minus 1152
+            u = int32(w[4 * i + j] ^ int32(0x80808080 - (1 << 32)))
+            magic = int32(0x64646464)
+            return (
+                hsub2(prmt(u, magic, int32(0x5140)), int32(Q8_BIAS)),
+                hsub2(prmt(u, magic, int32(0x5342)), int32(Q8_BIAS)),
+            )
+        v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) .. (bytes 2 (j % 2), + 1)
         if gf4:
+            h = 4 * (j % 2)
             s = gf4_scale(v)
             return (
                 pack_f16x2(gf4_code(v, h) * s, gf4_code(v, h + 1) * s),
                 pack_f16x2(gf4_code(v, h + 2) * s, gf4_code(v, h + 3) * s),
             )
-        return (
-            pack_f16x2(d * q4_code(v, h) + m, d * q4_code(v, h + 1) + m),
-            pack_f16x2(d * q4_code(v, h + 2) + m, d * q4_code(v, h + 3) + m),
+        # q4: byte b (codes 2b, 2b + 1) into bytes 0 and 2, its low nibble under the exponent of
+        # 1024 and its high one under that of 64 (one LOP3), minus (1024, 64): the two codes,
+        # exact; then d q + m rounded once to fp16 (HFMA2), d and m being fp16 (d = (d, d), m = (m, m))
+        b = 2 * (j % 2)
+        lo = hsub2(
+            and_or(prmt(v, int32(0), int32(0x4040 + 0x0101 * b)), int32(0x00F0000F), int32(Q4_BIAS)),
+            int32(Q4_BIAS),
         )
+        hi = hsub2(
+            and_or(prmt(v, int32(0), int32(0x4141 + 0x0101 * b)), int32(0x00F0000F), int32(Q4_BIAS)),
+            int32(Q4_BIAS),
+        )
+        return hfma2(lo, d, m), hfma2(hi, d, m)
 
     @cuda.jit(device=True, inline=True)
     def load_unit(w, s, row, col, ok, words, i, dm, r):  # noqa: ANN001, ANN202
         """words[4 i : 4 i + 4] = the 16-byte unit of W row `row` from column col (zeros where
-        not ok); q4: dm[2 r], dm[2 r + 1] = its group's d and m."""
+        not ok); q4: dm[2 r], dm[2 r + 1] = its group's (d, d) and (m, m) as f16x2 words (s: the
+        (rows, groups) words of (d, m))."""
         if ok:
             words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = ldg128w(w, row, col // EL)
         else:
@@ -148,8 +189,21 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
                 words[4 * i + e] = int32(0)
         if q4:
             group = col // (w.shape[1] * 8 // s.shape[1])  # (G = K / groups)
-            dm[2 * r] = float32(s[row, group, 0]) if ok else float32(0.0)
-            dm[2 * r + 1] = float32(s[row, group, 1]) if ok else float32(0.0)
+            pair = int32(s[row, group]) if ok else int32(0)
+            dm[2 * r] = prmt(pair, int32(0), int32(0x1010))  # (d, d)
+            dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
+
+    @cuda.jit(device=True, inline=True)
+    def load_x(x, token, col, t_rows, k_cols, xb, at):  # noqa: ANN001, ANN202
+        """xb[at : at + XW] = X row `token` over the unit's E columns from col (zeros past T or K)."""
+        for i in range(XW // 4):
+            if token < t_rows and col < k_cols:
+                xb[at + 4 * i], xb[at + 4 * i + 1], xb[at + 4 * i + 2], xb[at + 4 * i + 3] = ldg128w(
+                    x, token, col // 2 + 4 * i
+                )
+            else:
+                for e in range(4):
+                    xb[at + 4 * i + e] = int32(0)
 
     @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
@@ -158,9 +212,9 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
         red = cuda.shared.array((warps, ACC, 32), float32)  # each warp's sums, lane-major
         wg = cuda.local.array(CHUNK_WORDS, int32)  # the chunk's units of row g, a step each
         wh = cuda.local.array(CHUNK_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
-        dm = cuda.local.array(CHUNK_WORDS, float32)  # q4: (d, m) of row g's and row g + 8's units
+        dm = cuda.local.array(CHUNK_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
         a = cuda.local.array(A_WORDS, int32)  # a step's A fragments, a0..a3 a k-tile
-        xb = cuda.local.array(XW, int32)  # an n-tile's B words of a step
+        xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or a step's n-tile
         acc = cuda.local.array(ACC, float32)  # (n_tiles, 4) C fragments
         for i in range(ACC):
             acc[i] = float32(0.0)
@@ -182,30 +236,29 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
 
         chunk = warp
         while chunk * unroll < n_steps:  # warp-uniform
-            for u in range(unroll):  # the chunk's loads, all in flight before the first use
+            for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
                 col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
                 load_unit(w1, s1, row_g, col, ok_g and col < k_cols, wg, u, dm, 2 * u)
                 load_unit(w3, s3, row_h, col, ok_h and col < k_cols, wh, u, dm, 2 * u + 1)
+            if PREFETCH_X:  # ... and its X, all n-tiles, beside them
+                for u in range(unroll):
+                    col = ((chunk * unroll + u) * 4 + t) * E
+                    for p in range(n_tiles):
+                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW)
             for u in range(unroll):
                 col = ((chunk * unroll + u) * 4 + t) * E
                 for j in range(KT):  # the unit's A fragments, decoded once for every n-tile
                     a[4 * j], a[4 * j + 2] = a_pair(wg, u, j, dm[4 * u], dm[4 * u + 1])
                     a[4 * j + 1], a[4 * j + 3] = a_pair(wh, u, j, dm[4 * u + 2], dm[4 * u + 3])
                 for p in range(n_tiles):
-                    token = 8 * p + g
-                    for i in range(XW // 4):  # X row `token`, the unit's columns
-                        if token < t_rows and col < k_cols:
-                            xb[4 * i], xb[4 * i + 1], xb[4 * i + 2], xb[4 * i + 3] = ldg128w(
-                                x, token, col // 2 + 4 * i
-                            )
-                        else:
-                            for e in range(4):
-                                xb[4 * i + e] = int32(0)
+                    base = (u * n_tiles + p) * XW if PREFETCH_X else 0
+                    if not PREFETCH_X:  # X row 8 p + g over the unit's columns, now
+                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 0)
+                    c = 4 * p
                     for j in range(KT):
-                        c = 4 * p
                         acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
-                            a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], xb[2 * j], xb[2 * j + 1],
-                            acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
+                            a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], xb[base + 2 * j],
+                            xb[base + 2 * j + 1], acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
                         )  # fmt: skip
             chunk += warps
 
@@ -261,6 +314,18 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
     return skinny_kernel
 
 
+def stored_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:
+    """The kernel's weight arguments as it reads them: fp16 as (N, K / 2) words of two halves, q4's
+    scales as (N, groups) words of (d, m); the rest as matmul's weight_args."""
+    args = weight_args(w, w3, dtype, k_cols)
+    if dtype == "fp16":
+        return tuple(a.view(np.uint32) for a in args)
+    if dtype == "q4":
+        c1, s1, c3, s3 = args
+        return c1, s1.view(np.uint32).reshape(s1.shape[:2]), c3, s3.view(np.uint32).reshape(s3.shape[:2])
+    return args
+
+
 def skinny_matmul(
     x: object, w: object, out: object, dtype: str, *, stream: object, mode: str = "plain", w3: object = None
 ) -> None:
@@ -276,10 +341,9 @@ def skinny_matmul(
         raise PycalmError(
             f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
-    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles_for(t_rows))
-    args = weight_args(w, w3, dtype, k_cols)
-    if dtype == "fp16":
-        args = tuple(a.view(np.uint32) for a in args)  # (N, K / 2) words of two halves
+    warps = warps_for(k_cols)
+    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles_for(t_rows), warps)
+    args = stored_args(w, w3, dtype, k_cols)
     tile_rows = 8 if mode == "gate" else 16
     grid = (out.shape[1] + tile_rows - 1) // tile_rows
-    kernel[grid, 32 * WARPS, stream](x.view(np.uint32), *args, out)
+    kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)

@@ -35,7 +35,6 @@ from matmul import fill_kernel  # noqa: E402
 
 from pycalm.kernels import skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES, matmul  # noqa: E402
-from pycalm.kernels.matmul import weight_args as mm_weight_args  # noqa: E402
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 
@@ -90,10 +89,9 @@ def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
 
 def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll):  # noqa: ANN001, ANN201
     """A skinny launch with a chosen block shape (the package's launcher uses WARPS, UNROLL)."""
+    warps = warps or skinny.warps_for(x.shape[1])
     kernel = skinny.make_skinny_kernel(dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll)
-    args = mm_weight_args(w, w3, dtype, x.shape[1])
-    if dtype == "fp16":
-        args = tuple(a.view(np.uint32) for a in args)
+    args = skinny.stored_args(w, w3, dtype, x.shape[1])
     grid = (out.shape[1] + (7 if mode == "gate" else 15)) // (8 if mode == "gate" else 16)
     xw = x.view(np.uint32)
     return lambda: kernel[grid, 32 * warps, STREAM](xw, *args, out)
@@ -112,7 +110,7 @@ def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
     return lambda: matvec(w, x1, out1, dtype, stream=STREAM)
 
 
-def table(dtypes: list[str], rows: list[int], variant: tuple[int, int]) -> None:
+def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: bool) -> None:
     print(f"skinny: {variant[0]} warps a block, {variant[1]} steps a load; microseconds (GB/s of weights)")
     for dtype in dtypes:
         total: dict[str, list[float]] = {
@@ -132,7 +130,7 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int]) -> None:
             total["matvec"][0] += mv
             line = [f"{dtype:4s} {name:4s} matvec {mv * 1e6:7.1f} ({nbytes / mv / 1e9:5.0f})"]
             for i, t in enumerate(rows):
-                tl = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode))
+                tl = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode)) if tiles else float("nan")
                 sk = time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *variant))
                 total["tile"][i] += tl
                 total["skinny"][i] += sk
@@ -150,7 +148,7 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int]) -> None:
 
 
 def sweep(dtypes: list[str], rows: list[int]) -> None:
-    variants = [(4, 0), (8, 0), (16, 0), (8, 1), (8, 2), (16, 1)]
+    variants = [(4, 1), (8, 1), (16, 1), (8, 2), (16, 2)]
     for dtype in dtypes:
         for name, n, k, mode in SHAPES:
             w = random_weights(n, k, dtype, 1)
@@ -161,8 +159,15 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
             for t in rows:
                 cells = []
                 for v in variants:
-                    s = time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *v))
-                    cells.append(f"{v[0]}x{v[1]} {s * 1e6:6.1f} ({nbytes / s / 1e9:4.0f})")
+                    launch = skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *v)
+                    s = time_launches(launch)
+                    kernel = skinny.make_skinny_kernel(dtype, MODES[mode], skinny.n_tiles_for(t), *v)
+                    regs = (
+                        next(iter(kernel.get_regs_per_thread().values()), 0)
+                        if hasattr(kernel, "get_regs_per_thread")
+                        else 0
+                    )
+                    cells.append(f"{v[0]}x{v[1]} {s * 1e6:6.1f} ({nbytes / s / 1e9:4.0f}, {regs} regs)")
                 print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
 
 
@@ -171,6 +176,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--sweep", action="store_true", help="skinny's block shapes at T = 8 and 64")
+    ap.add_argument("--no-tile", action="store_true", help="the table without matmul's tiles")
     ap.add_argument(
         "--variant", default=f"{skinny.WARPS},0", help="warps,unroll of the table (0: the dtype's)"
     )
@@ -183,7 +189,7 @@ def main() -> None:
         sweep(dtypes, rows if args.rows != ap.get_default("rows") else [8, 64])
     else:
         warps, unroll = (int(v) for v in args.variant.split(","))
-        table(dtypes, rows, (warps, unroll))
+        table(dtypes, rows, (warps, unroll), not args.no_tile)
 
 
 if __name__ == "__main__":
