@@ -295,16 +295,19 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
                     else:
                         out[token, col] = s
 
+    # registers a thread at most, so that a block fits an SM's 65,536 (16 warps: 128)
+    jit = cuda.jit if SIM else cuda.jit(cache=True, max_registers=min(255, 65536 // threads // 8 * 8))
+
     if q8 or q4:
 
-        @cuda.jit(cache=True)
+        @jit
         def skinny_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
             """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
             block_product(x, w1, s1, w3, s3, out)
 
     else:
 
-        @cuda.jit(cache=True)
+        @jit
         def skinny_kernel(x, w1, w3, out):  # noqa: ANN001, ANN202
             """out (T, N) (=, +=, gate) X (T, K) fp16 (as (T, K / 2) words) times W (N, K)^T
             stored; see the module docstring. Must match pycalm.cpu.reference.matmul_ref /
