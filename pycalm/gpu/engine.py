@@ -160,8 +160,9 @@ class EngineOptions:
     # (pycalm.kernels.finite; the CLI's --check-finite), read every FINITE_CHECK_EVERY tokens;
     # the first failing position is a PycalmError
     check_finite: bool = False
-    # every token through the multi-token forward, the sampled ones too (one row a pass; the
-    # CLI's --batch-invariant): a row's logits do not depend on the rows that share its pass, so
+    # every token through the multi-token forward, the sampled ones too (the rows pass's captured
+    # one-row graph; prompts in passes of up to 64 rows, all of them on pycalm.kernels.skinny's
+    # products; the CLI's --batch-invariant): a row's logits do not depend on the rows that share its pass, so
     # the tokens do not depend on how the prompt is cut into chunks or which prefix was cached,
     # and feeding the prompt one token at a time gives the same tokens. Off: the sampled tokens
     # go through the token step (its float32 activations and its own summation order), whose
@@ -594,7 +595,8 @@ class GpuEngine:
         self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
     ) -> Iterator[int]:
         """generate with every token through the multi-token forward (batch_invariant): the
-        prompt in chunks, then each sampled token in a pass of one row; the last row's logits are
+        prompt in chunks (a rows pass where it is 64 tokens or fewer), then each sampled token in
+        the rows pass's one-row graph; the last row's logits are
         read back and the token drawn on the host (pycalm.cpu.sampler.Sampler: the coins of the token
         step's, so the same tokens for the same logits). The last sampled token is not fed, as
         in generate."""
