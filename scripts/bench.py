@@ -679,7 +679,9 @@ def main() -> None:
         const=",".join(map(str, ROWS)),
         help="only time the rows pass (GpuEngine.forward_rows) at these row counts beside the token step",
     )
-    ap.add_argument("--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count")
+    ap.add_argument(
+        "--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count"
+    )
     ap.add_argument(
         "--chunks",
         default=str(EngineOptions().prefill_chunk),

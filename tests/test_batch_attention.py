@@ -20,22 +20,13 @@ import numpy as np
 import pytest
 from gpu import GPU
 from numba import cuda
+from tiny_models import attention_config as config
 
 from pycalm.cpu.reference import attention_ref, batch_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.batch_attention import batch_attention, batch_attention_bytes, batch_attention_keys
 from pycalm.model import formats
-from pycalm.model.config import ModelConfig
-
-
-def config(n_heads, n_kv_heads, head_dim, window=0):
-    """A config with these attention sizes (batch_attention reads no other field)."""
-    return ModelConfig(
-        arch="llama", dim=n_heads * head_dim, hidden_dim=8, head_dim=head_dim, n_layers=1, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, vocab_size=8, max_seq_len=4096, rope_theta=1e4, rotary_dim=head_dim,
-        norm_eps=1e-5, bos_id=1, eos_ids=(), sliding_window=window,
-    )  # fmt: skip
 
 
 def _pool(seq_lens, page_size, rng, spare_pages=3):

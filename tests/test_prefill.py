@@ -432,6 +432,6 @@ def test_rows_pass_samples_every_row(tmp_path):
     got = gpu.forward_rows(ids, 0, settings, coins)
     want = [
         sample_ref(row, s.temperature, s.top_k, s.top_p, s.min_p, c)
-        for row, s, c in zip(logits, settings, coins)
+        for row, s, c in zip(logits, settings, coins, strict=True)
     ]
     assert list(got) == want

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gpu import GPU
 from numba import cuda
+from tiny_models import attention_config as config
 
 from pycalm.cpu.reference import attention_ref, prefill_attention_ref
 from pycalm.errors import PycalmError
@@ -29,16 +30,6 @@ from pycalm.kernels.prefill_attention import (
     prefill_attention_flops,
 )
 from pycalm.model import formats
-from pycalm.model.config import ModelConfig
-
-
-def config(n_heads, n_kv_heads, head_dim, window=0):
-    """A config with these attention sizes (prefill_attention reads no other field)."""
-    return ModelConfig(
-        arch="llama", dim=n_heads * head_dim, hidden_dim=8, head_dim=head_dim, n_layers=1, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, vocab_size=8, max_seq_len=4096, rope_theta=1e4, rotary_dim=head_dim,
-        norm_eps=1e-5, bos_id=1, eos_ids=(), sliding_window=window,
-    )  # fmt: skip
 
 
 def _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed):

@@ -335,3 +335,15 @@ def make_gguf(
         "n_kv_heads": n_kv_heads,
     }
     return TinyModel(path, weights, hp)
+
+
+def attention_config(n_heads: int, n_kv_heads: int, head_dim: int, window: int = 0) -> Any:
+    """A ModelConfig with these attention sizes and nothing else of note (the attention kernels'
+    tests: they read no other field)."""
+    from pycalm.model.config import ModelConfig
+
+    return ModelConfig(
+        arch="llama", dim=n_heads * head_dim, hidden_dim=8, head_dim=head_dim, n_layers=1, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, vocab_size=8, max_seq_len=4096, rope_theta=1e4, rotary_dim=head_dim,
+        norm_eps=1e-5, bos_id=1, eos_ids=(), sliding_window=window,
+    )  # fmt: skip
