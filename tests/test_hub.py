@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import httpx
 import pytest
 from test_cli import REPO, _env, assert_one_error_line
 from tiny_models import make_gguf, make_hf_llama
 
-from pycalm.app.hub import choose_files, gguf_tag, parse_hub_name
+from pycalm.app.hub import CONNECT_TIMEOUT_S, choose_files, gguf_tag, parse_hub_name
 from pycalm.errors import PycalmError
 
 HF_REPO = "tiny-org/tiny-llama"  # a Hugging Face folder, and files pycalm does not need
@@ -48,6 +51,8 @@ class FakeHub:
         self.gated = gated
         self.commits = {repo: hashlib.sha1(repo.encode()).hexdigest() for repo in repos}
         self.requests: list[tuple[str, str]] = []
+        self.ranges: list[tuple[str, str]] = []  # (path, Range header) of the resumed downloads
+        self.cut_once: set[str] = set()  # files whose first GET drops the connection half-way
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -135,8 +140,14 @@ class FakeHub:
             headers = {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Repo-Commit": commit}
             start = int(h.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")[0] or 0)
             if start:  # a resumed download
+                self.ranges.append((name, h.headers["Range"]))
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
                 return self.send(h, 206, data[start:], headers, body)
+            if body and name in self.cut_once:  # the connection drops half-way through the file
+                self.cut_once.discard(name)
+                self.send(h, 200, data[: len(data) // 2], {**headers, "Content-Length": str(len(data))}, body)
+                h.close_connection = True
+                return None
             return self.send(h, 200, data, headers, body)
         return self.error(h, 404, "NotFound", body)
 
@@ -164,6 +175,12 @@ def hub(sources) -> FakeHub:
     server = FakeHub(repos, gated=(GATED_REPO,))
     yield server
     server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_hub(hub: FakeHub, tmp_path: Path, *args: str, offline: bool = False, code: str | None = None):
@@ -296,6 +313,74 @@ def test_load_by_name(hub, sources, tmp_path):
     proc = run_hub(hub, tmp_path, code=code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == HF_REPO
+
+
+def test_download_resumes(tmp_path):
+    """A connection that drops half-way through a file is taken up again with a Range request
+    for the rest (huggingface_hub's http_get resumes after the last whole chunk it wrote, 10 MB:
+    so a model of 27 MB), and the model is whole: the local folder's tokens."""
+    big = make_hf_llama(tmp_path / "src", dim=512, hidden_dim=1024, n_layers=3, n_heads=8, name="big-llama")
+    weights = (big.path / "model.safetensors").read_bytes()
+    hub = FakeHub({"tiny-org/big-llama": {p.name: p.read_bytes() for p in big.path.iterdir()}})
+    hub.cut_once.add("model.safetensors")
+    try:
+        proc = run_hub(hub, tmp_path, "tiny-org/big-llama", *GENERATE)
+    finally:
+        hub.stop()
+    assert proc.returncode == 0, proc.stderr
+    ((name, range_),) = hub.ranges
+    start = int(range_.removeprefix("bytes=").removesuffix("-"))
+    assert name == "model.safetensors" and 0 < start <= len(weights) // 2, hub.ranges
+    local = run_local(big.path, tmp_path)
+    assert proc.stdout == local.stdout and local.stdout, local.stderr
+
+
+def test_stalled_endpoint_is_offline_within_the_timeout(hub, sources, tmp_path):
+    """A Hub that takes the connection and never answers is offline after CONNECT_TIMEOUT_S:
+    a name downloaded before runs from the cache, another is one line; neither hangs."""
+    assert run_hub(hub, tmp_path, f"{GGUF_REPO}:Q8_0", *GENERATE).returncode == 0
+    with socket.socket() as stalled:  # listens, never accepts: connections wait in its backlog
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        hub.url = f"http://127.0.0.1:{stalled.getsockname()[1]}"
+        t0 = time.monotonic()
+        cached = run_hub(hub, tmp_path, f"{GGUF_REPO}:Q8_0", *GENERATE)
+        took = time.monotonic() - t0
+        assert cached.returncode == 0 and cached.stdout, cached.stderr
+        assert CONNECT_TIMEOUT_S <= took < CONNECT_TIMEOUT_S + 20, took
+        line = assert_one_error_line(run_hub(hub, tmp_path, HF_REPO, *GENERATE), "not downloaded yet")
+        assert hub.url in line, line
+
+
+def test_serve_by_name(hub, sources, tmp_path):
+    """`pycalm serve ORG/NAME`: served under the Hub name, with the local folder's tokens."""
+    port = _free_port()
+    env = {**_env(), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, "-m", "pycalm.serve", HF_REPO, "--port", str(port), "--device", "cpu", "-c", "64"]
+    cmd += ["--cache-dir", str(tmp_path / "cache")]
+    log = tmp_path / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
+        models = httpx.get(f"{url}/v1/models", timeout=5).json()
+        assert [m["id"] for m in models["data"]] == [HF_REPO]
+        body = {"model": HF_REPO, "prompt": "the cat", "max_tokens": 8, "temperature": 0}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    local = run_local(sources["hf"], tmp_path)
+    assert local.stdout == text + "\n" and text, (text, local.stdout)  # the CLI ends with a newline
 
 
 # ---------------------------------------------------------------------------------------------

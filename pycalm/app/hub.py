@@ -14,7 +14,8 @@ name holds TAG. No match, or several, is an error that lists the repository's ta
 with GGUF files only and no tag given: its one GGUF file, or its Q4_K_M one (ollama's default).
 
 The downloads are huggingface_hub's (snapshot_download): its cache (~/.cache/huggingface/hub, or
-$HF_HOME/hub), resumed when cut short, progress bars on a terminal, the token of `hf auth login`
+$HF_HOME/hub), a dropped connection taken up again where the file stopped (a Range request),
+files already there never fetched again, progress bars on a terminal, the token of `hf auth login`
 or $HF_TOKEN for private and gated models, $HF_ENDPOINT for another server (a mirror). The Hub is
 asked first what the repository holds (within CONNECT_TIMEOUT_S); when it cannot be reached, or
 $HF_HUB_OFFLINE=1, the files of the name's last download are used as they are, without a
