@@ -48,6 +48,8 @@ def load(
     threads: int | None = None,
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
+    MODEL is what the CLI takes: a pycalm file, a Hugging Face folder, a GGUF file, a known name,
+    or a Hugging Face Hub name, ORG/NAME or ORG/NAME:TAG (pycalm.app.hub), downloaded once.
 
     dtype: the weight format when converting a Hugging Face folder or GGUF (fp16, fp8, gf4, q8, q4);
     context: the positions to allocate (at most the model's); kv: the KV-cache format (auto,
@@ -112,11 +114,16 @@ def load(
 
 
 def model_name(model: str | Path | None) -> str:
-    """The name a model is shown under (the server's model id): a known name, or the file or
-    folder name of a path."""
+    """The name a model is shown under (the server's model id): a known name, a Hugging Face
+    name as given (ORG/NAME[:TAG]), or the file or folder name of a path."""
     from pycalm.app.fetch import DEFAULT_MODEL
+    from pycalm.app.hub import parse_hub_name
 
-    return Path(model).name if model is not None else DEFAULT_MODEL
+    if model is None:
+        return DEFAULT_MODEL
+    if not Path(model).exists() and parse_hub_name(str(model)) is not None:
+        return str(model)
+    return Path(model).name
 
 
 @dataclass

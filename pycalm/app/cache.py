@@ -97,9 +97,10 @@ class Entry:
         return self.path.with_suffix(".json")
 
 
-def _record(out: Path, src: Path, dtype: str) -> None:
-    """Write (or refresh) an entry's JSON file: its source and format, and now as its last use."""
-    info = {"source": str(src.resolve()), "format": dtype, "pycalm": __version__}
+def _record(out: Path, src: Path, dtype: str, source: str | None = None) -> None:
+    """Write (or refresh) an entry's JSON file: its source (the path of `src`, or `source` when
+    given) and format, and now as its last use."""
+    info = {"source": source or str(src.resolve()), "format": dtype, "pycalm": __version__}
     try:
         out.with_suffix(".json").write_text(json.dumps(info) + "\n")
     except OSError:  # the entry works without it; `list` then shows an unknown source
@@ -141,11 +142,19 @@ def entries(cache: Path) -> list[Entry]:
 # resolving a source to its conversion
 
 
-def converted(src: Path, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
+def converted(
+    src: Path,
+    dtype: str,
+    cache: Path,
+    log: Callable[[str], None],
+    name: str | None = None,
+    source: str | None = None,
+) -> Path:
     """The pycalm file of `src` (a GGUF file or Hugging Face folder) in `dtype`: from the cache
     when a conversion of the same content is there, else converted now. The source is read and
     checked (pycalm.convert.main.plan_conversion: header, architecture, tensors, tokenizer) before
-    the conversion is announced."""
+    the conversion is announced. name: the entry's model name (default: the file or folder name);
+    source: where it came from, for `pycalm cache list` (default: the path of `src`)."""
     from pycalm.convert.main import convert, plan_conversion
 
     make_folder(cache)
@@ -153,14 +162,14 @@ def converted(src: Path, dtype: str, cache: Path, log: Callable[[str], None]) ->
     key = content_key(src, dtype)
     hit = next(iter(sorted(cache.glob(f"*-{dtype}-{key}.pycalm"))), None)
     if hit is not None:
-        _record(hit, src, dtype)
+        _record(hit, src, dtype, source)
         return hit
     plan_conversion(src, dtype)  # raises on a bad source, before anything is said or written
-    stem = src.stem if src.suffix.lower() == ".gguf" else src.name
+    stem = name or (src.stem if src.suffix.lower() == ".gguf" else src.name)
     out = cache / f"{stem}-{dtype}-{key}.pycalm"
-    log(f"pycalm: converting {src.name} to {dtype} (once; cached as {out})")
+    log(f"pycalm: converting {name or src.name} to {dtype} (once; cached as {out})")
     convert(src, out, dtype, progress=sys.stderr.isatty())
-    _record(out, src, dtype)
+    _record(out, src, dtype, source)
     return out
 
 

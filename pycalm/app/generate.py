@@ -305,7 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "model",
         nargs="?",
-        help=f"pycalm file, HF folder, .gguf, or one of {', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
+        help=f"pycalm file, HF folder, .gguf, ORG/NAME[:TAG] on the Hugging Face Hub, or one of "
+        f"{', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
     )
     # llama.cpp's long names are aliases of the calm-style flags: --model, --prompt, --temp,
     # --top-p, --top-k, --min-p, --seed, --ctx-size, --n-predict

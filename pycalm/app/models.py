@@ -15,12 +15,18 @@ from pycalm.model.config import kv_dtype_for
 def resolve_model(arg: str | None, dtype: str, cache: Path, log: Callable[[str], None]) -> Path:
     """A pycalm model file for MODEL, recognised by its contents (never its name): a pycalm file
     is used as is (open_model then checks it); a Hugging Face folder or a GGUF file is converted
-    once and cached, keyed on its content (pycalm.app.cache)."""
+    once and cached, keyed on its content (pycalm.app.cache). A name that is no path on disk and
+    reads ORG/NAME[:TAG] is a model on the Hugging Face Hub (pycalm.app.hub), downloaded once
+    and converted likewise."""
     from pycalm.app import cache as model_cache
+    from pycalm.app.hub import hub_model, parse_hub_name
     from pycalm.convert.main import source_kind
 
     if arg is None or arg in KNOWN_MODELS:
         src = fetch_gguf(arg or DEFAULT_MODEL, cache, log=True)
+    elif not Path(arg).exists() and parse_hub_name(arg) is not None:
+        src, name, source = hub_model(arg, log)
+        return model_cache.converted(src, dtype, cache, log, name=name, source=source)
     else:
         src = Path(arg)
         if not src.exists():

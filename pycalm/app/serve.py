@@ -593,7 +593,8 @@ def parse_args(argv: list[str] | None) -> Any:
     ap.add_argument(
         "model",
         nargs="?",
-        help=f"pycalm file, HF folder, .gguf, or one of {', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
+        help=f"pycalm file, HF folder, .gguf, ORG/NAME[:TAG] on the Hugging Face Hub, or one of "
+        f"{', '.join(KNOWN_MODELS)} (default {DEFAULT_MODEL})",
     )
     ap.add_argument("--model", dest="model_option", metavar="MODEL", help="the same, as an option")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
