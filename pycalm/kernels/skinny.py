@@ -194,16 +194,14 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
             dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
 
     @cuda.jit(device=True, inline=True)
-    def load_x(x, token, col, t_rows, k_cols, xb, at):  # noqa: ANN001, ANN202
-        """xb[at : at + XW] = X row `token` over the unit's E columns from col (zeros past T or K)."""
-        for i in range(XW // 4):
-            if token < t_rows and col < k_cols:
-                xb[at + 4 * i], xb[at + 4 * i + 1], xb[at + 4 * i + 2], xb[at + 4 * i + 3] = ldg128w(
-                    x, token, col // 2 + 4 * i
-                )
-            else:
-                for e in range(4):
-                    xb[at + 4 * i + e] = int32(0)
+    def load_x(x, token, col, t_rows, k_cols, xb, at, i):  # noqa: ANN001, ANN202
+        """xb[at : at + 4] = words 4 i .. 4 i + 3 of X row `token` over the unit's E columns from
+        col: the B words of k-tiles 2 i, 2 i + 1 (zeros past T or K)."""
+        if token < t_rows and col < k_cols:
+            xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
+        else:
+            for e in range(4):
+                xb[at + e] = int32(0)
 
     @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
@@ -244,7 +242,8 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
                 for u in range(unroll):
                     col = ((chunk * unroll + u) * 4 + t) * E
                     for p in range(n_tiles):
-                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW)
+                        for i in range(XW // 4):
+                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW + 4 * i, i)
             for u in range(unroll):
                 col = ((chunk * unroll + u) * 4 + t) * E
                 for j in range(KT):  # the unit's A fragments, decoded once for every n-tile
@@ -253,7 +252,8 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
                 for p in range(n_tiles):
                     base = (u * n_tiles + p) * XW if PREFETCH_X else 0
                     if not PREFETCH_X:  # X row 8 p + g over the unit's columns, now
-                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 0)
+                        for i in range(XW // 4):
+                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 4 * i, i)
                     c = 4 * p
                     for j in range(KT):
                         acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
@@ -295,8 +295,12 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
                     else:
                         out[token, col] = s
 
-    # registers a thread at most, so that a block fits an SM's 65,536 (16 warps: 128)
-    jit = cuda.jit if SIM else cuda.jit(cache=True, max_registers=min(255, 65536 // threads // 8 * 8))
+    # blocks of 16 warps take launch bounds: the compiler then keeps a thread within the 128
+    # registers such a block may have of an SM's 65,536 (q4 at 32 rows: 105, against 134 unbounded,
+    # which fails to launch); at 64 rows (batch-invariant passes only) 4-bit weights spill 20-72
+    # bytes there. 8 warps need none (at most 140 of 255), and a bound there spilled fp8's gate.
+    bounds = {"launch_bounds": (threads,)} if threads > 256 else {}
+    jit = cuda.jit if SIM else cuda.jit(cache=True, **bounds)
 
     if q8 or q4:
 
