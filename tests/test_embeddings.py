@@ -202,6 +202,15 @@ def test_poolings_differ_and_are_unit(llm):
     np.testing.assert_allclose(llm.embed_ids([[5]]), llm.embed_ids([[5]], "last"), rtol=1e-6)
 
 
+def test_embed_cancelled(llm):
+    """cancelled is asked before each text (the server's client gone): True stops there."""
+    asked = []
+    assert (
+        llm.embed_ids([[1, 5], [1, 6], [1, 7]], cancelled=lambda: asked.append(1) or len(asked) > 1) is None
+    )
+    assert len(asked) == 2
+
+
 @pytest.mark.parametrize(
     "texts,kwargs,message",
     [
