@@ -114,14 +114,20 @@ def check_kv(got: np.ndarray, want: np.ndarray, kv: str) -> None:
 
 
 def prefill_ref(
-    model, kv: str, ids: list[int], over: GpuEngine | None = None, margins: list | None = None
+    model,
+    kv: str,
+    ids: list[int],
+    over: GpuEngine | None = None,
+    margins: list | None = None,
+    hidden: list | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The multi-token forward in NumPy, from pycalm.cpu.reference's row functions in forward_rows's
     order (fp16 activations into the matmuls, as the kernels take them), from position 0:
     logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32. With `over` given,
     attention reads that engine's KV cache rows instead of its own (fp8: see check_kv). With
     `margins` given (MoE), each MoE layer appends each row's router-logit gap between its k-th
-    and (k+1)-th expert (T,): how far the row is from choosing another expert."""
+    and (k+1)-th expert (T,): how far the row is from choosing another expert. With `hidden`
+    given, the final RMSNorm's rows (T, dim) float32 (the embeddings' input) are appended."""
     cfg, n = model.config, len(ids)
     ref = CpuEngine(model, seq_len=n, kv_dtype=kv).ref  # the weights, decoded
 
@@ -170,6 +176,8 @@ def prefill_ref(
         else:
             x = matmul_residual_ref(matmul_gate_ref(xb, w1, w3, "fp32"), w2, "fp32", x)
     out = "tok_embeddings" if cfg.tied_embeddings else "output"
+    if hidden is not None:
+        hidden.append(rmsnorm_rows_ref(x, ref.norm, cfg.norm_eps, fp16=False))
     logits = matmul_ref(rmsnorm_rows_ref(x, ref.norm, cfg.norm_eps), mat(out), "fp32")
     return logits, k_cache, v_cache
 

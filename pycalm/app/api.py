@@ -6,6 +6,7 @@
     print(llm.generate("The capital of France is", max_tokens=8, temperature=0))
     for piece in llm.chat([{"role": "user", "content": "Hi!"}], stream=True):
         print(piece, end="", flush=True)
+    vectors = llm.embed(["a text", "another"])  # (2, dim) float32, unit rows
 
 MODEL is anything `python -m pycalm.generate` takes (a pycalm file, a Hugging Face folder, a
 GGUF file, a known name), resolved, converted and cached the same way. The LLM wraps one engine
@@ -16,6 +17,10 @@ prompt starts with them (the next turn of a chat, a prompt that extends the last
 only the tokens after the common prefix, at start_pos = the prefix length. The cache never
 holds the logits of its last token, so at most len(prompt) - 1 tokens are reused and at least
 one is fed. `Generation.reused_tokens` says how many were.
+
+Embeddings (LLM.embed, the server's /v1/embeddings) feed each text alone from position 0, so a
+text's vector does not depend on what else is asked with it or what the cache held; they
+overwrite the cache's first rows, so the LLM forgets what it held (the next prompt is fed whole).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
@@ -212,7 +219,7 @@ class StopText:
 
 
 class LLM:
-    """A loaded model: generate / chat / tokenize / detokenize / perplexity on one engine."""
+    """A loaded model: generate / chat / embed / tokenize / detokenize / perplexity on one engine."""
 
     def __init__(
         self, engine: object, tokenizer: object, name: str = "model", path: Path | None = None
@@ -376,6 +383,51 @@ class LLM:
                 self._cached = ids + reply[:-1]
             if self._active is gen:
                 self._active = None
+
+    # ---- embeddings ----------------------------------------------------------------------------
+
+    def embed(self, texts: str | list[str], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The embeddings of `texts` (a string or a list of them, each encoded with the BOS), as
+        llama-server's --embedding makes them: the hidden states after the model's final RMSNorm,
+        pooled over the text's tokens by their "mean" or the "last" token's, scaled to unit L2
+        norm when normalize. Returns (len(texts), dim) float32 (one row for a string). Each text
+        is fed alone from position 0, so a row does not depend on the others."""
+        items = [texts] if isinstance(texts, str) else texts
+        if not isinstance(items, list | tuple) or not items:
+            raise PycalmError("nothing to embed: give a string or a non-empty list of strings")
+        for i, text in enumerate(items):
+            if not isinstance(text, str):
+                raise PycalmError(f"texts[{i}] must be a string, not {type(text).__name__}")
+            if not text:
+                raise PycalmError(f"texts[{i}] is an empty string")
+        return self.embed_ids([self.tokenize(t) for t in items], pooling, normalize)
+
+    def embed_ids(
+        self,
+        texts: list[list[int]],
+        pooling: str = "mean",
+        normalize: bool = True,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> np.ndarray | None:
+        """embed for texts given as token ids (what the server calls): (len(texts), dim) float32.
+        cancelled: asked before each text; True stops there and returns None."""
+        from pycalm.cpu.reference import check_pooling
+
+        check_pooling(pooling)
+        if not texts:
+            raise PycalmError("nothing to embed: no texts given")
+        for i, ids in enumerate(texts):
+            if not ids:
+                raise PycalmError(f"text {i} encodes to no tokens")
+            if len(ids) > self.seq_len:
+                raise PycalmError(f"text {i} is {len(ids)} tokens, longer than the context of {self.seq_len}")
+        self.reset()  # an unfinished stream ends; the cache's first rows are about to change
+        out = np.empty((len(texts), self.config.dim), np.float32)  # (n, dim)
+        for i, ids in enumerate(texts):
+            if cancelled is not None and cancelled():
+                return None
+            out[i] = self.engine.embed([int(t) for t in ids], pooling, normalize)
+        return out
 
     # ---- evaluation ----------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
 
   POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not
   POST /v1/completions        a plain continuation of a prompt (text or token ids)
+  POST /v1/embeddings         texts' vectors: the final hidden states pooled (mean or last
+                              token: the request's "pooling", else --pooling), L2-normalised
   GET  /v1/models             the one model served
   GET  /health                503 while the model loads, 200 once it is ready
   GET  /metrics               Prometheus text: tokens, tok/s, queue length
@@ -20,11 +22,18 @@ listens, so /health answers 503 first) and then runs the requests in arrival ord
 queue; each request's text pieces cross to the event loop through a deque (Job). A client
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
+
+Embeddings take OpenAI's fields: `input` (a string, a list of strings, a list of token ids, or a
+list of such lists) and `encoding_format` ("float", or "base64": the float32 bytes, little-endian,
+as the openai client asks for by default); their usage holds prompt_tokens and total_tokens. They
+queue for the engine like completions; a client that goes away stops its request before the next
+text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import queue
@@ -38,6 +47,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pycalm.cpu.reference import POOLINGS
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import OneLineParser, PycalmError
 
@@ -196,6 +206,43 @@ def parse_prompt(body: dict) -> str | list[int]:
     raise BadRequest("'prompt' must be a string or a list of token ids (one prompt a request)", "prompt")
 
 
+def parse_embedding_input(
+    body: dict, vocab_size: int, tokenize: Callable[[str], list[int]]
+) -> list[list[int]]:
+    """The token ids of each of an embeddings request's texts (strings encoded with the BOS)."""
+    given = body.get("input")
+    message = "'input' must be a non-empty string, a list of them, or token ids (a list, or a list of lists)"
+    if isinstance(given, str) or (isinstance(given, list) and given and all(_is_id(t) for t in given)):
+        given = [given]
+    if not isinstance(given, list) or not given:
+        raise BadRequest(message, "input")
+    texts = []
+    for i, item in enumerate(given):
+        if isinstance(item, str):
+            if not item:
+                raise BadRequest(f"input[{i}] is an empty string", "input")
+            texts.append(tokenize(item))
+        elif isinstance(item, list) and item and all(_is_id(t) for t in item):
+            if any(not 0 <= t < vocab_size for t in item):
+                raise BadRequest(f"input[{i}]: a token id is outside the vocabulary", "input")
+            texts.append(list(item))
+        else:
+            raise BadRequest(message, "input")
+    return texts
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class Embedding:
+    """What an embeddings request asks the worker for: the texts' ids and the pooling."""
+
+    texts: list[list[int]]
+    pooling: str
+
+
 # -------------------------------------------------------------------------------------------
 # the worker: one engine, one request at a time
 
@@ -218,6 +265,7 @@ class Job:
     )  # ("text", str)..., then ("done", Generation) or ("error", str)
     cancel: threading.Event = field(default_factory=threading.Event)
     woken: bool = False  # a wake-up is on its way to the loop
+    embedding: Embedding | None = None  # an embeddings request (ids, max_tokens, request unused)
 
     def emit(self, kind: str, value: object) -> None:  # on the worker thread
         self.events.append((kind, value))
@@ -291,6 +339,8 @@ class Worker(threading.Thread):
             job.emit("error", SHUTTING_DOWN)
 
     def run_job(self, job: Job) -> None:
+        if job.embedding is not None:
+            return self.run_embedding(job)
         m = self.metrics
         m.running = 1
         t0 = time.perf_counter()
@@ -313,6 +363,29 @@ class Worker(threading.Thread):
         except Exception as e:  # a bug ends this request, not the server
             traceback.print_exc()
             job.emit("error", f"internal error: {e}")
+        finally:
+            m.busy_s += time.perf_counter() - t0
+            m.running = 0
+
+    def run_embedding(self, job: Job) -> None:
+        """The texts' embeddings, one text after another; a cancelled job stops before the next
+        text. Sends ("done", (n, dim) float32) or ("error", message)."""
+        m, e = self.metrics, job.embedding
+        m.running = 1
+        t0 = time.perf_counter()
+        try:
+            vectors = self.llm.embed_ids(e.texts, e.pooling, cancelled=job.cancel.is_set)
+            if vectors is None:  # the client went away (or the server stops): no one reads it
+                job.emit("error", SHUTTING_DOWN if self.stopping else "the request was cancelled")
+                return
+            m.requests += 1
+            m.prompt_tokens += sum(len(ids) for ids in e.texts)
+            job.emit("done", vectors)
+        except PycalmError as err:
+            job.emit("error", str(err))
+        except Exception as err:  # a bug ends this request, not the server
+            traceback.print_exc()
+            job.emit("error", f"internal error: {err}")
         finally:
             m.busy_s += time.perf_counter() - t0
             m.running = 0
@@ -349,11 +422,13 @@ def make_app(
     on_startup: Callable[[], None] | None = None,
     aliases: tuple[str, ...] = (),
     api_key: str | None = None,
+    pooling: str = "mean",
 ) -> object:
     """The Starlette app over `worker` (started by on_startup or by the caller). A request's
     `model`, where given, must be model_name or one of `aliases` (else OpenAI's 404,
     model_not_found); with `api_key`, every endpoint but /health asks for
-    `Authorization: Bearer <api_key>` (else 401, invalid_api_key)."""
+    `Authorization: Bearer <api_key>` (else 401, invalid_api_key). pooling: the embeddings'
+    pooling where a request gives none ("mean" or "last")."""
     from contextlib import asynccontextmanager
 
     from starlette.applications import Starlette
@@ -453,6 +528,18 @@ def make_app(
                 return
             await asyncio.sleep(ABANDON_POLL_S)
 
+    def check_model(body: dict) -> None:
+        """A request's `model`, where given, is the served one (else OpenAI's 404)."""
+        if not isinstance(body.get("model", ""), str):
+            raise BadRequest("'model' must be a string", "model")
+        if body.get("model") and body["model"] not in served:
+            raise BadRequest(
+                f"the model '{body['model']}' does not exist: this server serves '{model_name}'",
+                "model",
+                "model_not_found",
+                404,
+            )
+
     async def run(request: HttpRequest, chat: bool) -> object:
         path = request.url.path
         if not authorized(request):
@@ -460,13 +547,7 @@ def make_app(
         try:
             body = await read_body(request)
             r = parse_common(body)
-            if body.get("model") and body["model"] not in served:
-                raise BadRequest(
-                    f"the model '{body['model']}' does not exist: this server serves '{model_name}'",
-                    "model",
-                    "model_not_found",
-                    404,
-                )
+            check_model(body)
             for name, off in (("logprobs", (None, False)), ("tools", (None, [])), ("echo", (None, False))):
                 _unsupported(body, name, off)
             if chat:
@@ -546,6 +627,63 @@ def make_app(
     async def completions(request: HttpRequest) -> object:
         return await run(request, chat=False)
 
+    async def embeddings(request: HttpRequest) -> JSONResponse:
+        """POST /v1/embeddings: every text's vector, through the worker's queue like a completion
+        (a client that goes away cancels the request before its next text)."""
+        path = request.url.path
+        if not authorized(request):
+            return refused()
+        try:
+            body = await read_body(request)
+            check_model(body)
+            _unsupported(body, "dimensions", (None,))
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise BadRequest("'encoding_format' must be float or base64", "encoding_format")
+            chosen = body.get("pooling") or pooling
+            if chosen not in POOLINGS:
+                raise BadRequest(f"'pooling' must be {' or '.join(POOLINGS)}, not {chosen!r}", "pooling")
+            llm = worker.llm
+            texts = parse_embedding_input(body, llm.config.vocab_size, llm.tokenize)
+            for i, ids in enumerate(texts):
+                if len(ids) > llm.seq_len:
+                    raise BadRequest(
+                        f"input[{i}] is {len(ids)} tokens; the context holds {llm.seq_len}",
+                        "input",
+                        "context_length_exceeded",
+                    )
+        except BadRequest as e:
+            return fail(e)
+        except PycalmError as e:
+            return fail(BadRequest(str(e)))
+        job = Job([], 0, None, False, asyncio.get_running_loop(), embedding=Embedding(texts, chosen))
+        worker.jobs.put(job)
+        watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
+        try:
+            async for kind, value in events(job, path):
+                if kind == "error":
+                    status = 503 if value == SHUTTING_DOWN else 500
+                    return JSONResponse(error_body(value, "server_error"), status_code=status)
+                if kind == "done":
+                    break
+        finally:
+            watch.cancel()
+        n_tokens = sum(len(ids) for ids in texts)
+        print(
+            f"pycalm: {path}: {len(texts)} texts, {n_tokens} tokens, {chosen} pooling",
+            file=sys.stderr,
+            flush=True,
+        )
+        data = []
+        for i, vector in enumerate(value):
+            if fmt == "base64":  # the float32 bytes, little-endian
+                vector = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            else:
+                vector = vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        usage = {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+        return JSONResponse({"object": "list", "data": data, "model": model_name, "usage": usage})
+
     async def models(request: HttpRequest) -> JSONResponse:
         if not authorized(request):
             return refused()
@@ -572,6 +710,7 @@ def make_app(
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -640,6 +779,13 @@ def parse_args(argv: list[str] | None) -> Any:
         default="fast",
         help="GPU engine: the fast kernels, or the simple ones a learner reads first (slower)",
     )
+    ap.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default=POOLINGS[0],
+        help="/v1/embeddings: pool the hidden states by their mean or the last token's (default mean;"
+        " a request's 'pooling' overrides it)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
@@ -694,7 +840,14 @@ def main(argv: list[str] | None = None) -> int:
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
     worker = Worker(load_model, on_loaded)
-    app = make_app(worker, name, on_startup=start_loading, aliases=tuple(args.alias), api_key=args.api_key)
+    app = make_app(
+        worker,
+        name,
+        on_startup=start_loading,
+        aliases=tuple(args.alias),
+        api_key=args.api_key,
+        pooling=args.pooling,
+    )
     # uvicorn's own lines only for warnings and errors: pycalm logs one line a request
     config = dict(log_level="warning", access_log=False, timeout_graceful_shutdown=3)
 

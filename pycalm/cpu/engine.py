@@ -3,6 +3,7 @@
     engine.generate(ids, start_pos, max_new, sampling) -> iterator of new token ids
     engine.logits(token, pos) -> (vocab_size,) float32
     engine.prefill_logits(ids, start_pos) -> iterator of (rows, vocab_size) float32 blocks
+    engine.embed(ids, pooling, normalize) -> (dim,) float32, the text's embedding
 
 `generate` feeds `ids` at positions start_pos.. (the KV cache keeps what came before, so a chat
 goes on turn after turn), then samples up to `max_new` tokens, stopping after an EOS id.
@@ -29,7 +30,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from pycalm.cpu.reference import ReferenceEngine
+from pycalm.cpu.reference import ReferenceEngine, check_pooling, embed_pool_ref
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 
@@ -123,6 +124,17 @@ class CpuEngine:
                 with self._threads():
                     out = self.ref.classify_rows(rows)  # (rows, vocab_size)
                 yield out
+
+    def embed(self, ids: list[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The embedding (dim,) float32 of the text `ids`, fed alone from position 0 through the
+        multi-token forward (its keys and values overwrite cache rows 0 .. len(ids) - 1): the
+        final RMSNorm of every row, pooled and L2-normalised (pycalm.cpu.reference.embed_pool_ref)."""
+        check_pooling(pooling)
+        rows = []  # each chunk's hidden rows, (rows, dim) float32
+        for x in self._chunks(ids, 0):
+            with self._threads():
+                rows.append(self.ref.hidden_rows(x))
+        return embed_pool_ref(np.concatenate(rows), pooling, normalize)
 
     def generate(
         self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams

@@ -15,6 +15,7 @@ one token through the model:
                      x += W2 h                                          matvec_residual_ref
     (MoE: the router picks experts, each one's FFN weighted)            moe_*_ref
     classifier       logits = Wcls rmsnorm(x) * norm                    matvec_ref
+    (embeddings: the rows rmsnorm(x) * norm pooled, L2-normalised)      embed_pool_ref
     sampling         the next token from the logits                     sample_ref
     advance          what the next step feeds, at which position       advance_ref
 
@@ -540,6 +541,40 @@ def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[
 
 
 # =============================================================================================
+# embeddings: a text's vector from its final hidden states (llama-server's --embedding)
+#
+# A text's hidden rows are the final RMSNorm's output at every position, hidden[t] =
+# rmsnorm(x[t]) * norm (the classifier's input, ReferenceEngine.hidden_rows), the text fed alone
+# from position 0. Pooling makes one (dim,) vector of them, then it is scaled to unit L2 norm:
+#
+#     mean:  e = sum over t of hidden[t] / T
+#     last:  e = hidden[T - 1]                  (the one row that has attended to every token)
+#     e = e / ||e||_2                           (a zero vector stays zero, as llama.cpp leaves it)
+
+POOLINGS = ("mean", "last")  # the pooling options, the default first
+
+
+def check_pooling(pooling: str) -> None:
+    """A one-line error for a pooling that is not one of POOLINGS."""
+    if pooling not in POOLINGS:
+        raise PycalmError(f"pooling must be {' or '.join(POOLINGS)}, not {pooling!r}")
+
+
+def embed_pool_ref(hidden: np.ndarray, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+    """hidden (T, dim) float32, a text's rows after the final RMSNorm -> its embedding (dim,)
+    float32: the rows' mean or the last row, scaled to unit L2 norm when normalize."""
+    check_pooling(pooling)
+    hidden = np.asarray(hidden, np.float32)
+    if hidden.ndim != 2 or hidden.shape[0] == 0:
+        raise PycalmError(f"embedding: hidden rows must be (T, dim) with T >= 1, not {hidden.shape}")
+    e = np.mean(hidden, axis=0, dtype=np.float32) if pooling == "mean" else hidden[-1].copy()  # (dim,)
+    if normalize:
+        norm = np.float32(np.sqrt(np.sum(e * e, dtype=np.float32)))
+        e = e / norm if norm > 0 else e
+    return e.astype(np.float32, copy=False)
+
+
+# =============================================================================================
 # the CPU engine
 
 REFERENCE_KV_DTYPES = (*KV_DTYPES, "fp32")  # the GPU's KV formats, and float32 for comparisons
@@ -696,9 +731,12 @@ class ReferenceEngine:
                 x = matmul_residual_ref(h, w2, dt, x)
         return x
 
+    def hidden_rows(self, x: np.ndarray) -> np.ndarray:
+        """The final RMSNorm of rows of forward_rows's output: x (T, dim) -> rmsnorm(x) * norm
+        (T, dim) float32, the classifier's input and the embeddings' hidden states."""
+        return rmsnorm_rows_ref(x, self.norm, self.config.norm_eps, fp16=False)
+
     def classify_rows(self, x: np.ndarray) -> np.ndarray:
         """The classifier of rows of forward_rows's output: x (T, dim) -> logits (T, vocab_size)
         float32."""
-        return matmul_ref(
-            rmsnorm_rows_ref(x, self.norm, self.config.norm_eps, fp16=False), self.output, "fp32"
-        )
+        return matmul_ref(self.hidden_rows(x), self.output, "fp32")

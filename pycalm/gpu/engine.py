@@ -362,6 +362,7 @@ class GpuEngine:
 
             self.simple_step = Activations.allocate(cfg, 1, self.seq_len, 0, s)
         self._prefill = None  # pycalm.gpu.prefill.Prefill, made (with its buffers) on first use
+        self._norm_host = None  # (dim,) float32: the final norm's weights on the host (embed)
         # (FLAG_SIZE,) int32: zeros, or the first position whose logits were not finite
         # (pycalm.kernels.finite); None: the check is off
         from pycalm.kernels.finite import FLAG_SIZE
@@ -512,6 +513,34 @@ class GpuEngine:
                 yield self.logits(token, start_pos + i)[None]
             return
         yield from self._prefill_step().run(ids, start_pos, logits="all")
+
+    def embed(self, ids: list[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The embedding (dim,) float32 of the text `ids`, fed alone from position 0 (its keys and
+        values overwrite cache rows 0 .. len(ids) - 1): each row's residual stream after the last
+        layer comes to the host (the multi-token forward's chunks; without it, a token step a
+        position), where the final RMSNorm, the pooling and the L2 norm are the reference's
+        (pycalm.cpu.reference.embed_pool_ref: a few thousand rows of dim floats, no kernel of
+        its own). The state is left for the caller to set."""
+        from pycalm.cpu.reference import check_pooling, embed_pool_ref, rmsnorm_rows_ref
+
+        check_pooling(pooling)
+        if not ids or len(ids) > self.seq_len:
+            raise PycalmError(f"a text to embed takes 1 to {self.seq_len} tokens, not {len(ids)}")
+        if self.multi_token:
+            x = np.concatenate(list(self._prefill_step().run(ids, 0, logits="residual")))  # (T, dim)
+        else:  # token steps (their sampled tokens unused), x read back after each
+            x = np.empty((len(ids), self.config.dim), np.float32)  # (T, dim)
+            for pos, token in enumerate(ids):
+                g = self.graph(SamplingParams(), pos)
+                self._set_state(int(token), pos, 0)
+                g.launch()
+                x[pos] = self.x.copy_to_host(stream=self.stream)
+            self.stream.synchronize()
+        if self._norm_host is None:
+            self._norm_host = self.norm.copy_to_host(stream=self.stream)  # (dim,) float32
+            self.stream.synchronize()
+        hidden = rmsnorm_rows_ref(x, self._norm_host, self.config.norm_eps, fp16=False)  # (T, dim)
+        return embed_pool_ref(hidden, pooling, normalize)
 
     def _prefill_step(self) -> object:
         if self._prefill is None:

@@ -284,21 +284,28 @@ class Prefill:
     # ---------------------------------------------------------------------------------------
     def run(self, ids: list[int], start_pos: int, logits: str = "none") -> Iterator[np.ndarray]:
         """Feed ids at positions start_pos.. chunk by chunk, caching their keys and values.
-        logits: "none" (yields nothing), "last" (yields the last row's (1, vocab_size)), or
-        "all" (yields (rows, vocab_size) float32 blocks of every row's logits, in order)."""
+        logits: "none" (yields nothing), "last" (yields the last row's (1, vocab_size)), "all"
+        (yields (rows, vocab_size) float32 blocks of every row's logits, in order), or
+        "residual" (yields each chunk's residual stream after the last layer, (rows, dim)
+        float32, in order: GpuEngine.embed norms and pools it on the host)."""
         e = self.engine
         end = start_pos + len(ids)
         if not ids or start_pos < 0 or end > e.seq_len:
             raise PycalmError(
                 f"prefill of {len(ids)} tokens at position {start_pos} does not fit the context of {e.seq_len}"
             )
-        if logits not in ("none", "last", "all"):
-            raise PycalmError(f"prefill logits: none, last or all, not {logits!r}")
+        if logits not in ("none", "last", "all", "residual"):
+            raise PycalmError(f"prefill logits: none, last, all or residual, not {logits!r}")
         e.feed[start_pos:end].copy_to_device(np.asarray(ids, np.int32), stream=e.stream)
         for pos0 in range(start_pos, end, self.max_chunk):
             n = min(self.max_chunk, end - pos0)
             e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
             self.forward_rows(pos0, n)
+            if logits == "residual":  # x[:n], the chunk's rows after the last layer
+                out = self.buffers.x[:n].copy_to_host(stream=e.stream)
+                e.stream.synchronize()
+                yield out
+                continue
             if logits == "all":
                 wanted = range(0, n)
             elif logits == "last" and pos0 + n == end:
