@@ -32,7 +32,9 @@ def check(got, want) -> None:
     logsumexp's rounding (a few ulps of the largest logit: 1e-5 absolute at logits of magnitude
     up to 30; -inf equal)."""
     assert got.token == want.token and got.top_ids == want.top_ids
-    assert np.allclose([got.logprob, *got.top_logprobs], [want.logprob, *want.top_logprobs], rtol=0, atol=1e-5)
+    assert np.allclose(
+        [got.logprob, *got.top_logprobs], [want.logprob, *want.top_logprobs], rtol=0, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("vocab", [37, 203, 4099] if not GPU else [151_936, 128_256, 49_153])
@@ -69,3 +71,48 @@ def test_kernel_few_finite():
 def test_reference_rejects_k():
     with pytest.raises(PycalmError, match="top logprobs must be 0 to 20"):
         logprobs_ref(np.zeros(4), 0, 21)
+
+
+def test_engine_generate_logprobs(tmp_path):
+    """GpuEngine.generate(..., logprobs=k) on a tiny 1-layer model, greedy: the CPU's tokens; the last step's logprobs against logprobs_ref over the logits that step left on
+    the device (the kernel in the captured step: the kernel test's 1e-5); and every token's
+    logprob and top k against logprobs_ref over the CPU engine's logits at the same positions.
+    The GPU's logits d are within 2e-3 relative L2 of the CPU's l (test_prefill's tolerance for
+    logits); a logprob is a logit less the logsumexp, which moves by at most max |d|, so a
+    logprob moves by at most 2 max |d| <= 2 ||d|| <= 4e-3 ||l||: the bound. The top ids are
+    compared where neighbours are more than twice that apart (closer ones may swap)."""
+    from test_prefill import SEQ_LEN, tiny_model, tokens
+
+    from pycalm.cpu.engine import CpuEngine
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
+
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    prompt = tokens(5, seed=8)
+    greedy = SamplingParams(temperature=0.0)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(decode_lookahead=2))
+    got = list(gpu.generate(prompt, 0, 3, greedy, logprobs=5))
+    assert len(got) == 3
+    check(got[-1], logprobs_ref(gpu.logits_buf.copy_to_host(), got[-1].token, 5))
+    cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    cpu.prefill(prompt[:-1], 0)
+    token = prompt[-1]
+    for i, g in enumerate(got):
+        logits = cpu.logits(token, len(prompt) - 1 + i)
+        want = logprobs_ref(logits, g.token, 5)
+        bound = 4e-3 * np.linalg.norm(logits)
+        assert g.token == int(np.argmax(logits))
+        assert len(g.top_ids) == 5 and g.top_ids[0] == g.token
+        assert abs(g.logprob - want.logprob) < bound
+        assert np.allclose(g.top_logprobs, want.top_logprobs, rtol=0, atol=bound)
+        apart = [True, *(np.diff(want.top_logprobs) < -2 * bound), True]  # cannot swap with the next
+        for j in range(5):
+            if apart[j] and apart[j + 1]:
+                assert g.top_ids[j] == want.top_ids[j]
+        token = g.token
+    # the CPU engine yields the reference itself; logprobs=0: no alternatives
+    cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    zero = list(cpu.generate(prompt, 0, 2, greedy, logprobs=0))
+    assert [z.token for z in zero] == [g.token for g in got[:2]] and all(z.top_ids == [] for z in zero)
+    with pytest.raises(PycalmError, match="top logprobs must be 0 to 20"):
+        next(gpu.generate(prompt, 0, 1, greedy, logprobs=21))

@@ -558,7 +558,10 @@ def logprobs_ref(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     lse = m + np.log(np.exp(logits - m).sum()) if np.isfinite(m) else m
     order = np.lexsort((np.arange(len(logits)), -logits))[:k]  # descending logit, then lower id
     return TokenLogprobs(
-        int(token), float(logits[token] - lse), [int(i) for i in order], [float(logits[i] - lse) for i in order]
+        int(token),
+        float(logits[token] - lse),
+        [int(i) for i in order],
+        [float(logits[i] - lse) for i in order],
     )
 
 
