@@ -116,3 +116,140 @@ def test_engine_generate_logprobs(tmp_path):
     assert [z.token for z in zero] == [g.token for g in got[:2]] and all(z.top_ids == [] for z in zero)
     with pytest.raises(PycalmError, match="top logprobs must be 0 to 20"):
         next(gpu.generate(prompt, 0, 1, greedy, logprobs=21))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real server process (python -m pycalm.serve, the CPU engine) on a tiny random model
+    with a word-level tokenizer and a chat template (tests/tiny_models.py); its URL once loaded."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from test_cli import REPO, _env
+    from test_serve import _free_port
+    from tiny_models import make_hf_llama
+
+    from pycalm.convert.main import convert
+
+    tmp = tmp_path_factory.mktemp("logprobs_serve")
+    tiny = make_hf_llama(tmp, dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
+    path = convert(tiny.path, tmp / "tiny.pycalm", "fp16", progress=False)
+    port, log = _free_port(), tmp / "server.log"
+    with open(log, "w") as err:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pycalm.serve",
+            str(path),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "-c",
+            "64",
+            "--alias",
+            "m",
+        ]
+        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.05)
+        yield {"url": url, "path": path}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _reference(path, prompt_ids: list[int], n: int, k: int) -> list:
+    """The CPU engine's greedy tokens' TokenLogprobs for a prompt of ids (what the server runs)."""
+    from pycalm.cpu.engine import CpuEngine
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.model.loader import open_model
+
+    return list(
+        CpuEngine(open_model(path), seq_len=64).generate(prompt_ids, 0, n, SamplingParams(), logprobs=k)
+    )
+
+
+def test_server_logprobs(server):
+    """Chat (logprobs: true, top_logprobs) and completions (logprobs: k), streamed and not,
+    through the openai client: each token's logprob and top list are the CPU engine's
+    (logprobs_ref), the streamed ones the same as the whole answer's, the completions' tokens
+    and offsets spell the text; top_logprobs above 20 is a 400 naming the limit."""
+    import openai
+
+    from pycalm.app.api import load
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    llm = load(str(server["path"]), device="cpu", context=64, verbose=False)
+    messages = [{"role": "user", "content": "w5 w9 w12"}]
+    n, k = 4, 3
+    greedy = {"max_tokens": n, "temperature": 0, "seed": 1}
+    want = _reference(server["path"], llm.chat_ids(messages), n, k)
+    eos = set(llm.config.eos_ids)
+    want = [w for w in want if w.token not in eos]
+
+    def tok(i: int) -> str:
+        return llm.tokenizer.token_bytes(i).decode("utf-8", errors="replace")
+
+    # chat, whole
+    reply = client.chat.completions.create(
+        model="m", messages=messages, logprobs=True, top_logprobs=k, **greedy
+    )
+    content = reply.choices[0].logprobs.content
+    assert [c.token for c in content] == [tok(w.token) for w in want]
+    for c, w in zip(content, want, strict=True):
+        assert c.logprob == pytest.approx(w.logprob, abs=1e-9) and c.bytes == list(
+            llm.tokenizer.token_bytes(w.token)
+        )
+        assert [t.token for t in c.top_logprobs] == [tok(i) for i in w.top_ids]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(w.top_logprobs, abs=1e-9)
+    # chat, streamed: the chunks' entries join to the whole answer's
+    chunks = client.chat.completions.create(
+        model="m", messages=messages, logprobs=True, top_logprobs=k, stream=True, **greedy
+    )
+    streamed = [
+        c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content
+    ]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # chat without logprobs: none
+    assert client.chat.completions.create(model="m", messages=messages, **greedy).choices[0].logprobs is None
+
+    # completions, whole and streamed
+    prompt = "w3 w7"
+    want = [w for w in _reference(server["path"], llm.tokenize(prompt), n, 2) if w.token not in eos]
+    done = client.completions.create(model="m", prompt=prompt, logprobs=2, **greedy).choices[0]
+    lp = done.logprobs
+    assert lp.tokens == [tok(w.token) for w in want]
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-9)
+    got_top = [v for d in lp.top_logprobs for v in d.values()]
+    assert got_top == pytest.approx([v for w in want for v in w.top_logprobs], abs=1e-9)
+    assert [list(d) for d in lp.top_logprobs] == [[tok(i) for i in w.top_ids] for w in want]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    parts = client.completions.create(model="m", prompt=prompt, logprobs=2, stream=True, **greedy)
+    tokens = [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+    # the 400s
+    for call in (
+        lambda: client.chat.completions.create(model="m", messages=messages, logprobs=True, top_logprobs=21),
+        lambda: client.chat.completions.create(model="m", messages=messages, logprobs=True, top_logprobs=-1),
+        lambda: client.completions.create(model="m", prompt=prompt, logprobs=21),
+    ):
+        with pytest.raises(openai.BadRequestError, match="must be from 0 to 20"):
+            call()
+
+    # the Python API: generate(..., logprobs=k) returns the finished Generation
+    gen = llm.generate(prompt, max_tokens=n, temperature=0, logprobs=2)
+    assert gen.text == done.text and [g.token for g in gen.logprobs] == [w.token for w in want]
+    assert llm.generate(prompt, max_tokens=n, temperature=0) == done.text
