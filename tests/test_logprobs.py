@@ -198,6 +198,7 @@ def test_server_logprobs(server):
     want = _reference(server["path"], llm.chat_ids(messages), n, k)
     eos = set(llm.config.eos_ids)
     want = [w for w in want if w.token not in eos]
+    assert len(want) == n  # (this conversation's reply has no EOS within n tokens)
 
     def tok(i: int) -> str:
         return llm.tokenizer.token_bytes(i).decode("utf-8", errors="replace")
@@ -226,8 +227,9 @@ def test_server_logprobs(server):
     assert client.chat.completions.create(model="m", messages=messages, **greedy).choices[0].logprobs is None
 
     # completions, whole and streamed
-    prompt = "w3 w7"
+    prompt = "w4 w9"  # 4 tokens, no EOS
     want = [w for w in _reference(server["path"], llm.tokenize(prompt), n, 2) if w.token not in eos]
+    assert len(want) == n
     done = client.completions.create(model="m", prompt=prompt, logprobs=2, **greedy).choices[0]
     lp = done.logprobs
     assert lp.tokens == [tok(w.token) for w in want]
