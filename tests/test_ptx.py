@@ -196,8 +196,9 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     """Launch, at cfg's shapes on stand-in arrays, the kernels written and tested but not yet
     launched by the engine, so that they compile here too: pycalm.kernels.batch_attention
     (batched serving's decode attention over a paged cache) and pycalm.kernels.sample's
-    sample_rows (a block a row of logits, each row its own options). A kernel leaves this list
-    when the engine launches it."""
+    sample_rows (a block a row of logits, each row its own options); and pycalm.kernels.logprobs,
+    which the engine launches only in the token step a request for logprobs captures (not in
+    the walk's). A kernel leaves this list when the engine's walk launches it."""
     import numpy as np
     from numba import cuda
 
@@ -218,6 +219,12 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     coins = cuda.device_array(n_rows, np.float32)  # (M,)
     tokens = cuda.device_array(n_rows, np.int32)  # (M,)
     sample_rows(logits, RowSampling.allocate(n_rows, stream=stream), coins, tokens, stream=stream)
+    from pycalm.kernels.common import STATE_SIZE
+    from pycalm.kernels.logprobs import OUT_SIZE, logprobs
+
+    state = cuda.device_array(STATE_SIZE, np.int32)  # (STATE_SIZE,)
+    out = cuda.device_array(OUT_SIZE, np.int32)  # (OUT_SIZE,)
+    logprobs(logits[0], state, out, stream=stream)
 
 
 def launched_kernels() -> tuple[list, dict]:

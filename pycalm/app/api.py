@@ -31,12 +31,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
+
+if TYPE_CHECKING:
+    from pycalm.cpu.reference import TokenLogprobs
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
 
@@ -142,6 +145,9 @@ class Generation:
     (an EOS or a stop string), "length" (max_tokens or the end of the context), or None while
     running or when closed early; prompt_s: seconds from the start to the first token (feeding
     the prompt and sampling one token); decode_s: seconds from the first token to the last.
+    text: the text handed out so far. logprobs: when asked for (LLM.generate's logprobs=k), a
+    TokenLogprobs (pycalm.cpu.reference) for each sampled token but an EOS, appended as each is
+    made (before its text, which a stop string's check may hold back, is handed out); else None.
     """
 
     prompt_tokens: int
@@ -150,13 +156,17 @@ class Generation:
     finish_reason: str | None = None
     prompt_s: float = 0.0
     decode_s: float = 0.0
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
     _pieces: Iterator[str] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        piece = next(self._pieces)
+        self.text += piece
+        return piece
 
     def close(self) -> None:
         """Stop generating (at the token being made) and free the engine for the next request."""
@@ -265,6 +275,7 @@ class LLM:
         stream: bool = False,
         *,
         prime: bool = True,
+        logprobs: int | None = None,
     ) -> str | Generation:
         """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
 
@@ -273,17 +284,22 @@ class LLM:
         top_k 0 and min_p 0 are off; seed None takes one from the clock. stream=True returns a
         Generation, an iterator of text pieces as they are made; else the whole text. prime:
         the text is decoded as the continuation of the prompt (its first space kept); False
-        decodes it as text of its own (a chat reply).
+        decodes it as text of its own (a chat reply). logprobs = k (0 to 20): each token's
+        log-probability under the model (before temperature) and the k most likely tokens' in
+        Generation.logprobs, which is then returned whole (its text in .text) when not streaming.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampling = SamplingParams(temperature, top_k, top_p, min_p, _seed(seed))
-        gen = self.start(ids, max_tokens, sampling, stop, prime=prime)
-        return gen if stream else "".join(gen)
+        gen = self.start(ids, max_tokens, sampling, stop, prime=prime, logprobs=logprobs)
+        if stream:
+            return gen
+        text = "".join(gen)
+        return text if logprobs is None else gen
 
     def chat(self, messages: list[Message], **options: Any) -> str | Generation:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
-        seed, stop, stream) as for generate, which runs it. A conversation that goes on turn
+        seed, stop, stream, logprobs) as for generate, which runs it. A conversation that goes on turn
         after turn reuses the cache of the turns before (only the new tokens are fed)."""
         return self.generate(self.chat_ids(messages), **options, prime=False)
 
@@ -295,13 +311,15 @@ class LLM:
         stop: str | list[str] | None = None,
         prime: bool = True,
         cancelled: Callable[[], bool] | None = None,
+        logprobs: int | None = None,
     ) -> Generation:
         """A Generation for prompt `ids` (what generate and chat return; the server calls it).
 
         prime: decode the text as the continuation of the prompt (a leading space is kept), as
         the CLI's prompt mode does; else as text of its own, as its chat mode does. cancelled:
-        asked after every token; True ends the generation there (finish_reason None). Checks
-        the arguments here, before the first piece is asked for.
+        asked after every token; True ends the generation there (finish_reason None).
+        logprobs: k, the top logprobs each token lists in Generation.logprobs (None: none kept).
+        Checks the arguments here, before the first piece is asked for.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
@@ -312,13 +330,21 @@ class LLM:
             raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {self.seq_len}")
         if max_tokens < 0:
             raise PycalmError(f"max_tokens must be 0 or more, not {max_tokens}")
-        from pycalm.cpu.reference import check_sampling
+        from pycalm.cpu.reference import MAX_TOP_LOGPROBS, check_sampling
 
         check_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        if logprobs is not None and (
+            isinstance(logprobs, bool)
+            or not isinstance(logprobs, int)
+            or not 0 <= logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise PycalmError(
+                f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, not {logprobs!r}"
+            )
         if self._active is not None:  # one generation at a time: an abandoned stream ends here
             self._active.close()
-        gen = Generation(prompt_tokens=len(ids))
-        gen._pieces = self._pieces(gen, ids, max_tokens, sampling, stops, prime, cancelled)
+        gen = Generation(prompt_tokens=len(ids), logprobs=None if logprobs is None else [])
+        gen._pieces = self._pieces(gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs)
         self._active = gen
         return gen
 
@@ -331,6 +357,7 @@ class LLM:
         stops: list[str],
         prime: bool,
         cancelled: Callable[[], bool] | None,
+        logprobs: int | None = None,
     ) -> Iterator[str]:
         common = 0
         limit = min(len(ids) - 1, len(self._cached))  # feed at least one token
@@ -351,9 +378,13 @@ class LLM:
             return
         t0 = time.perf_counter()
         t_first = t0
-        tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
+        if logprobs is None:
+            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
+        else:  # TokenLogprobs a token
+            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, logprobs=logprobs)
         try:
-            for t in tokens:
+            for item in tokens:
+                t = item if logprobs is None else item.token
                 now = time.perf_counter()
                 if not reply:
                     t_first = now
@@ -366,6 +397,8 @@ class LLM:
                 if t in eos:
                     gen.finish_reason = "stop"
                     break
+                if gen.logprobs is not None:
+                    gen.logprobs.append(item)
                 if piece := text.push(decoder.push(t)):
                     yield piece
                 if text.stopped:

@@ -11,7 +11,9 @@ An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
   GET  /metrics               Prometheus text: tokens, tok/s, queue length
 
 Requests take max_tokens, temperature, top_p, stop, seed, stream (and top_k, min_p beyond
-OpenAI's set); the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
+OpenAI's set), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
+`logprobs: k`; k up to 20): each token's log-probability under the model before temperature and
+the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens'; the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
 prompt_tokens_details.cached_tokens, the prompt tokens whose keys and values were already in the
 KV cache (pycalm.app.api: the next turn of a chat feeds only its new tokens). Errors have OpenAI's
 shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 503 while the
@@ -126,6 +128,27 @@ class Request:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # the top logprobs each token lists; None: no logprobs
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """The top logprobs a token lists (None: logprobs off). Chat: `logprobs` true or false and
+    `top_logprobs` 0 to 20; completions: `logprobs` 0 to 20."""
+    from pycalm.cpu.reference import MAX_TOP_LOGPROBS
+
+    if not chat:
+        _unsupported(body, "top_logprobs", (None,))
+        k = _integer(body, "logprobs", None)
+    else:
+        on = _boolean(body, "logprobs")
+        k = _integer(body, "top_logprobs", None)
+        if k is not None and not on:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        k = (k or 0) if on else None
+    name = "logprobs" if not chat else "top_logprobs"
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'{name}' must be from 0 to {MAX_TOP_LOGPROBS}, not {k}", name)
+    return k
 
 
 def parse_common(body: dict) -> Request:
@@ -262,7 +285,7 @@ class Job:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     events: deque = field(
         default_factory=deque
-    )  # ("text", str)..., then ("done", Generation) or ("error", str)
+    )  # ("text", str) and ("logprobs", [TokenLogprobs])..., then ("done", Generation) or ("error", str)
     cancel: threading.Event = field(default_factory=threading.Event)
     woken: bool = False  # a wake-up is on its way to the loop
     embedding: Embedding | None = None  # an embeddings request (ids, max_tokens, request unused)
@@ -346,9 +369,21 @@ class Worker(threading.Thread):
         t0 = time.perf_counter()
         try:
             r = job.request
-            gen = self.llm.start(job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set)
+            gen = self.llm.start(
+                job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
+            )
+            sent = 0  # the tokens whose logprobs were emitted
+
+            def emit_logprobs() -> None:  # the new tokens' logprobs, ahead of their text
+                nonlocal sent
+                if gen.logprobs is not None and len(gen.logprobs) > sent:
+                    job.emit("logprobs", gen.logprobs[sent:])
+                    sent = len(gen.logprobs)
+
             for piece in gen:
+                emit_logprobs()
                 job.emit("text", piece)
+            emit_logprobs()
             m.requests += 1
             m.prompt_tokens += gen.prompt_tokens
             m.reused_tokens += gen.reused_tokens
@@ -498,18 +533,20 @@ def make_app(
         )
 
     async def events(job: Job, path: str) -> AsyncIterator[tuple[str, object]]:
-        """The job's events; the text pieces of one wake-up come as one. Leaving early (a client
-        gone) cancels the job, which the worker sees at its next token, and says so in a line."""
+        """The job's events; the text pieces (and the tokens' logprobs) of one wake-up come as
+        one ("text", (text, [TokenLogprobs])). Leaving early (a client gone) cancels the job,
+        which the worker sees at its next token, and says so in a line."""
         ended = False  # the job's last event was taken
         try:
             while True:
                 batch = await job.drain()
                 text = "".join(value for kind, value in batch if kind == "text")
-                if text:
-                    yield "text", text
+                lps = [lp for kind, value in batch if kind == "logprobs" for lp in value]
+                if text or lps:
+                    yield "text", (text, lps)
                     await asyncio.sleep(STREAM_INTERVAL_S)
                 for kind, value in batch:
-                    if kind != "text":
+                    if kind not in ("text", "logprobs"):
                         ended = True
                         yield kind, value
                         return
@@ -548,7 +585,8 @@ def make_app(
             body = await read_body(request)
             r = parse_common(body)
             check_model(body)
-            for name, off in (("logprobs", (None, False)), ("tools", (None, [])), ("echo", (None, False))):
+            r.logprobs = parse_logprobs(body, chat)
+            for name, off in (("tools", (None, [])), ("echo", (None, False))):
                 _unsupported(body, name, off)
             if chat:
                 ids = worker.llm.chat_ids(parse_messages(body))
@@ -566,22 +604,60 @@ def make_app(
         name = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         head = {"id": name, "created": int(time.time()), "model": model_name}
 
-        def choice(text: str | None, finish: str | None) -> dict:
+        tokenizer = worker.llm.tokenizer
+        offset = 0  # completions: where the next token's text begins in the completion
+
+        def entry(token: int, logprob: float) -> tuple[str, float, bytes]:
+            raw = tokenizer.token_bytes(token)  # -inf (a masked token) as OpenAI's -9999
+            return raw.decode("utf-8", errors="replace"), max(logprob, -9999.0), raw
+
+        def logprobs_of(lps: list | None) -> dict | None:
+            """OpenAI's logprobs object of these tokens: chat's content list, or completions'
+            tokens / token_logprobs / top_logprobs / text_offset."""
+            nonlocal offset
+            if r.logprobs is None:
+                return None
+            lps = lps or []
+            if chat:
+                content = []
+                for lp in lps:
+                    text, logprob, raw = entry(lp.token, lp.logprob)
+                    top = [entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+                    content.append({
+                        "token": text, "logprob": logprob, "bytes": list(raw),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, v, b in top],
+                    })  # fmt: skip
+                return {"content": content}
+            out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for lp in lps:
+                text, logprob, _ = entry(lp.token, lp.logprob)
+                out["tokens"].append(text)
+                out["token_logprobs"].append(logprob)
+                top = (entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True))
+                out["top_logprobs"].append({t: v for t, v, _ in top})
+                out["text_offset"].append(offset)
+                offset += len(text)
+            return out
+
+        def choice(text: str | None, finish: str | None, lps: list | None = None) -> dict:
+            logprobs = logprobs_of(lps)
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if r.stream:
                 delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "finish_reason": finish}
+                out = {"index": 0, "delta": delta, "finish_reason": finish}
+                return out if logprobs is None or not lps else {**out, "logprobs": logprobs}
             message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
         if not r.stream:
-            pieces = []
+            pieces, lps = [], []
             watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
             try:
                 async for kind, value in events(job, path):
                     if kind == "text":
-                        pieces.append(value)
+                        pieces.append(value[0])
+                        lps += value[1]
                     elif kind == "error":
                         status = 503 if value == SHUTTING_DOWN else 500
                         return JSONResponse(error_body(value, "server_error"), status_code=status)
@@ -591,7 +667,7 @@ def make_app(
                         out = {
                             **head,
                             "object": obj,
-                            "choices": [choice("".join(pieces), value.finish_reason)],
+                            "choices": [choice("".join(pieces), value.finish_reason, lps)],
                         }
                         return JSONResponse({**out, "usage": usage(value)})
             finally:
@@ -609,7 +685,7 @@ def make_app(
                 )
             async for kind, value in events(job, path):
                 if kind == "text":
-                    yield chunk([choice(value, None)])
+                    yield chunk([choice(value[0], None, value[1])])
                 elif kind == "error":
                     yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
                 else:

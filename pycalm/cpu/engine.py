@@ -1,6 +1,7 @@
 """The engines behind `pycalm.generate`, one interface for the CPU reference and the GPU.
 
     engine.generate(ids, start_pos, max_new, sampling) -> iterator of new token ids
+    engine.generate(..., logprobs=k) -> iterator of their TokenLogprobs (pycalm.cpu.reference)
     engine.logits(token, pos) -> (vocab_size,) float32
     engine.prefill_logits(ids, start_pos) -> iterator of (rows, vocab_size) float32 blocks
     engine.embed(ids, pooling, normalize) -> (dim,) float32, the text's embedding
@@ -30,7 +31,14 @@ from contextlib import AbstractContextManager
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from pycalm.cpu.reference import ReferenceEngine, check_pooling, embed_pool_ref
+from pycalm.cpu.reference import (
+    MAX_TOP_LOGPROBS,
+    ReferenceEngine,
+    TokenLogprobs,
+    check_pooling,
+    embed_pool_ref,
+    logprobs_ref,
+)
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 
@@ -137,8 +145,18 @@ class CpuEngine:
         return embed_pool_ref(np.concatenate(rows), pooling, normalize)
 
     def generate(
-        self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
-    ) -> Iterator[int]:
+        self,
+        ids: list[int],
+        start_pos: int,
+        max_new: int,
+        sampling: SamplingParams,
+        logprobs: int | None = None,
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
+        """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
+        token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
+        (logprobs_ref over the step's logits)."""
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {logprobs}")
         self._check_fits(ids, start_pos)
         sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
         eos = set(self.config.eos_ids)
@@ -151,8 +169,9 @@ class CpuEngine:
         for _ in range(max_new):  # token steps, the first one feeding the prompt's last token
             if pos >= self.seq_len:
                 return
-            token = sampler.sample(self.logits(token, pos))
+            logits = self.logits(token, pos)  # (vocab_size,)
+            token = sampler.sample(logits)
             pos += 1
-            yield token
+            yield token if logprobs is None else logprobs_ref(logits, token, logprobs)
             if token in eos:
                 return

@@ -17,6 +17,7 @@ one token through the model:
     classifier       logits = Wcls rmsnorm(x) * norm                    matvec_ref
     (embeddings: the rows rmsnorm(x) * norm pooled, L2-normalised)      embed_pool_ref
     sampling         the next token from the logits                     sample_ref
+                     its log-probability and the k most likely tokens'  logprobs_ref
     advance          what the next step feeds, at which position       advance_ref
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
@@ -33,6 +34,8 @@ imports no numba: the CPU engine runs without it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -530,6 +533,37 @@ def sample_ref(
     running = np.cumsum(p)
     i = int(np.searchsorted(running, coin * running[-1], side="right"))  # first running sum > target
     return int(ids[min(i, len(ids) - 1)])  # min(): coin * total can round up to the last sum
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's limit too)
+
+
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability under the model (log_softmax of the raw logits, before
+    temperature or any cut), and the k most likely tokens' ids and log-probabilities, by
+    descending logit, lower id first on ties."""
+
+    token: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def logprobs_ref(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
+    """log_softmax(logits)[token] and the top k (0 <= k <= MAX_TOP_LOGPROBS) of log_softmax(logits),
+    in float64: log p_i = l_i - logsumexp(l), logsumexp(l) = m + log(sum exp(l - m)), m = max(l)."""
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {k}")
+    logits = np.asarray(logits, np.float64).reshape(-1)
+    m = logits.max()
+    lse = m + np.log(np.exp(logits - m).sum()) if np.isfinite(m) else m
+    order = np.lexsort((np.arange(len(logits)), -logits))[:k]  # descending logit, then lower id
+    return TokenLogprobs(
+        int(token),
+        float(logits[token] - lse),
+        [int(i) for i in order],
+        [float(logits[i] - lse) for i in order],
+    )
 
 
 def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[int, int]:

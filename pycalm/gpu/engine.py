@@ -10,7 +10,8 @@ for its position. On compute capability 9.0 and up the graphs' edges are program
 kernel launches, and issues its first weight loads, while the one before it finishes
 (pycalm.gpu.graph). Nothing per token is a launch argument: the token, the position and the
 prompt live in device memory (`state`, `feed`), and the step ends by advancing them itself.
-The host only reads back the token ids.
+The host only reads back the token ids (and, when a caller asks for logprobs, a step variant's
+few words of pycalm.kernels.logprobs).
 
 With EngineOptions(kernels="simple") the step and the prompt pass run the plain kernels of
 pycalm/kernels/simple/ instead, wired by pycalm.gpu.simple.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pycalm.cpu.reference import MAX_TOP_LOGPROBS, TokenLogprobs, logprobs_ref
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
@@ -348,7 +350,14 @@ class GpuEngine:
         # sampling step, and its event passes once that token is there
         self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
         self._token_events = [cuda.event() for _ in range(options.decode_lookahead)]
-        self._graphs: dict[tuple[SamplingParams, int], GraphStep | EagerStep] = {}
+        # with logprobs: the step's logsumexp, its token's logit and the top K (pycalm.kernels.logprobs),
+        # (OUT_SIZE,) int32 on the device, and their copies in the ring, a row a slot
+        from pycalm.kernels.logprobs import OUT_SIZE
+
+        self.logprobs_out = zeros(OUT_SIZE, np.int32)  # (OUT_SIZE,)
+        self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
+        # (sampling settings, with logprobs), span -> the captured step
+        self._graphs: dict[tuple[tuple[SamplingParams, bool], int], GraphStep | EagerStep] = {}
         from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
@@ -370,14 +379,20 @@ class GpuEngine:
         self.finite_flag = zeros(FLAG_SIZE, np.int32) if options.check_finite else None
 
     # ---------------------------------------------------------------------------------------
-    def forward(self, sampling: SamplingParams, span: int | None = None) -> None:
+    def forward(self, sampling: SamplingParams, span: int | None = None, logprobs: bool = False) -> None:
         """Enqueue one token step on self.stream for positions below span (default: seq_len,
         see pycalm.kernels.attention.attention_span): the token state[STATE_TOKEN] at position
-        state[STATE_POS] in, the next token and position out."""
+        state[STATE_POS] in, the next token and position out. logprobs: the step also writes
+        logprobs_out from its logits and the sampled token (pycalm.kernels.logprobs)."""
+        from pycalm.kernels import logprobs as lp
+
         if self.simple:  # the simple kernels (pycalm.gpu.simple; sampling > 0 draws on the host)
             from pycalm.gpu import simple
 
-            return simple.forward(self)
+            simple.forward(self)
+            if logprobs:  # after advance, which keeps a sampled token (only prompt steps take feed's)
+                lp.logprobs(self.logits_buf, self.state, self.logprobs_out, stream=self.stream)
+            return None
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.finite import check_finite
@@ -417,6 +432,9 @@ class GpuEngine:
             check_finite(self.logits_buf, state, self.finite_flag, stream=s)
         # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
         sample(self.logits_buf, state, self.coins, sampling, stream=s, **self._sample_options)
+        if logprobs:
+            # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
+            lp.logprobs(self.logits_buf, state, self.logprobs_out, stream=s)
         # pos += 1; while prefilling, token = the prompt's next token instead
         advance(state, self.feed, stream=s)
 
@@ -427,26 +445,30 @@ class GpuEngine:
             return self.seq_len
         return attention_span(pos, self.att_scratch.chunk, self.seq_len)
 
-    def graph(self, sampling: SamplingParams, pos: int = 0) -> GraphStep | EagerStep:
-        """The token step for these sampling settings at pos: one for each span (see span()),
-        captured on first use, then replayed. Capturing changes no state, except that a new
-        sampling setting's first step runs once eagerly at the span's last position."""
-        key = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
+    def graph(self, sampling: SamplingParams, pos: int = 0, logprobs: bool = False) -> GraphStep | EagerStep:
+        """The token step for these sampling settings at pos (logprobs: the variant that also
+        writes logprobs_out): one for each span (see span()), captured on first use, then
+        replayed. Capturing changes no state, except that a new setting's first step runs once
+        eagerly at the span's last position."""
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
+        key = (params, logprobs)
         span = self.span(pos)
         g = self._graphs.get((key, span))
         if g is None:
             if not self.use_graph:
-                g = EagerStep(lambda: self.forward(key, span))
+                g = EagerStep(lambda: self.forward(params, span, logprobs))
             else:
                 if not any(k == key for k, _ in self._graphs):
-                    self._await_kernels("step", *(("sample",) if key.temperature > 0 else ()))
+                    self._await_kernels("step", *(("sample",) if params.temperature > 0 else ()))
                     # run once eagerly so every kernel is compiled and loaded; that writes one
                     # garbage KV row at the span's last position, rewritten before it is ever
                     # read, and moves the state, which whoever replays the step sets
                     self._set_state(token=0, pos=span - 1, feed_end=0)
-                    self.forward(key, span)
+                    self.forward(params, span, logprobs)
                     self.stream.synchronize()
-                g = GraphStep(self.stream, lambda: self.forward(key, span), programmatic=self.programmatic)
+                g = GraphStep(
+                    self.stream, lambda: self.forward(params, span, logprobs), programmatic=self.programmatic
+                )
             self._graphs[(key, span)] = g
         return g
 
@@ -580,8 +602,19 @@ class GpuEngine:
             )
 
     def generate(
-        self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
-    ) -> Iterator[int]:
+        self,
+        ids: list[int],
+        start_pos: int,
+        max_new: int,
+        sampling: SamplingParams,
+        logprobs: int | None = None,
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
+        """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
+        token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
+        (its log-probability and the top k, computed in the token step from its logits:
+        pycalm.kernels.logprobs)."""
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {logprobs}")
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
         end = start_pos + len(ids)
@@ -590,19 +623,19 @@ class GpuEngine:
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
         if self.batch_invariant:
-            yield from self._generate_rows(ids, start_pos, max_new, sampling)
+            yield from self._generate_rows(ids, start_pos, max_new, sampling, logprobs)
             return
         if self.simple and sampling.temperature > 0:  # the token drawn on the host
             from pycalm.gpu.simple import generate_sampled
 
-            yield from generate_sampled(self, ids, start_pos, max_new, sampling)
+            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)
         # where it takes the model, else through token steps: the first token step's position
         first = end - 1 if self.multi_token else start_pos
         # every token step this call runs, captured before the state is set
-        steps = [self.graph(sampling, p) for p in range(first, last + 1)]
+        steps = [self.graph(sampling, p, logprobs is not None) for p in range(first, last + 1)]
         if first > start_pos:
             self.prefill(ids[:-1], start_pos)
         feed = np.asarray(ids, np.int32)
@@ -618,17 +651,23 @@ class GpuEngine:
             steps[i].launch()
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
-        yield from self._decode(sampled, end - 1, end)
+        yield from self._decode(sampled, end - 1, end, logprobs)
 
     def _generate_rows(
-        self, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
-    ) -> Iterator[int]:
+        self,
+        ids: list[int],
+        start_pos: int,
+        max_new: int,
+        sampling: SamplingParams,
+        logprobs: int | None = None,
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """generate with every token through the multi-token forward (batch_invariant): the
         prompt in chunks (a rows pass where it is 64 tokens or fewer), then each sampled token in
         the rows pass's one-row graph; the last row's logits are
         read back and the token drawn on the host (pycalm.cpu.sampler.Sampler: the coins of the token
         step's, so the same tokens for the same logits). The last sampled token is not fed, as
-        in generate."""
+        in generate. With logprobs = k, each token's TokenLogprobs from those logits on the host
+        (logprobs_ref)."""
         from pycalm.cpu.sampler import Sampler
 
         prefill = self._prefill_step()
@@ -651,13 +690,17 @@ class GpuEngine:
                     f"non-finite logits (NaN or infinity) at position {pos - 1} (logit {bad}): the first failing pass"
                 )
             token = sampler.sample(block[0])
-            yield token
+            yield token if logprobs is None else logprobs_ref(block[0], token, logprobs)
             if token in eos:
                 return
             feed = [token]
 
-    def _decode(self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int) -> Iterator[int]:
-        """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples,
+    def _decode(
+        self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int, logprobs: int | None = None
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
+        """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples
+        (with logprobs = k: its TokenLogprobs, from the step's logprobs_out, copied into the
+        slot's row of a second pinned ring beside the token),
         with up to decode_lookahead steps enqueued ahead of the one the host waits for: after
         each step its token is copied into the step's slot of a pinned ring and an event is
         recorded; the host reads a slot once its event has passed, while the GPU runs the steps
@@ -667,7 +710,9 @@ class GpuEngine:
         them, and move the state, which is then set to what the last taken step left (its token,
         its position + 1), as a loop that waits for every token leaves it."""
         eos = set(self.config.eos_ids)
-        ring, events = self._tokens_host, self._token_events
+        from pycalm.kernels.logprobs import token_logprobs
+
+        ring, events, lp_ring = self._tokens_host, self._token_events, self._logprobs_host
         token_dev = self.state[STATE_TOKEN : STATE_TOKEN + 1]
         enqueued = taken = 0
         token = 0
@@ -678,6 +723,8 @@ class GpuEngine:
                     slot = enqueued % len(ring)
                     steps[enqueued].launch()
                     token_dev.copy_to_host(ring[slot : slot + 1], stream=self.stream)
+                    if logprobs is not None:  # (OUT_SIZE,) int32 into the slot's row
+                        self.logprobs_out.copy_to_host(lp_ring[slot], stream=self.stream)
                     events[slot].record(self.stream)
                     enqueued += 1
                 slot = taken % len(ring)
@@ -688,7 +735,7 @@ class GpuEngine:
                     taken % FINITE_CHECK_EVERY == 0 or taken == len(steps) or token in eos
                 ):
                     self.raise_if_not_finite(pos)  # before the token of a failed step goes out
-                yield token
+                yield token if logprobs is None else token_logprobs(lp_ring[slot], token, logprobs)
                 if token in eos:
                     return
         finally:

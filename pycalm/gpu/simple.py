@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pycalm.cpu.reference import TokenLogprobs, logprobs_ref
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
@@ -214,12 +215,18 @@ class SimplePrefill(Prefill):
 
 
 def generate_sampled(
-    e: object, ids: list[int], start_pos: int, max_new: int, sampling: SamplingParams
-) -> Iterator[int]:
+    e: object,
+    ids: list[int],
+    start_pos: int,
+    max_new: int,
+    sampling: SamplingParams,
+    logprobs: int | None = None,
+) -> Iterator[int] | Iterator[TokenLogprobs]:
     """GpuEngine.generate at temperature > 0 (e: the engine, the arguments checked): the prompt
     but its last token through the prompt pass, then one greedy token step a position, its
     logits read back and the token drawn on the host (see the module docstring). The state is
-    left as generate leaves it: the last token taken, at the position after it."""
+    left as generate leaves it: the last token taken, at the position after it. With logprobs
+    = k, each token's TokenLogprobs from the same logits on the host (logprobs_ref)."""
     if sampling.temperature <= 0:
         raise PycalmError("generate_sampled draws at a temperature above 0")
     sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
@@ -229,9 +236,10 @@ def generate_sampled(
     token, taken = ids[-1], 0
     try:
         for pos in range(end - 1, min(end - 1 + max_new, e.seq_len)):
-            token = sampler.sample(e.logits(token, pos))  # a greedy step; its logits on the host
+            logits = e.logits(token, pos)  # a greedy step; its logits on the host
+            token = sampler.sample(logits)
             taken += 1
-            yield token
+            yield token if logprobs is None else logprobs_ref(logits, token, logprobs)
             if token in eos:
                 return
     finally:

@@ -338,6 +338,10 @@ class Tokenizer:
         """A decoder for ids that arrive one at a time; its pieces join to `decode(all ids)`."""
         return StreamDecoder(self._token_bytes, self._strip_first_space)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (a piece of a UTF-8 character where a token splits one)."""
+        return bytes(self._token_bytes[token_id])
+
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (for display and the chat template's bos/eos variables)."""
         if self.kind == "tokenizers-json":
