@@ -491,3 +491,38 @@ def test_a_model_that_fails_to_load_ends_the_server(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: model not found: {bad}"
+
+
+def test_a_job_abandoned_while_queued_still_ends():
+    """The worker skips a job whose client left while it was queued, and still ends it with an
+    error event, so that the request's handler returns instead of waiting forever; the job
+    queued after it runs."""
+    import asyncio
+
+    from pycalm.app.serve import CLIENT_GONE, Job, Worker
+
+    ran = []
+
+    class Stub:  # stands in for the LLM: the worker only calls it through run_job
+        pass
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        loaded = threading.Event()
+        worker = Worker(lambda: Stub(), lambda llm, msg: loaded.set())
+        worker.run_job = lambda job: (ran.append(job), job.emit("done", None))
+        gone = Job([1], 1, None, False, loop)
+        gone.cancel.set()  # the client left before the job started
+        kept = Job([1], 1, None, False, loop)
+        worker.start()
+        worker.jobs.put(gone)
+        worker.jobs.put(kept)
+        worker.jobs.put(None)
+        first = await asyncio.wait_for(gone.drain(), 5)
+        second = await asyncio.wait_for(kept.drain(), 5)
+        worker.join(5)
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert first == [("error", CLIENT_GONE)]
+    assert second == [("done", None)] and len(ran) == 1

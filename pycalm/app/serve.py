@@ -61,6 +61,7 @@ STREAM_INTERVAL_S = 0.01
 # -------------------------------------------------------------------------------------------
 # requests: checked fields and OpenAI's error shape
 
+CLIENT_GONE = "the client went away before the request started"
 SHUTTING_DOWN = "the server is shutting down"
 ABANDON_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
@@ -347,6 +348,8 @@ class Worker(threading.Thread):
                 job.emit("error", SHUTTING_DOWN)
             elif not job.cancel.is_set():  # a client that left while queued costs nothing
                 self.run_job(job)
+            else:  # but its handler still gets an end, so that it returns and is not left waiting
+                job.emit("error", CLIENT_GONE)
             self.current = None
 
     def shutdown(self) -> None:
