@@ -195,16 +195,13 @@ def walk_configs() -> Iterator[tuple[object, str, str]]:
 def walk_unwired(cfg: object, kv_dtype: str) -> None:
     """Launch, at cfg's shapes on stand-in arrays, the kernels written and tested but not yet
     launched by the engine, so that they compile here too: pycalm.kernels.batch_attention
-    (batched serving's decode attention over a paged cache) and pycalm.kernels.sample's
-    sample_rows (a block a row of logits, each row its own options); and pycalm.kernels.logprobs,
-    which the engine launches only in the token step a request for logprobs captures (not in
-    the walk's). A kernel leaves this list when the engine's walk launches it."""
+    (batched serving's decode attention over a paged cache). A kernel leaves this list when the
+    engine's walk launches it."""
     import numpy as np
     from numba import cuda
 
     from pycalm.kernels.attention import KVCache
     from pycalm.kernels.batch_attention import batch_attention
-    from pycalm.kernels.sample import RowSampling, sample_rows
 
     n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
     pool = cuda.device_array((n_pages * page_size, cfg.kv_dim), np.uint8 if kv_dtype == "fp8" else np.float16)
@@ -214,17 +211,6 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     rows = cuda.device_array(n_rows, np.int32)  # (M,): seq_of_row and positions
     cache = KVCache(pool, pool, kv_dtype)
     batch_attention(q, cache, table, rows, rows, out, cfg, stream=cuda.stream(), page_size=page_size)
-    stream = cuda.stream()
-    logits = cuda.device_array((n_rows, cfg.vocab_size), np.float32)  # (M, vocab_size)
-    coins = cuda.device_array(n_rows, np.float32)  # (M,)
-    tokens = cuda.device_array(n_rows, np.int32)  # (M,)
-    sample_rows(logits, RowSampling.allocate(n_rows, stream=stream), coins, tokens, stream=stream)
-    from pycalm.kernels.common import STATE_SIZE
-    from pycalm.kernels.logprobs import OUT_SIZE, logprobs
-
-    state = cuda.device_array(STATE_SIZE, np.int32)  # (STATE_SIZE,)
-    out = cuda.device_array(OUT_SIZE, np.int32)  # (OUT_SIZE,)
-    logprobs(logits[0], state, out, stream=stream)
 
 
 def launched_kernels() -> tuple[list, dict]:

@@ -46,6 +46,7 @@ def walk_engine(spec: dict, walk: Walk) -> None:
     for walk.group, temperature in (("step", 0.0), ("sample", 1.0)):
         for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
             engine.forward(SamplingParams(temperature=temperature), span)
+    engine.forward(SamplingParams(), engine.span(0), True)  # a request for logprobs adds their kernel
     walk.group = "prefill"
     if engine.multi_token:
         prefill = Prefill(engine, engine.prefill_chunk)
@@ -55,6 +56,12 @@ def walk_engine(spec: dict, walk: Walk) -> None:
             prefill.forward_rows(0, rows)
         for rows in sorted({*buckets, prefill.logit_rows}):
             prefill.classify_rows(0, rows)
+        # a rows pass's sampling of every row (any bucket: the same argument types)
+        from pycalm.kernels.sample import RowSampling, sample_rows
+
+        params = RowSampling(*(a[:1] for a in prefill.row_sampling))
+        sample_rows(prefill.buffers.logits[:1], params, prefill.row_coins[:1], prefill.row_sampled[:1],
+                    stream=engine.stream, **prefill.sample_options)  # fmt: skip
 
 
 def worker_main(spec_path: str, worker: int) -> int:
