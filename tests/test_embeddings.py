@@ -16,7 +16,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -25,6 +24,7 @@ import pytest
 from gpu import GPU
 from test_cli import REPO, _env
 from test_prefill import prefill_ref
+from test_serve import wait_healthy
 from tiny_models import make_hf_llama
 
 import pycalm
@@ -252,17 +252,7 @@ def server(model_path, tmp_path_factory):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:  # not listening yet
-                pass
-            time.sleep(0.05)
-        else:
-            raise AssertionError(log.read_text())
+        wait_healthy(proc, url, log, 120)
         yield {"url": url, "log": log}
     finally:
         proc.terminate()

@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 import httpx
 import pytest
 from test_cli import REPO, _env, assert_one_error_line
+from test_serve import wait_healthy
 from tiny_models import make_gguf, make_hf_llama
 
 from pycalm.app.hub import CONNECT_TIMEOUT_S, choose_files, gguf_tag, parse_hub_name
@@ -363,15 +364,7 @@ def test_serve_by_name(hub, sources, tmp_path):
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:  # not listening yet
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, url, log, 60)
         models = httpx.get(f"{url}/v1/models", timeout=5).json()
         assert [m["id"] for m in models["data"]] == [HF_REPO]
         body = {"model": HF_REPO, "prompt": "the cat", "max_tokens": 8, "temperature": 0}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu import GPU
+from test_serve import wait_healthy
 
 from pycalm.cpu.reference import MAX_TOP_LOGPROBS, logprobs_ref
 from pycalm.errors import PycalmError
@@ -124,9 +125,7 @@ def server(tmp_path_factory):
     with a word-level tokenizer and a chat template (tests/tiny_models.py); its URL once loaded."""
     import subprocess
     import sys
-    import time
 
-    import httpx
     from test_cli import REPO, _env
     from test_serve import _free_port
     from tiny_models import make_hf_llama
@@ -155,15 +154,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:  # not listening yet
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, url, log, 60)
         yield {"url": url, "path": path}
     finally:
         proc.terminate()

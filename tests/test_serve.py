@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,6 +25,21 @@ from test_cli import REPO, _env
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, seconds: float = 120) -> None:
+    """Return once the server process answers /health with 200; its log in the failure when it
+    exits first or the time runs out."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:  # not listening yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"no answer from {url}/health in {seconds} s:\n{log.read_text()}")
 
 
 def _free_port() -> int:
@@ -349,15 +365,7 @@ def test_shutdown_with_requests_running_and_queued(smollm2_fp16, tmp_path):
             [*cmd, "-c", "512"], stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
         )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:  # not listening yet
-                pass
-            time.sleep(0.05)
+        wait_healthy(proc, url, log, 120)
         answers: dict[str, httpx.Response] = {}
 
         def post(key: str) -> None:
