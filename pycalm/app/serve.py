@@ -45,7 +45,8 @@ import time
 import traceback
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,13 +365,28 @@ class Worker(threading.Thread):
             job.cancel.set()
             job.emit("error", SHUTTING_DOWN)
 
-    def run_job(self, job: Job) -> None:
-        if job.embedding is not None:
-            return self.run_embedding(job)
+    @contextmanager
+    def on_engine(self, job: Job) -> Iterator[Metrics]:
+        """The frame of a job on the engine: the metrics' running flag and busy time, and an error
+        becomes the job's ("error", message) (a bug ends this request, not the server)."""
         m = self.metrics
         m.running = 1
         t0 = time.perf_counter()
         try:
+            yield m
+        except PycalmError as e:
+            job.emit("error", str(e))
+        except Exception as e:  # a bug ends this request, not the server
+            traceback.print_exc()
+            job.emit("error", f"internal error: {e}")
+        finally:
+            m.busy_s += time.perf_counter() - t0
+            m.running = 0
+
+    def run_job(self, job: Job) -> None:
+        if job.embedding is not None:
+            return self.run_embedding(job)
+        with self.on_engine(job) as m:
             r = job.request
             gen = self.llm.start(
                 job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
@@ -396,22 +412,12 @@ class Worker(threading.Thread):
             if gen.prompt_s > 0:
                 m.last_prompt_tok_s = (gen.prompt_tokens - gen.reused_tokens) / gen.prompt_s
             job.emit("done", gen)
-        except PycalmError as e:
-            job.emit("error", str(e))
-        except Exception as e:  # a bug ends this request, not the server
-            traceback.print_exc()
-            job.emit("error", f"internal error: {e}")
-        finally:
-            m.busy_s += time.perf_counter() - t0
-            m.running = 0
 
     def run_embedding(self, job: Job) -> None:
         """The texts' embeddings, one text after another; a cancelled job stops before the next
         text. Sends ("done", (n, dim) float32) or ("error", message)."""
-        m, e = self.metrics, job.embedding
-        m.running = 1
-        t0 = time.perf_counter()
-        try:
+        e = job.embedding
+        with self.on_engine(job) as m:
             vectors = self.llm.embed_ids(e.texts, e.pooling, cancelled=job.cancel.is_set)
             if vectors is None:  # the client went away (or the server stops): no one reads it
                 job.emit("error", SHUTTING_DOWN if self.stopping else "the request was cancelled")
@@ -419,14 +425,6 @@ class Worker(threading.Thread):
             m.requests += 1
             m.prompt_tokens += sum(len(ids) for ids in e.texts)
             job.emit("done", vectors)
-        except PycalmError as err:
-            job.emit("error", str(err))
-        except Exception as err:  # a bug ends this request, not the server
-            traceback.print_exc()
-            job.emit("error", f"internal error: {err}")
-        finally:
-            m.busy_s += time.perf_counter() - t0
-            m.running = 0
 
     def metrics_text(self) -> str:
         """The counters in Prometheus' text format."""
