@@ -175,13 +175,11 @@ class Prefill:
         from pycalm.kernels import skinny
 
         self.engine = engine
-        # the skinny products take every matrix of the model (K a whole number of their loads)
-        shapes = [(cfg.dim, dt) for dt in (*engine.layers[0].dtypes.values(), engine.output_dtype)]
-        shapes += [
-            (cfg.q_dim, engine.layers[0].dtypes["wo"]),
-            (cfg.hidden_dim, engine.layers[0].dtypes["w2"]),
-        ]
-        skinny_ok = all(skinny.fits(dt, k) for k, dt in shapes)
+        # the skinny products take every matrix of the model (its K a whole number of their loads)
+        k_of = {"wo": cfg.q_dim, "w2": cfg.hidden_dim}  # the others' K is dim
+        skinny_ok = skinny.fits(engine.output_dtype, cfg.dim) and all(
+            skinny.fits(dt, k_of.get(name, cfg.dim)) for L in engine.layers for name, dt in L.dtypes.items()
+        )
         # batch invariance: one kind of product for every pass, so every pass is at most MAX_ROWS
         self.invariant = engine.batch_invariant and skinny_ok
         if self.invariant:
@@ -206,7 +204,7 @@ class Prefill:
         self.row_sampling = RowSampling.allocate(most, stream=engine.stream)  # (64,) each field
         self.row_coins = cuda.to_device(np.zeros(most, np.float32), stream=engine.stream)  # (64,)
         self.row_sampled = cuda.to_device(np.zeros(most, np.int32), stream=engine.stream)  # (64,)
-        self._rows_graphs: dict[int, GraphStep] = {}  # bucket -> its pass, captured
+        self._rows_graphs: dict[tuple[int, bool], GraphStep] = {}  # (bucket, sampled) -> its pass
         # under the simulator (a Python thread a GPU thread) sample_rows takes blocks of 64
         self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
 
@@ -349,26 +347,27 @@ class Prefill:
             self.row_coins[:n].copy_to_device(np.asarray(coins, np.float32), stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
+        sampled = samplings is not None
+
         def record() -> None:
             from pycalm.kernels.sample import RowSampling, sample_rows
 
             self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket])  # (pos0 only names the rows)
             self.classify_rows(0, bucket)
-            # sampled[r] = row r's token, drawn with its own options and coin (padding rows: whatever)
-            params = RowSampling(*(a[:bucket] for a in self.row_sampling))
-            sample_rows(self.buffers.logits[:bucket], params, self.row_coins[:bucket], self.row_sampled[:bucket],
-                        stream=e.stream, **self.sample_options)  # fmt: skip
+            if sampled:
+                # sampled[r] = row r's token, drawn with its own options and coin (padding rows: whatever)
+                params = RowSampling(*(a[:bucket] for a in self.row_sampling))
+                sample_rows(self.buffers.logits[:bucket], params, self.row_coins[:bucket], self.row_sampled[:bucket],
+                            stream=e.stream, **self.sample_options)  # fmt: skip
 
-        graph = self._rows_graphs.get(bucket)
+        graph = self._rows_graphs.get((bucket, sampled))
         if graph is not None:
             graph.launch()
         else:
             record()  # compiles the kernels; also this pass's result
             if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
-                self._rows_graphs[bucket] = GraphStep(e.stream, record)
-        out = (self.buffers.logits if samplings is None else self.row_sampled)[:n].copy_to_host(
-            stream=e.stream
-        )
+                self._rows_graphs[(bucket, sampled)] = GraphStep(e.stream, record)
+        out = (self.row_sampled if sampled else self.buffers.logits)[:n].copy_to_host(stream=e.stream)
         e.stream.synchronize()
         return out
 
