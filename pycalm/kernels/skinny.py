@@ -75,10 +75,9 @@ from pycalm.kernels.common import (
     hsub2,
     prmt,
 )
-from pycalm.kernels.matmul import MODES, weight_args
+from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, weight_args
 from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2
 
-PLAIN, RESIDUAL, GATE = 0, 1, 2  # epilogue modes (matmul's)
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
 Q8_BIAS = 0x64806480  # (1152, 1152) as f16x2: 1024 + 128, the exponent and the code's bias
 Q4_BIAS = 0x54006400  # (1024, 64) as f16x2: a low nibble's exponent, a high nibble's
