@@ -32,9 +32,9 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from pycalm.cpu.reference import (
-    MAX_TOP_LOGPROBS,
     ReferenceEngine,
     TokenLogprobs,
+    check_logprobs,
     check_pooling,
     embed_pool_ref,
     logprobs_ref,
@@ -155,8 +155,7 @@ class CpuEngine:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
         (logprobs_ref over the step's logits)."""
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {logprobs}")
+        check_logprobs(logprobs)
         self._check_fits(ids, start_pos)
         sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
         eos = set(self.config.eos_ids)

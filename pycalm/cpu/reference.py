@@ -549,11 +549,16 @@ class TokenLogprobs(NamedTuple):
     top_logprobs: list[float]
 
 
+def check_logprobs(k: int | None) -> None:
+    """A request's count of top logprobs: None (none asked) or 0 to MAX_TOP_LOGPROBS."""
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {k}")
+
+
 def logprobs_ref(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
     """log_softmax(logits)[token] and the top k (0 <= k <= MAX_TOP_LOGPROBS) of log_softmax(logits),
     in float64: log p_i = l_i - logsumexp(l), logsumexp(l) = m + log(sum exp(l - m)), m = max(l)."""
-    if not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {k}")
+    check_logprobs(k)
     logits = np.asarray(logits, np.float64).reshape(-1)
     m = logits.max()
     lse = m + np.log(np.exp(logits - m).sum()) if np.isfinite(m) else m

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.cpu.reference import MAX_TOP_LOGPROBS, TokenLogprobs, logprobs_ref
+from pycalm.cpu.reference import TokenLogprobs, check_logprobs, logprobs_ref
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
@@ -613,8 +613,7 @@ class GpuEngine:
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
         (its log-probability and the top k, computed in the token step from its logits:
         pycalm.kernels.logprobs)."""
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise PycalmError(f"top logprobs must be 0 to {MAX_TOP_LOGPROBS}, not {logprobs}")
+        check_logprobs(logprobs)
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
         end = start_pos + len(ids)
