@@ -118,9 +118,12 @@ def fits(dtype: str, k_cols: int) -> bool:
 
 
 @functools.cache
-def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = UNROLL):  # noqa: ANN201, C901
+def make_skinny_kernel(  # noqa: ANN201, C901
+    dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = UNROLL, min_blocks: int = 0
+):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
-    a block, steps a load), one compile each."""
+    a block, steps a load), one compile each; min_blocks > 0: compiled to fit that many blocks
+    an SM (launch bounds: the registers a thread may take)."""
     E = UNIT[dtype]  # weights a unit
     KT = E // 4  # k-tiles (mma) a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
@@ -177,18 +180,17 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
         return hfma2(lo, d, m), hfma2(hi, d, m)
 
     @cuda.jit(device=True, inline=True)
-    def load_unit(w, s, row, col, ok, words, i, dm, r):  # noqa: ANN001, ANN202
+    def load_unit(w, s, row, col, ok, words, i, dm, r, g_shift):  # noqa: ANN001, ANN202
         """words[4 i : 4 i + 4] = the 16-byte unit of W row `row` from column col (zeros where
         not ok); q4: dm[2 r], dm[2 r + 1] = its group's (d, d) and (m, m) as f16x2 words (s: the
-        (rows, groups) words of (d, m))."""
+        (rows, groups) words of (d, m); g_shift: log2 of the group's columns)."""
         if ok:
             words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = ldg128w(w, row, col // EL)
         else:
             for e in range(4):
                 words[4 * i + e] = int32(0)
         if q4:
-            group = col // (w.shape[1] * 8 // s.shape[1])  # (G = K / groups)
-            pair = int32(s[row, group]) if ok else int32(0)
+            pair = int32(s[row, col >> g_shift]) if ok else int32(0)
             dm[2 * r] = prmt(pair, int32(0), int32(0x1010))  # (d, d)
             dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
 
@@ -229,14 +231,17 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
         ok_g, ok_h = row_g < n_rows, row_h < n_rows
         row_g, row_h = min(row_g, n_rows - 1), min(row_h, n_rows - 1)
         n_steps = (k_cols + STEP - 1) // STEP
+        # q4: a group's columns G = K / groups, 32 or 64 (pycalm.model.formats.Q4_GROUPS), as a
+        # shift: the group of a column is then a shift, not a 64-bit division in the loop
+        g_shift = 5 if s1.shape[s1.ndim - 1] * 32 == k_cols else 6  # (read by q4 only)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
         chunk = warp
         while chunk * unroll < n_steps:  # warp-uniform
             for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
                 col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
-                load_unit(w1, s1, row_g, col, ok_g and col < k_cols, wg, u, dm, 2 * u)
-                load_unit(w3, s3, row_h, col, ok_h and col < k_cols, wh, u, dm, 2 * u + 1)
+                load_unit(w1, s1, row_g, col, ok_g and col < k_cols, wg, u, dm, 2 * u, g_shift)
+                load_unit(w3, s3, row_h, col, ok_h and col < k_cols, wh, u, dm, 2 * u + 1, g_shift)
             if PREFETCH_X:  # ... and its X, all n-tiles, beside them
                 for u in range(unroll):
                     col = ((chunk * unroll + u) * 4 + t) * E
@@ -298,7 +303,10 @@ def make_skinny_kernel(dtype: str, mode: int, n_tiles: int, warps: int = WARPS, 
     # registers such a block may have of an SM's 65,536 (q4 at 32 rows: 105, against 134 unbounded,
     # which fails to launch); at 64 rows (batch-invariant passes only) 4-bit weights spill 20-72
     # bytes there. 8 warps need none (at most 140 of 255), and a bound there spilled fp8's gate.
-    bounds = {"launch_bounds": (threads,)} if threads > 256 else {}
+    if min_blocks:
+        bounds = {"launch_bounds": (threads, min_blocks)}
+    else:
+        bounds = {"launch_bounds": (threads,)} if threads > 256 else {}
     jit = cuda.jit if SIM else cuda.jit(cache=True, **bounds)
 
     if q8 or q4:

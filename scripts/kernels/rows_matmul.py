@@ -87,10 +87,12 @@ def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
     return (2 if gate else 1) * n * k * formats.bits_per_weight(dtype, k) / 8
 
 
-def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll):  # noqa: ANN001, ANN201
+def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0):  # noqa: ANN001, ANN201
     """A skinny launch with a chosen block shape (the package's launcher uses WARPS, UNROLL)."""
     warps = warps or skinny.warps_for(x.shape[1])
-    kernel = skinny.make_skinny_kernel(dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll)
+    kernel = skinny.make_skinny_kernel(
+        dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll or skinny.UNROLL, min_blocks
+    )
     args = skinny.stored_args(w, w3, dtype, x.shape[1])
     grid = (out.shape[1] + (7 if mode == "gate" else 15)) // (8 if mode == "gate" else 16)
     xw = x.view(np.uint32)
@@ -111,7 +113,7 @@ def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
 
 
 def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: bool) -> None:
-    print(f"skinny: {variant[0]} warps a block, {variant[1]} steps a load; microseconds (GB/s of weights)")
+    print(f"skinny: warps, unroll, min blocks {variant} (0: the package's); microseconds (GB/s of weights)")
     for dtype in dtypes:
         total: dict[str, list[float]] = {
             "matvec": [0.0],
@@ -148,7 +150,13 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
 
 
 def sweep(dtypes: list[str], rows: list[int]) -> None:
-    variants = [(4, 1), (8, 1), (16, 1), (8, 2), (16, 2)]
+    variants = [
+        (0, 1, 0),
+        (0, 1, 4),
+        (8, 1, 0),
+        (16, 1, 0),
+        (8, 2, 0),
+    ]  # warps (0: warps_for), unroll, min blocks
     for dtype in dtypes:
         for name, n, k, mode in SHAPES:
             w = random_weights(n, k, dtype, 1)
@@ -161,13 +169,18 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
                 for v in variants:
                     launch = skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *v)
                     s = time_launches(launch)
-                    kernel = skinny.make_skinny_kernel(dtype, MODES[mode], skinny.n_tiles_for(t), *v)
+                    warps = v[0] or skinny.warps_for(k)
+                    kernel = skinny.make_skinny_kernel(
+                        dtype, MODES[mode], skinny.n_tiles_for(t), warps, v[1], v[2]
+                    )
                     regs = (
                         next(iter(kernel.get_regs_per_thread().values()), 0)
                         if hasattr(kernel, "get_regs_per_thread")
                         else 0
                     )
-                    cells.append(f"{v[0]}x{v[1]} {s * 1e6:6.1f} ({nbytes / s / 1e9:4.0f}, {regs} regs)")
+                    cells.append(
+                        f"{v[0]}x{v[1]}/{v[2]} {s * 1e6:6.1f} ({nbytes / s / 1e9:4.0f}, {regs} regs)"
+                    )
                 print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
 
 
@@ -178,7 +191,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="skinny's block shapes at T = 8 and 64")
     ap.add_argument("--no-tile", action="store_true", help="the table without matmul's tiles")
     ap.add_argument(
-        "--variant", default=f"{skinny.WARPS},0", help="warps,unroll of the table (0: the dtype's)"
+        "--variant", default="0,0,0", help="warps,unroll,min_blocks of the table (0: the package's)"
     )
     args = ap.parse_args()
     global STREAM
@@ -188,8 +201,7 @@ def main() -> None:
     if args.sweep:
         sweep(dtypes, rows if args.rows != ap.get_default("rows") else [8, 64])
     else:
-        warps, unroll = (int(v) for v in args.variant.split(","))
-        table(dtypes, rows, (warps, unroll), not args.no_tile)
+        table(dtypes, rows, tuple(int(v) for v in args.variant.split(",")), not args.no_tile)
 
 
 if __name__ == "__main__":
