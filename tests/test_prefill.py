@@ -259,24 +259,29 @@ def test_prefill_rows_do_not_depend_on_the_pass(tmp_path):
 
 
 def test_batch_invariant_tokens_do_not_depend_on_how_the_prompt_is_fed(tmp_path):
-    """EngineOptions(batch_invariant=True), every token through the multi-token forward: the
-    prompt in passes of up to 4 rows, one token at a time (a pass of a row each, then generate
-    from the last token), and after a call of no new tokens that cached its first part (the
-    API's prefix reuse) give the same greedy tokens; with an fp8 KV cache, where the token step's logits differ from
-    the prefill's the most. (A seeded sample draws from the same logits: the same tokens.)"""
+    """EngineOptions(batch_invariant=True), every token through the multi-token forward (the
+    token step is its one-row pass, never the matvec layers): the prompt in passes of up to 4
+    rows, one token at a time (a pass of a row each, then generate from the last token), and
+    after a call of no new tokens that cached its first part (the API's prefix reuse) give the
+    same greedy tokens; with an fp8 KV cache, where the matvec step's logits differ from the
+    prefill's the most. (A seeded sample draws from the same logits: the same tokens.)"""
     model = tiny_model(tmp_path, "qwen2", "fp8", n_layers=1)
     ids = tokens(6, seed=8)
     gpu = GpuEngine(
         model, seq_len=SEQ_LEN, kv_dtype="fp8", options=EngineOptions(batch_invariant=True, prefill_chunk=4)
     )
-    want = list(gpu.generate(ids, 0, 2, GREEDY))  # passes of 4 and 2 rows, then one
+    gpu.layers_step = lambda span: pytest.fail("a batch-invariant token step ran the matvec layers")
+    want = list(gpu.generate(ids, 0, 2, GREEDY))  # passes of 4 and 1 rows, then the one-row steps
     assert len(want) == 2
     for pos, token in enumerate(ids[:-1]):  # one token at a time
         gpu.prefill([token], pos)
     assert list(gpu.generate(ids[-1:], len(ids) - 1, 2, GREEDY)) == want
     assert list(gpu.generate(ids[:4], 0, 0, GREEDY)) == []  # feeds positions 0..2, as generate does
     assert list(gpu.generate(ids[3:], 3, 2, GREEDY)) == want
-    assert not gpu._graphs  # no token step was made, let alone run
+    # the token step's logits are the rows pass's bits: a pass of the prompt and the first
+    # token, whose last two rows' logits pick what the steps picked
+    rows = gpu.forward_rows([*ids, want[0]], 0)
+    assert [int(np.argmax(r)) for r in rows[-2:]] == want
 
 
 def test_batch_invariant_needs_the_multi_token_forward(tmp_path):

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.cpu.reference import TokenLogprobs, check_logprobs, logprobs_ref
+from pycalm.cpu.reference import TokenLogprobs, check_logprobs
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
-from pycalm.gpu.prefill import ROW_BUCKETS
 from pycalm.kernels.attention import KVCache, attention_span
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.model.config import ModelConfig, kv_dtype_for
@@ -393,14 +392,37 @@ class GpuEngine:
             if logprobs:  # after advance, which keeps a sampled token (only prompt steps take feed's)
                 lp.logprobs(self.logits_buf, self.state, self.logprobs_out, stream=self.stream)
             return None
+        from pycalm.kernels.finite import check_finite
+        from pycalm.kernels.sample import sample
+        from pycalm.kernels.step import advance
+
+        s, state = self.stream, self.state
+        if self.batch_invariant:
+            # logits = the one-row pass of the multi-token forward (pycalm.gpu.prefill): the
+            # same bits as any rows pass gives the token at this position
+            logits = self._prefill_step().token_logits()
+        else:
+            self.layers_step(span)
+            logits = self.logits_buf
+        if self.finite_flag is not None:
+            # debug: flag = the first position whose logits hold a NaN or an infinity
+            check_finite(logits, state, self.finite_flag, stream=s)
+        # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
+        sample(logits, state, self.coins, sampling, stream=s, **self._sample_options)
+        if logprobs:
+            # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
+            lp.logprobs(logits, state, self.logprobs_out, stream=s)
+        # pos += 1; while prefilling, token = the prompt's next token instead
+        advance(state, self.feed, stream=s)
+
+    def layers_step(self, span: int | None) -> None:
+        """Enqueue the token step's layers and classifier: logits_buf = the logits of the token
+        state[STATE_TOKEN] at position state[STATE_POS], its keys and values cached."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
-        from pycalm.kernels.finite import check_finite
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
         from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
         from pycalm.kernels.qkv import qkv_rope
-        from pycalm.kernels.sample import sample
-        from pycalm.kernels.step import advance
 
         cfg, eps, s = self.config, self.config.norm_eps, self.stream
         x, q, att, h, route, state = self.x, self.q, self.att, self.h, self.route, self.state
@@ -427,21 +449,11 @@ class GpuEngine:
                 matvec_residual(L.w2, h, x, L.dtypes["w2"], stream=s)
         # logits = Wout rmsnorm(x)
         matvec(self.output, x, self.logits_buf, self.output_dtype, stream=s, norm_w=self.norm, eps=eps)
-        if self.finite_flag is not None:
-            # debug: flag = the first position whose logits hold a NaN or an infinity
-            check_finite(self.logits_buf, state, self.finite_flag, stream=s)
-        # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
-        sample(self.logits_buf, state, self.coins, sampling, stream=s, **self._sample_options)
-        if logprobs:
-            # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
-            lp.logprobs(self.logits_buf, state, self.logprobs_out, stream=s)
-        # pos += 1; while prefilling, token = the prompt's next token instead
-        advance(state, self.feed, stream=s)
 
     def span(self, pos: int) -> int:
         """The attention span of the step at pos: its grid holds the live chunks at most twice
         (the simple kernels: the whole cache, one graph)."""
-        if self.simple:
+        if self.simple or self.batch_invariant:  # (the rows pass's attention reads every position)
             return self.seq_len
         return attention_span(pos, self.att_scratch.chunk, self.seq_len)
 
@@ -459,7 +471,8 @@ class GpuEngine:
                 g = EagerStep(lambda: self.forward(params, span, logprobs))
             else:
                 if not any(k == key for k, _ in self._graphs):
-                    self._await_kernels("step", *(("sample",) if params.temperature > 0 else ()))
+                    groups = ("prefill",) if self.batch_invariant else ()  # its step is a rows pass
+                    self._await_kernels("step", *groups, *(("sample",) if params.temperature > 0 else ()))
                     # run once eagerly so every kernel is compiled and loaded; that writes one
                     # garbage KV row at the span's last position, rewritten before it is ever
                     # read, and moves the state, which whoever replays the step sets
@@ -621,9 +634,6 @@ class GpuEngine:
             raise PycalmError(
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
-        if self.batch_invariant:
-            yield from self._generate_rows(ids, start_pos, max_new, sampling, logprobs)
-            return
         if self.simple and sampling.temperature > 0:  # the token drawn on the host
             from pycalm.gpu.simple import generate_sampled
 
@@ -651,48 +661,6 @@ class GpuEngine:
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end, logprobs)
-
-    def _generate_rows(
-        self,
-        ids: list[int],
-        start_pos: int,
-        max_new: int,
-        sampling: SamplingParams,
-        logprobs: int | None = None,
-    ) -> Iterator[int] | Iterator[TokenLogprobs]:
-        """generate with every token through the multi-token forward (batch_invariant): the
-        prompt in chunks (a rows pass where it is 64 tokens or fewer), then each sampled token in
-        the rows pass's one-row graph; the last row's logits are
-        read back and the token drawn on the host (pycalm.cpu.sampler.Sampler: the coins of the token
-        step's, so the same tokens for the same logits). The last sampled token is not fed, as
-        in generate. With logprobs = k, each token's TokenLogprobs from those logits on the host
-        (logprobs_ref)."""
-        from pycalm.cpu.sampler import Sampler
-
-        prefill = self._prefill_step()
-        sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
-        eos = set(self.config.eos_ids)
-        feed, pos = list(ids), start_pos
-        if max_new <= 0 and len(ids) > 1:  # as generate: the prompt but its last token is fed
-            self.prefill(ids[:-1], start_pos)
-        for _ in range(max_new):
-            if pos + len(feed) > self.seq_len:
-                return
-            if len(feed) <= ROW_BUCKETS[-1]:  # a captured rows pass (pycalm.gpu.prefill)
-                block = prefill.rows(feed, pos)[-1:]  # (1, vocab_size)
-            else:
-                (block,) = prefill.run(feed, pos, logits="last")
-            pos += len(feed)
-            if self.finite_flag is not None and not np.isfinite(block).all():
-                bad = int(np.flatnonzero(~np.isfinite(block[0]))[0])
-                raise PycalmError(
-                    f"non-finite logits (NaN or infinity) at position {pos - 1} (logit {bad}): the first failing pass"
-                )
-            token = sampler.sample(block[0])
-            yield token if logprobs is None else logprobs_ref(block[0], token, logprobs)
-            if token in eos:
-                return
-            feed = [token]
 
     def _decode(
         self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int, logprobs: int | None = None

@@ -266,6 +266,17 @@ class Prefill:
                 # x += h W2^T
                 matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual")
 
+    def token_logits(self) -> object:
+        """Enqueue the one-row pass of the token state[STATE_TOKEN] at position state[STATE_POS]
+        (a batch-invariant engine's token step: its logits are the bits every rows pass gives
+        that token there), returning its logits, a (vocab_size,) float32 device view."""
+        from pycalm.kernels.common import STATE_TOKEN
+
+        state = self.engine.state
+        self.forward_rows(0, 1, tokens=state[STATE_TOKEN : STATE_TOKEN + 1])  # (the token read from state)
+        self.classify_rows(0, 1)
+        return self.buffers.logits[0]
+
     def classify_rows(self, first: int, n_rows: int) -> None:
         """Enqueue logits[:n_rows] = Wout rmsnorm(x[first + i]) * norm for rows first .. first +
         n_rows - 1 of the last forward_rows (n_rows at most logit_rows)."""
