@@ -108,12 +108,18 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
         out[t, i] = fp16_encode(x[t, i] * r * w[i])
 
 
+# threads of an RMSNorm block: a row's loads are a chain of dim / threads dependent round trips
+# to L2 (x was just written), so a few-row pass wants wide blocks (H200, 8B, 8 rows: 12 us a
+# launch with 256 threads)
+NORM_THREADS = 32 if SIM else 1024
+
+
 def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
     """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32.
     Reference: pycalm.cpu.reference.rmsnorm_rows_ref."""
     if out.shape != x.shape:
         raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
-    rmsnorm_rows_kernel[x.shape[0], THREADS, stream](x, w, float32(eps), out)
+    rmsnorm_rows_kernel[x.shape[0], NORM_THREADS, stream](x, w, float32(eps), out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ COLS_AN_ELEMENT = {"fp16": 2, "fp8": 1, "q8": 1, "gf4": 8, "q4": 8}
 SIM = _numba_config.ENABLE_CUDASIM
 # warps a block, splitting K: 8, and 16 for rows longer than LONG_K (w2), where a warp's chain
 # of steps would otherwise be long (H200, fp16, 8 rows: w2 44.8 -> 34.1 us; 16 elsewhere is
-# slower: the gate 61.4 -> 67.7). The simulator runs a Python thread a thread: 2.
+# slower: the gate 61.4 -> 67.7), except q4 (its steps are 4 times fp16's columns: w2 at 8 rows
+# 23.6 us with 16 warps, 15.7 with 8). The simulator runs a Python thread a thread: 2.
 WARPS, LONG_WARPS, LONG_K = (2, 2, 0) if SIM else (8, 16, 8192)
 # steps a warp loads at once: one (32 bytes a lane in flight; more warps resident do better
 # than more loads a warp: fp16 gate at 8 rows, 4 steps 92.0 us at 60 registers, 1 step 61.4 at
@@ -96,9 +97,10 @@ WARPS, LONG_WARPS, LONG_K = (2, 2, 0) if SIM else (8, 16, 8192)
 UNROLL = 1
 
 
-def warps_for(k_cols: int) -> int:
-    """Warps a block for rows of k_cols columns (a function of the matrix only: batch invariance)."""
-    return LONG_WARPS if k_cols > LONG_K else WARPS
+def warps_for(k_cols: int, dtype: str = "fp16") -> int:
+    """Warps a block for rows of k_cols columns of a dtype (a function of the matrix only: batch
+    invariance)."""
+    return LONG_WARPS if k_cols > LONG_K and dtype != "q4" else WARPS
 
 
 def n_tiles_for(t_rows: int) -> int:
@@ -355,7 +357,7 @@ def skinny_matmul(
         raise PycalmError(
             f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
-    warps = warps_for(k_cols)
+    warps = warps_for(k_cols, dtype)
     kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles_for(t_rows), warps)
     args = stored_args(w, w3, dtype, k_cols)
     tile_rows = 8 if mode == "gate" else 16

@@ -89,7 +89,7 @@ def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
 
 def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0):  # noqa: ANN001, ANN201
     """A skinny launch with a chosen block shape (the package's launcher uses WARPS, UNROLL)."""
-    warps = warps or skinny.warps_for(x.shape[1])
+    warps = warps or skinny.warps_for(x.shape[1], dtype)
     kernel = skinny.make_skinny_kernel(
         dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll or skinny.UNROLL, min_blocks
     )
@@ -169,7 +169,7 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
                 for v in variants:
                     launch = skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *v)
                     s = time_launches(launch)
-                    warps = v[0] or skinny.warps_for(k)
+                    warps = v[0] or skinny.warps_for(k, dtype)
                     kernel = skinny.make_skinny_kernel(
                         dtype, MODES[mode], skinny.n_tiles_for(t), warps, v[1], v[2]
                     )
