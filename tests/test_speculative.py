@@ -321,3 +321,43 @@ def test_sampled_drafts_keep_the_target_distribution_through_the_loop(model):
 def test_needs_a_rows_pass():
     with pytest.raises(PycalmError, match="forward_rows"):
         SpeculativeEngine(object(), NgramDrafter())
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft-model drafter
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["itself", "another"])
+def test_draft_model_keeps_its_cache_in_step(model, tmp_path, same):
+    """The model drafting for itself: every draft kept (its cache follows the text, the last
+    draft of a fully kept pass fed before the next); another random model of the same
+    vocabulary: drafts kept and replaced. Both: plain decoding's output, over two calls."""
+    from pycalm.app.speculative import ModelDrafter
+
+    if same:
+        draft_model = model
+    else:
+        hf = make_hf_llama(tmp_path, arch="llama", vocab_size=64, seed=3)
+        draft_model = open_model(convert(hf.path, tmp_path / "d.pycalm", "fp16", progress=False))
+    plain_engine = engine(model)
+    drafter = ModelDrafter(engine(draft_model), model.config)
+    options = SpeculationOptions(k=3)
+    spec = SpeculativeEngine(engine(model), drafter, options)
+    plain = list(plain_engine.generate(PROMPT, 0, 20, GREEDY))
+    assert list(spec.generate(PROMPT, 0, 20, GREEDY)) == plain
+    turn = [plain[-1], 7, 8, 9]  # the next turn, from after the reply
+    pos = len(PROMPT) + len(plain) - 1
+    assert list(spec.generate(turn, pos, 12, GREEDY)) == list(plain_engine.generate(turn, pos, 12, GREEDY))
+    if same:
+        assert options.stats.kept == options.stats.drafted
+    else:
+        assert options.stats.kept < options.stats.drafted
+
+
+def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
+    from pycalm.app.speculative import ModelDrafter
+
+    hf = make_hf_llama(tmp_path, arch="llama", vocab_size=80)
+    other = open_model(convert(hf.path, tmp_path / "v.pycalm", "fp16", progress=False))
+    with pytest.raises(PycalmError, match="vocabulary"):
+        ModelDrafter(engine(other), model.config)

@@ -254,10 +254,10 @@ class ModelDrafter:
 
     def __init__(self, engine: object, target_config: object) -> None:
         cfg = engine.config
-        if cfg.vocab_size != target_config.vocab_size or set(cfg.eos_ids) != set(target_config.eos_ids):
+        if cfg.vocab_size != target_config.vocab_size:
             raise PycalmError(
-                f"the draft model's vocabulary ({cfg.vocab_size} tokens, eos {list(cfg.eos_ids)}) is not the "
-                f"target's ({target_config.vocab_size}, eos {list(target_config.eos_ids)})"
+                f"the draft model's vocabulary ({cfg.vocab_size:,} tokens) is not the target's "
+                f"({target_config.vocab_size:,}): a draft model needs the target's tokenizer"
             )
         self.engine = engine
         self._cached: list[int] = []  # the tokens whose keys and values its cache holds, from position 0
@@ -332,22 +332,31 @@ class SpeculativeEngine:
     def __getattr__(self, name: str) -> object:
         return getattr(self.engine, name)
 
-    # what writes the cache outside generate leaves the history unknown
+    # what feeds the cache outside generate moves the history with it
+    def _fed(self, ids: list[int], start_pos: int) -> None:
+        """ids went into the cache at start_pos..: the history follows (unknown past a gap)."""
+        known = start_pos <= len(self._history)
+        self._history = self._history[:start_pos] + list(ids) if known else []
+
     def prefill(self, ids: list[int], start_pos: int) -> None:
-        self._history = []
         self.engine.prefill(ids, start_pos)
+        self._fed(ids, start_pos)
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
-        self._history = []
-        return self.engine.prefill_logits(ids, start_pos)
+        self._fed([], start_pos)  # (the history resumes once every block is out)
+        yield from self.engine.prefill_logits(ids, start_pos)
+        self._fed(ids, start_pos)
 
     def embed(self, ids: list[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
-        self._history = []
-        return self.engine.embed(ids, pooling, normalize)
+        self._fed([], 0)
+        out = self.engine.embed(ids, pooling, normalize)
+        self._fed(ids, 0)
+        return out
 
     def logits(self, token: int, pos: int) -> np.ndarray:
-        self._history = []
-        return self.engine.logits(token, pos)
+        out = self.engine.logits(token, pos)
+        self._fed([token], pos)
+        return out
 
     def _adapt(self, pos: int) -> AdaptiveK:
         if self._adaptive is None:
@@ -370,8 +379,15 @@ class SpeculativeEngine:
         where the cache's earlier tokens are unknown, plain engine.generate."""
         e = self.engine
         if logprobs is not None or start_pos > len(self._history) or not ids:
-            self._history = []
-            yield from e.generate(ids, start_pos, max_new, sampling, logprobs)
+            self._fed(ids, start_pos)
+            known, given = self._history, []
+            self._history = []  # until the call is over
+            try:
+                for item in e.generate(ids, start_pos, max_new, sampling, logprobs):
+                    given.append(item if logprobs is None else item.token)
+                    yield item
+            finally:
+                self._history = (known + given)[:-1] if known else []  # the last token is not fed
             return
         end = start_pos + len(ids)
         if end > e.seq_len:
