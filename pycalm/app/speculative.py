@@ -413,15 +413,7 @@ class SpeculativeEngine:
                 if k <= 0:  # plain token steps, the j-th token with the j-th coin
                     run = PLAIN_RUN if key is None else max(PLAIN_RUN, adaptive.off_until(key) - produced)
                     run = min(run, room - produced)
-                    plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
-                    out = []
-                    for token in plain:
-                        out.append(token)
-                        if token in eos:
-                            break
-                    plain.close()
-                    plain = None
-                    self.stats.plain_tokens += len(out)
+                    out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
                 else:
                     draft = self.drafter.propose(history, k)
                     out = self._verify(
@@ -434,13 +426,17 @@ class SpeculativeEngine:
                     self.stats.drafted += len(draft.tokens)
                     self.stats.kept += min(len(out) - 1, given)
                     self.stats.pass_tokens += given
-                for token in out:
+                for token in out:  # (a plain stretch's tokens as they come)
+                    self.stats.plain_tokens += plain is not None
                     history.append(token)
                     last, pos = token, pos + 1
                     produced += 1
                     yield token
                     if token in eos or produced == room:
                         return
+                if plain is not None:
+                    plain.close()
+                    plain = None
         finally:
             if plain is not None:
                 plain.close()
