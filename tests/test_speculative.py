@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu import gpu_only
 from tiny_models import make_hf_llama
 
 from pycalm.app.speculative import (
@@ -361,3 +362,42 @@ def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
     other = open_model(convert(hf.path, tmp_path / "v.pycalm", "fp16", progress=False))
     with pytest.raises(PycalmError, match="vocabulary"):
         ModelDrafter(engine(other), model.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU engine (a rows pass under the simulator takes seconds: GPU only)
+
+
+@gpu_only("simulator time: a rows pass with sample_rows takes seconds a row there")
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
+    """On the GPU engine: with batch_invariant, greedy and sampled speculation (drafts kept and
+    replaced, and n-gram lookup with measured costs) give plain decoding's tokens, and leave the
+    token step's state at the last token and its position; without it, the tokens part from
+    plain decoding's at most at a near tie (counted, and the first must follow one)."""
+    from pycalm.app.speculative import measure_costs
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
+    from pycalm.kernels.common import STATE_POS, STATE_TOKEN
+
+    hf = make_hf_llama(tmp_path, arch="qwen2", dim=256, hidden_dim=512, n_layers=4, n_heads=8, n_kv_heads=2,
+                       vocab_size=512)  # fmt: skip
+    gpu_model = open_model(convert(hf.path, tmp_path / "g.pycalm", "fp16", progress=False))
+    options = EngineOptions(batch_invariant=batch_invariant)
+    plain_engine = GpuEngine(gpu_model, seq_len=256, options=options)
+    e = GpuEngine(gpu_model, seq_len=256, options=options)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 512, 40)]
+    for sampling in (GREEDY, SamplingParams(0.8, top_p=0.9, seed=11)):
+        plain = list(plain_engine.generate(prompt, 0, 48, sampling))
+        for drafter, k in ((ScriptDrafter(prompt, plain, {2, 5, 6, 20}, 512), 4), (NgramDrafter(), None)):
+            costs = measure_costs(e, 0) if k is None else None
+            spec = SpeculativeEngine(e, drafter, SpeculationOptions(k=k, costs=costs))
+            out = list(spec.generate(prompt, 0, 48, sampling))
+            if batch_invariant:
+                assert out == plain
+                state = e.state.copy_to_host()
+                assert (state[STATE_TOKEN], state[STATE_POS]) == (out[-1], len(prompt) + len(out) - 1)
+            elif out != plain and sampling == GREEDY:
+                at = next(i for i, (a, b) in enumerate(zip(out, plain, strict=False)) if a != b)
+                logits = list(plain_engine.prefill_logits([*prompt, *plain[:at]], 0))[-1]
+                top = np.sort(logits[-1])[-2:]
+                assert top[1] - top[0] < 1e-2 * abs(top[1]), (at, top)
