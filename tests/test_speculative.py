@@ -401,3 +401,22 @@ def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
                 logits = list(plain_engine.prefill_logits([*prompt, *plain[:at]], 0))[-1]
                 top = np.sort(logits[-1])[-2:]
                 assert top[1] - top[0] < 1e-2 * abs(top[1]), (at, top)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real model (e2e, slow)
+
+
+def test_real_model_ngram_is_plain_greedy(smollm2_fp16):
+    """SmolLM2 continuing a repeating list, through pycalm.load(speculate="ngram", draft_k=4) on
+    the CPU engine with batch_invariant: plain greedy decoding's tokens, with drafts kept."""
+    import pycalm
+
+    options = dict(device="cpu", context=256, verbose=False, batch_invariant=True)
+    plain = pycalm.load(smollm2_fp16, **options)
+    spec = pycalm.load(smollm2_fp16, **options, speculate="ngram", draft_k=4)
+    ids = plain.tokenize("red apple, green pear, blue plum, red apple, green pear, blue plum, red")
+    want = list(plain.engine.generate(ids, 0, 20, GREEDY))
+    assert list(spec.engine.generate(ids, 0, 20, GREEDY)) == want
+    stats = spec.engine.stats
+    assert stats.kept >= 8, (plain.tokenizer.decode(want), stats)  # the loop goes on: drafts kept
