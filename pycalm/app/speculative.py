@@ -149,8 +149,8 @@ class AdaptiveK:
         return max(((k, self.costs.speedup(k, rate)) for k in range(1, self.k_most + 1)), key=lambda t: t[1])
 
     def plan(self, key: object, produced: int) -> int:
-        """The drafts to take from source `key` now, `produced` tokens into the call (0: none;
-        plain token steps until off_until(key))."""
+        """The drafts to take from source `key` now, `produced` tokens generated so far (over
+        every call; 0: none, plain token steps until off_until(key))."""
         if self.fixed_k is not None:
             return self.fixed_k
         s = self.sources.setdefault(key, Source())
@@ -328,6 +328,7 @@ class SpeculativeEngine:
         self.stats = self.options.stats
         self._adaptive: AdaptiveK | None = None
         self._history: list[int] = []  # the tokens at positions 0.. of the engine's cache
+        self._clock = 0  # tokens generated over every call: AdaptiveK's time (a source's off_until)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.engine, name)
@@ -408,10 +409,10 @@ class SpeculativeEngine:
         try:
             while produced < room:
                 key = self.drafter.source(history)
-                k = 0 if key is None else adaptive.plan(key, produced)
+                k = 0 if key is None else adaptive.plan(key, self._clock)
                 k = min(k, room - produced - 1, ROWS_MOST - 1)
                 if k <= 0:  # plain token steps, the j-th token with the j-th coin
-                    run = PLAIN_RUN if key is None else max(PLAIN_RUN, adaptive.off_until(key) - produced)
+                    run = PLAIN_RUN if key is None else max(PLAIN_RUN, adaptive.off_until(key) - self._clock)
                     run = min(run, room - produced)
                     out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
                 else:
@@ -431,6 +432,7 @@ class SpeculativeEngine:
                     history.append(token)
                     last, pos = token, pos + 1
                     produced += 1
+                    self._clock += 1
                     yield token
                     if token in eos or produced == room:
                         return
