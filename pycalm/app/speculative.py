@@ -57,6 +57,7 @@ RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is pro
 DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3 passes count)
 PRIOR = 0.5  # a new source's acceptance, until passes are seen
 GREEDY = SamplingParams()
+MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
 SPECULATE = ("off", "ngram", "draft")  # the --speculate choices
 
 
@@ -86,7 +87,7 @@ class PassCosts:
 
 
 def measure_costs(
-    engine: object, pos: int, drafter: object = None, rows: tuple[int, ...] = (2, 4, 8, 16)
+    engine: object, pos: int, drafter: object = None, rows: tuple[int, ...] = MEASURE_ROWS
 ) -> PassCosts:
     """PassCosts of `engine` at position pos (the best of three timings each, after a warm-up
     that compiles and captures): 8 plain tokens through engine.generate, and a pass of each
@@ -360,10 +361,14 @@ class SpeculativeEngine:
         return out
 
     def _adapt(self, pos: int) -> AdaptiveK:
+        """The AdaptiveK of this engine, its pass costs measured at pos on the first call
+        (where the cache has no room left to time them there: no drafting this call)."""
         if self._adaptive is None:
             costs = self.options.costs
             if costs is None and self.options.k is None:
-                costs = measure_costs(self.engine, pos, self.drafter)
+                if pos + MEASURE_ROWS[-1] > self.engine.seq_len:
+                    return AdaptiveK(PassCosts.ratio(float("inf")), self.options.k_most)
+                costs = measure_costs(self.engine, pos, self.drafter, MEASURE_ROWS)
             self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k)
         return self._adaptive
 
