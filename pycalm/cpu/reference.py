@@ -18,6 +18,7 @@ one token through the model:
     (embeddings: the rows rmsnorm(x) * norm pooled, L2-normalised)      embed_pool_ref
     sampling         the next token from the logits                     sample_ref
                      its log-probability and the k most likely tokens'  logprobs_ref
+    speculation      a drafted token kept, or drawn anew               speculative_accept_ref
     advance          what the next step feeds, at which position       advance_ref
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
@@ -533,6 +534,77 @@ def sample_ref(
     running = np.cumsum(p)
     i = int(np.searchsorted(running, coin * running[-1], side="right"))  # first running sum > target
     return int(ids[min(i, len(ids) - 1)])  # min(): coin * total can round up to the last sum
+
+
+# =============================================================================================
+# speculative decoding: a drafted token kept or replaced, so the output is still the target's
+#
+# A drafter proposes x drawn from its distribution q; the target's distribution at that position
+# is p, the plain sampler's (target_distribution_ref: softmax(logits / T) through top-k, min-p
+# and top-p, renormalised; T == 0: one-hot at the argmax). The rule (Leviathan et al. 2023;
+# Chen et al. 2023):
+#
+#     accept x with probability min(1, p(x) / q(x))          (coin u: accept when u q(x) < p(x))
+#     else draw from r = max(0, p - q) / sum(max(0, p - q))   (a second coin walks r)
+#
+# The kept token is distributed as p exactly: P(y) = min(q(y), p(y)) + (1 - sum min(p, q)) r(y)
+# = p(y). A pass checks the drafts x_1 .. x_k in order and stops at the first one replaced;
+# when all are kept, the (k+1)-th row's p gives one more token (verify_ref).
+#
+# A deterministic drafter (n-gram lookup, a greedy draft model) has q one-hot on x: x is kept
+# with probability p(x), else the token comes from p without x. That is the same as drawing
+# y from p with the plain sampler's coin and keeping x when y == x, which is how the loop runs it
+# on the GPU (pycalm.app.speculative: only token ids come back).
+
+
+def target_distribution_ref(
+    logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> np.ndarray:
+    """The distribution (vocab_size,) float64 that sample_ref draws from: the kept tokens'
+    probabilities renormalised, zero elsewhere; at temperature 0, one-hot at the argmax."""
+    logits = np.asarray(logits).reshape(-1)
+    p = np.zeros(logits.shape[0], np.float64)
+    if temperature == 0.0:
+        p[int(np.argmax(logits))] = 1.0
+        return p
+    ids, kept = filtered_distribution(logits, temperature, top_k, top_p, min_p)
+    p[ids] = kept / kept.sum()
+    return p
+
+
+def speculative_accept_ref(
+    p: np.ndarray, q: np.ndarray, draft: int, accept_coin: float, resample_coin: float
+) -> tuple[bool, int]:
+    """(kept, token) for the drafted token `draft` of distribution q (vocab_size,) under the
+    target's p (vocab_size,): (True, draft) with probability min(1, p / q), else (False, a draw
+    from normalize(max(0, p - q)) by resample_coin). Coins are uniform in [0, 1)."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    if not q[draft] > 0.0:
+        raise PycalmError(f"drafted token {draft} has probability 0 under its own distribution")
+    if accept_coin * q[draft] < p[draft]:
+        return True, int(draft)
+    residual = np.maximum(p - q, 0.0)
+    if not residual.sum() > 0.0:  # p == q up to rounding: nothing to correct, draw from p
+        residual = p
+    running = np.cumsum(residual)
+    i = int(np.searchsorted(running, resample_coin * running[-1], side="right"))
+    return False, int(min(i, len(running) - 1))
+
+
+def verify_ref(p: np.ndarray, q: np.ndarray, drafts: list[int], coins: np.ndarray) -> list[int]:
+    """The tokens one verification pass keeps: p (k + 1, vocab_size) the target's distributions
+    after the last kept token and after each draft, q (k, vocab_size) the drafter's, drafts (k,),
+    coins (k + 1, 2) uniform. Each draft in turn through speculative_accept_ref; the first one
+    replaced ends the list with its replacement; all kept, a last token drawn from p[k]."""
+    out: list[int] = []
+    for i, x in enumerate(drafts):
+        kept, token = speculative_accept_ref(p[i], q[i], x, coins[i, 0], coins[i, 1])
+        out.append(token)
+        if not kept:
+            return out
+    running = np.cumsum(p[len(drafts)])
+    i = int(np.searchsorted(running, coins[len(drafts), 0] * running[-1], side="right"))
+    return [*out, min(i, len(running) - 1)]
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's limit too)

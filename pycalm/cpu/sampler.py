@@ -23,12 +23,16 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     seed: int = 0
+    # the place in the seed's sequence of coins of the first sampled token's coin (a speculative
+    # loop that hands the plain token steps a stretch of its tokens: pycalm.app.speculative)
+    first_coin: int = 0
 
 
 class Sampler:
     """Draws tokens with `sample_ref`; one coin from a seeded numpy Generator per token.
 
-    The same seed gives the same sequence of coins, hence of tokens for the same logits.
+    The same seed gives the same sequence of coins, hence of tokens for the same logits;
+    first_coin starts this sampler that many coins into the sequence.
     `next_coin()` hands the coin out on its own, for a GPU sampler that takes it as input.
     """
 
@@ -39,6 +43,7 @@ class Sampler:
         top_p: float = 1.0,
         min_p: float = 0.0,
         seed: int | None = None,
+        first_coin: int = 0,
     ) -> None:
         check_sampling(temperature, top_k, top_p, min_p)
         self.temperature = float(temperature)
@@ -47,6 +52,13 @@ class Sampler:
         self.min_p = float(min_p)
         self.seed = seed
         self._rng = np.random.default_rng(seed)
+        self._rng.random(first_coin)  # the coins before the first one this sampler hands out
+
+    @classmethod
+    def of(cls, sampling: SamplingParams) -> Sampler:
+        """The sampler of these options, its first coin sampling.first_coin of the seed's sequence."""
+        s = sampling
+        return cls(s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.first_coin)
 
     def next_coin(self) -> float:
         """The next uniform number in [0, 1) of this sampler's sequence."""

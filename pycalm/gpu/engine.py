@@ -501,6 +501,11 @@ class GpuEngine:
         if self.precompile is not None:
             self.precompile.wait_for(groups)
 
+    def set_next(self, token: int, pos: int) -> None:
+        """The state after a caller that ran passes of its own (forward_rows, prefill): the next
+        token step feeds `token` at `pos`, as generate leaves it after sampling `token`."""
+        self._set_state(int(token), int(pos), 0)
+
     def _set_state(self, token: int, pos: int, feed_end: int) -> None:
         host = np.zeros(STATE_SIZE, np.int32)
         host[STATE_TOKEN], host[STATE_POS], host[STATE_FEED_END] = token, pos, feed_end
@@ -653,7 +658,9 @@ class GpuEngine:
             # the i-th sampled token uses the i-th draw of the seeded generator, as the CPU
             # Sampler does; the step at position p reads coins[p]
             coins = np.zeros(self.seq_len, np.float32)
-            coins[end - 1 :] = np.random.default_rng(sampling.seed).random(self.seq_len - end + 1)
+            rng = np.random.default_rng(sampling.seed)
+            rng.random(sampling.first_coin)  # (a speculative loop's stretch starts that far in)
+            coins[end - 1 :] = rng.random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
         self._set_state(int(ids[first - start_pos]), first, end)
         for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed

@@ -229,7 +229,7 @@ def generate_sampled(
     = k, each token's TokenLogprobs from the same logits on the host (logprobs_ref)."""
     if sampling.temperature <= 0:
         raise PycalmError("generate_sampled draws at a temperature above 0")
-    sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
+    sampler = Sampler.of(sampling)
     end, eos = start_pos + len(ids), set(e.config.eos_ids)
     if len(ids) > 1:
         e.prefill(ids[:-1], start_pos)

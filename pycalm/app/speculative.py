@@ -1,0 +1,487 @@
+"""Speculative decoding: several tokens a pass of the target model, for one sequence.
+
+A drafter proposes the next k tokens cheaply; one pass of the target over k + 1 rows (the last
+kept token and the k drafts, engine.forward_rows) gives the target's choice after each of them.
+The drafts it agrees with are kept up to the first it does not, and the target's own token
+there (or after the last draft) comes with them: 1 to k + 1 tokens for one read of the weights.
+
+    engine = SpeculativeEngine(engine, NgramDrafter())      # engine.generate's contract
+    for token in engine.generate(ids, start_pos, max_new, sampling): ...
+
+The KV cache. It is indexed by position: the pass writes rows pos .. pos + k, and the rows past
+the last kept token are rewritten by the next pass before any row reads them (a row attends to
+positions up to its own). Rolling back past a rejected draft is starting the next pass at the
+kept position. A draft model keeps its own cache the same way (ModelDrafter).
+
+Exactness. The drafters here are deterministic (n-gram lookup; a draft model decoding
+greedily), so their distribution q is one-hot on the draft, and the rejection rule
+(pycalm.cpu.reference.speculative_accept_ref: keep x with probability min(1, p(x) / q(x)), else
+draw from max(0, p - q)) becomes: draw y from the target's p with the plain sampler's coin, keep
+the draft when y == x. Every row of the pass samples on the device (sample_rows), so only k + 1
+token ids come back. The coin of the j-th token of a call is the j-th of the seed's sequence, as
+the plain sampler's: a row's coin decides the token of its position only when every draft before
+it was kept, so the coins stay independent of what they decide. Where every pass gives a row the
+bits that plain decoding gives its token (batch_invariant engines), the output is plain
+decoding's, token for token, greedy or sampled (sampled on the GPU: up to the float32 walk of
+sample_rows against the float64 host sampler at a coin's boundary). Without batch_invariant, the
+pass's logits differ from the token step's by about 1e-3 relative, so the two can part at near
+ties. A drafter that gives its q (Draft.q) is checked on the host by verify_ref instead.
+
+When it pays. A pass of n rows costs c(n) against a plain token step s (PassCosts: measured once
+on the engine, or given); a draft token costs d (a draft model's step; 0 for n-gram lookup). With
+each draft kept with probability a (AdaptiveK: an average of the recent passes' kept / checked,
+the last few counting most, so a stretch of copied text turns it on and free text off), k drafts give E(k) = 1 + a + ... + a^k tokens a pass, so speculation runs
+E(k) s / (c(k + 1) + k d) times plain decoding's speed. AdaptiveK takes the k that maximises it;
+where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for a
+stretch of plain token steps (16 tokens, doubling to 256 while it keeps failing), then one pass
+probes it again. Tokens where no draft is proposed go through engine.generate, the plain token
+steps, a stretch of PLAIN_RUN at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from pycalm.cpu.reference import target_distribution_ref, verify_ref
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.errors import PycalmError
+
+ROWS_MOST = 64  # rows a pass takes at most (the GPU's largest captured row bucket)
+K_MOST = 8  # drafts a pass checks at most, by default
+PLAIN_RUN = 8  # plain tokens generated where no draft is proposed, before looking again
+RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is probed again
+DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3 passes count)
+PRIOR = 0.5  # a new source's acceptance, until passes are seen
+GREEDY = SamplingParams()
+MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
+SPECULATE = ("off", "ngram", "draft")  # the --speculate choices
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of a plain token step and of a pass of n rows, and of a draft token."""
+
+    step: float  # a token of plain decoding (engine.generate, graph replays in flight)
+    rows: tuple[tuple[int, float], ...]  # (n, seconds of a pass of n rows), n ascending
+    draft_step: float = 0.0  # a drafted token (a draft model's step; 0 for n-gram lookup)
+
+    @classmethod
+    def ratio(cls, pass_cost: float, draft_cost: float = 0.0) -> PassCosts:
+        """Configured costs: any pass of up to ROWS_MOST rows costs pass_cost token steps, a
+        drafted token draft_cost."""
+        return cls(1.0, ((ROWS_MOST, float(pass_cost)),), float(draft_cost))
+
+    def pass_cost(self, n: int) -> float:
+        """Seconds of a pass of n rows: the measured pass of the fewest rows >= n."""
+        return next((s for m, s in self.rows if m >= n), self.rows[-1][1])
+
+    def speedup(self, k: int, rate: float) -> float:
+        """Plain decoding's time over speculation's, for k drafts a pass each kept with
+        probability `rate`: E(k) s / (c(k + 1) + k d), E(k) = 1 + rate + ... + rate^k."""
+        expected = sum(rate**i for i in range(k + 1))
+        return expected * self.step / (self.pass_cost(k + 1) + k * self.draft_step)
+
+
+def measure_costs(
+    engine: object, pos: int, drafter: object = None, rows: tuple[int, ...] = MEASURE_ROWS
+) -> PassCosts:
+    """PassCosts of `engine` at position pos (the best of three timings each, after a warm-up
+    that compiles and captures): 8 plain tokens through engine.generate, and a pass of each
+    row count in `rows`; with a ModelDrafter, its engine's plain token too. Writes cache rows
+    pos .. pos + max(8, rows): call it where those hold nothing yet."""
+    n = min(8, engine.seq_len - pos - 1)
+    if n < 1:
+        raise PycalmError(f"no room to time a pass at position {pos} of {engine.seq_len}")
+
+    def best(run: object) -> float:
+        run()  # warm-up: compiles, captures
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def plain(e: object) -> float:
+        return best(lambda: list(e.generate([0], pos, n, GREEDY))) / n
+
+    passes = []
+    for m in rows:
+        if pos + m <= engine.seq_len:
+            passes.append((m, best(lambda m=m: engine.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))))
+    draft_step = plain(drafter.engine) if isinstance(drafter, ModelDrafter) else 0.0
+    if isinstance(drafter, ModelDrafter):
+        drafter.forget()  # its cache rows past pos were scribbled on
+    return PassCosts(plain(engine), tuple(passes), draft_step)
+
+
+# -------------------------------------------------------------------------------------------
+# adaptive k
+
+
+@dataclass
+class Source:
+    """The recent acceptance of one source of drafts, and when it is tried next."""
+
+    rate: float = PRIOR  # the chance that a draft is kept: an average of recent passes' kept / checked
+    off_until: int = 0  # tokens of the call before which this source drafts nothing
+    backoff: int = RETRY_FIRST  # the next stretch it stays off for
+    probing: bool = False  # off and past off_until: the next pass is a probe
+
+
+class AdaptiveK:
+    """The drafts a pass checks, from each source's recent acceptance and the pass costs (the
+    module docstring). fixed_k: always that many (no adaptation, no switching off)."""
+
+    def __init__(self, costs: PassCosts | None, k_most: int = K_MOST, fixed_k: int | None = None) -> None:
+        if fixed_k is None and costs is None:
+            raise PycalmError("adaptive k needs the pass costs (measured or configured)")
+        if not 1 <= (fixed_k or k_most) < ROWS_MOST:
+            raise PycalmError(f"k must be 1 to {ROWS_MOST - 1}, not {fixed_k or k_most}")
+        self.costs, self.k_most, self.fixed_k = costs, k_most, fixed_k
+        self.sources: dict[object, Source] = {}
+
+    def best(self, rate: float) -> tuple[int, float]:
+        """(k, its speedup) of the k in 1 .. k_most that maximises the speedup at `rate`."""
+        return max(((k, self.costs.speedup(k, rate)) for k in range(1, self.k_most + 1)), key=lambda t: t[1])
+
+    def plan(self, key: object, produced: int) -> int:
+        """The drafts to take from source `key` now, `produced` tokens generated so far (over
+        every call; 0: none, plain token steps until off_until(key))."""
+        if self.fixed_k is not None:
+            return self.fixed_k
+        s = self.sources.setdefault(key, Source())
+        if produced < s.off_until:
+            return 0
+        k, gain = self.best(s.rate)
+        if gain >= 1.0 or s.probing:  # pays, or a probe after a stretch off
+            s.probing = False
+            return k
+        s.off_until, s.backoff, s.probing = produced + s.backoff, min(2 * s.backoff, RETRY_MOST), True
+        return 0
+
+    def off_until(self, key: object) -> int:
+        return self.sources[key].off_until if key in self.sources else 0
+
+    def update(self, key: object, drafted: int, kept: int) -> None:
+        """After a pass that kept `kept` of `drafted` drafts from source `key`."""
+        if self.fixed_k is not None:
+            return
+        s = self.sources.setdefault(key, Source())
+        checked = kept + (kept < drafted)  # the drafts up to the first one replaced
+        s.rate = DECAY * s.rate + (1 - DECAY) * kept / checked
+        if self.best(s.rate)[1] >= 1.0:
+            s.backoff = RETRY_FIRST
+
+
+# -------------------------------------------------------------------------------------------
+# drafters
+
+
+@dataclass
+class Draft:
+    """Proposed tokens, and (for a drafter that samples) their distributions (k, vocab_size);
+    None: one-hot on the tokens (a deterministic drafter)."""
+
+    tokens: list[int]
+    q: np.ndarray | None = None
+
+
+class NgramDrafter:
+    """Prompt lookup: the last n tokens (n from n_most down to n_least) matched against their
+    latest earlier occurrence in the prompt and the text so far; the tokens that followed it are
+    the drafts. A match that runs into the end of the text repeats the stretch since it (a loop
+    in the text is proposed to go on). Its sources are the match lengths n: a 3-token match is
+    kept more often than a 1-token one, and AdaptiveK tracks each apart."""
+
+    name = "ngram"
+
+    def __init__(self, n_most: int = 3, n_least: int = 1) -> None:
+        if not 1 <= n_least <= n_most:
+            raise PycalmError(f"n-gram lengths {n_least}..{n_most}")
+        self.lengths = range(n_most, n_least - 1, -1)
+        self._tokens: list[int] = []
+        # n -> {the n tokens: the index of the token that followed their latest occurrence}
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.lengths}
+        self._match = 0  # source()'s find: the index of the token after the matched n-gram
+
+    def _sync(self, context: list[int]) -> None:
+        """The index over `context`: extended by its new tokens, or built anew where the text
+        before them changed."""
+        known = len(self._tokens)
+        if len(context) < known or context[:known] != self._tokens:
+            self._tokens, known = [], 0
+            self._index = {n: {} for n in self.lengths}
+        for i in range(known, len(context)):  # the n-grams that end just before token i
+            self._tokens.append(context[i])
+            for n, index in self._index.items():
+                if i >= n:
+                    index[tuple(self._tokens[i - n : i])] = i
+
+    def source(self, context: list[int]) -> int | None:
+        """The longest n with an earlier occurrence of the last n tokens (None: no match)."""
+        self._sync(context)
+        end = len(self._tokens)
+        for n in self.lengths:
+            if end >= n:
+                found = self._index[n].get(tuple(self._tokens[end - n :]))
+                if found is not None:
+                    self._match = found
+                    return n
+        return None
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        """k tokens after the match source() found in the same context."""
+        out: list[int] = []
+        end = len(self._tokens)
+        for j in range(k):  # past the end, the text so far is read on into the drafts
+            i = self._match + j
+            out.append(self._tokens[i] if i < end else out[i - end])
+        return Draft(out)
+
+
+class ModelDrafter:
+    """A draft model with the target's vocabulary: its own engine and KV cache, k greedy tokens
+    by its own token steps (engine.generate: on the GPU its captured graphs). Its cache follows
+    the text by position: before drafting, the tokens of the text that its cache does not hold
+    yet (the target's last token; after a pass that kept every draft, the last draft too) are
+    fed, and its cache holds the text and the drafts but the last after."""
+
+    name = "draft"
+
+    def __init__(self, engine: object, target_config: object) -> None:
+        cfg = engine.config
+        if cfg.vocab_size != target_config.vocab_size:
+            raise PycalmError(
+                f"the draft model's vocabulary ({cfg.vocab_size:,} tokens) is not the target's "
+                f"({target_config.vocab_size:,}): a draft model needs the target's tokenizer"
+            )
+        self.engine = engine
+        self._cached: list[int] = []  # the tokens whose keys and values its cache holds, from position 0
+
+    def forget(self) -> None:
+        self._cached = []
+
+    def source(self, context: list[int]) -> str | None:
+        return "model" if len(context) < self.engine.seq_len else None
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        e = self.engine
+        common = 0
+        most = min(len(self._cached), len(context) - 1)  # the last token is fed by the first draft step
+        while common < most and self._cached[common] == context[common]:
+            common += 1
+        catch_up = context[common:-1]  # fed without drafting
+        if 0 < len(catch_up) <= ROWS_MOST:  # one pass, tokens back, not logits
+            e.forward_rows(catch_up, common, [GREEDY] * len(catch_up), np.zeros(len(catch_up)))
+        elif catch_up:
+            e.prefill(catch_up, common)
+        k = min(k, e.seq_len - len(context) + 1)
+        drafts = list(e.generate(context[-1:], len(context) - 1, k, GREEDY)) if k > 0 else []
+        self._cached = context + drafts[:-1]
+        return Draft(drafts)
+
+
+# -------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class Stats:
+    """What the loop did, summed over calls (the benchmark reads it)."""
+
+    passes: int = 0  # verification passes
+    drafted: int = 0  # drafts they checked
+    kept: int = 0  # drafts kept (and given: up to an EOS and max_new)
+    pass_tokens: int = 0  # tokens the passes gave (kept drafts and the target's own)
+    plain_tokens: int = 0  # tokens from plain token steps
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens a verification pass gives, on average (1 to k + 1)."""
+        return self.pass_tokens / self.passes if self.passes else 0.0
+
+
+@dataclass
+class SpeculationOptions:
+    k: int | None = None  # drafts a pass (None: adaptive, up to k_most)
+    k_most: int = K_MOST
+    costs: PassCosts | None = None  # None: measured on the engine at the first call
+    stats: Stats = field(default_factory=Stats)
+
+
+class SpeculativeEngine:
+    """An engine whose generate() speculates with `drafter`; every other attribute is the
+    wrapped engine's. The engine needs forward_rows (and set_next, to leave its token-step
+    state as plain decoding does)."""
+
+    def __init__(self, engine: object, drafter: object, options: SpeculationOptions | None = None) -> None:
+        if not hasattr(engine, "forward_rows"):
+            raise PycalmError("speculative decoding needs an engine with a rows pass (forward_rows)")
+        if getattr(engine, "simple", False):
+            raise PycalmError("speculative decoding runs the fast kernels' rows pass (not --kernels simple)")
+        self.engine, self.drafter = engine, drafter
+        self.options = options or SpeculationOptions()
+        self.stats = self.options.stats
+        self._adaptive: AdaptiveK | None = None
+        self._history: list[int] = []  # the tokens at positions 0.. of the engine's cache
+        self._clock = 0  # tokens generated over every call: AdaptiveK's time (a source's off_until)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    # what feeds the cache outside generate moves the history with it
+    def _fed(self, ids: list[int], start_pos: int) -> None:
+        """ids went into the cache at start_pos..: the history follows (unknown past a gap)."""
+        known = start_pos <= len(self._history)
+        self._history = self._history[:start_pos] + list(ids) if known else []
+
+    def prefill(self, ids: list[int], start_pos: int) -> None:
+        self.engine.prefill(ids, start_pos)
+        self._fed(ids, start_pos)
+
+    def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
+        self._fed([], start_pos)  # (the history resumes once every block is out)
+        yield from self.engine.prefill_logits(ids, start_pos)
+        self._fed(ids, start_pos)
+
+    def embed(self, ids: list[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        self._fed([], 0)
+        out = self.engine.embed(ids, pooling, normalize)
+        self._fed(ids, 0)
+        return out
+
+    def logits(self, token: int, pos: int) -> np.ndarray:
+        out = self.engine.logits(token, pos)
+        self._fed([token], pos)
+        return out
+
+    def _adapt(self, pos: int) -> AdaptiveK:
+        """The AdaptiveK of this engine, its pass costs measured at pos on the first call
+        (where the cache has no room left to time them there: no drafting this call)."""
+        if self._adaptive is None:
+            costs = self.options.costs
+            if costs is None and self.options.k is None:
+                if pos + MEASURE_ROWS[-1] > self.engine.seq_len:
+                    return AdaptiveK(PassCosts.ratio(float("inf")), self.options.k_most)
+                costs = measure_costs(self.engine, pos, self.drafter, MEASURE_ROWS)
+            self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k)
+        return self._adaptive
+
+    def generate(
+        self,
+        ids: list[int],
+        start_pos: int,
+        max_new: int,
+        sampling: SamplingParams,
+        logprobs: int | None = None,
+    ) -> Iterator[int]:
+        """engine.generate's contract (feed ids at start_pos.., then up to max_new tokens,
+        stopping after an EOS or at the end of the context), speculating; with logprobs, or
+        where the cache's earlier tokens are unknown, plain engine.generate."""
+        e = self.engine
+        if logprobs is not None or start_pos > len(self._history) or not ids:
+            self._fed(ids, start_pos)
+            known, given = self._history, []
+            self._history = []  # until the call is over
+            try:
+                for item in e.generate(ids, start_pos, max_new, sampling, logprobs):
+                    given.append(item if logprobs is None else item.token)
+                    yield item
+            finally:
+                self._history = (known + given)[:-1] if known else []  # the last token is not fed
+            return
+        end = start_pos + len(ids)
+        if end > e.seq_len:
+            raise PycalmError(
+                f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {e.seq_len} tokens"
+            )
+        adaptive = self._adapt(end - 1) if max_new > 0 else None
+        history = self._history[:start_pos] + list(ids)  # the tokens at positions 0 .. pos
+        self._history = []  # until this call leaves the cache known
+        if len(ids) > 1:
+            e.prefill(ids[:-1], start_pos)
+        last, pos = ids[-1], end - 1  # the next token to feed, and its position
+        room = min(max_new, e.seq_len - pos)  # the tokens this call may give
+        coins = np.random.default_rng(sampling.seed).random(room)  # the j-th token's coin
+        eos = set(e.config.eos_ids)
+        produced = 0
+        plain = None  # a stretch of plain token steps in flight (engine.generate)
+        try:
+            while produced < room:
+                key = self.drafter.source(history)
+                k = 0 if key is None else adaptive.plan(key, self._clock)
+                k = min(k, room - produced - 1, ROWS_MOST - 1)
+                if k <= 0:  # plain token steps, the j-th token with the j-th coin
+                    run = PLAIN_RUN if key is None else max(PLAIN_RUN, adaptive.off_until(key) - self._clock)
+                    run = min(run, room - produced)
+                    out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
+                else:
+                    draft = self.drafter.propose(history, k)
+                    out = self._verify(
+                        last, pos, draft, sampling, coins[produced : produced + len(draft.tokens) + 1]
+                    )
+                    adaptive.update(key, len(draft.tokens), len(out) - 1)
+                    given = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+                    given = min(given, room - produced)  # the tokens of the pass that go out
+                    self.stats.passes += 1
+                    self.stats.drafted += len(draft.tokens)
+                    self.stats.kept += min(len(out) - 1, given)
+                    self.stats.pass_tokens += given
+                for token in out:  # (a plain stretch's tokens as they come)
+                    self.stats.plain_tokens += plain is not None
+                    history.append(token)
+                    last, pos = token, pos + 1
+                    produced += 1
+                    self._clock += 1
+                    yield token
+                    if token in eos or produced == room:
+                        return
+                if plain is not None:
+                    plain.close()
+                    plain = None
+        finally:
+            if plain is not None:
+                plain.close()
+            self._history = history[:-1]  # the last token is never fed
+            e.set_next(last, pos)
+
+    def _verify(
+        self, last: int, pos: int, draft: Draft, sampling: SamplingParams, coins: np.ndarray
+    ) -> list[int]:
+        """One pass over [last] + the drafts at pos: the drafts kept and the target's token after
+        them (the module docstring)."""
+        rows = [last, *draft.tokens]
+        if draft.q is None:  # one-hot drafts: each row samples on the device with its own coin
+            sampled = self.engine.forward_rows(rows, pos, [sampling] * len(rows), coins)
+            kept = 0
+            while kept < len(draft.tokens) and sampled[kept] == draft.tokens[kept]:
+                kept += 1
+            out = [*draft.tokens[:kept], int(sampled[kept])]
+        else:  # the rejection rule on the host, on the target's logits
+            logits = self.engine.forward_rows(rows, pos)  # (k + 1, vocab_size)
+            s = sampling
+            p = np.stack(
+                [target_distribution_ref(x, s.temperature, s.top_k, s.top_p, s.min_p) for x in logits]
+            )
+            pair = np.random.default_rng([s.seed, pos, len(rows)]).random((len(rows), 2))
+            pair[:, 0] = coins
+            out = verify_ref(p, draft.q, draft.tokens, pair)
+        return out
+
+
+def make_drafter(kind: str, target: object, draft_engine: object = None) -> object | None:
+    """The drafter of a --speculate choice (None for off); "draft" needs the draft model's engine."""
+    if kind not in SPECULATE:
+        raise PycalmError(f"speculate must be one of {', '.join(SPECULATE)}, not {kind!r}")
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "draft":
+        if draft_engine is None:
+            raise PycalmError("--speculate draft needs a draft model (--draft-model)")
+        return ModelDrafter(draft_engine, target.config)
+    return None

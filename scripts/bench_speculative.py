@@ -1,0 +1,150 @@
+"""Speculative decoding against plain decoding: acceptance length and tok/s, a row per task.
+
+    python scripts/bench_speculative.py MODEL [--device cpu|gpu] [--drafter ngram|draft]
+        [--draft-model MODEL] [--k 4,adaptive] [--new 64] [--prompts 2] [--tasks grounded,chat,code]
+
+The prompts are tests/data/speculative_prompts.json, three tasks: grounded (edit, refactor or
+summarise a text given in the prompt), chat (open questions) and code (completion of a code
+prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly and then
+speculatively on the same engine (a fresh call from position 0 each time). The table gives, per
+model, task, drafter and k:
+  * accept: the acceptance length, tokens a verification pass gives (1 to k + 1);
+  * tok/fwd: tokens per forward of the target (passes and plain token steps): the speed-up
+    where a pass of k + 1 rows costs a token step;
+  * plain and spec tok/s, end to end but for the prompt's prefill (the prompt but its last
+    token is prefilled first, untimed);
+  * same: prompts whose speculative tokens are plain decoding's (a near tie between the rows
+    pass's logits and the token step's can part them without --batch-invariant; each such
+    prompt is listed).
+Acceptance length does not depend on the device: measure it on the CPU engine (--device cpu,
+--threads for its BLAS), and tok/s on the GPU (--device gpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pycalm.app.speculative import (  # noqa: E402
+    NgramDrafter,
+    SpeculationOptions,
+    SpeculativeEngine,
+    make_drafter,
+    measure_costs,
+)
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
+
+PROMPTS = REPO / "tests" / "data" / "speculative_prompts.json"
+
+
+def prompt_ids(llm: object, prompt: dict) -> list[int]:
+    if "chat" in prompt:
+        return llm.chat_ids([{"role": "user", "content": prompt["chat"]}])
+    return llm.tokenize(prompt["text"])
+
+
+def timed(engine: object, ids: list[int], new: int) -> tuple[list[int], float]:
+    """The greedy tokens after `ids` and the seconds of the call that makes them, the prompt but
+    its last token prefilled before (untimed: the same for both)."""
+    engine.prefill(ids[:-1], 0)
+    t0 = time.perf_counter()
+    out = list(engine.generate(ids[-1:], len(ids) - 1, new, SamplingParams()))
+    return out, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--drafter", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-model")
+    ap.add_argument("--k", default="4,adaptive", help="comma-separated k values; 'adaptive' for AdaptiveK")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts a task")
+    ap.add_argument("--tasks", default="grounded,chat,code")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="fp16")
+    ap.add_argument("--batch-invariant", action="store_true")
+    args = ap.parse_args()
+
+    import pycalm
+
+    llm = pycalm.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        context=args.context,
+        threads=args.threads,
+        batch_invariant=args.batch_invariant,
+    )
+    engine = llm.engine
+    draft_engine = None
+    if args.drafter == "draft":
+        draft = pycalm.load(
+            args.draft_model,
+            device=args.device,
+            dtype=args.dtype,
+            context=args.context,
+            threads=args.threads,
+            batch_invariant=args.batch_invariant,
+        )
+        draft_engine = draft.engine
+    prompts = json.loads(PROMPTS.read_text())
+    ks = [None if k == "adaptive" else int(k) for k in args.k.split(",")]
+    costs = None
+    if None in ks:  # measured once, at the start of the cache
+        drafter = make_drafter(args.drafter, engine, draft_engine)
+        costs = measure_costs(engine, 0, drafter)
+        rows = ", ".join(f"{n} rows {s / costs.step:.2f}" for n, s in costs.rows)
+        print(f"costs: token step {costs.step * 1e3:.2f} ms; passes in steps: {rows}; "
+              f"draft step {costs.draft_step / costs.step:.2f}", flush=True)  # fmt: skip
+    name = Path(args.model).stem
+    print("| model | task | drafter | k | accept | tok/fwd | plain tok/s | spec tok/s | same |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for task in args.tasks.split(","):
+        for k in ks:
+            plain_s = spec_s = 0.0
+            plain_n = spec_n = forwards = same = 0
+            options = SpeculationOptions(k=k, costs=costs)
+            parted = []
+            for i, prompt in enumerate(prompts[task][: args.prompts]):
+                ids = prompt_ids(llm, prompt)
+                plain, s = timed(engine, ids, args.new)
+                plain_s, plain_n = plain_s + s, plain_n + len(plain)
+                drafter = (
+                    NgramDrafter() if args.drafter == "ngram" else make_drafter("draft", engine, draft_engine)
+                )
+                spec_engine = SpeculativeEngine(engine, drafter, options)
+                before = options.stats.passes + options.stats.plain_tokens
+                spec, s = timed(spec_engine, ids, args.new)
+                spec_s, spec_n = spec_s + s, spec_n + len(spec)
+                forwards += options.stats.passes + options.stats.plain_tokens - before
+                if spec == plain:
+                    same += 1
+                else:
+                    at = next(
+                        (j for j, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b),
+                        min(len(plain), len(spec)),
+                    )
+                    parted.append(f"{task}[{i}] parts at token {at}")
+            st = options.stats
+            print(
+                f"| {name} | {task} | {args.drafter} | {k or 'adaptive'} | {st.acceptance_length:.2f} | "
+                f"{spec_n / max(forwards, 1):.2f} | {plain_n / plain_s:.1f} | {spec_n / spec_s:.1f} | "
+                f"{same}/{min(args.prompts, len(prompts[task]))} |",
+                flush=True,
+            )
+            for line in parted:
+                print(f"  {line}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

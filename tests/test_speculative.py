@@ -1,0 +1,422 @@
+"""Speculative decoding (pycalm.app.speculative): the rejection rule against its target
+distribution, the n-gram drafter, adaptive k, and the loop against plain decoding.
+
+The loop's exactness: on a batch-invariant engine (the CPU engine's forward_rows then runs a
+token step a row, the bits plain decoding computes), the speculative output is plain decoding's,
+token for token, greedy and sampled, whether the drafts are kept or replaced; and the KV cache
+it leaves is plain decoding's, so the next logits are too. The drafts come from a scripted
+drafter that knows plain decoding's output and spoils chosen drafts, so that the test decides
+which are kept. The sampled rule is checked on synthetic p and q (chi-square), and once through
+the loop with a drafter that samples its drafts from its own q.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu import gpu_only
+from tiny_models import make_hf_llama
+
+from pycalm.app.speculative import (
+    AdaptiveK,
+    Draft,
+    NgramDrafter,
+    PassCosts,
+    SpeculationOptions,
+    SpeculativeEngine,
+)
+from pycalm.convert.main import convert
+from pycalm.cpu.engine import CpuEngine
+from pycalm.cpu.reference import speculative_accept_ref, target_distribution_ref, verify_ref
+from pycalm.cpu.sampler import SamplingParams
+from pycalm.errors import PycalmError
+from pycalm.model.loader import open_model
+
+SEQ_LEN = 128
+PROMPT = [5, 9, 11, 5, 9, 11, 5, 9]
+GREEDY = SamplingParams()
+# chi-square critical value at significance 1e-4 (scipy.stats.chi2.ppf(1 - 1e-4, dof)), by dof
+CHI2_CRITICAL = {4: 23.51, 5: 25.74}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> object:
+    tmp = tmp_path_factory.mktemp("spec")
+    hf = make_hf_llama(tmp, arch="qwen2", vocab_size=64)
+    return open_model(convert(hf.path, tmp / "m.pycalm", "fp16", progress=False))
+
+
+def engine(model: object) -> CpuEngine:
+    return CpuEngine(model, seq_len=SEQ_LEN, batch_invariant=True)
+
+
+def chi_square(counts: np.ndarray, p: np.ndarray) -> float:
+    expected = p * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule on synthetic distributions
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """A draft x ~ q kept with min(1, p / q), else a draw from max(0, p - q): over 20,000 draws the
+    kept tokens follow p (chi-square below the 1e-4 critical value), where q is far from p."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.05, 0.4, 0.1, 0.25, 0.0, 0.2])
+    q = np.array([0.3, 0.1, 0.3, 0.1, 0.1, 0.1])
+    n = 20_000
+    counts = np.zeros(6)
+    kept = 0
+    for x, u, v in zip(rng.choice(6, n, p=q), rng.random(n), rng.random(n), strict=True):
+        accepted, token = speculative_accept_ref(p, q, int(x), u, v)
+        counts[token] += 1
+        kept += accepted
+    assert counts[4] == 0  # p(4) = 0: never kept, never drawn
+    live = p > 0
+    assert chi_square(counts[live], p[live]) < CHI2_CRITICAL[int(live.sum()) - 1]
+    # kept with probability sum min(p, q) = 0.6
+    assert abs(kept / n - np.minimum(p, q).sum()) < 0.02
+    # the same draws kept as they come (no rule) miss p by far
+    assert chi_square(np.bincount(rng.choice(6, n, p=q), minlength=6)[live], p[live]) > 1000
+
+
+def test_one_hot_draft_is_kept_with_probability_p():
+    """q one-hot on x: x kept when u < p(x); otherwise the token comes from p without x."""
+    p = np.array([0.2, 0.5, 0.3])
+    q = np.array([0.0, 1.0, 0.0])
+    assert speculative_accept_ref(p, q, 1, 0.49, 0.9) == (True, 1)
+    assert speculative_accept_ref(p, q, 1, 0.51, 0.0) == (False, 0)
+    assert speculative_accept_ref(p, q, 1, 0.51, 0.99) == (False, 2)  # 0.2 / 0.5 of the way: token 2
+    with pytest.raises(PycalmError):
+        speculative_accept_ref(p, q, 0, 0.5, 0.5)  # a draft its own q cannot give
+
+
+def test_target_distribution_is_what_sample_ref_walks():
+    logits = np.array([1.0, 3.0, 2.0, -1.0, 2.5])
+    assert target_distribution_ref(logits, 0.0).tolist() == [0, 1, 0, 0, 0]
+    p = target_distribution_ref(logits, 0.7, top_k=3)
+    assert np.count_nonzero(p) == 3 and p[[1, 2, 4]].sum() == pytest.approx(1.0)
+    full = np.exp(logits / 0.7 - (logits / 0.7).max())
+    assert p[4] / p[1] == pytest.approx(full[4] / full[1])
+
+
+def test_verify_stops_at_the_first_replaced_draft():
+    p = np.eye(4)[[1, 2, 3]]  # (k + 1, vocab): the target wants 1, then 2, then 3
+    q = np.eye(4)[[1, 0]]  # drafts 1 (right) then 0 (wrong)
+    coins = np.full((3, 2), 0.5)
+    assert verify_ref(p, q, [1, 0], coins) == [1, 2]
+    assert verify_ref(p, np.eye(4)[[1, 2]], [1, 2], coins) == [1, 2, 3]  # all kept, and one more
+
+
+# ---------------------------------------------------------------------------------------------
+# the n-gram drafter
+
+
+def test_ngram_takes_the_longest_latest_match():
+    d = NgramDrafter()
+    text = [1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3]
+    assert d.source(text) == 2  # "2 3" occurred twice before; "9 2 3"... no 3-gram "7 2 3" earlier
+    assert d.propose(text, 3).tokens == [5, 7, 2]  # after the latest "2 3" (index 5..6)
+    text = [*text, 5]  # "2 3 5" occurred: a 3-gram match
+    assert d.source(text) == 3
+    assert d.propose(text, 2).tokens == [7, 2]
+    assert d.source([8, 8, 1]) is None  # the text changed: rebuilt, and 1 never occurred before
+
+
+def test_ngram_runs_a_loop_on_past_the_text():
+    d = NgramDrafter()
+    text = [4, 6, 4, 6, 4]
+    assert d.source(text) == 3  # "4 6 4" at 0..2, followed by 6
+    assert d.propose(text, 5).tokens == [6, 4, 6, 4, 6]
+
+
+def test_ngram_no_match_and_single_token():
+    d = NgramDrafter()
+    assert d.source([3]) is None
+    assert d.source([3, 7, 1, 2]) is None
+    assert d.source([3, 7, 1, 2, 7]) == 1
+    assert d.propose([3, 7, 1, 2, 7], 2).tokens == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# adaptive k
+
+GROWING = PassCosts(1.0, ((2, 1.1), (4, 1.3), (8, 1.8), (16, 2.6), (64, 5.0)))
+
+
+def test_k_grows_when_drafts_are_kept_and_stops_when_they_are_not():
+    a = AdaptiveK(GROWING)
+    assert a.plan("s", 0) == 3  # at the prior rate 0.5: 1.875 tokens for 1.3 steps
+    for _ in range(10):
+        a.update("s", a.plan("s", 0), kept=a.plan("s", 0))
+    assert a.plan("s", 0) == 7  # nearly everything kept: a pass of 8 rows is worth 1.8 steps
+    passes = 0
+    while a.plan("s", 100):  # nothing kept from here on
+        a.update("s", a.plan("s", 100), kept=0)
+        passes += 1
+    assert 3 <= passes <= 8  # the acceptance of the last few passes decides
+    assert a.off_until("s") == 116  # off: 16 plain tokens
+    assert a.plan("s", 115) == 0
+    assert a.plan("s", 116) >= 1  # a probe
+    a.update("s", 1, kept=0)
+    assert a.plan("s", 117) == 0 and a.off_until("s") == 117 + 32  # off twice as long
+    assert a.plan("other", 117) == 3  # each source apart
+
+
+def test_fixed_k_and_bad_options():
+    assert AdaptiveK(None, fixed_k=5).plan("s", 0) == 5
+    with pytest.raises(PycalmError):
+        AdaptiveK(None)
+    with pytest.raises(PycalmError):
+        AdaptiveK(GROWING, k_most=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop against plain decoding
+
+
+class ScriptDrafter:
+    """Drafts the script (plain decoding's output after the prompt) except at `wrong` indices of
+    it, where it drafts another token; counts the passes."""
+
+    name = "script"
+
+    def __init__(self, prompt: list[int], script: list[int], wrong: set[int], vocab: int) -> None:
+        self.offset, self.script, self.wrong, self.vocab = len(prompt), script, wrong, vocab
+
+    def source(self, context: list[int]) -> str | None:
+        return "script" if len(context) - self.offset < len(self.script) else None
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        i = len(context) - self.offset
+        out = self.script[i : i + k]
+        return Draft([(t + 1) % self.vocab if i + j in self.wrong else t for j, t in enumerate(out)])
+
+
+@pytest.mark.parametrize("wrong", [set(), {0, 3, 4, 9, 17}, set(range(40))], ids=["kept", "some", "none"])
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(1.0, top_k=8, seed=7)], ids=["greedy", "sampled"]
+)
+def test_speculative_output_is_plain_decodings(model, wrong, sampling):
+    """Token for token, the kept drafts and the replaced ones alike, with 4 drafts a pass; then
+    the cache holds plain decoding's keys and values and the next logits are plain decoding's."""
+    plain_engine = engine(model)
+    plain = list(plain_engine.generate(PROMPT, 0, 30, sampling))
+    options = SpeculationOptions(k=4)
+    spec = SpeculativeEngine(engine(model), ScriptDrafter(PROMPT, plain, wrong, 64), options)
+    out = list(spec.generate(PROMPT, 0, 30, sampling))
+    assert out == plain
+    stats = options.stats
+    n = len(plain)  # (sampled: it ends at an EOS)
+    assert stats.pass_tokens + stats.plain_tokens == n
+    if not wrong:
+        assert stats.passes == -(-n // 5) and stats.kept >= n - stats.passes  # 5 tokens a pass
+    if wrong == set(range(40)):  # a token a pass; the last one alone takes a plain step
+        assert stats.kept == 0 and stats.passes + stats.plain_tokens == n
+    end = len(PROMPT) + n - 1  # positions 0 .. end - 1 are in the cache, the last token is not
+    ref_plain, ref_spec = plain_engine.ref, spec.engine.ref
+    assert np.array_equal(ref_spec.key_cache[:, :end], ref_plain.key_cache[:, :end])
+    assert np.array_equal(ref_spec.value_cache[:, :end], ref_plain.value_cache[:, :end])
+    assert np.array_equal(spec.logits(plain[-1], end), plain_engine.logits(plain[-1], end))
+
+
+def test_rejection_rolls_the_cache_back(model):
+    """A pass whose drafts are all replaced writes cache rows past the kept token; the next call
+    (a chat's next turn, from the position after the reply) reads plain decoding's logits."""
+    plain_engine = engine(model)
+    plain = list(plain_engine.generate(PROMPT, 0, 3, GREEDY))
+    spec = SpeculativeEngine(engine(model), ScriptDrafter(PROMPT, plain, {1, 2}, 64), SpeculationOptions(k=2))
+    assert list(spec.generate(PROMPT, 0, 3, GREEDY)) == plain
+    pos = len(PROMPT) + 2  # where the last token goes; its pass wrote rows past it
+    turn = [plain[-1], 7, 8]
+    assert list(spec.generate(turn, pos, 5, GREEDY)) == list(plain_engine.generate(turn, pos, 5, GREEDY))
+
+
+def test_stops_at_max_new_and_eos(model):
+    plain_engine = engine(model)
+    plain = list(plain_engine.generate(PROMPT, 0, 12, GREEDY))
+    spec = SpeculativeEngine(engine(model), ScriptDrafter(PROMPT, plain, set(), 64), SpeculationOptions(k=8))
+    assert list(spec.generate(PROMPT, 0, 7, GREEDY)) == plain[:7]  # never past max_new, mid-pass
+    assert list(spec.generate(PROMPT, 0, 0, GREEDY)) == []
+    # an EOS drafted and kept ends the output there
+    eos = model.config.eos_ids[0]
+    script = [*plain[:3], eos]
+    spec = SpeculativeEngine(engine(model), ScriptDrafter(PROMPT, script, set(), 64), SpeculationOptions(k=8))
+    sampled_eos = plain_engine.forward_rows([*PROMPT[-1:], *plain[:3]], len(PROMPT) - 1)[3].argmax() == eos
+    out = list(spec.generate(PROMPT, 0, 12, GREEDY))
+    assert out == plain if not sampled_eos else out == script
+    # the end of the context: as plain decoding
+    short = CpuEngine(model, seq_len=len(PROMPT) + 4, batch_invariant=True)
+    spec = SpeculativeEngine(short, ScriptDrafter(PROMPT, plain, set(), 64), SpeculationOptions(k=8))
+    assert list(spec.generate(PROMPT, 0, 12, GREEDY)) == plain[:5]
+
+
+def test_drafting_turns_itself_off_where_nothing_is_kept(model):
+    """Drafts that are never kept, at a pass cost of 1.5 token steps: a few passes, then plain
+    token steps with a probe 16, 32, 64 tokens apart; the output is plain decoding's."""
+    plain = list(engine(model).generate(PROMPT, 0, 100, GREEDY))
+    options = SpeculationOptions(costs=PassCosts.ratio(1.5))
+    spec = SpeculativeEngine(engine(model), ScriptDrafter(PROMPT, plain, set(range(100)), 64), options)
+    assert list(spec.generate(PROMPT, 0, 100, GREEDY)) == plain
+    stats = options.stats
+    assert stats.kept == 0
+    assert stats.passes <= 10
+    assert stats.plain_tokens >= 90
+
+
+def test_ngram_loop_is_plain_decoding(model):
+    """n-gram lookup on a random model (it falls into loops, where drafts are kept): the output
+    is plain decoding's, with passes that kept drafts."""
+    plain = list(engine(model).generate(PROMPT, 0, 100, GREEDY))
+    options = SpeculationOptions(costs=PassCosts.ratio(1.2))
+    spec = SpeculativeEngine(engine(model), NgramDrafter(), options)
+    assert list(spec.generate(PROMPT, 0, 100, GREEDY)) == plain
+    assert options.stats.kept > 0 and options.stats.passes > 0
+
+
+class SamplingDrafter:
+    """Drafts 3 tokens, each drawn from a fixed distribution q of its own (not one-hot)."""
+
+    name = "q"
+
+    def __init__(self, q: np.ndarray, seed: int) -> None:
+        self.q, self.rng = q, np.random.default_rng(seed)
+
+    def source(self, context: list[int]) -> str:
+        return "q"
+
+    def propose(self, context: list[int], k: int) -> Draft:
+        tokens = [int(t) for t in self.rng.choice(len(self.q), k, p=self.q)]
+        return Draft(tokens, np.tile(self.q, (k, 1)))
+
+
+def test_sampled_drafts_keep_the_target_distribution_through_the_loop(model):
+    """A drafter with its own q (far from the model's p) through the loop: over 1,500 seeds the
+    first two tokens follow the model's distribution (chi-square below the 1e-4 critical value
+    for the first token, and for the second token's marginal, computed exactly)."""
+    sampling = SamplingParams(1.0, top_k=5)
+    base = engine(model)
+    base.prefill(PROMPT[:-1], 0)
+    p0 = target_distribution_ref(base.logits(PROMPT[-1], len(PROMPT) - 1), 1.0, 5)
+    p1 = np.zeros(64)
+    for a in np.flatnonzero(p0):
+        p1 += p0[a] * target_distribution_ref(base.logits(int(a), len(PROMPT)), 1.0, 5)
+    q = np.full(64, 0.2 / 64)
+    q[np.flatnonzero(p0)] += 0.8 * np.array([0.6, 0.1, 0.1, 0.1, 0.1])  # mis-weighted on p0's tokens
+    spec = SpeculativeEngine(engine(model), SamplingDrafter(q, 1), SpeculationOptions(k=3))
+    list(spec.generate(PROMPT, 0, 0, GREEDY))  # the prompt cached once; each run feeds its last token
+    first, second = np.zeros(64), np.zeros(64)
+    for seed in range(1500):
+        s = SamplingParams(sampling.temperature, sampling.top_k, seed=seed)
+        a, b = spec.generate([PROMPT[-1]], len(PROMPT) - 1, 2, s)
+        first[a] += 1
+        second[b] += 1
+    for counts, p in ((first, p0), (second, p1)):
+        live = p > 0
+        assert counts[~live].sum() == 0
+        assert chi_square(counts[live], p[live]) < CHI2_CRITICAL.get(int(live.sum()) - 1, 40.0)
+    assert spec.stats.kept > 0 and spec.stats.kept < spec.stats.drafted  # the rule did both
+
+
+def test_needs_a_rows_pass():
+    with pytest.raises(PycalmError, match="forward_rows"):
+        SpeculativeEngine(object(), NgramDrafter())
+
+
+# ---------------------------------------------------------------------------------------------
+# the draft-model drafter
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["itself", "another"])
+def test_draft_model_keeps_its_cache_in_step(model, tmp_path, same):
+    """The model drafting for itself: every draft kept (its cache follows the text, the last
+    draft of a fully kept pass fed before the next); another random model of the same
+    vocabulary: drafts kept and replaced. Both: plain decoding's output, over two calls."""
+    from pycalm.app.speculative import ModelDrafter
+
+    if same:
+        draft_model = model
+    else:
+        hf = make_hf_llama(tmp_path, arch="llama", vocab_size=64, seed=3)
+        draft_model = open_model(convert(hf.path, tmp_path / "d.pycalm", "fp16", progress=False))
+    plain_engine = engine(model)
+    drafter = ModelDrafter(engine(draft_model), model.config)
+    options = SpeculationOptions(k=3)
+    spec = SpeculativeEngine(engine(model), drafter, options)
+    plain = list(plain_engine.generate(PROMPT, 0, 20, GREEDY))
+    assert list(spec.generate(PROMPT, 0, 20, GREEDY)) == plain
+    turn = [plain[-1], 7, 8, 9]  # the next turn, from after the reply
+    pos = len(PROMPT) + len(plain) - 1
+    assert list(spec.generate(turn, pos, 12, GREEDY)) == list(plain_engine.generate(turn, pos, 12, GREEDY))
+    if same:
+        assert options.stats.kept == options.stats.drafted
+    else:
+        assert options.stats.kept < options.stats.drafted
+
+
+def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
+    from pycalm.app.speculative import ModelDrafter
+
+    hf = make_hf_llama(tmp_path, arch="llama", vocab_size=80)
+    other = open_model(convert(hf.path, tmp_path / "v.pycalm", "fp16", progress=False))
+    with pytest.raises(PycalmError, match="vocabulary"):
+        ModelDrafter(engine(other), model.config)
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU engine (a rows pass under the simulator takes seconds: GPU only)
+
+
+@gpu_only("simulator time: a rows pass with sample_rows takes seconds a row there")
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
+    """On the GPU engine: with batch_invariant, greedy and sampled speculation (drafts kept and
+    replaced, and n-gram lookup with measured costs) give plain decoding's tokens, and leave the
+    token step's state at the last token and its position; without it, the tokens part from
+    plain decoding's at most at a near tie (counted, and the first must follow one)."""
+    from pycalm.app.speculative import measure_costs
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
+    from pycalm.kernels.common import STATE_POS, STATE_TOKEN
+
+    hf = make_hf_llama(tmp_path, arch="qwen2", dim=256, hidden_dim=512, n_layers=4, n_heads=8, n_kv_heads=2,
+                       vocab_size=512)  # fmt: skip
+    gpu_model = open_model(convert(hf.path, tmp_path / "g.pycalm", "fp16", progress=False))
+    options = EngineOptions(batch_invariant=batch_invariant)
+    plain_engine = GpuEngine(gpu_model, seq_len=256, options=options)
+    e = GpuEngine(gpu_model, seq_len=256, options=options)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 512, 40)]
+    for sampling in (GREEDY, SamplingParams(0.8, top_p=0.9, seed=11)):
+        plain = list(plain_engine.generate(prompt, 0, 48, sampling))
+        for drafter, k in ((ScriptDrafter(prompt, plain, {2, 5, 6, 20}, 512), 4), (NgramDrafter(), None)):
+            costs = measure_costs(e, 0) if k is None else None
+            spec = SpeculativeEngine(e, drafter, SpeculationOptions(k=k, costs=costs))
+            out = list(spec.generate(prompt, 0, 48, sampling))
+            if batch_invariant:
+                assert out == plain
+                state = e.state.copy_to_host()
+                assert (state[STATE_TOKEN], state[STATE_POS]) == (out[-1], len(prompt) + len(out) - 1)
+            elif out != plain and sampling == GREEDY:
+                at = next(i for i, (a, b) in enumerate(zip(out, plain, strict=False)) if a != b)
+                logits = list(plain_engine.prefill_logits([*prompt, *plain[:at]], 0))[-1]
+                top = np.sort(logits[-1])[-2:]
+                assert top[1] - top[0] < 1e-2 * abs(top[1]), (at, top)
+
+
+# ---------------------------------------------------------------------------------------------
+# a real model (e2e, slow)
+
+
+def test_real_model_ngram_is_plain_greedy(smollm2_fp16):
+    """SmolLM2 continuing a repeating list, through pycalm.load(speculate="ngram", draft_k=4) on
+    the CPU engine with batch_invariant: plain greedy decoding's tokens, with drafts kept."""
+    import pycalm
+
+    options = dict(device="cpu", context=256, verbose=False, batch_invariant=True)
+    plain = pycalm.load(smollm2_fp16, **options)
+    spec = pycalm.load(smollm2_fp16, **options, speculate="ngram", draft_k=4)
+    ids = plain.tokenize("red apple, green pear, blue plum, red apple, green pear, blue plum, red")
+    want = list(plain.engine.generate(ids, 0, 20, GREEDY))
+    assert list(spec.engine.generate(ids, 0, 20, GREEDY)) == want
+    stats = spec.engine.stats
+    assert stats.kept >= 8, (plain.tokenizer.decode(want), stats)  # the loop goes on: drafts kept
