@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu import GPU
+from gpu import GPU, gpu_only
 
 from pycalm.cpu.reference import penalties_ref, prompt_flags
 from pycalm.cpu.sampler import Penalties, Sampler, SamplingParams
@@ -94,31 +94,39 @@ def test_sampler_counts_and_checks():
     assert SamplingParams(logit_bias=((1, 0.0),)).penalized
 
 
-@pytest.mark.parametrize("kernels", ["fast", "simple"])
-def test_engine_penalties_match_cpu(tmp_path, kernels):
-    """GpuEngine.generate with penalties and a bias (the penalty kernel in the token step; the
-    simple kernels draw on the host) against the CPU engine: the same greedy tokens, a prompt fed
-    in two calls (the cached prefix still counts for repetition); plain greedy runs in between
-    and keeps its own tokens (the counts are reset at each generate)."""
+@pytest.mark.parametrize(
+    "path",
+    [
+        "fast",
+        pytest.param("simple", marks=gpu_only("simulator time")),
+        pytest.param("batch_invariant", marks=gpu_only("simulator time")),
+    ],
+)
+def test_engine_penalties_match_cpu(tmp_path, path):
+    """GpuEngine.generate with penalties and a bias against the CPU engine: the same greedy
+    tokens, on the token step with the penalty kernel ("fast"), and on the GPU the paths that draw
+    on the host (the simple kernels, batch-invariant decoding); then the prompt fed in two calls
+    (its first tokens cached, given as the prefix that repetition still counts): its first token
+    already depends on the counts being reset and the prefix's flags set."""
     from test_prefill import SEQ_LEN, tiny_model, tokens
 
     from pycalm.cpu.engine import CpuEngine
     from pycalm.gpu.engine import EngineOptions, GpuEngine
 
     model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
-    prompt = tokens(6, seed=3)
+    prompt = tokens(5, seed=3)
     # a strong repetition penalty over a prompt that a tiny model would echo, and a bias
     sampling = SamplingParams(
         presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=3.0, logit_bias=((5, 2.0), (9, -100.0))
     )
-    n = 6
+    n = 3 if not GPU else 12  # under the simulator a token step takes seconds
     cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
     want = list(cpu.generate(prompt, 0, n, sampling))
-    plain = list(cpu.generate(prompt, 0, n, SamplingParams()))
-    assert want != plain and 9 not in want
-    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(decode_lookahead=2, kernels=kernels))
+    assert want != list(cpu.generate(prompt, 0, n, SamplingParams())) and 9 not in want
+    options = EngineOptions(
+        decode_lookahead=2, kernels="simple" if path == "simple" else "fast", batch_invariant=path == "batch_invariant"
+    )
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=options)
     assert list(gpu.generate(prompt, 0, n, sampling)) == want
-    assert list(gpu.generate(prompt, 0, n, SamplingParams())) == plain
-    # the prompt's first 4 tokens cached: fed from position 4, the prefix given for repetition
-    gpu.prefill(prompt[:4], 0)
-    assert list(gpu.generate(prompt[4:], 4, n, sampling, prefix=prompt[:4])) == want
+    gpu.prefill(prompt[:3], 0)
+    assert list(gpu.generate(prompt[3:], 3, 2, sampling, prefix=prompt[:3])) == want[:2]
