@@ -44,8 +44,13 @@ def test_kernel_matches_reference(vocab):
     counts = rng.integers(0, 4, vocab).astype(np.int32) * (rng.random(vocab) < 0.3)
     counts = counts.astype(np.int32)
     prompt = [int(t) for t in rng.choice(vocab, min(vocab // 3, 40), replace=False)]
-    bias = tuple((int(t), float(v)) for t, v in zip(rng.choice(vocab, 6, replace=False), [100, -100, 2.5, -0.5, 0, 7]))
-    sampling = SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3, logit_bias=bias)
+    bias = tuple(
+        (int(t), float(v))
+        for t, v in zip(rng.choice(vocab, 6, replace=False), [100, -100, 2.5, -0.5, 0, 7], strict=True)
+    )
+    sampling = SamplingParams(
+        presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.3, logit_bias=bias
+    )
     dense = np.zeros(vocab, np.float32)
     for t, v in bias:
         dense[t] = v
@@ -117,14 +122,19 @@ def test_engine_penalties_match_cpu(tmp_path, path):
     prompt = tokens(5, seed=3)
     # a strong repetition penalty over a prompt that a tiny model would echo, and a bias
     sampling = SamplingParams(
-        presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=3.0, logit_bias=((5, 2.0), (9, -100.0))
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=3.0,
+        logit_bias=((5, 2.0), (9, -100.0)),
     )
     n = 3 if not GPU else 12  # under the simulator a token step takes seconds
     cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
     want = list(cpu.generate(prompt, 0, n, sampling))
     assert want != list(cpu.generate(prompt, 0, n, SamplingParams())) and 9 not in want
     options = EngineOptions(
-        decode_lookahead=2, kernels="simple" if path == "simple" else "fast", batch_invariant=path == "batch_invariant"
+        decode_lookahead=2,
+        kernels="simple" if path == "simple" else "fast",
+        batch_invariant=path == "batch_invariant",
     )
     gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=options)
     assert list(gpu.generate(prompt, 0, n, sampling)) == want

@@ -502,7 +502,9 @@ def check_penalties(
         raise PycalmError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}")
     for token, bias in logit_bias:
         if vocab_size is not None and not 0 <= token < vocab_size:
-            raise PycalmError(f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab_size - 1})")
+            raise PycalmError(
+                f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab_size - 1})"
+            )
         if not -100.0 <= bias <= 100.0:
             raise PycalmError(f"logit_bias: the bias of token {token} must be from -100 to 100, got {bias}")
 

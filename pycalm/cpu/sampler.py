@@ -42,7 +42,10 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty or bias changes the logits before sampling."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
         )
 
     def unseeded(self) -> SamplingParams:
@@ -57,7 +60,9 @@ class Penalties:
 
     def __init__(self, sampling: SamplingParams, prompt: list[int], vocab_size: int) -> None:
         s = sampling
-        check_penalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias, vocab_size)
+        check_penalties(
+            s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias, vocab_size
+        )
         self.sampling = s
         self.counts = np.zeros(vocab_size, np.int32)  # (vocab_size,) generated so far
         self.prompt = prompt_flags(prompt, vocab_size)  # (vocab_size,) uint8
@@ -66,7 +71,13 @@ class Penalties:
     def apply(self, logits: np.ndarray) -> np.ndarray:
         s = self.sampling
         return penalties_ref(
-            logits, self.counts, self.prompt, s.presence_penalty, s.frequency_penalty, s.repetition_penalty, self.bias
+            logits,
+            self.counts,
+            self.prompt,
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty,
+            self.bias,
         )
 
     def add(self, token: int) -> None:

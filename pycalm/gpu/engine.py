@@ -386,7 +386,11 @@ class GpuEngine:
 
     # ---------------------------------------------------------------------------------------
     def forward(
-        self, sampling: SamplingParams, span: int | None = None, logprobs: bool = False, penalties: bool = False
+        self,
+        sampling: SamplingParams,
+        span: int | None = None,
+        logprobs: bool = False,
+        penalties: bool = False,
     ) -> None:
         """Enqueue one token step on self.stream for positions below span (default: seq_len,
         see pycalm.kernels.attention.attention_span): the token state[STATE_TOKEN] at position

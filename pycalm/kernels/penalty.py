@@ -69,7 +69,9 @@ class PenaltyBuffers:
         """Set for a new choice of `sampling` (a SamplingParams) over `prompt` (the request's whole
         prompt): no token counted yet, the prompt's flags, the bias and the penalties' values."""
         s, vocab_size = sampling, self.counts.shape[0]
-        check_penalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias, vocab_size)
+        check_penalties(
+            s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias, vocab_size
+        )
         self.counts.copy_to_device(np.zeros(vocab_size, np.int32), stream=stream)
         self.prompt.copy_to_device(prompt_flags(prompt, vocab_size), stream=stream)
         self.bias.copy_to_device(logit_bias_dense(s.logit_bias, vocab_size), stream=stream)
