@@ -36,8 +36,9 @@ def run_kernel(logits, counts, prompt, sampling, token, pos, feed_end):
 def test_kernel_matches_reference(vocab):
     """Random logits of both signs (zeros too) at odd vocabulary sizes (37: fewer than a block),
     tokens generated 0 to 3 times, a prompt, a bias on a few tokens: the kernel's logits are the
-    reference's (float32 in the same order; on the GPU a fused multiply-add may round
-    frequency * n once: one ulp), and it counts the step's input token only past the prompt."""
+    reference's (float32 in the same order: equal under the simulator; on the GPU a fused
+    multiply-add leaves frequency * n unrounded), and it counts the step's input token only past
+    the prompt."""
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal(vocab) * 4).astype(np.float32)
     logits[rng.choice(vocab, 5, replace=False)] = 0.0
@@ -61,7 +62,10 @@ def test_kernel_matches_reference(vocab):
         want = penalties_ref(logits, want_counts, prompt_flags(prompt, vocab), 0.7, -0.4, 1.3, dense)
         out, after = run_kernel(logits, counts, prompt, sampling, token, pos, feed_end)
         np.testing.assert_array_equal(after, want_counts)
-        np.testing.assert_allclose(out, want, rtol=2**-23, atol=0)
+        if GPU:  # a fused multiply-add: frequency * n unrounded (2^-24 |f n| < 1e-6), then 1 ulp
+            np.testing.assert_allclose(out, want, rtol=2**-22, atol=1e-6)
+        else:  # the simulator: NumPy's float32 in the reference's order
+            np.testing.assert_array_equal(out, want)
 
 
 def test_reference_rule():
