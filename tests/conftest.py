@@ -89,6 +89,7 @@ SIMULATOR_SLOW = {
     "test_prefill.py::test_prefill_logits_match_token_path[llama-q8-fp16-9-5.0]",  # 11 s
     "test_prefill.py::test_prefill_logits_match_token_path[llama-fp8-fp8-9-5.0]",  # 11 s
     "test_sample.py::test_kernel_script_runs_its_check",  # 35 s
+    "test_penalty.py::test_engine_penalties_match_cpu[fast]",  # 28 s
 }
 
 MARKERS = {

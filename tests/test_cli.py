@@ -116,6 +116,35 @@ def test_seeded_sampling(tiny):
     assert others - {first}  # another seed gives another text (random weights: near-flat logits)
 
 
+def test_penalties_and_logit_bias(tiny):
+    """--presence-penalty, --frequency-penalty, --repeat-penalty and -l/--logit-bias (llama.cpp's
+    TOKEN_ID+BIAS) give the Python API's text for the same options; a malformed bias is one
+    error line before anything loads."""
+    from pycalm.app.api import load
+
+    flags = [
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "1",
+        "--repeat-penalty",
+        "2",
+        "-l",
+        "40+3",
+        "-l",
+        "41-100",
+    ]
+    p = run(tiny, "-i", "the cat", "-n", "8", "-t", "0", "--device", "cpu", *flags)
+    assert p.returncode == 0, p.stderr
+    llm = load(str(tiny), device="cpu", verbose=False)
+    options = dict(
+        presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=2.0, logit_bias={40: 3, 41: -100}
+    )
+    want = llm.generate("the cat", max_tokens=8, temperature=0, **options)
+    assert p.stdout == want + "\n" and want != llm.generate("the cat", max_tokens=8, temperature=0)
+    assert_one_error_line(run(tiny, "-i", "x", "-l", "40*3"), "--logit-bias 40*3", code=2)
+
+
 def test_long_flags_equal_short_flags(tiny):
     a = run(
         tiny,

@@ -80,7 +80,7 @@ MODELS = {
 }  # fmt: skip
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "batch_attention", "embed", "finite", "matmul", "matvec", "moe",
-            "moe_rows", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
+            "moe_rows", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ MODEL is anything `python -m pycalm.generate` takes (a pycalm file, a Hugging Fa
 GGUF file, a known name), resolved, converted and cached the same way. The LLM wraps one engine
 (the GPU's or the CPU reference) and one KV cache, and runs one generation at a time.
 
+Choices: generate(..., n=k) (k up to MAX_CHOICES) makes k continuations of one prompt, one after
+another, choice i with seed + i; the prompt is fed once (the prefix reuse below: each later
+choice feeds only the prompt's last token and overwrites the cache rows after it).
+
 KV-cache prefix reuse: the LLM remembers which token ids the cache holds. A request whose
 prompt starts with them (the next turn of a chat, a prompt that extends the last one) feeds
 only the tokens after the common prefix, at start_pos = the prefix length. The cache never
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from pycalm.cpu.reference import TokenLogprobs
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+MAX_CHOICES = 8  # the most continuations (n) one request asks for
 
 
 def load(
@@ -294,7 +299,12 @@ class LLM:
         *,
         prime: bool = True,
         logprobs: int | None = None,
-    ) -> str | Generation:
+        n: int = 1,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+    ) -> str | Generation | list[str] | list[Generation] | Iterator[Generation]:
         """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
 
         Stops at an EOS, after max_tokens tokens, at the end of the context, or before the first
@@ -305,20 +315,62 @@ class LLM:
         decodes it as text of its own (a chat reply). logprobs = k (0 to 20): each token's
         log-probability under the model (before temperature) and the k most likely tokens' in
         Generation.logprobs, which is then returned whole (its text in .text) when not streaming.
-        """
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        sampling = SamplingParams(temperature, top_k, top_p, min_p, _seed(seed))
-        gen = self.start(ids, max_tokens, sampling, stop, prime=prime, logprobs=logprobs)
-        if stream:
-            return gen
-        text = "".join(gen)
-        return text if logprobs is None else gen
 
-    def chat(self, messages: list[Message], **options: Any) -> str | Generation:
+        Penalties (pycalm.cpu.reference.penalties_ref; the logprobs stay the model's):
+        presence_penalty and frequency_penalty (-2 to 2, OpenAI's) subtract p * [count > 0] + f *
+        count for each token generated so far; repetition_penalty r (> 0, 1: off, llama.cpp's
+        --repeat-penalty) divides a positive logit (multiplies a negative one) by r for the
+        tokens of the prompt and those generated; logit_bias {token id: -100 to 100} is added last
+        (+100 forces a token, -100 bans it).
+
+        n = k (1 to MAX_CHOICES): k continuations, choice i drawn with seed + i (at temperature 0
+        all alike), the prompt fed once: a list of what n = 1 returns, or with stream=True an
+        iterator of the k Generations, each made when the one before it is done (taking the next
+        one ends an unfinished one).
+        """
+        from dataclasses import replace
+
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise PycalmError(f"n must be a whole number from 1 to {MAX_CHOICES}, not {n!r}")
+        bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
+        sampling = SamplingParams(
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            _seed(seed),
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            bias,
+        )
+
+        def choice(i: int) -> Generation:
+            return self.start(
+                ids, max_tokens, replace(sampling, seed=sampling.seed + i), stop, prime, logprobs=logprobs
+            )
+
+        def finished(gen: Generation) -> str | Generation:
+            text = "".join(gen)
+            return text if logprobs is None else gen
+
+        if n > 1:
+            if stream:
+                choice(0).close()  # the arguments checked now, not at the first next()
+                return (choice(i) for i in range(n))
+            return [finished(choice(i)) for i in range(n)]
+        gen = choice(0)
+        return gen if stream else finished(gen)
+
+    def chat(
+        self, messages: list[Message], **options: Any
+    ) -> str | Generation | list[str] | list[Generation] | Iterator[Generation]:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
-        seed, stop, stream, logprobs) as for generate, which runs it. A conversation that goes on turn
-        after turn reuses the cache of the turns before (only the new tokens are fed)."""
+        seed, stop, stream, logprobs, n, the penalties, logit_bias) as for generate, which runs
+        it. A conversation that goes on turn after turn reuses the cache of the turns before
+        (only the new tokens are fed)."""
         return self.generate(self.chat_ids(messages), **options, prime=False)
 
     def start(
@@ -348,9 +400,17 @@ class LLM:
             raise PycalmError(f"prompt is {len(ids)} tokens, longer than the context of {self.seq_len}")
         if max_tokens < 0:
             raise PycalmError(f"max_tokens must be 0 or more, not {max_tokens}")
-        from pycalm.cpu.reference import MAX_TOP_LOGPROBS, check_sampling
+        from pycalm.cpu.reference import MAX_TOP_LOGPROBS, check_penalties, check_sampling
 
-        check_sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+        s = sampling
+        check_sampling(s.temperature, s.top_k, s.top_p, s.min_p)
+        check_penalties(
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty,
+            s.logit_bias,
+            self.config.vocab_size,
+        )
         if logprobs is not None and (
             isinstance(logprobs, bool)
             or not isinstance(logprobs, int)
@@ -396,10 +456,14 @@ class LLM:
             return
         t0 = time.perf_counter()
         t_first = t0
+        # the cached prefix too: repetition_penalty counts the whole prompt
+        prefix = {"prefix": ids[:common]} if sampling.penalized else {}
         if logprobs is None:
-            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
+            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, **prefix)
         else:  # TokenLogprobs a token
-            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, logprobs=logprobs)
+            tokens = self.engine.generate(
+                ids[common:], common, max_tokens, sampling, logprobs=logprobs, **prefix
+            )
         try:
             for item in tokens:
                 t = item if logprobs is None else item.token

@@ -25,6 +25,7 @@ from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
 from pycalm.app.models import make_engine, make_speculative, resolve_model
 from pycalm.app.perplexity import mean_nll, windows
 from pycalm.app.progress import ProgressLine, bar
+from pycalm.cpu.reference import check_penalties
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import OneLineParser, PycalmError
 from pycalm.model.config import WEIGHT_DTYPES
@@ -179,7 +180,8 @@ def run_chat(
         reply: list[int] = []
         t0 = t_last = time.perf_counter()
         t_first = None
-        tokens = engine.generate(ids[common:], common, steps, sampling)
+        # the turns before are cached: repetition_penalty still counts them
+        tokens = engine.generate(ids[common:], common, steps, sampling, prefix=ids[:common])
         try:
             for t in tokens:
                 t_last = time.perf_counter()
@@ -345,6 +347,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="drop tokens below min-p x the top probability (default 0)",
     )
+    ap.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="subtract P from the logit of every token generated so far, -2 to 2 (default 0: off)",
+    )
+    ap.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="subtract F x its count from the logit of every token generated so far, -2 to 2 (default 0: off)",
+    )
+    ap.add_argument(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="divide a positive logit (multiply a negative one) by R for each token of the prompt and the"
+        " reply so far (default 1: off; llama.cpp's, over all the tokens rather than its last 64)",
+    )
+    ap.add_argument(
+        "-l",
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID+BIAS",
+        help="add BIAS (-100 to 100) to token ID's logit, e.g. 15043+1 or 15043-100 (bans it); repeatable",
+    )
     ap.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: from the clock)")
     ap.add_argument(
         "-c",
@@ -447,6 +480,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for ok, message in problems:
         if not ok:
             ap.error(message)
+    biases = {}
+    for item in args.logit_bias:  # llama.cpp's TOKEN_ID(+/-)BIAS
+        token, sign, bias = item.replace("-", "+-", 1).partition("+")
+        try:
+            biases[int(token)] = float(bias)
+        except ValueError:
+            ap.error(f"--logit-bias {item}: give TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043+1")
+    args.logit_bias = tuple(sorted(biases.items()))
+    try:  # the vocabulary is checked once the model is open
+        check_penalties(args.presence_penalty, args.frequency_penalty, args.repeat_penalty, args.logit_bias)
+    except PycalmError as e:
+        ap.error(str(e))
     return args
 
 
@@ -514,7 +559,14 @@ def main(argv: list[str] | None = None) -> int:
         workers = getattr(engine, "precompile", None)
         timings.compile_processes = workers.processes if workers is not None else 0
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
+        sampling = SamplingParams(
+            args.temperature, args.top_k, args.top_p, args.min_p, seed,
+            args.presence_penalty, args.frequency_penalty, args.repeat_penalty, args.logit_bias,
+        )  # fmt: skip
+        check_penalties(
+            sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+            sampling.logit_bias, cfg.vocab_size,
+        )  # fmt: skip
         if args.perplexity is not None:
             run_perplexity(engine, tok, args.perplexity)
         elif args.system is not None:

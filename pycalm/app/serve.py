@@ -11,7 +11,10 @@ An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
   GET  /metrics               Prometheus text: tokens, tok/s, queue length
 
 Requests take max_tokens, temperature, top_p, stop, seed, stream (and top_k, min_p beyond
-OpenAI's set), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
+OpenAI's set), n (up to 8 choices, made one after another from one feed of the prompt, choice i
+with seed + i; streamed, choice 0's chunks come first, then choice 1's, each with its index;
+usage counts every choice's tokens), presence_penalty, frequency_penalty, logit_bias (OpenAI's)
+and repetition_penalty (vLLM's; pycalm.cpu.reference.penalties_ref gives the rule), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
 `logprobs: k`; k up to 20): each token's log-probability under the model before temperature and
 the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens'; the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
 prompt_tokens_details.cached_tokens, the prompt tokens whose keys and values were already in the
@@ -38,6 +41,7 @@ import asyncio
 import base64
 import hmac
 import json
+import math
 import queue
 import sys
 import threading
@@ -47,7 +51,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pycalm.cpu.reference import POOLINGS
@@ -89,8 +93,10 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(f"'{name}' must be a number, not {type(value).__name__}", name)
-    if value < low or value > high or (low_open and value == low):
-        bounds = f"{'above' if low_open else 'at least'} {low} and at most {high}"
+    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
+        bounds = f"{'above' if low_open else 'at least'} {low}" + (
+            f" and at most {high}" if high < math.inf else ""
+        )
         raise BadRequest(f"'{name}' must be {bounds}, not {value}", name)
     return float(value)
 
@@ -131,6 +137,7 @@ class Request:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # the top logprobs each token lists; None: no logprobs
+    n: int = 1  # choices, made one after another (choice i with seed + i)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -157,12 +164,14 @@ def parse_common(body: dict) -> Request:
     """The fields both endpoints share; BadRequest names the first bad one."""
     if not isinstance(body.get("model", ""), str):
         raise BadRequest("'model' must be a string", "model")
-    if _integer(body, "n", 1, 1) != 1:
-        raise BadRequest("only n = 1 is supported (one choice a request)", "n", "unsupported_parameter")
-    for name in ("presence_penalty", "frequency_penalty"):
-        _number(body, name, 0.0, -2.0, 2.0)
-        _unsupported(body, name, (None, 0, 0.0))
-    _unsupported(body, "logit_bias", (None, {}))
+    from pycalm.app.api import MAX_CHOICES
+
+    n = _integer(body, "n", 1, 1)
+    if n > MAX_CHOICES:
+        raise BadRequest(f"'n' must be at most {MAX_CHOICES}, not {n}", "n")
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, math.inf, low_open=True)
     _unsupported(body, "best_of", (None, 1))
     max_tokens = _integer(body, "max_tokens", None, 1)
     max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1)
@@ -185,8 +194,39 @@ def parse_common(body: dict) -> Request:
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage")
-    sampling = SamplingParams(temperature, top_k, top_p, min_p, seed % (2**63))
-    return Request(max_tokens, sampling, stop, stream, include_usage)
+    sampling = SamplingParams(
+        temperature, top_k, top_p, min_p, seed % (2**63), presence, frequency, repetition
+    )
+    return Request(max_tokens, sampling, stop, stream, include_usage, n=n)
+
+
+def parse_logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias from -100 to 100} (at most 300 entries), as sorted
+    (id, bias) pairs; BadRequest names the first bad entry."""
+    from pycalm.cpu.reference import MAX_LOGIT_BIAS
+
+    given = body.get("logit_bias")
+    if given is None:
+        return ()
+    if not isinstance(given, dict):
+        raise BadRequest("'logit_bias' must be an object of token ids to biases", "logit_bias")
+    if len(given) > MAX_LOGIT_BIAS:
+        raise BadRequest(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, not {len(given)}", "logit_bias"
+        )
+    out = []
+    for key, bias in given.items():
+        token = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise BadRequest(
+                f"'logit_bias': {key!r} is not a token id of this model (0 to {vocab_size - 1})", "logit_bias"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise BadRequest(
+                f"'logit_bias': the bias of token {token} must be a number from -100 to 100", "logit_bias"
+            )
+        out.append((token, float(bias)))
+    return tuple(sorted(out))
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -285,9 +325,9 @@ class Job:
     prime: bool  # decode as the prompt's continuation (completions) or as a reply (chat)
     loop: asyncio.AbstractEventLoop
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    events: deque = field(
-        default_factory=deque
-    )  # ("text", str) and ("logprobs", [TokenLogprobs])..., then ("done", Generation) or ("error", str)
+    # a completion's: ("start", i), ("text", (i, str)), ("logprobs", (i, [TokenLogprobs])) and
+    # ("finish", (i, Generation)) a choice i, then ("done", [Generation]) or ("error", str)
+    events: deque = field(default_factory=deque)
     cancel: threading.Event = field(default_factory=threading.Event)
     woken: bool = False  # a wake-up is on its way to the loop
     embedding: Embedding | None = None  # an embeddings request (ids, max_tokens, request unused)
@@ -384,34 +424,49 @@ class Worker(threading.Thread):
             m.running = 0
 
     def run_job(self, job: Job) -> None:
+        """The request's choices, one after another (choice i with seed + i; the later ones find
+        the prompt in the cache): ("start", i), its ("logprobs", (i, [TokenLogprobs])) and
+        ("text", (i, piece)) events, ("finish", (i, Generation)); then ("done", [Generation])."""
         if job.embedding is not None:
             return self.run_embedding(job)
         with self.on_engine(job) as m:
-            r = job.request
-            gen = self.llm.start(
-                job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
-            )
-            sent = 0  # the tokens whose logprobs were emitted
-
-            def emit_logprobs() -> None:  # the new tokens' logprobs, ahead of their text
-                nonlocal sent
-                if gen.logprobs is not None and len(gen.logprobs) > sent:
-                    job.emit("logprobs", gen.logprobs[sent:])
-                    sent = len(gen.logprobs)
-
-            for piece in gen:
-                emit_logprobs()
-                job.emit("text", piece)
-            emit_logprobs()
+            r, gens = job.request, []
+            for i in range(r.n):
+                gen = self.run_choice(job, i, replace(r.sampling, seed=r.sampling.seed + i))
+                gens.append(gen)
+                if gen.completion_tokens > 1:
+                    m.last_decode_tok_s = gen.decode_tok_s
+                if job.cancel.is_set():
+                    break
             m.requests += 1
-            m.prompt_tokens += gen.prompt_tokens
-            m.reused_tokens += gen.reused_tokens
-            m.generated_tokens += gen.completion_tokens
-            if gen.completion_tokens > 1:
-                m.last_decode_tok_s = gen.decode_tok_s
-            if gen.prompt_s > 0:
-                m.last_prompt_tok_s = (gen.prompt_tokens - gen.reused_tokens) / gen.prompt_s
-            job.emit("done", gen)
+            m.prompt_tokens += gens[0].prompt_tokens
+            m.reused_tokens += gens[0].reused_tokens
+            m.generated_tokens += sum(g.completion_tokens for g in gens)
+            if gens[0].prompt_s > 0:
+                m.last_prompt_tok_s = (gens[0].prompt_tokens - gens[0].reused_tokens) / gens[0].prompt_s
+            job.emit("done", gens)
+
+    def run_choice(self, job: Job, i: int, sampling: SamplingParams) -> object:
+        """Choice i of the job, its events sent as it is made; returns its finished Generation."""
+        r = job.request
+        gen = self.llm.start(
+            job.ids, job.max_tokens, sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
+        )
+        sent = 0  # the tokens whose logprobs were emitted
+
+        def emit_logprobs() -> None:  # the new tokens' logprobs, ahead of their text
+            nonlocal sent
+            if gen.logprobs is not None and len(gen.logprobs) > sent:
+                job.emit("logprobs", (i, gen.logprobs[sent:]))
+                sent = len(gen.logprobs)
+
+        job.emit("start", i)
+        for piece in gen:
+            emit_logprobs()
+            job.emit("text", (i, piece))
+        emit_logprobs()
+        job.emit("finish", (i, gen))
+        return gen
 
     def run_embedding(self, job: Job) -> None:
         """The texts' embeddings, one text after another; a cancelled job stops before the next
@@ -516,41 +571,57 @@ def make_app(
         worker.jobs.put(job)
         return job
 
-    def usage(gen: object) -> dict:
+    def usage(gens: list) -> dict:
+        """The prompt once (and its cached tokens, the first choice's), every choice's tokens."""
+        completion = sum(g.completion_tokens for g in gens)
         return {
-            "prompt_tokens": gen.prompt_tokens,
-            "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.reused_tokens},
+            "prompt_tokens": gens[0].prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": gens[0].prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": gens[0].reused_tokens},
         }
 
-    def log(path: str, gen: object) -> None:
-        rate = f"{gen.decode_tok_s:.1f} tok/s" if gen.completion_tokens > 1 else "-"
-        print(
-            f"pycalm: {path}: {gen.prompt_tokens} prompt tokens ({gen.reused_tokens} reused from the cache) "
-            f"+ {gen.completion_tokens} generated, {rate}, finish {gen.finish_reason}",
-            file=sys.stderr,
-            flush=True,
-        )
+    def log(path: str, gens: list) -> None:
+        for i, gen in enumerate(gens):
+            rate = f"{gen.decode_tok_s:.1f} tok/s" if gen.completion_tokens > 1 else "-"
+            which = f" choice {i}:" if len(gens) > 1 else ""
+            print(
+                f"pycalm: {path}:{which} {gen.prompt_tokens} prompt tokens ({gen.reused_tokens} reused from the cache) "
+                f"+ {gen.completion_tokens} generated, {rate}, finish {gen.finish_reason}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def events(job: Job, path: str) -> AsyncIterator[tuple[str, object]]:
-        """The job's events; the text pieces (and the tokens' logprobs) of one wake-up come as
-        one ("text", (text, [TokenLogprobs])). Leaving early (a client gone) cancels the job,
-        which the worker sees at its next token, and says so in a line."""
+        """The job's events in order; a choice's consecutive text pieces (and their tokens'
+        logprobs) of one wake-up come as one ("text", (i, text, [TokenLogprobs])). Leaving early
+        (a client gone) cancels the job, which the worker sees at its next token, and says so in
+        a line."""
         ended = False  # the job's last event was taken
         try:
             while True:
                 batch = await job.drain()
-                text = "".join(value for kind, value in batch if kind == "text")
-                lps = [lp for kind, value in batch if kind == "logprobs" for lp in value]
-                if text or lps:
-                    yield "text", (text, lps)
-                    await asyncio.sleep(STREAM_INTERVAL_S)
+                merged: list[tuple[str, object]] = []
                 for kind, value in batch:
-                    if kind not in ("text", "logprobs"):
+                    if kind in ("text", "logprobs"):
+                        i, item = value
+                        if not merged or merged[-1][0] != "text" or merged[-1][1][0] != i:
+                            merged.append(("text", (i, "", [])))
+                        _, text, lps = merged[-1][1]
+                        merged[-1] = (
+                            "text",
+                            (i, text + item, lps) if kind == "text" else (i, text, lps + item),
+                        )
+                    else:
+                        merged.append((kind, value))
+                for kind, value in merged:
+                    if kind in ("done", "error"):
                         ended = True
-                        yield kind, value
+                    yield kind, value
+                    if ended:
                         return
+                if any(kind == "text" for kind, _ in merged):
+                    await asyncio.sleep(STREAM_INTERVAL_S)
         finally:
             if not ended and not job.cancel.is_set():
                 print(f"pycalm: {path}: the client went away; the request stops", file=sys.stderr, flush=True)
@@ -587,6 +658,8 @@ def make_app(
             r = parse_common(body)
             check_model(body)
             r.logprobs = parse_logprobs(body, chat)
+            bias = parse_logit_bias(body, worker.llm.config.vocab_size)
+            r.sampling = replace(r.sampling, logit_bias=bias)
             for name, off in (("tools", (None, [])), ("echo", (None, False))):
                 _unsupported(body, name, off)
             if chat:
@@ -606,16 +679,15 @@ def make_app(
         head = {"id": name, "created": int(time.time()), "model": model_name}
 
         tokenizer = worker.llm.tokenizer
-        offset = 0  # completions: where the next token's text begins in the completion
+        offsets = [0] * r.n  # completions: where the next token's text begins in each choice
 
         def entry(token: int, logprob: float) -> tuple[str, float, bytes]:
             raw = tokenizer.token_bytes(token)  # -inf (a masked token) as OpenAI's -9999
             return raw.decode("utf-8", errors="replace"), max(logprob, -9999.0), raw
 
-        def logprobs_of(lps: list | None) -> dict | None:
-            """OpenAI's logprobs object of these tokens: chat's content list, or completions'
-            tokens / token_logprobs / top_logprobs / text_offset."""
-            nonlocal offset
+        def logprobs_of(index: int, lps: list | None) -> dict | None:
+            """OpenAI's logprobs object of these tokens of choice `index`: chat's content list, or
+            completions' tokens / token_logprobs / top_logprobs / text_offset."""
             if r.logprobs is None:
                 return None
             lps = lps or []
@@ -636,40 +708,41 @@ def make_app(
                 out["token_logprobs"].append(logprob)
                 top = (entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True))
                 out["top_logprobs"].append({t: v for t, v, _ in top})
-                out["text_offset"].append(offset)
-                offset += len(text)
+                out["text_offset"].append(offsets[index])
+                offsets[index] += len(text)
             return out
 
-        def choice(text: str | None, finish: str | None, lps: list | None = None) -> dict:
-            logprobs = logprobs_of(lps)
+        def choice(index: int, text: str | None, finish: str | None, lps: list | None = None) -> dict:
+            logprobs = logprobs_of(index, lps)
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+                return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if r.stream:
                 delta = {} if text is None else {"content": text}
-                out = {"index": 0, "delta": delta, "finish_reason": finish}
+                out = {"index": index, "delta": delta, "finish_reason": finish}
                 return out if logprobs is None or not lps else {**out, "logprobs": logprobs}
             message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
         if not r.stream:
-            pieces, lps = [], []
+            pieces, lps = [[] for _ in range(r.n)], [[] for _ in range(r.n)]  # a list a choice
             watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
             try:
                 async for kind, value in events(job, path):
                     if kind == "text":
-                        pieces.append(value[0])
-                        lps += value[1]
+                        i, text, items = value
+                        pieces[i].append(text)
+                        lps[i] += items
                     elif kind == "error":
                         status = 503 if value == SHUTTING_DOWN else 500
                         return JSONResponse(error_body(value, "server_error"), status_code=status)
-                    else:
+                    elif kind == "done":
                         log(path, value)
                         obj = "chat.completion" if chat else "text_completion"
-                        out = {
-                            **head,
-                            "object": obj,
-                            "choices": [choice("".join(pieces), value.finish_reason, lps)],
-                        }
+                        choices = [
+                            choice(i, "".join(pieces[i]), gen.finish_reason, lps[i])
+                            for i, gen in enumerate(value)
+                        ]
+                        out = {**head, "object": obj, "choices": choices}
                         return JSONResponse({**out, "usage": usage(value)})
             finally:
                 watch.cancel()
@@ -680,18 +753,20 @@ def make_app(
             def chunk(choices: list[dict], **extra: object) -> str:
                 return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
 
-            if chat:
-                yield chunk(
-                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
             async for kind, value in events(job, path):
-                if kind == "text":
-                    yield chunk([choice(value[0], None, value[1])])
+                if kind == "start" and chat:  # a choice begins: its role
+                    role = {"role": "assistant", "content": ""}
+                    yield chunk([{"index": value, "delta": role, "finish_reason": None}])
+                elif kind == "text":
+                    i, text, items = value
+                    yield chunk([choice(i, text, None, items)])
+                elif kind == "finish":
+                    i, gen = value
+                    yield chunk([choice(i, None, gen.finish_reason)])
                 elif kind == "error":
                     yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
-                else:
+                elif kind == "done":
                     log(path, value)
-                    yield chunk([choice(None, value.finish_reason)])
                     if r.include_usage:
                         yield chunk([], usage=usage(value))
             yield "data: [DONE]\n\n"

@@ -195,13 +195,16 @@ class CpuEngine:
         max_new: int,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        prefix: list[int] | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
-        (logprobs_ref over the step's logits)."""
+        (logprobs_ref over the step's logits, before any penalty). prefix: the tokens at positions
+        0 .. start_pos - 1 (cached), which with ids make the prompt that sampling's
+        repetition_penalty counts as seen."""
         check_logprobs(logprobs)
         self._check_fits(ids, start_pos)
-        sampler = Sampler.of(sampling)
+        sampler = Sampler.for_request(sampling, [*(prefix or []), *ids], self.config.vocab_size)
         eos = set(self.config.eos_ids)
         if len(ids) > 1:  # the prompt but its last token: only the cache matters
             self.prefill(ids[:-1], start_pos)

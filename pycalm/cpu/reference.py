@@ -15,6 +15,7 @@ one token through the model:
                      x += W2 h                                          matvec_residual_ref
     (MoE: the router picks experts, each one's FFN weighted)            moe_*_ref
     classifier       logits = Wcls rmsnorm(x) * norm                    matvec_ref
+    (a request's penalties and logit bias change them for the sampler)  penalties_ref
     (embeddings: the rows rmsnorm(x) * norm pooled, L2-normalised)      embed_pool_ref
     sampling         the next token from the logits                     sample_ref
                      its log-probability and the k most likely tokens'  logprobs_ref
@@ -458,6 +459,93 @@ def moe_matvec_residual_ref(
     for s, e in enumerate(ids):
         out = (out + matvec_ref(w2[e], h[s * hidden_dim : (s + 1) * hidden_dim], dtype)).astype(np.float32)
     return out
+
+
+# =============================================================================================
+# penalties and logit bias: the logits the sampler reads (the model's, changed by what was seen)
+#
+# A request may penalise the tokens it has seen, and bias any token, before sampling. counts[v]
+# is how often v was generated so far in this choice; prompt[v] is 1 where v is in the request's
+# prompt (the whole prompt, the cached prefix included). For each token v, in float32:
+#
+#     l = logits[v]
+#     if counts[v] > 0 or prompt[v]:  l = l / r if l > 0 else l * r       repetition_penalty r
+#     l = l - frequency * counts[v]                                      frequency_penalty
+#     if counts[v] > 0:  l = l - presence                                presence_penalty
+#     l = l + bias[v]                                                    logit_bias
+#
+# Repetition is the CTRL rule of transformers, vLLM and llama.cpp (r > 1 makes a seen token less
+# likely whatever its sign) over the prompt and the tokens generated, as vLLM and transformers
+# count them (llama.cpp's --repeat-penalty counts only the last 64 tokens). Presence and
+# frequency are OpenAI's and count only the generated tokens. The bias comes last, so that +100
+# forces a token and -100 bans it, whatever the penalties. The sampler then reads l (temperature,
+# top-k, top-p, min-p, or the argmax); the logprobs stay the model's, before any of this.
+
+MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias at most (OpenAI's limit)
+
+
+def check_penalties(
+    presence: float,
+    frequency: float,
+    repetition: float,
+    logit_bias: tuple[tuple[int, float], ...] = (),
+    vocab_size: int | None = None,
+) -> None:
+    """Reject penalties and biases outside OpenAI's ranges with a one-line message: presence and
+    frequency in [-2, 2], repetition > 0 (1: off), at most MAX_LOGIT_BIAS biases in [-100, 100],
+    each on a token id of the vocabulary (when vocab_size is given)."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2.0 <= value <= 2.0:
+            raise PycalmError(f"{name} must be from -2 to 2 (0: off), got {value}")
+    if not (repetition > 0.0 and np.isfinite(repetition)):
+        raise PycalmError(f"repetition_penalty must be a finite number above 0 (1: off), got {repetition}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise PycalmError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}")
+    for token, bias in logit_bias:
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise PycalmError(
+                f"logit_bias: token id {token} is outside the vocabulary (0 to {vocab_size - 1})"
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise PycalmError(f"logit_bias: the bias of token {token} must be from -100 to 100, got {bias}")
+
+
+def logit_bias_dense(logit_bias: tuple[tuple[int, float], ...], vocab_size: int) -> np.ndarray:
+    """The (vocab_size,) float32 bias of every token: the given ones, zero elsewhere."""
+    bias = np.zeros(vocab_size, np.float32)
+    for token, value in logit_bias:
+        bias[token] = value
+    return bias
+
+
+def prompt_flags(prompt: list[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """(vocab_size,) uint8: 1 for the tokens of the prompt, repetition_penalty's seen set."""
+    flags = np.zeros(vocab_size, np.uint8)
+    flags[np.asarray(prompt, np.int64)] = 1
+    return flags
+
+
+def penalties_ref(
+    logits: np.ndarray,
+    counts: np.ndarray,
+    prompt: np.ndarray,
+    presence: float,
+    frequency: float,
+    repetition: float,
+    bias: np.ndarray,
+) -> np.ndarray:
+    """The logits (vocab_size,) float32 the sampler reads: the penalties of the tokens seen and
+    the bias applied, as the section above says. counts (vocab_size,) int32, the generated
+    tokens' counts; prompt (vocab_size,) uint8, 1 for the prompt's tokens; bias (vocab_size,)
+    float32. The GPU kernel is pycalm.kernels.penalty."""
+    f32 = np.float32
+    logits = np.asarray(logits, f32).reshape(-1)
+    seen = (counts > 0) | (prompt != 0)
+    repeated = np.where(logits > 0, logits / f32(repetition), logits * f32(repetition))
+    out = np.where(seen, repeated, logits).astype(f32)
+    out = out - f32(frequency) * counts.astype(f32)
+    out = np.where(counts > 0, out - f32(presence), out)
+    return (out + bias).astype(f32)
 
 
 # =============================================================================================

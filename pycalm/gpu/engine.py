@@ -345,6 +345,12 @@ class GpuEngine:
         self.state = zeros(STATE_SIZE, np.int32)  # (STATE_SIZE,) token, pos, feed end
         self.feed = zeros(self.seq_len, np.int32)  # (seq_len,) the prompt's token at each position
         self.coins = zeros(self.seq_len)  # (seq_len,) the uniform draw the step at each position uses
+        # a request's penalties and logit bias: the generated tokens' counts, the prompt's flags,
+        # the bias, the values and the penalized logits (pycalm.kernels.penalty; 17 bytes a token
+        # of the vocabulary), read only by the steps of requests that have any
+        from pycalm.kernels.penalty import PenaltyBuffers
+
+        self.penalty = PenaltyBuffers.allocate(cfg.vocab_size, s)
         # the decode loop's ring (generate): slot i % decode_lookahead holds the token of the i-th
         # sampling step, and its event passes once that token is there
         self._tokens_host = cuda.pinned_array(options.decode_lookahead, np.int32)  # (decode_lookahead,)
@@ -355,8 +361,8 @@ class GpuEngine:
 
         self.logprobs_out = zeros(OUT_SIZE, np.int32)  # (OUT_SIZE,)
         self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
-        # (sampling settings, with logprobs), span -> the captured step
-        self._graphs: dict[tuple[tuple[SamplingParams, bool], int], GraphStep | EagerStep] = {}
+        # (sampling settings, with logprobs, with penalties), span -> the captured step
+        self._graphs: dict[tuple[tuple[SamplingParams, bool, bool], int], GraphStep | EagerStep] = {}
         from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
@@ -378,11 +384,19 @@ class GpuEngine:
         self.finite_flag = zeros(FLAG_SIZE, np.int32) if options.check_finite else None
 
     # ---------------------------------------------------------------------------------------
-    def forward(self, sampling: SamplingParams, span: int | None = None, logprobs: bool = False) -> None:
+    def forward(
+        self,
+        sampling: SamplingParams,
+        span: int | None = None,
+        logprobs: bool = False,
+        penalties: bool = False,
+    ) -> None:
         """Enqueue one token step on self.stream for positions below span (default: seq_len,
         see pycalm.kernels.attention.attention_span): the token state[STATE_TOKEN] at position
         state[STATE_POS] in, the next token and position out. logprobs: the step also writes
-        logprobs_out from its logits and the sampled token (pycalm.kernels.logprobs)."""
+        logprobs_out from its logits and the sampled token (pycalm.kernels.logprobs). penalties:
+        the sampler reads the logits with self.penalty's penalties and bias applied
+        (pycalm.kernels.penalty; the simple kernels draw those on the host instead)."""
         from pycalm.kernels import logprobs as lp
 
         if self.simple:  # the simple kernels (pycalm.gpu.simple; sampling > 0 draws on the host)
@@ -393,6 +407,7 @@ class GpuEngine:
                 lp.logprobs(self.logits_buf, self.state, self.logprobs_out, stream=self.stream)
             return None
         from pycalm.kernels.finite import check_finite
+        from pycalm.kernels.penalty import penalize
         from pycalm.kernels.sample import sample
         from pycalm.kernels.step import advance
 
@@ -407,8 +422,10 @@ class GpuEngine:
         if self.finite_flag is not None:
             # debug: flag = the first position whose logits hold a NaN or an infinity
             check_finite(logits, state, self.finite_flag, stream=s)
-        # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
-        sample(logits, state, self.coins, sampling, stream=s, **self._sample_options)
+        # penalties: drawn = the logits less the penalties of the tokens seen, plus the bias
+        drawn = penalize(logits, state, self.penalty, stream=s) if penalties else logits
+        # token = argmax(drawn) at temperature 0, else the draw coins[pos] picks (sample_ref)
+        sample(drawn, state, self.coins, sampling, stream=s, **self._sample_options)
         if logprobs:
             # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
             lp.logprobs(logits, state, self.logprobs_out, stream=s)
@@ -460,27 +477,32 @@ class GpuEngine:
     def graph(self, sampling: SamplingParams, pos: int = 0, logprobs: bool = False) -> GraphStep | EagerStep:
         """The token step for these sampling settings at pos (logprobs: the variant that also
         writes logprobs_out): one for each span (see span()), captured on first use, then
-        replayed. Capturing changes no state, except that a new setting's first step runs once
-        eagerly at the span's last position."""
-        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
-        key = (params, logprobs)
+        replayed; a request with penalties or a bias has steps of its own, which read their
+        values from self.penalty (any values: one set of graphs). Capturing changes no state,
+        except that a new setting's first step runs once eagerly at the span's last position
+        (with penalties, it counts a token in self.penalty, which generate resets after)."""
+        params, penalties = sampling.unseeded(), sampling.penalized
+        key = (params, logprobs, penalties)
         span = self.span(pos)
         g = self._graphs.get((key, span))
         if g is None:
             if not self.use_graph:
-                g = EagerStep(lambda: self.forward(params, span, logprobs))
+                g = EagerStep(lambda: self.forward(params, span, logprobs, penalties))
             else:
                 if not any(k == key for k, _ in self._graphs):
                     groups = ("prefill",) if self.batch_invariant else ()  # its step is a rows pass
-                    self._await_kernels("step", *groups, *(("sample",) if params.temperature > 0 else ()))
+                    drawn = ("sample",) if params.temperature > 0 or penalties else ()
+                    self._await_kernels("step", *groups, *drawn)
                     # run once eagerly so every kernel is compiled and loaded; that writes one
                     # garbage KV row at the span's last position, rewritten before it is ever
                     # read, and moves the state, which whoever replays the step sets
                     self._set_state(token=0, pos=span - 1, feed_end=0)
-                    self.forward(params, span, logprobs)
+                    self.forward(params, span, logprobs, penalties)
                     self.stream.synchronize()
                 g = GraphStep(
-                    self.stream, lambda: self.forward(params, span, logprobs), programmatic=self.programmatic
+                    self.stream,
+                    lambda: self.forward(params, span, logprobs, penalties),
+                    programmatic=self.programmatic,
                 )
             self._graphs[(key, span)] = g
         return g
@@ -626,11 +648,13 @@ class GpuEngine:
         max_new: int,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        prefix: list[int] | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
         (its log-probability and the top k, computed in the token step from its logits:
-        pycalm.kernels.logprobs)."""
+        pycalm.kernels.logprobs). prefix: the tokens at positions 0 .. start_pos - 1 (cached),
+        which with ids make the prompt that sampling's repetition_penalty counts as seen."""
         check_logprobs(logprobs)
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
@@ -639,10 +663,11 @@ class GpuEngine:
             raise PycalmError(
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
-        if self.simple and sampling.temperature > 0:  # the token drawn on the host
+        prompt = [*(prefix or []), *ids]  # repetition_penalty's seen tokens
+        if self.simple and (sampling.temperature > 0 or sampling.penalized):  # drawn on the host
             from pycalm.gpu.simple import generate_sampled
 
-            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs)
+            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs, prompt)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)
@@ -662,6 +687,8 @@ class GpuEngine:
             rng.random(sampling.first_coin)  # (a speculative loop's stretch starts that far in)
             coins[end - 1 :] = rng.random(self.seq_len - end + 1)
             self.coins.copy_to_device(coins, stream=self.stream)
+        if sampling.penalized:  # no token counted yet; the prompt, the bias, the values
+            self.penalty.reset(sampling, prompt, self.stream)
         self._set_state(int(ids[first - start_pos]), first, end)
         for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed
             steps[i].launch()

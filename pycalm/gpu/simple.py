@@ -12,7 +12,7 @@ step can be captured as a CUDA graph and replayed. The graphs' edges are plain: 
 kernels do not wait for programmatic launches (pycalm.kernels.common.dependent_start).
 
 Sampling: at temperature 0 the step ends with the argmax kernel, as the fast step ends with
-its sampler. Above it, generate_sampled copies each step's logits to the host and draws the
+its sampler. Above it, or with penalties or a logit bias, generate_sampled copies each step's logits to the host and draws the
 token there with pycalm.cpu.sampler.Sampler (sample_ref, the specification), whose i-th coin is
 the i-th draw of default_rng(seed), the coin the fast engine's sampling kernel reads for the
 i-th sampled token: the same tokens for the same logits, one host round trip a token.
@@ -221,15 +221,18 @@ def generate_sampled(
     max_new: int,
     sampling: SamplingParams,
     logprobs: int | None = None,
+    prompt: list[int] | None = None,
 ) -> Iterator[int] | Iterator[TokenLogprobs]:
-    """GpuEngine.generate at temperature > 0 (e: the engine, the arguments checked): the prompt
-    but its last token through the prompt pass, then one greedy token step a position, its
-    logits read back and the token drawn on the host (see the module docstring). The state is
-    left as generate leaves it: the last token taken, at the position after it. With logprobs
-    = k, each token's TokenLogprobs from the same logits on the host (logprobs_ref)."""
-    if sampling.temperature <= 0:
-        raise PycalmError("generate_sampled draws at a temperature above 0")
-    sampler = Sampler.of(sampling)
+    """GpuEngine.generate at temperature > 0 or with penalties (e: the engine, the arguments
+    checked): the prompt but its last token through the prompt pass, then one greedy token step
+    a position, its logits read back and the token drawn on the host (see the module docstring),
+    the penalties and the bias applied there (Sampler.for_request over `prompt`, the whole
+    prompt). The state is left as generate leaves it: the last token taken, at the position
+    after it. With logprobs = k, each token's TokenLogprobs from the same logits on the host
+    (logprobs_ref, the model's: before the penalties)."""
+    if sampling.temperature <= 0 and not sampling.penalized:
+        raise PycalmError("generate_sampled draws at a temperature above 0 or with penalties")
+    sampler = Sampler.for_request(sampling, prompt if prompt is not None else ids, e.config.vocab_size)
     end, eos = start_pos + len(ids), set(e.config.eos_ids)
     if len(ids) > 1:
         e.prefill(ids[:-1], start_pos)

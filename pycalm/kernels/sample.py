@@ -667,9 +667,11 @@ class RowSampling(NamedTuple):
 
 def _host_rows(samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
     """(temperature, top_k, top_p, min_p) host arrays of RowSampling's dtypes, each option
-    checked as sample_ref checks it."""
+    checked as sample_ref checks it. Rows sample the model's logits: no penalties or bias."""
     for s in samplings:
         check_sampling(s.temperature, s.top_k, s.top_p, s.min_p)
+        if s.penalized:
+            raise PycalmError("a rows pass samples without penalties or logit_bias (the token step has them)")
     return (
         np.array([s.temperature for s in samplings], np.float32),  # (M,)
         np.array([s.top_k for s in samplings], np.int32),  # (M,)
