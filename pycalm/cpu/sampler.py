@@ -32,14 +32,14 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     seed: int = 0
-    # the place in the seed's sequence of coins of the first sampled token's coin (a speculative
-    # loop that hands the plain token steps a stretch of its tokens: pycalm.app.speculative)
-    first_coin: int = 0
     # penalties of the tokens seen and the logit bias (pycalm.cpu.reference.penalties_ref)
     presence_penalty: float = 0.0  # 0: off; in [-2, 2], counts the generated tokens
     frequency_penalty: float = 0.0  # 0: off; in [-2, 2], counts the generated tokens
     repetition_penalty: float = 1.0  # 1: off; > 0, over the prompt and the generated tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
+    # the place in the seed's sequence of coins of the first sampled token's coin (a speculative
+    # loop that hands the plain token steps a stretch of its tokens: pycalm.app.speculative)
+    first_coin: int = 0
 
     @property
     def penalized(self) -> bool:
