@@ -19,12 +19,18 @@ pycalm/kernels/simple/ instead, wired by pycalm.gpu.simple.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.cpu.reference import TokenLogprobs, check_logprobs, logprobs_ref
+from pycalm.cpu.reference import (
+    TokenLogprobs,
+    check_constraint,
+    check_logprobs,
+    logprobs_ref,
+    mask_logits_ref,
+)
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
@@ -356,8 +362,16 @@ class GpuEngine:
 
         self.logprobs_out = zeros(OUT_SIZE, np.int32)  # (OUT_SIZE,)
         self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
-        # (sampling settings, with logprobs), span -> the captured step
-        self._graphs: dict[tuple[tuple[SamplingParams, bool], int], GraphStep | EagerStep] = {}
+        # constrained decoding (pycalm.app.constrain): the allowed ids of the next token, a bit an
+        # id, computed on the host into the pinned buffer while the GPU runs the step's forward,
+        # then copied to the device for the step's masked sampling (pycalm.kernels.mask)
+        words = -(-cfg.vocab_size // 32)
+        self.mask_dev = zeros(words, np.uint32)  # (ceil(vocab_size / 32),)
+        self._mask_host = cuda.pinned_array(words, np.uint32)  # (ceil(vocab_size / 32),)
+        # (sampling settings, with logprobs), span -> the captured step; and the two parts of a
+        # constrained step: (("logits",), span) -> the forward, (("masked", settings, with
+        # logprobs), 0) -> the masked sampling and advance
+        self._graphs: dict[tuple[tuple, int], GraphStep | EagerStep] = {}
         from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
@@ -393,14 +407,18 @@ class GpuEngine:
             if logprobs:  # after advance, which keeps a sampled token (only prompt steps take feed's)
                 lp.logprobs(self.logits_buf, self.state, self.logprobs_out, stream=self.stream)
             return None
+        self.forward_logits(span)
+        self.sample_step(sampling, logprobs)
+
+    def forward_logits(self, span: int | None = None) -> None:
+        """The first part of forward: the token state[STATE_TOKEN] at position state[STATE_POS]
+        through the layers to logits_buf (the finite check included); the state is unchanged."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.finite import check_finite
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
         from pycalm.kernels.moe import moe_ffn_gate, moe_matvec_residual, moe_route
         from pycalm.kernels.qkv import qkv_rope
-        from pycalm.kernels.sample import sample
-        from pycalm.kernels.step import advance
 
         cfg, eps, s = self.config, self.config.norm_eps, self.stream
         x, q, att, h, route, state = self.x, self.q, self.att, self.h, self.route, self.state
@@ -430,6 +448,20 @@ class GpuEngine:
         if self.finite_flag is not None:
             # debug: flag = the first position whose logits hold a NaN or an infinity
             check_finite(self.logits_buf, state, self.finite_flag, stream=s)
+
+    def sample_step(self, sampling: SamplingParams, logprobs: bool = False, masked: bool = False) -> None:
+        """The second part of forward: the token from logits_buf into state[STATE_TOKEN]
+        (logprobs: logprobs_out too), then the next position. masked: the ids that mask_dev
+        does not allow are set to -inf first (constrained decoding, pycalm.kernels.mask)."""
+        from pycalm.kernels import logprobs as lp
+        from pycalm.kernels.mask import mask_logits
+        from pycalm.kernels.sample import sample
+        from pycalm.kernels.step import advance
+
+        s, state = self.stream, self.state
+        if masked:
+            # logits[i] = -inf where bit i of the constraint's mask is clear
+            mask_logits(self.logits_buf, self.mask_dev, stream=s)
         # token = argmax(logits) at temperature 0, else the draw coins[pos] picks (sample_ref)
         sample(self.logits_buf, state, self.coins, sampling, stream=s, **self._sample_options)
         if logprobs:
@@ -471,6 +503,42 @@ class GpuEngine:
                 )
             self._graphs[(key, span)] = g
         return g
+
+    def _captured(
+        self, key: tuple[tuple, int], record: Callable[[], None], pos: int, groups: tuple
+    ) -> object:
+        """The step part that record() enqueues, under key in the graph table: captured on first
+        use (after one eager run at pos, which compiles its kernels, waited for in `groups` of
+        the kernel cache's workers; that run writes a garbage KV row at pos, rewritten before it
+        is read, and moves the state, which whoever replays the part sets), then replayed."""
+        g = self._graphs.get(key)
+        if g is None:
+            if not self.use_graph:
+                g = EagerStep(record)
+            else:
+                self._await_kernels(*groups)
+                self._set_state(token=0, pos=pos, feed_end=0)
+                record()
+                self.stream.synchronize()
+                g = GraphStep(self.stream, record, programmatic=self.programmatic)
+            self._graphs[key] = g
+        return g
+
+    def logits_step(self, pos: int) -> GraphStep | EagerStep:
+        """Constrained decoding's first part of the step at pos: forward_logits for pos's span."""
+        span = self.span(pos)
+        return self._captured((("logits",), span), lambda: self.forward_logits(span), span - 1, ("step",))
+
+    def masked_sample_step(self, sampling: SamplingParams, logprobs: bool = False) -> GraphStep | EagerStep:
+        """Constrained decoding's second part of a step: sample_step(masked=True) for these
+        settings (logprobs: the variant that also writes logprobs_out)."""
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, 0)
+        groups = ("step", "sample") if params.temperature > 0 else ("step",)
+
+        def record() -> None:
+            self.sample_step(params, logprobs, masked=True)
+
+        return self._captured((("masked", params, logprobs), 0), record, 0, groups)
 
     def prepare(self, sampling: SamplingParams, positions: range) -> None:
         """Compile (or load from the kernel cache, pycalm.gpu.kernel_cache) and capture the token
@@ -608,12 +676,16 @@ class GpuEngine:
         max_new: int,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        constraint: object | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
         (its log-probability and the top k, computed in the token step from its logits:
-        pycalm.kernels.logprobs)."""
+        pycalm.kernels.logprobs). constraint (pycalm.app.constrain.Constraint): each token is
+        sampled among the ids it allows (_decode_constrained), and generation ends once it is
+        finished."""
         check_logprobs(logprobs)
+        check_constraint(constraint, self.config.vocab_size)
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
         end = start_pos + len(ids)
@@ -622,19 +694,25 @@ class GpuEngine:
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
         if self.batch_invariant:
-            yield from self._generate_rows(ids, start_pos, max_new, sampling, logprobs)
+            yield from self._generate_rows(ids, start_pos, max_new, sampling, logprobs, constraint)
             return
-        if self.simple and sampling.temperature > 0:  # the token drawn on the host
+        if self.simple and (sampling.temperature > 0 or constraint is not None):  # drawn on the host
             from pycalm.gpu.simple import generate_sampled
 
-            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs)
+            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs, constraint)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)
         # where it takes the model, else through token steps: the first token step's position
         first = end - 1 if self.multi_token else start_pos
-        # every token step this call runs, captured before the state is set
-        steps = [self.graph(sampling, p, logprobs is not None) for p in range(first, last + 1)]
+        # every token step this call runs, captured before the state is set (with a constraint:
+        # the prompt's token steps, and the sampled positions' steps in two parts)
+        if constraint is None:
+            steps = [self.graph(sampling, p, logprobs is not None) for p in range(first, last + 1)]
+        else:
+            steps = [self.graph(sampling, p) for p in range(first, end - 1)]
+            forwards = [self.logits_step(p) for p in range(end - 1, last + 1)]
+            masked = self.masked_sample_step(sampling, logprobs is not None)
         if first > start_pos:
             self.prefill(ids[:-1], start_pos)
         feed = np.asarray(ids, np.int32)
@@ -648,6 +726,9 @@ class GpuEngine:
         self._set_state(int(ids[first - start_pos]), first, end)
         for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
+        if constraint is not None:
+            yield from self._decode_constrained(forwards, masked, end - 1, constraint, logprobs)
+            return
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end, logprobs)
@@ -659,6 +740,7 @@ class GpuEngine:
         max_new: int,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        constraint: object | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """generate with every token through the multi-token forward (batch_invariant): the
         prompt in chunks (a rows pass where it is 64 tokens or fewer), then each sampled token in
@@ -666,7 +748,7 @@ class GpuEngine:
         read back and the token drawn on the host (pycalm.cpu.sampler.Sampler: the coins of the token
         step's, so the same tokens for the same logits). The last sampled token is not fed, as
         in generate. With logprobs = k, each token's TokenLogprobs from those logits on the host
-        (logprobs_ref)."""
+        (logprobs_ref). With a constraint, the logits are masked on the host (mask_logits_ref)."""
         from pycalm.cpu.sampler import Sampler
 
         prefill = self._prefill_step()
@@ -688,11 +770,68 @@ class GpuEngine:
                 raise PycalmError(
                     f"non-finite logits (NaN or infinity) at position {pos - 1} (logit {bad}): the first failing pass"
                 )
-            token = sampler.sample(block[0])
-            yield token if logprobs is None else logprobs_ref(block[0], token, logprobs)
-            if token in eos:
+            logits = block[0]  # (vocab_size,)
+            if constraint is not None:  # the ids the constraint does not allow to -inf
+                constraint.fill_mask(self._mask_host)
+                logits = mask_logits_ref(logits, self._mask_host)
+            token = sampler.sample(logits)
+            if constraint is not None:
+                constraint.accept(token)
+            yield token if logprobs is None else logprobs_ref(logits, token, logprobs)
+            if token in eos or (constraint is not None and constraint.finished):
                 return
             feed = [token]
+
+    def _decode_constrained(
+        self,
+        forwards: list[GraphStep | EagerStep],
+        masked: GraphStep | EagerStep,
+        pos: int,
+        constraint: object,
+        logprobs: int | None = None,
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
+        """Run the constrained token steps at positions pos, pos + 1, ..., yielding the token
+        each samples (with logprobs = k: its TokenLogprobs). The mask of step i + 1 depends on
+        token i, so the loop runs one step ahead: as soon as step i's masked sampling is
+        enqueued, so is step i + 1's forward (forwards[i + 1], which reads the token from the
+        state on the device); then the host waits for token i, moves the constraint on by it and
+        computes step i + 1's mask into a pinned buffer while the GPU runs that forward, copies
+        it to mask_dev and enqueues step i + 1's masked sampling (masked: the mask kernel, the
+        sampler, advance). The host's mask work overlaps the forward; the GPU waits only where
+        it takes longer. When the caller stops, the one forward enqueued past the last token
+        taken has written the KV row of a later position (rewritten before it is read) and left
+        the state alone: the state is what the last taken step left."""
+        eos = set(self.config.eos_ids)
+        from pycalm.kernels.logprobs import token_logprobs
+
+        s, ring, event, lp_ring = self.stream, self._tokens_host, self._token_events[0], self._logprobs_host
+        token_dev = self.state[STATE_TOKEN : STATE_TOKEN + 1]
+        if not forwards:
+            return
+        forwards[0].launch()  # step 0's logits
+        for i in range(len(forwards)):
+            # the allowed ids of token i, into the pinned buffer (token i - 1's copy has passed:
+            # the mask copy before it in the stream has too), then to the device
+            constraint.fill_mask(self._mask_host)
+            self.mask_dev.copy_to_device(self._mask_host, stream=s)
+            # token i = sample(logits with the disallowed ids at -inf); pos += 1
+            masked.launch()
+            token_dev.copy_to_host(ring[0:1], stream=s)
+            if logprobs is not None:  # (OUT_SIZE,) int32
+                self.logprobs_out.copy_to_host(lp_ring[0], stream=s)
+            event.record(s)
+            if i + 1 < len(forwards):
+                forwards[i + 1].launch()  # runs while the host works out the next mask
+            event.synchronize()  # token i is on the host
+            token = int(ring[0])
+            constraint.accept(token)
+            if self.finite_flag is not None and (
+                (i + 1) % FINITE_CHECK_EVERY == 0 or i + 1 == len(forwards) or token in eos
+            ):
+                self.raise_if_not_finite(pos)
+            yield token if logprobs is None else token_logprobs(lp_ring[0], token, logprobs)
+            if token in eos or constraint.finished:
+                return
 
     def _decode(
         self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int, logprobs: int | None = None

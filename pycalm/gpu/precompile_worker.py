@@ -47,6 +47,7 @@ def walk_engine(spec: dict, walk: Walk) -> None:
         for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
             engine.forward(SamplingParams(temperature=temperature), span)
     engine.forward(SamplingParams(), engine.span(0), True)  # a request for logprobs adds their kernel
+    engine.sample_step(SamplingParams(), masked=True)  # constrained decoding adds the mask kernel
     walk.group = "prefill"
     if engine.multi_token:
         prefill = Prefill(engine, engine.prefill_chunk)
