@@ -354,3 +354,42 @@ def test_cli_json_schema_and_grammar(tiny, tmp_path, capsys):
     grammar.write_text("start: missing")
     assert main([*common, "--grammar", str(grammar)]) == 1
     assert "invalid grammar" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# a real model
+
+
+def test_smollm2_structured_output(smollm2_gguf_path):
+    """SmolLM2 on the CPU: json_object and a strict schema at temperature 0.7, two samples
+    each, all parse and validate (scripts/check_structured.py runs 20 schemas x 5 samples)."""
+    import pycalm
+
+    llm = pycalm.load(str(smollm2_gguf_path), device="cpu", context=512, verbose=False)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}
+    for seed in (0, 1):
+        messages = [{"role": "user", "content": "Describe a person as JSON."}]
+        gen = llm.chat(messages, max_tokens=60, temperature=0.7, seed=seed, response_format=fmt, stream=True)
+        value = json.loads("".join(gen))
+        assert gen.finish_reason == "stop" and set(value) == {"name", "age"}
+        assert isinstance(value["name"], str) and len(value["name"]) <= 16
+        assert isinstance(value["age"], int) and value["age"] >= 0
+        messages = [
+            {"role": "user", "content": "Give the colour of the sky as a JSON object with one key, colour."}
+        ]
+        gen = llm.chat(
+            messages,
+            max_tokens=60,
+            temperature=0.7,
+            seed=seed,
+            response_format={"type": "json_object"},
+            stream=True,
+        )
+        text = "".join(gen)
+        assert gen.finish_reason == "stop" and isinstance(json.loads(text), dict), text
