@@ -304,6 +304,9 @@ class LLM:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: dict[int, float] | None = None,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
     ) -> str | Generation | list[str] | list[Generation] | Iterator[Generation]:
         """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
 
@@ -315,6 +318,11 @@ class LLM:
         decodes it as text of its own (a chat reply). logprobs = k (0 to 20): each token's
         log-probability under the model (before temperature) and the k most likely tokens' in
         Generation.logprobs, which is then returned whole (its text in .text) when not streaming.
+        Constrained decoding (pycalm.app.constrain), one of: response_format, OpenAI's
+        {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}} (a JSON value valid against the schema); grammar, a Lark
+        grammar (llguidance's dialect, `%json {...}` embeds a schema); regex, a pattern the whole
+        output matches. Generation then stops once the output is complete (finish_reason "stop").
 
         Penalties (pycalm.cpu.reference.penalties_ref; the logprobs stay the model's):
         presence_penalty and frequency_penalty (-2 to 2, OpenAI's) subtract p * [count > 0] + f *
@@ -347,8 +355,16 @@ class LLM:
         )
 
         def choice(i: int) -> Generation:
+            # a fresh matcher a choice (a constraint follows one output)
+            constraint = self.constraint(response_format=response_format, grammar=grammar, regex=regex)
             return self.start(
-                ids, max_tokens, replace(sampling, seed=sampling.seed + i), stop, prime, logprobs=logprobs
+                ids,
+                max_tokens,
+                replace(sampling, seed=sampling.seed + i),
+                stop,
+                prime,
+                logprobs=logprobs,
+                constraint=constraint,
             )
 
         def finished(gen: Generation) -> str | Generation:
@@ -368,10 +384,27 @@ class LLM:
     ) -> str | Generation | list[str] | list[Generation] | Iterator[Generation]:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
-        seed, stop, stream, logprobs, n, the penalties, logit_bias) as for generate, which runs
-        it. A conversation that goes on turn after turn reuses the cache of the turns before
-        (only the new tokens are fed)."""
+        seed, stop, stream, logprobs, n, the penalties, logit_bias, response_format, grammar,
+        regex) as for generate, which runs it. A conversation that goes on turn after turn reuses
+        the cache of the turns before (only the new tokens are fed)."""
         return self.generate(self.chat_ids(messages), **options, prime=False)
+
+    def constraint(
+        self, *, response_format: dict | None = None, grammar: str | None = None, regex: str | None = None
+    ) -> object | None:
+        """A fresh pycalm.app.constrain.Constraint for one generation over this model's vocabulary
+        (None where none of the three is given); a bad one is a PycalmError of one line."""
+        if response_format is None and grammar is None and regex is None:
+            return None
+        from pycalm.app.constrain import make_constraint
+
+        return make_constraint(
+            self.tokenizer,
+            response_format=response_format,
+            grammar=grammar,
+            regex=regex,
+            vocab_size=self.config.vocab_size,
+        )
 
     def start(
         self,
@@ -382,6 +415,7 @@ class LLM:
         prime: bool = True,
         cancelled: Callable[[], bool] | None = None,
         logprobs: int | None = None,
+        constraint: object | None = None,
     ) -> Generation:
         """A Generation for prompt `ids` (what generate and chat return; the server calls it).
 
@@ -389,6 +423,7 @@ class LLM:
         the CLI's prompt mode does; else as text of its own, as its chat mode does. cancelled:
         asked after every token; True ends the generation there (finish_reason None).
         logprobs: k, the top logprobs each token lists in Generation.logprobs (None: none kept).
+        constraint: a fresh pycalm.app.constrain.Constraint (LLM.constraint) the tokens follow.
         Checks the arguments here, before the first piece is asked for.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -422,7 +457,9 @@ class LLM:
         if self._active is not None:  # one generation at a time: an abandoned stream ends here
             self._active.close()
         gen = Generation(prompt_tokens=len(ids), logprobs=None if logprobs is None else [])
-        gen._pieces = self._pieces(gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs)
+        gen._pieces = self._pieces(
+            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint
+        )
         self._active = gen
         return gen
 
@@ -436,6 +473,7 @@ class LLM:
         prime: bool,
         cancelled: Callable[[], bool] | None,
         logprobs: int | None = None,
+        constraint: object | None = None,
     ) -> Iterator[str]:
         common = 0
         limit = min(len(ids) - 1, len(self._cached))  # feed at least one token
@@ -457,12 +495,14 @@ class LLM:
         t0 = time.perf_counter()
         t_first = t0
         # the cached prefix too: repetition_penalty counts the whole prompt
-        prefix = {"prefix": ids[:common]} if sampling.penalized else {}
+        options = {"prefix": ids[:common]} if sampling.penalized else {}
+        if constraint is not None:
+            options["constraint"] = constraint
         if logprobs is None:
-            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, **prefix)
+            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, **options)
         else:  # TokenLogprobs a token
             tokens = self.engine.generate(
-                ids[common:], common, max_tokens, sampling, logprobs=logprobs, **prefix
+                ids[common:], common, max_tokens, sampling, logprobs=logprobs, **options
             )
         try:
             for item in tokens:
@@ -486,8 +526,8 @@ class LLM:
                 if text.stopped:
                     gen.finish_reason = "stop"
                     break
-            else:  # max_tokens, or the end of the context
-                gen.finish_reason = "length"
+            else:  # max_tokens, the end of the context, or a constraint's finished output
+                gen.finish_reason = "stop" if constraint is not None and constraint.finished else "length"
             if piece := text.finish(decoder.flush):
                 yield piece
             if text.stopped:

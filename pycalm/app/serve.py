@@ -16,7 +16,11 @@ with seed + i; streamed, choice 0's chunks come first, then choice 1's, each wit
 usage counts every choice's tokens), presence_penalty, frequency_penalty, logit_bias (OpenAI's)
 and repetition_penalty (vLLM's; pycalm.cpu.reference.penalties_ref gives the rule), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
 `logprobs: k`; k up to 20): each token's log-probability under the model before temperature and
-the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens'; the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
+the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens';
+structured output (pycalm.app.constrain): `response_format` {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, or pycalm's extension
+fields `grammar` (a Lark grammar, llguidance's dialect) or `regex` (the text matches it whole);
+the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
 prompt_tokens_details.cached_tokens, the prompt tokens whose keys and values were already in the
 KV cache (pycalm.app.api: the next turn of a chat feeds only its new tokens). Errors have OpenAI's
 shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 503 while the
@@ -138,6 +142,8 @@ class Request:
     include_usage: bool
     logprobs: int | None = None  # the top logprobs each token lists; None: no logprobs
     n: int = 1  # choices, made one after another (choice i with seed + i)
+    constraint: object | None = None  # pycalm.app.constrain.Constraint the tokens follow; None: free
+    constraint_spec: dict | None = None  # what makes a fresh constraint for each later choice
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -158,6 +164,38 @@ def parse_logprobs(body: dict, chat: bool) -> int | None:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"'{name}' must be from 0 to {MAX_TOP_LOGPROBS}, not {k}", name)
     return k
+
+
+def constraint_spec(body: dict) -> dict:
+    """The request's constraint options, as LLM.constraint takes them."""
+    return {
+        "response_format": body.get("response_format"),
+        "grammar": body.get("grammar"),
+        "regex": body.get("regex"),
+    }
+
+
+def parse_constraint(body: dict, llm: object) -> object | None:
+    """The request's constraint (None: none): OpenAI's response_format ({"type": "text"},
+    "json_object" or "json_schema"), or pycalm's extension fields `grammar` (a Lark grammar) or
+    `regex`; another response_format type, or a schema, grammar or regex that does not compile,
+    is a BadRequest."""
+    fmt = body.get("response_format")
+    if fmt is not None and (
+        not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
+    ):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise BadRequest(
+            f"response_format type must be text, json_object or json_schema, not {kind!r}", "response_format"
+        )
+    for name in ("grammar", "regex"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"'{name}' must be a string", name)
+    try:
+        return llm.constraint(**constraint_spec(body))
+    except PycalmError as e:
+        param = next((n for n in ("grammar", "regex") if body.get(n) is not None), "response_format")
+        raise BadRequest(str(e), param) from None
 
 
 def parse_common(body: dict) -> Request:
@@ -449,8 +487,19 @@ class Worker(threading.Thread):
     def run_choice(self, job: Job, i: int, sampling: SamplingParams) -> object:
         """Choice i of the job, its events sent as it is made; returns its finished Generation."""
         r = job.request
+        # a constraint follows one output: the request's for choice 0, a fresh one for the others
+        constraint = (
+            r.constraint if i == 0 or r.constraint is None else self.llm.constraint(**r.constraint_spec)
+        )
         gen = self.llm.start(
-            job.ids, job.max_tokens, sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
+            job.ids,
+            job.max_tokens,
+            sampling,
+            r.stop,
+            job.prime,
+            job.cancel.is_set,
+            logprobs=r.logprobs,
+            constraint=constraint,
         )
         sent = 0  # the tokens whose logprobs were emitted
 
@@ -660,6 +709,8 @@ def make_app(
             r.logprobs = parse_logprobs(body, chat)
             bias = parse_logit_bias(body, worker.llm.config.vocab_size)
             r.sampling = replace(r.sampling, logit_bias=bias)
+            r.constraint = parse_constraint(body, worker.llm)
+            r.constraint_spec = constraint_spec(body)
             for name, off in (("tools", (None, [])), ("echo", (None, False))):
                 _unsupported(body, name, off)
             if chat:

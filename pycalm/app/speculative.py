@@ -380,19 +380,21 @@ class SpeculativeEngine:
         sampling: SamplingParams,
         logprobs: int | None = None,
         prefix: list[int] | None = None,
+        constraint: object | None = None,
     ) -> Iterator[int]:
         """engine.generate's contract (feed ids at start_pos.., then up to max_new tokens,
         stopping after an EOS or at the end of the context), speculating; with logprobs,
-        penalties or a logit bias, or where the cache's earlier tokens are unknown, plain
-        engine.generate (prefix: its repetition penalty's cached prompt)."""
+        penalties or a logit bias, a constraint, or where the cache's earlier tokens are unknown,
+        plain engine.generate (prefix: its repetition penalty's cached prompt)."""
         e = self.engine
-        plain = logprobs is not None or sampling.penalized
+        plain = logprobs is not None or sampling.penalized or constraint is not None
         if plain or start_pos > len(self._history) or not ids:
             self._fed(ids, start_pos)
             known, given = self._history, []
             self._history = []  # until the call is over
             try:
-                for item in e.generate(ids, start_pos, max_new, sampling, logprobs, prefix=prefix):
+                options = {} if constraint is None else {"constraint": constraint}
+                for item in e.generate(ids, start_pos, max_new, sampling, logprobs, prefix=prefix, **options):
                     given.append(item if logprobs is None else item.token)
                     yield item
             finally:

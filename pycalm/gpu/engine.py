@@ -19,12 +19,12 @@ pycalm/kernels/simple/ instead, wired by pycalm.gpu.simple.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.cpu.reference import TokenLogprobs, check_logprobs
+from pycalm.cpu.reference import TokenLogprobs, check_constraint, check_logprobs
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
@@ -361,8 +361,16 @@ class GpuEngine:
 
         self.logprobs_out = zeros(OUT_SIZE, np.int32)  # (OUT_SIZE,)
         self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
-        # (sampling settings, with logprobs, with penalties), span -> the captured step
-        self._graphs: dict[tuple[tuple[SamplingParams, bool, bool], int], GraphStep | EagerStep] = {}
+        # constrained decoding (pycalm.app.constrain): the allowed ids of the next token, a bit an
+        # id, computed on the host into the pinned buffer while the GPU runs the step's forward,
+        # then copied to the device for the step's masked sampling (pycalm.kernels.mask)
+        words = -(-cfg.vocab_size // 32)
+        self.mask_dev = zeros(words, np.uint32)  # (ceil(vocab_size / 32),)
+        self._mask_host = cuda.pinned_array(words, np.uint32)  # (ceil(vocab_size / 32),)
+        # (sampling settings, with logprobs, with penalties), span -> the captured step; and the two parts of a
+        # constrained step: (("logits",), span) -> the forward, (("masked", settings, with
+        # logprobs), 0) -> the masked sampling and advance
+        self._graphs: dict[tuple[tuple, int], GraphStep | EagerStep] = {}
         from pycalm.gpu.prefill import unsupported
 
         self.prefill_chunk = options.prefill_chunk
@@ -406,31 +414,28 @@ class GpuEngine:
             if logprobs:  # after advance, which keeps a sampled token (only prompt steps take feed's)
                 lp.logprobs(self.logits_buf, self.state, self.logprobs_out, stream=self.stream)
             return None
-        from pycalm.kernels.finite import check_finite
-        from pycalm.kernels.penalty import penalize
-        from pycalm.kernels.sample import sample
-        from pycalm.kernels.step import advance
+        self.forward_logits(span)
+        self.sample_step(sampling, logprobs, penalties=penalties)
 
-        s, state = self.stream, self.state
+    def forward_logits(self, span: int | None = None) -> None:
+        """The first part of forward: the token state[STATE_TOKEN] at position state[STATE_POS]
+        through the layers to step_logits() (the finite check included); the state is unchanged."""
+        from pycalm.kernels.finite import check_finite
+
         if self.batch_invariant:
             # logits = the one-row pass of the multi-token forward (pycalm.gpu.prefill): the
             # same bits as any rows pass gives the token at this position
-            logits = self._prefill_step().token_logits()
+            self._prefill_step().token_logits()
         else:
             self.layers_step(span)
-            logits = self.logits_buf
         if self.finite_flag is not None:
             # debug: flag = the first position whose logits hold a NaN or an infinity
-            check_finite(logits, state, self.finite_flag, stream=s)
-        # penalties: drawn = the logits less the penalties of the tokens seen, plus the bias
-        drawn = penalize(logits, state, self.penalty, stream=s) if penalties else logits
-        # token = argmax(drawn) at temperature 0, else the draw coins[pos] picks (sample_ref)
-        sample(drawn, state, self.coins, sampling, stream=s, **self._sample_options)
-        if logprobs:
-            # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
-            lp.logprobs(logits, state, self.logprobs_out, stream=s)
-        # pos += 1; while prefilling, token = the prompt's next token instead
-        advance(state, self.feed, stream=s)
+            check_finite(self.step_logits(), self.state, self.finite_flag, stream=self.stream)
+
+    def step_logits(self) -> object:
+        """The (vocab_size,) float32 device array a token step's logits are in: logits_buf, or
+        (batch_invariant) the multi-token forward's first logits row."""
+        return self._prefill_step().buffers.logits[0] if self.batch_invariant else self.logits_buf
 
     def layers_step(self, span: int | None) -> None:
         """Enqueue the token step's layers and classifier: logits_buf = the logits of the token
@@ -466,6 +471,34 @@ class GpuEngine:
                 matvec_residual(L.w2, h, x, L.dtypes["w2"], stream=s)
         # logits = Wout rmsnorm(x)
         matvec(self.output, x, self.logits_buf, self.output_dtype, stream=s, norm_w=self.norm, eps=eps)
+
+    def sample_step(
+        self, sampling: SamplingParams, logprobs: bool = False, masked: bool = False, penalties: bool = False
+    ) -> None:
+        """The second part of forward: the token from step_logits() into state[STATE_TOKEN]
+        (logprobs: logprobs_out too), then the next position. masked: the ids that mask_dev
+        does not allow are set to -inf first (constrained decoding, pycalm.kernels.mask).
+        penalties: the sampler reads the logits with self.penalty's penalties and bias applied
+        (pycalm.kernels.penalty)."""
+        from pycalm.kernels import logprobs as lp
+        from pycalm.kernels.mask import mask_logits
+        from pycalm.kernels.penalty import penalize
+        from pycalm.kernels.sample import sample
+        from pycalm.kernels.step import advance
+
+        s, state, logits = self.stream, self.state, self.step_logits()
+        if masked:
+            # logits[i] = -inf where bit i of the constraint's mask is clear
+            mask_logits(logits, self.mask_dev, stream=s)
+        # penalties: drawn = the logits less the penalties of the tokens seen, plus the bias
+        drawn = penalize(logits, state, self.penalty, stream=s) if penalties else logits
+        # token = argmax(drawn) at temperature 0, else the draw coins[pos] picks (sample_ref)
+        sample(drawn, state, self.coins, sampling, stream=s, **self._sample_options)
+        if logprobs:
+            # logprobs_out = logsumexp(logits), logits[token], the top K ids and logits
+            lp.logprobs(logits, state, self.logprobs_out, stream=s)
+        # pos += 1; while prefilling, token = the prompt's next token instead
+        advance(state, self.feed, stream=s)
 
     def span(self, pos: int) -> int:
         """The attention span of the step at pos: its grid holds the live chunks at most twice
@@ -506,6 +539,43 @@ class GpuEngine:
                 )
             self._graphs[(key, span)] = g
         return g
+
+    def _captured(
+        self, key: tuple[tuple, int], record: Callable[[], None], pos: int, groups: tuple
+    ) -> object:
+        """The step part that record() enqueues, under key in the graph table: captured on first
+        use (after one eager run at pos, which compiles its kernels, waited for in `groups` of
+        the kernel cache's workers; that run writes a garbage KV row at pos, rewritten before it
+        is read, and moves the state, which whoever replays the part sets), then replayed."""
+        g = self._graphs.get(key)
+        if g is None:
+            if not self.use_graph:
+                g = EagerStep(record)
+            else:
+                self._await_kernels(*groups)
+                self._set_state(token=0, pos=pos, feed_end=0)
+                record()
+                self.stream.synchronize()
+                g = GraphStep(self.stream, record, programmatic=self.programmatic)
+            self._graphs[key] = g
+        return g
+
+    def logits_step(self, pos: int) -> GraphStep | EagerStep:
+        """Constrained decoding's first part of the step at pos: forward_logits for pos's span."""
+        span = self.span(pos)
+        return self._captured((("logits",), span), lambda: self.forward_logits(span), span - 1, ("step",))
+
+    def masked_sample_step(self, sampling: SamplingParams, logprobs: bool = False) -> GraphStep | EagerStep:
+        """Constrained decoding's second part of a step: sample_step(masked=True) for these
+        settings (logprobs: the variant that also writes logprobs_out; with penalties or a bias,
+        the variant that applies them)."""
+        params, penalties = sampling.unseeded(), sampling.penalized
+        groups = ("step", "sample") if params.temperature > 0 or penalties else ("step",)
+
+        def record() -> None:
+            self.sample_step(params, logprobs, masked=True, penalties=penalties)
+
+        return self._captured((("masked", params, logprobs, penalties), 0), record, 0, groups)
 
     def prepare(self, sampling: SamplingParams, positions: range) -> None:
         """Compile (or load from the kernel cache, pycalm.gpu.kernel_cache) and capture the token
@@ -649,13 +719,17 @@ class GpuEngine:
         sampling: SamplingParams,
         logprobs: int | None = None,
         prefix: list[int] | None = None,
+        constraint: object | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
         (its log-probability and the top k, computed in the token step from its logits:
         pycalm.kernels.logprobs). prefix: the tokens at positions 0 .. start_pos - 1 (cached),
-        which with ids make the prompt that sampling's repetition_penalty counts as seen."""
+        which with ids make the prompt that sampling's repetition_penalty counts as seen.
+        constraint (pycalm.app.constrain.Constraint): each token is sampled among the ids it
+        allows (_decode_constrained), and generation ends once it is finished."""
         check_logprobs(logprobs)
+        check_constraint(constraint, self.config.vocab_size)
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
         end = start_pos + len(ids)
@@ -664,17 +738,24 @@ class GpuEngine:
                 f"prompt of {len(ids)} tokens at position {start_pos} does not fit the context of {self.seq_len} tokens"
             )
         prompt = [*(prefix or []), *ids]  # repetition_penalty's seen tokens
-        if self.simple and (sampling.temperature > 0 or sampling.penalized):  # drawn on the host
+        host = sampling.temperature > 0 or sampling.penalized or constraint is not None
+        if self.simple and host:  # drawn on the host
             from pycalm.gpu.simple import generate_sampled
 
-            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs, prompt)
+            yield from generate_sampled(self, ids, start_pos, max_new, sampling, logprobs, prompt, constraint)
             return
         last = min(end - 1 + max_new, self.seq_len) - 1  # the last step's position
         # the prompt but its last token goes through the multi-token forward (pycalm.gpu.prefill)
         # where it takes the model, else through token steps: the first token step's position
         first = end - 1 if self.multi_token else start_pos
-        # every token step this call runs, captured before the state is set
-        steps = [self.graph(sampling, p, logprobs is not None) for p in range(first, last + 1)]
+        # every token step this call runs, captured before the state is set (with a constraint:
+        # the prompt's token steps, and the sampled positions' steps in two parts)
+        if constraint is None:
+            steps = [self.graph(sampling, p, logprobs is not None) for p in range(first, last + 1)]
+        else:
+            steps = [self.graph(sampling, p) for p in range(first, end - 1)]
+            forwards = [self.logits_step(p) for p in range(end - 1, last + 1)]
+            masked = self.masked_sample_step(sampling, logprobs is not None)
         if first > start_pos:
             self.prefill(ids[:-1], start_pos)
         feed = np.asarray(ids, np.int32)
@@ -692,9 +773,63 @@ class GpuEngine:
         self._set_state(int(ids[first - start_pos]), first, end)
         for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
+        if constraint is not None:
+            yield from self._decode_constrained(forwards, masked, end - 1, constraint, logprobs)
+            return
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end, logprobs)
+
+    def _decode_constrained(
+        self,
+        forwards: list[GraphStep | EagerStep],
+        masked: GraphStep | EagerStep,
+        pos: int,
+        constraint: object,
+        logprobs: int | None = None,
+    ) -> Iterator[int] | Iterator[TokenLogprobs]:
+        """Run the constrained token steps at positions pos, pos + 1, ..., yielding the token
+        each samples (with logprobs = k: its TokenLogprobs). The mask of step i + 1 depends on
+        token i, so the loop runs one step ahead: as soon as step i's masked sampling is
+        enqueued, so is step i + 1's forward (forwards[i + 1], which reads the token from the
+        state on the device); then the host waits for token i, moves the constraint on by it and
+        computes step i + 1's mask into a pinned buffer while the GPU runs that forward, copies
+        it to mask_dev and enqueues step i + 1's masked sampling (masked: the mask kernel, the
+        sampler, advance). The host's mask work overlaps the forward; the GPU waits only where
+        it takes longer. When the caller stops, the one forward enqueued past the last token
+        taken has written the KV row of a later position (rewritten before it is read) and left
+        the state alone: the state is what the last taken step left."""
+        eos = set(self.config.eos_ids)
+        from pycalm.kernels.logprobs import token_logprobs
+
+        s, ring, event, lp_ring = self.stream, self._tokens_host, self._token_events[0], self._logprobs_host
+        token_dev = self.state[STATE_TOKEN : STATE_TOKEN + 1]
+        if not forwards:
+            return
+        forwards[0].launch()  # step 0's logits
+        for i in range(len(forwards)):
+            # the allowed ids of token i, into the pinned buffer (token i - 1's copy has passed:
+            # the mask copy before it in the stream has too), then to the device
+            constraint.fill_mask(self._mask_host)
+            self.mask_dev.copy_to_device(self._mask_host, stream=s)
+            # token i = sample(logits with the disallowed ids at -inf); pos += 1
+            masked.launch()
+            token_dev.copy_to_host(ring[0:1], stream=s)
+            if logprobs is not None:  # (OUT_SIZE,) int32
+                self.logprobs_out.copy_to_host(lp_ring[0], stream=s)
+            event.record(s)
+            if i + 1 < len(forwards):
+                forwards[i + 1].launch()  # runs while the host works out the next mask
+            event.synchronize()  # token i is on the host
+            token = int(ring[0])
+            constraint.accept(token)
+            if self.finite_flag is not None and (
+                (i + 1) % FINITE_CHECK_EVERY == 0 or i + 1 == len(forwards) or token in eos
+            ):
+                self.raise_if_not_finite(pos)
+            yield token if logprobs is None else token_logprobs(lp_ring[0], token, logprobs)
+            if token in eos or constraint.finished:
+                return
 
     def _decode(
         self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int, logprobs: int | None = None

@@ -48,6 +48,7 @@ def walk_engine(spec: dict, walk: Walk) -> None:
             engine.forward(SamplingParams(temperature=temperature), span)
     engine.forward(SamplingParams(), engine.span(0), True)  # a request for logprobs adds their kernel
     engine.forward(SamplingParams(), engine.span(0), penalties=True)  # penalties or a bias: theirs
+    engine.sample_step(SamplingParams(), masked=True)  # constrained decoding adds the mask kernel
     walk.group = "prefill"
     if engine.multi_token:
         prefill = Prefill(engine, engine.prefill_chunk)

@@ -12,7 +12,7 @@ step can be captured as a CUDA graph and replayed. The graphs' edges are plain: 
 kernels do not wait for programmatic launches (pycalm.kernels.common.dependent_start).
 
 Sampling: at temperature 0 the step ends with the argmax kernel, as the fast step ends with
-its sampler. Above it, or with penalties or a logit bias, generate_sampled copies each step's logits to the host and draws the
+its sampler. Above it, with penalties or a logit bias, or under a constraint (whose mask is applied there too), generate_sampled copies each step's logits to the host and draws the
 token there with pycalm.cpu.sampler.Sampler (sample_ref, the specification), whose i-th coin is
 the i-th draw of default_rng(seed), the coin the fast engine's sampling kernel reads for the
 i-th sampled token: the same tokens for the same logits, one host round trip a token.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pycalm.cpu.reference import TokenLogprobs, logprobs_ref
+from pycalm.cpu.reference import TokenLogprobs, logprobs_ref, mask_logits_ref
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
@@ -222,16 +222,21 @@ def generate_sampled(
     sampling: SamplingParams,
     logprobs: int | None = None,
     prompt: list[int] | None = None,
+    constraint: object | None = None,
 ) -> Iterator[int] | Iterator[TokenLogprobs]:
-    """GpuEngine.generate at temperature > 0 or with penalties (e: the engine, the arguments
-    checked): the prompt but its last token through the prompt pass, then one greedy token step
-    a position, its logits read back and the token drawn on the host (see the module docstring),
-    the penalties and the bias applied there (Sampler.for_request over `prompt`, the whole
-    prompt). The state is left as generate leaves it: the last token taken, at the position
-    after it. With logprobs = k, each token's TokenLogprobs from the same logits on the host
-    (logprobs_ref, the model's: before the penalties)."""
-    if sampling.temperature <= 0 and not sampling.penalized:
-        raise PycalmError("generate_sampled draws at a temperature above 0 or with penalties")
+    """GpuEngine.generate at temperature > 0, with penalties or under a constraint (e: the
+    engine, the arguments checked): the prompt but its last token through the prompt pass, then
+    one greedy token step a position, its logits read back and the token drawn on the host (see
+    the module docstring), the penalties and the bias applied there (Sampler.for_request over
+    `prompt`, the whole prompt). The state is left as generate leaves it: the last token taken,
+    at the position after it. With logprobs = k, each token's TokenLogprobs from the same
+    logits on the host (logprobs_ref, the model's: before the penalties). With a constraint
+    (pycalm.app.constrain.Constraint), the logits are masked on the host first
+    (mask_logits_ref: the plain path's spec), and generation ends once it is finished."""
+    if sampling.temperature <= 0 and not sampling.penalized and constraint is None:
+        raise PycalmError(
+            "generate_sampled draws at a temperature above 0, with penalties or under a constraint"
+        )
     sampler = Sampler.for_request(sampling, prompt if prompt is not None else ids, e.config.vocab_size)
     end, eos = start_pos + len(ids), set(e.config.eos_ids)
     if len(ids) > 1:
@@ -240,10 +245,15 @@ def generate_sampled(
     try:
         for pos in range(end - 1, min(end - 1 + max_new, e.seq_len)):
             logits = e.logits(token, pos)  # a greedy step; its logits on the host
+            if constraint is not None:  # the ids the constraint does not allow to -inf
+                constraint.fill_mask(e._mask_host)
+                logits = mask_logits_ref(logits, e._mask_host)
             token = sampler.sample(logits)
+            if constraint is not None:
+                constraint.accept(token)
             taken += 1
             yield token if logprobs is None else logprobs_ref(logits, token, logprobs)
-            if token in eos:
+            if token in eos or (constraint is not None and constraint.finished):
                 return
     finally:
         if taken:  # the step left its own argmax in the state
