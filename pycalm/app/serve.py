@@ -2,7 +2,8 @@
 
 An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
 
-  POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not
+  POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not;
+                              tools (pycalm.app.tools)
   POST /v1/completions        a plain continuation of a prompt (text or token ids)
   POST /v1/embeddings         texts' vectors: the final hidden states pooled (mean or last
                               token: the request's "pooling", else --pooling), L2-normalised
@@ -24,6 +25,13 @@ listens, so /health answers 503 first) and then runs the requests in arrival ord
 queue; each request's text pieces cross to the event loop through a deque (Job). A client
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
+
+Chats take OpenAI's `tools` and `tool_choice` (auto, none; required and a named function: not
+yet), rendered by the model's chat template, and messages of role "tool" and assistant messages
+with `tool_calls`. The calls the model makes are parsed out of its text into the message's
+`tool_calls` (content None when there is no other text) with finish_reason "tool_calls";
+streamed, the text goes out as content deltas until a call, and each call as one `tool_calls`
+delta ({"index", "id", "type", "function": {"name", "arguments"}}) once it is complete.
 
 Embeddings take OpenAI's fields: `input` (a string, a list of strings, a list of token ids, or a
 list of such lists) and `encoding_format` ("float", or "base64": the float32 bytes, little-endian,
@@ -189,16 +197,17 @@ def parse_common(body: dict) -> Request:
     return Request(max_tokens, sampling, stop, stream, include_usage)
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """The chat's messages as [{"role", "content"}] with text content ("developer" is "system")."""
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    """The chat's messages as [{"role", "content"}] with text content ("developer" is "system");
+    an assistant's tool_calls and a tool result's tool_call_id kept (pycalm.app.tools)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{i}]: role must be system, user or assistant", "messages")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}]: role must be system, user, assistant or tool", "messages")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -211,8 +220,60 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}]: content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: object, i: int) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{"id", "type", "function": {"name",
+    "arguments"}}] with the arguments as JSON text (or an object)."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), str | dict)
+        for c in calls
+    )
+    if not ok:
+        raise BadRequest(
+            f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+            "messages",
+        )
+    return [
+        {
+            "id": str(c.get("id", "")),
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "{}")},
+        }
+        for c in calls
+    ]
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, str]:
+    """The chat's tools (None: none offered) and tool_choice (auto, none, required or a name)."""
+    from pycalm.app.tools import check_tool_choice, check_tools
+
+    tools = body.get("tools") or None
+    try:
+        tools = None if tools is None else check_tools(tools)
+    except PycalmError as e:
+        raise BadRequest(str(e), "tools") from None
+    try:
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except PycalmError as e:
+        raise BadRequest(str(e), "tool_choice") from None
+    if choice not in ("auto", "none"):
+        raise BadRequest(
+            "tool_choice 'required' and named functions are not supported yet (auto and none are)",
+            "tool_choice",
+            "unsupported_parameter",
+        )
+    return tools, choice
 
 
 def parse_prompt(body: dict) -> str | list[int]:
@@ -287,10 +348,11 @@ class Job:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     events: deque = field(
         default_factory=deque
-    )  # ("text", str) and ("logprobs", [TokenLogprobs])..., then ("done", Generation) or ("error", str)
+    )  # ("text", str), ("logprobs", [TokenLogprobs]), ("calls", [call])..., then ("done", Generation) or ("error", str)
     cancel: threading.Event = field(default_factory=threading.Event)
     woken: bool = False  # a wake-up is on its way to the loop
     embedding: Embedding | None = None  # an embeddings request (ids, max_tokens, request unused)
+    tool_parser: object | None = None  # a chat that offers tools: parses the calls (pycalm.app.tools)
 
     def emit(self, kind: str, value: object) -> None:  # on the worker thread
         self.events.append((kind, value))
@@ -389,9 +451,23 @@ class Worker(threading.Thread):
         with self.on_engine(job) as m:
             r = job.request
             gen = self.llm.start(
-                job.ids, job.max_tokens, r.sampling, r.stop, job.prime, job.cancel.is_set, logprobs=r.logprobs
+                job.ids,
+                job.max_tokens,
+                r.sampling,
+                r.stop,
+                job.prime,
+                job.cancel.is_set,
+                logprobs=r.logprobs,
+                tool_parser=job.tool_parser,
             )
             sent = 0  # the tokens whose logprobs were emitted
+            calls = 0  # the tool calls emitted
+
+            def emit_calls() -> None:  # the calls completed, after the text before them
+                nonlocal calls
+                if gen.tool_calls is not None and len(gen.tool_calls) > calls:
+                    job.emit("calls", gen.tool_calls[calls:])
+                    calls = len(gen.tool_calls)
 
             def emit_logprobs() -> None:  # the new tokens' logprobs, ahead of their text
                 nonlocal sent
@@ -401,8 +477,11 @@ class Worker(threading.Thread):
 
             for piece in gen:
                 emit_logprobs()
-                job.emit("text", piece)
+                if piece:
+                    job.emit("text", piece)
+                emit_calls()
             emit_logprobs()
+            emit_calls()
             m.requests += 1
             m.prompt_tokens += gen.prompt_tokens
             m.reused_tokens += gen.reused_tokens
@@ -502,7 +581,7 @@ def make_app(
             raise BadRequest("the body must be a JSON object")
         return body
 
-    def submit(ids: list[int], r: Request, prime: bool) -> Job:
+    def submit(ids: list[int], r: Request, prime: bool, tool_parser: object | None = None) -> Job:
         llm = worker.llm
         if len(ids) >= llm.seq_len:
             raise BadRequest(
@@ -512,7 +591,7 @@ def make_app(
             )
         room = llm.seq_len - len(ids)
         max_tokens = room if r.max_tokens is None else min(r.max_tokens, room)
-        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop())
+        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop(), tool_parser=tool_parser)
         worker.jobs.put(job)
         return job
 
@@ -534,8 +613,8 @@ def make_app(
         )
 
     async def events(job: Job, path: str) -> AsyncIterator[tuple[str, object]]:
-        """The job's events; the text pieces (and the tokens' logprobs) of one wake-up come as
-        one ("text", (text, [TokenLogprobs])). Leaving early (a client gone) cancels the job,
+        """The job's events; the text pieces (and the tokens' logprobs, and the tool calls completed)
+        of one wake-up come as one ("text", (text, [TokenLogprobs], [call])). Leaving early (a client gone) cancels the job,
         which the worker sees at its next token, and says so in a line."""
         ended = False  # the job's last event was taken
         try:
@@ -543,11 +622,12 @@ def make_app(
                 batch = await job.drain()
                 text = "".join(value for kind, value in batch if kind == "text")
                 lps = [lp for kind, value in batch if kind == "logprobs" for lp in value]
-                if text or lps:
-                    yield "text", (text, lps)
+                calls = [c for kind, value in batch if kind == "calls" for c in value]
+                if text or lps or calls:
+                    yield "text", (text, lps, calls)
                     await asyncio.sleep(STREAM_INTERVAL_S)
                 for kind, value in batch:
-                    if kind not in ("text", "logprobs"):
+                    if kind not in ("text", "logprobs", "calls"):
                         ended = True
                         yield kind, value
                         return
@@ -587,17 +667,24 @@ def make_app(
             r = parse_common(body)
             check_model(body)
             r.logprobs = parse_logprobs(body, chat)
-            for name, off in (("tools", (None, [])), ("echo", (None, False))):
-                _unsupported(body, name, off)
+            _unsupported(body, "echo", (None, False))
+            parser = None
             if chat:
-                ids = worker.llm.chat_ids(parse_messages(body))
+                from pycalm.app.tools import ToolCallParser
+
+                tools, choice = parse_tools(body)
+                offered = tools if choice != "none" else None
+                ids = worker.llm.chat_ids(parse_messages(body), offered)
+                if offered:
+                    parser = ToolCallParser(frozenset(t["function"]["name"] for t in offered))
             else:
+                _unsupported(body, "tools", (None, []))
                 _unsupported(body, "suffix", (None, ""))
                 prompt = parse_prompt(body)
                 ids = worker.llm.tokenize(prompt) if isinstance(prompt, str) else prompt
                 if any(not 0 <= t < worker.llm.config.vocab_size for t in ids):
                     raise BadRequest("a token id is outside the vocabulary", "prompt")
-            job = submit(ids, r, prime=not chat)
+            job = submit(ids, r, prime=not chat, tool_parser=parser)
         except BadRequest as e:
             return fail(e)
         except PycalmError as e:  # e.g. the chat template rejects the conversation
@@ -640,25 +727,32 @@ def make_app(
                 offset += len(text)
             return out
 
-        def choice(text: str | None, finish: str | None, lps: list | None = None) -> dict:
+        def choice(
+            text: str | None, finish: str | None, lps: list | None = None, calls: list | None = None
+        ) -> dict:
             logprobs = logprobs_of(lps)
             if not chat:
                 return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if r.stream:
-                delta = {} if text is None else {"content": text}
+                delta = {} if not text and (calls or text is None) else {"content": text}
+                if calls:  # each call whole, at its index among the reply's calls
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in calls]
                 out = {"index": 0, "delta": delta, "finish_reason": finish}
                 return out if logprobs is None or not lps else {**out, "logprobs": logprobs}
-            message = {"role": "assistant", "content": text}
+            from pycalm.app.tools import reply_message
+
+            message = reply_message(text, [c for _, c in calls or []])
             return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
         if not r.stream:
-            pieces, lps = [], []
+            pieces, lps, calls = [], [], []
             watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
             try:
                 async for kind, value in events(job, path):
                     if kind == "text":
                         pieces.append(value[0])
                         lps += value[1]
+                        calls += value[2]
                     elif kind == "error":
                         status = 503 if value == SHUTTING_DOWN else 500
                         return JSONResponse(error_body(value, "server_error"), status_code=status)
@@ -668,7 +762,9 @@ def make_app(
                         out = {
                             **head,
                             "object": obj,
-                            "choices": [choice("".join(pieces), value.finish_reason, lps)],
+                            "choices": [
+                                choice("".join(pieces), value.finish_reason, lps, list(enumerate(calls)))
+                            ],
                         }
                         return JSONResponse({**out, "usage": usage(value)})
             finally:
@@ -684,9 +780,12 @@ def make_app(
                 yield chunk(
                     [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
                 )
+            n_calls = 0
             async for kind, value in events(job, path):
                 if kind == "text":
-                    yield chunk([choice(value[0], None, value[1])])
+                    calls = list(enumerate(value[2], n_calls))
+                    n_calls += len(calls)
+                    yield chunk([choice(value[0], None, value[1], calls)])
                 elif kind == "error":
                     yield f"data: {json.dumps(error_body(value, 'server_error'))}\n\n"
                 else:
