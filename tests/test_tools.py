@@ -326,7 +326,7 @@ def qwen_server(qwen2_fp16, tmp_path_factory):
     with open(log, "w") as err:
         cmd = [sys.executable, "-m", "pycalm.serve", str(qwen2_fp16), "--port", str(port), "--device", "cpu"]
         proc = subprocess.Popen(
-            [*cmd, "-c", "1024"], stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
+            [*cmd, "-c", "1024", "--alias", "m"], stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
         )
     url = f"http://127.0.0.1:{port}"
     try:
