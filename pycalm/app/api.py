@@ -301,6 +301,9 @@ class LLM:
         prime: bool = True,
         logprobs: int | None = None,
         tool_parser: ToolCallParser | None = None,
+        response_format: dict | None = None,
+        grammar: str | None = None,
+        regex: str | None = None,
     ) -> str | Generation:
         """The continuation of `prompt` (text, encoded with the BOS, or token ids as they are).
 
@@ -313,11 +316,24 @@ class LLM:
         log-probability under the model (before temperature) and the k most likely tokens' in
         Generation.logprobs, which is then returned whole (its text in .text) when not streaming.
         tool_parser: the tool calls are parsed out of the text (LLM.chat's tools=, which sets it).
+        Constrained decoding (pycalm.app.constrain), one of: response_format, OpenAI's
+        {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}} (a JSON value valid against the schema); grammar, a Lark
+        grammar (llguidance's dialect, `%json {...}` embeds a schema); regex, a pattern the whole
+        output matches. Generation then stops once the output is complete (finish_reason "stop").
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         sampling = SamplingParams(temperature, top_k, top_p, min_p, _seed(seed))
+        constraint = self.constraint(response_format=response_format, grammar=grammar, regex=regex)
         gen = self.start(
-            ids, max_tokens, sampling, stop, prime=prime, logprobs=logprobs, tool_parser=tool_parser
+            ids,
+            max_tokens,
+            sampling,
+            stop,
+            prime=prime,
+            logprobs=logprobs,
+            constraint=constraint,
+            tool_parser=tool_parser,
         )
         if stream:
             return gen
@@ -333,8 +349,8 @@ class LLM:
     ) -> str | dict[str, Any] | Generation:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
-        seed, stop, stream, logprobs) as for generate, which runs it. A conversation that goes on turn
-        after turn reuses the cache of the turns before (only the new tokens are fed).
+        seed, stop, stream, logprobs, response_format, grammar, regex) as for generate, which runs it.
+        A conversation that goes on turn after turn reuses the cache of the turns before (only the new tokens are fed).
 
         tools: OpenAI's function tools ([{"type": "function", "function": {"name", "description",
         "parameters"}}]), offered to the model through its chat template; tool_choice: "auto"
@@ -368,6 +384,23 @@ class LLM:
             pass
         return gen if options.get("logprobs") is not None else gen.message
 
+    def constraint(
+        self, *, response_format: dict | None = None, grammar: str | None = None, regex: str | None = None
+    ) -> object | None:
+        """A fresh pycalm.app.constrain.Constraint for one generation over this model's vocabulary
+        (None where none of the three is given); a bad one is a PycalmError of one line."""
+        if response_format is None and grammar is None and regex is None:
+            return None
+        from pycalm.app.constrain import make_constraint
+
+        return make_constraint(
+            self.tokenizer,
+            response_format=response_format,
+            grammar=grammar,
+            regex=regex,
+            vocab_size=self.config.vocab_size,
+        )
+
     def start(
         self,
         ids: list[int],
@@ -378,6 +411,7 @@ class LLM:
         cancelled: Callable[[], bool] | None = None,
         logprobs: int | None = None,
         tool_parser: ToolCallParser | None = None,
+        constraint: object | None = None,
     ) -> Generation:
         """A Generation for prompt `ids` (what generate and chat return; the server calls it).
 
@@ -386,6 +420,7 @@ class LLM:
         asked after every token; True ends the generation there (finish_reason None).
         logprobs: k, the top logprobs each token lists in Generation.logprobs (None: none kept).
         tool_parser: parses the tool calls out of the text into Generation.tool_calls.
+        constraint: a fresh pycalm.app.constrain.Constraint (LLM.constraint) the tokens follow.
         Checks the arguments here, before the first piece is asked for.
         """
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -416,7 +451,7 @@ class LLM:
             tool_calls=None if tool_parser is None else [],
         )
         gen._pieces = self._pieces(
-            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, tool_parser
+            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint, tool_parser
         )
         self._active = gen
         return gen
@@ -431,6 +466,7 @@ class LLM:
         prime: bool,
         cancelled: Callable[[], bool] | None,
         logprobs: int | None = None,
+        constraint: object | None = None,
         tool_parser: ToolCallParser | None = None,
     ) -> Iterator[str]:
         common = 0
@@ -460,10 +496,13 @@ class LLM:
             return
         t0 = time.perf_counter()
         t_first = t0
+        options = {} if constraint is None else {"constraint": constraint}
         if logprobs is None:
-            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling)
+            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, **options)
         else:  # TokenLogprobs a token
-            tokens = self.engine.generate(ids[common:], common, max_tokens, sampling, logprobs=logprobs)
+            tokens = self.engine.generate(
+                ids[common:], common, max_tokens, sampling, logprobs=logprobs, **options
+            )
         try:
             for item in tokens:
                 t = item if logprobs is None else item.token
@@ -489,8 +528,8 @@ class LLM:
                 if text.stopped:
                     gen.finish_reason = "stop"
                     break
-            else:  # max_tokens, or the end of the context
-                gen.finish_reason = "length"
+            else:  # max_tokens, the end of the context, or a constraint's finished output
+                gen.finish_reason = "stop" if constraint is not None and constraint.finished else "length"
             piece = text.finish(decoder.flush)
             if tool_parser is None and piece:
                 yield piece

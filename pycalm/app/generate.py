@@ -8,15 +8,21 @@ and cached. Three modes:
   chat        -y SYSTEM: the model's own chat template, one user turn per stdin line
   perplexity  -x FILE: perplexity of the model on the text of FILE
 
+--json-schema FILE (a JSON schema) or --grammar FILE (a Lark grammar, llguidance's dialect)
+constrains the output of the prompt and chat modes (pycalm.app.constrain): every token is one
+the schema or grammar allows, and the text ends once it is complete.
+
 Environment: XDG_CACHE_HOME picks the cache folder's parent (default ~/.cache), as --cache-dir does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,10 +97,13 @@ def run_prompt(
     sampling: SamplingParams,
     timings: Timings,
     stops: list[str] | None = None,
+    constrain: Callable[[], object | None] = lambda: None,
 ) -> None:
     """Stream the continuation of `prompt` to stdout; it ends at an EOS, after `steps` tokens, at
     the end of the context, or where one of `stops` appears (that text and what follows are not
-    printed: a piece that could start one is held back until the next shows)."""
+    printed: a piece that could start one is held back until the next shows). constrain: makes
+    the generation's constraint (pycalm.app.constrain; None: free), which also ends it once
+    its output is complete."""
     stops = stops or []
     ids = tok.encode(prompt, add_bos=True)
     if not ids:
@@ -112,7 +121,8 @@ def run_prompt(
     eos = set(engine.config.eos_ids)
     stopped = False  # by an EOS or a stop string
     text = StopText(stops)
-    tokens = engine.generate(ids, 0, steps, sampling)
+    constraint = constrain()
+    tokens = engine.generate(ids, 0, steps, sampling, **_constrained(constraint))
     for t in tokens:
         t_last = time.perf_counter()
         t_first = t_first or t_last
@@ -126,6 +136,7 @@ def run_prompt(
             stopped = True
             break
     tokens.close()
+    stopped = stopped or (constraint is not None and constraint.finished)
     sys.stdout.write(text.finish(stream.flush) + "\n")
     sys.stdout.flush()  # the text before the timing line on stderr
     timings.add_turn(len(ids), t0, t_first, t_last if n else t0, n)
@@ -139,6 +150,11 @@ def run_prompt(
         )
 
 
+def _constrained(constraint: object | None) -> dict:
+    """engine.generate's keyword for a constraint (none for None)."""
+    return {} if constraint is None else {"constraint": constraint}
+
+
 def prepare(engine: object, sampling: SamplingParams, positions: range, timings: Timings) -> None:
     """Compile (or load from the kernel cache) and capture the GPU engine's token steps for
     these positions, timed apart from the prompt; the CPU engine has nothing to prepare."""
@@ -150,7 +166,13 @@ def prepare(engine: object, sampling: SamplingParams, positions: range, timings:
 
 
 def run_chat(
-    engine: object, tok: object, system: str, steps: int, sampling: SamplingParams, timings: Timings
+    engine: object,
+    tok: object,
+    system: str,
+    steps: int,
+    sampling: SamplingParams,
+    timings: Timings,
+    constrain: Callable[[], object | None] = lambda: None,
 ) -> None:
     prepare(engine, sampling, range(engine.seq_len), timings)
     messages = [{"role": "system", "content": system}] if system else []
@@ -179,7 +201,7 @@ def run_chat(
         reply: list[int] = []
         t0 = t_last = time.perf_counter()
         t_first = None
-        tokens = engine.generate(ids[common:], common, steps, sampling)
+        tokens = engine.generate(ids[common:], common, steps, sampling, **_constrained(constrain()))
         try:
             for t in tokens:
                 t_last = time.perf_counter()
@@ -369,6 +391,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="weight format when converting HF/GGUF (default fp16, lossless; q8 near-lossless and q4 smallest, both faster than fp8 / gf4 on a GPU); a pycalm file runs in its own",
     )
+    ap.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="structured output: the reply is JSON valid against the JSON schema in FILE ({} : any JSON object)",
+    )
+    ap.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="structured output: the reply follows the Lark grammar in FILE (llguidance's dialect; %%json {...} embeds a schema)",
+    )
     ap.add_argument("--cache-dir", help="where fetched and converted models are kept")
     ap.add_argument(
         "--check-finite",
@@ -405,6 +437,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("choose one of -i / -f (prompt), -y (chat) and -x (perplexity)")
     if "" in args.stop:
         ap.error("--stop: an empty stop string")
+    if args.json_schema is not None and args.grammar is not None:
+        ap.error("give one of --json-schema and --grammar")
+    if (args.json_schema is not None or args.grammar is not None) and args.perplexity is not None:
+        ap.error("--json-schema / --grammar constrain generation, not -x perplexity")
     # every number is checked here, before anything is fetched, converted or loaded
     problems = [
         (args.steps >= 0, f"-n/--steps {args.steps}: the tokens to generate must be 0 or more"),
@@ -425,6 +461,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _constrain_factory(
+    tok: object, vocab_size: int, schema: dict | None, grammar: str | None
+) -> Callable[[], object | None]:
+    """A function that makes a fresh constraint for each generation (--json-schema: the schema, {}
+    any JSON object; --grammar: the Lark grammar), or None without either flag."""
+    if schema is None and grammar is None:
+        return lambda: None
+    from pycalm.app.constrain import Constraint
+
+    if grammar is not None:
+        return lambda: Constraint.grammar(tok, grammar, vocab_size=vocab_size)
+    return lambda: Constraint.json_schema(tok, schema or None, vocab_size=vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
@@ -434,6 +484,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.file is not None:  # read before anything is fetched or loaded
             args.prompt = read_text(args.file, "prompt file")
+        schema = grammar = None
+        if args.json_schema is not None:
+            try:
+                schema = json.loads(read_text(args.json_schema, "JSON schema file"))
+            except ValueError as e:
+                raise PycalmError(f"{args.json_schema} is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise PycalmError(f"{args.json_schema}: a JSON schema is an object")
+        if args.grammar is not None:
+            grammar = read_text(args.grammar, "grammar file")
         from pycalm.model.loader import open_model
         from pycalm.model.tokenizer import Tokenizer
 
@@ -479,15 +539,17 @@ def main(argv: list[str] | None = None) -> int:
         timings.compile_processes = workers.processes if workers is not None else 0
         seed = args.seed if args.seed is not None else time.time_ns() % (2**31)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, seed)
+        constrain = _constrain_factory(tok, cfg.vocab_size, schema, grammar)
+        constrain()  # a schema or grammar that does not compile fails here, before any prompt
         if args.perplexity is not None:
             run_perplexity(engine, tok, args.perplexity)
         elif args.system is not None:
-            run_chat(engine, tok, args.system, args.steps, sampling, timings)
+            run_chat(engine, tok, args.system, args.steps, sampling, timings, constrain)
             timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
         else:
             prompt = args.prompt if args.prompt is not None else ""
-            run_prompt(engine, tok, prompt, args.steps, sampling, timings, args.stop)
+            run_prompt(engine, tok, prompt, args.steps, sampling, timings, args.stop, constrain)
             timings.compiled = kernel_cache.cached_kernels() - kernels_before if kernel_cache else 0
             log(timings.line(engine.device))
     except PycalmError as e:

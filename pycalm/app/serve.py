@@ -14,7 +14,11 @@ An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
 Requests take max_tokens, temperature, top_p, stop, seed, stream (and top_k, min_p beyond
 OpenAI's set), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
 `logprobs: k`; k up to 20): each token's log-probability under the model before temperature and
-the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens'; the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
+the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens';
+structured output (pycalm.app.constrain): `response_format` {"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, or pycalm's extension
+fields `grammar` (a Lark grammar, llguidance's dialect) or `regex` (the text matches it whole);
+the response's usage holds prompt_tokens, completion_tokens and, as OpenAI's
 prompt_tokens_details.cached_tokens, the prompt tokens whose keys and values were already in the
 KV cache (pycalm.app.api: the next turn of a chat feeds only its new tokens). Errors have OpenAI's
 shape, {"error": {"message", "type", "param", "code"}}: 400 for a bad request, 503 while the
@@ -139,6 +143,7 @@ class Request:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # the top logprobs each token lists; None: no logprobs
+    constraint: object | None = None  # pycalm.app.constrain.Constraint the tokens follow; None: free
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -159,6 +164,29 @@ def parse_logprobs(body: dict, chat: bool) -> int | None:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"'{name}' must be from 0 to {MAX_TOP_LOGPROBS}, not {k}", name)
     return k
+
+
+def parse_constraint(body: dict, llm: object) -> object | None:
+    """The request's constraint (None: none): OpenAI's response_format ({"type": "text"},
+    "json_object" or "json_schema"), or pycalm's extension fields `grammar` (a Lark grammar) or
+    `regex`; another response_format type, or a schema, grammar or regex that does not compile,
+    is a BadRequest."""
+    fmt = body.get("response_format")
+    if fmt is not None and (
+        not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema")
+    ):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise BadRequest(
+            f"response_format type must be text, json_object or json_schema, not {kind!r}", "response_format"
+        )
+    for name in ("grammar", "regex"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"'{name}' must be a string", name)
+    try:
+        return llm.constraint(response_format=fmt, grammar=body.get("grammar"), regex=body.get("regex"))
+    except PycalmError as e:
+        param = next((n for n in ("grammar", "regex") if body.get(n) is not None), "response_format")
+        raise BadRequest(str(e), param) from None
 
 
 def parse_common(body: dict) -> Request:
@@ -459,6 +487,7 @@ class Worker(threading.Thread):
                 job.cancel.is_set,
                 logprobs=r.logprobs,
                 tool_parser=job.tool_parser,
+                constraint=r.constraint,
             )
             sent = 0  # the tokens whose logprobs were emitted
             calls = 0  # the tool calls emitted
@@ -667,6 +696,7 @@ def make_app(
             r = parse_common(body)
             check_model(body)
             r.logprobs = parse_logprobs(body, chat)
+            r.constraint = parse_constraint(body, worker.llm)
             _unsupported(body, "echo", (None, False))
             parser = None
             if chat:

@@ -2,12 +2,15 @@
 
     engine.generate(ids, start_pos, max_new, sampling) -> iterator of new token ids
     engine.generate(..., logprobs=k) -> iterator of their TokenLogprobs (pycalm.cpu.reference)
+    engine.generate(..., constraint=c) -> only tokens that c (pycalm.app.constrain.Constraint) allows
     engine.logits(token, pos) -> (vocab_size,) float32
     engine.prefill_logits(ids, start_pos) -> iterator of (rows, vocab_size) float32 blocks
     engine.embed(ids, pooling, normalize) -> (dim,) float32, the text's embedding
 
 `generate` feeds `ids` at positions start_pos.. (the KV cache keeps what came before, so a chat
-goes on turn after turn), then samples up to `max_new` tokens, stopping after an EOS id.
+goes on turn after turn), then samples up to `max_new` tokens, stopping after an EOS id. With a
+constraint, each step's logits are masked to the ids it allows before sampling, the token moves
+it on, and generation also stops once it is finished (nothing but EOS may follow).
 
 The CPU engine feeds a prompt (all of it but its last token) through the reference's multi-token
 forward (ReferenceEngine.forward_rows) in chunks of `prefill_chunk` rows, as the GPU's prefill
@@ -34,10 +37,12 @@ from threadpoolctl import ThreadpoolController
 from pycalm.cpu.reference import (
     ReferenceEngine,
     TokenLogprobs,
+    check_constraint,
     check_logprobs,
     check_pooling,
     embed_pool_ref,
     logprobs_ref,
+    mask_logits_ref,
 )
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
@@ -151,11 +156,15 @@ class CpuEngine:
         max_new: int,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        constraint: object | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Feed ids at positions start_pos.., then sample up to max_new tokens, yielding each
         token id; with logprobs = k (0 to MAX_TOP_LOGPROBS), each token's TokenLogprobs instead
-        (logprobs_ref over the step's logits)."""
+        (logprobs_ref over the step's logits, masked where a constraint is given). constraint
+        (pycalm.app.constrain.Constraint): each step samples among the ids it allows
+        (mask_logits_ref), and generation ends once it is finished."""
         check_logprobs(logprobs)
+        check_constraint(constraint, self.config.vocab_size)
         self._check_fits(ids, start_pos)
         sampler = Sampler(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed)
         eos = set(self.config.eos_ids)
@@ -165,12 +174,19 @@ class CpuEngine:
         elif len(ids) > 1:
             self.prefill(ids[:-1], start_pos)
         pos, token = start_pos + len(ids) - 1, ids[-1]
+        if constraint is not None:
+            mask = np.zeros(-(-self.config.vocab_size // 32), np.uint32)  # (ceil(vocab_size / 32),)
         for _ in range(max_new):  # token steps, the first one feeding the prompt's last token
             if pos >= self.seq_len:
                 return
             logits = self.logits(token, pos)  # (vocab_size,)
+            if constraint is not None:  # the ids the constraint does not allow to -inf
+                constraint.fill_mask(mask)
+                logits = mask_logits_ref(logits, mask)
             token = sampler.sample(logits)
+            if constraint is not None:
+                constraint.accept(token)
             pos += 1
             yield token if logprobs is None else logprobs_ref(logits, token, logprobs)
-            if token in eos:
+            if token in eos or (constraint is not None and constraint.finished):
                 return

@@ -479,6 +479,26 @@ def moe_matvec_residual_ref(
 # do. At least one token is always kept. T == 0 is greedy: argmax, lowest id on ties.
 
 
+def mask_logits_ref(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Constrained decoding (pycalm.app.constrain): the logits (vocab_size,) with every id that
+    the bitmask `mask` (ceil(vocab_size / 32),) uint32 does not allow set to -inf; id i is allowed
+    where bit i % 32 of word i // 32 is set. Sampling then draws among the allowed ids only (an
+    -inf logit has probability 0; greedy takes the best allowed)."""
+    logits = np.asarray(logits, np.float32).reshape(-1)
+    ids = np.arange(len(logits))
+    allowed = (np.asarray(mask, np.uint32)[ids // 32] >> (ids % 32).astype(np.uint32)) & 1
+    return np.where(allowed == 1, logits, np.float32(-np.inf)).astype(np.float32)
+
+
+def check_constraint(constraint: object | None, vocab_size: int) -> None:
+    """A generation's constraint (pycalm.app.constrain.Constraint, or None) masks this model's
+    vocabulary: its mask has a bit for each of the vocab_size ids."""
+    if constraint is not None and constraint.vocab_size != vocab_size:
+        raise PycalmError(
+            f"the constraint masks {constraint.vocab_size} ids, the model has a vocabulary of {vocab_size}"
+        )
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     """Sampling options come from the command line: reject nonsense with a one-line message."""
     if not (temperature >= 0.0 and np.isfinite(temperature)):
