@@ -38,7 +38,10 @@ WEATHER = {
 }
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
 }
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
@@ -206,12 +209,12 @@ def test_template_without_tools_gets_them_hermes_style():
     )
 
 
-def test_real_templates_render_tools(qwen2_gguf_path, smollm2_gguf_path):
+def test_real_templates_render_tools(qwen_tok, smollm2_gguf_path):
     """The GGUFs' own templates: Qwen2.5's lists the tools and writes the call and the result in
     its tags; SmolLM2's knows no tools, so pycalm writes them in."""
     from pycalm.convert.gguf import read_gguf_tokenizer_fields
 
-    qwen = read_gguf_tokenizer_fields(qwen2_gguf_path)["tokenizer.chat_template"]
+    qwen = qwen_tok.chat_template
     smol = read_gguf_tokenizer_fields(smollm2_gguf_path)["tokenizer.chat_template"]
     assert tool_format(qwen) == "hermes" and template_knows_tools(qwen) and not template_knows_tools(smol)
     messages, tools = template_messages(TURNS, [WEATHER, TIME], True)
@@ -235,6 +238,54 @@ def test_real_templates_render_tools(qwen2_gguf_path, smollm2_gguf_path):
     messages, _ = template_messages(TURNS, [WEATHER], False)
     text = render_chat_template(smol, messages, True, "", "<|im_end|>")
     assert "<tools>\n" + json.dumps(WEATHER) in text and "<tool_response>\n18 C, sunny\n" in text
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(qwen2_gguf_path):
+    """Qwen2.5-Coder's tokenizer and chat template, from its GGUF."""
+    from pycalm.convert.gguf import gguf_special_ids, read_gguf_tokenizer_fields, tokenizer_json_from_gguf
+    from pycalm.model.tokenizer import Tokenizer
+
+    fields = read_gguf_tokenizer_fields(qwen2_gguf_path)
+    bos_id, eos_ids = gguf_special_ids(fields)
+    blob = tokenizer_json_from_gguf(fields).encode()
+    return Tokenizer.from_blob("tokenizers-json", blob, bos_id, eos_ids, fields["tokenizer.chat_template"])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3"])
+def test_tool_grammar_forces_the_model_form(qwen_tok, fmt):
+    """required and named: the grammar takes the model's own call text token by token (one call,
+    or several for required), and refuses another tool's name, arguments that break the schema,
+    free whitespace and text before the call."""
+    from pycalm.app.constrain import Constraint
+    from pycalm.app.tools import tool_grammar
+
+    tok = qwen_tok
+    key, wrap, sep = (
+        ("arguments", "<tool_call>\n{}\n</tool_call>", "\n")
+        if fmt == "hermes"
+        else ("parameters", "{}", "; ")
+    )
+    weather = wrap.format(f'{{"name": "get_weather", "{key}": {{"city": "Paris"}}}}')
+    clock = wrap.format(f'{{"name": "get_time", "{key}": {{}}}}')
+
+    def follows(choice: str, text: str) -> tuple[bool, bool]:
+        """(every token of `text` allowed, the output complete after it)"""
+        c = Constraint.grammar(tok, tool_grammar(fmt, [WEATHER, TIME], choice))
+        for t in tok.encode(text, add_bos=False):
+            if t not in set(c.allowed().tolist()):
+                return False, False
+            c.accept(t)
+        return True, c.accepting
+
+    assert follows("get_weather", weather) == (True, True)
+    assert follows("required", weather) == (True, True)
+    assert follows("required", weather + sep + clock) == (True, True)
+    assert follows("get_weather", weather + sep + clock)[0] is False  # one call of the named tool
+    assert follows("get_time", weather)[0] is False
+    assert follows("required", weather.replace('"Paris"', "12"))[0] is False  # city is a string
+    assert follows("required", weather.replace(": ", ":  ", 1))[0] is False
+    assert follows("required", "Sure! " + weather)[0] is False
 
 
 # ---- the Python API on a scripted engine -------------------------------------------------------
@@ -339,7 +390,8 @@ def qwen_server(qwen2_fp16, tmp_path_factory):
 
 def test_server_tool_call_and_result(qwen_server):
     """auto: the model calls get_weather (greedy), streamed the same; the next turns carry the
-    call and its result, and the model answers in words. Required and named choices: a 400."""
+    call and its result, and the model answers in words. required and named force calls where
+    the model would not call."""
     import openai
 
     client = openai.OpenAI(base_url=qwen_server + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -373,8 +425,27 @@ def test_server_tool_call_and_result(qwen_server):
     parts = client.chat.completions.create(messages=turns, stream=True, **greedy)
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == second.message.content
 
+    # required and named: the calls forced (here where the model would answer in words)
+    hello = [{"role": "user", "content": "Hello! Who are you?"}]
+    words = client.chat.completions.create(messages=hello, **{**greedy, "max_tokens": 4}).choices[0].message
+    assert not words.tool_calls and not words.content.lstrip().startswith(("<tool_call>", "{"))
+    tools = {"tools": [WEATHER, TIME], "max_tokens": 40}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    forced = client.chat.completions.create(messages=hello, **{**greedy, **tools, "tool_choice": named})
+    [call] = forced.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_time", "{}")
+    assert forced.choices[0].finish_reason == "tool_calls" and forced.choices[0].message.content is None
+    chunks = client.chat.completions.create(
+        messages=QUESTION, stream=True, **{**greedy, **tools, "tool_choice": "required"}
+    )
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls][:1] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+
     for bad, param in (
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required", "tools": None}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ):

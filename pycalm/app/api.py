@@ -354,15 +354,16 @@ class LLM:
 
         tools: OpenAI's function tools ([{"type": "function", "function": {"name", "description",
         "parameters"}}]), offered to the model through its chat template; tool_choice: "auto"
-        (the default: the model decides), "none" (the tools are not offered), "required" or
-        {"type": "function", "function": {"name": NAME}}. With tools the reply is OpenAI's
+        (the default: the model decides), "none" (the tools are not offered), "required" (one
+        call or more) or {"type": "function", "function": {"name": NAME}} (one call of it): these
+        two by constrained decoding, in the model's own call form (pycalm.app.tools.tool_grammar). With tools the reply is OpenAI's
         assistant message, {"role": "assistant", "content": text or None, "tool_calls": [...]}
         (tool_calls only when the model called some), which the next turn's messages take as
         it is, followed by {"role": "tool", "tool_call_id": ID, "content": RESULT} for each call;
         streamed (or with logprobs), a Generation whose pieces are the text and whose
         tool_calls and message fill in as the calls are made (pycalm.app.tools).
         """
-        from pycalm.app.tools import ToolCallParser, check_tool_choice, check_tools
+        from pycalm.app.tools import ToolCallParser, check_tool_choice, check_tools, tool_grammar
 
         if tools is None:
             if tool_choice not in (None, "none"):
@@ -372,8 +373,12 @@ class LLM:
         offered = tools if choice != "none" else None
         names = frozenset(t["function"]["name"] for t in tools)
         parser = ToolCallParser(names) if offered else None
-        if choice not in ("auto", "none"):
-            raise PycalmError(f"tool_choice {tool_choice!r} is not supported yet (auto and none are)")
+        if choice not in ("auto", "none"):  # the calls forced, in the model's own form
+            if any(options.get(k) is not None for k in ("response_format", "grammar", "regex")):
+                raise PycalmError(
+                    "tool_choice required or named goes with no response_format, grammar or regex"
+                )
+            options["grammar"] = tool_grammar(self.tool_format, tools, choice)
         stream = options.pop("stream", False)
         gen = self.generate(
             self.chat_ids(messages, offered), **options, stream=True, prime=False, tool_parser=parser
@@ -400,6 +405,13 @@ class LLM:
             regex=regex,
             vocab_size=self.config.vocab_size,
         )
+
+    def tool_constraint(self, tools: list[dict], choice: str) -> object:
+        """The Constraint that forces tool calls in this model's form (tool_choice "required"
+        or a tool's name; pycalm.app.tools.tool_grammar)."""
+        from pycalm.app.tools import tool_grammar
+
+        return self.constraint(grammar=tool_grammar(self.tool_format, tools, choice))
 
     def start(
         self,

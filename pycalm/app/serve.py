@@ -30,8 +30,8 @@ queue; each request's text pieces cross to the event loop through a deque (Job).
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 
-Chats take OpenAI's `tools` and `tool_choice` (auto, none; required and a named function: not
-yet), rendered by the model's chat template, and messages of role "tool" and assistant messages
+Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
+two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages
 with `tool_calls`. The calls the model makes are parsed out of its text into the message's
 `tool_calls` (content None when there is no other text) with finish_reason "tool_calls";
 streamed, the text goes out as content deltas until a call, and each call as one `tool_calls`
@@ -295,12 +295,6 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str]:
         choice = check_tool_choice(body.get("tool_choice"), tools)
     except PycalmError as e:
         raise BadRequest(str(e), "tool_choice") from None
-    if choice not in ("auto", "none"):
-        raise BadRequest(
-            "tool_choice 'required' and named functions are not supported yet (auto and none are)",
-            "tool_choice",
-            "unsupported_parameter",
-        )
     return tools, choice
 
 
@@ -707,6 +701,13 @@ def make_app(
                 ids = worker.llm.chat_ids(parse_messages(body), offered)
                 if offered:
                     parser = ToolCallParser(frozenset(t["function"]["name"] for t in offered))
+                if choice not in ("auto", "none"):  # the calls forced, in the model's own form
+                    if r.constraint is not None:
+                        raise BadRequest(
+                            "tool_choice required or named goes with no response_format, grammar or regex",
+                            "tool_choice",
+                        )
+                    r.constraint = worker.llm.tool_constraint(tools, choice)
             else:
                 _unsupported(body, "tools", (None, []))
                 _unsupported(body, "suffix", (None, ""))

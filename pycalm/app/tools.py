@@ -335,3 +335,38 @@ def reply_message(content: str, calls: list[dict] | None) -> dict[str, Any]:
         message["content"] = content.strip() or None
         message["tool_calls"] = calls
     return message
+
+
+# ---- required and named calls: a grammar of the model's own call syntax -----------------------
+
+# the JSON of a forced call: on one line, ", " and ": " between items (no free whitespace, which
+# a model can repeat without end), as pycalm.app.constrain writes JSON schemas
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_grammar(fmt: str, tools: list[dict], choice: str) -> str:
+    """The Lark grammar (llguidance's dialect, pycalm.app.constrain) that forces tool calls in the
+    model's own form: for "required", one or more calls of any of the tools; for a tool's name,
+    one call of it. A call is the JSON {"name": NAME, "arguments" (llama3: "parameters"): an
+    object valid against the tool's parameters schema}, inside <tool_call> tags for hermes."""
+    key = "parameters" if fmt == "llama3" else "arguments"
+    chosen = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object"}},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for f in chosen
+    ]
+    schema = {**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": _JSON_LAYOUT}
+    lines = [f"call_json: %json {json.dumps(schema)}"]
+    if fmt == "llama3":
+        lines.append("call: call_json")
+        more = '"; " call'
+    else:
+        lines.append(f"call: {json.dumps(CALL_START + chr(10))} call_json {json.dumps(chr(10) + CALL_END)}")
+        more = '"\\n" call'
+    lines.insert(0, "start: call" + (f" ({more})*" if choice == "required" else ""))
+    return "\n".join(lines) + "\n"
