@@ -6,13 +6,17 @@ A tool is OpenAI's {"type": "function", "function": {"name", "description", "par
 "arguments"}} with the arguments as JSON text. Chat templates get the tools as `tools=` (the
 transformers convention) and a call's arguments as an object, as transformers passes them.
 
-How a model writes a call is its own; pycalm reads it from the chat template, once a model:
+How a model writes a call is its own; pycalm reads it from the chat template, once a model, for
+tool_choice "required" and named calls (tool_grammar forces that form):
 
   hermes   <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>, one or more, maybe
            after some text (Qwen2.5, Hermes and the many templates that copy them).
   llama3   the whole reply is {"name": NAME, "parameters": {...}}, maybe after <|python_tag|>,
            several joined by ";" (Llama 3.1, 3.2: their templates speak of "parameters" and
            the "ipython" role).
+
+The parser (ToolCallParser) reads both forms whatever the model's, since models stray (Qwen2.5-
+Coder often writes a bare JSON call without its tags).
 
 A template that never mentions `tools` gets the hermes form all the same: pycalm writes the tools
 into the system message in Qwen2.5's words, and turns the conversation's calls and results into
