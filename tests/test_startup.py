@@ -75,7 +75,9 @@ def engine_with_fake_step(model, lookahead: int, seq_len: int = 40, eos: tuple[i
     engine.rows = np.full(seq_len, -1)
     vocab = engine.config.vocab_size
 
-    def forward(sampling: SamplingParams, span: int | None = None, logprobs: bool = False) -> None:
+    def forward(
+        sampling: SamplingParams, span: int | None = None, logprobs: bool = False, penalties: bool = False
+    ) -> None:
         state = engine.state.copy_to_host()
         feed = engine.feed.copy_to_host()
         token, pos = int(state[STATE_TOKEN]), int(state[STATE_POS])

@@ -43,9 +43,12 @@ from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 
 if TYPE_CHECKING:
+    from pycalm.app.tools import ToolCallParser
     from pycalm.cpu.reference import TokenLogprobs
 
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+# {"role": "system" | "user" | "assistant" | "tool", "content": text}; an assistant's may carry
+# "tool_calls" (OpenAI's shape), a tool's its "tool_call_id" (pycalm.app.tools)
+Message = dict[str, Any]
 MAX_CHOICES = 8  # the most continuations (n) one request asks for
 
 
@@ -171,6 +174,10 @@ class Generation:
     text: the text handed out so far. logprobs: when asked for (LLM.generate's logprobs=k), a
     TokenLogprobs (pycalm.cpu.reference) for each sampled token but an EOS, appended as each is
     made (before its text, which a stop string's check may hold back, is handed out); else None.
+    tool_calls: a chat offered tools (LLM.chat's tools=): the calls parsed out of the reply, in
+    OpenAI's shape, appended as each is complete (an empty piece marks it), their text kept out
+    of `text` (finish_reason "tool_calls" when the reply ends after them); else None. message:
+    the reply as OpenAI's assistant message (content, tool_calls), for the next turn's messages.
     """
 
     prompt_tokens: int
@@ -181,6 +188,7 @@ class Generation:
     decode_s: float = 0.0
     text: str = ""
     logprobs: list[TokenLogprobs] | None = None
+    tool_calls: list[dict] | None = None
     _pieces: Iterator[str] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[str]:
@@ -194,6 +202,12 @@ class Generation:
     def close(self) -> None:
         """Stop generating (at the token being made) and free the engine for the next request."""
         self._pieces.close()
+
+    @property
+    def message(self) -> dict[str, Any]:
+        from pycalm.app.tools import reply_message
+
+        return reply_message(self.text, self.tool_calls)
 
     @property
     def decode_tok_s(self) -> float:
@@ -266,6 +280,10 @@ class LLM:
         self.device = engine.device
         self._cached: list[int] = []  # token ids whose keys and values are in the cache, in order
         self._active: Generation | None = None
+        template = getattr(tokenizer, "chat_template", "")
+        from pycalm.app.tools import tool_format
+
+        self.tool_format = tool_format(template)  # how this model writes a tool call
 
     # ---- text <-> ids --------------------------------------------------------------------------
 
@@ -277,10 +295,16 @@ class LLM:
         """Text of `ids`, as the tokenizer library decodes it."""
         return self.tokenizer.decode(ids)
 
-    def chat_ids(self, messages: list[Message]) -> list[int]:
+    def chat_ids(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a conversation: the model's chat template, with the assistant's turn
-        opened."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        opened; `tools` (OpenAI's function tools) rendered by the template, or by pycalm where the
+        template knows none (pycalm.app.tools), as are the messages' calls and results."""
+        from pycalm.app.tools import template_knows_tools, template_messages
+
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+            knows = template_knows_tools(self.tokenizer.chat_template)
+            messages, tools = template_messages(messages, tools, knows)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_bos=False)
 
     # ---- generation ----------------------------------------------------------------------------
@@ -304,6 +328,7 @@ class LLM:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: dict[int, float] | None = None,
+        tool_parser: ToolCallParser | None = None,
         response_format: dict | None = None,
         grammar: str | None = None,
         regex: str | None = None,
@@ -318,6 +343,7 @@ class LLM:
         decodes it as text of its own (a chat reply). logprobs = k (0 to 20): each token's
         log-probability under the model (before temperature) and the k most likely tokens' in
         Generation.logprobs, which is then returned whole (its text in .text) when not streaming.
+        tool_parser: the tool calls are parsed out of the text (LLM.chat's tools=, which sets it).
         Constrained decoding (pycalm.app.constrain), one of: response_format, OpenAI's
         {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema":
         {"name": ..., "schema": {...}}} (a JSON value valid against the schema); grammar, a Lark
@@ -341,6 +367,8 @@ class LLM:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise PycalmError(f"n must be a whole number from 1 to {MAX_CHOICES}, not {n!r}")
+        if n > 1 and tool_parser is not None:
+            raise PycalmError("n > 1 does not go with tools (one choice a chat with tools)")
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         sampling = SamplingParams(
             temperature,
@@ -365,6 +393,7 @@ class LLM:
                 prime,
                 logprobs=logprobs,
                 constraint=constraint,
+                tool_parser=tool_parser,
             )
 
         def finished(gen: Generation) -> str | Generation:
@@ -380,14 +409,54 @@ class LLM:
         return gen if stream else finished(gen)
 
     def chat(
-        self, messages: list[Message], **options: Any
-    ) -> str | Generation | list[str] | list[Generation] | Iterator[Generation]:
+        self,
+        messages: list[Message],
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        **options: Any,
+    ) -> str | dict[str, Any] | Generation:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
         seed, stop, stream, logprobs, n, the penalties, logit_bias, response_format, grammar,
         regex) as for generate, which runs it. A conversation that goes on turn after turn reuses
-        the cache of the turns before (only the new tokens are fed)."""
-        return self.generate(self.chat_ids(messages), **options, prime=False)
+        the cache of the turns before (only the new tokens are fed).
+
+        tools: OpenAI's function tools ([{"type": "function", "function": {"name", "description",
+        "parameters"}}]), offered to the model through its chat template; tool_choice: "auto"
+        (the default: the model decides), "none" (the tools are not offered), "required" (one
+        call or more) or {"type": "function", "function": {"name": NAME}} (one call of it): these
+        two by constrained decoding, in the model's own call form (pycalm.app.tools.tool_grammar). With tools the reply is OpenAI's
+        assistant message, {"role": "assistant", "content": text or None, "tool_calls": [...]}
+        (tool_calls only when the model called some), which the next turn's messages take as
+        it is, followed by {"role": "tool", "tool_call_id": ID, "content": RESULT} for each call;
+        streamed (or with logprobs), a Generation whose pieces are the text and whose
+        tool_calls and message fill in as the calls are made (pycalm.app.tools).
+        """
+        from pycalm.app.tools import ToolCallParser, check_tool_choice, check_tools, tool_grammar
+
+        if tools is None:
+            if tool_choice not in (None, "none"):
+                raise PycalmError("tool_choice needs tools")
+            return self.generate(self.chat_ids(messages), **options, prime=False)
+        choice = check_tool_choice(tool_choice, check_tools(tools))
+        offered = tools if choice != "none" else None
+        names = frozenset(t["function"]["name"] for t in tools)
+        parser = ToolCallParser(names) if offered else None
+        if choice not in ("auto", "none"):  # the calls forced, in the model's own form
+            if any(options.get(k) is not None for k in ("response_format", "grammar", "regex")):
+                raise PycalmError(
+                    "tool_choice required or named goes with no response_format, grammar or regex"
+                )
+            options["grammar"] = tool_grammar(self.tool_format, tools, choice)
+        stream = options.pop("stream", False)
+        gen = self.generate(
+            self.chat_ids(messages, offered), **options, stream=True, prime=False, tool_parser=parser
+        )
+        if stream:
+            return gen
+        for _ in gen:
+            pass
+        return gen if options.get("logprobs") is not None else gen.message
 
     def constraint(
         self, *, response_format: dict | None = None, grammar: str | None = None, regex: str | None = None
@@ -406,6 +475,13 @@ class LLM:
             vocab_size=self.config.vocab_size,
         )
 
+    def tool_constraint(self, tools: list[dict], choice: str) -> object:
+        """The Constraint that forces tool calls in this model's form (tool_choice "required"
+        or a tool's name; pycalm.app.tools.tool_grammar)."""
+        from pycalm.app.tools import tool_grammar
+
+        return self.constraint(grammar=tool_grammar(self.tool_format, tools, choice))
+
     def start(
         self,
         ids: list[int],
@@ -415,6 +491,7 @@ class LLM:
         prime: bool = True,
         cancelled: Callable[[], bool] | None = None,
         logprobs: int | None = None,
+        tool_parser: ToolCallParser | None = None,
         constraint: object | None = None,
     ) -> Generation:
         """A Generation for prompt `ids` (what generate and chat return; the server calls it).
@@ -423,6 +500,7 @@ class LLM:
         the CLI's prompt mode does; else as text of its own, as its chat mode does. cancelled:
         asked after every token; True ends the generation there (finish_reason None).
         logprobs: k, the top logprobs each token lists in Generation.logprobs (None: none kept).
+        tool_parser: parses the tool calls out of the text into Generation.tool_calls.
         constraint: a fresh pycalm.app.constrain.Constraint (LLM.constraint) the tokens follow.
         Checks the arguments here, before the first piece is asked for.
         """
@@ -456,9 +534,13 @@ class LLM:
             )
         if self._active is not None:  # one generation at a time: an abandoned stream ends here
             self._active.close()
-        gen = Generation(prompt_tokens=len(ids), logprobs=None if logprobs is None else [])
+        gen = Generation(
+            prompt_tokens=len(ids),
+            logprobs=None if logprobs is None else [],
+            tool_calls=None if tool_parser is None else [],
+        )
         gen._pieces = self._pieces(
-            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint
+            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint, tool_parser
         )
         self._active = gen
         return gen
@@ -474,6 +556,7 @@ class LLM:
         cancelled: Callable[[], bool] | None,
         logprobs: int | None = None,
         constraint: object | None = None,
+        tool_parser: ToolCallParser | None = None,
     ) -> Iterator[str]:
         common = 0
         limit = min(len(ids) - 1, len(self._cached))  # feed at least one token
@@ -489,6 +572,14 @@ class LLM:
         eos = set(self.config.eos_ids)
         reply: list[int] = []
         text = StopText(stops)
+
+        def handed_out(events: list[tuple[str, Any]]) -> Iterator[str]:
+            """The tool parser's events as pieces: its text, and "" for a call (now in tool_calls)."""
+            for kind, value in events:
+                if kind == "call":
+                    gen.tool_calls.append(value)
+                yield value if kind == "content" else ""
+
         if max_tokens == 0:
             gen.finish_reason = "length"
             return
@@ -522,16 +613,24 @@ class LLM:
                 if gen.logprobs is not None:
                     gen.logprobs.append(item)
                 if piece := text.push(decoder.push(t)):
-                    yield piece
+                    if tool_parser is None:
+                        yield piece
+                    else:
+                        yield from handed_out(tool_parser.push(piece))
                 if text.stopped:
                     gen.finish_reason = "stop"
                     break
             else:  # max_tokens, the end of the context, or a constraint's finished output
                 gen.finish_reason = "stop" if constraint is not None and constraint.finished else "length"
-            if piece := text.finish(decoder.flush):
+            piece = text.finish(decoder.flush)
+            if tool_parser is None and piece:
                 yield piece
+            elif tool_parser is not None:
+                yield from handed_out(tool_parser.push(piece) + tool_parser.finish())
             if text.stopped:
                 gen.finish_reason = "stop"
+            if gen.tool_calls and gen.finish_reason == "stop":
+                gen.finish_reason = "tool_calls"
         finally:
             tokens.close()
             if reply:  # every prompt token was fed, and every sampled token but the last

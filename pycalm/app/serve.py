@@ -2,7 +2,8 @@
 
 An OpenAI-compatible API over one engine, on Starlette (ASGI) served by uvicorn:
 
-  POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not
+  POST /v1/chat/completions   the model's chat template; streaming (server-sent events) or not;
+                              tools (pycalm.app.tools)
   POST /v1/completions        a plain continuation of a prompt (text or token ids)
   POST /v1/embeddings         texts' vectors: the final hidden states pooled (mean or last
                               token: the request's "pooling", else --pooling), L2-normalised
@@ -31,6 +32,13 @@ listens, so /health answers 503 first) and then runs the requests in arrival ord
 queue; each request's text pieces cross to the event loop through a deque (Job). A client
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
+
+Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
+two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages
+with `tool_calls`. The calls the model makes are parsed out of its text into the message's
+`tool_calls` (content None when there is no other text) with finish_reason "tool_calls";
+streamed, the text goes out as content deltas until a call, and each call as one `tool_calls`
+delta ({"index", "id", "type", "function": {"name", "arguments"}}) once it is complete.
 
 Embeddings take OpenAI's fields: `input` (a string, a list of strings, a list of token ids, or a
 list of such lists) and `encoding_format` ("float", or "base64": the float32 bytes, little-endian,
@@ -267,16 +275,17 @@ def parse_logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ..
     return tuple(sorted(out))
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """The chat's messages as [{"role", "content"}] with text content ("developer" is "system")."""
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    """The chat's messages as [{"role", "content"}] with text content ("developer" is "system");
+    an assistant's tool_calls and a tool result's tool_call_id kept (pycalm.app.tools)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("system", "developer", "user", "assistant"):
-            raise BadRequest(f"messages[{i}]: role must be system, user or assistant", "messages")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise BadRequest(f"messages[{i}]: role must be system, user, assistant or tool", "messages")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -289,8 +298,54 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}]: content must be a string", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: object, i: int) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{"id", "type", "function": {"name",
+    "arguments"}}] with the arguments as JSON text (or an object)."""
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("function"), dict)
+        and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", "{}"), str | dict)
+        for c in calls
+    )
+    if not ok:
+        raise BadRequest(
+            f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+            "messages",
+        )
+    return [
+        {
+            "id": str(c.get("id", "")),
+            "type": "function",
+            "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "{}")},
+        }
+        for c in calls
+    ]
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, str]:
+    """The chat's tools (None: none offered) and tool_choice (auto, none, required or a name)."""
+    from pycalm.app.tools import check_tool_choice, check_tools
+
+    tools = body.get("tools") or None
+    try:
+        tools = None if tools is None else check_tools(tools)
+    except PycalmError as e:
+        raise BadRequest(str(e), "tools") from None
+    try:
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except PycalmError as e:
+        raise BadRequest(str(e), "tool_choice") from None
+    return tools, choice
 
 
 def parse_prompt(body: dict) -> str | list[int]:
@@ -363,12 +418,14 @@ class Job:
     prime: bool  # decode as the prompt's continuation (completions) or as a reply (chat)
     loop: asyncio.AbstractEventLoop
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # a completion's: ("start", i), ("text", (i, str)), ("logprobs", (i, [TokenLogprobs])) and
-    # ("finish", (i, Generation)) a choice i, then ("done", [Generation]) or ("error", str)
+    # a completion's: ("start", i), ("text", (i, str)), ("logprobs", (i, [TokenLogprobs])),
+    # ("calls", (i, [call])) and ("finish", (i, Generation)) a choice i, then ("done",
+    # [Generation]) or ("error", str)
     events: deque = field(default_factory=deque)
     cancel: threading.Event = field(default_factory=threading.Event)
     woken: bool = False  # a wake-up is on its way to the loop
     embedding: Embedding | None = None  # an embeddings request (ids, max_tokens, request unused)
+    tool_parser: object | None = None  # a chat that offers tools: parses the calls (pycalm.app.tools)
 
     def emit(self, kind: str, value: object) -> None:  # on the worker thread
         self.events.append((kind, value))
@@ -500,8 +557,15 @@ class Worker(threading.Thread):
             job.cancel.is_set,
             logprobs=r.logprobs,
             constraint=constraint,
+            tool_parser=job.tool_parser,
         )
-        sent = 0  # the tokens whose logprobs were emitted
+        sent = calls = 0  # the tokens whose logprobs were emitted, the tool calls emitted
+
+        def emit_calls() -> None:  # the calls completed, after the text before them
+            nonlocal calls
+            if gen.tool_calls is not None and len(gen.tool_calls) > calls:
+                job.emit("calls", (i, gen.tool_calls[calls:]))
+                calls = len(gen.tool_calls)
 
         def emit_logprobs() -> None:  # the new tokens' logprobs, ahead of their text
             nonlocal sent
@@ -512,8 +576,11 @@ class Worker(threading.Thread):
         job.emit("start", i)
         for piece in gen:
             emit_logprobs()
-            job.emit("text", (i, piece))
+            if piece:
+                job.emit("text", (i, piece))
+            emit_calls()
         emit_logprobs()
+        emit_calls()
         job.emit("finish", (i, gen))
         return gen
 
@@ -606,7 +673,7 @@ def make_app(
             raise BadRequest("the body must be a JSON object")
         return body
 
-    def submit(ids: list[int], r: Request, prime: bool) -> Job:
+    def submit(ids: list[int], r: Request, prime: bool, tool_parser: object | None = None) -> Job:
         llm = worker.llm
         if len(ids) >= llm.seq_len:
             raise BadRequest(
@@ -616,7 +683,7 @@ def make_app(
             )
         room = llm.seq_len - len(ids)
         max_tokens = room if r.max_tokens is None else min(r.max_tokens, room)
-        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop())
+        job = Job(ids, max_tokens, r, prime, asyncio.get_running_loop(), tool_parser=tool_parser)
         worker.jobs.put(job)
         return job
 
@@ -643,24 +710,27 @@ def make_app(
 
     async def events(job: Job, path: str) -> AsyncIterator[tuple[str, object]]:
         """The job's events in order; a choice's consecutive text pieces (and their tokens'
-        logprobs) of one wake-up come as one ("text", (i, text, [TokenLogprobs])). Leaving early
-        (a client gone) cancels the job, which the worker sees at its next token, and says so in
-        a line."""
+        logprobs, and the tool calls completed) of one wake-up come as one ("text", (i, text,
+        [TokenLogprobs], [call])). Leaving early (a client gone) cancels the job, which the
+        worker sees at its next token, and says so in a line."""
         ended = False  # the job's last event was taken
         try:
             while True:
                 batch = await job.drain()
                 merged: list[tuple[str, object]] = []
                 for kind, value in batch:
-                    if kind in ("text", "logprobs"):
+                    if kind in ("text", "logprobs", "calls"):
                         i, item = value
                         if not merged or merged[-1][0] != "text" or merged[-1][1][0] != i:
-                            merged.append(("text", (i, "", [])))
-                        _, text, lps = merged[-1][1]
-                        merged[-1] = (
-                            "text",
-                            (i, text + item, lps) if kind == "text" else (i, text, lps + item),
-                        )
+                            merged.append(("text", (i, "", [], [])))
+                        _, text, lps, calls = merged[-1][1]
+                        if kind == "text":
+                            text += item
+                        elif kind == "logprobs":
+                            lps = lps + item
+                        else:
+                            calls = calls + item
+                        merged[-1] = ("text", (i, text, lps, calls))
                     else:
                         merged.append((kind, value))
                 for kind, value in merged:
@@ -711,17 +781,33 @@ def make_app(
             r.sampling = replace(r.sampling, logit_bias=bias)
             r.constraint = parse_constraint(body, worker.llm)
             r.constraint_spec = constraint_spec(body)
-            for name, off in (("tools", (None, [])), ("echo", (None, False))):
-                _unsupported(body, name, off)
+            _unsupported(body, "echo", (None, False))
+            parser = None
             if chat:
-                ids = worker.llm.chat_ids(parse_messages(body))
+                from pycalm.app.tools import ToolCallParser
+
+                tools, choice = parse_tools(body)
+                offered = tools if choice != "none" else None
+                ids = worker.llm.chat_ids(parse_messages(body), offered)
+                if offered:
+                    if r.n > 1:
+                        raise BadRequest("n > 1 does not go with tools (one choice a chat with tools)", "n")
+                    parser = ToolCallParser(frozenset(t["function"]["name"] for t in offered))
+                if choice not in ("auto", "none"):  # the calls forced, in the model's own form
+                    if r.constraint is not None:
+                        raise BadRequest(
+                            "tool_choice required or named goes with no response_format, grammar or regex",
+                            "tool_choice",
+                        )
+                    r.constraint = worker.llm.tool_constraint(tools, choice)
             else:
+                _unsupported(body, "tools", (None, []))
                 _unsupported(body, "suffix", (None, ""))
                 prompt = parse_prompt(body)
                 ids = worker.llm.tokenize(prompt) if isinstance(prompt, str) else prompt
                 if any(not 0 <= t < worker.llm.config.vocab_size for t in ids):
                     raise BadRequest("a token id is outside the vocabulary", "prompt")
-            job = submit(ids, r, prime=not chat)
+            job = submit(ids, r, prime=not chat, tool_parser=parser)
         except BadRequest as e:
             return fail(e)
         except PycalmError as e:  # e.g. the chat template rejects the conversation
@@ -763,26 +849,38 @@ def make_app(
                 offsets[index] += len(text)
             return out
 
-        def choice(index: int, text: str | None, finish: str | None, lps: list | None = None) -> dict:
+        def choice(
+            index: int,
+            text: str | None,
+            finish: str | None,
+            lps: list | None = None,
+            calls: list | None = None,
+        ) -> dict:
             logprobs = logprobs_of(index, lps)
             if not chat:
                 return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             if r.stream:
-                delta = {} if text is None else {"content": text}
+                delta = {} if not text and (calls or text is None) else {"content": text}
+                if calls:  # each call whole, at its index among the reply's calls
+                    delta["tool_calls"] = [{"index": k, **c} for k, c in calls]
                 out = {"index": index, "delta": delta, "finish_reason": finish}
                 return out if logprobs is None or not lps else {**out, "logprobs": logprobs}
-            message = {"role": "assistant", "content": text}
+            from pycalm.app.tools import reply_message
+
+            message = reply_message(text, [c for _, c in calls or []])
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
         if not r.stream:
-            pieces, lps = [[] for _ in range(r.n)], [[] for _ in range(r.n)]  # a list a choice
+            # a list a choice
+            pieces, lps, calls = [[] for _ in range(r.n)], [[] for _ in range(r.n)], [[] for _ in range(r.n)]
             watch = asyncio.get_running_loop().create_task(abandoned(request, job, path))
             try:
                 async for kind, value in events(job, path):
                     if kind == "text":
-                        i, text, items = value
+                        i, text, items, made = value
                         pieces[i].append(text)
                         lps[i] += items
+                        calls[i] += made
                     elif kind == "error":
                         status = 503 if value == SHUTTING_DOWN else 500
                         return JSONResponse(error_body(value, "server_error"), status_code=status)
@@ -790,7 +888,9 @@ def make_app(
                         log(path, value)
                         obj = "chat.completion" if chat else "text_completion"
                         choices = [
-                            choice(i, "".join(pieces[i]), gen.finish_reason, lps[i])
+                            choice(
+                                i, "".join(pieces[i]), gen.finish_reason, lps[i], list(enumerate(calls[i]))
+                            )
                             for i, gen in enumerate(value)
                         ]
                         out = {**head, "object": obj, "choices": choices}
@@ -804,13 +904,16 @@ def make_app(
             def chunk(choices: list[dict], **extra: object) -> str:
                 return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
 
+            n_calls = [0] * r.n  # each choice's tool calls sent
             async for kind, value in events(job, path):
                 if kind == "start" and chat:  # a choice begins: its role
                     role = {"role": "assistant", "content": ""}
                     yield chunk([{"index": value, "delta": role, "finish_reason": None}])
                 elif kind == "text":
-                    i, text, items = value
-                    yield chunk([choice(i, text, None, items)])
+                    i, text, items, made = value
+                    calls = list(enumerate(made, n_calls[i]))
+                    n_calls[i] += len(made)
+                    yield chunk([choice(i, text, None, items, calls)])
                 elif kind == "finish":
                     i, gen = value
                     yield chunk([choice(i, None, gen.finish_reason)])

@@ -127,9 +127,15 @@ def _strftime_now(fmt: str) -> str:
 
 
 def render_chat_template(
-    template: str, messages: list[dict[str, str]], add_generation_prompt: bool, bos_token: str, eos_token: str
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+    tools: list[dict] | None = None,
 ) -> str:
-    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2)."""
+    """Render a Hugging Face chat template the way transformers does (sandboxed jinja2); `tools`
+    (OpenAI's function tools) go in as the template's `tools`, left undefined when None."""
     try:
         from jinja2.exceptions import TemplateError
         from jinja2.ext import loopcontrols
@@ -147,6 +153,7 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            **({} if tools is None else {"tools": tools}),
         )
     except TemplateError as e:
         raise PycalmError(f"chat template error: {e}") from None
@@ -348,13 +355,19 @@ class Tokenizer:
             return self._backend.id_to_token(token_id) or ""
         return self._backend.id_to_piece(token_id)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, from the model's template (ChatML if it has none)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text for a conversation, from the model's template (ChatML if it has none);
+        `tools` go to the template as its `tools` (pycalm.app.tools prepares them)."""
         if not self.chat_template:
             return chatml(messages, add_generation_prompt)
         bos = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
         eos = self.token_text(self.eos_ids[0]) if self.eos_ids else ""
-        return render_chat_template(self.chat_template, messages, add_generation_prompt, bos, eos)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, bos, eos, tools)
 
 
 def _decoder_types(decoder: dict[str, Any] | None) -> set[str]:
