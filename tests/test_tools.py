@@ -319,6 +319,7 @@ EOS = 0
 @dataclass
 class Config:
     eos_ids: tuple[int, ...] = (EOS,)
+    vocab_size: int = 0x110000  # the character tokenizer's ids
 
 
 class ScriptedEngine:
@@ -328,7 +329,7 @@ class ScriptedEngine:
         self.reply, self.config, self.seq_len, self.device = reply, Config(), 100_000, "cpu"
         self.prompts: list[list[int]] = []
 
-    def generate(self, ids, start_pos, max_tokens, sampling):
+    def generate(self, ids, start_pos, max_tokens, sampling, **options):
         self.prompts.append(list(ids))
         yield from ([ord(c) for c in self.reply] + [EOS])[:max_tokens]
 
