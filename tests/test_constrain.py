@@ -243,36 +243,10 @@ def test_gpu_engines_follow_the_constraint(tiny, tok):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     """python -m pycalm.serve on the tiny JSON-spelling model (the CPU engine); its URL."""
-    import subprocess
-    import sys
+    from test_serve import cpu_server
 
-    from test_cli import REPO, _env
-    from test_serve import _free_port, wait_healthy
-
-    port, log = _free_port(), tmp_path_factory.mktemp("constrain_serve") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pycalm.serve",
-        str(tiny),
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "-c",
-        "64",
-        "--alias",
-        "m",
-    ]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, 60)
+    with cpu_server(tiny, tmp_path_factory.mktemp("constrain_serve") / "server.log", 64) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_server_structured_output(server):

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import base64
 import re
-import socket
-import subprocess
-import sys
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from gpu import GPU
-from test_cli import REPO, _env
 from test_prefill import prefill_ref
-from test_serve import wait_healthy
+from test_serve import cpu_server
 from tiny_models import make_hf_llama
 
 import pycalm
@@ -230,33 +226,12 @@ def test_embed_errors(llm, texts, kwargs, message):
 # the server, with the openai client
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     """One server process for the module's tests, on the CPU engine, once it is ready."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve_embed") / "server.log"
-    args = [str(model_path), "--port", str(port), "--device", "cpu", "-c", str(SEQ_LEN), "--alias", "tiny"]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pycalm.serve", *args],
-            stdout=err,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-            cwd=REPO,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, 120)
+    with cpu_server(model_path, log, SEQ_LEN, alias="tiny", seconds=120) as url:
         yield {"url": url, "log": log}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu import GPU
-from test_serve import wait_healthy
 
 from pycalm.cpu.reference import MAX_TOP_LOGPROBS, logprobs_ref
 from pycalm.errors import PycalmError
@@ -123,11 +122,7 @@ def test_engine_generate_logprobs(tmp_path):
 def server(tmp_path_factory):
     """A real server process (python -m pycalm.serve, the CPU engine) on a tiny random model
     with a word-level tokenizer and a chat template (tests/tiny_models.py); its URL once loaded."""
-    import subprocess
-    import sys
-
-    from test_cli import REPO, _env
-    from test_serve import _free_port
+    from test_serve import cpu_server
     from tiny_models import make_hf_llama
 
     from pycalm.convert.main import convert
@@ -135,30 +130,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("logprobs_serve")
     tiny = make_hf_llama(tmp, dim=32, hidden_dim=48, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64)
     path = convert(tiny.path, tmp / "tiny.pycalm", "fp16", progress=False)
-    port, log = _free_port(), tmp / "server.log"
-    with open(log, "w") as err:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pycalm.serve",
-            str(path),
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "-c",
-            "64",
-            "--alias",
-            "m",
-        ]
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log, 60)
+    with cpu_server(path, tmp / "server.log", 64) as url:
         yield {"url": url, "path": path}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def _reference(path, prompt_ids: list[int], n: int, k: int) -> list:

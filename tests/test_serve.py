@@ -7,6 +7,7 @@ Greedy texts are checked against the CLI's and the Python API's for the same pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -46,6 +48,32 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cpu_server(
+    model: Path, log: Path, context: int, *args: str, alias: str = "m", seconds: float = 60
+) -> Iterator[str]:
+    """python -m pycalm.serve MODEL on the CPU engine (context `context`, `alias` beside the
+    model's name, any further `args`) on a free local port, its output in `log`; yields its URL
+    once it answers /health, and stops it after."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pycalm.serve", str(model), "--port", str(port), "--device", "cpu"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "-c", str(context), "--alias", alias, *args],
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log, seconds)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

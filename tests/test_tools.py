@@ -7,8 +7,6 @@ driven by the openai client: the model calls the tool, and a turn carrying the r
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -371,22 +369,12 @@ def test_llm_chat_with_tools():
 
 @pytest.fixture(scope="module")
 def qwen_server(qwen2_fp16, tmp_path_factory):
-    from test_cli import REPO, _env
-    from test_serve import _free_port, wait_healthy
+    from test_serve import cpu_server
 
-    port, log = _free_port(), tmp_path_factory.mktemp("tools_serve") / "server.log"
-    with open(log, "w") as err:
-        cmd = [sys.executable, "-m", "pycalm.serve", str(qwen2_fp16), "--port", str(port), "--device", "cpu"]
-        proc = subprocess.Popen(
-            [*cmd, "-c", "1024", "--alias", "m"], stdout=err, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
+    with cpu_server(
+        qwen2_fp16, tmp_path_factory.mktemp("tools_serve") / "server.log", 1024, seconds=120
+    ) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_server_tool_call_and_result(qwen_server):
