@@ -213,13 +213,14 @@ def alone(prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def test_scheduler_simulated_run():
+@pytest.mark.parametrize("seed, bs", [(7, 4), (8, 2), (9, 8)])
+def test_scheduler_simulated_run(seed, bs):
     """Requests arrive over time with random lengths and shared prefixes; a pool too small for all
     of them forces preemptions; random cancellations. Every step keeps the token budget and the
     invariants; every request ends (none lost), each output is what the request gives alone, no
     request stays at the head of the queue long, and the pool is whole at the end."""
-    rng = random.Random(7)
-    bs, n_blocks, max_seqs, budget = 4, 24, 6, 16
+    rng = random.Random(seed)
+    n_blocks, max_seqs, budget = 96 // bs, 6, 16  # 96 positions; a request takes up to 69
     m = BlockManager(n_blocks, bs)
     sched = Scheduler(m, max_seqs=max_seqs, token_budget=budget)
     pool = np.full(n_blocks * bs, -1, np.int64)  # (n_blocks * block_size,)

@@ -77,7 +77,7 @@ class Chunk:
     start: int
     tokens: list[int]
     sample: bool
-    table: list[int]
+    table: list[int]  # the manager's own list: read it before the next schedule()
 
     @property
     def prompt(self) -> bool:
@@ -141,6 +141,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # every request not finished, by id
         self.preemptions = 0
         self.arrivals = 0  # requests submitted so far
+        self.cancelled: set[int] = set()  # ids cancel() marked since the last schedule()
 
     def submit(self, request: Request) -> None:
         """Queue a request. Refuses one that could not fit in the pool even alone."""
@@ -163,6 +164,7 @@ class Scheduler:
         """End a request at the next schedule() (a client gone, a stop string seen)."""
         if (r := self.requests.get(request_id)) is not None:
             r.cancel_reason = reason
+            self.cancelled.add(request_id)
 
     def idle(self) -> bool:
         """No request waiting or running."""
@@ -173,7 +175,7 @@ class Scheduler:
     def schedule(self) -> Plan:
         """The next step's plan (see the module docstring)."""
         plan = Plan([])
-        for r in [r for r in self.requests.values() if r.cancel_reason is not None]:  # 1. cancellations
+        for r in [self.requests[i] for i in sorted(self.cancelled) if i in self.requests]:  # 1. cancellations
             if r.state == RUNNING:
                 self.running.remove(r)
                 self.blocks.free_seq(r.id)
@@ -181,6 +183,7 @@ class Scheduler:
                 self.waiting.remove(r)
             self._end(r, r.cancel_reason or "cancelled")
             plan.finished.append(r)
+        self.cancelled.clear()
 
         budget = self.token_budget
         i = 0
