@@ -7,6 +7,7 @@ modules import each other, directly or around a cycle (function-level imports co
     pycalm.convert    HF / GGUF conversion, q4 policy          (beside gpu: neither imports the other)
     pycalm.kernels    @cuda.jit kernels and their launchers
     pycalm.cpu        the NumPy reference (the spec), CPU engine, sampler
+    pycalm.batch      paged-KV block manager, continuous-batching scheduler   (beside cpu)
     pycalm.model      config, formats, the model file, tokenizer
     pycalm.errors, pycalm.paths
 """
@@ -22,6 +23,7 @@ LAYERS = {
     "paths": 0,
     "model": 1,
     "cpu": 2,
+    "batch": 2,
     "kernels": 3,
     "gpu": 4,
     "convert": 4,

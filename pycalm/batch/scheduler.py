@@ -1,0 +1,305 @@
+"""The continuous-batching scheduler: which sequences a step advances, and by how many tokens, as
+pure logic over a BlockManager (no engine calls, no device).
+
+A step alternates strictly: `schedule()` returns a Plan, an engine runs the plan as one pass and
+samples a token for each sequence the plan marks, and `finish_step(plan, sampled)` records them.
+
+schedule():
+  1. Cancellations (`cancel`, from any thread: a flag read here) take effect: a waiting request
+     leaves the queue, a running one frees its blocks.
+  2. Decode rows. Every running sequence that has fed all its known tokens but the last sampled
+     one gets one row, oldest first; its new position may need a block. When none is left, the
+     NEWEST running sequence is preempted: its blocks are freed (its computed full blocks stay in
+     the prefix cache, so the recompute often finds them) and it goes back to the head of the
+     waiting queue with its prompt and output, to be fed again as one longer prompt. The oldest
+     sequence thus always advances; a request that could never fit alone is refused at `submit`.
+  3. Prompt chunks (chunked prefill). The rest of the token budget goes to running sequences that
+     still have prompt to feed, oldest first, then to waiting requests in arrival order: the head
+     is admitted when its blocks fit beside one spare block per running sequence (a watermark:
+     each may cross a block boundary next step, and an admission that forces a preemption at
+     once wastes its prefill), while fewer than max_seqs run, and the budget has a token left. A
+     head that does not fit blocks the queue (strict FIFO: no later request overtakes it), so a
+     request waits at the head only until the running sequences ahead of it finish.
+
+finish_step(): every planned sequence's fed positions become computed (full blocks get their
+keys); a sampled token is appended to the request's output. The scheduler stops a request on its
+stop tokens (EOS) and at max_tokens (finish reasons "stop" and "length"); stop STRINGS need the
+detokenizer, so the caller detects them and calls `cancel(id, "stop")`.
+
+The waiting queue stays in arrival order (preempted requests are older than every waiting one),
+and the running list in admission order, so "newest" is the running list's last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pycalm.batch.blocks import BlockManager, OutOfBlocks
+from pycalm.errors import PycalmError
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: its prompt, its limits, and its state as the scheduler moves it."""
+
+    id: int
+    prompt: list[int]
+    max_tokens: int
+    stop_tokens: frozenset[int] = frozenset()  # token ids that end it (EOS), kept in the output
+    output: list[int] = field(default_factory=list)
+    state: str = WAITING
+    finish_reason: str | None = None  # "stop", "length" or "cancelled" (or the caller's reason)
+    computed: int = 0  # positions whose keys and values are written (while running)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    preemptions: int = 0
+    arrival: int = -1  # submit order, set by submit
+    cancel_reason: str | None = None  # set by cancel(): applied at the next schedule()
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then output: what a recompute feeds."""
+        return self.prompt + self.output
+
+
+@dataclass
+class Chunk:
+    """A sequence's rows in one step: tokens fed at positions start, start + 1, ...; `sample`
+    when the last row's logits give the sequence's next token (a prompt chunk that does not
+    reach the prompt's end samples nothing). `table` is its block table."""
+
+    seq: int  # request id
+    start: int
+    tokens: list[int]
+    sample: bool
+    table: list[int]  # the manager's own list: read it before the next schedule()
+
+    @property
+    def prompt(self) -> bool:
+        """A prompt chunk (several rows, or a row that is not the one decode row)."""
+        return len(self.tokens) > 1 or not self.sample
+
+
+@dataclass
+class Plan:
+    """One step: decode chunks (one row each) first, then prompt chunks; `finished` lists the
+    requests that ended while planning (cancelled)."""
+
+    chunks: list[Chunk]
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def n_rows(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    def arrays(self, max_blocks: int | None = None) -> dict[str, np.ndarray]:
+        """The plan as the arrays a pass reads: row r feeds tokens[r] at positions[r] of chunk
+        seq_of_row[r], whose block table is block_table[seq_of_row[r]] (padded with block 0,
+        which no row reads); sample_rows are the rows whose logits are sampled, in chunk order."""
+        n_rows, n_seqs = self.n_rows, len(self.chunks)
+        width = max_blocks or max((len(c.table) for c in self.chunks), default=0)
+        tokens = np.empty(n_rows, np.int32)  # (R,)
+        positions = np.empty(n_rows, np.int32)  # (R,)
+        seq_of_row = np.empty(n_rows, np.int32)  # (R,) index into chunks
+        block_table = np.zeros((n_seqs, width), np.int32)  # (S, max_blocks)
+        sample_rows = []
+        r = 0
+        for i, c in enumerate(self.chunks):
+            n = len(c.tokens)
+            tokens[r : r + n] = c.tokens
+            positions[r : r + n] = np.arange(c.start, c.start + n)
+            seq_of_row[r : r + n] = i
+            block_table[i, : len(c.table)] = c.table
+            if c.sample:
+                sample_rows.append(r + n - 1)
+            r += n
+        return {
+            "tokens": tokens,
+            "positions": positions,
+            "seq_of_row": seq_of_row,
+            "block_table": block_table,
+            "sample_rows": np.array(sample_rows, np.int32),  # (n_sampled,)
+        }
+
+
+class Scheduler:
+    """Continuous batching over a BlockManager: see the module docstring."""
+
+    def __init__(self, blocks: BlockManager, max_seqs: int, token_budget: int) -> None:
+        if token_budget < max_seqs:  # every running sequence's decode row fits, and a prefill token
+            raise ValueError(f"token budget {token_budget} is below max_seqs {max_seqs}")
+        self.blocks = blocks
+        self.max_seqs = max_seqs
+        self.token_budget = token_budget
+        self.waiting: deque[Request] = deque()  # arrival order
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.requests: dict[int, Request] = {}  # every request not finished, by id
+        self.preemptions = 0
+        self.arrivals = 0  # requests submitted so far
+        self.cancelled: set[int] = set()  # ids cancel() marked since the last schedule()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request. Refuses one that could not fit in the pool even alone."""
+        if request.id in self.requests:
+            raise ValueError(f"request {request.id} is already queued")
+        if not request.prompt or request.max_tokens < 1:
+            raise PycalmError("a request needs a prompt and max_tokens of at least 1")
+        positions = len(request.prompt) + request.max_tokens - 1  # the last token is sampled, never fed
+        if self.blocks.blocks_for(positions) > self.blocks.n_blocks:
+            raise PycalmError(
+                f"a prompt of {len(request.prompt)} tokens and {request.max_tokens} new ones need "
+                f"{self.blocks.blocks_for(positions)} KV blocks; the pool has {self.blocks.n_blocks}"
+            )
+        request.arrival = self.arrivals
+        self.arrivals += 1
+        self.requests[request.id] = request
+        self.waiting.append(request)
+
+    def cancel(self, request_id: int, reason: str = "cancelled") -> None:
+        """End a request at the next schedule() (a client gone, a stop string seen)."""
+        if (r := self.requests.get(request_id)) is not None:
+            r.cancel_reason = reason
+            self.cancelled.add(request_id)
+
+    def idle(self) -> bool:
+        """No request waiting or running."""
+        return not self.requests
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def schedule(self) -> Plan:
+        """The next step's plan (see the module docstring)."""
+        plan = Plan([])
+        for r in [self.requests[i] for i in sorted(self.cancelled) if i in self.requests]:  # 1. cancellations
+            if r.state == RUNNING:
+                self.running.remove(r)
+                self.blocks.free_seq(r.id)
+            else:
+                self.waiting.remove(r)
+            self._end(r, r.cancel_reason or "cancelled")
+            plan.finished.append(r)
+        self.cancelled.clear()
+
+        budget = self.token_budget
+        i = 0
+        while i < len(self.running):  # 2. decode rows, oldest first
+            r = self.running[i]
+            if len(r.tokens) - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
+                if len(self.blocks.seqs[r.id].tokens) < len(r.tokens) and not self._grow(r):
+                    break  # r itself was the newest and is preempted
+                plan.chunks.append(Chunk(r.id, r.computed, [r.tokens[-1]], True, self.blocks.table(r.id)))
+                budget -= 1
+            i += 1
+
+        for r in self.running:  # 3. prompt chunks of admitted sequences, oldest first
+            todo = len(r.tokens) - r.computed
+            if todo > 1 and budget > 0:
+                plan.chunks.append(self._chunk(r, min(todo, budget)))
+                budget -= len(plan.chunks[-1].tokens)
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:  # admissions, FIFO
+            r = self.waiting[0]
+            if not self.blocks.can_allocate(r.tokens, reserve=len(self.running)):
+                break
+            self.waiting.popleft()
+            cached = self.blocks.allocate(r.id, r.tokens)
+            if r.preemptions == 0:
+                r.cached_tokens = cached
+            r.state, r.computed = RUNNING, cached
+            self.running.append(r)
+            plan.chunks.append(self._chunk(r, min(len(r.tokens) - cached, budget)))
+            budget -= len(plan.chunks[-1].tokens)
+        return plan
+
+    def _chunk(self, r: Request, n: int) -> Chunk:
+        """r's next n tokens to feed; it samples when they reach r's last known token."""
+        end = r.computed + n
+        return Chunk(
+            r.id, r.computed, r.tokens[r.computed : end], end == len(r.tokens), self.blocks.table(r.id)
+        )
+
+    def _grow(self, r: Request) -> bool:
+        """Give r a slot for its last sampled token, preempting the newest running sequences
+        until one is free. False when r itself had to be preempted."""
+        while True:
+            try:
+                self.blocks.append(r.id, r.tokens[-1])
+                return True
+            except OutOfBlocks:
+                newest = self.running[-1]
+                self._preempt(newest)
+                if newest is r:
+                    return False
+
+    def _preempt(self, r: Request) -> None:
+        """Free r's blocks and put it back at the head of the waiting queue, to be recomputed."""
+        self.running.remove(r)
+        self.blocks.free_seq(r.id)
+        r.state, r.computed = WAITING, 0
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(r)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def finish_step(self, plan: Plan, sampled: Mapping[int, int]) -> list[Request]:
+        """Record a step: each planned sequence's fed rows are computed, and `sampled` maps each
+        sampling chunk's request id to its new token. Returns the requests that ended (stop token
+        or max_tokens); their blocks are freed, full ones staying in the prefix cache."""
+        done = []
+        for c in plan.chunks:
+            r = self.requests[c.seq]
+            r.computed = c.start + len(c.tokens)
+            self.blocks.computed(r.id, r.computed)
+            if not c.sample:
+                continue
+            token = sampled[c.seq]
+            r.output.append(token)
+            if token in r.stop_tokens or len(r.output) >= r.max_tokens:
+                self.running.remove(r)
+                self.blocks.free_seq(r.id)
+                self._end(r, "stop" if token in r.stop_tokens else "length")
+                done.append(r)
+        return done
+
+    def _end(self, r: Request, reason: str) -> None:
+        r.state, r.finish_reason = FINISHED, reason
+        del self.requests[r.id]
+
+    # -- metrics and invariants ----------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """What /metrics shows of the scheduler and its pool."""
+        b = self.blocks
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "preemptions": self.preemptions,
+            "kv_blocks_used": b.used,
+            "kv_blocks_free": b.free,
+            "kv_blocks_cached": b.cached,
+            "prefix_hit_rate": b.hit_rate,
+        }
+
+    def check(self, plan: Plan | None = None) -> None:
+        """Assert the scheduler's invariants and its pool's (tests call it each step)."""
+        self.blocks.check()
+        assert len(self.running) <= self.max_seqs
+        assert {r.id for r in self.running} == set(self.blocks.seqs), "running set and block owners differ"
+        assert {r.id for r in self.running} | {r.id for r in self.waiting} == set(self.requests)
+        order = [r.arrival for r in self.waiting]
+        assert order == sorted(order), "the waiting queue left arrival order"
+        assert all(r.arrival < self.waiting[0].arrival for r in self.running) if self.waiting else True
+        for r in self.running:
+            s = self.blocks.seqs[r.id]
+            assert r.computed == s.computed and s.tokens == r.tokens[: len(s.tokens)]
+            assert len(r.tokens) - len(s.tokens) <= 1
+        if plan is not None:
+            assert plan.n_rows <= self.token_budget
+            assert len({c.seq for c in plan.chunks}) == len(plan.chunks), "a sequence twice in a plan"
+            for c in plan.chunks:
+                assert c.start + len(c.tokens) <= len(self.blocks.seqs[c.seq].tokens), "a row without a slot"
