@@ -145,6 +145,24 @@ def test_chat_and_choices_in_the_batch(server, llm):
         assert (c.message.content, c.finish_reason) == ("".join(gen), gen.finish_reason)
 
 
+def test_logprobs_in_the_batch(server, llm):
+    """Completions with logprobs (k = 2) beside other requests: each token's logprob is the
+    Python API's for the request alone."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    rs = [{**r, "stream": False} for r in requests(4, seed=6)]
+    with ThreadPoolExecutor(8) as pool:
+        others = [pool.submit(served, client, r) for r in requests(4, seed=7)]
+        replies = list(pool.map(lambda r: client.completions.create(model="m", logprobs=2, **r), rs))
+        [f.result() for f in others]
+    for r, reply in zip(rs, replies, strict=True):
+        sampling = SamplingParams(temperature=r["temperature"], seed=r["seed"])
+        gen = llm.start(r["prompt"], r["max_tokens"], sampling, r.get("stop"), logprobs=2)
+        assert reply.choices[0].text == "".join(gen)
+        want = [lp.logprob for lp in gen.logprobs]
+        got = reply.choices[0].logprobs.token_logprobs
+        np.testing.assert_allclose(got[: len(want)], want, rtol=1e-6)
+
+
 def test_parallel_is_cpu_only():
     from pycalm.app.serve import parse_args
 
@@ -196,3 +214,50 @@ def test_soak(server, llm):
     assert m["kv_blocks_used"] == 0 and m["kv_blocks_free"] + m["kv_blocks_cached"] > 0
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     assert served(client, rs[0]) == alone(llm, rs[0])
+
+
+def test_shutdown_with_sequences_running_and_waiting(model, tmp_path):
+    """SIGINT with two sequences in the batch and one waiting for a place: every stream ends (what
+    it has, then [DONE]) and the process exits at once, with no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_cli import REPO, _env
+    from test_serve import _free_port, wait_healthy
+
+    port, log = _free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "pycalm.serve", str(model), "--port", str(port), "--device", "cpu"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "-c", "4096", "--parallel", "2"],
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log, 60)
+        ends: list[str] = []
+
+        def stream(seed: int) -> None:  # no EOS (its logit biased away): it runs until stopped
+            body = {"prompt": [1, 5, seed], "max_tokens": 4000, "stream": True, "logit_bias": {"2": -100}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+                ends.append(list(resp.iter_lines())[-2])
+
+        threads = [threading.Thread(target=stream, args=(s,)) for s in (7, 8, 9)]
+        for t in threads:
+            t.start()
+        while (m := metrics(url))["batch_running"] != 2 or m["batch_waiting"] != 1:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 10
+        for t in threads:
+            t.join(timeout=30)
+        assert ends == ["data: [DONE]"] * 3
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
