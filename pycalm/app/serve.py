@@ -33,6 +33,11 @@ queue; each request's text pieces cross to the event loop through a deque (Job).
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 
+--parallel N > 1 (the CPU engine only) replaces that worker with ParallelWorker: the jobs join
+one batch, up to N sequences at once (pycalm.app.batching: continuous batching over a paged KV
+cache with prefix caching), the same events going out the same way; a cancel flag takes its
+sequence out at the next step. /metrics adds the batch's gauges.
+
 Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
 two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages
 with `tool_calls`. The calls the model makes are parsed out of its text into the message's
