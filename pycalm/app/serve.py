@@ -33,6 +33,11 @@ queue; each request's text pieces cross to the event loop through a deque (Job).
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 
+--parallel N > 1 (the CPU engine only) replaces that worker with ParallelWorker: the jobs join
+one batch, up to N sequences at once (pycalm.app.batching: continuous batching over a paged KV
+cache with prefix caching), the same events going out the same way; a cancel flag takes its
+sequence out at the next step. /metrics adds the batch's gauges.
+
 Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
 two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages
 with `tool_calls`. The calls the model makes are parsed out of its text into the message's
@@ -478,6 +483,10 @@ class Worker(threading.Thread):
             return
         self.llm = llm
         self.on_loaded(llm, "")
+        self.serve()
+
+    def serve(self) -> None:
+        """The queued jobs in arrival order, one at a time, until the None that ends the queue."""
         while (job := self.jobs.get()) is not None:
             self.current = job  # before reading `stopping`: shutdown() reads them the other way round
             if self.stopping:
@@ -617,6 +626,166 @@ class Worker(threading.Thread):
             out += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
             out.append(f"pycalm_{name} {value:g}")
         return "\n".join(out) + "\n"
+
+
+class ParallelWorker(Worker):
+    """--parallel N: the CPU engine runs up to N requests at once through continuous batching
+    (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued meanwhile (a
+    choice of a job is a sequence of the batch; embeddings run between steps), then runs one
+    step; it waits on the queue only when nothing runs. A job ends ("done") when its last
+    choice has finished; a cancelled job (a client gone, or the shutdown) leaves the batch at the
+    next step with what it has."""
+
+    def __init__(
+        self,
+        load: Callable[[], object],
+        on_loaded: Callable[[object | None, str], None],
+        parallel: int,
+    ) -> None:
+        def load_cpu() -> object:
+            llm = load()
+            if llm.device != "cpu":
+                raise PycalmError(f"--parallel {parallel}: not yet on the GPU engine (use --device cpu)")
+            return llm
+
+        super().__init__(load_cpu, on_loaded)
+        self.parallel = parallel
+        self.runner: object | None = None  # the BatchRunner, once the model is loaded
+        self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
+        self.peak = 0  # the most sequences a step has run
+
+    def serve(self) -> None:
+        from pycalm.app.batching import BatchRunner
+
+        self.runner = runner = BatchRunner(self.llm, self.parallel)
+        ending = False
+        while not ending or not runner.idle():
+            try:
+                job = self.jobs.get(block=runner.idle() and not ending)
+            except queue.Empty:
+                job = False  # nothing new: step the batch
+            while job is not False:
+                if job is None:
+                    ending = True
+                else:
+                    self.start_job(job)
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            if not runner.idle():
+                self.step()
+
+    def start_job(self, job: Job) -> None:
+        """A queued job joins the batch (its choices as sequences), or answers at once."""
+        if self.stopping:
+            return job.emit("error", SHUTTING_DOWN)
+        if job.cancel.is_set():
+            return job.emit("error", CLIENT_GONE)
+        if job.embedding is not None:
+            return self.run_embedding(job)
+        r, gens = job.request, [None] * job.request.n
+
+        def emit(kind: str, value: object) -> None:
+            job.emit(kind, value)
+            if kind == "finish":
+                i, gen = value
+                gens[i] = gen
+                if all(g is not None for g in gens):
+                    self.end_job(job, gens)
+
+        self.active[id(job)] = (job, gens)
+        try:
+            for i in range(r.n):
+                constraint = (
+                    r.constraint
+                    if i == 0 or r.constraint is None
+                    else self.llm.constraint(**r.constraint_spec)
+                )
+                self.runner.add(
+                    job.ids,
+                    job.max_tokens,
+                    replace(r.sampling, seed=r.sampling.seed + i),
+                    emit,
+                    i,
+                    r.stop,
+                    job.prime,
+                    job.cancel.is_set,
+                    r.logprobs,
+                    constraint,
+                    job.tool_parser,
+                )
+        except PycalmError as e:
+            job.cancel.set()  # the choices queued already leave at the next step
+            self.active.pop(id(job), None)
+            job.emit("error", str(e))
+
+    def end_job(self, job: Job, gens: list) -> None:
+        """Every choice of the job has finished: its counts, and ("done", gens)."""
+        if self.active.pop(id(job), None) is None:  # it failed already
+            return
+        m = self.metrics
+        m.requests += 1
+        m.prompt_tokens += gens[0].prompt_tokens
+        m.reused_tokens += gens[0].reused_tokens
+        m.generated_tokens += sum(g.completion_tokens for g in gens)
+        if gens[0].completion_tokens > 1:
+            m.last_decode_tok_s = gens[0].decode_tok_s
+        job.emit("done", gens)
+
+    def step(self) -> None:
+        """One step of the batch; a bug ends the requests in it (an error each), not the server."""
+        m = self.metrics
+        t0 = time.perf_counter()
+        try:
+            self.runner.step()
+        except Exception as e:
+            traceback.print_exc()
+            from pycalm.app.batching import BatchRunner
+
+            for job, _ in list(self.active.values()):
+                job.cancel.set()
+                job.emit("error", f"internal error: {e}")
+            self.active.clear()
+            self.runner = BatchRunner(self.llm, self.parallel)  # a fresh pool: the old one's state is unknown
+        finally:
+            m.busy_s += time.perf_counter() - t0
+            m.running = len(self.runner.scheduler.running)
+            self.peak = max(self.peak, m.running)
+
+    def shutdown(self) -> None:
+        """The server is stopping (on the event loop): the running jobs stop at the next step and
+        answer with what they have; the queued ones answer with an error at once."""
+        super().shutdown()
+        for job, _ in list(self.active.values()):
+            job.cancel.set()
+
+    def metrics_text(self) -> str:
+        """The counters, and the batch's: running and waiting sequences, KV blocks, prefix hits."""
+        out = super().metrics_text()
+        if self.runner is None:
+            return out
+        rows = [
+            ("batch_running", "gauge", "Sequences in the batch.", "running"),
+            ("batch_running_peak", "gauge", "The most sequences a step has run.", "peak"),
+            ("batch_waiting", "gauge", "Sequences waiting for a place in the batch.", "waiting"),
+            ("batch_preemptions_total", "counter", "Sequences preempted for blocks.", "preemptions"),
+            ("kv_blocks_used", "gauge", "KV blocks held by sequences.", "kv_blocks_used"),
+            ("kv_blocks_free", "gauge", "KV blocks holding nothing.", "kv_blocks_free"),
+            ("kv_blocks_cached", "gauge", "KV blocks holding a reusable prefix.", "kv_blocks_cached"),
+            (
+                "prefix_cache_hit_rate",
+                "gauge",
+                "Share of prompt tokens from the prefix cache.",
+                "prefix_hit_rate",
+            ),
+        ]
+        values = {**self.runner.metrics(), "peak": self.peak}
+        lines = []
+        for name, kind, about, key in rows:
+            lines += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
+            lines.append(f"pycalm_{name} {values[key]:g}")
+        return out + "\n".join(lines) + "\n"
 
 
 # -------------------------------------------------------------------------------------------
@@ -1101,6 +1270,14 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     ap.add_argument("--draft-model", metavar="MODEL", help="the draft model of --speculate draft")
     ap.add_argument(
+        "--parallel",
+        "-np",
+        type=int,
+        default=1,
+        metavar="N",
+        help="CPU engine: run up to N requests at once by continuous batching (default 1: one at a time)",
+    )
+    ap.add_argument(
         "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
     )
     args = ap.parse_args(argv)
@@ -1115,6 +1292,12 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error(f"--draft-k {args.draft_k}: must be 1 to 63")
     if args.context < 2 or not 0 <= args.port < 65536:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
+    if args.parallel < 1:
+        ap.error(f"--parallel {args.parallel}: must be 1 or more")
+    if args.parallel > 1 and args.device == "gpu":
+        ap.error("--parallel > 1 is not yet on the GPU engine")
+    if args.parallel > 1 and args.speculate != "off":
+        ap.error("--parallel > 1 does not go with --speculate yet")
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads {args.threads}: must be 1 or more")
     return args
@@ -1165,7 +1348,10 @@ def main(argv: list[str] | None = None) -> int:
 
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
-    worker = Worker(load_model, on_loaded)
+    if args.parallel > 1:
+        worker = ParallelWorker(load_model, on_loaded, args.parallel)
+    else:
+        worker = Worker(load_model, on_loaded)
     app = make_app(
         worker,
         name,

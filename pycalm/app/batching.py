@@ -1,0 +1,249 @@
+"""Continuous batching on the CPU engine: the runner that drives the scheduler and the batched
+forward, and hands each request's text to its consumer (the server's --parallel N).
+
+    runner = BatchRunner(llm, max_seqs=8)
+    stream = runner.add(ids, max_tokens, sampling, emit, ...)   # from the runner's thread
+    while not runner.idle():
+        runner.step()
+
+A step: the streams whose consumer went away are cancelled; pycalm.batch.Scheduler plans the
+step (a decode row for every running sequence, prompt chunks in the rest of the token budget);
+pycalm.cpu.batched.BatchedCpuEngine runs the plan as one pass over the paged KV pool; each
+sampling row's token is drawn by its own request's Sampler (its temperature, top-k, top-p,
+penalties and seed: the j-th token of a request takes the j-th coin of its seed, as plain
+decoding does, whatever its batchmates and however often it is preempted); Scheduler.finish_step
+records the tokens; then each token goes through its request's detokenizer, stop strings
+(pycalm.app.api.StopText), constraint and tool-call parser as LLM.start's generation does, and
+the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
+sends: ("start", i), ("logprobs", (i, [TokenLogprobs])), ("text", (i, piece)), ("calls", (i,
+[call])) and ("finish", (i, Generation)).
+
+A request ends on an EOS ("stop"), a stop string or a finished constraint ("stop", or
+"tool_calls" after tool calls), at max_tokens ("length"), or when `cancelled()` turns true
+(finish_reason None); its blocks are freed at once (a stop string's at the next step), the full
+ones staying in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pycalm.app.api import Generation, StopText
+from pycalm.batch.blocks import BLOCK_SIZE, BlockManager
+from pycalm.batch.scheduler import Request, Scheduler
+from pycalm.cpu.batched import BatchedCpuEngine
+from pycalm.cpu.reference import logprobs_ref, mask_logits_ref
+from pycalm.cpu.sampler import Sampler, SamplingParams
+from pycalm.errors import PycalmError
+
+TOKEN_BUDGET = 256  # rows a step feeds at most: the decode rows, then prompt chunks; a larger
+# step makes the running sequences wait longer for their next token while a prompt is fed
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's consumer side: its sampler, its text on its way out, its Generation."""
+
+    request: Request
+    index: int  # the choice's index in its job (the events' i)
+    emit: Callable[[str, object], None]
+    sampler: Sampler
+    decoder: Any  # the tokenizer's streaming decoder
+    text: StopText
+    gen: Generation
+    cancelled: Callable[[], bool]
+    logprobs: int | None = None
+    constraint: Any = None  # pycalm.app.constrain.Constraint, or None
+    tool_parser: Any = None  # pycalm.app.tools.ToolCallParser, or None
+    t0: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+    done: bool = False
+
+
+class BatchRunner:
+    """Scheduler + BatchedCpuEngine + each request's sampler and text: see the module docstring.
+    Every method runs on one thread (the server's worker)."""
+
+    def __init__(
+        self,
+        llm: Any,
+        max_seqs: int,
+        n_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
+        token_budget: int | None = None,
+    ) -> None:
+        cpu = llm.engine
+        if getattr(cpu, "device", None) != "cpu" or not hasattr(cpu, "ref"):
+            raise PycalmError("--parallel: not yet on the GPU engine (nor with speculative decoding)")
+        self.llm = llm
+        self.seq_len = llm.seq_len
+        blocks_a_seq = -(-self.seq_len // block_size)
+        self.blocks = BlockManager(n_blocks or max_seqs * blocks_a_seq, block_size)
+        self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
+        self.engine = BatchedCpuEngine(cpu.ref, self.blocks.n_blocks, block_size, cpu.batch_invariant)
+        self.threads = cpu._threads  # BLAS at the CPU engine's thread count around each pass
+        self.eos = frozenset(llm.config.eos_ids)
+        self.streams: dict[int, Stream] = {}
+        self.next_id = 0
+
+    def idle(self) -> bool:
+        """No request waiting or running."""
+        return not self.streams
+
+    def add(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        emit: Callable[[str, object], None],
+        index: int = 0,
+        stop: list[str] | None = None,
+        prime: bool = True,
+        cancelled: Callable[[], bool] | None = None,
+        logprobs: int | None = None,
+        constraint: object | None = None,
+        tool_parser: object | None = None,
+    ) -> Stream:
+        """Queue a generation of up to max_tokens tokens after prompt `ids` (prime: its text
+        continues the prompt's, as LLM.start's); emits ("start", index) now and the rest as the
+        steps make it. Raises PycalmError for a prompt and max_tokens that do not fit the context."""
+        if not ids or len(ids) + max_tokens > self.seq_len + 1 or max_tokens < 1:
+            raise PycalmError(
+                f"a prompt of {len(ids)} tokens and {max_tokens} new ones do not fit the context of {self.seq_len}"
+            )
+        decoder = self.llm.tokenizer.stream()
+        if prime:  # the continuation's first space is kept
+            for t in ids:
+                decoder.push(t)
+            decoder.flush()
+        request = Request(self.next_id, list(ids), max_tokens, self.eos)
+        self.next_id += 1
+        stream = Stream(
+            request,
+            index,
+            emit,
+            Sampler.for_request(sampling, list(ids), self.llm.config.vocab_size),
+            decoder,
+            StopText(list(stop or [])),
+            Generation(
+                prompt_tokens=len(ids),
+                logprobs=None if logprobs is None else [],
+                tool_calls=None if tool_parser is None else [],
+            ),
+            cancelled or (lambda: False),
+            logprobs,
+            constraint,
+            tool_parser,
+        )
+        self.scheduler.submit(request)
+        self.streams[request.id] = stream
+        emit("start", index)
+        return stream
+
+    def step(self) -> None:
+        """One step: cancellations, the plan, the pass, each row's token sampled and handed out."""
+        for s in list(self.streams.values()):  # consumers gone: their rows leave at this schedule
+            if s.cancelled():
+                self._finish(s, None)
+        plan = self.scheduler.schedule()
+        for r in plan.finished:  # cancelled in schedule(): their streams have finished already
+            self.streams.pop(r.id, None)
+        if not plan.chunks:
+            return
+        a = plan.arrays()
+        with self.threads():
+            logits = self.engine.step(
+                a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"]
+            )  # (n_sampled, vocab_size)
+        now = time.perf_counter()
+        sampled, made = {}, []  # request id -> token; (stream, token, logits) to hand out
+        for c, row in zip([c for c in plan.chunks if c.sample], logits, strict=True):
+            s = self.streams[c.seq]
+            if s.constraint is not None:  # the ids the constraint does not allow to -inf
+                mask = np.zeros(-(-self.llm.config.vocab_size // 32), np.uint32)  # (ceil(vocab / 32),)
+                s.constraint.fill_mask(mask)
+                row = mask_logits_ref(row, mask)
+            token = s.sampler.sample(row)
+            if s.constraint is not None:
+                s.constraint.accept(token)
+            sampled[c.seq] = token
+            made.append((s, token, row))
+        ended = {r.id: r.finish_reason for r in self.scheduler.finish_step(plan, sampled)}
+        for s, token, row in made:
+            self._hand_out(s, token, row, now, ended.get(s.request.id))
+
+    def _hand_out(self, s: Stream, token: int, logits: np.ndarray, now: float, ended: str | None) -> None:
+        """A request's new token: its text (stop strings, tool calls) to the consumer; the
+        stream finishes on an EOS, a stop string, a finished constraint or max_tokens (`ended`:
+        the scheduler's reason when it ended the request)."""
+        gen = s.gen
+        if gen.completion_tokens == 0:
+            s.t_first = now
+            gen.prompt_s = now - s.t0
+        gen.decode_s = now - s.t_first
+        gen.completion_tokens += 1
+        if token in self.eos:
+            return self._finish(s, "stop")
+        if gen.logprobs is not None:
+            item = logprobs_ref(logits, token, s.logprobs)
+            gen.logprobs.append(item)
+            s.emit("logprobs", (s.index, [item]))
+        if piece := s.text.push(s.decoder.push(token)):
+            self._text(s, piece)
+        if s.text.stopped or (s.constraint is not None and s.constraint.finished):
+            self._finish(s, "stop")
+        elif ended is not None:
+            self._finish(s, ended)
+
+    def _text(self, s: Stream, piece: str) -> None:
+        """Text on its way out: through the tool parser when there is one."""
+        for out in self._pieces(s, piece):
+            if out:
+                s.gen.text += out
+                s.emit("text", (s.index, out))
+
+    def _pieces(self, s: Stream, piece: str, last: bool = False) -> Iterator[str]:
+        if s.tool_parser is None:
+            yield piece
+            return
+        events = s.tool_parser.push(piece) + (s.tool_parser.finish() if last else [])
+        for kind, value in events:
+            if kind == "call":
+                s.gen.tool_calls.append(value)
+                s.emit("calls", (s.index, [value]))
+            elif value:
+                yield value
+
+    def _finish(self, s: Stream, reason: str | None) -> None:
+        """End a stream: the held-back text out (unless cancelled), its finish event; its request
+        leaves the scheduler (at once, or at the next schedule() when it is still running)."""
+        if s.done:
+            return
+        s.done = True
+        gen = s.gen
+        if reason is not None:
+            piece = s.text.finish(s.decoder.flush)
+            for out in self._pieces(s, piece, last=True):
+                if out:
+                    gen.text += out
+                    s.emit("text", (s.index, out))
+            if s.text.stopped:
+                reason = "stop"
+            if gen.tool_calls and reason == "stop":
+                reason = "tool_calls"
+        gen.finish_reason = reason
+        gen.reused_tokens = s.request.cached_tokens
+        if s.request.id in self.scheduler.requests:
+            self.scheduler.cancel(s.request.id, reason or "cancelled")
+        else:
+            self.streams.pop(s.request.id, None)
+        s.emit("finish", (s.index, gen))
+
+    def metrics(self) -> dict[str, float]:
+        """The scheduler's and the pool's counts (Scheduler.metrics)."""
+        return self.scheduler.metrics()

@@ -1,0 +1,263 @@
+"""The server with --parallel N (continuous batching on the CPU engine, pycalm.app.batching) as a
+user runs it: a real process on a tiny random model (tests/tiny_models.py), driven by OpenAI's
+own client from many threads at once.
+
+The server runs with --batch-invariant, under which a row's logits are the token step's bits
+whatever its batchmates (pycalm.cpu.batched): every completion, greedy or seeded, streamed or
+not, must then be the text the Python API gives for the same request alone. The soak (slow) sends
+a few hundred short requests, some of whose clients go away mid-stream or time out, and checks
+that the others are answered whole and that the pool is whole again at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import pycalm
+from pycalm.cpu.sampler import SamplingParams
+
+CONTEXT = 128
+PARALLEL = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from tiny_models import make_hf_llama
+
+    from pycalm.convert.main import convert
+
+    tmp = tmp_path_factory.mktemp("parallel")
+    tiny = make_hf_llama(tmp, dim=32, hidden_dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64)
+    return convert(tiny.path, tmp / "tiny.pycalm", "fp16", progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    from test_serve import cpu_server
+
+    log = tmp_path_factory.mktemp("parallel_serve") / "server.log"
+    args = ("--parallel", str(PARALLEL), "--batch-invariant")
+    with cpu_server(model, log, CONTEXT, *args) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return pycalm.load(str(model), device="cpu", context=CONTEXT, batch_invariant=True)
+
+
+def requests(n: int, seed: int) -> list[dict]:
+    """n completion requests of random prompts (token ids) and lengths; a third sampled with a
+    seed, half streamed, some with a stop string."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = [int(t) for t in rng.integers(3, 64, int(rng.integers(1, 24)))]
+        r = {"prompt": prompt, "max_tokens": int(rng.integers(1, 20)), "stream": bool(i % 2)}
+        r["temperature"], r["seed"] = (0.9, int(rng.integers(1000))) if i % 3 == 0 else (0.0, 0)
+        if i % 5 == 0:
+            r["stop"] = [f"w{int(rng.integers(3, 20))}"]
+        out.append(r)
+    return out
+
+
+def alone(llm, r: dict) -> tuple[str, str]:
+    """The Python API's text and finish reason for request r, served alone."""
+    sampling = SamplingParams(temperature=r["temperature"], seed=r["seed"])
+    gen = llm.start(r["prompt"], r["max_tokens"], sampling, r.get("stop"), prime=True)
+    text = "".join(gen)
+    return text, gen.finish_reason
+
+
+def served(client: openai.OpenAI, r: dict) -> tuple[str, str]:
+    """The server's text and finish reason for request r, through the openai client."""
+    args = {k: v for k, v in r.items() if k != "stream"}
+    if not r["stream"]:
+        c = client.completions.create(model="m", **args).choices[0]
+        return c.text, c.finish_reason
+    text, finish = [], None
+    for chunk in client.completions.create(model="m", stream=True, **args):
+        for c in chunk.choices:
+            text.append(c.text)
+            finish = c.finish_reason or finish
+    return "".join(text), finish
+
+
+def metrics(url: str) -> dict[str, float]:
+    body = httpx.get(f"{url}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^pycalm_(\w+) (\S+)$", body, re.M)}
+
+
+def wait_drained(url: str, seconds: float = 20) -> dict[str, float]:
+    """/metrics once no sequence runs or waits and no block is held (the pool whole again)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = metrics(url)
+        if m["batch_running"] == m["batch_waiting"] == m["kv_blocks_used"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+def test_concurrent_requests_are_each_served_alone(server, llm):
+    """32 requests at once, greedy and seeded, streamed and not: each text and finish reason is
+    the Python API's for the request alone; then the pool is whole, the prefix cache used."""
+    rs = requests(32, seed=1)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    with ThreadPoolExecutor(len(rs)) as pool:
+        got = list(pool.map(lambda r: served(client, r), rs))
+    for r, g in zip(rs, got, strict=True):
+        assert g == alone(llm, r), r
+    m = wait_drained(server)
+    assert m["kv_blocks_free"] + m["kv_blocks_cached"] > 0 and m["requests_total"] >= len(rs)
+    assert m["batch_running_peak"] == PARALLEL  # the requests did share steps, up to --parallel
+    # a longest prompt again: its full blocks (16 positions) come from the prefix cache
+    again = {**max(rs, key=lambda r: len(r["prompt"])), "stream": False}
+    assert len(again["prompt"]) > 16
+    reply = client.completions.create(model="m", **{k: v for k, v in again.items() if k != "stream"})
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == alone(llm, again)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 16
+    assert metrics(server)["prefix_cache_hit_rate"] > 0
+
+
+def test_chat_and_choices_in_the_batch(server, llm):
+    """A chat with n = 3 choices (each its own sequence, choice i with seed + i) beside a stream of
+    completions: each choice is the Python API's chat reply with that seed."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "w5 w9 w11"}]
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(served, client, r) for r in requests(3, seed=2)]
+        reply = client.chat.completions.create(
+            model="m", messages=messages, n=3, max_tokens=12, temperature=0.8, seed=7
+        )
+        [f.result() for f in others]
+    ids = llm.chat_ids(messages)
+    for i, c in enumerate(reply.choices):
+        gen = llm.start(ids, 12, SamplingParams(temperature=0.8, seed=7 + i), prime=False)
+        assert (c.message.content, c.finish_reason) == ("".join(gen), gen.finish_reason)
+
+
+def test_logprobs_in_the_batch(server, llm):
+    """Completions with logprobs (k = 2) beside other requests: each token's logprob is the
+    Python API's for the request alone."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    rs = [{**r, "stream": False} for r in requests(4, seed=6)]
+    with ThreadPoolExecutor(8) as pool:
+        others = [pool.submit(served, client, r) for r in requests(4, seed=7)]
+        replies = list(pool.map(lambda r: client.completions.create(model="m", logprobs=2, **r), rs))
+        [f.result() for f in others]
+    for r, reply in zip(rs, replies, strict=True):
+        sampling = SamplingParams(temperature=r["temperature"], seed=r["seed"])
+        gen = llm.start(r["prompt"], r["max_tokens"], sampling, r.get("stop"), logprobs=2)
+        assert reply.choices[0].text == "".join(gen)
+        want = [lp.logprob for lp in gen.logprobs]
+        got = reply.choices[0].logprobs.token_logprobs
+        np.testing.assert_allclose(got[: len(want)], want, rtol=1e-6)
+
+
+def test_parallel_is_cpu_only():
+    from pycalm.app.serve import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--parallel", "2", "--device", "gpu"])
+    assert parse_args(["m"]).parallel == 1
+
+
+@pytest.mark.slow
+def test_soak(server, llm):
+    """300 short requests from 16 threads: a tenth of the streams dropped after their first
+    chunk, a tenth of the others given up by a client timeout; every other one is answered whole
+    (the first 40 checked against the Python API), the server still answers after, and the pool
+    is whole at the end."""
+    rs = requests(300, seed=3)
+    rng = np.random.default_rng(4)
+    fate = rng.choice(["whole", "drop", "timeout"], len(rs), p=[0.8, 0.1, 0.1])
+    answered, gone = [], 0
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal gone
+        r = rs[i]
+        if fate[i] == "drop" and r["stream"]:  # read one chunk, then close the connection
+            body = {**r, "model": "m"}
+            with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=30) as resp:
+                next(resp.iter_lines())
+            with lock:
+                gone += 1
+            return
+        timeout = 0.02 if fate[i] == "timeout" else 60
+        client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=timeout)
+        try:
+            got = served(client, r)
+        except (openai.APITimeoutError, openai.APIConnectionError):
+            assert fate[i] == "timeout"
+            with lock:
+                gone += 1
+            return
+        with lock:
+            answered.append((i, got))
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(len(rs))))
+    assert len(answered) + gone == len(rs) and len(answered) >= 0.7 * len(rs)
+    for i, got in sorted(answered)[:40]:
+        assert got == alone(llm, rs[i]), rs[i]
+    m = wait_drained(server)
+    assert m["kv_blocks_used"] == 0 and m["kv_blocks_free"] + m["kv_blocks_cached"] > 0
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    assert served(client, rs[0]) == alone(llm, rs[0])
+
+
+def test_shutdown_with_sequences_running_and_waiting(model, tmp_path):
+    """SIGINT with two sequences in the batch and one waiting for a place: every stream ends (what
+    it has, then [DONE]) and the process exits at once, with no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_cli import REPO, _env
+    from test_serve import _free_port, wait_healthy
+
+    port, log = _free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "pycalm.serve", str(model), "--port", str(port), "--device", "cpu"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "-c", "4096", "--parallel", "2"],
+            stdout=err,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=REPO,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log, 60)
+        ends: list[str] = []
+
+        def stream(seed: int) -> None:  # no EOS (its logit biased away): it runs until stopped
+            body = {"prompt": [1, 5, seed], "max_tokens": 4000, "stream": True, "logit_bias": {"2": -100}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+                ends.append(list(resp.iter_lines())[-2])
+
+        threads = [threading.Thread(target=stream, args=(s,)) for s in (7, 8, 9)]
+        for t in threads:
+            t.start()
+        while (m := metrics(url))["batch_running"] != 2 or m["batch_waiting"] != 1:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 10
+        for t in threads:
+            t.join(timeout=30)
+        assert ends == ["data: [DONE]"] * 3
+        assert "Traceback" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
