@@ -5,9 +5,9 @@
 
 The prompts are tests/data/speculative_prompts.json, three tasks: grounded (edit, refactor or
 summarise a text given in the prompt), chat (open questions) and code (completion of a code
-prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly and then
-speculatively on the same engine (a fresh call from position 0 each time). The table gives, per
-model, task, drafter and k:
+prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly (once) and then
+speculatively for each k, on the same engine (a fresh call from position 0 each time). The table
+gives, per model, task, drafter and k:
   * accept: the acceptance length, tokens a verification pass gives (1 to k + 1);
   * tok/fwd: tokens per forward of the target (passes and plain token steps): the speed-up
     where a pass of k + 1 rows costs a token step;
@@ -109,36 +109,41 @@ def main() -> int:
     print("| model | task | drafter | k | accept | tok/fwd | plain tok/s | spec tok/s | same |")
     print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
-        for k in ks:
-            plain_s = spec_s = 0.0
-            plain_n = spec_n = forwards = same = 0
-            options = SpeculationOptions(k=k, costs=costs)
-            parted = []
-            for i, prompt in enumerate(prompts[task][: args.prompts]):
-                ids = prompt_ids(llm, prompt)
-                plain, s = timed(engine, ids, args.new)
-                plain_s, plain_n = plain_s + s, plain_n + len(plain)
+        chosen = prompts[task][: args.prompts]
+        plain_s = 0.0
+        plain_n = 0
+        # per k: spec seconds, spec tokens, target forwards, prompts equal to plain, partings
+        rows_k = [[0.0, 0, 0, 0, []] for _ in ks]
+        options_k = [SpeculationOptions(k=k, costs=costs) for k in ks]
+        for i, prompt in enumerate(chosen):
+            ids = prompt_ids(llm, prompt)
+            plain, s = timed(engine, ids, args.new)  # once a prompt, against every k
+            plain_s, plain_n = plain_s + s, plain_n + len(plain)
+            for row, options in zip(rows_k, options_k, strict=True):
                 drafter = (
                     NgramDrafter() if args.drafter == "ngram" else make_drafter("draft", engine, draft_engine)
                 )
                 spec_engine = SpeculativeEngine(engine, drafter, options)
                 before = options.stats.passes + options.stats.plain_tokens
                 spec, s = timed(spec_engine, ids, args.new)
-                spec_s, spec_n = spec_s + s, spec_n + len(spec)
-                forwards += options.stats.passes + options.stats.plain_tokens - before
+                row[0] += s
+                row[1] += len(spec)
+                row[2] += options.stats.passes + options.stats.plain_tokens - before
                 if spec == plain:
-                    same += 1
+                    row[3] += 1
                 else:
                     at = next(
                         (j for j, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b),
                         min(len(plain), len(spec)),
                     )
-                    parted.append(f"{task}[{i}] parts at token {at}")
+                    row[4].append(f"{task}[{i}] parts at token {at} (k {options.k or 'adaptive'})")
+        for k, row, options in zip(ks, rows_k, options_k, strict=True):
+            spec_s, spec_n, forwards, same, parted = row
             st = options.stats
             print(
                 f"| {name} | {task} | {args.drafter} | {k or 'adaptive'} | {st.acceptance_length:.2f} | "
                 f"{spec_n / max(forwards, 1):.2f} | {plain_n / plain_s:.1f} | {spec_n / spec_s:.1f} | "
-                f"{same}/{min(args.prompts, len(prompts[task]))} |",
+                f"{same}/{len(chosen)} |",
                 flush=True,
             )
             for line in parted:
