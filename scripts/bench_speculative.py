@@ -16,6 +16,8 @@ gives, per model, task, drafter and k:
   * same: prompts whose speculative tokens are plain decoding's (a near tie between the rows
     pass's logits and the token step's can part them without --batch-invariant; each such
     prompt is listed).
+Under each row a line gives the counts behind it: tokens, passes, drafts checked and kept, the
+passes' tokens, and plain token steps (where the drafter had nothing to propose).
 Acceptance length does not depend on the device: measure it on the CPU engine (--device cpu,
 --threads for its BLAS), and tok/s on the GPU (--device gpu).
 """
@@ -113,7 +115,7 @@ def main() -> int:
         plain_s = 0.0
         plain_n = 0
         # per k: spec seconds, spec tokens, target forwards, prompts equal to plain, partings
-        rows_k = [[0.0, 0, 0, 0, []] for _ in ks]
+        rows_k: list[list] = [[0.0, 0, 0, 0, []] for _ in ks]
         options_k = [SpeculationOptions(k=k, costs=costs) for k in ks]
         for i, prompt in enumerate(chosen):
             ids = prompt_ids(llm, prompt)
@@ -144,6 +146,11 @@ def main() -> int:
                 f"| {name} | {task} | {args.drafter} | {k or 'adaptive'} | {st.acceptance_length:.2f} | "
                 f"{spec_n / max(forwards, 1):.2f} | {plain_n / plain_s:.1f} | {spec_n / spec_s:.1f} | "
                 f"{same}/{len(chosen)} |",
+                flush=True,
+            )
+            print(
+                f"  {task} k {k or 'adaptive'}: {spec_n} tokens, {st.passes} passes ({st.drafted} drafts, "
+                f"{st.kept} kept, {st.pass_tokens} tokens), {st.plain_tokens} plain token steps",
                 flush=True,
             )
             for line in parted:
