@@ -1,13 +1,14 @@
 """Speculative decoding against plain decoding: acceptance length and tok/s, a row per task.
 
-    python scripts/bench_speculative.py MODEL [--device cpu|gpu] [--drafter ngram|draft]
-        [--draft-model MODEL] [--k 4,adaptive] [--new 64] [--prompts 2] [--tasks grounded,chat,code]
+    python scripts/bench_speculative.py MODEL [--device cpu|gpu] [--drafter ngram|draft|ngram,draft]
+        [--draft-model MODEL] [--k 4,adaptive] [--draft-k 4,6] [--new 64] [--prompts 2]
+        [--tasks grounded,chat,code]
 
 The prompts are tests/data/speculative_prompts.json, three tasks: grounded (edit, refactor or
 summarise a text given in the prompt), chat (open questions) and code (completion of a code
-prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly and then
-speculatively on the same engine (a fresh call from position 0 each time). The table gives, per
-model, task, drafter and k:
+prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly (once) and then
+speculatively for each k, on the same engine (a fresh call from position 0 each time). The table
+gives, per model, task, drafter and k:
   * accept: the acceptance length, tokens a verification pass gives (1 to k + 1);
   * tok/fwd: tokens per forward of the target (passes and plain token steps): the speed-up
     where a pass of k + 1 rows costs a token step;
@@ -16,6 +17,8 @@ model, task, drafter and k:
   * same: prompts whose speculative tokens are plain decoding's (a near tie between the rows
     pass's logits and the token step's can part them without --batch-invariant; each such
     prompt is listed).
+Under each row a line gives the counts behind it: tokens, passes, drafts checked and kept, the
+passes' tokens, and plain token steps (where the drafter had nothing to propose).
 Acceptance length does not depend on the device: measure it on the CPU engine (--device cpu,
 --threads for its BLAS), and tok/s on the GPU (--device gpu).
 """
@@ -62,9 +65,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--drafter", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument(
+        "--drafter", default="ngram", help="ngram, draft or both (ngram,draft): one plain run for both"
+    )
     ap.add_argument("--draft-model")
     ap.add_argument("--k", default="4,adaptive", help="comma-separated k values; 'adaptive' for AdaptiveK")
+    ap.add_argument("--draft-k", help="the draft model's k values where they differ from --k")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=2, help="prompts a task")
     ap.add_argument("--tasks", default="grounded,chat,code")
@@ -73,6 +79,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
+    drafters = args.drafter.split(",")
+    if not drafters or any(d not in ("ngram", "draft") for d in drafters):
+        ap.error(f"--drafter: ngram, draft or ngram,draft, not {args.drafter!r}")
 
     import pycalm
 
@@ -86,7 +95,7 @@ def main() -> int:
     )
     engine = llm.engine
     draft_engine = None
-    if args.drafter == "draft":
+    if "draft" in drafters:
         draft = pycalm.load(
             args.draft_model,
             device=args.device,
@@ -97,48 +106,63 @@ def main() -> int:
         )
         draft_engine = draft.engine
     prompts = json.loads(PROMPTS.read_text())
-    ks = [None if k == "adaptive" else int(k) for k in args.k.split(",")]
-    costs = None
-    if None in ks:  # measured once, at the start of the cache
-        drafter = make_drafter(args.drafter, engine, draft_engine)
-        costs = measure_costs(engine, 0, drafter)
-        rows = ", ".join(f"{n} rows {s / costs.step:.2f}" for n, s in costs.rows)
-        print(f"costs: token step {costs.step * 1e3:.2f} ms; passes in steps: {rows}; "
-              f"draft step {costs.draft_step / costs.step:.2f}", flush=True)  # fmt: skip
+
+    def k_values(text: str) -> list[int | None]:
+        return [None if k == "adaptive" else int(k) for k in text.split(",")]
+
+    # (drafter, k) a row; where one is adaptive, the pass costs measured once, at the start of the cache
+    configs = [
+        (d, k) for d in drafters for k in k_values(args.draft_k if d == "draft" and args.draft_k else args.k)
+    ]
+    costs: dict[str, object] = {}
+    for d in drafters:
+        if any(c == (d, None) for c in configs):
+            costs[d] = c = measure_costs(engine, 0, make_drafter(d, engine, draft_engine))
+            rows = ", ".join(f"{n} rows {s / c.step:.2f}" for n, s in c.rows)
+            print(f"costs ({d}): token step {c.step * 1e3:.2f} ms; passes in steps: {rows}; "
+                  f"draft step {c.draft_step / c.step:.2f}", flush=True)  # fmt: skip
     name = Path(args.model).stem
     print("| model | task | drafter | k | accept | tok/fwd | plain tok/s | spec tok/s | same |")
     print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
-        for k in ks:
-            plain_s = spec_s = 0.0
-            plain_n = spec_n = forwards = same = 0
-            options = SpeculationOptions(k=k, costs=costs)
-            parted = []
-            for i, prompt in enumerate(prompts[task][: args.prompts]):
-                ids = prompt_ids(llm, prompt)
-                plain, s = timed(engine, ids, args.new)
-                plain_s, plain_n = plain_s + s, plain_n + len(plain)
-                drafter = (
-                    NgramDrafter() if args.drafter == "ngram" else make_drafter("draft", engine, draft_engine)
-                )
+        chosen = prompts[task][: args.prompts]
+        plain_s = 0.0
+        plain_n = 0
+        # per (drafter, k): spec seconds, spec tokens, target forwards, prompts equal to plain, partings
+        rows_k: list[list] = [[0.0, 0, 0, 0, []] for _ in configs]
+        options_k = [SpeculationOptions(k=k, costs=costs.get(d)) for d, k in configs]
+        for i, prompt in enumerate(chosen):
+            ids = prompt_ids(llm, prompt)
+            plain, s = timed(engine, ids, args.new)  # once a prompt, against every (drafter, k)
+            plain_s, plain_n = plain_s + s, plain_n + len(plain)
+            for (d, _), row, options in zip(configs, rows_k, options_k, strict=True):
+                drafter = NgramDrafter() if d == "ngram" else make_drafter("draft", engine, draft_engine)
                 spec_engine = SpeculativeEngine(engine, drafter, options)
                 before = options.stats.passes + options.stats.plain_tokens
                 spec, s = timed(spec_engine, ids, args.new)
-                spec_s, spec_n = spec_s + s, spec_n + len(spec)
-                forwards += options.stats.passes + options.stats.plain_tokens - before
+                row[0] += s
+                row[1] += len(spec)
+                row[2] += options.stats.passes + options.stats.plain_tokens - before
                 if spec == plain:
-                    same += 1
+                    row[3] += 1
                 else:
                     at = next(
                         (j for j, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b),
                         min(len(plain), len(spec)),
                     )
-                    parted.append(f"{task}[{i}] parts at token {at}")
+                    row[4].append(f"{task}[{i}] parts at token {at} ({d}, k {options.k or 'adaptive'})")
+        for (d, k), row, options in zip(configs, rows_k, options_k, strict=True):
+            spec_s, spec_n, forwards, same, parted = row
             st = options.stats
             print(
-                f"| {name} | {task} | {args.drafter} | {k or 'adaptive'} | {st.acceptance_length:.2f} | "
+                f"| {name} | {task} | {d} | {k or 'adaptive'} | {st.acceptance_length:.2f} | "
                 f"{spec_n / max(forwards, 1):.2f} | {plain_n / plain_s:.1f} | {spec_n / spec_s:.1f} | "
-                f"{same}/{min(args.prompts, len(prompts[task]))} |",
+                f"{same}/{len(chosen)} |",
+                flush=True,
+            )
+            print(
+                f"  {task} {d} k {k or 'adaptive'}: {spec_n} tokens, {st.passes} passes ({st.drafted} drafts, "
+                f"{st.kept} kept, {st.pass_tokens} tokens), {st.plain_tokens} plain token steps",
                 flush=True,
             )
             for line in parted:
