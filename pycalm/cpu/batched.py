@@ -34,20 +34,15 @@ from pycalm.cpu.reference import (
     batch_attention_ref,
     embed_ref,
     embed_rows_ref,
-    expert_gate_ref,
-    expert_matmul_ref,
     ffn_gate_ref,
     kv_round,
-    matmul_gate_ref,
     matmul_ref,
     matmul_residual_ref,
     matvec_ref,
     matvec_residual_ref,
-    moe_combine_rows_ref,
     moe_ffn_gate_ref,
     moe_matvec_residual_ref,
     moe_route_ref,
-    moe_route_rows_ref,
     qkv_ref,
     qkv_rows_ref,
     rmsnorm_ref,
@@ -150,17 +145,8 @@ class BatchedCpuEngine:
                 cfg.sliding_window,
             )  # (R, q_dim)
             x = matmul_residual_ref(att, w(p + "wo"), dt, x)
-            # feed-forward block
-            xb = rmsnorm_rows_ref(x, w(p + "ffn_norm"), cfg.norm_eps, fp16=False)
-            w1, w3, w2 = w(p + "w1"), w(p + "w3"), w(p + "w2")
-            if cfg.n_experts:
-                gate, norm = w(p + "moe_gate"), w(p + "ffn_norm")
-                ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)  # (R, k)
-                h = expert_gate_ref(xb, w1, w3, dt, ids, fp16=False)  # (R k, hidden_dim)
-                x = moe_combine_rows_ref(expert_matmul_ref(h, w2, dt, ids), weights, x)
-            else:
-                h = matmul_gate_ref(xb, w1, w3, dt, fp16=False)  # (R, hidden_dim)
-                x = matmul_residual_ref(h, w2, dt, x)
+            # x += the feed-forward block of rmsnorm(x)
+            x = ref.ffn_rows(x, p)
         return x
 
     def _step_rows_alone(

@@ -938,17 +938,22 @@ class ReferenceEngine:
             )  # (T, q_dim)
             x = matmul_residual_ref(att, self._w(p + "wo"), dt, x)
             # feed-forward block
-            xb = rmsnorm_rows_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps, fp16=False)
-            w1, w3, w2 = self._w(p + "w1"), self._w(p + "w3"), self._w(p + "w2")
-            if cfg.n_experts:
-                gate, norm = self._w(p + "moe_gate"), self._w(p + "ffn_norm")
-                ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)  # (T, k)
-                h = expert_gate_ref(xb, w1, w3, dt, ids, fp16=False)  # (T k, hidden_dim)
-                x = moe_combine_rows_ref(expert_matmul_ref(h, w2, dt, ids), weights, x)
-            else:
-                h = matmul_gate_ref(xb, w1, w3, dt, fp16=False)  # (T, hidden_dim)
-                x = matmul_residual_ref(h, w2, dt, x)
+            x = self.ffn_rows(x, p)
         return x
+
+    def ffn_rows(self, x: np.ndarray, p: str) -> np.ndarray:
+        """The feed-forward block of the layer whose weights are named p... for rows x (T, dim)
+        float32: x + the gated FFN (Mixtral: the routed experts' weighted sum) of rmsnorm(x)."""
+        cfg, dt = self.config, "fp32"  # weights come decoded from _w
+        xb = rmsnorm_rows_ref(x, self._w(p + "ffn_norm"), cfg.norm_eps, fp16=False)  # (T, dim)
+        w1, w3, w2 = self._w(p + "w1"), self._w(p + "w3"), self._w(p + "w2")
+        if cfg.n_experts:
+            gate, norm = self._w(p + "moe_gate"), self._w(p + "ffn_norm")
+            ids, weights = moe_route_rows_ref(gate, x, norm, cfg.norm_eps, cfg.n_experts_active)  # (T, k)
+            h = expert_gate_ref(xb, w1, w3, dt, ids, fp16=False)  # (T k, hidden_dim)
+            return moe_combine_rows_ref(expert_matmul_ref(h, w2, dt, ids), weights, x)
+        h = matmul_gate_ref(xb, w1, w3, dt, fp16=False)  # (T, hidden_dim)
+        return matmul_residual_ref(h, w2, dt, x)
 
     def hidden_rows(self, x: np.ndarray) -> np.ndarray:
         """The final RMSNorm of rows of forward_rows's output: x (T, dim) -> rmsnorm(x) * norm
