@@ -241,15 +241,18 @@ def test_shutdown_with_sequences_running_and_waiting(model, tmp_path):
         wait_healthy(proc, url, log, 60)
         ends: list[str] = []
 
-        def stream(seed: int) -> None:  # no EOS (its logit biased away): it runs until stopped
-            body = {"prompt": [1, 5, seed], "max_tokens": 4000, "stream": True, "logit_bias": {"2": -100}}
+        def stream(seed: int) -> None:  # no EOS (the model's two biased away): it runs until stopped
+            bias = {"2": -100, "3": -100}
+            body = {"prompt": [1, 5, seed], "max_tokens": 4000, "stream": True, "logit_bias": bias}
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
                 ends.append(list(resp.iter_lines())[-2])
 
         threads = [threading.Thread(target=stream, args=(s,)) for s in (7, 8, 9)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60
         while (m := metrics(url))["batch_running"] != 2 or m["batch_waiting"] != 1:
+            assert time.monotonic() < deadline, f"two running and one waiting never seen: {m}"
             time.sleep(0.02)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
