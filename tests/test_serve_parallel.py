@@ -118,7 +118,9 @@ def test_concurrent_requests_are_each_served_alone(server, llm):
         assert g == alone(llm, r), r
     m = wait_drained(server)
     assert m["kv_blocks_free"] + m["kv_blocks_cached"] > 0 and m["requests_total"] >= len(rs)
-    assert m["batch_running_peak"] == PARALLEL  # the requests did share steps, up to --parallel
+    # the requests did share steps (how many at once at the peak depends on how fast the 32
+    # arrive against how fast the tiny model ends them; at most --parallel)
+    assert 2 <= m["batch_running_peak"] <= PARALLEL
     # a longest prompt again: its full blocks (16 positions) come from the prefix cache
     again = {**max(rs, key=lambda r: len(r["prompt"])), "stream": False}
     assert len(again["prompt"]) > 16
