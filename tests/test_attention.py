@@ -1,10 +1,12 @@
-"""attention (one kernel: chunk blocks, the last one of a head combines) against attention_ref.
+"""attention (one kernel: a block per kv head and split of the keys, the last one of a kv head
+merges) against attention_ref.
 
-Shapes stay small for the simulator (chunks of CHUNK = 16 positions, on the GPU too) but cover: odd
-n_pos (chunks that end mid-team), one live chunk (no partials) and several (the last-block
-combine, run twice on one scratch so a counter left non-zero would show), blocks that exit
-early, a grid over a span shorter than the cache, rows past pos that hold NaN, a sliding
-window, both KV dtypes, GQA groups 1, 3, 7.
+Shapes stay small for the simulator (splits of at least SPLIT = 16 positions, on the GPU too) but
+cover: odd n_pos (splits and tiles that end mid-warp), one live split (no partials) and several
+(the last-block merge, run twice on one scratch so a counter left non-zero would show), splits of
+several tiles (the two-stage stream), splits that grow with the span (split_len), blocks that
+exit early, a grid over a span shorter than the cache, rows past pos that hold NaN, a sliding
+window, both KV dtypes, GQA groups 1, 3, 7, teams of 8 to 32 lanes a row.
 Tolerance: float32 dots of head_dim terms and sums of up to n_pos terms in a different order
 than NumPy's: 2e-5 absolute on outputs of size ~1 (values are convex mixes of V rows in [-1, 1]).
 """
@@ -20,19 +22,19 @@ from numba import cuda
 from pycalm.cpu.reference import attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
-    MAX_CHUNK,
-    REG_WORDS,
-    THREADS,
+    CHUNK,
+    TARGET_BLOCKS,
     KVCache,
     attention,
     attention_chunk_len,
     attention_scratch,
     attention_span,
+    split_len,
 )
 from pycalm.model import formats
 from pycalm.model.config import ModelConfig
 
-CHUNK = 16  # positions a block: every case past 16 positions goes through the last-block combine
+SPLIT = 16  # the shortest split: every case past 16 positions goes through the last-block merge
 
 
 def config(n_heads: int, n_kv_heads: int, head_dim: int, window: int = 0) -> ModelConfig:
@@ -65,7 +67,7 @@ def _run(
     kv_dtype,
     window,
     seed,
-    chunk=CHUNK,
+    chunk=SPLIT,
     span=None,
 ):
     rng = np.random.default_rng(seed)
@@ -92,7 +94,7 @@ def _run(
     )
     state = np.array([0, n_pos - 1, 0, 0], np.int32)
     stream = cuda.stream()
-    scratch = attention_scratch(n_heads, head_dim, kv_dtype, seq_len, chunk=chunk, stream=stream)
+    scratch = attention_scratch(n_heads, n_kv_heads, head_dim, kv_dtype, seq_len, chunk=chunk, stream=stream)
     scratch.part.copy_to_device(np.full(scratch.part.shape, np.nan, np.float32), stream=stream)
     cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
     d_q, d_state = cuda.to_device(q), cuda.to_device(state)
@@ -108,12 +110,12 @@ def _run(
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,kv_dtype,n_pos,window",
     [
-        (2, 2, 32, "fp16", 5, 0),  # group 1, one chunk, most teams idle
-        (3, 1, 32, "fp8", 37, 0),  # group 3, fp8, three chunks, the last one partial
-        (7, 1, 16, "fp16", 21, 0),  # group 7, 2 lanes a K team, two chunks
-        (3, 1, 64, "fp8", 41, 20),  # sliding window: start = 21, two chunks
+        (2, 2, 32, "fp16", 5, 0),  # group 1, one split, one partial tile: most warps idle
+        (3, 1, 32, "fp8", 37, 0),  # group 3, fp8 (8 lanes a row), three splits, the last partial
+        (7, 1, 16, "fp16", 21, 0),  # group 7 (padded to 8), 8 lanes a row, two splits
+        (3, 1, 64, "fp8", 41, 20),  # sliding window: start = 21, two splits
         (4, 1, 32, "fp16", 35, 100),  # window longer than the context: no effect
-        (2, 1, 128, "fp16", 50, 0),  # head_dim > threads of a simulated block: dims loop
+        (2, 1, 128, "fp16", 50, 0),  # 2 words of a row a lane; outputs > threads: several a thread
     ],
 )
 def test_attention_matches_ref(n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, window):
@@ -151,23 +153,38 @@ def test_attention_span_covers_the_position():
         attention_span(100, 16, 100)
 
 
-def test_default_chunk_is_one_block_per_head_at_short_context():
-    # the engine's default chunk: 16 positions under the simulator (4 chunks here), 256 on the GPU (one)
+def test_default_chunk():
+    # the engine's default shortest split: two warp tiles a warp (8 positions under the simulator)
+    assert attention_chunk_len(64, "fp16") == CHUNK
     _run(3, 1, 32, 64, 50, "fp16", 0, seed=1, chunk=None)
 
 
-def test_chunk_len_fits_registers():
-    # a power of two, and a thread's share of the chunk's K words stays within REG_WORDS
-    for head_dim, kv_dtype in ((64, "fp16"), (128, "fp16"), (128, "fp8"), (256, "fp16")):
-        chunk = attention_chunk_len(head_dim, kv_dtype)
-        assert chunk & (chunk - 1) == 0 and chunk <= MAX_CHUNK
-        words = head_dim // (8 if kv_dtype == "fp8" else 4)
-        assert chunk * words <= REG_WORDS * THREADS or chunk == 1
+def test_split_len_keeps_the_grid_within_target():
+    # the shortest split while the grid fits, then doubling; never past the span
+    for span in (1, 16, 37, 64, 4096, 32768):
+        for n_kv in (1, 2, 8):
+            split = split_len(span, 16, n_kv)
+            assert split >= 16 and split & (split - 1) == 0
+            assert n_kv * -(-span // split) <= TARGET_BLOCKS or split >= span
+            assert split == 16 or n_kv * -(-span // (split // 2)) > TARGET_BLOCKS
+
+
+def test_splits_grow_with_the_span():
+    # chunks of 2 on one kv head: a cache of 4 TARGET_BLOCKS positions in more splits than
+    # TARGET_BLOCKS allows, so the launch takes splits of 4 (several warp tiles) and merges the rest
+    seq_len = 4 * TARGET_BLOCKS
+    assert split_len(seq_len, 2, 1) == 4
+    _run(2, 1, 32, seq_len, seq_len - 3, "fp16", 0, seed=7, chunk=2)
+
+
+def test_head_sizes_outside_the_kernel_are_named():
+    with pytest.raises(PycalmError, match="head_dim 12"):
+        attention_chunk_len(12, "fp16")
 
 
 def test_bad_arguments_are_named():
     stream = cuda.stream()
-    scratch = attention_scratch(4, 32, "fp16", 16, chunk=CHUNK, stream=stream)
+    scratch = attention_scratch(4, 2, 32, "fp16", 16, chunk=SPLIT, stream=stream)
     q = cuda.to_device(np.zeros(4 * 32, np.float32))
     rows = cuda.to_device(np.zeros((64, 64), np.float16))
     state = cuda.to_device(np.zeros(4, np.int32))
@@ -177,8 +194,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(PycalmError, match="KV cache dtype"):
         attention(q, KVCache(rows, rows, "bf16"), state, q, cfg, scratch, stream=stream)
     with pytest.raises(PycalmError, match="power of two"):
-        attention_scratch(4, 32, "fp16", 16, chunk=24)
-    scratch = attention_scratch(4, 32, "fp16", 64, chunk=CHUNK, stream=stream)
+        attention_scratch(4, 2, 32, "fp16", 16, chunk=24)
+    scratch = attention_scratch(4, 2, 32, "fp16", 64, chunk=SPLIT, stream=stream)
     for span in (0, 65):
         with pytest.raises(PycalmError, match="span"):
             attention(q, KVCache(rows, rows, "fp16"), state, q, cfg, scratch, stream=stream, span=span)

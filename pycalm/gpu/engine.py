@@ -29,7 +29,7 @@ from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
-from pycalm.kernels.attention import KVCache, attention_span
+from pycalm.kernels.attention import KVCache, attention_span, split_len
 from pycalm.kernels.common import STATE_FEED_END, STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.model.config import ModelConfig, kv_dtype_for
 from pycalm.model.formats import QUANTIZED, Quantized, bits_per_weight
@@ -66,8 +66,8 @@ def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[st
     every weight a launch reads (one embedding row; MoE: the n_experts_active chosen experts
     and the float32 router), the KV cache that attention reads at pos (the window with a
     sliding window) and the row that qkv_rope writes, attention's partials when the context
-    spans several chunks of `chunk` positions, and the float32 activations each launch reads
-    and writes. The benchmark divides it by the step's time (GB/s)."""
+    spans several splits (pycalm.kernels.attention.split_len, the shortest of `chunk`
+    positions), and the float32 activations each launch reads and writes. The benchmark divides it by the step's time (GB/s)."""
     from pycalm.kernels.argmax import ARGMAX_BLOCKS
 
     f32, dim = 4, cfg.dim
@@ -77,7 +77,10 @@ def step_bytes(cfg: ModelConfig, kv_dtype: str, pos: int, chunk: int) -> dict[st
 
     kv_elem = 1 if kv_dtype == "fp8" else 2
     n_attended = min(pos + 1, cfg.sliding_window) if cfg.sliding_window else pos + 1
-    live_chunks = -(-n_attended // chunk)
+    span = chunk  # the engine's span at pos (attention_span), uncapped
+    while span <= pos:
+        span *= 2
+    live_chunks = -(-n_attended // split_len(span, chunk, cfg.n_kv_heads))  # the live splits
     slots = cfg.n_experts_active if cfg.n_experts else 1  # the FFN matrices a token reads
     route = 2 * slots * f32  # MoE: the chosen experts' ids and weights
     bias = cfg.qkv_dim * f32 if cfg.qkv_bias else 0
@@ -331,7 +334,13 @@ class GpuEngine:
         ]
         # per-chunk partial attention and per-head chunk counters, shared by the layers
         self.att_scratch = attention_scratch(
-            cfg.n_heads, cfg.head_dim, self.kv_dtype, self.seq_len, chunk=options.attention_chunk, stream=s
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.seq_len,
+            chunk=options.attention_chunk,
+            stream=s,
         )
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones

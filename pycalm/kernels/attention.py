@@ -1,44 +1,49 @@
-"""Grouped-query attention of one query position over the KV cache.
+"""Grouped-query attention of one query position over the KV cache, split over the keys
+(flash-decoding).
 
-The reference is pycalm.cpu.reference.attention_ref. For query head h (kv head g = h // (n_heads //
-n_kv_heads)) and cached positions t in [start, n_pos), start = max(0, n_pos - window) with a
-sliding window, else 0:
+The reference is pycalm.cpu.reference.attention_ref. For query head h (kv head g = h // group,
+group = n_heads // n_kv_heads) and cached positions t in [start, n_pos), start = max(0, n_pos -
+window) with a sliding window, else 0:
   score_t = q_h . k_t,g / sqrt(head_dim);  p = softmax(score);  out_h = sum_t p_t v_t,g
 A layer's cache (KVCache) holds (seq_len, n_kv_heads * head_dim) keys and values, fp16 or fp8
 e5m2.
 
-GPU: one kernel, grid (n_heads, n_chunks), THREADS threads a block. Block (h, c) takes query
-head h and the c-th chunk of `chunk` positions (a power of two, sized so that a thread's share
-of the chunk's K and V rows fits in REG_WORDS int64 registers each). A captured grid cannot
-depend on pos, so n_chunks covers a span of positions (attention_span: the engine captures a
-step for each power-of-two multiple of the chunk) and blocks past the live chunks exit at once.
-A block:
+GPU: one kernel, grid (n_kv_heads, n_splits), THREADS threads a block. Block (g, s) takes kv
+head g and ALL its query heads (each K and V row is read from memory once, for the whole
+group), over the s-th split of `split` positions of [start, n_pos). The split grows with the
+context (split_len: the grid stays near TARGET_BLOCKS blocks, a few waves of the SMs), so a
+short context has many short splits and a long one a few hundred long ones; a captured grid
+cannot depend on pos, so it covers a span of positions (attention_span: the engine captures a
+step for each power-of-two span) and the blocks past the live splits exit at once. A block:
 
-1. issues ALL its K and V loads first, before any arithmetic: one DRAM round trip for the chunk.
-   K: teams of K_TEAM lanes, one position a team, each lane K_LANE_WORDS interleaved int64 words
-   of the row (about K_WORDS: a few shuffles per position). V: teams of V_TEAM lanes,
-   V_LANE_WORDS words a lane (about V_WORDS).
-2. scores: each team dots its K row with the lane's slice of q (held in registers, times
-   1/sqrt(head_dim)), xor-shuffles the partial dots inside the team, and writes the score to
-   shared memory. One barrier.
-3. softmax: EVERY warp reads the chunk's scores and computes their max m and sum of
-   exp(score - m) itself (a few shared loads a lane, then shuffles): no second barrier.
-4. p V: each V team takes its positions, p = exp(score - m) (read back from shared memory),
-   and accumulates p * v for its slice of the row; the teams of a warp are added by xor
-   shuffles, the warps through shared memory (one barrier).
-5. one live chunk (every context up to `chunk` positions): out = sum / sum of exp, done.
-   Several: the block writes (unnormalised out, m, sum) to its slot of `part`, and the LAST
-   block of the head to finish (a per-head atomic counter) combines the chunks' partials and
-   resets the counter. Each (head, chunk) slot of `part` is padded to whole 128-byte lines, so
-   no line the combining block reads was ever cached in its SM's L1 before it was written.
+1. streams its split through shared memory in tiles of TILE positions, the K and V rows of the
+   kv head as stored (cp.async, 16 bytes a copy, no registers), two stages: tile i + 1 is in
+   flight while tile i is used. Barrier once a tile has landed; barrier before its stage is
+   refilled.
+2. scores: warp w takes TILE / N_WARPS positions of the tile. A team of T lanes holds a row
+   (lane i of the team: int32 words i, i + T, ... of it, conflict-free shared loads), 32 / T
+   positions a warp at a time. Each lane dots its words with its slice of every query head of
+   the group (q in registers, times 1/sqrt(head_dim)), then a transposing butterfly over the
+   team sums the warp's (position, head) partial dots: each xor step hands half of the values
+   to the partner and adds the other half, so n sums over T lanes cost about n shuffles, not
+   n log2 T. The scores go to the warp's shared row. (__syncwarp)
+3. online softmax, per warp and head (every lane alike): m = max(m, the tile's scores), the old
+   sum and accumulators times exp(m_old - m), l += sum of p = exp(score - m).
+4. p V: each lane adds p times its slice of the V rows of its team's positions, for every head.
+5. after the last tile: the teams of a warp are added (xor shuffles), the warps' (m, l, acc)
+   meet in shared memory (barrier) and the block's (head, dim) outputs are merged by rescaling.
+   One live split (every context up to `split`): out = acc / l. Several: the block writes its
+   (unnormalised acc, m, l) to its slot of `part`, and the LAST block of the kv head to finish
+   (a per-kv-head atomic counter) merges the splits' partials and resets the counter. Each
+   (head, split) slot of `part` is padded to whole 128-byte lines, so no line the merging block
+   reads was ever cached in its SM's L1 before it was written.
 
-Why this shape: at short context attention costs latency, not bytes (TinyLlama's KV read at 256
-positions is 128 KB a layer). Every load of a block is in flight at once, a warp's dependent
-chain is a few hundred instructions, and up to `chunk` positions there is one kernel and no
-partials. The `group` query heads of a kv head read the same K and V rows: the first block
-brings them into L2, the others read them from there. The price is at long context, where every
-head's block decodes the rows itself and the blocks run in waves. The measurements behind these
-choices, and the variants tried (scripts/kernels/attention.py), are in docs/BENCHMARKS.md at b282afd.
+Why this shape: at long context attention is bound by bytes, and a grid of one block per query
+head and chunk (the earlier design, scripts/kernels/attention.py times it) read each K/V row
+once per query head (from L2 after the first) and decoded it as often, and ran short blocks in
+many waves. Here a row is read and decoded once; the two-stage stream keeps a tile in flight
+per block while the last one is used, and a few blocks an SM (MAX_REGISTERS) overlap their
+stalls.
 
 Decode of the caches in registers: fp16 and e5m2 are both "sign, 5-bit exponent, mantissa",
 so shifting the bits into an fp32 (sign to bit 31, the rest to bits 13 / 21 on) gives the
@@ -46,9 +51,9 @@ value / 2^112 exactly (subnormals included). The 2^112 is folded into q (for sco
 the final output, so the inner loops are 2-3 integer ops and an FMA per element. The decoders
 here wrap every shift in int32() (real numba computes int32 shifts in int64).
 
-Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM (plus
-(group - 1) times that from L2), q, the partials of a multi-chunk context (written and read)
-and out (pycalm.gpu.engine.step_bytes counts them).
+Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM, once;
+q, out, and with several live splits their partials (written, then read by the merging block)
+(pycalm.gpu.engine.step_bytes counts them).
 """
 
 from __future__ import annotations
@@ -59,20 +64,23 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, uint32
 from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
     FP_RAW_SCALE,
+    FULL_MASK,
     MASK_E5M2,
     MASK_FP16,
     STATE_POS,
     as_f32,
+    as_i32,
     dependent_start,
     warp_reduce_max,
     warp_reduce_sum,
 )
+from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait
 from pycalm.model.config import KV_DTYPES, ModelConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -80,34 +88,63 @@ from pycalm.model.config import KV_DTYPES, ModelConfig
 
 
 # the kernel's sizes (scripts/kernels/attention.py times other values). Under the CUDA simulator (a
-# Python thread per CUDA thread) smaller blocks and chunks of the same kernel, so that the tests'
-# short contexts still cover several chunks.
+# Python thread per CUDA thread) smaller blocks, tiles and grids of the same kernel, so that the
+# tests' short contexts still stream several tiles and merge several splits.
 SIM = _numba_config.ENABLE_CUDASIM
-THREADS = 64 if SIM else 256  # threads a block
-MAX_CHUNK = 16 if SIM else 256  # most positions a block takes
-REG_WORDS = 16  # int64 words of K (and as many of V) a thread holds in flight: 64 registers
-K_WORDS = 4  # words of a K row a lane takes (fewer lanes a position: fewer shuffles)
-V_WORDS = 2  # words of a V row a lane takes (more lanes a position: fewer team merges)
-UNROLL = 8  # independent partial loads in flight per thread of the combine
-# registers a thread at most, so that two blocks of 256 threads fit an SM's 64k (tests/test_ptx.py
-# checks it with ptxas): one block an SM runs the blocks of a long context in twice the waves
-MAX_REGISTERS = 65536 // (2 * 256)
-NEG = -1.0e30  # "no score yet": finite, so exp(NEG - m) is 0, not NaN
+THREADS = 64 if SIM else 128  # threads a block
+TILE = 4  # positions a warp tile: a stage of a warp's stream, 4 KB of K and V rows at head_dim 128, fp16
+STAGES = 4  # a warp's ring: three warp tiles in flight while one is used
+# blocks a launch at most, where the splits can grow (split_len): two blocks an SM; fewer, longer splits
+# pay less for the merge (scripts/kernels/attention.py: 512 is 1.4x slower at 4k, 5% at 32k)
+TARGET_BLOCKS = 16 if SIM else 256
+CHUNK = 2 * TILE * THREADS // 32  # the shortest split: two warp tiles a warp
+UNROLL = 16  # independent partial loads in flight per output of the merge
+# registers a thread at most, so that three blocks of 128 threads fit an SM's 64k (tests/test_ptx.py
+# checks it with ptxas); the launch bounds ask for four (16 warps, 48 warp tiles in flight an SM)
+# where a lane's query slices and accumulators are 16 floats or fewer (GQA groups up to 4 at
+# head_dim 128, fp16), three for larger groups
+MAX_REGISTERS = 65536 // (3 * 128)
+NEG = -1.0e30  # "no score": finite, so exp(NEG - m) is 0, not NaN
 _LINE = 32  # floats in a 128-byte cache line
 
 
-def _elems_per_word(kv_dtype: str) -> int:
-    return 8 if kv_dtype == "fp8" else 4
+def _row_words(head_dim: int, kv_dtype: str) -> int:
+    """int32 words of one head's K (or V) row."""
+    return head_dim // (4 if kv_dtype == "fp8" else 2)
+
+
+def _team(row_words: int) -> int:
+    """Lanes that hold a row: the largest power of two up to 32 that divides its words."""
+    lanes = 1
+    while lanes < 32 and row_words % (2 * lanes) == 0:
+        lanes *= 2
+    return lanes
+
+
+def check_head(head_dim: int, kv_dtype: str, tile: int = TILE) -> None:
+    """Raise PycalmError unless the kernel takes this head size: rows of whole 16-byte copies,
+    and no more rows a warp at a time (a team of lanes each) than a warp tile holds."""
+    elem = 1 if kv_dtype == "fp8" else 2
+    if (head_dim * elem) % 16 or 32 // _team(_row_words(head_dim, kv_dtype)) > tile:
+        raise PycalmError(
+            f"head_dim {head_dim} with {kv_dtype} KV: attention takes rows of a multiple of 16 bytes and"
+            f" at least {32 * 4 // tile} bytes"
+        )
 
 
 def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
-    """Positions a block takes: MAX_CHUNK, or fewer (a power of two) where a thread's share of
-    the chunk's K words (chunk x words a row / THREADS) would exceed REG_WORDS."""
-    row_words = head_dim // _elems_per_word(kv_dtype)
-    chunk = MAX_CHUNK
-    while chunk > 1 and chunk * row_words > REG_WORDS * THREADS:
-        chunk //= 2
-    return chunk
+    """The shortest split (the default chunk of attention_scratch): CHUNK positions."""
+    check_head(head_dim, kv_dtype)
+    return CHUNK
+
+
+def split_len(span: int, chunk: int, n_kv_heads: int, target: int = TARGET_BLOCKS) -> int:
+    """Positions a block takes in a launch over `span` positions: chunk times the smallest power
+    of two that keeps the grid (n_kv_heads x splits) within `target` blocks, or the whole span."""
+    split = chunk
+    while split < span and n_kv_heads * -(-span // split) > target:
+        split *= 2
+    return split
 
 
 @dataclass(frozen=True)
@@ -124,12 +161,12 @@ class AttentionScratch:
     """Device scratch one engine allocates once; every layer shares it (the layers run one
     after another on one stream).
 
-    part: (n_heads, n_chunks, padded head_dim + 2) float32, per head and chunk the unnormalised
-      sum of p*V, then the chunk's score max and its sum of exp(score - max); padded to 128-byte
-      lines. Written before it is read: no initial contents needed.
-    count: (n_heads,) int32, chunks of the head finished in the running launch; zero between
-      launches (the last block resets it), so it must start zeroed.
-    chunk: positions a block takes.
+    part: (n_heads, max splits, padded head_dim + 2) float32, per head and split the
+      unnormalised sum of p*V, then the split's score max and its sum of exp(score - max);
+      padded to 128-byte lines. Written before it is read: no initial contents needed.
+    count: (n_kv_heads,) int32, splits of the kv head finished in the running launch; zero
+      between launches (the last block resets it), so it must start zeroed.
+    chunk: the shortest split (split_len).
     """
 
     part: object
@@ -139,6 +176,7 @@ class AttentionScratch:
 
 def attention_scratch(
     n_heads: int,
+    n_kv_heads: int,
     head_dim: int,
     kv_dtype: str,
     seq_len: int,
@@ -147,17 +185,26 @@ def attention_scratch(
     stream: object = 0,
 ) -> AttentionScratch:
     """Allocate the scratch for contexts of up to seq_len positions (see AttentionScratch).
-    chunk: positions a block takes, a power of two no larger than attention_chunk_len (the
-    default); the tests take short chunks to cover the combine at short contexts."""
-    longest = attention_chunk_len(head_dim, kv_dtype)
-    chunk = longest if chunk is None else chunk
-    if chunk < 1 or chunk & (chunk - 1) or chunk > longest:
-        raise PycalmError(f"attention chunk {chunk} is not a power of two up to {longest}")
-    n_chunks = -(-seq_len // chunk)
+    chunk: the shortest split, a power of two (default attention_chunk_len); the tests take short
+    ones to cover the merge at short contexts."""
+    chunk = attention_chunk_len(head_dim, kv_dtype) if chunk is None else chunk
+    if chunk < 1 or chunk & (chunk - 1):
+        raise PycalmError(f"attention chunk {chunk} is not a power of two")
+    n_splits = max(-(-span // split_len(span, chunk, n_kv_heads)) for span in _spans(chunk, seq_len))
     padded = -(-(head_dim + 2) // _LINE) * _LINE
-    part = cuda.device_array((n_heads, n_chunks, padded), np.float32, stream=stream)
-    count = cuda.to_device(np.zeros(n_heads, np.int32), stream=stream)
+    part = cuda.device_array((n_heads, n_splits, padded), np.float32, stream=stream)
+    count = cuda.to_device(np.zeros(n_kv_heads, np.int32), stream=stream)
     return AttentionScratch(part, count, chunk)
+
+
+def _spans(chunk: int, seq_len: int) -> list[int]:
+    """Every span a launch may cover: the splits of a span of s positions are as many as those
+    of the power of two at or above s (split_len), so these bound them all."""
+    spans, span = [], chunk
+    while span < seq_len:
+        spans.append(span)
+        span *= 2
+    return [*spans, span]
 
 
 @cuda.jit(device=True, inline=True)
@@ -168,222 +215,320 @@ def _exp(x):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _decode(w, e, fp8):  # noqa: ANN001, ANN202
-    """Element e (a constant after unrolling) of an int64 word of the cache, 4 fp16 or 8 e5m2
+def _decode(x, e, fp8):  # noqa: ANN001, ANN202
+    """Element e (a constant after unrolling) of an int32 word of the cache, 2 fp16 or 4 e5m2
     from the lowest address up, as value * 2**-112. Every shift is wrapped in int32(): real
     numba computes int32 << / >> in int64, and the sign must come from bit 31 of the word."""
-    half = e >= (4 if fp8 else 2)
-    x = int32(w >> 32) if half else int32(w)
     if fp8:
-        byte = e & 3
-        if byte < 3:
-            x = int32(x << int32(24 - 8 * byte))
+        if e < 3:
+            x = int32(x << int32(24 - 8 * e))
         return as_f32(int32(x >> int32(3)) & int32(MASK_E5M2))
-    if (e & 1) == 0:
+    if e == 0:
         x = int32(x << int32(16))
     return as_f32(int32(x >> int32(3)) & int32(MASK_FP16))
 
 
-def _team(row_words: int, words_a_lane: int) -> int:
-    """Lanes a team: a power of two (1 to 32) dividing the words of a row, about
-    row_words / words_a_lane of them."""
-    lanes = 1
-    while lanes < 32 and row_words % (2 * lanes) == 0 and row_words // (2 * lanes) >= words_a_lane:
-        lanes *= 2
-    return lanes
-
-
 @functools.cache
-def attention_kernel(head_dim: int, group: int, kv_dtype: str, chunk: int) -> object:
-    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype and
-    chunk length (a power of two), in blocks of THREADS. The sizes are compile-time constants so
-    the per-lane loads, query slice and accumulators are fixed-size local arrays that the
-    compiler keeps in registers (all loops over them unroll)."""
+def attention_kernel(
+    head_dim: int,
+    group: int,
+    kv_dtype: str,
+    threads: int = THREADS,
+    tile: int = TILE,
+    stages: int = STAGES,
+    max_splits: int = TARGET_BLOCKS,
+) -> object:
+    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
+    warp tile and stages, so the per-lane query slices, partial dots and accumulators are
+    fixed-size local arrays that the compiler keeps in registers (all loops over them unroll)."""
+    check_head(head_dim, kv_dtype, tile)
     IS_FP8 = kv_dtype == "fp8"
-    ELEMS_PER_WORD = _elems_per_word(kv_dtype)  # cache elements an int64 word holds
-    ROW_WORDS = head_dim // ELEMS_PER_WORD  # words of one head's K (or V) row
-    N_WARPS = THREADS // 32
-    CHUNK_LOG2 = chunk.bit_length() - 1
-    # K loads: a team of K_TEAM lanes takes one position, each lane K_LANE_WORDS words of its
-    # row (interleaved: lane l of the team takes words l, l + K_TEAM, ...); one load step of the
-    # block covers K_STEP_POSITIONS positions, K_STEPS steps cover the chunk, and a lane holds
-    # K_REG_WORDS words in all
-    K_TEAM = _team(ROW_WORDS, K_WORDS)
-    K_LANE_WORDS = ROW_WORDS // K_TEAM
-    K_LANE_ELEMS = K_LANE_WORDS * ELEMS_PER_WORD
-    K_STEP_POSITIONS = N_WARPS * (32 // K_TEAM)
-    K_STEPS = -(-chunk // K_STEP_POSITIONS)
-    K_REG_WORDS = K_STEPS * K_LANE_WORDS
-    # V loads: the same, with V's team
-    V_TEAM = _team(ROW_WORDS, V_WORDS)
-    V_LANE_WORDS = ROW_WORDS // V_TEAM
-    V_LANE_ELEMS = V_LANE_WORDS * ELEMS_PER_WORD
-    V_STEP_POSITIONS = N_WARPS * (32 // V_TEAM)
-    V_STEPS = -(-chunk // V_STEP_POSITIONS)
-    V_REG_WORDS = V_STEPS * V_LANE_WORDS
+    EPW = 4 if IS_FP8 else 2  # cache elements an int32 word holds
+    ROW = _row_words(head_dim, kv_dtype)  # int32 words of a head's row
+    T = _team(ROW)  # lanes a row: lane i of a team takes words i, i + T, ...
+    LW = ROW // T  # words of a row a lane takes
+    LE = LW * EPW  # elements of a row a lane takes
+    GLE = group * LE  # query and accumulator elements a lane holds
+    PPW = 32 // T  # rows a warp takes at a time (a team each)
+    LOG_PPW = PPW.bit_length() - 1
+    N_WARPS = threads // 32
+    WT = tile  # positions a warp tile
+    SUBS = WT // PPW  # rows a team takes in a warp tile
+    GP = 1 << (group - 1).bit_length()  # the group padded to a power of two
+    NV = SUBS * GP  # partial dots a lane holds for a warp tile: (row, head) pairs
+    NB = min(NV, T)  # values a butterfly sums over the team
+    LOG_NB = NB.bit_length() - 1
+    LOG_T = T.bit_length() - 1
+    LOG_ROWS = (T // (GP * (T // NB))).bit_length() - 1  # lane bits that pick a row in a butterfly's output
+    N_BATCH = NV // NB
+    SPREAD = T // NB  # lanes that end with the same sum
+    PIECES = ROW // 4  # 16-byte copies a row
+    COPIES = 2 * WT * PIECES  # copies a warp tile (K rows, then V rows)
+    COPY_STEPS = -(-COPIES // 32)
+    STAGE = 2 * WT * ROW  # int32 words a stage: the warp tile's K rows, then its V rows
+    WARP_WORDS = stages * STAGE  # a warp's ring of stages
+    MAX_SPLITS = max_splits  # split_len keeps the live splits of a kv head within this
+    # shared words: the warps' rings while streaming; then their accumulators; then the merge's weights
+    SMEM = max(N_WARPS * WARP_WORDS, N_WARPS * group * head_dim, group * MAX_SPLITS)
+    OUTS = group * head_dim  # a block's outputs: its heads' rows
+    OPT = -(-OUTS // threads)  # outputs a thread
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
-    SLICES = max(1, THREADS // head_dim)  # combine: thread (slice, d) sums every SLICES-th chunk
+    wait_landed = cp_async_wait(stages - 1)  # all but the stages - 1 newest groups have landed
 
-    @cuda.jit(fastmath=False, cache=True)
-    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window):  # noqa: ANN001, ANN202
+    @cuda.jit(device=True, inline=True)
+    def issue(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
+        """Start a warp's copies of the rows t0 .. t0 + WT - 1 (rows past `last` read row last:
+        finite, and their p is 0) into the stage at word `base`."""
+        for c in range(COPY_STEPS):
+            i = lane + c * 32
+            if i < COPIES:
+                r = (i // PIECES) % WT
+                piece = i % PIECES
+                row = uint32(min(t0 + r, last))
+                word = base + r * ROW + piece * 4
+                if i < WT * PIECES:
+                    cp_async16(smem, word, k_cache, row, col0 + piece * 8, 16)
+                else:
+                    cp_async16(smem, word + WT * ROW, v_cache, row, col0 + piece * 8, 16)
+
+    bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
+
+    @cuda.jit(fastmath=False, cache=True, **bounds)
+    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, split):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        # q (n_heads * head_dim,) f32; caches (seq_len, kv_words) int64; part (n_heads, n_chunks,
-        # >= head_dim + 2) f32; count (n_heads,) i32; out (n_heads * head_dim,) f32
-        head = cuda.blockIdx.x
-        chunk_id = cuda.blockIdx.y
+        # q (n_heads * head_dim,) f32; caches (seq_len, kv_dim * bytes / 2) viewed as fp16; part
+        # (n_heads, max splits, >= head_dim + 2) f32; count (n_kv_heads,) i32; out (n_heads *
+        # head_dim,) f32; split: positions a block
+        kv_head = cuda.blockIdx.x
+        split_id = cuda.blockIdx.y
         n_pos = int32(state[STATE_POS] + 1)
         start = int32(0)
         if window > 0 and n_pos > window:
             start = int32(n_pos - window)
-        live_chunks = int32(int32(n_pos - start + chunk - 1) >> int32(CHUNK_LOG2))
-        if chunk_id >= live_chunks:
+        live = int32((n_pos - start + split - 1) // split)
+        if split_id >= live:
             return  # the whole block leaves together: no barrier is left waiting
-        first = int32(start + chunk_id * chunk)  # this chunk's first position
-        n_here = min(int32(n_pos - first), int32(chunk))  # positions of this chunk
+        first = int32(start + split_id * split)  # this split's first position
+        n_here = min(int32(n_pos - first), int32(split))
         last = int32(first + n_here - 1)
-        kv_head = int32(head // group)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        k_lane = lane % K_TEAM  # lane in its K team
-        k_team = warp * (32 // K_TEAM) + lane // K_TEAM  # the team's position in a load step
-        v_lane = lane % V_TEAM  # the same for V
-        v_team = warp * (32 // V_TEAM) + lane // V_TEAM
-        scores = cuda.shared.array(chunk, float32)  # the chunk's scores
-        warp_sums = cuda.shared.array((N_WARPS, head_dim), float32)  # per-warp sum of p*v
-        slice_sums = cuda.shared.array((SLICES, head_dim), float32)  # combine: per-slice sums
-        is_last = cuda.shared.array(1, int32)  # combine: 1 in the last block of the head
+        lt = lane % T  # lane in its team
+        team = lane // T  # the team's row among the warp's PPW at a time
+        n_tiles = int32((n_here + WT - 1) // WT)  # warp tiles of the split
+        n_mine = int32((n_tiles - warp + N_WARPS - 1) // N_WARPS)  # this warp's: warp, warp + N_WARPS, ...
+        col0 = kv_head * (2 * ROW)  # the kv head's first column of the fp16 view
+        ring = warp * WARP_WORDS  # this warp's ring of stages
+        # (N_WARPS, stages, WT K rows then WT V rows, ROW) int32 rings; after the stream
+        # (N_WARPS, group, head_dim) float32 bits, the warps' accumulators; in the merge (group,
+        # MAX_SPLITS) float32 bits, the splits' weights
+        smem = cuda.shared.array(SMEM, int32)
+        pr = cuda.shared.array((N_WARPS, WT, group), float32)  # the warp tile's p, a row's heads together
+        ar = cuda.shared.array((N_WARPS, group), float32)  # the warp tile's rescale of each head
+        wm = cuda.shared.array((N_WARPS, group), float32)  # each warp's score max
+        wl = cuda.shared.array((N_WARPS, group), float32)  # each warp's sum of exp(score - max)
+        is_last = cuda.shared.array(1, int32)  # merge: 1 in the last block of the kv head
 
-        # 1. every K and V load of the chunk (past the end: reloads of the last row)
-        k_regs = cuda.local.array(K_REG_WORDS, int64)
-        v_regs = cuda.local.array(V_REG_WORDS, int64)
-        k_col = kv_head * ROW_WORDS + k_lane
-        v_col = kv_head * ROW_WORDS + v_lane
-        for s in range(K_STEPS):
-            if (
-                s * K_STEP_POSITIONS < n_here
-            ):  # block-uniform: a short chunk issues (and later uses) fewer steps
-                t = uint32(
-                    min(first + s * K_STEP_POSITIONS + k_team, last)
-                )  # unsigned: no negative-index code
-                for j in range(K_LANE_WORDS):
-                    k_regs[s * K_LANE_WORDS + j] = k_cache[t, uint32(k_col + K_TEAM * j)]
-        for s in range(V_STEPS):
-            if s * V_STEP_POSITIONS < n_here:
-                t = uint32(min(first + s * V_STEP_POSITIONS + v_team, last))
-                for j in range(V_LANE_WORDS):
-                    v_regs[s * V_LANE_WORDS + j] = v_cache[t, uint32(v_col + V_TEAM * j)]
-        q_lane = cuda.local.array(K_LANE_ELEMS, float32)  # this lane's slice of q, times Q_SCALE
-        for j in range(K_LANE_WORDS):
-            for e in range(ELEMS_PER_WORD):
-                q_lane[j * ELEMS_PER_WORD + e] = q[
-                    head * head_dim + (k_lane + K_TEAM * j) * ELEMS_PER_WORD + e
-                ] * float32(Q_SCALE)
+        for i in range(stages - 1):  # the first warp tiles in flight, a group each
+            if i < n_mine:
+                issue(
+                    smem,
+                    k_cache,
+                    v_cache,
+                    ring + i * STAGE,
+                    first + (warp + i * N_WARPS) * WT,
+                    last,
+                    col0,
+                    lane,
+                )
+            cp_async_commit()
+        qr = cuda.local.array(GLE, float32)  # the lane's slice of each head's q, scaled
+        acc = cuda.local.array(GLE, float32)  # the lane's slice of each head's sum of p v
+        # after a butterfly the lane holds the scores of one head, `mine`, of rows `pair` // GP
+        # (+ NB / GP per batch); `writer`: the first of the SPREAD lanes that hold the same ones
+        pair = lt // SPREAD
+        mine = pair % GP
+        writer = lt % SPREAD == 0
+        m = float32(NEG)  # the running max of head mine over the warp's rows so far
+        ls = float32(0.0)  # this lane's part of head mine's sum of exp(score - m)
+        for g in range(group):
+            for j in range(LW):
+                for e in range(EPW):
+                    d = (lt + T * j) * EPW + e
+                    qr[g * LE + j * EPW + e] = q[(kv_head * group + g) * head_dim + d] * float32(Q_SCALE)
+                    acc[g * LE + j * EPW + e] = float32(0.0)
+        vals = cuda.local.array(NV, float32)  # partial dots, (row, padded head) pairs
+        pg = cuda.local.array(group, float32)  # p of a row, each head
 
-        # 2. scores
-        for s in range(K_STEPS):
-            if s * K_STEP_POSITIONS >= n_here:
-                continue  # block-uniform: every lane of a team skips together
-            acc = float32(0.0)
-            for j in range(K_LANE_WORDS):
-                for e in range(ELEMS_PER_WORD):
-                    acc += q_lane[j * ELEMS_PER_WORD + e] * _decode(k_regs[s * K_LANE_WORDS + j], e, IS_FP8)
-            off = K_TEAM // 2
-            while off > 0:  # xor tree inside the team: every lane ends with the score
-                acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
-                off //= 2
-            slot = s * K_STEP_POSITIONS + k_team  # the team's position within the chunk
-            if k_lane == 0 and slot < chunk:
-                scores[slot] = acc
-        cuda.syncthreads()  # every score of the chunk is in scores
+        for i in range(n_mine):
+            ahead = i + stages - 1  # the warp tile that enters the ring now
+            if ahead < n_mine:
+                t_ahead = first + (warp + ahead * N_WARPS) * WT
+                issue(smem, k_cache, v_cache, ring + (ahead % stages) * STAGE, t_ahead, last, col0, lane)
+            cp_async_commit()  # (an empty group near the end)
+            wait_landed()  # this lane's copies of warp tile i have landed ...
+            cuda.syncwarp()  # ... and every lane's
+            base = ring + (i % stages) * STAGE
+            t0 = first + (warp + i * N_WARPS) * WT  # the warp tile's first position
 
-        # 3. the chunk's max and sum of exp, by every warp
-        chunk_max = float32(NEG)
-        for i in range(lane, n_here, 32):
-            chunk_max = max(chunk_max, scores[i])
-        chunk_max = warp_reduce_max(chunk_max)
-        chunk_sum = float32(0.0)
-        for i in range(lane, n_here, 32):
-            chunk_sum += _exp(scores[i] - chunk_max)
-        chunk_sum = warp_reduce_sum(chunk_sum)
+            # 2. partial dots of the warp tile's rows with every head's q slice
+            for x in range(NV):
+                vals[x] = float32(0.0)
+            for u in range(SUBS):
+                r = u * PPW + team
+                for j in range(LW):
+                    w = smem[base + r * ROW + lt + T * j]
+                    for e in range(EPW):
+                        x = _decode(w, e, IS_FP8)
+                        for g in range(group):
+                            vals[u * GP + g] += qr[g * LE + j * EPW + e] * x
+            for b in range(N_BATCH):  # transposing butterflies over the team, NB values each
+                for k in range(LOG_NB):
+                    half = NB >> (k + 1)
+                    off = T >> (k + 1)
+                    up = (lt & off) != 0  # this lane keeps the upper half
+                    for x in range(NB // 2):
+                        if x < half:
+                            lo = vals[b * NB + x]
+                            hi = vals[b * NB + x + half]
+                            keep = hi if up else lo
+                            send = lo if up else hi
+                            vals[b * NB + x] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+                for k in range(LOG_NB, LOG_T):  # the lanes left hold parts of one sum
+                    vals[b * NB] += cuda.shfl_xor_sync(FULL_MASK, vals[b * NB], T >> (k + 1))
+                # the lane now holds the score of (row (b NB + pair) // GP of its team, head mine)
+                r = ((b * NB + pair) // GP) * PPW + team
+                if not (mine < group and t0 + r <= last):
+                    vals[b * NB] = float32(NEG)  # a padding head or a row past the end
 
-        # 4. sum of p * v
-        v_acc = cuda.local.array(V_LANE_ELEMS, float32)
-        for i in range(V_LANE_ELEMS):
-            v_acc[i] = float32(0.0)
-        for s in range(V_STEPS):
-            if s * V_STEP_POSITIONS >= n_here:
-                continue  # block-uniform
-            slot = s * V_STEP_POSITIONS + v_team
-            p = _exp(scores[min(slot, n_here - 1)] - chunk_max)
-            p = p if slot < n_here else float32(0.0)
-            for j in range(V_LANE_WORDS):
-                for e in range(ELEMS_PER_WORD):
-                    v_acc[j * ELEMS_PER_WORD + e] += p * _decode(v_regs[s * V_LANE_WORDS + j], e, IS_FP8)
-        off = V_TEAM
-        while off < 32:  # add the teams of a warp (xor over the team bits of the lane id)
-            for i in range(V_LANE_ELEMS):
-                v_acc[i] += cuda.shfl_xor_sync(0xFFFFFFFF, v_acc[i], off)
-            off *= 2
-        if lane < V_TEAM:  # the first team holds the warp's sum
-            for j in range(V_LANE_WORDS):
-                for e in range(ELEMS_PER_WORD):
-                    warp_sums[warp, (v_lane + V_TEAM * j) * ELEMS_PER_WORD + e] = v_acc[
-                        j * ELEMS_PER_WORD + e
-                    ]
-        cuda.syncthreads()  # every warp's sum is in warp_sums
+            # 3. online softmax: the tile's max of the lane's head over the lanes of the same head
+            tmax = float32(NEG)
+            for b in range(N_BATCH):
+                tmax = max(tmax, vals[b * NB])
+            for k in range(LOG_ROWS):
+                tmax = max(tmax, cuda.shfl_xor_sync(FULL_MASK, tmax, (GP * SPREAD) << k))
+            for k in range(LOG_PPW):
+                tmax = max(tmax, cuda.shfl_xor_sync(FULL_MASK, tmax, T << k))
+            m_new = max(m, tmax)
+            alpha = _exp(m - m_new)
+            total = ls * alpha
+            for b in range(N_BATCH):
+                v = vals[b * NB]
+                pb = _exp(v - m_new) if v > float32(NEG) else float32(0.0)
+                total += pb
+                r = ((b * NB + pair) // GP) * PPW + team
+                if writer and mine < group:
+                    pr[warp, r, mine] = pb
+            ls = total
+            m = m_new
+            if writer and pair == mine and team == 0 and mine < group:
+                ar[warp, mine] = alpha
+            cuda.syncwarp()  # the tile's p and each head's alpha are in pr and ar
 
-        # 5. one chunk: the output; several: this chunk's partial, and the last block combines
-        for d in range(tid, head_dim, THREADS):
-            acc = float32(0.0)
-            for w in range(N_WARPS):
-                acc += warp_sums[w, d]
-            acc *= float32(FP_RAW_SCALE)
-            if live_chunks == 1:
-                out[head * head_dim + d] = acc / chunk_sum
-            else:
-                part[head, chunk_id, d] = acc
-        if live_chunks == 1:
+            # 4. the accumulators rescaled, then p v over the team's rows
+            for g in range(group):
+                a = ar[warp, g]
+                for x in range(LE):
+                    acc[g * LE + x] *= a
+            for u in range(SUBS):
+                r = u * PPW + team
+                for g in range(group):
+                    pg[g] = pr[warp, r, g]
+                for j in range(LW):
+                    w = smem[base + WT * ROW + r * ROW + lt + T * j]
+                    for e in range(EPW):
+                        x = _decode(w, e, IS_FP8)
+                        for g in range(group):
+                            acc[g * LE + j * EPW + e] += pg[g] * x
+            cuda.syncwarp()  # every lane is done with this stage, pr and ar before they are refilled
+
+        # 5. the teams of a warp added (they share m and l); the warps' (m, l, acc) to shared memory
+        for k in range(LOG_PPW):
+            for x in range(GLE):
+                acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], T << k)
+        cuda.syncthreads()  # every warp is done with its ring: the accumulators go over the rings
+        if team == 0:
+            for g in range(group):
+                for j in range(LW):
+                    for e in range(EPW):
+                        d = (lt + T * j) * EPW + e
+                        smem[(warp * group + g) * head_dim + d] = as_i32(acc[g * LE + j * EPW + e])
+        for k in range(LOG_ROWS):  # the head's sum over the lanes that held its rows
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, (GP * SPREAD) << k)
+        for k in range(LOG_PPW):
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, T << k)
+        if writer and pair == mine and team == 0 and mine < group:
+            wm[warp, mine] = m
+            wl[warp, mine] = ls
+        cuda.syncthreads()  # every warp's (m, l, acc) is in shared memory
+        for o in range(OPT):
+            i = tid + o * threads
+            if i < OUTS:
+                g = i // head_dim
+                d = i % head_dim
+                bm = float32(NEG)
+                for w in range(N_WARPS):
+                    bm = max(bm, wm[w, g])
+                a = float32(0.0)
+                den = float32(0.0)
+                for w in range(N_WARPS):
+                    f = _exp(wm[w, g] - bm)
+                    a += f * as_f32(smem[(w * group + g) * head_dim + d])
+                    den += f * wl[w, g]
+                a *= float32(FP_RAW_SCALE)
+                head = kv_head * group + g
+                if live == 1:
+                    out[head * head_dim + d] = a / den
+                else:
+                    part[head, split_id, d] = a
+                    if d == 0:
+                        part[head, split_id, head_dim] = bm
+                        part[head, split_id, head_dim + 1] = den
+        if live == 1:
             return
-        if tid == 0:
-            part[head, chunk_id, head_dim] = chunk_max
-            part[head, chunk_id, head_dim + 1] = chunk_sum
         cuda.threadfence()  # this thread's part of the partial is visible device-wide ...
-        cuda.syncthreads()  # ... for every thread, before the chunk is counted
+        cuda.syncthreads()  # ... for every thread, before the split is counted
         if tid == 0:
-            done = cuda.atomic.add(count, head, 1)
-            is_last[0] = int32(1) if done == live_chunks - 1 else int32(0)
-        cuda.syncthreads()  # is_last is set
+            done = cuda.atomic.add(count, kv_head, 1)
+            is_last[0] = int32(1) if done == live - 1 else int32(0)
+        cuda.syncthreads()  # is_last is set (and every read of the accumulators is done)
         if is_last[0] == 0:
             return
-        cuda.threadfence()  # the other chunks' partials are read after their count
-        # every warp finds the largest chunk max and the denominator itself (no barrier)
-        head_max = float32(NEG)
-        for c in range(lane, live_chunks, 32):
-            head_max = max(head_max, part[head, c, head_dim])
-        head_max = warp_reduce_max(head_max)
-        denom = float32(0.0)
-        for c in range(lane, live_chunks, 32):
-            denom += _exp(part[head, c, head_dim] - head_max) * part[head, c, head_dim + 1]
-        denom = warp_reduce_sum(denom)
-        for i in range(tid, SLICES * head_dim, THREADS):
-            sl = i // head_dim  # this thread's slice of the chunks
-            d = i % head_dim
-            acc = float32(0.0)
-            for c0 in range(sl * UNROLL, live_chunks, SLICES * UNROLL):
-                for u in range(UNROLL):  # independent loads; past-the-end ones read chunk live_chunks - 1
-                    c = min(c0 + u, live_chunks - 1)
-                    x = _exp(part[head, c, head_dim] - head_max) * part[head, c, d]
-                    acc += x if c0 + u < live_chunks else float32(0.0)
-            slice_sums[sl, d] = acc
-        cuda.syncthreads()  # every slice's sum is in slice_sums
-        for d in range(tid, head_dim, THREADS):
-            acc = float32(0.0)
-            for sl in range(SLICES):
-                acc += slice_sums[sl, d]
-            out[head * head_dim + d] = acc / denom
+
+        # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
+        cuda.threadfence()  # the other splits' partials are read after their count
+        for g in range(warp, group, N_WARPS):
+            head = kv_head * group + g
+            hm = float32(NEG)
+            for s in range(lane, live, 32):
+                hm = max(hm, part[head, s, head_dim])
+            hm = warp_reduce_max(hm)
+            den = float32(0.0)
+            for s in range(lane, live, 32):
+                den += _exp(part[head, s, head_dim] - hm) * part[head, s, head_dim + 1]
+            den = warp_reduce_sum(den)
+            for s in range(lane, live, 32):
+                smem[g * MAX_SPLITS + s] = as_i32(_exp(part[head, s, head_dim] - hm) / den)
+        cuda.syncthreads()  # every split's weight is in smem
+        outs = cuda.local.array(OPT, float32)
+        for o in range(OPT):
+            outs[o] = float32(0.0)
+        for s0 in range(0, live, UNROLL):
+            for u in range(UNROLL):  # independent loads; past-the-end ones read split live - 1
+                s = min(s0 + u, live - 1)
+                for o in range(OPT):
+                    i = min(tid + o * threads, OUTS - 1)
+                    g = i // head_dim
+                    f = as_f32(smem[g * MAX_SPLITS + s])
+                    x = f * part[kv_head * group + g, s, i % head_dim]
+                    outs[o] += x if s0 + u < live else float32(0.0)
+        for o in range(OPT):
+            i = tid + o * threads
+            if i < OUTS:
+                out[(kv_head * group) * head_dim + i] = outs[o]
         if tid == 0:
-            count[head] = 0  # for the next launch (the next layer)
+            count[kv_head] = 0  # for the next launch (the next layer)
 
     return attention_kernel
 
@@ -403,38 +548,44 @@ def attention(
     positions [start, state[STATE_POS]] of one layer's cache (see the module docstring).
 
     cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. scratch: from
-    attention_scratch(n_heads, head_dim, cache.dtype, >= seq_len); its chunk picks the kernel.
-    span: the grid covers positions 0..span-1 (ceil(span / chunk) blocks a head; default the
-    whole cache): the launch is right only while state[STATE_POS] < span. A graph captured at
-    seq_len 4096 would otherwise launch 16 blocks a head where a short context has one live
-    (attention_span: the spans an engine captures).
+    attention_scratch(n_heads, n_kv_heads, head_dim, cache.dtype, >= seq_len). span: the grid
+    covers positions 0..span-1 (split_len(span) positions a block; default the whole cache): the
+    launch is right only while state[STATE_POS] < span. A graph captured at seq_len 32768 would
+    otherwise launch splits of 512 positions where a short context wants 32 (attention_span: the
+    spans an engine captures).
     """
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    if head_dim % _elems_per_word(cache.dtype):
-        raise PycalmError(f"head_dim {head_dim} is not a multiple of 8 (fp8 KV) or 4 (fp16 KV)")
+    check_head(head_dim, cache.dtype)
     seq_len = cache.k.shape[0]
-    part = scratch.part
-    n_chunks = part.shape[1]
-    if part.shape[0] != n_heads or n_chunks * scratch.chunk < seq_len or part.shape[2] < head_dim + 2:
-        raise PycalmError(
-            f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
-        )
     span = seq_len if span is None else span
     if not 0 < span <= seq_len:
         raise PycalmError(f"attention span {span} is outside the cache's 1..{seq_len} positions")
-    grid_chunks = -(-span // scratch.chunk)
-    kernel = attention_kernel(head_dim, n_heads // n_kv_heads, cache.dtype, scratch.chunk)
-    k64, v64 = cache.k.view(np.int64), cache.v.view(np.int64)
+    split = split_len(span, scratch.chunk, n_kv_heads)
+    n_splits = -(-span // split)
+    part = scratch.part
+    if (
+        part.shape[0] != n_heads
+        or part.shape[1] < n_splits
+        or part.shape[2] < head_dim + 2
+        or scratch.count.shape[0] < n_kv_heads
+    ):
+        raise PycalmError(
+            f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
+        )
+    kernel = attention_kernel(head_dim, n_heads // n_kv_heads, cache.dtype)
+    k16, v16 = cache.k.view(np.float16), cache.v.view(np.float16)
     window = int32(cfg.sliding_window)
-    kernel[(n_heads, grid_chunks), THREADS, stream](q, k64, v64, state, part, scratch.count, out, window)
+    kernel[(n_kv_heads, n_splits), THREADS, stream](
+        q, k16, v16, state, part, scratch.count, out, window, int32(split)
+    )
 
 
 def attention_span(pos: int, chunk: int, seq_len: int) -> int:
     """The span (see attention) of a step at pos: chunk times the smallest power of two that
     covers pos + 1, at most seq_len. An engine captures one step a span: at most
-    log2(seq_len / chunk) + 1 of them, and a grid at most twice the live chunks."""
+    log2(seq_len / chunk) + 1 of them, and a grid at most twice the live splits."""
     if not 0 <= pos < seq_len:
         raise PycalmError(f"position {pos} is outside the context of {seq_len} positions")
     span = chunk

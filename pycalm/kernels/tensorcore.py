@@ -5,7 +5,8 @@
   ldmatrix_x4_trans(smem, word) -> r0..r3        ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16
   cp_async16(smem, word, src, row, col, nbytes)  cp.async.cg.shared.global, 16 bytes (zero-filled
                                                  past nbytes), cp_async_commit, cp_async_wait_all
-                                                 / cp_async_wait_one (wait_group 0 / 1)
+                                                 / cp_async_wait_one (wait_group 0 / 1),
+                                                 cp_async_wait(n)() (wait_group n)
   sts128(smem, word, w0..w3)                     st.shared.v4.b32
   ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes) and
   ldg128w(src, row, col) -> w0..w3               ld.global.nc.v4.b32 (16 bytes) from src[row, col]
@@ -145,6 +146,14 @@ if _numba_config.ENABLE_CUDASIM:
 
     def cp_async_wait_one() -> None:
         """(simulator: the copies are done)"""
+
+    def cp_async_wait(n: int) -> object:
+        """cp.async.wait_group n as a no-argument function (simulator: the copies are done)."""
+
+        def wait() -> None:
+            pass
+
+        return wait
 
     def sts128(smem: np.ndarray, word: int, w0: int, w1: int, w2: int, w3: int) -> None:
         """Four words into smem[word:word+4] (simulator: four stores)."""
@@ -353,6 +362,18 @@ else:
         "cp.async.wait_group 1;",
         "Wait until all but the newest of this thread's committed cp.async groups have landed.",
     )
+
+    _WAITS: dict[int, object] = {}
+
+    def cp_async_wait(n: int) -> object:
+        """The intrinsic cp.async.wait_group n (n a constant): wait until at most the n newest
+        of this thread's committed groups are still in flight."""
+        if n not in _WAITS:
+            _WAITS[n] = _ptx_void(
+                f"cp.async.wait_group {int(n)};",
+                f"Wait until all but the {n} newest of this thread's committed cp.async groups have landed.",
+            )
+        return _WAITS[n]
 
     @intrinsic
     def sts128(typingctx, smem, word, w0, w1, w2, w3):  # noqa: ANN001, ANN201

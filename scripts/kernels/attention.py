@@ -58,7 +58,14 @@ from numba import cuda, float32, int32, int64, uint32  # noqa: E402
 from numba.cuda import libdevice  # noqa: E402
 
 from pycalm.cpu.reference import attention_ref  # noqa: E402
-from pycalm.kernels.attention import KVCache, attention, attention_scratch, attention_span  # noqa: E402
+from pycalm.kernels.attention import (  # noqa: E402
+    KVCache,
+    attention,
+    attention_kernel,
+    attention_scratch,
+    attention_span,
+    split_len,
+)
 from pycalm.kernels.common import (  # noqa: E402
     FP_RAW_SCALE,
     MASK_E5M2,
@@ -385,6 +392,36 @@ def tuned_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
                                     int32(cfg.sliding_window))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class SplitTuning:
+    """Sizes of the shipped split kernel (pycalm.kernels.attention THREADS, TILE, STAGES,
+    TARGET_BLOCKS, CHUNK)."""
+
+    threads: int = 128
+    tile: int = 4
+    stages: int = 4
+    target: int = 256
+    chunk: int = 32
+
+
+@dataclass(frozen=True)
+class SplitScratch:
+    """pycalm.kernels.attention.AttentionScratch for a SplitTuning."""
+
+    part: object
+    count: object
+    chunk: int
+    tuning: SplitTuning
+
+
+def split_scratch(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, tuning: SplitTuning,
+                  stream: object) -> SplitScratch:  # fmt: skip
+    padded = -(-(head_dim + 2) // _LINE) * _LINE
+    part = cuda.device_array((n_heads, tuning.target, padded), np.float32, stream=stream)
+    count = cuda.to_device(np.zeros(n_kv_heads, np.int32), stream=stream)
+    return SplitScratch(part, count, tuning.chunk, tuning)
+
+
 # ---------------------------------------------------------------------------------------------
 # the versions: name -> its Tuning (None: the package's launcher)
 
@@ -404,6 +441,14 @@ VARIANTS = {
     "vw4": dataclasses.replace(DEFAULT, v_words=4),
     "w32kw2": Tuning(threads=32, max_chunk=16, k_words=2, v_words=1, unroll=2),
     "kw8vw4": Tuning(threads=64, max_chunk=8, k_words=8, v_words=4, unroll=1),
+    "s_t256": SplitTuning(threads=256),
+    "s_tile8": SplitTuning(tile=8, stages=3),
+    "s_st3": SplitTuning(stages=3),
+    "s_st6": SplitTuning(stages=6),
+    "s_c16": SplitTuning(chunk=16),
+    "s_c64": SplitTuning(chunk=64),
+    "s_tg512": SplitTuning(target=512),
+    "s_tg1024": SplitTuning(target=1024),
 }
 
 
@@ -412,11 +457,30 @@ def for_simulator(tuning: Tuning | None) -> Tuning | None:
     the package's kernel has its own simulator sizes."""
     if tuning is None:
         return None
+    if isinstance(tuning, SplitTuning):
+        return dataclasses.replace(tuning, threads=64, chunk=8, target=min(tuning.target, 16))
     return dataclasses.replace(tuning, threads=min(tuning.threads, 64), max_chunk=min(tuning.max_chunk, 16))
+
+
+def split_attention(q: object, cache: KVCache, state: object, out: object, cfg: ModelConfig,
+                    scratch: SplitScratch, *, stream: object, span: int | None = None) -> None:  # fmt: skip
+    """pycalm.kernels.attention.attention with a SplitTuning's sizes."""
+    t = scratch.tuning
+    kernel = attention_kernel(
+        cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cache.dtype, t.threads, t.tile, t.stages, t.target
+    )
+    span = cache.k.shape[0] if span is None else span
+    split = split_len(span, scratch.chunk, cfg.n_kv_heads, t.target)
+    k16, v16 = cache.k.view(np.float16), cache.v.view(np.float16)
+    kernel[(cfg.n_kv_heads, -(-span // split)), t.threads, stream](
+        q, k16, v16, state, scratch.part, scratch.count, out, int32(cfg.sliding_window), int32(split)
+    )
 
 
 def launcher(scratch: object):  # noqa: ANN201
     """The launch of the version whose scratch this is."""
+    if isinstance(scratch, SplitScratch):
+        return split_attention
     return tuned_attention if isinstance(scratch, TunedScratch) else attention
 
 
@@ -485,11 +549,17 @@ def main() -> None:
     ap.add_argument("--variants", default="default", help="'all' or names: " + ",".join(VARIANTS))
     ap.add_argument("--check", action="store_true", help="compare each variant with attention_ref")
     ap.add_argument("--tiny", action="store_true", help="check only, at a tiny shape (simulator)")
+    ap.add_argument("--n-pos", default=",".join(map(str, N_POS)), help="context lengths to time")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="model shapes: " + ",".join(SHAPES))
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     tiny = args.tiny or numba_config.ENABLE_CUDASIM
-    shapes, positions = (TINY_SHAPES, TINY_N_POS) if tiny else (SHAPES, N_POS)
-    seq_len = 64 if tiny else SEQ_LEN
+    if tiny:
+        shapes, positions = TINY_SHAPES, TINY_N_POS
+    else:
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        positions = tuple(int(n) for n in args.n_pos.split(","))
+    seq_len = 64 if tiny else max(SEQ_LEN, *positions)
     stream = cuda.stream()
     ceiling = float("nan")
     if not tiny:
@@ -510,7 +580,11 @@ def main() -> None:
             for name in names:
                 tuning = for_simulator(VARIANTS[name]) if tiny else VARIANTS[name]
                 if tuning is None:
-                    scratch = attention_scratch(n_heads, head_dim, kv_dtype, seq_len, stream=stream)
+                    scratch = attention_scratch(
+                        n_heads, n_kv_heads, head_dim, kv_dtype, seq_len, stream=stream
+                    )
+                elif isinstance(tuning, SplitTuning):
+                    scratch = split_scratch(n_heads, n_kv_heads, head_dim, seq_len, tuning, stream)
                 else:
                     scratch = tuned_scratch(n_heads, head_dim, kv_dtype, seq_len, tuning, stream)
                 for n_pos in (*positions, min(scratch.chunk + 1, seq_len)):  # past one chunk where it fits
