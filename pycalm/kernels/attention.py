@@ -69,25 +69,18 @@ from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
+    FP_RAW_SCALE,
     FULL_MASK,
+    MASK_E5M2,
+    MASK_FP16,
     STATE_POS,
     as_f32,
     as_i32,
     dependent_start,
-    h2f2,
-    prmt,
     warp_reduce_max,
     warp_reduce_sum,
 )
-from pycalm.kernels.tensorcore import (
-    cp_async16,
-    cp_async_commit,
-    cp_async_wait,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
-    mma_16816,
-    pack_f16x2,
-)
+from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait
 from pycalm.model.config import KV_DTYPES, ModelConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -98,34 +91,50 @@ from pycalm.model.config import KV_DTYPES, ModelConfig
 # Python thread per CUDA thread) smaller blocks, tiles and grids of the same kernel, so that the
 # tests' short contexts still stream several tiles and merge several splits.
 SIM = _numba_config.ENABLE_CUDASIM
-THREADS = 64  # threads a block: two warps
-KEYS = 16  # keys a warp tile: one k-step of P V, two 8-key tiles of the scores
-STAGES = 2  # a warp's ring: the next warp tile in flight while one is used
-# blocks a launch at most, where the splits can grow (split_len): fewer, longer splits pay less for
-# the merge; under the simulator few, so that the tests' short contexts still grow them
-TARGET_BLOCKS = 16 if SIM else 512
-CHUNK = KEYS * THREADS // 32  # the shortest split: a warp tile a warp
-UNROLL = 4  # independent partial loads in flight per output of the merge
-MAX_REGISTERS = 65536 // (
-    6 * THREADS
-)  # launch bounds: six blocks an SM, as many as their shared memory allows (tests/test_ptx.py checks)
+THREADS = 64 if SIM else 128  # threads a block
+TILE = 4  # positions a warp tile: a stage of a warp's stream, 4 KB of K and V rows at head_dim 128, fp16
+STAGES = 4  # a warp's ring: three warp tiles in flight while one is used
+# blocks a launch at most, where the splits can grow (split_len): two blocks an SM; fewer, longer splits
+# pay less for the merge (scripts/kernels/attention.py: 512 is 1.4x slower at 4k, 5% at 32k)
+TARGET_BLOCKS = 16 if SIM else 256
+CHUNK = 2 * TILE * THREADS // 32  # the shortest split: two warp tiles a warp
+UNROLL = 16  # independent partial loads in flight per output of the merge
+# registers a thread at most, so that three blocks of 128 threads fit an SM's 64k (tests/test_ptx.py
+# checks it with ptxas); the launch bounds ask for four (16 warps, 48 warp tiles in flight an SM)
+# where a lane's query slices and accumulators are 16 floats or fewer (GQA groups up to 4 at
+# head_dim 128, fp16), three for larger groups
+MAX_REGISTERS = 65536 // (3 * 128)
 NEG = -1.0e30  # "no score": finite, so exp(NEG - m) is 0, not NaN
 _LINE = 32  # floats in a 128-byte cache line
 
 
-def check_head(head_dim: int, group: int, kv_dtype: str) -> None:
-    """Raise PycalmError unless the kernel takes these sizes: head_dim a multiple of 16 (the mma
-    k-steps and 16-byte copies of a row) and at most 8 query heads a kv head (an mma's n)."""
-    if head_dim % 16 or not 0 < group <= 8:
+def _row_words(head_dim: int, kv_dtype: str) -> int:
+    """int32 words of one head's K (or V) row."""
+    return head_dim // (4 if kv_dtype == "fp8" else 2)
+
+
+def _team(row_words: int) -> int:
+    """Lanes that hold a row: the largest power of two up to 32 that divides its words."""
+    lanes = 1
+    while lanes < 32 and row_words % (2 * lanes) == 0:
+        lanes *= 2
+    return lanes
+
+
+def check_head(head_dim: int, kv_dtype: str, tile: int = TILE) -> None:
+    """Raise PycalmError unless the kernel takes this head size: rows of whole 16-byte copies,
+    and no more rows a warp at a time (a team of lanes each) than a warp tile holds."""
+    elem = 1 if kv_dtype == "fp8" else 2
+    if (head_dim * elem) % 16 or 32 // _team(_row_words(head_dim, kv_dtype)) > tile:
         raise PycalmError(
-            f"head_dim {head_dim} with {group} query heads a kv head ({kv_dtype} KV): attention takes"
-            " head_dim a multiple of 16 and 1 to 8 query heads a kv head"
+            f"head_dim {head_dim} with {kv_dtype} KV: attention takes rows of a multiple of 16 bytes and"
+            f" at least {32 * 4 // tile} bytes"
         )
 
 
 def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
     """The shortest split (the default chunk of attention_scratch): CHUNK positions."""
-    check_head(head_dim, 1, kv_dtype)
+    check_head(head_dim, kv_dtype)
     return CHUNK
 
 
@@ -206,12 +215,17 @@ def _exp(x):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _split(x: float, y: float) -> tuple[int, int]:
-    """Two floats as two fp16 pairs: (fp16(x), fp16(y)) and the remainders (fp16(x - that),
-    fp16(y - that)), each pair a word (x, the lower index, in the low half)."""
-    hi = pack_f16x2(x, y)
-    xh, yh = h2f2(hi)  # exact
-    return hi, pack_f16x2(x - xh, y - yh)
+def _decode(x, e, fp8):  # noqa: ANN001, ANN202
+    """Element e (a constant after unrolling) of an int32 word of the cache, 2 fp16 or 4 e5m2
+    from the lowest address up, as value * 2**-112. Every shift is wrapped in int32(): real
+    numba computes int32 << / >> in int64, and the sign must come from bit 31 of the word."""
+    if fp8:
+        if e < 3:
+            x = int32(x << int32(24 - 8 * e))
+        return as_f32(int32(x >> int32(3)) & int32(MASK_E5M2))
+    if e == 0:
+        x = int32(x << int32(16))
+    return as_f32(int32(x >> int32(3)) & int32(MASK_FP16))
 
 
 @functools.cache
@@ -220,62 +234,64 @@ def attention_kernel(
     group: int,
     kv_dtype: str,
     threads: int = THREADS,
+    tile: int = TILE,
     stages: int = STAGES,
     max_splits: int = TARGET_BLOCKS,
 ) -> object:
-    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block
-    and ring, so the fragments and accumulators are fixed-size local arrays indexed by unrolled
-    loops, which the compiler keeps in registers."""
-    check_head(head_dim, group, kv_dtype)
-    FP8 = kv_dtype == "fp8"
-    D = head_dim
-    KSTEPS = D // 16  # k-steps of K Q^T; also 16-dim tiles of V^T P^T
-    FRAGS = 4 * KSTEPS  # Q^T fragment words (and O^T accumulators) a lane
-    ROW = D // 2 + 4  # int32 words of a row as fp16 in shared memory, padded by 16 bytes (ldmatrix
-    # reads 8 rows at once: they fall in 8 distinct groups of 4 banks)
-    RAW = D // 4 if FP8 else ROW  # words of a row in the ring: e5m2 bytes, or the fp16 row
-    PIECES = D // (16 if FP8 else 8)  # 16-byte copies a row as stored
-    COPIES = 2 * KEYS * PIECES  # copies a warp tile (K rows, then V rows)
-    COPY_STEPS = -(-COPIES // 32)
-    STAGE = 2 * KEYS * RAW  # words a stage: the warp tile's K rows, then its V rows
-    CONV = 2 * KEYS * ROW if FP8 else 0  # fp8: the warp tile as fp16 rows, K then V
-    WARP_WORDS = stages * STAGE + CONV  # a warp's ring (and conversion tile)
+    """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
+    warp tile and stages, so the per-lane query slices, partial dots and accumulators are
+    fixed-size local arrays that the compiler keeps in registers (all loops over them unroll)."""
+    check_head(head_dim, kv_dtype, tile)
+    IS_FP8 = kv_dtype == "fp8"
+    EPW = 4 if IS_FP8 else 2  # cache elements an int32 word holds
+    ROW = _row_words(head_dim, kv_dtype)  # int32 words of a head's row
+    T = _team(ROW)  # lanes a row: lane i of a team takes words i, i + T, ...
+    LW = ROW // T  # words of a row a lane takes
+    LE = LW * EPW  # elements of a row a lane takes
+    GLE = group * LE  # query and accumulator elements a lane holds
+    PPW = 32 // T  # rows a warp takes at a time (a team each)
+    LOG_PPW = PPW.bit_length() - 1
     N_WARPS = threads // 32
+    WT = tile  # positions a warp tile
+    SUBS = WT // PPW  # rows a team takes in a warp tile
+    GP = 1 << (group - 1).bit_length()  # the group padded to a power of two
+    NV = SUBS * GP  # partial dots a lane holds for a warp tile: (row, head) pairs
+    NB = min(NV, T)  # values a butterfly sums over the team
+    LOG_NB = NB.bit_length() - 1
+    LOG_T = T.bit_length() - 1
+    LOG_ROWS = (T // (GP * (T // NB))).bit_length() - 1  # lane bits that pick a row in a butterfly's output
+    N_BATCH = NV // NB
+    SPREAD = T // NB  # lanes that end with the same sum
+    PIECES = ROW // 4  # 16-byte copies a row
+    COPIES = 2 * WT * PIECES  # copies a warp tile (K rows, then V rows)
+    COPY_STEPS = -(-COPIES // 32)
+    STAGE = 2 * WT * ROW  # int32 words a stage: the warp tile's K rows, then its V rows
+    WARP_WORDS = stages * STAGE  # a warp's ring of stages
     MAX_SPLITS = max_splits  # split_len keeps the live splits of a kv head within this
     # shared words: the warps' rings while streaming; then their accumulators; then the merge's weights
-    SMEM = max(N_WARPS * WARP_WORDS, N_WARPS * group * D, group * MAX_SPLITS)
-    OUTS = group * D  # a block's outputs: its heads' rows
+    SMEM = max(N_WARPS * WARP_WORDS, N_WARPS * group * head_dim, group * MAX_SPLITS)
+    OUTS = group * head_dim  # a block's outputs: its heads' rows
     OPT = -(-OUTS // threads)  # outputs a thread
-    SCALE = 1.0 / math.sqrt(head_dim)
-    bounds = {} if SIM else {"launch_bounds": (threads, 65536 // (MAX_REGISTERS * threads))}
+    Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
     wait_landed = cp_async_wait(stages - 1)  # all but the stages - 1 newest groups have landed
 
     @cuda.jit(device=True, inline=True)
     def issue(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
-        """Start a warp's copies of the rows t0 .. t0 + KEYS - 1 (rows past `last` read row last:
+        """Start a warp's copies of the rows t0 .. t0 + WT - 1 (rows past `last` read row last:
         finite, and their p is 0) into the stage at word `base`."""
         for c in range(COPY_STEPS):
             i = lane + c * 32
             if i < COPIES:
-                r = (i // PIECES) % KEYS
+                r = (i // PIECES) % WT
                 piece = i % PIECES
                 row = uint32(min(t0 + r, last))
-                word = base + r * RAW + piece * 4
-                if i < KEYS * PIECES:
+                word = base + r * ROW + piece * 4
+                if i < WT * PIECES:
                     cp_async16(smem, word, k_cache, row, col0 + piece * 8, 16)
                 else:
-                    cp_async16(smem, word + KEYS * RAW, v_cache, row, col0 + piece * 8, 16)
+                    cp_async16(smem, word + WT * ROW, v_cache, row, col0 + piece * 8, 16)
 
-    @cuda.jit(device=True, inline=True)
-    def widen(smem, src, dst, lane):  # noqa: ANN001, ANN202
-        """fp8: the stage's 2 KEYS rows of e5m2 bytes at word src as fp16 rows at word dst, each
-        byte the top byte of a half (exact)."""
-        for i in range(lane, 2 * KEYS * (D // 4), 32):
-            r = i // (D // 4)
-            c = i % (D // 4)
-            word = smem[src + r * RAW + c]
-            smem[dst + r * ROW + 2 * c] = prmt(word, int32(0), int32(0x1404))  # bytes 0, 1
-            smem[dst + r * ROW + 2 * c + 1] = prmt(word, int32(0), int32(0x3424))  # bytes 2, 3
+    bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, split):  # noqa: ANN001, ANN202
@@ -298,19 +314,20 @@ def attention_kernel(
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
-        g = lane >> 2  # the lane's fragment row group
-        t = lane & 3  # and its pair of columns
-        n_tiles = int32((n_here + KEYS - 1) // KEYS)  # warp tiles of the split
+        lt = lane % T  # lane in its team
+        team = lane // T  # the team's row among the warp's PPW at a time
+        n_tiles = int32((n_here + WT - 1) // WT)  # warp tiles of the split
         n_mine = int32((n_tiles - warp + N_WARPS - 1) // N_WARPS)  # this warp's: warp, warp + N_WARPS, ...
-        col0 = kv_head * (D // (2 if FP8 else 1))  # the kv head's first column of the fp16 view
+        col0 = kv_head * (2 * ROW)  # the kv head's first column of the fp16 view
         ring = warp * WARP_WORDS  # this warp's ring of stages
-        # (N_WARPS, stages, KEYS K rows then KEYS V rows, RAW) int32 rings (fp8: and a (2 KEYS,
-        # ROW) fp16 tile); after the stream (N_WARPS, group, D) float32 bits, the warps'
-        # accumulators; in the merge (group, MAX_SPLITS) float32 bits, the splits' weights
+        # (N_WARPS, stages, WT K rows then WT V rows, ROW) int32 rings; after the stream
+        # (N_WARPS, group, head_dim) float32 bits, the warps' accumulators; in the merge (group,
+        # MAX_SPLITS) float32 bits, the splits' weights
         smem = cuda.shared.array(SMEM, int32)
-        pt = cuda.shared.array((N_WARPS, 8, KEYS), float32)  # a warp tile's p, (head, key)
-        wm = cuda.shared.array((N_WARPS, 8), float32)  # each warp's score max, a head
-        wl = cuda.shared.array((N_WARPS, 8), float32)  # each warp's sum of exp(score - max)
+        pr = cuda.shared.array((N_WARPS, WT, group), float32)  # the warp tile's p, a row's heads together
+        ar = cuda.shared.array((N_WARPS, group), float32)  # the warp tile's rescale of each head
+        wm = cuda.shared.array((N_WARPS, group), float32)  # each warp's score max
+        wl = cuda.shared.array((N_WARPS, group), float32)  # each warp's sum of exp(score - max)
         is_last = cuda.shared.array(1, int32)  # merge: 1 in the last block of the kv head
 
         for i in range(stages - 1):  # the first warp tiles in flight, a group each
@@ -320,147 +337,154 @@ def attention_kernel(
                     k_cache,
                     v_cache,
                     ring + i * STAGE,
-                    first + (warp + i * N_WARPS) * KEYS,
+                    first + (warp + i * N_WARPS) * WT,
                     last,
                     col0,
                     lane,
                 )
             cp_async_commit()
-        # B fragments of Q^T (k = dims, n = heads): head g, dims 16 k + 2 t, +1 and + 8, + 9,
-        # times 1/sqrt(head_dim), as fp16 hi and lo parts (zero for the heads past the group)
-        qf = cuda.local.array(FRAGS, int32)  # per k-step: b0 hi, b1 hi, b0 lo, b1 lo
-        for k in range(KSTEPS):
-            for h in range(2):
-                x = float32(0.0)
-                y = float32(0.0)
-                if g < group:
-                    d = (kv_head * group + g) * D + 16 * k + 2 * t + 8 * h
-                    x = q[d] * float32(SCALE)
-                    y = q[d + 1] * float32(SCALE)
-                qf[4 * k + h], qf[4 * k + 2 + h] = _split(x, y)
-        o = cuda.local.array(FRAGS, float32)  # O^T accumulators: dims 16 k + g, + 8; heads 2 t, + 1
-        for i in range(FRAGS):
-            o[i] = float32(0.0)
-        m0 = float32(NEG)  # running max of head 2 t's scores
-        m1 = float32(NEG)  # and of head 2 t + 1's
-        l0 = float32(0.0)  # this lane's part of head 2 t's sum of exp(score - m0)
-        l1 = float32(0.0)
-        mat = lane >> 3  # the ldmatrix matrix whose row address this lane gives
-        # K as the A operand of K Q^T (rows keys, cols dims): matrices keys 0-7 | 8-15, dims 0-7,
-        # then dims 8-15; V through .trans as the A operand of V^T P^T: keys 0-7, dims 0-7 | 8-15,
-        # then keys 8-15
-        k_row = ((lane & 7) + 8 * (mat & 1)) * ROW + 4 * (mat >> 1)
-        v_row = ((lane & 7) + 8 * (mat >> 1)) * ROW + 4 * (mat & 1)
+        qr = cuda.local.array(GLE, float32)  # the lane's slice of each head's q, scaled
+        acc = cuda.local.array(GLE, float32)  # the lane's slice of each head's sum of p v
+        # after a butterfly the lane holds the scores of one head, `mine`, of rows `pair` // GP
+        # (+ NB / GP per batch); `writer`: the first of the SPREAD lanes that hold the same ones
+        pair = lt // SPREAD
+        mine = pair % GP
+        writer = lt % SPREAD == 0
+        m = float32(NEG)  # the running max of head mine over the warp's rows so far
+        ls = float32(0.0)  # this lane's part of head mine's sum of exp(score - m)
+        for g in range(group):
+            for j in range(LW):
+                for e in range(EPW):
+                    d = (lt + T * j) * EPW + e
+                    qr[g * LE + j * EPW + e] = q[(kv_head * group + g) * head_dim + d] * float32(Q_SCALE)
+                    acc[g * LE + j * EPW + e] = float32(0.0)
+        vals = cuda.local.array(NV, float32)  # partial dots, (row, padded head) pairs
+        pg = cuda.local.array(group, float32)  # p of a row, each head
 
         for i in range(n_mine):
             ahead = i + stages - 1  # the warp tile that enters the ring now
             if ahead < n_mine:
-                t_ahead = first + (warp + ahead * N_WARPS) * KEYS
+                t_ahead = first + (warp + ahead * N_WARPS) * WT
                 issue(smem, k_cache, v_cache, ring + (ahead % stages) * STAGE, t_ahead, last, col0, lane)
             cp_async_commit()  # (an empty group near the end)
             wait_landed()  # this lane's copies of warp tile i have landed ...
             cuda.syncwarp()  # ... and every lane's
-            kb = ring + (i % stages) * STAGE  # the K rows as fp16, then the V rows
-            if FP8:
-                widen(smem, kb, ring + stages * STAGE, lane)
-                kb = ring + stages * STAGE
-                cuda.syncwarp()  # the fp16 tile is complete
-            vb = kb + KEYS * ROW
-            t0 = first + (warp + i * N_WARPS) * KEYS  # the warp tile's first position
+            base = ring + (i % stages) * STAGE
+            t0 = first + (warp + i * N_WARPS) * WT  # the warp tile's first position
 
-            # S^T = K Q^T (keys x heads): lane holds keys g, g + 8 of heads 2 t, 2 t + 1
-            s0 = float32(0.0)
-            s1 = float32(0.0)
-            s2 = float32(0.0)
-            s3 = float32(0.0)
-            for k in range(KSTEPS):
-                a0, a1, a2, a3 = ldmatrix_x4(smem, kb + k_row + 8 * k)
-                s0, s1, s2, s3 = mma_16816(a0, a1, a2, a3, qf[4 * k], qf[4 * k + 1], s0, s1, s2, s3)
-                s0, s1, s2, s3 = mma_16816(a0, a1, a2, a3, qf[4 * k + 2], qf[4 * k + 3], s0, s1, s2, s3)
-            if t0 + g > last:  # a key past the end
-                s0 = float32(NEG)
-                s1 = float32(NEG)
-            if t0 + g + 8 > last:
-                s2 = float32(NEG)
-                s3 = float32(NEG)
+            # 2. partial dots of the warp tile's rows with every head's q slice
+            for x in range(NV):
+                vals[x] = float32(0.0)
+            for u in range(SUBS):
+                r = u * PPW + team
+                for j in range(LW):
+                    w = smem[base + r * ROW + lt + T * j]
+                    for e in range(EPW):
+                        x = _decode(w, e, IS_FP8)
+                        for g in range(group):
+                            vals[u * GP + g] += qr[g * LE + j * EPW + e] * x
+            for b in range(N_BATCH):  # transposing butterflies over the team, NB values each
+                for k in range(LOG_NB):
+                    half = NB >> (k + 1)
+                    off = T >> (k + 1)
+                    up = (lt & off) != 0  # this lane keeps the upper half
+                    for x in range(NB // 2):
+                        if x < half:
+                            lo = vals[b * NB + x]
+                            hi = vals[b * NB + x + half]
+                            keep = hi if up else lo
+                            send = lo if up else hi
+                            vals[b * NB + x] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+                for k in range(LOG_NB, LOG_T):  # the lanes left hold parts of one sum
+                    vals[b * NB] += cuda.shfl_xor_sync(FULL_MASK, vals[b * NB], T >> (k + 1))
+                # the lane now holds the score of (row (b NB + pair) // GP of its team, head mine)
+                r = ((b * NB + pair) // GP) * PPW + team
+                if not (mine < group and t0 + r <= last):
+                    vals[b * NB] = float32(NEG)  # a padding head or a row past the end
 
-            # online softmax: each head's max over the tile's 16 keys (the lanes of one t)
-            x0 = max(s0, s2)
-            x1 = max(s1, s3)
-            for off in (4, 8, 16):
-                x0 = max(x0, cuda.shfl_xor_sync(FULL_MASK, x0, off))
-                x1 = max(x1, cuda.shfl_xor_sync(FULL_MASK, x1, off))
-            n0 = max(m0, x0)
-            n1 = max(m1, x1)
-            al0 = _exp(m0 - n0)
-            al1 = _exp(m1 - n1)
-            p0 = _exp(s0 - n0) if s0 > float32(NEG) else float32(0.0)
-            p1 = _exp(s1 - n1) if s1 > float32(NEG) else float32(0.0)
-            p2 = _exp(s2 - n0) if s2 > float32(NEG) else float32(0.0)
-            p3 = _exp(s3 - n1) if s3 > float32(NEG) else float32(0.0)
-            l0 = l0 * al0 + p0 + p2
-            l1 = l1 * al1 + p1 + p3
-            m0 = n0
-            m1 = n1
-            pt[warp, 2 * t, g] = p0
-            pt[warp, 2 * t + 1, g] = p1
-            pt[warp, 2 * t, g + 8] = p2
-            pt[warp, 2 * t + 1, g + 8] = p3
-            cuda.syncwarp()  # the tile's p is in pt
+            # 3. online softmax: the tile's max of the lane's head over the lanes of the same head
+            tmax = float32(NEG)
+            for b in range(N_BATCH):
+                tmax = max(tmax, vals[b * NB])
+            for k in range(LOG_ROWS):
+                tmax = max(tmax, cuda.shfl_xor_sync(FULL_MASK, tmax, (GP * SPREAD) << k))
+            for k in range(LOG_PPW):
+                tmax = max(tmax, cuda.shfl_xor_sync(FULL_MASK, tmax, T << k))
+            m_new = max(m, tmax)
+            alpha = _exp(m - m_new)
+            total = ls * alpha
+            for b in range(N_BATCH):
+                v = vals[b * NB]
+                pb = _exp(v - m_new) if v > float32(NEG) else float32(0.0)
+                total += pb
+                r = ((b * NB + pair) // GP) * PPW + team
+                if writer and mine < group:
+                    pr[warp, r, mine] = pb
+            ls = total
+            m = m_new
+            if writer and pair == mine and team == 0 and mine < group:
+                ar[warp, mine] = alpha
+            cuda.syncwarp()  # the tile's p and each head's alpha are in pr and ar
 
-            # O^T = O^T alpha + V^T P^T: B fragments of P^T (k = keys, n = heads) from pt
-            b0, b0l = _split(pt[warp, g, 2 * t], pt[warp, g, 2 * t + 1])
-            b1, b1l = _split(pt[warp, g, 2 * t + 8], pt[warp, g, 2 * t + 9])
-            for k in range(KSTEPS):
-                a0, a1, a2, a3 = ldmatrix_x4_trans(smem, vb + v_row + 8 * k)
-                c0 = o[4 * k] * al0
-                c1 = o[4 * k + 1] * al1
-                c2 = o[4 * k + 2] * al0
-                c3 = o[4 * k + 3] * al1
-                c0, c1, c2, c3 = mma_16816(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-                c0, c1, c2, c3 = mma_16816(a0, a1, a2, a3, b0l, b1l, c0, c1, c2, c3)
-                o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3] = c0, c1, c2, c3
-            cuda.syncwarp()  # every lane is done with this stage and pt before they are refilled
+            # 4. the accumulators rescaled, then p v over the team's rows
+            for g in range(group):
+                a = ar[warp, g]
+                for x in range(LE):
+                    acc[g * LE + x] *= a
+            for u in range(SUBS):
+                r = u * PPW + team
+                for g in range(group):
+                    pg[g] = pr[warp, r, g]
+                for j in range(LW):
+                    w = smem[base + WT * ROW + r * ROW + lt + T * j]
+                    for e in range(EPW):
+                        x = _decode(w, e, IS_FP8)
+                        for g in range(group):
+                            acc[g * LE + j * EPW + e] += pg[g] * x
+            cuda.syncwarp()  # every lane is done with this stage, pr and ar before they are refilled
 
-        # the warps' (m, l, O) to shared memory
-        for off in (4, 8, 16):  # each head's sum over the lanes of one t
-            l0 += cuda.shfl_xor_sync(FULL_MASK, l0, off)
-            l1 += cuda.shfl_xor_sync(FULL_MASK, l1, off)
+        # 5. the teams of a warp added (they share m and l); the warps' (m, l, acc) to shared memory
+        for k in range(LOG_PPW):
+            for x in range(GLE):
+                acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], T << k)
         cuda.syncthreads()  # every warp is done with its ring: the accumulators go over the rings
-        for k in range(KSTEPS):
-            for c in range(4):
-                h = 2 * t + (c & 1)  # the head of accumulator c
-                if h < group:
-                    d = 16 * k + g + 8 * (c >> 1)
-                    smem[(warp * group + h) * D + d] = as_i32(o[4 * k + c])
-        if g == 0:
-            wm[warp, 2 * t] = m0
-            wm[warp, 2 * t + 1] = m1
-            wl[warp, 2 * t] = l0
-            wl[warp, 2 * t + 1] = l1
-        cuda.syncthreads()  # every warp's (m, l, O) is in shared memory
-        for oo in range(OPT):
-            i = tid + oo * threads
+        if team == 0:
+            for g in range(group):
+                for j in range(LW):
+                    for e in range(EPW):
+                        d = (lt + T * j) * EPW + e
+                        smem[(warp * group + g) * head_dim + d] = as_i32(acc[g * LE + j * EPW + e])
+        for k in range(LOG_ROWS):  # the head's sum over the lanes that held its rows
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, (GP * SPREAD) << k)
+        for k in range(LOG_PPW):
+            ls += cuda.shfl_xor_sync(FULL_MASK, ls, T << k)
+        if writer and pair == mine and team == 0 and mine < group:
+            wm[warp, mine] = m
+            wl[warp, mine] = ls
+        cuda.syncthreads()  # every warp's (m, l, acc) is in shared memory
+        for o in range(OPT):
+            i = tid + o * threads
             if i < OUTS:
-                h = i // D
-                d = i % D
+                g = i // head_dim
+                d = i % head_dim
                 bm = float32(NEG)
                 for w in range(N_WARPS):
-                    bm = max(bm, wm[w, h])
+                    bm = max(bm, wm[w, g])
                 a = float32(0.0)
                 den = float32(0.0)
                 for w in range(N_WARPS):
-                    f = _exp(wm[w, h] - bm)
-                    a += f * as_f32(smem[(w * group + h) * D + d])
-                    den += f * wl[w, h]
-                head = kv_head * group + h
+                    f = _exp(wm[w, g] - bm)
+                    a += f * as_f32(smem[(w * group + g) * head_dim + d])
+                    den += f * wl[w, g]
+                a *= float32(FP_RAW_SCALE)
+                head = kv_head * group + g
                 if live == 1:
-                    out[head * D + d] = a / den
+                    out[head * head_dim + d] = a / den
                 else:
                     part[head, split_id, d] = a
                     if d == 0:
-                        part[head, split_id, D] = bm
-                        part[head, split_id, D + 1] = den
+                        part[head, split_id, head_dim] = bm
+                        part[head, split_id, head_dim + 1] = den
         if live == 1:
             return
         cuda.threadfence()  # this thread's part of the partial is visible device-wide ...
@@ -474,34 +498,35 @@ def attention_kernel(
 
         # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
         cuda.threadfence()  # the other splits' partials are read after their count
-        for h in range(warp, group, N_WARPS):
-            head = kv_head * group + h
+        for g in range(warp, group, N_WARPS):
+            head = kv_head * group + g
             hm = float32(NEG)
             for s in range(lane, live, 32):
-                hm = max(hm, part[head, s, D])
+                hm = max(hm, part[head, s, head_dim])
             hm = warp_reduce_max(hm)
             den = float32(0.0)
             for s in range(lane, live, 32):
-                den += _exp(part[head, s, D] - hm) * part[head, s, D + 1]
+                den += _exp(part[head, s, head_dim] - hm) * part[head, s, head_dim + 1]
             den = warp_reduce_sum(den)
             for s in range(lane, live, 32):
-                smem[h * MAX_SPLITS + s] = as_i32(_exp(part[head, s, D] - hm) / den)
+                smem[g * MAX_SPLITS + s] = as_i32(_exp(part[head, s, head_dim] - hm) / den)
         cuda.syncthreads()  # every split's weight is in smem
         outs = cuda.local.array(OPT, float32)
-        for oo in range(OPT):
-            outs[oo] = float32(0.0)
+        for o in range(OPT):
+            outs[o] = float32(0.0)
         for s0 in range(0, live, UNROLL):
             for u in range(UNROLL):  # independent loads; past-the-end ones read split live - 1
                 s = min(s0 + u, live - 1)
-                for oo in range(OPT):
-                    i = min(tid + oo * threads, OUTS - 1)
-                    h = i // D
-                    x = as_f32(smem[h * MAX_SPLITS + s]) * part[kv_head * group + h, s, i % D]
-                    outs[oo] += x if s0 + u < live else float32(0.0)
-        for oo in range(OPT):
-            i = tid + oo * threads
+                for o in range(OPT):
+                    i = min(tid + o * threads, OUTS - 1)
+                    g = i // head_dim
+                    f = as_f32(smem[g * MAX_SPLITS + s])
+                    x = f * part[kv_head * group + g, s, i % head_dim]
+                    outs[o] += x if s0 + u < live else float32(0.0)
+        for o in range(OPT):
+            i = tid + o * threads
             if i < OUTS:
-                out[(kv_head * group) * D + i] = outs[oo]
+                out[(kv_head * group) * head_dim + i] = outs[o]
         if tid == 0:
             count[kv_head] = 0  # for the next launch (the next layer)
 
@@ -532,7 +557,7 @@ def attention(
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    check_head(head_dim, n_heads // n_kv_heads, cache.dtype)
+    check_head(head_dim, cache.dtype)
     seq_len = cache.k.shape[0]
     span = seq_len if span is None else span
     if not 0 < span <= seq_len:

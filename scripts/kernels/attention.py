@@ -394,12 +394,13 @@ def tuned_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
 
 @dataclass(frozen=True)
 class SplitTuning:
-    """Sizes of the shipped split kernel (pycalm.kernels.attention THREADS, STAGES, TARGET_BLOCKS,
-    CHUNK)."""
+    """Sizes of the shipped split kernel (pycalm.kernels.attention THREADS, TILE, STAGES,
+    TARGET_BLOCKS, CHUNK)."""
 
-    threads: int = 64
-    stages: int = 2
-    target: int = 512
+    threads: int = 128
+    tile: int = 4
+    stages: int = 4
+    target: int = 256
     chunk: int = 32
 
 
@@ -440,10 +441,13 @@ VARIANTS = {
     "vw4": dataclasses.replace(DEFAULT, v_words=4),
     "w32kw2": Tuning(threads=32, max_chunk=16, k_words=2, v_words=1, unroll=2),
     "kw8vw4": Tuning(threads=64, max_chunk=8, k_words=8, v_words=4, unroll=1),
-    "s_w1": SplitTuning(threads=32, stages=3, chunk=16),
-    "s_w1st4": SplitTuning(threads=32, stages=4, chunk=16),
+    "s_t256": SplitTuning(threads=256),
+    "s_tile8": SplitTuning(tile=8, stages=3),
+    "s_st3": SplitTuning(stages=3),
+    "s_st6": SplitTuning(stages=6),
+    "s_c16": SplitTuning(chunk=16),
     "s_c64": SplitTuning(chunk=64),
-    "s_tg256": SplitTuning(target=256),
+    "s_tg512": SplitTuning(target=512),
     "s_tg1024": SplitTuning(target=1024),
 }
 
@@ -454,7 +458,7 @@ def for_simulator(tuning: Tuning | None) -> Tuning | None:
     if tuning is None:
         return None
     if isinstance(tuning, SplitTuning):
-        return dataclasses.replace(tuning, target=min(tuning.target, 16))
+        return dataclasses.replace(tuning, threads=64, chunk=8, target=min(tuning.target, 16))
     return dataclasses.replace(tuning, threads=min(tuning.threads, 64), max_chunk=min(tuning.max_chunk, 16))
 
 
@@ -463,7 +467,7 @@ def split_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
     """pycalm.kernels.attention.attention with a SplitTuning's sizes."""
     t = scratch.tuning
     kernel = attention_kernel(
-        cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cache.dtype, t.threads, t.stages, t.target
+        cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cache.dtype, t.threads, t.tile, t.stages, t.target
     )
     span = cache.k.shape[0] if span is None else span
     split = split_len(span, scratch.chunk, cfg.n_kv_heads, t.target)
