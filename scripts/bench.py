@@ -570,6 +570,35 @@ def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
     return n / seconds
 
 
+def bench_depths(
+    shape: str, dtype: str, depths: list[int], kv_dtype: str, programmatic: bool | None = None
+) -> dict:
+    """Decode after D tokens of context, for each D of depths: tok/s of the 32 graph replays at
+    positions D .. D + 31 (llama.cpp's `llama-bench -n 32 -d D`), in one engine whose context
+    holds the longest, with the kv_dtype cache; and the bandwidth bound of each, one read of the
+    weights and of the cache at the copy ceiling (the caller divides: bytes are returned)."""
+    seq_len = max(depths) + 32
+    cfg = config_for(shape, dtype, seq_len)
+    options = EngineOptions(programmatic=programmatic)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=seq_len, kv_dtype=kv_dtype, options=options)
+    step = functools.partial(engine.graph, SamplingParams())  # pos -> the step's graph
+    cells = {}
+    for depth in depths:
+        time_replays(engine, step, depth, 8)  # warm-up (and the span's capture)
+        t = time_replays(engine, step, depth, 32)
+        nbytes = np.mean(
+            [
+                sum(step_bytes(cfg, kv_dtype, p, engine.att_scratch.chunk).values())
+                for p in range(depth, depth + 32)
+            ]
+        )
+        cells[depth] = {"tok_s": 1 / t, "bytes": float(nbytes)}
+    del engine
+    gc.collect()
+    cuda.current_context().deallocations.clear()
+    return {"shape": shape, "dtype": dtype, "kv": kv_dtype, "cells": cells}
+
+
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -699,6 +728,12 @@ def main() -> None:
         default="fast",
         help="the engine's kernels (EngineOptions.kernels); simple: no per-kernel split",
     )
+    ap.add_argument(
+        "--depths",
+        help="decode after these contexts (e.g. 0,4000,8000,16000,32000): tok/s of 32 steps each, and %% of"
+        " the bandwidth bound (one read of the weights and the cache at the copy ceiling)",
+    )
+    ap.add_argument("--kv", default="fp16", help="KV cache dtypes of the --depths cells (fp16, fp8)")
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
     if args.rows:
@@ -710,6 +745,22 @@ def main() -> None:
                 found.append(r)
                 print_rows([r], counts)
         print_rows(found, counts)
+        return
+    if args.depths:
+        depths = [int(n) for n in args.depths.split(",")]
+        ceiling, how = copy_ceiling_gbs()
+        print(f"copy ceiling {ceiling:,.0f} GB/s ({how})", flush=True)
+        print("| weights | KV | " + " | ".join(f"D = {d:,}" for d in depths) + " |")
+        print("|---|---|" + "---|" * len(depths))
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                for kv in args.kv.split(","):
+                    r = bench_depths(shape, dtype, depths, kv, False if args.plain else None)
+                    cells = " | ".join(
+                        f"{c['tok_s']:.0f} ({100 * c['tok_s'] * c['bytes'] / (ceiling * 1e9):.0f}%)"
+                        for c in r["cells"].values()
+                    )
+                    print(f"| {shape} {dtype} | {kv} | {cells} |", flush=True)
         return
     if args.invariant_decode:
         for shape in args.shapes.split(","):

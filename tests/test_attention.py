@@ -116,6 +116,8 @@ def _run(
         (3, 1, 64, "fp8", 41, 20),  # sliding window: start = 21, two splits
         (4, 1, 32, "fp16", 35, 100),  # window longer than the context: no effect
         (2, 1, 128, "fp16", 50, 0),  # 2 words of a row a lane; outputs > threads: several a thread
+        (4, 2, 8, "fp8", 29, 0),  # 8-byte rows (test models): copied word by word into padded rows
+        (3, 1, 6, "fp16", 19, 0),  # 12-byte rows, group 3
     ],
 )
 def test_attention_matches_ref(n_heads, n_kv_heads, head_dim, kv_dtype, n_pos, window):
@@ -178,8 +180,11 @@ def test_splits_grow_with_the_span():
 
 
 def test_head_sizes_outside_the_kernel_are_named():
-    with pytest.raises(PycalmError, match="head_dim 12"):
-        attention_chunk_len(12, "fp16")
+    with pytest.raises(PycalmError, match="head_dim 5"):  # 10-byte rows: no whole words
+        attention_chunk_len(5, "fp16")
+    rows = cuda.to_device(np.zeros((16, 33 * 8), np.float16))
+    with pytest.raises(PycalmError, match="with 33 query heads"):
+        attention(rows, KVCache(rows, rows, "fp16"), rows, rows, config(33, 1, 8), None, stream=0)
 
 
 def test_bad_arguments_are_named():

@@ -47,7 +47,7 @@ def test_folder_is_under_the_root_and_the_key(tmp_path, monkeypatch):
 _DIGESTS = r"""
 from pycalm.gpu import kernel_cache as cache
 from pycalm.kernels import attention, matvec, qkv
-for kernel in (attention.attention_kernel(64, 3, "fp16", 256), attention.attention_kernel(64, 3, "fp8", 256),
+for kernel in (attention.attention_kernel(64, 3, "fp16"), attention.attention_kernel(64, 3, "fp8"),
                matvec.matvec_kernel("fp16"), matvec.matvec_kernel("fp8"), qkv.qkv_rope_kernel("fp16", 16, "fp16")):
     print(cache.closure_digest(kernel.py_func))
 """

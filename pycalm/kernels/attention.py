@@ -76,7 +76,8 @@ from pycalm.kernels.common import (
     STATE_POS,
     as_f32,
     as_i32,
-    dependent_start,
+    grid_dependency_wait,
+    launch_dependents,
     warp_reduce_max,
     warp_reduce_sum,
 )
@@ -110,7 +111,7 @@ _LINE = 32  # floats in a 128-byte cache line
 
 def _row_words(head_dim: int, kv_dtype: str) -> int:
     """int32 words of one head's K (or V) row."""
-    return head_dim // (4 if kv_dtype == "fp8" else 2)
+    return head_dim * (1 if kv_dtype == "fp8" else 2) // 4
 
 
 def _team(row_words: int) -> int:
@@ -121,20 +122,31 @@ def _team(row_words: int) -> int:
     return lanes
 
 
-def check_head(head_dim: int, kv_dtype: str, tile: int = TILE) -> None:
-    """Raise PycalmError unless the kernel takes this head size: rows of whole 16-byte copies,
-    and no more rows a warp at a time (a team of lanes each) than a warp tile holds."""
-    elem = 1 if kv_dtype == "fp8" else 2
-    if (head_dim * elem) % 16 or 32 // _team(_row_words(head_dim, kv_dtype)) > tile:
+def _shared_row(head_dim: int, group: int, kv_dtype: str, tile: int = TILE) -> int:
+    """int32 words of a row in shared memory: the row itself where cp.async copies it (whole
+    16-byte pieces) and a team of at least max(32 / tile, the padded group) lanes divides it;
+    else (the tiny heads of test models) a power of two of at least 8 words and the group, the
+    words past the row zero."""
+    row = _row_words(head_dim, kv_dtype)
+    group_p2 = 1 << (group - 1).bit_length()
+    if row % 4 == 0 and _team(row) >= max(32 // tile, group_p2):
+        return row
+    return max(8, group_p2, 1 << (row - 1).bit_length())
+
+
+def check_head(head_dim: int, group: int, kv_dtype: str) -> None:
+    """Raise PycalmError unless the kernel takes these sizes: a row of whole int32 words (head_dim
+    even with fp16 KV, a multiple of 4 with fp8) and at most 32 query heads a kv head."""
+    if (head_dim * (1 if kv_dtype == "fp8" else 2)) % 4 or not 0 < group <= 32:
         raise PycalmError(
-            f"head_dim {head_dim} with {kv_dtype} KV: attention takes rows of a multiple of 16 bytes and"
-            f" at least {32 * 4 // tile} bytes"
+            f"head_dim {head_dim} with {group} query heads a kv head ({kv_dtype} KV): attention takes rows"
+            " of whole 4-byte words and at most 32 query heads a kv head"
         )
 
 
 def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
     """The shortest split (the default chunk of attention_scratch): CHUNK positions."""
-    check_head(head_dim, kv_dtype)
+    check_head(head_dim, 1, kv_dtype)
     return CHUNK
 
 
@@ -241,10 +253,12 @@ def attention_kernel(
     """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
     warp tile and stages, so the per-lane query slices, partial dots and accumulators are
     fixed-size local arrays that the compiler keeps in registers (all loops over them unroll)."""
-    check_head(head_dim, kv_dtype, tile)
+    check_head(head_dim, group, kv_dtype)
     IS_FP8 = kv_dtype == "fp8"
     EPW = 4 if IS_FP8 else 2  # cache elements an int32 word holds
-    ROW = _row_words(head_dim, kv_dtype)  # int32 words of a head's row
+    ROW_G = _row_words(head_dim, kv_dtype)  # int32 words of a head's row in the cache
+    ROW = _shared_row(head_dim, group, kv_dtype, tile)  # and in shared memory
+    ASYNC = ROW == ROW_G  # cp.async copies (else word by word, into rows padded with zeros)
     T = _team(ROW)  # lanes a row: lane i of a team takes words i, i + T, ...
     LW = ROW // T  # words of a row a lane takes
     LE = LW * EPW  # elements of a row a lane takes
@@ -262,7 +276,7 @@ def attention_kernel(
     LOG_ROWS = (T // (GP * (T // NB))).bit_length() - 1  # lane bits that pick a row in a butterfly's output
     N_BATCH = NV // NB
     SPREAD = T // NB  # lanes that end with the same sum
-    PIECES = ROW // 4  # 16-byte copies a row
+    PIECES = ROW // 4 if ASYNC else ROW_G  # copies a row: 16-byte cp.async, or words
     COPIES = 2 * WT * PIECES  # copies a warp tile (K rows, then V rows)
     COPY_STEPS = -(-COPIES // 32)
     STAGE = 2 * WT * ROW  # int32 words a stage: the warp tile's K rows, then its V rows
@@ -276,9 +290,9 @@ def attention_kernel(
     wait_landed = cp_async_wait(stages - 1)  # all but the stages - 1 newest groups have landed
 
     @cuda.jit(device=True, inline=True)
-    def issue(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
+    def issue_async(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
         """Start a warp's copies of the rows t0 .. t0 + WT - 1 (rows past `last` read row last:
-        finite, and their p is 0) into the stage at word `base`."""
+        finite, and their p is 0) into the stage at word `base`; the caches are fp16 views."""
         for c in range(COPY_STEPS):
             i = lane + c * 32
             if i < COPIES:
@@ -291,11 +305,28 @@ def attention_kernel(
                 else:
                     cp_async16(smem, word + WT * ROW, v_cache, row, col0 + piece * 8, 16)
 
+    @cuda.jit(device=True, inline=True)
+    def issue_words(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
+        """issue_async for rows that are no whole number of 16-byte pieces: the same rows word by
+        word (int32 views of the caches), at once; the padding words stay zero."""
+        for c in range(COPY_STEPS):
+            i = lane + c * 32
+            if i < COPIES:
+                r = (i // PIECES) % WT
+                w = i % PIECES
+                row = uint32(min(t0 + r, last))
+                if i < WT * PIECES:
+                    smem[base + r * ROW + w] = k_cache[row, col0 + w]
+                else:
+                    smem[base + WT * ROW + r * ROW + w] = v_cache[row, col0 + w]
+
+    issue = issue_async if ASYNC else issue_words
+
     bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, split):  # noqa: ANN001, ANN202
-        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        grid_dependency_wait()  # in a programmatic graph: q and the cache row come from earlier kernels
         # q (n_heads * head_dim,) f32; caches (seq_len, kv_dim * bytes / 2) viewed as fp16; part
         # (n_heads, max splits, >= head_dim + 2) f32; count (n_kv_heads,) i32; out (n_heads *
         # head_dim,) f32; split: positions a block
@@ -318,7 +349,7 @@ def attention_kernel(
         team = lane // T  # the team's row among the warp's PPW at a time
         n_tiles = int32((n_here + WT - 1) // WT)  # warp tiles of the split
         n_mine = int32((n_tiles - warp + N_WARPS - 1) // N_WARPS)  # this warp's: warp, warp + N_WARPS, ...
-        col0 = kv_head * (2 * ROW)  # the kv head's first column of the fp16 view
+        col0 = kv_head * (2 * ROW_G if ASYNC else ROW_G)  # the kv head's first column of the view
         ring = warp * WARP_WORDS  # this warp's ring of stages
         # (N_WARPS, stages, WT K rows then WT V rows, ROW) int32 rings; after the stream
         # (N_WARPS, group, head_dim) float32 bits, the warps' accumulators; in the merge (group,
@@ -330,6 +361,10 @@ def attention_kernel(
         wl = cuda.shared.array((N_WARPS, group), float32)  # each warp's sum of exp(score - max)
         is_last = cuda.shared.array(1, int32)  # merge: 1 in the last block of the kv head
 
+        if not ASYNC:  # padded rows: the words past each row stay zero
+            for i in range(lane, WARP_WORDS, 32):
+                smem[ring + i] = int32(0)
+            cuda.syncwarp()  # the ring is zero before the copies land in it
         for i in range(stages - 1):  # the first warp tiles in flight, a group each
             if i < n_mine:
                 issue(
@@ -356,7 +391,8 @@ def attention_kernel(
             for j in range(LW):
                 for e in range(EPW):
                     d = (lt + T * j) * EPW + e
-                    qr[g * LE + j * EPW + e] = q[(kv_head * group + g) * head_dim + d] * float32(Q_SCALE)
+                    x = q[(kv_head * group + g) * head_dim + min(d, head_dim - 1)] * float32(Q_SCALE)
+                    qr[g * LE + j * EPW + e] = x if d < head_dim else float32(0.0)  # (padding: 0)
                     acc[g * LE + j * EPW + e] = float32(0.0)
         vals = cuda.local.array(NV, float32)  # partial dots, (row, padded head) pairs
         pg = cuda.local.array(group, float32)  # p of a row, each head
@@ -443,7 +479,10 @@ def attention_kernel(
                             acc[g * LE + j * EPW + e] += pg[g] * x
             cuda.syncwarp()  # every lane is done with this stage, pr and ar before they are refilled
 
-        # 5. the teams of a warp added (they share m and l); the warps' (m, l, acc) to shared memory
+        # 5. the next kernel may launch now, not before: its blocks (wo's, which start loading
+        # weights at once) would take the SMs' slots and bandwidth from this kernel's stream
+        launch_dependents()
+        # the teams of a warp added (they share m and l); the warps' (m, l, acc) to shared memory
         for k in range(LOG_PPW):
             for x in range(GLE):
                 acc[x] += cuda.shfl_xor_sync(FULL_MASK, acc[x], T << k)
@@ -453,7 +492,8 @@ def attention_kernel(
                 for j in range(LW):
                     for e in range(EPW):
                         d = (lt + T * j) * EPW + e
-                        smem[(warp * group + g) * head_dim + d] = as_i32(acc[g * LE + j * EPW + e])
+                        if d < head_dim:
+                            smem[(warp * group + g) * head_dim + d] = as_i32(acc[g * LE + j * EPW + e])
         for k in range(LOG_ROWS):  # the head's sum over the lanes that held its rows
             ls += cuda.shfl_xor_sync(FULL_MASK, ls, (GP * SPREAD) << k)
         for k in range(LOG_PPW):
@@ -557,7 +597,7 @@ def attention(
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    check_head(head_dim, cache.dtype)
+    check_head(head_dim, n_heads // n_kv_heads, cache.dtype)
     seq_len = cache.k.shape[0]
     span = seq_len if span is None else span
     if not 0 < span <= seq_len:
@@ -574,8 +614,14 @@ def attention(
         raise PycalmError(
             f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
         )
-    kernel = attention_kernel(head_dim, n_heads // n_kv_heads, cache.dtype)
-    k16, v16 = cache.k.view(np.float16), cache.v.view(np.float16)
+    group = n_heads // n_kv_heads
+    kernel = attention_kernel(head_dim, group, cache.dtype)
+    view = (
+        np.float16
+        if _shared_row(head_dim, group, cache.dtype) == _row_words(head_dim, cache.dtype)
+        else np.int32
+    )
+    k16, v16 = cache.k.view(view), cache.v.view(view)
     window = int32(cfg.sliding_window)
     kernel[(n_kv_heads, n_splits), THREADS, stream](
         q, k16, v16, state, part, scratch.count, out, window, int32(split)
