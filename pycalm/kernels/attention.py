@@ -11,39 +11,52 @@ e5m2.
 GPU: one kernel, grid (n_kv_heads, n_splits), THREADS threads a block. Block (g, s) takes kv
 head g and ALL its query heads (each K and V row is read from memory once, for the whole
 group), over the s-th split of `split` positions of [start, n_pos). The split grows with the
-context (split_len: the grid stays near TARGET_BLOCKS blocks, a few waves of the SMs), so a
+context (split_len: the grid stays within TARGET_BLOCKS blocks, the four an SM holds), so a
 short context has many short splits and a long one a few hundred long ones; a captured grid
 cannot depend on pos, so it covers a span of positions (attention_span: the engine captures a
-step for each power-of-two span) and the blocks past the live splits exit at once. A block:
+step for each power-of-two span) and the blocks past the live splits exit at once. The warps of
+a block work apart until the end: warp w takes the warp tiles (TILE positions each) w, w +
+N_WARPS, ... of the split, and for each:
 
-1. streams its split through shared memory in tiles of TILE positions, the K and V rows of the
-   kv head as stored (cp.async, 16 bytes a copy, no registers), two stages: tile i + 1 is in
-   flight while tile i is used. Barrier once a tile has landed; barrier before its stage is
-   refilled.
-2. scores: warp w takes TILE / N_WARPS positions of the tile. A team of T lanes holds a row
-   (lane i of the team: int32 words i, i + T, ... of it, conflict-free shared loads), 32 / T
-   positions a warp at a time. Each lane dots its words with its slice of every query head of
-   the group (q in registers, times 1/sqrt(head_dim)), then a transposing butterfly over the
-   team sums the warp's (position, head) partial dots: each xor step hands half of the values
-   to the partner and adds the other half, so n sums over T lanes cost about n shuffles, not
-   n log2 T. The scores go to the warp's shared row. (__syncwarp)
-3. online softmax, per warp and head (every lane alike): m = max(m, the tile's scores), the old
-   sum and accumulators times exp(m_old - m), l += sum of p = exp(score - m).
-4. p V: each lane adds p times its slice of the V rows of its team's positions, for every head.
-5. after the last tile: the teams of a warp are added (xor shuffles), the warps' (m, l, acc)
-   meet in shared memory (barrier) and the block's (head, dim) outputs are merged by rescaling.
-   One live split (every context up to `split`): out = acc / l. Several: the block writes its
-   (unnormalised acc, m, l) to its slot of `part`, and the LAST block of the kv head to finish
-   (a per-kv-head atomic counter) merges the splits' partials and resets the counter. Each
-   (head, split) slot of `part` is padded to whole 128-byte lines, so no line the merging block
-   reads was ever cached in its SM's L1 before it was written.
+1. streams it through its own ring of STAGES stages in shared memory, the K and V rows of the kv
+   head as stored (cp.async, 16 bytes a copy, no registers): STAGES - 1 tiles in flight while one
+   is used. No block barrier: a lane waits for its copies (cp.async.wait_group), the warp for
+   every lane's (__syncwarp).
+2. scores: a team of T lanes holds a row (lane i of the team: int32 words i, i + T, ... of it,
+   conflict-free shared loads), 32 / T rows a warp at a time. Each lane dots its words with its
+   slice of every query head of the group (q in registers, times 1/sqrt(head_dim)), then a
+   transposing butterfly over the team sums the tile's (row, head) partial dots: each xor step
+   hands half of the values to the partner and adds the other half, so n sums over T lanes cost
+   about n shuffles, not n log2 T. After it a lane holds the scores of ONE head (`mine`).
+3. online softmax, a head's lanes together: the tile's max (xor shuffles over the lanes that
+   hold the head's other rows), m = max(m, it), alpha = exp(m_old - m), p = exp(score - m) once
+   a score, l (the lane's part) = l alpha + p. p and alpha go to the warp's rows of shared
+   memory (__syncwarp).
+4. p V: each lane rescales its accumulators by alpha and adds p times its slice of the V rows
+   of its team's rows, for every head.
+5. after its last tile the warp lets the next kernel launch (launch_dependents: earlier, its
+   blocks would take the SMs' slots from the stream); the teams of a warp are added (xor
+   shuffles), the warps' (m, l, acc) meet in shared memory (barriers) and the block's (head,
+   dim) outputs are merged by rescaling. One live split (every context up to `split`): out =
+   acc / l. Several: the block writes its (unnormalised acc, m, l) to its slot of `part`, and
+   the LAST block of the kv head to finish (a per-kv-head atomic counter) merges the splits'
+   partials (each split's weight exp(m_s - M) / sum exp(m_s - M) l_s, then UNROLL independent
+   loads a round) and resets the counter. Each (head, split) slot of `part` is padded to whole
+   128-byte lines, so no line the merging block reads was ever cached in its SM's L1 before
+   it was written.
+
+Rows that are no whole number of 16-byte pieces, or too short for a team (the tiny heads of test
+models: head_dim 8 in fp8 is 8 bytes), are copied word by word into rows of shared memory padded
+with zeros to a power of two of at least 8 words (_shared_row).
 
 Why this shape: at long context attention is bound by bytes, and a grid of one block per query
 head and chunk (the earlier design, scripts/kernels/attention.py times it) read each K/V row
 once per query head (from L2 after the first) and decoded it as often, and ran short blocks in
-many waves. Here a row is read and decoded once; the two-stage stream keeps a tile in flight
-per block while the last one is used, and a few blocks an SM (MAX_REGISTERS) overlap their
-stalls.
+many waves. Here a row is read and decoded once, and each warp keeps three tiles in flight.
+Measured (docs/BENCHMARKS.md) it moves about 1.6 TB/s of cache at 32k positions, 40% of the copy
+ceiling: the warps are bound by their own latency (the butterfly, the softmax and shared-memory
+round trips between dependent steps) more than by DRAM, and a version on the tensor cores (mma
+for K Q^T and V^T P^T, a third of the instructions) was no faster (commit ce51c9c).
 
 Decode of the caches in registers: fp16 and e5m2 are both "sign, 5-bit exponent, mantissa",
 so shifting the bits into an fp32 (sign to bit 31, the rest to bits 13 / 21 on) gives the
@@ -95,9 +108,12 @@ SIM = _numba_config.ENABLE_CUDASIM
 THREADS = 64 if SIM else 128  # threads a block
 TILE = 4  # positions a warp tile: a stage of a warp's stream, 4 KB of K and V rows at head_dim 128, fp16
 STAGES = 4  # a warp's ring: three warp tiles in flight while one is used
-# blocks a launch at most, where the splits can grow (split_len): two blocks an SM; fewer, longer splits
-# pay less for the merge (scripts/kernels/attention.py: 512 is 1.4x slower at 4k, 5% at 32k)
-TARGET_BLOCKS = 16 if SIM else 256
+# blocks a launch at most, where the splits can grow (split_len): the four blocks an SM holds, on all
+# 132 SMs. Fewer, longer splits pay less for the merge alone (scripts/kernels/attention.py: 256 is
+# 1.3x faster than 512 at 4k positions), but in a token step the kernel launches early behind the
+# qkv kernel (programmatic edges) and the block scheduler packs a small grid onto the few SMs free
+# at that moment: Llama-3-8B fp16 at D = 32,000 ran 118 tok/s with 256, 143 with 512
+TARGET_BLOCKS = 16 if SIM else 512
 CHUNK = 2 * TILE * THREADS // 32  # the shortest split: two warp tiles a warp
 UNROLL = 16  # independent partial loads in flight per output of the merge
 # registers a thread at most, so that three blocks of 128 threads fit an SM's 64k (tests/test_ptx.py

@@ -1,20 +1,28 @@
-"""Decode attention: the shipped kernel's tunings, each checked against the reference and timed.
+"""Decode attention: the shipped split kernel's tunings and the earlier per-head kernel's, each
+checked against the reference and timed.
 
-Versions (one kernel, a block per query head and chunk of positions, the last block of a head
-combining the chunks; `tuned_kernel` below is pycalm.kernels.attention's kernel with its sizes
-as arguments, a Tuning):
-  default   the shipped kernel, through the package's launcher: 256 threads, chunks of up to 256
-            positions, 16 K and 16 V words a thread, 4 K / 2 V words of a row a lane, 8 partial
-            loads in flight in the combine
-  copy      the same sizes through tuned_kernel (its time is the default's: the copy is the same)
-  t128      same as default but 128 threads a block
-  t512      same as default but 512 threads a block
-  c128      same as default but chunks of up to 128 positions
-  c64       same as default but chunks of up to 64 positions
+The shipped kernel (pycalm.kernels.attention: a block per kv head and split of the keys, warps
+streaming warp tiles through cp.async rings; `SplitTuning` sizes it):
+  default   through the package's launcher: 128 threads, warp tiles of 4 positions, rings of 4
+            stages, splits sized for 512 blocks at most, the shortest split 32 positions
+  s_t256    256 threads a block
+  s_tile8   warp tiles of 8 positions, 3 stages
+  s_st3     rings of 3 stages; s_st6: 6
+  s_c16, s_c64  the shortest split 16 / 64 positions
+  s_tg256, s_tg1024  splits sized for 256 / 1024 blocks
+The earlier kernel (a block per QUERY head and chunk of positions, every K and V load of the
+chunk issued at once into registers, the last block of a head combining the chunks;
+`tuned_kernel` below, its sizes a Tuning):
+  copy      its shipped sizes: 256 threads, chunks of up to 256 positions, 16 K and 16 V words a
+            thread, 4 K / 2 V words of a row a lane, 8 partial loads in flight in the combine
+  t128      same as copy but 128 threads a block
+  t512      same as copy but 512 threads a block
+  c128      same as copy but chunks of up to 128 positions
+  c64       same as copy but chunks of up to 64 positions
   c64t128   same as c64 but 128 threads a block
-  c512      same as default but chunks of up to 512 positions (32 words a thread: more registers)
-  kw2, kw8  same as default but 2 / 8 words of a K row a lane (more / fewer lanes a position)
-  vw1, vw4  same as default but 1 / 4 words of a V row a lane
+  c512      same as copy but chunks of up to 512 positions (32 words a thread: more registers)
+  kw2, kw8  same as copy but 2 / 8 words of a K row a lane (more / fewer lanes a position)
+  vw1, vw4  same as copy but 1 / 4 words of a V row a lane
   w32kw2    one warp, chunks of up to 16, 2 K / 1 V words a lane (more lanes a row), 2 loads in
             flight in the combine
   kw8vw4    64 threads, chunks of up to 8, 8 K / 4 V words a lane (one lane a row), 1 load in
@@ -24,6 +32,8 @@ How to run (on the GPU machine, from the repository root):
 
     python3 scripts/kernels/attention.py                      # the default, timed
     python3 scripts/kernels/attention.py --variants all --check
+    python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
+        --variants default,copy,s_tg256 --check                 # long contexts
     NUMBA_ENABLE_CUDASIM=1 python3 scripts/kernels/attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
 
@@ -400,7 +410,7 @@ class SplitTuning:
     threads: int = 128
     tile: int = 4
     stages: int = 4
-    target: int = 256
+    target: int = 512
     chunk: int = 32
 
 
@@ -447,7 +457,7 @@ VARIANTS = {
     "s_st6": SplitTuning(stages=6),
     "s_c16": SplitTuning(chunk=16),
     "s_c64": SplitTuning(chunk=64),
-    "s_tg512": SplitTuning(target=512),
+    "s_tg256": SplitTuning(target=256),
     "s_tg1024": SplitTuning(target=1024),
 }
 
