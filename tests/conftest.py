@@ -93,6 +93,32 @@ SIMULATOR_SLOW = {
     "test_penalty.py::test_engine_penalties_match_cpu[fast]",  # 28 s
 }
 
+# The files to start first, longest first (seconds of a whole run on the 2-core CI machine, fast
+# set / slow set). pytest-xdist gives each worker whole files in this order (--dist loadfile
+# --no-loadscope-reorder: its default order, by the number of tests a file, started the
+# one-test compile check last, and the run waited minutes for it alone); a long file started
+# last leaves the other core idle, so the long ones go first and the many short ones fill in.
+LONGEST_FIRST = (
+    "test_prefill.py",  # 26 / 248: token steps under the simulator
+    "test_ptx.py",  # - / 132, on both cores (its own compile workers)
+    "test_matmul.py",  # 125 / 19
+    "test_simple.py",  # 107 / -
+    "test_moe_rows.py",  # 11 / 81
+    "test_constrain.py",  # 3 / 78
+    "test_attention.py",  # 35 / 50
+    "test_quality.py",  # - / 48 (and a minute a conversion, where the converter changed)
+    "test_models.py",  # - / 46
+    "test_tools.py",  # - / 46
+    "test_embeddings.py",  # 44 / -
+    "test_matvec.py",  # 40 / 39
+    "test_penalty.py",  # 1 / 40
+    "test_model.py",  # 5 / 36
+    "test_logprobs.py",  # 31 / -
+    "test_sample.py",  # 30 / 28
+    "test_moe.py",  # 28 / 20
+    "test_hub.py",  # 27 / -
+)
+
 MARKERS = {
     "gpu": "needs the real GPU (PYCALM_TEST_GPU=1); skipped under the simulator",
     "e2e": "a real model end to end (SmolLM2 / Qwen2.5-Coder, fetched once and cached)",
@@ -141,6 +167,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if gpu and not GPU:
             why = gpu.kwargs.get("reason", "a test of the GPU")
             item.add_marker(pytest.mark.skip(reason=f"{why}: GPU only (PYCALM_TEST_GPU=1)"))
+    # the long files first (a stable sort: each file's tests, and the other files, keep their order)
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
