@@ -312,3 +312,37 @@ def test_check_finite_generate(tmp_path):
     engine.tok_embeddings[clean[j]] = np.full(model.config.dim, np.nan, np.float16)
     with pytest.raises(PycalmError, match=rf"at position {len(PROMPT) + j}, step {j + 2} of this call"):
         list(engine.generate(PROMPT, 0, 20, greedy))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["fp8", pytest.param("fp16", marks=GPU_ONLY)])
+def test_step_past_8k_positions_matches_reference(tmp_path, kv):
+    """The token step at position 8,300, past Llama 3.1's original 8,192 positions: the split
+    attention over 8,301 positions (splits of many warp tiles, the last block's merge) and rope
+    at angles past 8k with llama3 scaling, against the reference on the same cache (the
+    reference's prefill of the 8,300 tokens before it, copied into the GPU engine's cache). fp8 KV
+    (the default past 4,096 positions) under the simulator, about 50 s; both on the GPU."""
+    import json
+
+    from pycalm.model import formats
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    tiny = make_hf_llama(tmp_path, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, rope_theta=500000.0,
+                         rope_scaling=scaling)  # fmt: skip
+    config_path = tiny.path / "config.json"
+    hf = json.loads(config_path.read_text())
+    hf["max_position_embeddings"] = 16384
+    config_path.write_text(json.dumps(hf))
+    model = open_model(convert(tiny.path, tmp_path / "long.pycalm", "fp16", progress=False))
+    seq_len, pos = 8320, 8300
+    ids = [int(t) for t in np.random.default_rng(0).integers(4, 64, pos + 1)]
+    cpu = CpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+    cpu.prefill(ids[:pos], 0)
+    gpu = GpuEngine(model, seq_len=seq_len, kv_dtype=kv)
+    for layer, cache in enumerate(gpu.kv_caches):  # the reference's cache rows, exact in the KV dtype
+        cache.k.copy_to_device(formats.encode(np.ascontiguousarray(cpu.ref.key_cache[layer]), kv))
+        cache.v.copy_to_device(formats.encode(np.ascontiguousarray(cpu.ref.value_cache[layer]), kv))
+    want = cpu.logits(ids[pos], pos)
+    got = gpu.logits(ids[pos], pos)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-4 * np.abs(want).max())
