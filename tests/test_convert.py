@@ -367,8 +367,9 @@ def test_unsupported_hf_arch(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    tiny = make_hf_llama(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(PycalmError, match="unsupported rope scaling 'yarn'"):
+    tiny = make_hf_llama(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    supported = r"\(pycalm supports default, linear, llama3, yarn\)"
+    with pytest.raises(PycalmError, match=f"unsupported rope scaling 'dynamic' {supported}"):
         convert(tiny.path, tmp_path / "m.safetensors", "fp16")
 
 
