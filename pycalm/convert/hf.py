@@ -114,7 +114,7 @@ def yarn_rope(
 
     def number(key: str, default: float | None) -> float | None:
         value = scaling.get(key)
-        if value is None or value == 0 and default is not None:  # transformers' `x or default`
+        if value is None or (value == 0 and default is not None):  # transformers' `x or default`
             return default
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise PycalmError(f"yarn rope scaling: {key} must be a number, got {value!r}: {scaling}")
