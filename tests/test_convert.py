@@ -5,6 +5,7 @@ reshape, the RoPE frequencies from their formulas) and passed through formats.en
 they carry exactly the rounding of the chosen weight dtype.
 """
 
+import importlib.util
 import json
 import math
 import sys
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import make_gguf, make_hf_llama  # noqa: E402
 
 from pycalm.convert import main as convert_mod  # noqa: E402
+from pycalm.convert.hf import _hf_rope  # noqa: E402
 from pycalm.convert.main import convert, main  # noqa: E402
 from pycalm.errors import PycalmError  # noqa: E402
 from pycalm.model import formats  # noqa: E402
@@ -210,6 +212,260 @@ def test_partial_rotary(tmp_path):
         )
 
 
+# ---------------------------------------------------------------------------------------------
+# YaRN (Qwen2.5 beyond 32k): frequencies, the attention factor folded into q and k, a forward pass
+
+
+def yarn_expected(
+    theta: float,
+    d: int,
+    factor: float,
+    old_ctx: float,
+    beta_fast: float = 32,
+    beta_slow: float = 1,
+    truncate: bool = True,
+) -> tuple[np.ndarray, int | float, int | float]:
+    """transformers' _compute_yarn_parameters reread in float64: (inverse frequencies, lo, hi).
+
+    Pair i turns by theta^(-2i/d) a position; the pair that turns r times over the original
+    context is d ln(old_ctx / (2 pi r)) / (2 ln theta). Up to lo (r = beta_fast, floored) the
+    frequency is kept, from hi (r = beta_slow, ceiled) on it is divided by factor, and between
+    them the divided one's weight rises linearly from 0 at lo to 1 at hi.
+    """
+    pair = lambda r: d * math.log(old_ctx / (2 * math.pi * r)) / (2 * math.log(theta))  # noqa: E731
+    lo, hi = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    f = theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    w = np.clip((np.arange(d // 2) - lo) / (hi - lo), 0, 1)  # weight of f / factor
+    return f * (1 - w) + f / factor * w, lo, hi
+
+
+def qwen25_cfg(**scaling: float | bool) -> dict:
+    """Qwen2.5-7B's config.json with the rope_scaling its model card asks for above 32k tokens."""
+    return {
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, **scaling},
+    }
+
+
+def test_yarn_qwen25_frequencies():
+    rope = _hf_rope(qwen25_cfg(), 128)
+    assert rope.theta == 1e6 and rope.max_seq_len == 4 * 32768
+    assert rope.attention_factor == pytest.approx(1.1386294361119891, rel=1e-15)  # 0.1 ln 4 + 1
+    want, lo, hi = yarn_expected(1e6, 128, 4.0, 32768)
+    # the correction pairs: 32 turns over 32k at pair 23.60, one turn at pair 39.65
+    assert (lo, hi) == (23, 40)
+    f = 1e6 ** (-np.arange(0, 128, 2) / 128)
+    np.testing.assert_allclose(want[:24], f[:24], rtol=1e-15)  # kept
+    np.testing.assert_allclose(want[40:], f[40:] / 4, rtol=1e-15)  # interpolated
+    np.testing.assert_allclose(want[30], f[30] * (10 / 17) + f[30] / 4 * (7 / 17), rtol=1e-15)
+    assert rope.inv_freq.dtype == np.float32 and rope.inv_freq.shape == (64,)
+    np.testing.assert_allclose(rope.inv_freq, want, rtol=2e-6)
+
+
+def test_yarn_options():
+    # truncate false: the ramp runs between the unrounded pairs 23.60 and 39.65
+    rope = _hf_rope(qwen25_cfg(truncate=False), 128)
+    want, lo, hi = yarn_expected(1e6, 128, 4.0, 32768, truncate=False)
+    assert 23.5 < lo < 23.7 and 39.6 < hi < 39.7
+    np.testing.assert_allclose(rope.inv_freq, want, rtol=2e-6)
+    assert not np.allclose(rope.inv_freq, yarn_expected(1e6, 128, 4.0, 32768)[0], rtol=1e-3)
+    # other betas
+    rope = _hf_rope(qwen25_cfg(beta_fast=16, beta_slow=2), 128)
+    np.testing.assert_allclose(rope.inv_freq, yarn_expected(1e6, 128, 4.0, 32768, 16, 2)[0], rtol=2e-6)
+    # no original context: max_position_embeddings stands for it
+    cfg = qwen25_cfg()
+    del cfg["rope_scaling"]["original_max_position_embeddings"]
+    cfg["max_position_embeddings"] = 8192
+    rope = _hf_rope(cfg, 128)
+    np.testing.assert_allclose(rope.inv_freq, yarn_expected(1e6, 128, 4.0, 8192)[0], rtol=2e-6)
+    assert rope.max_seq_len == 4 * 8192
+    # the attention factor: given, or DeepSeek's mscale ratio
+    assert _hf_rope(qwen25_cfg(attention_factor=1.5), 128).attention_factor == 1.5
+    ds = _hf_rope(qwen25_cfg(factor=40.0, mscale=0.707, mscale_all_dim=1.0), 128).attention_factor
+    assert ds == pytest.approx((0.0707 * math.log(40) + 1) / (0.1 * math.log(40) + 1), rel=1e-15)
+    assert _hf_rope(qwen25_cfg(factor=40.0, mscale=1.0), 128).attention_factor == pytest.approx(
+        0.1 * math.log(40) + 1, rel=1e-15
+    )
+
+
+def test_yarn_folded_into_q_and_k(tmp_path):
+    """The attention factor a multiplies the rotated q and k rows and biases before encoding (the
+    stored rows equal the source's times a, then rounded); v and unrotated rows stay as they were."""
+    tiny = make_hf_llama(
+        tmp_path, arch="qwen2", rope_theta=100.0, rope_scaling={"type": "yarn", "factor": 4.0}
+    )
+    a = np.float32(0.1 * math.log(4) + 1)
+    with open_model(convert(tiny.path, tmp_path / "m.safetensors", "fp16", progress=False)) as m:
+        assert m.config.max_seq_len == 4 * 256  # the original context is max_position_embeddings
+        want, lo, hi = yarn_expected(100.0, 8, 4.0, 256)
+        assert (lo, hi) == (0, 4)  # every pair of the tiny heads blends its own way
+        np.testing.assert_allclose(m.tensor("rope_freqs"), want, rtol=2e-6)
+        for layer in range(2):
+            att = f"model.layers.{layer}.self_attn."
+            w = {k[len(att) :]: v for k, v in tiny.weights.items() if k.startswith(att)}
+            qkv = [
+                interleave(w["q_proj.weight"] * a, 4),
+                interleave(w["k_proj.weight"] * a, 2),
+                w["v_proj.weight"],
+            ]
+            np.testing.assert_array_equal(
+                stored(m, f"layers.{layer}.wqkv"), rounded(np.concatenate(qkv), "fp16")
+            )
+            b = [interleave(w["q_proj.bias"] * a, 4), interleave(w["k_proj.bias"] * a, 2), w["v_proj.bias"]]
+            np.testing.assert_array_equal(m.tensor(f"layers.{layer}.bqkv"), np.concatenate(b))
+    # partial rotary: only the rotated rows of each head carry a
+    tiny = make_hf_llama(
+        tmp_path,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        rope_scaling={"type": "yarn", "factor": 4.0},
+        name="p",
+    )
+    with open_model(convert(tiny.path, tmp_path / "p.safetensors", "q8", progress=False)) as m:
+        wqkv = stored(m, "layers.0.wqkv")
+    q = tiny.weights["model.layers.0.self_attn.q_proj.weight"].reshape(4, 16, 32)
+    q = np.concatenate([q[:, :8] * a, q[:, 8:]], axis=1).reshape(64, 32)
+    perm = np.concatenate([16 * h + np.r_[np.arange(8).reshape(2, 4).T.reshape(-1), 8:16] for h in range(4)])
+    np.testing.assert_array_equal(wqkv[:64], rounded(q[perm], "q8"))
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def hf_yarn_forward(w: dict[str, np.ndarray], cfg: dict, tokens: list[int], inv_freq: np.ndarray, a: float):
+    """Logits (len(tokens), vocab) of a Qwen2 model as transformers runs it (float64): rotate-half
+    RoPE of frequencies inv_freq, with cos and sin multiplied by the attention factor a."""
+    n_heads, n_kv, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]
+    hd = cfg["hidden_size"] // n_heads
+    T = len(tokens)
+    angles = np.arange(T)[:, None] * np.concatenate([inv_freq, inv_freq])[None, :]  # (T, hd)
+    cos, sin = (a * np.cos(angles))[:, None, :], (a * np.sin(angles))[:, None, :]
+
+    def rope(x: np.ndarray) -> np.ndarray:  # (T, heads, hd)
+        rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], axis=-1)
+        return x * cos + rot * sin
+
+    x = w["model.embed_tokens.weight"][tokens]  # (T, dim)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        xb = rmsnorm(x, w[p + "input_layernorm.weight"], eps)
+        proj = {
+            n: xb @ w[f"{p}self_attn.{n}_proj.weight"].T + w[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"
+        }
+        q = rope(proj["q"].reshape(T, n_heads, hd))
+        k = rope(proj["k"].reshape(T, n_kv, hd))
+        v = proj["v"].reshape(T, n_kv, hd)
+        att = np.zeros((T, n_heads, hd))
+        for t in range(T):
+            for h in range(n_heads):
+                g = h // (n_heads // n_kv)
+                s = k[: t + 1, g] @ q[t, h] / np.sqrt(hd)
+                pr = np.exp(s - s.max())
+                att[t, h] = (pr / pr.sum()) @ v[: t + 1, g]
+        x = x + att.reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+        xb = rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = xb @ w[p + "mlp.gate_proj.weight"].T, xb @ w[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rmsnorm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+def test_yarn_engine_matches_hf_forward(tmp_path):
+    """The CPU engine on a converted tiny Qwen2 with YaRN against transformers' way of running
+    it, written here: cos and sin times the attention factor, not folded into the weights.
+
+    The attention factor is given as 2 here: scaling by a power of two commutes with the fp16
+    rounding of the stored matrices, so the only difference left is float32 against float64
+    arithmetic (the default factor's folding is checked bit for bit above)."""
+    from pycalm.cpu.engine import CpuEngine
+
+    scaling = {"type": "yarn", "factor": 4.0, "attention_factor": 2.0, "original_max_position_embeddings": 64}
+    tiny = make_hf_llama(tmp_path, arch="qwen2", rope_theta=100.0, rope_scaling=scaling)
+    tokens = [5, 17, 3, 42, 9, 30, 11, 60]
+    with open_model(convert(tiny.path, tmp_path / "m.safetensors", "fp16", progress=False)) as m:
+        engine = CpuEngine(m, seq_len=len(tokens), kv_dtype="fp32")
+        got = np.stack([engine.logits(t, pos) for pos, t in enumerate(tokens)]).astype(np.float64)
+    held = {k: (rounded(v, "fp16") if v.ndim == 2 else v).astype(np.float64) for k, v in tiny.weights.items()}
+    yarn, lo, hi = yarn_expected(100.0, 8, 4.0, 64)
+    assert (lo, hi) == (0, 3)  # pair weights of f / 4: 0, 1/3, 2/3, 1
+
+    def err(inv_freq: np.ndarray, a: float) -> float:
+        want = hf_yarn_forward(held, tiny.config, tokens, inv_freq, a)
+        return float((np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)).max())
+
+    # float32 against float64: measured 4.1e-7
+    assert err(yarn, 2.0) < 1e-5
+    # and the test can tell (measured 1.0, 1.1, 1.4): without the factor, with plain frequencies
+    # or with linear scaling
+    plain = 100.0 ** (-np.arange(0, 8, 2) / 8)
+    assert min(err(yarn, 1.0), err(plain, 2.0), err(plain / 4, 2.0)) > 1e-2
+
+
+def test_yarn_needs_a_factor(tmp_path, capsys):
+    tiny = make_hf_llama(tmp_path, rope_scaling={"type": "yarn", "original_max_position_embeddings": 128})
+    with pytest.raises(PycalmError, match=r"^yarn rope scaling needs a factor > 0: \{.*\}$"):
+        convert(tiny.path, tmp_path / "m.safetensors", "fp16")
+    assert main([str(tiny.path), str(tmp_path / "m.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "needs a factor" in err
+    for bad in ({"factor": "4"}, {"factor": 4.0, "beta_fast": "x"}):
+        with pytest.raises(PycalmError, match="yarn rope scaling"):
+            _hf_rope(qwen25_cfg(**bad), 128)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers (on the GPU machine) absent"
+)
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32768},
+        {"factor": 4.0},
+        {"factor": 8.0, "original_max_position_embeddings": 32768, "beta_fast": 16, "beta_slow": 2},
+        {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 1.0},
+        {"factor": 4.0, "original_max_position_embeddings": 32768, "truncate": False},
+    ],
+)
+def test_yarn_matches_transformers(scaling):
+    """The converter's YaRN against transformers' own ROPE_INIT_FUNCTIONS["yarn"] (torch, CPU)."""
+    import inspect
+
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fn = ROPE_INIT_FUNCTIONS["yarn"]
+    unread = [key for key in scaling if key != "factor" and key not in inspect.getsource(fn)]
+    if unread:  # older transformers (4.46: no original context, no mscale; 4.53: no truncate)
+        pytest.skip(f"transformers {transformers.__version__}'s yarn does not read {unread}")
+    # max_position_embeddings = factor x original: some transformers versions (4.5x) take the factor
+    # as their ratio when original_max_position_embeddings is given, the others read `factor`
+    old_ctx = scaling.get("original_max_position_embeddings", 32768)
+    max_pos = int(scaling["factor"] * old_ctx) if "original_max_position_embeddings" in scaling else old_ctx
+    rope_scaling = {"rope_type": "yarn", **scaling}
+    kwargs = dict(
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=max_pos,
+    )
+    if "rope_parameters" in inspect.signature(transformers.Qwen2Config.__init__).parameters:
+        config = transformers.Qwen2Config(**kwargs, rope_parameters={**rope_scaling, "rope_theta": 1e6})
+    else:
+        config = transformers.Qwen2Config(**kwargs, rope_theta=1e6, rope_scaling=rope_scaling)
+    inv_freq, attention_factor = fn(config, "cpu")
+    cfg = {"max_position_embeddings": max_pos, "rope_theta": 1e6, "rope_scaling": rope_scaling}
+    rope = _hf_rope(cfg, 128)
+    assert rope.attention_factor == pytest.approx(float(attention_factor), rel=1e-12)
+    np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+
+
 def test_chunked_streaming_same_bytes(tmp_path, monkeypatch):
     """Row chunks (here 2 rows) give the same file as whole tensors, across expert boundaries."""
     tiny = make_hf_llama(tmp_path, arch="mixtral", dtype="bfloat16")
@@ -367,8 +623,9 @@ def test_unsupported_hf_arch(tmp_path):
 
 
 def test_unsupported_rope_scaling(tmp_path):
-    tiny = make_hf_llama(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(PycalmError, match="unsupported rope scaling 'yarn'"):
+    tiny = make_hf_llama(tmp_path, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    supported = r"\(pycalm supports default, linear, llama3, yarn\)"
+    with pytest.raises(PycalmError, match=f"unsupported rope scaling 'dynamic' {supported}"):
         convert(tiny.path, tmp_path / "m.safetensors", "fp16")
 
 

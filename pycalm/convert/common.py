@@ -1,7 +1,7 @@
 """What a conversion is made of: row sources, the config and the plan (`Converted`).
 
 A conversion is a plan: the config (`make_config`) and, for each output tensor, the source rows
-it is made of (`make_plan`; `Source`: read, permuted, concatenated). The two readers,
+it is made of (`make_plan`; `Source`: read, permuted, scaled, concatenated). The two readers,
 pycalm.convert.hf (Hugging Face folders) and pycalm.convert.gguf (GGUF files), build it;
 pycalm.convert.main streams it into a file.
 
@@ -77,6 +77,23 @@ class Permuted(Source):
     @property
     def on_q4_grid(self) -> bool:
         return self.base.on_q4_grid
+
+
+class Scaled(Source):
+    """Rows of another source, each times its factor: row j is base row j * scale[j]. YaRN's
+    attention factor enters the q and k rows this way (pycalm.convert.hf.yarn_rope)."""
+
+    def __init__(self, base: Source, scale: np.ndarray) -> None:
+        super().__init__(base.label, base.rows, base.cols)
+        self.base = base
+        self.scale = scale.astype(np.float32)  # (rows,)
+
+    def take(self, idx: np.ndarray) -> np.ndarray:
+        return self.base.take(idx) * self.scale[idx, None]
+
+    @property
+    def kind(self) -> str:
+        return self.base.kind
 
 
 class Concat(Source):
@@ -196,18 +213,38 @@ def make_config(source: Path, **hyperparameters: Any) -> ModelConfig:
         raise PycalmError(f"{source}: {e}") from None
 
 
+def rotary_scale(n_heads: int, head_dim: int, rotary_dim: int, factor: float) -> np.ndarray:
+    """(n_heads * head_dim,) float32: `factor` on each head's rotated rows (the first rotary_dim,
+    in either row order), 1 on the rest, which RoPE leaves alone."""
+    rotated = np.arange(n_heads * head_dim) % head_dim < rotary_dim
+    return np.where(rotated, np.float32(factor), np.float32(1.0)).astype(np.float32)
+
+
 def make_plan(
-    config: ModelConfig, rope_freqs: np.ndarray, tensor: Callable[[str, int], Source], permute_qk: bool
+    config: ModelConfig,
+    rope_freqs: np.ndarray,
+    tensor: Callable[[str, int], Source],
+    permute_qk: bool,
+    rope_scale: float = 1.0,
 ) -> dict[str, Any]:
     """The plan of every pycalm tensor, from `tensor(role, layer)`: the source of one of pycalm's
     tensors by name (layer -1 for the global ones), or of q, k, v and q_bias, k_bias, v_bias,
     fused here into wqkv / bqkv. q and k rows (biases too) go from rotate-half order to
-    interleaved pairs when `permute_qk`. Mixtral's w1 / w2 / w3 are (n_experts, rows, cols)."""
+    interleaved pairs when `permute_qk`. Mixtral's w1 / w2 / w3 are (n_experts, rows, cols).
+
+    `rope_scale` multiplies RoPE's cos and sin in the source model (YaRN's attention factor). The
+    rotation is linear, so rotating (a q) is a times rotating q: the rotated rows of q and k, and
+    of their biases, are multiplied by it here, before encoding, and the runtime's RoPE stays
+    plain. (A model with a norm on q and k after the projection would need it after the norm.)"""
     q_perm = rotary_perm(config.n_heads, config.head_dim, config.rotary_dim)
     k_perm = rotary_perm(config.n_kv_heads, config.head_dim, config.rotary_dim)
+    q_scale = rotary_scale(config.n_heads, config.head_dim, config.rotary_dim, rope_scale)
+    k_scale = rotary_scale(config.n_kv_heads, config.head_dim, config.rotary_dim, rope_scale)
 
     def fused(layer: int, suffix: str) -> Source:
         q, k, v = (tensor(name + suffix, layer) for name in ("q", "k", "v"))
+        if rope_scale != 1.0:
+            q, k = Scaled(q, q_scale), Scaled(k, k_scale)
         if permute_qk:
             q, k = Permuted(q, q_perm), Permuted(k, k_perm)
         return Concat([q, k, v])

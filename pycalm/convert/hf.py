@@ -5,8 +5,9 @@ or BF16, memory-mapped; model.safetensors.index.json names the shards), the toke
 (tokenizer.json or a sentencepiece tokenizer.model) and tokenizer_config.json (the chat
 template), sometimes generation_config.json (the end-of-turn tokens of instruct models).
 `from_hf` (called by pycalm.convert.main.convert) reads the hyperparameters into the model config,
-the RoPE scaling into the frequencies, and plans each pycalm tensor from the checkpoint's
-tensors (HF_NAMES; q and k rows permuted from rotate-half order, Mixtral's experts stacked).
+the RoPE scaling into the frequencies (YaRN's attention factor into the q and k rows), and plans
+each pycalm tensor from the checkpoint's tensors (HF_NAMES; q and k rows permuted from
+rotate-half order, Mixtral's experts stacked).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -90,6 +91,77 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def yarn_rope(
+    theta: float, rotary_dim: int, scaling: dict[str, Any], max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
+    """YaRN (arXiv 2309.00071) as HF transformers' _compute_yarn_parameters (modeling_rope_utils)
+    computes it: (inverse frequencies (rotary_dim // 2,) float32, attention factor).
+
+    Pair i of d = rotary_dim turns by theta^(-2i/d) a position, so r turns over the original
+    context L (original_max_position_embeddings, else max_position_embeddings) at the pair
+    c(r) = d ln(L / (2 pi r)) / (2 ln theta). Pairs up to lo = floor c(beta_fast) turn often
+    over L and keep their frequency (extrapolated); pairs from hi = ceil c(beta_slow) on turn
+    less than beta_slow times and are slowed by `factor` (interpolated, as linear scaling does);
+    between them the weight of the interpolated frequency rises linearly,
+    ramp(i) = clip((i - lo) / (hi - lo), 0, 1), with lo >= 0, hi <= d - 1, and lo, hi left
+    unrounded when `truncate` is false. beta_fast and beta_slow default to 32 and 1.
+
+    The attention factor multiplies RoPE's cos and sin, so both q and k (make_plan folds it into
+    their rows): `attention_factor` if given; else m(mscale) / m(mscale_all_dim) when both are
+    given (DeepSeek's form); else m(1), where m(k) = 0.1 k ln(factor) + 1 (1 when factor <= 1).
+    The frequencies are float32, rounded at the steps where transformers rounds them.
+    """
+
+    def number(key: str, default: float | None) -> float | None:
+        value = scaling.get(key)
+        if value is None or (value == 0 and default is not None):  # transformers' `x or default`
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise PycalmError(f"yarn rope scaling: {key} must be a number, got {value!r}: {scaling}")
+        return float(value)
+
+    factor = number("factor", None)
+    if factor is None or factor <= 0:
+        raise PycalmError(f"yarn rope scaling needs a factor > 0: {scaling}")
+    old_ctx = number("original_max_position_embeddings", float(max_position_embeddings))
+    beta_fast = number("beta_fast", 32.0)
+    beta_slow = number("beta_slow", 1.0)
+    truncate = scaling.get("truncate", True)
+
+    def m(k: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
+
+    attention_factor = number("attention_factor", None)
+    if attention_factor is None:
+        mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+        if mscale and mscale_all_dim:
+            attention_factor = m(mscale) / m(mscale_all_dim)
+        else:
+            attention_factor = m(1.0)
+    if attention_factor <= 0:
+        raise PycalmError(f"yarn rope scaling: the attention factor must be > 0: {scaling}")
+
+    def pair_of(turns: float) -> float:  # c(r): the (fractional) pair that turns r times over L
+        return rotary_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = pair_of(beta_fast), pair_of(beta_slow)
+    if truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, rotary_dim - 1)
+    if lo == hi:
+        hi += 0.001  # a step instead of a ramp, without dividing by zero
+
+    exps = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    periods = np.float32(theta) ** exps  # (d/2,) theta^(2i/d)
+    extrapolated = np.float32(1.0) / periods
+    interpolated = np.float32(1.0) / (np.float32(factor) * periods)
+    pairs = np.arange(rotary_dim // 2, dtype=np.float32)
+    ramp = np.clip((pairs - np.float32(lo)) / np.float32(hi - lo), 0, 1).astype(np.float32)
+    keep = np.float32(1.0) - ramp  # the weight of the extrapolated frequency
+    inv = interpolated * (np.float32(1.0) - keep) + extrapolated * keep
+    return inv.astype(np.float32), float(attention_factor)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -139,19 +211,39 @@ class HFCheckpoint:
         return ArraySource(name, array, e.dtype)
 
 
-def _hf_rope(cfg: dict[str, Any], rotary_dim: int) -> tuple[float, np.ndarray]:
-    """(rope_theta, inverse frequencies) from an HF config, with its rope scaling applied."""
+class HFRope(NamedTuple):
+    """A config's RoPE, its scaling applied."""
+
+    theta: float
+    inv_freq: np.ndarray  # (rotary_dim // 2,) float32
+    attention_factor: float  # multiplies cos and sin (YaRN), folded into the q and k rows
+    max_seq_len: int  # the context the scaling reaches (YaRN: factor x the original context)
+
+
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+
+
+def _hf_rope(cfg: dict[str, Any], rotary_dim: int) -> HFRope:
+    """The RoPE of an HF config, with its rope scaling applied."""
     params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
     inv = rope_inv_freq(theta, rotary_dim)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return theta, inv
+        return HFRope(theta, inv, 1.0, max_pos)
     if kind == "linear":
-        return theta, (inv / np.float32(params["factor"])).astype(np.float32)
+        return HFRope(theta, (inv / np.float32(params["factor"])).astype(np.float32), 1.0, max_pos)
     if kind == "llama3":
-        return theta, llama3_inv_freq(inv, params)
-    raise PycalmError(f"unsupported rope scaling {kind!r} (pycalm supports default, linear and llama3)")
+        return HFRope(theta, llama3_inv_freq(inv, params), 1.0, max_pos)
+    if kind == "yarn":
+        inv, attention_factor = yarn_rope(theta, rotary_dim, params, max_pos)
+        # Qwen2.5 keeps max_position_embeddings at its original 32k and asks for factor 4 over
+        # it: the context reaches factor x original (as vLLM derives it), not max_pos
+        old_ctx = params.get("original_max_position_embeddings") or max_pos
+        reach = int(float(params["factor"]) * float(old_ctx))
+        return HFRope(theta, inv, attention_factor, max(max_pos, reach))
+    raise PycalmError(f"unsupported rope scaling {kind!r} (pycalm supports {', '.join(ROPE_SCALINGS)})")
 
 
 def _hf_tokenizer(folder: Path) -> tuple[str, bytes, int | None]:
@@ -235,7 +327,7 @@ def from_hf(folder: Path, dtype: str) -> Converted:
     rope_params = cfg.get("rope_parameters") or {}
     partial = float(cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * partial)
-    theta, inv_freq = _hf_rope(cfg, rotary_dim)
+    rope = _hf_rope(cfg, rotary_dim)
     if arch == "qwen2" and cfg.get("use_sliding_window"):
         # transformers windows only layers >= max_window_layers; pycalm has one window for all
         raise PycalmError(f"{folder}: Qwen2 with use_sliding_window (per-layer windows) is not supported")
@@ -265,8 +357,8 @@ def from_hf(folder: Path, dtype: str) -> Converted:
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         vocab_size=vocab_size,
-        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-        rope_theta=theta,
+        max_seq_len=rope.max_seq_len,
+        rope_theta=rope.theta,
         rotary_dim=rotary_dim,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         bos_id=bos_id,
@@ -287,5 +379,5 @@ def from_hf(folder: Path, dtype: str) -> Converted:
             return Concat([ckpt.source(f"{hf}block_sparse_moe.experts.{e}.{role}.weight") for e in experts])
         return ckpt.source(HF_NAMES[role].format(hf))
 
-    plan = make_plan(config, inv_freq, tensor, permute_qk=True)
+    plan = make_plan(config, rope.inv_freq, tensor, permute_qk=True, rope_scale=rope.attention_factor)
     return Converted(config, plan, kind, blob, _hf_chat_template(folder, tok_cfg))
