@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -29,6 +29,10 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/prefill_attention.py 2>&1 | tee "$out/kernels_prefill_attention.log" | tail -30
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b,tinyllama-1.1b,mixtral-8x7b \
                --dtypes fp16,fp8,gf4,q8,q4 --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -60 ;;
+    depths)  python3 scripts/bench.py --depths 0,4000,8000,16000,32000 --shapes llama3-8b --dtypes fp16,q4 \
+               --kv fp16,fp8 2>&1 | tee "$out/bench_depths.log" | tail -8
+             python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
+               --variants default,copy --check 2>&1 | tee "$out/kernels_attention_long.log" | grep -A20 "=== summary" ;;
     rows)    PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_matmul.py -k skinny \
                tests/test_batch_attention.py tests/test_sample_rows.py 2>&1 | tee "$out/tests_rows.log" | tail -8
              python3 scripts/kernels/rows_matmul.py --no-tile 2>&1 | tee "$out/kernels_rows.log" | tail -12
