@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from pycalm.cpu.reference import attention_ref
+from pycalm.cpu.reference import attention_ref, prefill_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import (
     CHUNK,
@@ -219,3 +219,41 @@ def test_kernel_script_runs_its_check():
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert p.stdout.count("error") == 18
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,kv_dtype,pos0,rows,window,out_dtype",
+    [
+        (3, 1, 32, "fp16", 29, 3, 0, np.float32),  # three rows, the first two splits apart
+        (4, 2, 64, "fp8", 40, 5, 0, np.float16),  # fp16 out (the rows pass's wo input)
+        (2, 1, 32, "fp16", 37, 4, 20, np.float16),  # a sliding window: each row's own start
+    ],
+)
+def test_rows_match_prefill_ref(n_heads, n_kv_heads, head_dim, kv_dtype, pos0, rows, window, out_dtype):
+    # rows consecutive positions of one sequence, causal: row r is attention_ref at pos0 + r + 1
+    # positions, its own splits and merge (a counter each (row, kv head)), run twice on one scratch
+    rng = np.random.default_rng(pos0 + rows)
+    seq_len, kv_dim = 64, n_kv_heads * head_dim
+    q = rng.standard_normal((rows, n_heads * head_dim)).astype(np.float32)
+    k = rng.uniform(-1, 1, (seq_len, kv_dim)).astype(np.float32)
+    v = rng.uniform(-1, 1, (seq_len, kv_dim)).astype(np.float32)
+    kq, vq = formats.encode(k, kv_dtype), formats.encode(v, kv_dtype)
+    kq.view(np.uint8)[pos0 + rows :] = 0xFF  # past the last row: NaN, never read
+    vq.view(np.uint8)[pos0 + rows :] = 0xFF
+    kd, vd = formats.decode(kq, kv_dtype), formats.decode(vq, kv_dtype)
+    want = prefill_attention_ref(q, kd, vd, pos0, n_heads, n_kv_heads, head_dim, window)
+    stream = cuda.stream()
+    scratch = attention_scratch(
+        n_heads, n_kv_heads, head_dim, kv_dtype, seq_len, chunk=SPLIT, rows=rows, stream=stream
+    )
+    cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
+    d_q = cuda.to_device(q)
+    d_state = cuda.to_device(np.array([0, pos0, 0, 0], np.int32))
+    cfg = config(n_heads, n_kv_heads, head_dim, window)
+    tol = 2e-5 if out_dtype == np.float32 else 2e-5 + 2.5e-4  # fp16 out: half an ulp below 1
+    for _ in range(2):
+        d_out = cuda.to_device(np.full((rows, n_heads * head_dim), np.nan, out_dtype))
+        attention(d_q, cache, d_state, d_out, cfg, scratch, stream=stream, span=pos0 + rows)
+        stream.synchronize()
+        np.testing.assert_allclose(d_out.copy_to_host().astype(np.float32), want, rtol=0, atol=tol)
+    np.testing.assert_array_equal(scratch.count.copy_to_host(), 0)

@@ -89,6 +89,7 @@ from pycalm.kernels.common import (
     STATE_POS,
     as_f32,
     as_i32,
+    fp16_encode,
     grid_dependency_wait,
     launch_dependents,
     warp_reduce_max,
@@ -189,10 +190,10 @@ class AttentionScratch:
     """Device scratch one engine allocates once; every layer shares it (the layers run one
     after another on one stream).
 
-    part: (n_heads, max splits, padded head_dim + 2) float32, per head and split the
+    part: (rows * n_heads, max splits, padded head_dim + 2) float32, per row, head and split the
       unnormalised sum of p*V, then the split's score max and its sum of exp(score - max);
       padded to 128-byte lines. Written before it is read: no initial contents needed.
-    count: (n_kv_heads,) int32, splits of the kv head finished in the running launch; zero
+    count: (rows * n_kv_heads,) int32, splits of the (row, kv head) finished in the launch; zero
       between launches (the last block resets it), so it must start zeroed.
     chunk: the shortest split (split_len).
     """
@@ -210,18 +211,19 @@ def attention_scratch(
     seq_len: int,
     *,
     chunk: int | None = None,
+    rows: int = 1,
     stream: object = 0,
 ) -> AttentionScratch:
-    """Allocate the scratch for contexts of up to seq_len positions (see AttentionScratch).
-    chunk: the shortest split, a power of two (default attention_chunk_len); the tests take short
-    ones to cover the merge at short contexts."""
+    """Allocate the scratch for contexts of up to seq_len positions and launches of up to `rows`
+    query rows (see AttentionScratch). chunk: the shortest split, a power of two (default
+    attention_chunk_len); the tests take short ones to cover the merge at short contexts."""
     chunk = attention_chunk_len(head_dim, kv_dtype) if chunk is None else chunk
     if chunk < 1 or chunk & (chunk - 1):
         raise PycalmError(f"attention chunk {chunk} is not a power of two")
     n_splits = max(-(-span // split_len(span, chunk, n_kv_heads)) for span in _spans(chunk, seq_len))
     padded = -(-(head_dim + 2) // _LINE) * _LINE
-    part = cuda.device_array((n_heads, n_splits, padded), np.float32, stream=stream)
-    count = cuda.to_device(np.zeros(n_kv_heads, np.int32), stream=stream)
+    part = cuda.device_array((rows * n_heads, n_splits, padded), np.float32, stream=stream)
+    count = cuda.to_device(np.zeros(rows * n_kv_heads, np.int32), stream=stream)
     return AttentionScratch(part, count, chunk)
 
 
@@ -265,6 +267,7 @@ def attention_kernel(
     tile: int = TILE,
     stages: int = STAGES,
     max_splits: int = TARGET_BLOCKS,
+    out_fp16: bool = False,
 ) -> object:
     """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
     warp tile and stages, so the per-lane query slices, partial dots and accumulators are
@@ -303,6 +306,7 @@ def attention_kernel(
     OUTS = group * head_dim  # a block's outputs: its heads' rows
     OPT = -(-OUTS // threads)  # outputs a thread
     Q_SCALE = FP_RAW_SCALE / math.sqrt(head_dim)  # 1/sqrt(head_dim) and the decode's 2^112
+    OUT16 = out_fp16
     wait_landed = cp_async_wait(stages - 1)  # all but the stages - 1 newest groups have landed
 
     @cuda.jit(device=True, inline=True)
@@ -338,17 +342,30 @@ def attention_kernel(
 
     issue = issue_async if ASYNC else issue_words
 
+    @cuda.jit(device=True, inline=True)
+    def store(out, row, i, x):  # noqa: ANN001, ANN202
+        """out[row, i] = x: float32, or fp16 for the rows pass's wo input."""
+        if OUT16:
+            out[row, i] = fp16_encode(x)
+        else:
+            out[row, i] = x
+
     bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
     def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, split):  # noqa: ANN001, ANN202
         grid_dependency_wait()  # in a programmatic graph: q and the cache row come from earlier kernels
-        # q (n_heads * head_dim,) f32; caches (seq_len, kv_dim * bytes / 2) viewed as fp16; part
-        # (n_heads, max splits, >= head_dim + 2) f32; count (n_kv_heads,) i32; out (n_heads *
-        # head_dim,) f32; split: positions a block
+        # q (rows, n_heads * head_dim) f32; caches (seq_len, kv_dim * bytes / 2) viewed as fp16
+        # (int32 for padded rows); part (>= rows * n_heads, max splits, >= head_dim + 2) f32; count
+        # (>= rows * n_kv_heads,) i32; out (rows, n_heads * head_dim) f32 (fp16 with out_fp16);
+        # split: positions a block
         kv_head = cuda.blockIdx.x
         split_id = cuda.blockIdx.y
-        n_pos = int32(state[STATE_POS] + 1)
+        row = cuda.blockIdx.z  # the query row: position state[STATE_POS] + row
+        n_kv = cuda.gridDim.x
+        head0 = row * n_kv * group + kv_head * group  # the group's first head among the rows' (part)
+        ck = row * n_kv + kv_head  # the (row, kv head)'s counter
+        n_pos = int32(state[STATE_POS] + 1 + row)
         start = int32(0)
         if window > 0 and n_pos > window:
             start = int32(n_pos - window)
@@ -407,7 +424,7 @@ def attention_kernel(
             for j in range(LW):
                 for e in range(EPW):
                     d = (lt + T * j) * EPW + e
-                    x = q[(kv_head * group + g) * head_dim + min(d, head_dim - 1)] * float32(Q_SCALE)
+                    x = q[row, (kv_head * group + g) * head_dim + min(d, head_dim - 1)] * float32(Q_SCALE)
                     qr[g * LE + j * EPW + e] = x if d < head_dim else float32(0.0)  # (padding: 0)
                     acc[g * LE + j * EPW + e] = float32(0.0)
         vals = cuda.local.array(NV, float32)  # partial dots, (row, padded head) pairs
@@ -535,18 +552,18 @@ def attention_kernel(
                 a *= float32(FP_RAW_SCALE)
                 head = kv_head * group + g
                 if live == 1:
-                    out[head * head_dim + d] = a / den
+                    store(out, row, head * head_dim + d, a / den)
                 else:
-                    part[head, split_id, d] = a
+                    part[head0 + g, split_id, d] = a
                     if d == 0:
-                        part[head, split_id, head_dim] = bm
-                        part[head, split_id, head_dim + 1] = den
+                        part[head0 + g, split_id, head_dim] = bm
+                        part[head0 + g, split_id, head_dim + 1] = den
         if live == 1:
             return
         cuda.threadfence()  # this thread's part of the partial is visible device-wide ...
         cuda.syncthreads()  # ... for every thread, before the split is counted
         if tid == 0:
-            done = cuda.atomic.add(count, kv_head, 1)
+            done = cuda.atomic.add(count, ck, 1)
             is_last[0] = int32(1) if done == live - 1 else int32(0)
         cuda.syncthreads()  # is_last is set (and every read of the accumulators is done)
         if is_last[0] == 0:
@@ -555,7 +572,7 @@ def attention_kernel(
         # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
         cuda.threadfence()  # the other splits' partials are read after their count
         for g in range(warp, group, N_WARPS):
-            head = kv_head * group + g
+            head = head0 + g
             hm = float32(NEG)
             for s in range(lane, live, 32):
                 hm = max(hm, part[head, s, head_dim])
@@ -577,14 +594,14 @@ def attention_kernel(
                     i = min(tid + o * threads, OUTS - 1)
                     g = i // head_dim
                     f = as_f32(smem[g * MAX_SPLITS + s])
-                    x = f * part[kv_head * group + g, s, i % head_dim]
+                    x = f * part[head0 + g, s, i % head_dim]
                     outs[o] += x if s0 + u < live else float32(0.0)
         for o in range(OPT):
             i = tid + o * threads
             if i < OUTS:
-                out[(kv_head * group) * head_dim + i] = outs[o]
+                store(out, row, (kv_head * group) * head_dim + i, outs[o])
         if tid == 0:
-            count[kv_head] = 0  # for the next launch (the next layer)
+            count[ck] = 0  # for the next launch (the next layer)
 
     return attention_kernel
 
@@ -600,38 +617,44 @@ def attention(
     stream: object,
     span: int | None = None,
 ) -> None:
-    """out (n_heads * head_dim,) f32 = attention of q (n_heads * head_dim,) f32 over the
-    positions [start, state[STATE_POS]] of one layer's cache (see the module docstring).
+    """out = attention of q over the positions [start, pos] of one layer's cache (see the module
+    docstring): q (n_heads * head_dim,) f32 at pos = state[STATE_POS] (the token step), out the
+    same shape, f32; or q (rows, n_heads * head_dim) f32, row r at pos = state[STATE_POS] + r,
+    causal (a few consecutive positions of one sequence, whose K and V rows are cached), out
+    (rows, n_heads * head_dim) f32 or fp16.
 
     cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. scratch: from
-    attention_scratch(n_heads, n_kv_heads, head_dim, cache.dtype, >= seq_len). span: the grid
-    covers positions 0..span-1 (split_len(span) positions a block; default the whole cache): the
-    launch is right only while state[STATE_POS] < span. A graph captured at seq_len 32768 would
-    otherwise launch splits of 512 positions where a short context wants 32 (attention_span: the
-    spans an engine captures).
+    attention_scratch(n_heads, n_kv_heads, head_dim, cache.dtype, >= seq_len, rows >= rows).
+    span: the grid covers positions 0..span-1 (split_len(span) positions a block; default the
+    whole cache): the launch is right only while the last row's position is below span. A graph
+    captured at seq_len 32768 would otherwise launch splits of 512 positions where a short
+    context wants 32 (attention_span: the spans an engine captures).
     """
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
         raise PycalmError(f"unsupported KV cache dtype {cache.dtype!r} (one of {', '.join(KV_DTYPES)})")
-    check_head(head_dim, n_heads // n_kv_heads, cache.dtype)
+    group = n_heads // n_kv_heads
+    check_head(head_dim, group, cache.dtype)
     seq_len = cache.k.shape[0]
     span = seq_len if span is None else span
     if not 0 < span <= seq_len:
         raise PycalmError(f"attention span {span} is outside the cache's 1..{seq_len} positions")
+    if q.ndim == 1:  # the token step: one row
+        q, out = q.reshape(1, q.shape[0]), out.reshape(1, out.shape[0])
+    rows = q.shape[0]
     split = split_len(span, scratch.chunk, n_kv_heads)
     n_splits = -(-span // split)
     part = scratch.part
     if (
-        part.shape[0] != n_heads
+        part.shape[0] < rows * n_heads
         or part.shape[1] < n_splits
         or part.shape[2] < head_dim + 2
-        or scratch.count.shape[0] < n_kv_heads
+        or scratch.count.shape[0] < rows * n_kv_heads
     ):
         raise PycalmError(
-            f"attention scratch {part.shape} does not fit {n_heads} heads of {seq_len} positions"
+            f"attention scratch {part.shape} does not fit {rows} rows of {n_heads} heads over {seq_len} positions"
         )
-    group = n_heads // n_kv_heads
-    kernel = attention_kernel(head_dim, group, cache.dtype)
+    kernel = attention_kernel(head_dim, group, cache.dtype, out_fp16=bool(out.dtype == np.float16))
     view = (
         np.float16
         if _shared_row(head_dim, group, cache.dtype) == _row_words(head_dim, cache.dtype)
@@ -639,7 +662,7 @@ def attention(
     )
     k16, v16 = cache.k.view(view), cache.v.view(view)
     window = int32(cfg.sliding_window)
-    kernel[(n_kv_heads, n_splits), THREADS, stream](
+    kernel[(n_kv_heads, n_splits, rows), THREADS, stream](
         q, k16, v16, state, part, scratch.count, out, window, int32(split)
     )
 
