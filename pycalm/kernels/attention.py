@@ -45,6 +45,11 @@ N_WARPS, ... of the split, and for each:
    128-byte lines, so no line the merging block reads was ever cached in its SM's L1 before
    it was written.
 
+Several query rows (q (rows, q_dim): consecutive positions of one sequence, row r at
+state[STATE_POS] + r, causal) add a third grid dimension: block (g, s, r) is row r's, with its
+own live splits, partial slots and counter; the K and V rows the rows share come from L2 after
+the first. The rows pass (pycalm.gpu.prefill) does not launch it yet.
+
 Rows that are no whole number of 16-byte pieces, or too short for a team (the tiny heads of test
 models: head_dim 8 in fp8 is 8 bytes), are copied word by word into rows of shared memory padded
 with zeros to a power of two of at least 8 words (_shared_row).
