@@ -17,7 +17,8 @@ A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, 
 batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
 replayed: the token ids come from a device buffer and the position from state, so nothing in
 the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
-SKINNY_ROWS rows. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are padding
+SKINNY_ROWS rows, and its attention the token step's split-K kernel (pycalm.kernels.attention)
+up to SPLIT_ATTENTION_ROWS rows. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are padding
 (token 0) that write cache rows past the last real one, which the next pass rewrites before any
 row reads them (a row attends only to positions up to its own).
 
@@ -38,6 +39,7 @@ do not fit (a multiple of 16), and matmul widths that are not a multiple of 8.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,6 +56,11 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # once a pass at close to the token step's speed), longer ones matmul's tiles (scripts/bench.py
 # --rows has the measurement); batch-invariant engines take skinny's for every pass
 SKINNY_ROWS = 32
+# passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
+# (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
+# tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every
+# pass, so that a row's attention is the same sums in every bucket
+SPLIT_ATTENTION_ROWS = 16
 # the row counts a rows pass is captured for: a pass of n rows replays the smallest that holds n
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -186,6 +193,9 @@ class Prefill:
             max_chunk = min(max_chunk, skinny.MAX_ROWS)
         self.skinny_rows = skinny.MAX_ROWS if self.invariant else SKINNY_ROWS if skinny_ok else 0
         self.max_chunk = max_chunk
+        # the split attention's rows (its group at most 32 query heads a kv head)
+        split_ok = cfg.n_heads // cfg.n_kv_heads <= 32
+        self.split_rows = (ROW_BUCKETS[-1] if self.invariant else SPLIT_ATTENTION_ROWS) if split_ok else 0
         rows = max(max_chunk, ROW_BUCKETS[-1])  # a prompt's chunk, or a rows pass of any bucket
         self.logit_rows = max(ROW_BUCKETS[-1], min(max_chunk, LOGITS_BYTES // (4 * cfg.vocab_size)))
         nbytes = RowBuffers.nbytes(cfg, rows, self.logit_rows)
@@ -193,6 +203,21 @@ class Prefill:
         require_gpu_memory(what, nbytes)
         with out_of_memory_as_error(what, nbytes):
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
+        self.att_scratch = None  # the split attention's partials and counters, split_rows rows
+        if self.split_rows:
+            from pycalm.kernels.attention import attention_scratch, part_shape
+
+            chunk, kv = engine.att_scratch.chunk, engine.kv_dtype
+            what = f"the split attention's scratch of {self.split_rows} rows"
+            nbytes = 4 * math.prod(
+                part_shape(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, engine.seq_len, chunk, self.split_rows)
+            )
+            require_gpu_memory(what, nbytes)
+            with out_of_memory_as_error(what, nbytes):
+                self.att_scratch = attention_scratch(
+                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, engine.seq_len,
+                    chunk=chunk, rows=self.split_rows, stream=engine.stream,
+                )  # fmt: skip
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
         from pycalm.kernels.sample import RowSampling
 
@@ -223,6 +248,7 @@ class Prefill:
         the kernels read pos0 from state[STATE_POS], which must hold it (run sets it). The KV
         cache rows pos0.. are written, and x holds each row's residual stream after the last
         layer (classify_rows takes it from there)."""
+        from pycalm.kernels.attention import attention
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
         from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
@@ -243,7 +269,10 @@ class Prefill:
             # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
             qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
             # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
-            prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
+            if n_rows <= self.split_rows:  # split over the keys, every row its own splits
+                attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s)
+            else:  # a block a kv head and 64 rows, on the tensor cores
+                prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
             # x += att Wo^T
             matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual")
             # xb = rmsnorm(x) * ffn_norm, fp16

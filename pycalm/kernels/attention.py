@@ -46,9 +46,10 @@ N_WARPS, ... of the split, and for each:
    it was written.
 
 Several query rows (q (rows, q_dim): consecutive positions of one sequence, row r at
-state[STATE_POS] + r, causal) add a third grid dimension: block (g, s, r) is row r's, with its
-own live splits, partial slots and counter; the K and V rows the rows share come from L2 after
-the first. The rows pass (pycalm.gpu.prefill) does not launch it yet.
+state[STATE_POS] + r, causal) multiply the grid's first dimension: block (g rows + r, s) is row
+r's, with its own live splits, partial slots and counter. The rows of one (kv head, split) are
+neighbouring blocks, so they run together and the K and V rows they share come from L2 after
+the first. The rows pass (pycalm.gpu.prefill) launches it for its few-row passes.
 
 Rows that are no whole number of 16-byte pieces, or too short for a team (the tiny heads of test
 models: head_dim 8 in fp8 is 8 bytes), are copied word by word into rows of shared memory padded
@@ -223,13 +224,20 @@ def attention_scratch(
     query rows (see AttentionScratch). chunk: the shortest split, a power of two (default
     attention_chunk_len); the tests take short ones to cover the merge at short contexts."""
     chunk = attention_chunk_len(head_dim, kv_dtype) if chunk is None else chunk
+    part = cuda.device_array(
+        part_shape(n_heads, n_kv_heads, head_dim, seq_len, chunk, rows), np.float32, stream=stream
+    )
+    count = cuda.to_device(np.zeros(rows * n_kv_heads, np.int32), stream=stream)
+    return AttentionScratch(part, count, chunk)
+
+
+def part_shape(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, chunk: int, rows: int) -> tuple:
+    """The shape of AttentionScratch.part (4 bytes an element) for these sizes."""
     if chunk < 1 or chunk & (chunk - 1):
         raise PycalmError(f"attention chunk {chunk} is not a power of two")
     n_splits = max(-(-span // split_len(span, chunk, n_kv_heads)) for span in _spans(chunk, seq_len))
     padded = -(-(head_dim + 2) // _LINE) * _LINE
-    part = cuda.device_array((rows * n_heads, n_splits, padded), np.float32, stream=stream)
-    count = cuda.to_device(np.zeros(rows * n_kv_heads, np.int32), stream=stream)
-    return AttentionScratch(part, count, chunk)
+    return rows * n_heads, n_splits, padded
 
 
 def _spans(chunk: int, seq_len: int) -> list[int]:
@@ -364,10 +372,11 @@ def attention_kernel(
         # (int32 for padded rows); part (>= rows * n_heads, max splits, >= head_dim + 2) f32; count
         # (>= rows * n_kv_heads,) i32; out (rows, n_heads * head_dim) f32 (fp16 with out_fp16);
         # split: positions a block
-        kv_head = cuda.blockIdx.x
+        rows = q.shape[0]
+        kv_head = cuda.blockIdx.x // rows
+        row = cuda.blockIdx.x % rows  # the query row: position state[STATE_POS] + row
         split_id = cuda.blockIdx.y
-        row = cuda.blockIdx.z  # the query row: position state[STATE_POS] + row
-        n_kv = cuda.gridDim.x
+        n_kv = cuda.gridDim.x // rows
         head0 = row * n_kv * group + kv_head * group  # the group's first head among the rows' (part)
         ck = row * n_kv + kv_head  # the (row, kv head)'s counter
         n_pos = int32(state[STATE_POS] + 1 + row)
@@ -667,7 +676,7 @@ def attention(
     )
     k16, v16 = cache.k.view(view), cache.v.view(view)
     window = int32(cfg.sliding_window)
-    kernel[(n_kv_heads, n_splits, rows), THREADS, stream](
+    kernel[(n_kv_heads * rows, n_splits), THREADS, stream](
         q, k16, v16, state, part, scratch.count, out, window, int32(split)
     )
 
