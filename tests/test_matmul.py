@@ -19,7 +19,16 @@ from gpu import GPU, gpu_only
 from numba import cuda
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref
-from pycalm.kernels.matmul import ROW_TILE, SIM_TILE, TILE, Tile, matmul
+from pycalm.kernels.matmul import (
+    MID_TILE,
+    ROW_TILE,
+    SIM_TILE,
+    TILE,
+    Tile,
+    matmul,
+    matmul_split_scratch,
+    splits_for,
+)
 from pycalm.kernels.skinny import MAX_ROWS, skinny_matmul
 from pycalm.model import formats
 
@@ -63,36 +72,40 @@ def _check(got, want, scale):
     assert np.all(err <= RTOL * scale + 1e-30), f"max err / scale {np.max(err / scale):.3g}"
 
 
-def _run(mode, x, w, dtype, out, w3=None, tile=None):
-    """The kernel's out: matmul with `tile`, or the skinny kernel for tile="skinny"."""
+def _run(mode, x, w, dtype, out, w3=None, tile=None, scratch=None):
+    """The kernel's out: matmul with `tile` (K split over blocks with a scratch), or the skinny
+    kernel for tile="skinny"."""
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
     w3 = None if w3 is None else to_device(w3)
     if tile == "skinny":
         skinny_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
     else:
-        matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3, tile=tile)
+        args = (cuda.to_device(x), to_device(w), d_out, dtype)
+        matmul(*args, stream=stream, mode=mode, w3=w3, tile=tile, scratch=scratch)
     stream.synchronize()
     return d_out.copy_to_host()
 
 
-def _test(mode, dtype, t_rows, n, k, tile=None, seed=0, group=32):
+def _test(mode, dtype, t_rows, n, k, tile=None, seed=0, group=32, scratch=None):
     rng = np.random.default_rng(seed)
     x, w = _inputs(rng, t_rows, n, k, dtype, group=group)
     scale = _sum_scale(x, w, dtype)
     wt, dt = _decoded(w, dtype)  # the reference's weights: what the tensor cores multiply
     if mode == "plain":
-        got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float32), tile=tile)
+        got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float32), tile=tile, scratch=scratch)
         _check(got, matmul_ref(x, wt, dt), scale)
         if dt != dtype:  # the fp16 rounding of the weights, against their float32 values
             _check(got, matmul_ref(x, w, dtype), (RTOL + 2.0**-11) * scale / RTOL)
     elif mode == "residual":
         r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
-        got = _run(mode, x, w, dtype, r0.copy(), tile=tile)
+        got = _run(mode, x, w, dtype, r0.copy(), tile=tile, scratch=scratch)
         _check(got, matmul_residual_ref(x, wt, dt, r0), scale + np.abs(r0))
     else:
         _, w3 = _inputs(rng, t_rows, n, k, dtype, group=group)
-        got = _run(mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float16), w3=w3, tile=tile)
+        got = _run(
+            mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float16), w3=w3, tile=tile, scratch=scratch
+        )
         w3t, _ = _decoded(w3, dtype)
         want = matmul_gate_ref(x, wt, w3t, dt)
         assert got.dtype == np.float16 and np.all(np.isfinite(got))
@@ -234,3 +247,27 @@ def test_skinny_rejects_bad_shapes():
     with pytest.raises(PycalmError, match="multiple of 32 for gf4"):
         skinny_matmul(cuda.to_device(np.zeros((2, 40), np.float16)), cuda.to_device(np.zeros((4, 5), np.uint32)),
                       out, "gf4", stream=s)  # fmt: skip
+
+
+# split K: (dtype, q4 group, T, N, K, tile). Under the simulator one or two tiles of N over 7 to
+# 9 steps of K, so a split takes 1 to 4 steps (SIM_TILE: 4 blocks a wave, ROW_TILE: 16), a last
+# split with none where ceil(steps / splits) overshoots; on the GPU the engine's tiles at the
+# 8B shape's widths
+SPLITS = [("fp16", 32, 19, 20, 200, SIM_TILE), ("fp8", 32, 5, 40, 232, ROW_TILE), ("gf4", 32, 19, 20, 200, SIM_TILE),
+          ("q8", 32, 5, 21, 240, ROW_TILE), ("q4", 64, 19, 20, 256, SIM_TILE)]  # fmt: skip
+if GPU:
+    SPLITS += [(d, 32, 37, 1000, 4104, MID_TILE) for d in DTYPES]
+    SPLITS += [("q8", 32, 64, 512, 14336, MID_TILE), ("q4", 32, 33, 4099, 4096, MID_TILE)]
+
+
+@pytest.mark.parametrize("dtype,group,t_rows,n,k,tile", SPLITS)
+@pytest.mark.parametrize("mode", MODES)
+def test_matmul_split_k(dtype, group, t_rows, n, k, tile, mode):
+    """K split over blocks (the splits' partial sums added by the last block of a tile, in split
+    order): the reference's sums, twice on one scratch (its counters reset for the next launch)."""
+    scratch = matmul_split_scratch()
+    out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
+    tiles = -(-t_rows // tile.block_m) * -(-n // out_n)
+    assert splits_for(tile, tiles, k) > 1  # the case splits
+    for seed in (5, 6):
+        _test(mode, dtype, t_rows, n, k, tile=tile, seed=seed, group=group, scratch=scratch)

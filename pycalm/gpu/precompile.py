@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WALK_VERSION = "2"  # in the marker's digest: a change in what the walk visits refills the cache
+WALK_VERSION = "3"  # in the marker's digest: a change in what the walk visits refills the cache
 MAX_WORKERS = 8
 # the EngineOptions that choose which kernels an engine launches (the others change no kernel)
 KERNEL_OPTIONS = ("attention_chunk", "prefill_chunk", "check_finite")

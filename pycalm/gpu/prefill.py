@@ -203,6 +203,10 @@ class Prefill:
         require_gpu_memory(what, nbytes)
         with out_of_memory_as_error(what, nbytes):
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
+        from pycalm.kernels.matmul import matmul_split_scratch
+
+        # the tiled matmul's split-K partials and counters
+        self.split_scratch = matmul_split_scratch(engine.stream)
         self.att_scratch = None  # the split attention's partials and counters, split_rows rows
         if self.split_rows:
             from pycalm.kernels.attention import attention_scratch, part_shape
@@ -236,10 +240,15 @@ class Prefill:
     def products(self, n_rows: int) -> object:
         """The weight-product launcher of a pass of n_rows rows: skinny_matmul up to skinny_rows,
         else the tiled matmul (the same arguments)."""
-        from pycalm.kernels.matmul import matmul
         from pycalm.kernels.skinny import skinny_matmul
 
-        return skinny_matmul if n_rows <= self.skinny_rows else matmul
+        return skinny_matmul if n_rows <= self.skinny_rows else self.tiled
+
+    def tiled(self, *args: object, **kwargs: object) -> None:
+        """pycalm.kernels.matmul.matmul, K split over blocks where its tiles leave SMs idle."""
+        from pycalm.kernels.matmul import matmul
+
+        matmul(*args, **kwargs, scratch=self.split_scratch)
 
     # ---------------------------------------------------------------------------------------
     def forward_rows(self, pos0: int, n_rows: int, tokens: object = None) -> None:

@@ -68,6 +68,17 @@ same outputs in the same lanes, and the gate needs no exchange.
 Grid: blockIdx.x over the T tiles (fastest, so the blocks that share a strip of W run together
 and read it from L2), blockIdx.y over the N tiles. Threads: 32 WARPS_M WARPS_N.
 
+Split K. A pass of a few dozen rows has few tiles (wo at 64 rows: 32 blocks of MID_TILE for 132
+SMs), and each walks all of K. With a scratch (matmul_split_scratch), a launch whose tiles fill
+less than one wave of blocks (split_blocks: blocks_per_sm on every SM) cuts K into splits
+(splits_for: up to that wave, each of at least MIN_SPLIT_STEPS steps) over gridDim.z. Each
+block writes its float32 accumulators to its slot of the scratch; the last block of a tile to
+finish (an atomic counter a tile, reset by it) adds the tiles' slots in split order and runs the
+epilogue on the sums (the residual add, the q8 scale and the gate see whole sums). The sums
+then depend on the number of splits, so a split launch's bits differ from an unsplit one's;
+batch-invariant passes use pycalm.kernels.skinny instead. Bytes: the weights once, each block's
+accumulators written and read once (L2).
+
 Grouped (Mixtral's experts, pycalm.kernels.moe_rows): W is a stack (n_experts, N, K) viewed as
 (n_experts N, K), and blockIdx.x runs over (expert e, m-tile) pairs, e-major, ceil(T / BM)
 m-tiles an expert whatever its count (the counts live on the device; a block past count[e]
@@ -88,6 +99,7 @@ import functools
 import math
 from typing import NamedTuple
 
+import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32
 
@@ -136,8 +148,50 @@ TILE = Tile()
 # one per 128 (its 128-row tile would be 127 rows of padding). The sums are the same bits as
 # TILE's: every output element takes the same k-slices in the same order whatever the tile.
 ROW_TILE = Tile(16, 32, 1, 2, 3, 8)
+# passes of 17 to 64 rows (a rows pass of many drafts or sequences): 64 rows by 128 of W, 8 warps
+# of 32 x 32, K split over blocks where the N tiles are too few to fill the SMs
+MID_TILE = Tile(64, 128, 2, 4, 3, 2)
 # under the simulator a Python thread runs each GPU thread: tests use small tiles
 SIM_TILE = Tile(32, 32, 2, 2)
+SIM = _numba_config.ENABLE_CUDASIM
+MIN_SPLIT_STEPS = 1 if SIM else 8  # steps of K (BK columns each) a split takes at least
+MAX_SPLITS = 16  # splits of K a tile at most
+SIM_SMS = 2  # the simulator's "SMs": tests split K over a few blocks
+
+
+class SplitScratch(NamedTuple):
+    """Device scratch of the split-K launches (matmul_split_scratch); the launches on one stream
+    share it, one after another."""
+
+    part: object  # (blocks * acc words * threads,) float32: each block's partial sums
+    tiles_done: object  # (blocks,) int32: a tile's finished splits, zero between launches
+
+
+def split_blocks(tile: Tile) -> int:
+    """Blocks a split launch fills: the tile's resident blocks an SM on every SM (one wave)."""
+    sms = SIM_SMS if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+    return tile.blocks_per_sm * sms
+
+
+def _acc_words(tile: Tile) -> int:
+    return (tile.block_m // tile.warps_m // 16) * (tile.block_n // tile.warps_n // 8) * 4
+
+
+def matmul_split_scratch(stream: object = 0) -> SplitScratch:
+    """The scratch of split launches of every tile tile_for picks: a wave of blocks' partial
+    sums, and their counters."""
+    tiles = (ROW_TILE, SIM_TILE) if SIM else (ROW_TILE, MID_TILE, TILE)
+    words = max(split_blocks(t) * _acc_words(t) * t.threads for t in tiles)
+    blocks = max(split_blocks(t) for t in tiles)
+    part = cuda.device_array(words, np.float32, stream=stream)
+    return SplitScratch(part, cuda.to_device(np.zeros(blocks, np.int32), stream=stream))
+
+
+def splits_for(tile: Tile, tiles: int, k_cols: int) -> int:
+    """Splits of K for a launch of `tiles` tiles: as many as fill one wave of blocks
+    (split_blocks), each of at least MIN_SPLIT_STEPS steps; 1 where the tiles fill it alone."""
+    steps = -(-k_cols // BK)
+    return max(1, min(split_blocks(tile) // tiles, steps // MIN_SPLIT_STEPS, MAX_SPLITS))
 
 
 def _jit_capped(max_registers: int):  # noqa: ANN202
@@ -204,10 +258,13 @@ def _q4_words(w: int, d: float, m: float) -> tuple[int, int, int, int]:
 
 
 @functools.cache
-def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool = False):  # noqa: ANN201, C901
+def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool = False, split: bool = False):  # noqa: ANN201, C901
     """matmul_kernel for a weight dtype, an epilogue mode and a tile (one compile each); grouped:
     the expert-grouped form (see the module docstring), arguments (x, w1, w3, out, count, rows,
-    route_ids)."""
+    route_ids); split: K split over gridDim.z blocks a tile (see "Split K"), two more arguments
+    (part, count)."""
+    if split and grouped:
+        raise PycalmError("the grouped matmul does not split K")
     block_m, block_n, warps_m, warps_n, stages, blocks_per_sm = tile
     max_registers = min(255, 65536 // (blocks_per_sm * tile.threads) // 8 * 8)  # an SM has 64k
     threads = tile.threads
@@ -370,10 +427,11 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             cp_async_wait_all()
 
     @cuda.jit(device=True, inline=True)
-    def block_product(x, w1, s1, w3, s3, out, count, rows, route_ids):  # noqa: ANN001, ANN202, C901
+    def block_product(x, w1, s1, w3, s3, out, count, rows, route_ids, part, tiles_done):  # noqa: ANN001, ANN202, C901
         """The block's tile of out (=, +=, gate) X fp16 times W^T stored (s1, s3: q8 / q4 W1's
         and W3's scales, unread otherwise); grouped: of expert e's m-tile, rows gathered and
-        scattered by group_slot (count, rows, route_ids unread otherwise)."""
+        scattered by group_slot (count, rows, route_ids unread otherwise); split: its split of K,
+        the partial sums meeting in part (tiles_done counting a tile's finished splits)."""
         smem_x = cuda.shared.array(x_words, int32)  # (stages, BM, BK) fp16 as words, swizzled
         smem_w = cuda.shared.array(w_words, int32)  # (stages, BN, BK) fp16 as words, swizzled
         wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4 / q8 / q4: a step's fetched W units
@@ -382,6 +440,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         a = cuda.local.array(a_words, int32)  # (m_tiles, 4) A fragments of one k-slice
         b = cuda.local.array(b_words, int32)  # (n_tiles, 2) B fragments of one k-slice
         x_rows = cuda.local.array(x_units, int32)  # the X row of each of this thread's copies, -1: none
+        is_last = cuda.shared.array(1, int32)  # split: 1 in the block that finishes its tile
         for i in range(acc_words):
             acc[i] = float32(0.0)
 
@@ -390,6 +449,11 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         wm, wn = warp // warps_n, warp % warps_n
         n0 = cuda.blockIdx.y * out_n
         steps = (x.shape[1] + BK - 1) // BK
+        s0 = 0  # the block's first step
+        if split:  # split z of gridDim.z takes the z-th run of ceil(steps / splits) steps
+            per = (steps + cuda.gridDim.z - 1) // cuda.gridDim.z
+            s0 = cuda.blockIdx.z * per
+            steps = max(0, min(steps - s0, per))
         # ldmatrix row addresses of this lane (words in a stage, for m-tile / n-tile pair 0):
         # A row (lane & 15), 16-byte chunk 2 ks + (lane >> 4); B row (lane & 7) + 8 (lane >> 4),
         # chunk 2 ks + ((lane >> 3) & 1). The rows' swizzle (row >> 1) & 3 is (lane >> 1) & 3
@@ -425,8 +489,8 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 x_rows[i] = m0 + r if m0 + r < x.shape[0] else -1
         for s in range(stages - 1):  # the first stages - 1 steps in flight
             if s < steps:
-                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, s, s * BK, n0, w_row0, w_rows)
-                fetch_codes(w1, s1, w3, s3, wregs, wscale, s * BK, n0, w_row0, w_rows, x.shape[1])
+                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, s, (s0 + s) * BK, n0, w_row0, w_rows)
+                fetch_codes(w1, s1, w3, s3, wregs, wscale, (s0 + s) * BK, n0, w_row0, w_rows, x.shape[1])
                 put_w(smem_w, wregs, wscale, s)
             else:
                 cp_async_commit()  # an empty group keeps the count of groups in flight
@@ -438,10 +502,9 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             # every warp is done reading the stage that the fetch below overwrites
             ahead = step + stages - 1
             if ahead < steps:  # its copies and loads fly during this step's mma
-                fetch(
-                    x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead % stages, ahead * BK, n0, w_row0, w_rows
-                )
-                fetch_codes(w1, s1, w3, s3, wregs, wscale, ahead * BK, n0, w_row0, w_rows, x.shape[1])
+                k0 = (s0 + ahead) * BK
+                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead % stages, k0, n0, w_row0, w_rows)
+                fetch_codes(w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, x.shape[1])
             else:
                 cp_async_commit()  # an empty group
             xs = stage * x_stage + a_row
@@ -467,6 +530,28 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             if ahead < steps:
                 put_w(smem_w, wregs, wscale, ahead % stages)  # read at step `ahead`, after its barrier
 
+        if split:  # the tile's splits meet: the last to finish adds them up in split order
+            n_splits = cuda.gridDim.z
+            tile_id = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+            base = tile_id * n_splits * acc_words * threads + tid  # (tiles, splits, acc_words, threads)
+            mine = base + cuda.blockIdx.z * acc_words * threads
+            for i in range(acc_words):
+                part[mine + i * threads] = acc[i]
+            cuda.threadfence()  # this thread's partials reach L2 before the count says so
+            cuda.syncthreads()  # every thread's partials are fenced before thread 0 counts the block
+            if tid == 0:
+                is_last[0] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
+            cuda.syncthreads()  # is_last is visible to the block
+            if is_last[0] == 0:
+                return  # block-uniform, after the last barrier
+            cuda.threadfence()  # the other splits' partials are read after their count
+            for i in range(acc_words):
+                v = float32(0.0)
+                for z in range(n_splits):  # in split order: the same sums whichever block is last
+                    v += part[base + (z * acc_words + i) * threads]
+                acc[i] = v
+            if tid == 0:
+                tiles_done[tile_id] = 0  # for the next launch
         if grouped:  # each block row's output slot, into the X stages (no copy is in flight)
             cuda.syncthreads()  # every warp is done reading the last step's X tile
             for r in range(tid, block_m, threads):
@@ -515,7 +600,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         @_jit_capped(max_registers)
         def matmul_kernel(x, w1, s1, w3, s3, out, count, rows, route_ids):  # noqa: ANN001, ANN202
             """The grouped kernel below for q8 / q4: codes w and scales s of the stacks apart."""
-            block_product(x, w1, s1, w3, s3, out, count, rows, route_ids)
+            block_product(x, w1, s1, w3, s3, out, count, rows, route_ids, x, x)
 
     elif grouped:
 
@@ -524,14 +609,29 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             """Grouped: out (T k, N) slots (=, gate) X fp16 times expert W (n_experts N, K)^T
             stored; see the module docstring. Must match pycalm.cpu.reference.expert_matmul_ref /
             expert_gate_ref."""
-            block_product(x, w1, w1, w3, w3, out, count, rows, route_ids)  # no scales
+            block_product(x, w1, w1, w3, w3, out, count, rows, route_ids, x, x)  # no scales, no split
+
+    elif quantized and split:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, s1, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202
+            """The split kernel below for q8 / q4."""
+            block_product(x, w1, s1, w3, s3, out, x, x, x, part, tiles_done)
+
+    elif split:
+
+        @_jit_capped(max_registers)
+        def matmul_kernel(x, w1, w3, out, part, tiles_done):  # noqa: ANN001, ANN202
+            """The kernel below with K split over gridDim.z blocks a tile: part (>= tiles x
+            splits x acc words x threads,) float32 and tiles_done (>= tiles,) int32, zeroed."""
+            block_product(x, w1, w1, w3, w3, out, x, x, x, part, tiles_done)
 
     elif quantized:
 
         @_jit_capped(max_registers)
         def matmul_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
             """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
-            block_product(x, w1, s1, w3, s3, out, x, x, x)  # no groups: the last three unread
+            block_product(x, w1, s1, w3, s3, out, x, x, x, x, x)  # no groups, no split: unread
 
     else:
 
@@ -540,7 +640,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
             docstring. Must match pycalm.cpu.reference.matmul_ref / matmul_residual_ref /
             matmul_gate_ref."""
-            block_product(x, w1, w1, w3, w3, out, x, x, x)  # no scales, no groups: unread
+            block_product(x, w1, w1, w3, w3, out, x, x, x, x, x)  # no scales, groups or split: unread
 
     return matmul_kernel
 
@@ -555,23 +655,47 @@ def matmul(
     mode: str = "plain",
     w3: object = None,
     tile: Tile | None = None,
+    scratch: SplitScratch | None = None,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"); X (T, K) float16, W (and W3) the stored (N, K) weights in `dtype` (q8 / q4: a
-    formats.Quantized of device arrays), out (T, N) float32 (gate: float16). Device arrays."""
+    formats.Quantized of device arrays), out (T, N) float32 (gate: float16). Device arrays.
+    scratch (matmul_split_scratch of the tile): K is split over blocks where the tiles alone
+    leave SMs idle (splits_for); without it, never."""
     if mode not in MODES:
         raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
     if (mode == "gate") != (w3 is not None):
         raise PycalmError("the gate takes w3, and only the gate")
     t_rows, k_cols = x.shape
     if tile is None:
-        tile = ROW_TILE if t_rows <= ROW_TILE.block_m else SIM_TILE if _numba_config.ENABLE_CUDASIM else TILE
+        tile = tile_for(t_rows)
     if k_cols % UNIT:
         raise PycalmError(f"matmul needs K a multiple of {UNIT}, got {k_cols}")
-    kernel = make_matmul_kernel(dtype, MODES[mode], tile)
     out_n = tile.block_n // 2 if mode == "gate" else tile.block_n
     grid = ((t_rows + tile.block_m - 1) // tile.block_m, (out.shape[1] + out_n - 1) // out_n)
-    kernel[grid, tile.threads, stream](x, *weight_args(w, w3, dtype, k_cols), out)
+    splits = 1 if scratch is None else splits_for(tile, grid[0] * grid[1], k_cols)
+    args = (x, *weight_args(w, w3, dtype, k_cols), out)
+    if splits == 1:
+        make_matmul_kernel(dtype, MODES[mode], tile)[grid, tile.threads, stream](*args)
+        return
+    blocks = grid[0] * grid[1] * splits
+    if (
+        scratch.tiles_done.shape[0] < blocks
+        or scratch.part.shape[0] < blocks * _acc_words(tile) * tile.threads
+    ):
+        raise PycalmError(f"matmul split scratch holds fewer than {blocks} blocks of tile {tuple(tile)}")
+    kernel = make_matmul_kernel(dtype, MODES[mode], tile, split=True)
+    kernel[(*grid, splits), tile.threads, stream](*args, scratch.part, scratch.tiles_done)
+
+
+def tile_for(t_rows: int) -> Tile:
+    """The tile of a launch of t_rows rows: ROW_TILE up to 16, MID_TILE up to 64, else TILE
+    (under the simulator SIM_TILE above 16)."""
+    if t_rows <= ROW_TILE.block_m:
+        return ROW_TILE
+    if SIM:
+        return SIM_TILE
+    return MID_TILE if t_rows <= MID_TILE.block_m else TILE
 
 
 def weight_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:

@@ -4,7 +4,10 @@ and pycalm.kernels.matmul are what the package runs).
 
 Versions:
   matvec   pycalm.kernels.matvec, the token step's kernel (T = 1 only: the bar for one row)
-  tile     pycalm.kernels.matmul with its row tile (16 x 32, T <= 16) or its 128 x 128 tile
+  tile     pycalm.kernels.matmul with its row tile (16 x 32, T <= 16), its 64 x 128 tile (T <= 64)
+           or its 128 x 128 tile, K walked by one block a tile
+  split    the same tiles with K split over blocks where the tiles leave SMs idle (the rows
+           pass's launches above skinny's rows)
   skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
            variants of warps a block (splitting K) and steps a warp loads at once
 
@@ -34,7 +37,7 @@ from gpubench import graph_seconds  # noqa: E402
 from matmul import fill_kernel  # noqa: E402
 
 from pycalm.kernels import skinny  # noqa: E402
-from pycalm.kernels.matmul import MODES, matmul  # noqa: E402
+from pycalm.kernels.matmul import MODES, matmul, matmul_split_scratch  # noqa: E402
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 
@@ -99,8 +102,8 @@ def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0):  # n
     return lambda: kernel[grid, 32 * warps, STREAM](xw, *args, out)
 
 
-def tile_launch(x, w, w3, out, dtype, mode):  # noqa: ANN001, ANN201
-    return lambda: matmul(x, w, out, dtype, stream=STREAM, mode=mode, w3=w3)
+def tile_launch(x, w, w3, out, dtype, mode, scratch=None):  # noqa: ANN001, ANN201
+    return lambda: matmul(x, w, out, dtype, stream=STREAM, mode=mode, w3=w3, scratch=scratch)
 
 
 def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
@@ -118,8 +121,10 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
         total: dict[str, list[float]] = {
             "matvec": [0.0],
             "tile": [0.0] * len(rows),
+            "split": [0.0] * len(rows),
             "skinny": [0.0] * len(rows),
         }
+        scratch = matmul_split_scratch(STREAM)
         for name, n, k, mode in SHAPES:
             w = random_weights(n, k, dtype, 1)
             w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
@@ -133,13 +138,19 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
             line = [f"{dtype:4s} {name:4s} matvec {mv * 1e6:7.1f} ({nbytes / mv / 1e9:5.0f})"]
             for i, t in enumerate(rows):
                 tl = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode)) if tiles else float("nan")
+                sp = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch))
                 sk = time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, *variant))
                 total["tile"][i] += tl
+                total["split"][i] += sp
                 total["skinny"][i] += sk
-                line.append(f"T={t}: tile {tl * 1e6:7.1f} skinny {sk * 1e6:6.1f} ({nbytes / sk / 1e9:5.0f})")
+                line.append(
+                    f"T={t}: tile {tl * 1e6:7.1f} split {sp * 1e6:6.1f} ({nbytes / sp / 1e9:5.0f})"
+                    f" skinny {sk * 1e6:6.1f} ({nbytes / sk / 1e9:5.0f})"
+                )
             print("  ".join(line), flush=True)
         per_layer = "  ".join(
-            f"T={t}: tile {total['tile'][i] * 1e6:6.0f} skinny {total['skinny'][i] * 1e6:6.0f} "
+            f"T={t}: tile {total['tile'][i] * 1e6:6.0f} split {total['split'][i] * 1e6:6.0f} "
+            f"({total['split'][i] / total['matvec'][0]:.2f}x) skinny {total['skinny'][i] * 1e6:6.0f} "
             f"({total['skinny'][i] / total['matvec'][0]:.2f}x matvec)"
             for i, t in enumerate(rows)
         )
