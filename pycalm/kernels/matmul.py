@@ -108,8 +108,7 @@ from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_sc
 from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
-    cp_async_wait_all,
-    cp_async_wait_one,
+    cp_async_wait,
     ldg64,
     ldg128w,
     ldmatrix_x4,
@@ -134,7 +133,7 @@ class Tile(NamedTuple):
     block_n: int = 128  # BN: rows of W a block (GATE: half of W1, half of W3)
     warps_m: int = 2  # warps along M; each covers block_m / warps_m rows
     warps_n: int = 4  # warps along N; each covers block_n / warps_n rows of W (a multiple of 16)
-    stages: int = 3  # steps of K staged at once (2 or 3): stages - 1 in flight during the mma
+    stages: int = 3  # steps of K staged at once (2 to 4): stages - 1 in flight during the mma
     blocks_per_sm: int = 2  # resident blocks an SM the registers are capped for
 
     @property
@@ -297,7 +296,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         or warp_n % 16
         or x_units * threads != block_m * CHUNKS
         or w_units * threads != block_n * CHUNKS
-        or stages not in (2, 3)
+        or stages not in (2, 3, 4)
         or (quantized and w_units not in (1, 2, 4))  # a thread's units within one row-step
     ):
         raise PycalmError(f"tile {tuple(tile)} does not divide into m16n8k16 warp tiles and fetch units")
@@ -418,13 +417,12 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                     h0, h1, h2, h3 = _gf4_words(wregs[2 * i])
                 sts128(smem_w, stage * w_stage + swizzled(r, c), h0, h1, h2, h3)
 
+    wait_stage = cp_async_wait(stages - 2)  # cp.async.wait_group stages - 2
+
     @cuda.jit(device=True, inline=True)
     def wait_oldest() -> None:
         """This thread's copies of the oldest step in flight have landed (stages - 1 in flight)."""
-        if stages == 3:
-            cp_async_wait_one()
-        else:
-            cp_async_wait_all()
+        wait_stage()
 
     @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out, count, rows, route_ids, part, tiles_done):  # noqa: ANN001, ANN202, C901
@@ -440,7 +438,6 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         a = cuda.local.array(a_words, int32)  # (m_tiles, 4) A fragments of one k-slice
         b = cuda.local.array(b_words, int32)  # (n_tiles, 2) B fragments of one k-slice
         x_rows = cuda.local.array(x_units, int32)  # the X row of each of this thread's copies, -1: none
-        is_last = cuda.shared.array(1, int32)  # split: 1 in the block that finishes its tile
         for i in range(acc_words):
             acc[i] = float32(0.0)
 
@@ -539,10 +536,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 part[mine + i * threads] = acc[i]
             cuda.threadfence()  # this thread's partials reach L2 before the count says so
             cuda.syncthreads()  # every thread's partials are fenced before thread 0 counts the block
-            if tid == 0:
-                is_last[0] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
-            cuda.syncthreads()  # is_last is visible to the block
-            if is_last[0] == 0:
+            if tid == 0:  # smem_x[0]: 1 in the block that finishes the tile (the stages are unused now)
+                smem_x[0] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
+            cuda.syncthreads()  # smem_x[0] is visible to the block
+            if smem_x[0] == 0:
                 return  # block-uniform, after the last barrier
             cuda.threadfence()  # the other splits' partials are read after their count
             for i in range(acc_words):

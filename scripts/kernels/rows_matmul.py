@@ -37,7 +37,7 @@ from gpubench import graph_seconds  # noqa: E402
 from matmul import fill_kernel  # noqa: E402
 
 from pycalm.kernels import skinny  # noqa: E402
-from pycalm.kernels.matmul import MODES, matmul, matmul_split_scratch  # noqa: E402
+from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch  # noqa: E402
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 
@@ -195,6 +195,29 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
                 print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
 
 
+def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
+    """The split launches of each tile: a layer's four products, us."""
+    scratch = SplitScratch(
+        cuda.device_array(64 << 20, np.float32), cuda.to_device(np.zeros(1 << 16, np.int32))
+    )
+    for dtype in dtypes:
+        totals = {(tile, t): 0.0 for tile in tiles for t in rows}
+        for _name, n, k, mode in SHAPES:
+            w = random_weights(n, k, dtype, 1)
+            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
+            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
+            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            for tile in tiles:
+                for t in rows:
+                    launch = lambda: matmul(
+                        x[:t], w, out[:t], dtype, stream=STREAM, mode=mode, w3=w3, tile=tile, scratch=scratch
+                    )  # noqa: E731, B023
+                    totals[(tile, t)] += time_launches(launch)
+        for tile in tiles:
+            cells = "  ".join(f"T={t}: {totals[(tile, t)] * 1e6:6.0f}" for t in rows)
+            print(f"{dtype:4s} tile {tuple(tile)}: a layer's products, us  {cells}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -204,12 +227,16 @@ def main() -> None:
     ap.add_argument(
         "--variant", default="0,0,0", help="warps,unroll,min_blocks of the table (0: the package's)"
     )
+    ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     args = ap.parse_args()
     global STREAM
     STREAM = cuda.stream()
     dtypes = args.dtypes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    if args.sweep:
+    if args.tiles:
+        tiles = [Tile(*(int(v) for v in spec.split(","))) for spec in args.tiles.split(";")]
+        tile_sweep(dtypes, rows, tiles)
+    elif args.sweep:
         sweep(dtypes, rows if args.rows != ap.get_default("rows") else [8, 64])
     else:
         table(dtypes, rows, tuple(int(v) for v in args.variant.split(",")), not args.no_tile)
