@@ -102,8 +102,8 @@ def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0):  # n
     return lambda: kernel[grid, 32 * warps, STREAM](xw, *args, out)
 
 
-def tile_launch(x, w, w3, out, dtype, mode, scratch=None):  # noqa: ANN001, ANN201
-    return lambda: matmul(x, w, out, dtype, stream=STREAM, mode=mode, w3=w3, scratch=scratch)
+def tile_launch(x, w, w3, out, dtype, mode, scratch=None, tile=None):  # noqa: ANN001, ANN201
+    return lambda: matmul(x, w, out, dtype, stream=STREAM, mode=mode, w3=w3, scratch=scratch, tile=tile)
 
 
 def matvec_launch(w, w3, x1, out1, dtype, mode):  # noqa: ANN001, ANN201
@@ -209,9 +209,7 @@ def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
             out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
             for tile in tiles:
                 for t in rows:
-                    launch = lambda: matmul(
-                        x[:t], w, out[:t], dtype, stream=STREAM, mode=mode, w3=w3, tile=tile, scratch=scratch
-                    )  # noqa: E731, B023
+                    launch = tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch, tile)
                     totals[(tile, t)] += time_launches(launch)
         for tile in tiles:
             cells = "  ".join(f"T={t}: {totals[(tile, t)] * 1e6:6.0f}" for t in rows)
