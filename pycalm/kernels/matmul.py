@@ -545,10 +545,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 return  # block-uniform, after the last barrier
             cuda.threadfence()  # the other splits' partials are read after their count
             for i in range(acc_words):
-                v = float32(0.0)
-                for z in range(n_splits):  # in split order: the same sums whichever block is last
-                    v += part[base + (z * acc_words + i) * threads]
-                acc[i] = v
+                acc[i] = float32(0.0)
+            for z in range(n_splits):  # in split order: the same sums whichever block is last
+                for i in range(acc_words):  # (unrolled: acc stays in registers)
+                    acc[i] += part[base + (z * acc_words + i) * threads]
             if tid == 0:
                 tiles_done[tile_id] = 0  # for the next launch
         if grouped:  # each block row's output slot, into the X stages (no copy is in flight)
