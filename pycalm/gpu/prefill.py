@@ -205,8 +205,8 @@ class Prefill:
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
         from pycalm.kernels.matmul import matmul_split_scratch
 
-        # the tiled matmul's split-K partials and counters
-        self.split_scratch = matmul_split_scratch(engine.stream)
+        # the tiled matmul's split-K partials and counters (batch-invariant passes never tile)
+        self.split_scratch = None if self.invariant else matmul_split_scratch(engine.stream)
         self.att_scratch = None  # the split attention's partials and counters, split_rows rows
         if self.split_rows:
             from pycalm.kernels.attention import attention_scratch, part_shape

@@ -73,7 +73,7 @@ SMs), and each walks all of K. With a scratch (matmul_split_scratch), a launch w
 less than one wave of blocks (split_blocks: blocks_per_sm on every SM) cuts K into splits
 (splits_for: up to that wave, each of at least MIN_SPLIT_STEPS steps) over gridDim.z. Each
 block writes its float32 accumulators to its slot of the scratch; the last block of a tile to
-finish (an atomic counter a tile, reset by it) adds the tiles' slots in split order and runs the
+finish (an atomic counter a tile, reset by it) adds the tile's slots in split order and runs the
 epilogue on the sums (the residual add, the q8 scale and the gate see whole sums). The sums
 then depend on the number of splits, so a split launch's bits differ from an unsplit one's;
 batch-invariant passes use pycalm.kernels.skinny instead. Bytes: the weights once, each block's
@@ -168,10 +168,15 @@ class SplitScratch(NamedTuple):
     tiles_done: object  # (blocks,) int32: a tile's finished splits, zero between launches
 
 
+@functools.cache
+def _sm_count() -> int:
+    """The current device's SMs (SIM_SMS under the simulator)."""
+    return SIM_SMS if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 def split_blocks(tile: Tile) -> int:
     """Blocks a split launch fills: the tile's resident blocks an SM on every SM (one wave)."""
-    sms = SIM_SMS if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
-    return tile.blocks_per_sm * sms
+    return tile.blocks_per_sm * _sm_count()
 
 
 def _acc_words(tile: Tile) -> int:
@@ -263,7 +268,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
     """matmul_kernel for a weight dtype, an epilogue mode and a tile (one compile each); grouped:
     the expert-grouped form (see the module docstring), arguments (x, w1, w3, out, count, rows,
     route_ids); split: K split over gridDim.z blocks a tile (see "Split K"), two more arguments
-    (part, count)."""
+    (part, tiles_done)."""
     if split and grouped:
         raise PycalmError("the grouped matmul does not split K")
     block_m, block_n, warps_m, warps_n, stages, blocks_per_sm = tile
