@@ -617,7 +617,7 @@ def bench_rows(shape: str, dtype: str, rows: list[int], both: bool) -> dict:
     cells: dict[str, dict[int, float]] = {}
     for kind in ("skinny", "tile") if both else ("default",):
         if kind != "default":
-            prefill.skinny_rows = 64 if kind == "skinny" else 0
+            prefill.skinny_rows = dict.fromkeys(prefill.skinny_rows, 64 if kind == "skinny" else 0)
             prefill._rows_graphs.clear()
         cells[kind] = {}
         for n in rows:

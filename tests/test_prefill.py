@@ -242,14 +242,16 @@ def test_prefill_chunks_and_second_turn(tmp_path):
 
 
 def test_prefill_rows_do_not_depend_on_the_pass(tmp_path):
-    """A row's logits are the same bits whatever other rows share its pass: rows 0..2 of an
-    18-row prefill (the matmuls' large tile) against a 3-row one (ROW_TILE), and row 3 against a
-    1-row pass at position 3 over the cached rows (the matmuls' K order does not depend on T or
-    the tile; attention's key tiles start at key 0 for every row). Batch-invariant decoding and
-    speculative decoding's verification pass need this: the rows a pass scores are the ones a
-    shorter pass would give."""
+    """A row's logits are the same bits whatever other rows share a pass of the same product
+    kind: rows 0..2 of a 16-row prefill (fp16's most rows on skinny's products, SKINNY_ROWS)
+    against a 3-row one, and row 3 against a 1-row pass at position 3 over the cached rows
+    (skinny's K order does not depend on T; the split attention's splits start at key 0 for
+    every row). Speculative decoding's verification pass (up to 16 rows) needs this: the rows a
+    pass scores are the ones a shorter pass would give. Longer passes take the tiled products,
+    whose sums differ in order; batch-invariant engines keep skinny's for every pass
+    (test_batch_invariant_tokens_do_not_depend_on_how_the_prompt_is_fed)."""
     model = tiny_model(tmp_path, "qwen2", "fp16", n_layers=1)
-    ids = tokens(18, seed=5)
+    ids = tokens(16, seed=5)
     gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
     full = np.concatenate(list(gpu.prefill_logits(ids, 0)))
     three = np.concatenate(list(gpu.prefill_logits(ids[:3], 0)))

@@ -17,7 +17,7 @@ A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, 
 batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
 replayed: the token ids come from a device buffer and the position from state, so nothing in
 the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
-SKINNY_ROWS rows, and its attention the token step's split-K kernel (pycalm.kernels.attention)
+SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel (pycalm.kernels.attention)
 up to SPLIT_ATTENTION_ROWS rows. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are padding
 (token 0) that write cache rows past the last real one, which the next pass rewrites before any
 row reads them (a row attends only to positions up to its own).
@@ -52,10 +52,12 @@ from pycalm.kernels.rows import ExpertRows, RowRoutes
 from pycalm.model.config import ModelConfig
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
-# passes of at most SKINNY_ROWS rows take pycalm.kernels.skinny's weight products (each weight read
-# once a pass at close to the token step's speed), longer ones matmul's tiles (scripts/bench.py
-# --rows has the measurement); batch-invariant engines take skinny's for every pass
-SKINNY_ROWS = 32
+# a matrix of each format takes pycalm.kernels.skinny's products in passes of at most
+# SKINNY_ROWS[format] rows (each weight read once a pass at close to the token step's speed), in
+# longer ones matmul's tiles, K split over blocks: the faster of the two a layer's products, by
+# scripts/kernels/rows_matmul.py on the 8B shape (H200); batch-invariant engines take skinny's
+# for every pass
+SKINNY_ROWS = {"fp16": 16, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every
@@ -191,7 +193,10 @@ class Prefill:
         self.invariant = engine.batch_invariant and skinny_ok
         if self.invariant:
             max_chunk = min(max_chunk, skinny.MAX_ROWS)
-        self.skinny_rows = skinny.MAX_ROWS if self.invariant else SKINNY_ROWS if skinny_ok else 0
+        most = skinny.MAX_ROWS if self.invariant else None  # skinny's rows a format: as SKINNY_ROWS
+        self.skinny_rows = {
+            dt: (SKINNY_ROWS[dt] if most is None else most) if skinny_ok else 0 for dt in SKINNY_ROWS
+        }
         self.max_chunk = max_chunk
         # the split attention's rows (its group at most 32 query heads a kv head)
         split_ok = cfg.n_heads // cfg.n_kv_heads <= 32
@@ -238,11 +243,15 @@ class Prefill:
         self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
 
     def products(self, n_rows: int) -> object:
-        """The weight-product launcher of a pass of n_rows rows: skinny_matmul up to skinny_rows,
-        else the tiled matmul (the same arguments)."""
+        """The weight-product launcher of a pass of n_rows rows (matmul's arguments): for each
+        matrix, skinny_matmul up to skinny_rows of its format, else the tiled matmul."""
         from pycalm.kernels.skinny import skinny_matmul
 
-        return skinny_matmul if n_rows <= self.skinny_rows else self.tiled
+        def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
+            launch = skinny_matmul if n_rows <= self.skinny_rows[dtype] else self.tiled
+            launch(x, w, out, dtype, **kwargs)
+
+        return product
 
     def tiled(self, *args: object, **kwargs: object) -> None:
         """pycalm.kernels.matmul.matmul, K split over blocks where its tiles leave SMs idle."""
