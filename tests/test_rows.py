@@ -31,12 +31,15 @@ from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS
 from pycalm.kernels.rows import (
     ExpertRows,
+    Pages,
     RowRoutes,
     embed_rows,
     moe_group,
     moe_route_rows,
+    qkv_pages,
     qkv_rows,
     rmsnorm_rows,
+    take_rows,
 )
 from pycalm.model import formats
 from pycalm.model.config import ModelConfig
@@ -175,6 +178,67 @@ def test_qkv_rows(kv_dtype, bias, n_heads, n_kv_heads, head_dim, n_rot, n_rows, 
     quantum = np.abs(k_ref) * (2.0**-10 if kv_dtype == "fp16" else 2.0**-2) + 2.0**-16
     assert np.all(np.abs(dec - k_ref) <= tol[:, q_dim:] + quantum)
     assert np.mean(dec == kv_round(k_ref, kv_dtype)) >= 0.9
+
+
+@pytest.mark.parametrize("kv_dtype,bias", [("fp16", True), ("fp8", False)])
+def test_qkv_pages(kv_dtype, bias):
+    """Rows of two sequences and a padding row over a pool of 5 pages of 4 rows: sequence 0's
+    positions 3..6 (pages 3 and 0, crossing a page), sequence 1's position 5 (page 4), a row of
+    sequence -1. Each row is qkv_rows_ref's at its own position, its k and v land in the pool
+    row its table gives, and no other pool row changes."""
+    n_heads, n_kv_heads, head_dim, n_rot, page = 4, 2, 8, 4, 4
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    positions = np.array([3, 4, 5, 6, 5, 0], np.int32)
+    seq_of_row = np.array([0, 0, 0, 0, 1, -1], np.int32)
+    table = np.array([[3, 0, 2], [2, 4, 2]], np.int32)  # (n_seqs, max_pages)
+    want_rows = [15, 0, 1, 2, 17]  # page table[s, pos // 4] * 4 + pos % 4 of the live rows
+    rng = np.random.default_rng(11)
+    n_rows = len(positions)
+    qkv = (2 * rng.standard_normal((n_rows, q_dim + 2 * kv_dim))).astype(np.float32)
+    b = rng.standard_normal(q_dim + 2 * kv_dim).astype(np.float32) if bias else None
+    freqs = (1.0 / 10000.0 ** (np.arange(n_rot) / n_rot)).astype(np.float32)
+    sentinel = np.float16(1.0) if kv_dtype == "fp16" else np.uint8(0x55)
+    k0 = np.full((5 * page, kv_dim), sentinel)
+    kc, vc = cuda.to_device(k0), cuda.to_device(k0)
+    q = cuda.to_device(np.full((n_rows, q_dim), np.nan, np.float32))
+    stream = cuda.stream()
+    pages = Pages(cuda.to_device(positions), cuda.to_device(seq_of_row), cuda.to_device(table), page)
+    layer = Layer(bqkv=None if b is None else cuda.to_device(b))
+    qkv_pages(
+        cuda.to_device(qkv), layer, cuda.to_device(freqs), pages, q, KVCache(kc, vc, kv_dtype),
+        config(n_heads, n_kv_heads, head_dim), stream=stream,
+    )  # fmt: skip
+    stream.synchronize()
+    got_q, kh, vh = q.copy_to_host(), kc.copy_to_host(), vc.copy_to_host()
+    for t, row in enumerate(want_rows):
+        q_ref, k_ref, v_ref = qkv_rows_ref(
+            qkv[t : t + 1], b, int(positions[t]), freqs, n_heads, n_kv_heads, head_dim
+        )
+        pair = np.abs(np.concatenate([q_ref, k_ref], axis=1)).reshape(-1, 2).sum(1)
+        tol = np.repeat(2e-6 * pair + 1e-7, 2)  # (q_dim + kv_dim,)
+        assert np.all(np.abs(got_q[t] - q_ref[0]) <= tol[:q_dim])
+        np.testing.assert_array_equal(formats.decode(vh[row : row + 1], kv_dtype), kv_round(v_ref, kv_dtype))
+        dec = formats.decode(kh[row : row + 1], kv_dtype).astype(np.float64)[0]
+        quantum = np.abs(k_ref[0]) * (2.0**-10 if kv_dtype == "fp16" else 2.0**-2) + 2.0**-16
+        assert np.all(np.abs(dec - k_ref[0]) <= tol[q_dim:] + quantum)
+    assert np.all(np.isnan(got_q[-1]))  # the padding row: untouched
+    other = np.ones(5 * page, bool)
+    other[want_rows] = False
+    for cache in (kh, vh):
+        assert np.array_equal(cache[other].view(np.uint8), k0[other].view(np.uint8)), (
+            "other pool rows touched"
+        )
+
+
+def test_take_rows():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((7, 45)).astype(np.float32)
+    rows = np.array([6, 0, 3, 3], np.int32)
+    out = cuda.to_device(np.full((3, 45), np.nan, np.float32))
+    take_rows(cuda.to_device(x), cuda.to_device(rows), out, stream=0)
+    np.testing.assert_array_equal(out.copy_to_host(), x[rows[:3]])
+    with pytest.raises(PycalmError, match="take_rows"):
+        take_rows(cuda.to_device(x), cuda.to_device(rows[:2]), out, stream=0)
 
 
 def test_rope_rows_ref_is_rope_ref_row_by_row():

@@ -165,12 +165,15 @@ def test_logprobs_in_the_batch(server, llm):
         np.testing.assert_allclose(got[: len(want)], want, rtol=1e-6)
 
 
-def test_parallel_is_cpu_only():
+def test_parallel_options():
     from pycalm.app.serve import parse_args
 
+    with pytest.raises(SystemExit):  # batch-invariant batching: the CPU engine's alone
+        parse_args(["m", "--parallel", "2", "--device", "gpu", "--batch-invariant"])
     with pytest.raises(SystemExit):
-        parse_args(["m", "--parallel", "2", "--device", "gpu"])
+        parse_args(["m", "--parallel", "0"])
     assert parse_args(["m"]).parallel == 1
+    assert parse_args(["m", "--parallel", "8", "--device", "gpu"]).parallel == 8
 
 
 @pytest.mark.slow

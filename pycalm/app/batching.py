@@ -1,4 +1,4 @@
-"""Continuous batching on the CPU engine: the runner that drives the scheduler and the batched
+"""Continuous batching on either engine: the runner that drives the scheduler and the batched
 forward, and hands each request's text to its consumer (the server's --parallel N).
 
     runner = BatchRunner(llm, max_seqs=8)
@@ -8,7 +8,8 @@ forward, and hands each request's text to its consumer (the server's --parallel 
 
 A step: the streams whose consumer went away are cancelled; pycalm.batch.Scheduler plans the
 step (a decode row for every running sequence, prompt chunks in the rest of the token budget);
-pycalm.cpu.batched.BatchedCpuEngine runs the plan as one pass over the paged KV pool; each
+pycalm.cpu.batched.BatchedCpuEngine (pycalm.gpu.batched.BatchedGpuEngine on the GPU) runs the
+plan as one pass over the paged KV pool; each
 sampling row's token is drawn by its own request's Sampler (its temperature, top-k, top-p,
 penalties and seed: the j-th token of a request takes the j-th coin of its seed, as plain
 decoding does, whatever its batchmates and however often it is preempted); Scheduler.finish_step
@@ -26,6 +27,7 @@ ones staying in the prefix cache.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,7 +68,7 @@ class Stream:
 
 
 class BatchRunner:
-    """Scheduler + BatchedCpuEngine + each request's sampler and text: see the module docstring.
+    """Scheduler + BatchedCpuEngine (or pycalm.gpu.batched.BatchedGpuEngine) + each request's sampler and text: see the module docstring.
     Every method runs on one thread (the server's worker)."""
 
     def __init__(
@@ -77,16 +79,23 @@ class BatchRunner:
         block_size: int = BLOCK_SIZE,
         token_budget: int | None = None,
     ) -> None:
-        cpu = llm.engine
-        if getattr(cpu, "device", None) != "cpu" or not hasattr(cpu, "ref"):
-            raise PycalmError("--parallel: not yet on the GPU engine (nor with speculative decoding)")
+        engine = llm.engine
+        device = getattr(engine, "device", None)
+        if device not in ("cpu", "gpu") or (device == "cpu" and not hasattr(engine, "ref")):
+            raise PycalmError("--parallel: not with speculative decoding")
         self.llm = llm
         self.seq_len = llm.seq_len
         blocks_a_seq = -(-self.seq_len // block_size)
         self.blocks = BlockManager(n_blocks or max_seqs * blocks_a_seq, block_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
-        self.engine = BatchedCpuEngine(cpu.ref, self.blocks.n_blocks, block_size, cpu.batch_invariant)
-        self.threads = cpu._threads  # BLAS at the CPU engine's thread count around each pass
+        if device == "gpu":  # the rows pass over a paged pool on the device
+            from pycalm.gpu.batched import BatchedGpuEngine
+
+            self.engine = BatchedGpuEngine(engine, self.blocks.n_blocks, block_size)
+            self.threads = contextlib.nullcontext
+        else:
+            self.engine = BatchedCpuEngine(engine.ref, self.blocks.n_blocks, block_size, engine.batch_invariant)
+            self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}
         self.next_id = 0

@@ -629,8 +629,8 @@ class Worker(threading.Thread):
 
 
 class ParallelWorker(Worker):
-    """--parallel N: the CPU engine runs up to N requests at once through continuous batching
-    (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued meanwhile (a
+    """--parallel N: the engine (CPU or GPU) runs up to N requests at once through continuous
+    batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued meanwhile (a
     choice of a job is a sequence of the batch; embeddings run between steps), then runs one
     step; it waits on the queue only when nothing runs. A job ends ("done") when its last
     choice has finished; a cancelled job (a client gone, or the shutdown) leaves the batch at the
@@ -642,13 +642,7 @@ class ParallelWorker(Worker):
         on_loaded: Callable[[object | None, str], None],
         parallel: int,
     ) -> None:
-        def load_cpu() -> object:
-            llm = load()
-            if llm.device != "cpu":
-                raise PycalmError(f"--parallel {parallel}: not yet on the GPU engine (use --device cpu)")
-            return llm
-
-        super().__init__(load_cpu, on_loaded)
+        super().__init__(load, on_loaded)
         self.parallel = parallel
         self.runner: object | None = None  # the BatchRunner, once the model is loaded
         self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
@@ -1275,7 +1269,7 @@ def parse_args(argv: list[str] | None) -> Any:
         type=int,
         default=1,
         metavar="N",
-        help="CPU engine: run up to N requests at once by continuous batching (default 1: one at a time)",
+        help="run up to N requests at once by continuous batching (default 1: one at a time)",
     )
     ap.add_argument(
         "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
@@ -1294,8 +1288,8 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
     if args.parallel < 1:
         ap.error(f"--parallel {args.parallel}: must be 1 or more")
-    if args.parallel > 1 and args.device == "gpu":
-        ap.error("--parallel > 1 is not yet on the GPU engine")
+    if args.parallel > 1 and args.device == "gpu" and args.batch_invariant:
+        ap.error("--parallel > 1 with --batch-invariant runs on the CPU engine only (--device cpu)")
     if args.parallel > 1 and args.speculate != "off":
         ap.error("--parallel > 1 does not go with --speculate yet")
     if args.threads is not None and args.threads < 1:

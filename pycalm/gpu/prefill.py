@@ -48,7 +48,7 @@ import numpy as np
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
-from pycalm.kernels.rows import ExpertRows, RowRoutes
+from pycalm.kernels.rows import ExpertRows, Pages, RowRoutes
 from pycalm.model.config import ModelConfig
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
@@ -260,16 +260,28 @@ class Prefill:
         matmul(*args, **kwargs, scratch=self.split_scratch)
 
     # ---------------------------------------------------------------------------------------
-    def forward_rows(self, pos0: int, n_rows: int, tokens: object = None) -> None:
+    def forward_rows(
+        self, pos0: int, n_rows: int, tokens: object = None, pages: Pages | None = None, pools: list | None = None
+    ) -> None:
         """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1] (or the
         device array `tokens` of n_rows ids: a captured pass reads its token from a fixed place);
         the kernels read pos0 from state[STATE_POS], which must hold it (run sets it). The KV
         cache rows pos0.. are written, and x holds each row's residual stream after the last
-        layer (classify_rows takes it from there)."""
+        layer (classify_rows takes it from there). With pages (pycalm.kernels.rows.Pages) and
+        pools (a paged KVCache a layer): rows of many sequences, each at its own position in its
+        own pages (batched serving, pycalm.gpu.batched), pos0 unread."""
         from pycalm.kernels.attention import attention
+        from pycalm.kernels.batch_attention import batch_attention
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
-        from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
+        from pycalm.kernels.rows import (
+            embed_rows,
+            moe_group,
+            moe_route_rows,
+            qkv_pages,
+            qkv_rows,
+            rmsnorm_rows,
+        )
 
         e, b = self.engine, self._rows(n_rows)
         cfg, eps, s = e.config, e.config.norm_eps, e.stream
@@ -278,19 +290,26 @@ class Prefill:
         ids = e.feed[pos0 : pos0 + n_rows] if tokens is None else tokens
         # x[t] = the embedding row of the token at position pos0 + t
         embed_rows(e.tok_embeddings, ids, b.x, e.embed_dtype, stream=s)
-        for L, cache in zip(e.layers, e.kv_caches, strict=True):
+        for L, cache in zip(e.layers, e.kv_caches if pools is None else pools, strict=True):
             dt = L.dtypes  # each matrix's format
             # xb = rmsnorm(x) * attn_norm, fp16
             rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s)
             # qkv = xb Wqkv^T
             matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s)
-            # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
-            qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
-            # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
-            if n_rows <= self.split_rows:  # split over the keys, every row its own splits
-                attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s)
-            else:  # a block a kv head and 64 rows, on the tensor cores
-                prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
+            if pages is not None:  # rows of many sequences, each in its own pages
+                # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
+                qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
+                # att = softmax(q k^T / sqrt(head_dim)) v, each row over its sequence's positions up to its own
+                batch_attention(b.q, cache, pages.table, pages.seq_of_row, pages.positions, b.att, cfg,
+                                stream=s, page_size=pages.page_size)  # fmt: skip
+            else:
+                # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
+                qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
+                # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
+                if n_rows <= self.split_rows:  # split over the keys, every row its own splits
+                    attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s)
+                else:  # a block a kv head and 64 rows, on the tensor cores
+                    prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
             # x += att Wo^T
             matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual")
             # xb = rmsnorm(x) * ffn_norm, fp16

@@ -59,14 +59,14 @@ def rope_store_pair(kv_dtype: str):  # noqa: ANN201
     """The device function that finishes one rotary pair of a qkv row for a KV-cache dtype
     ("fp16" or "fp8"), shared by qkv_rope_kernel (the token) and
     pycalm.kernels.rows.qkv_rows_kernel (T rows): store_pair(a, b, r0, bias, has_bias, freqs,
-    pos, q, k_cache, v_cache, q_dim, kv_dim, head_dim) takes columns r0, r0 + 1 (values a, b; r0
-    even: one rotary pair) of the qkv row at position pos, adds the bias (when has_bias), rotates
-    q and k pairs below the rotary dims, and writes q[r0], q[r0 + 1] (q: a (q_dim,) float32 row)
-    or encodes k / v into the caches' row pos."""
+    pos, row, q, k_cache, v_cache, q_dim, kv_dim, head_dim) takes columns r0, r0 + 1 (values a,
+    b; r0 even: one rotary pair) of the qkv row at position pos, adds the bias (when has_bias),
+    rotates q and k pairs below the rotary dims, and writes q[r0], q[r0 + 1] (q: a (q_dim,)
+    float32 row) or encodes k / v into the caches' row `row` (pos, or a paged pool's row)."""
     FP8_KV = kv_dtype == "fp8"
 
     @cuda.jit(device=True, inline=True)
-    def store_pair(a, b, r0, bias, has_bias, freqs, pos, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
+    def store_pair(a, b, r0, bias, has_bias, freqs, pos, row, q, k_cache, v_cache, q_dim, kv_dim, head_dim):  # noqa: ANN001, ANN202
         """Rows r0, r0 + 1 (values a, b): bias, RoPE for q and k, then q or the caches."""
         if has_bias:
             a += bias[r0]
@@ -86,11 +86,11 @@ def rope_store_pair(kv_dtype: str):  # noqa: ANN201
                 c = r0 - q_dim - kv_dim
                 cache = v_cache
             if FP8_KV:
-                cache[pos, c] = uint8(fp8_encode(a))
-                cache[pos, c + 1] = uint8(fp8_encode(b))
+                cache[row, c] = uint8(fp8_encode(a))
+                cache[row, c + 1] = uint8(fp8_encode(b))
             else:
-                cache[pos, c] = fp16_encode(a)
-                cache[pos, c + 1] = fp16_encode(b)
+                cache[row, c] = fp16_encode(a)
+                cache[row, c + 1] = fp16_encode(b)
 
     return store_pair
 
@@ -159,7 +159,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
             if lane == 0:
                 for p in range(ROWS // 2):
                     if ROWS * g + 2 * p < n_rows:  # n_rows is even: the pair is whole
-                        store_pair(acc[2 * p], acc[2 * p + 1], ROWS * g + 2 * p, bias, has_bias, freqs, pos, q,
+                        store_pair(acc[2 * p], acc[2 * p + 1], ROWS * g + 2 * p, bias, has_bias, freqs, pos, pos, q,
                                    k_cache, v_cache, q_dim, kv_dim, head_dim)  # fmt: skip
             g = gn
 

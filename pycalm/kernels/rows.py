@@ -8,6 +8,11 @@ The tensor-core matmuls (pycalm.kernels.matmul) take fp16 (T, K) activations and
   qkv_rows         the QKV epilogue: bias, RoPE at position pos0 + t, k and v into cache rows
                    pos0 + t (encoded as the decode path encodes them), q (T, q_dim) f32 for
                    pycalm.kernels.prefill_attention                          qkv_rows_ref
+  qkv_pages        the same for rows of many sequences (batched serving): row t at its own
+                   position positions[t], k and v into the pool row of a paged cache that
+                   sequence seq_of_row[t]'s block table gives (rows with seq < 0: padding,
+                   untouched)                                                 qkv_rows_ref
+  take_rows        out (n, dim) f32 = x[rows[i]]: the rows to classify of a batched pass
   moe_route_rows   Mixtral: each row's top-k experts and their weights       moe_route_rows_ref
   moe_group        the rows grouped by expert (each expert's weights read once a pass)
                                                                              moe_group_ref
@@ -154,10 +159,106 @@ def qkv_rows_kernel(kv_dtype: str) -> object:
         if c0 >= qkv.shape[1]:
             return
         pos = state[STATE_POS] + t
-        store_pair(qkv[t, c0], qkv[t, c0 + 1], c0, bias, has_bias, freqs, pos, q[t], k_cache, v_cache,
+        store_pair(qkv[t, c0], qkv[t, c0 + 1], c0, bias, has_bias, freqs, pos, pos, q[t], k_cache, v_cache,
                    q_dim, kv_dim, head_dim)  # fmt: skip
 
     return qkv_rows_kernel
+
+
+@functools.cache
+def qkv_pages_kernel(kv_dtype: str) -> object:
+    """qkv_rows_kernel for rows of many sequences over a paged cache (see qkv_pages)."""
+    store_pair = rope_store_pair(kv_dtype)
+
+    @cuda.jit(cache=True)
+    def qkv_pages_kernel(  # noqa: ANN202
+        qkv, bias, has_bias, freqs, positions, seq_of_row, table, page_log2, q, k_pool, v_pool, q_dim, kv_dim,
+        head_dim,
+    ):  # noqa: ANN001  # fmt: skip
+        """Thread (pair p, row t): as qkv_rows_kernel, at position positions[t], the cache row
+        table[s, pos >> page_log2] << page_log2 | (pos & page - 1) of sequence s = seq_of_row[t]."""
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        p = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        t = cuda.blockIdx.y
+        c0 = 2 * p
+        s = seq_of_row[t]
+        if c0 >= qkv.shape[1] or s < 0:
+            return
+        pos = positions[t]
+        row = (table[s, pos >> page_log2] << page_log2) | (pos & ((1 << page_log2) - 1))
+        store_pair(qkv[t, c0], qkv[t, c0 + 1], c0, bias, has_bias, freqs, pos, row, q[t], k_pool, v_pool,
+                   q_dim, kv_dim, head_dim)  # fmt: skip
+
+    return qkv_pages_kernel
+
+
+def qkv_pages(
+    qkv: object,
+    layer: object,
+    rope_freqs: object,
+    pages: Pages,
+    q: object,
+    pool: KVCache,
+    cfg: ModelConfig,
+    *,
+    stream: object,
+) -> None:
+    """qkv_rows for rows of many sequences: row t of qkv (T, q_dim + 2 kv_dim) float32 at
+    position pages.positions[t] of sequence pages.seq_of_row[t] (< 0: padding, nothing
+    written), its k and v encoded into the pool row its block table gives (pool: a KVCache of
+    (n_pages * page_size, kv_dim) rows). Reference: pycalm.cpu.reference.qkv_rows_ref a
+    sequence's run of rows, kv_round into the pool rows."""
+    if pool.dtype not in ("fp16", "fp8"):
+        raise PycalmError(f"unsupported KV-cache dtype {pool.dtype!r} (fp16 or fp8)")
+    n_rows, cols = qkv.shape
+    if cols != cfg.qkv_dim or cfg.head_dim % 2 or q.shape != (n_rows, cfg.q_dim):
+        raise PycalmError(
+            f"qkv_pages: qkv {qkv.shape} and q {q.shape} do not fit {cfg.n_heads} / {cfg.n_kv_heads}"
+            f" heads of {cfg.head_dim}"
+        )
+    if pages.positions.shape[0] < n_rows or pages.seq_of_row.shape[0] < n_rows:
+        raise PycalmError(f"qkv_pages: {n_rows} rows, positions for {pages.positions.shape[0]}")
+    bias = layer.bqkv
+    has_bias = bias is not None
+    kernel = qkv_pages_kernel(pool.dtype)
+    kernel[(-(-(cols // 2) // THREADS), n_rows), THREADS, stream](
+        qkv, bias if has_bias else rope_freqs, np.int32(has_bias), rope_freqs, pages.positions, pages.seq_of_row,
+        pages.table, np.int32(pages.page_log2), q, pool.k, pool.v, cfg.q_dim, cfg.kv_dim, cfg.head_dim,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Where the rows of a batched pass sit: device arrays the kernels read (a captured graph
+    replays with new contents), and the page size."""
+
+    positions: object  # (rows,) int32: each row's position in its sequence
+    seq_of_row: object  # (rows,) int32: each row's sequence (its row of table), < 0: padding
+    table: object  # (n_seqs, max_pages) int32: sequence s's i-th page of positions is pool page table[s, i]
+    page_size: int  # pool rows a page, a power of two
+
+    @property
+    def page_log2(self) -> int:
+        return self.page_size.bit_length() - 1
+
+
+@cuda.jit(cache=True)
+def take_rows_kernel(x, rows, out):  # noqa: ANN001, ANN201
+    """Block (b, i): out[i, j] = x[rows[i], j] for the j of block b's threads."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    j = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    i = cuda.blockIdx.y
+    if j < out.shape[1]:
+        out[i, j] = x[rows[i], j]
+
+
+def take_rows(x: object, rows: object, out: object, *, stream: object) -> None:
+    """out (n, dim) = x[rows[i]] for the n row indices of the device array rows (n,) int32 (each
+    below x's rows: not checked on the device)."""
+    n = out.shape[0]
+    if rows.shape[0] < n or out.shape[1] != x.shape[1]:
+        raise PycalmError(f"take_rows: {n} rows of {x.shape[1]} from {rows.shape[0]} indices")
+    take_rows_kernel[(-(-out.shape[1] // THREADS), n), THREADS, stream](x, rows, out)
 
 
 def qkv_rows(

@@ -1,0 +1,181 @@
+"""The GPU engine's batched forward: many sequences' rows in one pass over a paged KV cache, with
+pycalm.cpu.batched.BatchedCpuEngine's interface, so that continuous batching
+(pycalm.app.batching, the server's --parallel N) runs on either engine.
+
+    engine = BatchedGpuEngine(gpu_engine, n_blocks, block_size)
+    logits = engine.step(tokens, positions, seq_of_row, block_table, sample_rows)
+
+A step feeds R rows (pycalm.batch.scheduler.Plan.arrays): row r is token tokens[r] at position
+positions[r] of sequence seq_of_row[r], whose block table is block_table[seq_of_row[r]]; the
+rows of one sequence are consecutive (a decode row, or a chunk of a prompt). The step's arrays
+go to the device (a few KB) at fixed places, padded to a power of two of rows (padding rows are
+sequence -1: they write no cache row and attend to nothing), and the pass replays as the CUDA
+graph of its (rows, sampled rows) buckets, captured at its first use (eager where the engine
+takes no graphs, and for Mixtral). The pass is pycalm.gpu.prefill's forward_rows with pages: every
+weight read once for all R rows (the rows pass's products: skinny's for a few rows, matmul's
+tiles above), qkv_pages writing each row's key and value into its pool row, and
+pycalm.kernels.batch_attention taking each row over its own sequence's positions up to its
+own. take_rows gathers the sampled rows, the final RMSNorm and the classifier run on them, and
+their logits (len(sample_rows), vocab_size) float32 come back to the host, where each request's
+own sampler draws (its seed, penalties and constraint, as on the CPU engine).
+
+The pool: a KVCache a layer, (n_blocks * block_size, kv_dim) rows in the engine's KV dtype
+(fp16, or fp8 e5m2 above 4,096 positions), beside the engine's own one-sequence cache. Key t of
+a sequence lives in pool row table[t // block_size] * block_size + t % block_size
+(pycalm.batch.blocks hands the blocks out). A row's logits are the multi-token forward's: they
+differ from the token step's by about 1e-3 relative (fp16 products), so batch-invariant serving
+stays on the CPU engine for now (refused here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pycalm.errors import PycalmError
+from pycalm.gpu.graph import GraphStep
+from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
+
+
+class BatchedGpuEngine:
+    """A GpuEngine's weights and row buffers, a paged KV pool, and `step`: see the module
+    docstring."""
+
+    def __init__(self, engine: object, n_blocks: int, block_size: int, batch_invariant: bool = False) -> None:
+        from numba import cuda
+
+        from pycalm.kernels.attention import KVCache
+
+        if batch_invariant or engine.batch_invariant:
+            raise PycalmError("--parallel with --batch-invariant runs on the CPU engine only (--device cpu)")
+        if not engine.multi_token or engine.simple:
+            raise PycalmError("--parallel on the GPU needs the multi-token forward (not --kernels simple)")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise PycalmError(f"block size {block_size} is not a power of two")
+        self.engine = engine
+        self.config = cfg = engine.config
+        self.n_blocks = n_blocks
+        self.block_size = block_size
+        self.prefill = engine._prefill_step()
+        self.max_rows = self.prefill.buffers.x.shape[0]  # rows a step holds at most
+        s = engine.stream
+        kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
+        rows = n_blocks * block_size
+        nbytes = 2 * cfg.n_layers * rows * cfg.kv_dim * np.dtype(kv_np).itemsize
+        what = f"the paged KV pool of {n_blocks:,} blocks of {block_size} positions"
+        require_gpu_memory(what, nbytes)
+        with out_of_memory_as_error(what, nbytes):
+            # a layer's pool: (n_blocks * block_size, kv_dim) keys and values, fp16 or e5m2 bytes
+            self.pools = [
+                KVCache(
+                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
+                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
+                    engine.kv_dtype,
+                )
+                for _ in range(cfg.n_layers)
+            ]
+        # the step's arrays at fixed places, so that a captured pass replays with new contents
+        self.tokens = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) the step's ids
+        self.positions = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,)
+        self.seq_of_row = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) < 0: padding
+        self.sample_rows = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,)
+        self.picked = cuda.device_array((self.max_rows, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
+        self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
+        # (max_rows, max_blocks): a step has at most a sequence a row
+        self.table = cuda.device_array((self.max_rows, self.max_blocks), np.int32, stream=s)
+        self.graphs: dict[tuple[int, int], GraphStep] = {}  # (rows bucket, sampled bucket) -> its pass
+
+    def bucket(self, n: int) -> int:
+        """The rows a step of n rows runs: the power of two at or above n (padding rows are
+        sequence -1), at most max_rows."""
+        return min(1 << max(0, n - 1).bit_length(), self.max_rows)
+
+    def step(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq_of_row: np.ndarray,
+        block_table: np.ndarray,
+        sample_rows: np.ndarray,
+    ) -> np.ndarray:
+        """Feed the rows (each (R,) int: token, position, index into block_table's (S,
+        max_blocks) rows), writing their keys and values to the pool -> the logits
+        (len(sample_rows), vocab_size) float32 of the rows sample_rows names."""
+        cfg, e, s = self.config, self.engine, self.engine.stream
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.asarray(positions, np.int32)
+        seq_of_row = np.asarray(seq_of_row, np.int32)
+        table = np.asarray(block_table, np.int32)
+        sample_rows = np.asarray(sample_rows, np.int32)
+        n, m = len(tokens), len(sample_rows)
+        bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
+        if len(bad):
+            raise PycalmError(f"token id {bad[0]} outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if not 0 < n <= self.max_rows or table.shape[0] > n or table.shape[1] > self.max_blocks:
+            raise PycalmError(f"a batched step takes 1 to {self.max_rows} rows of at most as many sequences")
+        if positions.min() < 0 or positions.max() >= min(table.shape[1] * self.block_size, e.seq_len):
+            raise PycalmError("a row's position lies past its block table or the context")
+        if table.size and (table.min() < 0 or table.max() >= self.n_blocks):
+            raise PycalmError(f"a block table names a block outside the pool of {self.n_blocks}")
+        if m and (sample_rows.min() < 0 or sample_rows.max() >= n):
+            raise PycalmError("a sampled row lies outside the step")
+        rows, picked = self.bucket(n), self.bucket(m) if m else 0
+        # the padded arrays: rows n.. are padding (sequence -1), sampled rows m.. take row 0
+        padded = np.zeros((4, rows), np.int32)  # tokens, positions, seq_of_row, sample_rows
+        padded[0, :n], padded[1, :n], padded[2, :n] = tokens, positions, seq_of_row
+        padded[2, n:] = -1
+        padded[3, :m] = sample_rows
+        wide = np.zeros((table.shape[0], self.max_blocks), np.int32)  # (S, max_blocks)
+        wide[:, : table.shape[1]] = table
+        for dev, host in zip(
+            (self.tokens, self.positions, self.seq_of_row, self.sample_rows), padded, strict=True
+        ):
+            dev[:rows].copy_to_device(host, stream=s)
+        self.table[: table.shape[0]].copy_to_device(wide, stream=s)
+
+        out = np.empty((m, cfg.vocab_size), np.float32)  # (n_sampled, vocab_size)
+        logits = self.prefill.buffers.logits
+        if picked > logits.shape[0]:  # more sampled rows than a logits block: eager, in blocks
+            self._pass(rows)
+            for first in range(0, m, logits.shape[0]):
+                k = min(logits.shape[0], m - first)
+                self._classify(first, k)
+                logits[:k].copy_to_host(out[first : first + k], stream=s)
+        else:
+            graph = self.graphs.get((rows, picked))
+            if graph is not None:
+                graph.launch()
+            else:
+
+                def record() -> None:
+                    self._pass(rows)
+                    if picked:  # (a step of prompt chunks alone samples nothing)
+                        self._classify(0, picked)
+
+                record()  # compiles the kernels; also this step's result
+                if e.use_graph and not cfg.n_experts:
+                    self.graphs[(rows, picked)] = GraphStep(s, record)
+            if m:
+                logits[:m].copy_to_host(out, stream=s)
+        s.synchronize()
+        return out
+
+    def _pass(self, rows: int) -> None:
+        """Enqueue the layers over the first `rows` rows of the step's arrays."""
+        from pycalm.kernels.rows import Pages
+
+        pages = Pages(self.positions[:rows], self.seq_of_row[:rows], self.table, self.block_size)
+        # x = the layers over the rows, each live row's key and value into its pool row
+        self.prefill.forward_rows(0, rows, tokens=self.tokens[:rows], pages=pages, pools=self.pools)
+
+    def _classify(self, first: int, k: int) -> None:
+        """Enqueue logits[:k] = the classifier of the residual rows sample_rows[first .. first + k - 1]."""
+        from pycalm.kernels.rows import rmsnorm_rows, take_rows
+
+        cfg, e, s = self.config, self.engine, self.engine.stream
+        b = self.prefill.buffers
+        # picked = x[sample_rows]
+        take_rows(b.x, self.sample_rows[first:], self.picked[:k], stream=s)
+        # xb = rmsnorm(picked) * norm, fp16
+        rmsnorm_rows(self.picked[:k], e.norm, cfg.norm_eps, b.xb[:k], stream=s)
+        # logits = xb Wout^T
+        self.prefill.products(k)(b.xb[:k], e.output, b.logits[:k], e.output_dtype, stream=s)

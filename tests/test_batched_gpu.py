@@ -1,0 +1,117 @@
+"""The GPU engine's batched forward (pycalm.gpu.batched.BatchedGpuEngine): the continuous-batching
+scheduler's plans (blocks of 4 positions, a budget of 6 rows, so prompts split into chunks and
+decode rows share passes with other sequences' chunks) run on it, greedy, and each sequence's
+logits at its sampled rows against the same engine's multi-token forward over that sequence alone
+(GpuEngine.prefill_logits, itself checked against the NumPy reference in test_prefill.py).
+
+The products are the same kernels on the same rows (skinny's K order does not depend on the
+pass), so the first layer's keys and values are the same bits in the pool as in the engine's own
+cache; attention (pycalm.kernels.batch_attention against the split or prefill attention) sums
+in another order, which moves the logits by a few 1e-4 relative (bound: 1e-3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu import GPU
+from test_prefill import rel_l2, tiny_model
+
+from pycalm.app.batching import BatchRunner
+from pycalm.batch.blocks import BlockManager
+from pycalm.batch.scheduler import Request, Scheduler
+from pycalm.errors import PycalmError
+from pycalm.gpu.batched import BatchedGpuEngine
+from pycalm.gpu.engine import EngineOptions, GpuEngine
+
+SEQ_LEN = 32
+BLOCK_SIZE = 4
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(9)
+    return [[int(t) for t in rng.integers(3, 64, n)] for n in (9, 5, 7)]
+
+
+# the simulator runs one case (a Python thread a GPU thread is slow); the GPU all three
+@pytest.mark.parametrize(
+    "arch,dtype,kv",
+    [("llama", "fp16", "fp16")] + ([("qwen2", "q8", "fp8"), ("mixtral", "fp16", "fp16")] if GPU else []),
+)
+def test_batched_gpu_rows_are_the_sequences_alone(tmp_path, arch, dtype, kv):
+    model = tiny_model(tmp_path, arch, dtype)
+    blocks = BlockManager(24, BLOCK_SIZE)
+    gpu = BatchedGpuEngine(GpuEngine(model, seq_len=SEQ_LEN, kv_dtype=kv), blocks.n_blocks, BLOCK_SIZE)
+    sched = Scheduler(blocks, max_seqs=3, token_budget=6)
+    requests = [Request(i, p, 3) for i, p in enumerate(prompts())]
+    for r in requests:
+        sched.submit(r)
+    logits: dict[int, list[np.ndarray]] = {r.id: [] for r in requests}
+    tables: dict[int, list[int]] = {}  # each sequence's blocks, from its last plan
+    mixed = 0  # steps that held a decode row and a prompt chunk
+    while not sched.idle():
+        plan = sched.schedule()
+        a = plan.arrays()
+        out = gpu.step(a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"])
+        sampling = [c for c in plan.chunks if c.sample]
+        for c, row in zip(sampling, out, strict=True):
+            logits[c.seq].append(row)
+        for c in plan.chunks:
+            tables[c.seq] = list(c.table)
+        mixed += any(not c.prompt for c in plan.chunks) and any(c.prompt for c in plan.chunks)
+        sched.finish_step(plan, {c.seq: int(row.argmax()) for c, row in zip(sampling, out, strict=True)})
+    assert mixed > 0
+    alone = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype=kv)
+    pool_k = gpu.pools[0].k.copy_to_host()  # (n_blocks * 4, kv_dim) the first layer's keys
+    for r in requests:
+        ids = r.prompt + r.output[:-1]
+        want = np.concatenate(list(alone.prefill_logits(ids, 0)))[
+            len(r.prompt) - 1 :
+        ]  # the rows that sampled
+        got = np.stack(logits[r.id])
+        assert got.shape == want.shape and np.all(np.isfinite(got))
+        assert rel_l2(got, want) < 1e-3, (r.id, rel_l2(got, want))
+        rows = [tables[r.id][t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(len(ids))]
+        mine = alone.kv_caches[0].k.copy_to_host()[: len(ids)]
+        assert np.array_equal(pool_k[rows].view(np.uint8), mine.view(np.uint8))
+
+
+def test_batched_gpu_refuses_bad_steps(tmp_path):
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    gpu = BatchedGpuEngine(GpuEngine(model, seq_len=SEQ_LEN), 8, BLOCK_SIZE)
+    table = np.array([[0, 1]], np.int32)
+    one = np.zeros(1, np.int32)
+    with pytest.raises(PycalmError, match="outside the vocabulary"):
+        gpu.step(np.array([64]), one, one, table, one)
+    with pytest.raises(PycalmError, match="past its block table"):
+        gpu.step(one, np.array([8]), one, table, one)
+    with pytest.raises(PycalmError, match="outside the pool"):
+        gpu.step(one, one, one, np.array([[8]], np.int32), one)
+    with pytest.raises(PycalmError, match="batch-invariant"):
+        inv = GpuEngine(model, seq_len=SEQ_LEN, options=EngineOptions(batch_invariant=True))
+        BatchedGpuEngine(inv, 8, BLOCK_SIZE)
+
+
+def test_batch_runner_on_the_gpu_engine(tmp_path):
+    """The server's --parallel runner over the GPU engine: two greedy requests at once, each
+    the text the same LLM gives for that prompt alone (the token step's float32 products against
+    the batched pass's fp16 ones: no near tie in this model's few tokens)."""
+    from pycalm.app.api import LLM
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.model.tokenizer import Tokenizer
+
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    cfg = model.config
+    tok = Tokenizer.from_blob(
+        model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
+    )
+    llm = LLM(GpuEngine(model, seq_len=SEQ_LEN), tok)
+    runner = BatchRunner(llm, max_seqs=3, block_size=BLOCK_SIZE, token_budget=6)
+    some = prompts()[1:]
+    streams = [runner.add(p, 3, SamplingParams(temperature=0.0), lambda *_: None) for p in some]
+    while not runner.idle():
+        runner.step()
+    for p, s in zip(some, streams, strict=True):
+        alone = llm.generate(p, max_tokens=3, temperature=0.0)  # the text
+        assert s.gen.finish_reason in ("stop", "length") and s.gen.completion_tokens == len(s.request.output)
+        assert s.gen.text == alone and alone
