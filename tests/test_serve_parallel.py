@@ -121,6 +121,14 @@ def test_concurrent_requests_are_each_served_alone(server, llm):
     # the requests did share steps (how many at once at the peak depends on how fast the 32
     # arrive against how fast the tiny model ends them; at most --parallel)
     assert 2 <= m["batch_running_peak"] <= PARALLEL
+    # latency histograms: a first token a request, every later token an inter-token gap
+    ttft, itl = m["time_to_first_token_seconds_count"], m["inter_token_latency_seconds_count"]
+    assert ttft == len(rs) and ttft + itl == m["generation_tokens_total"]
+    assert m["time_to_first_token_seconds_sum"] > 0 and m["inter_token_latency_seconds_sum"] > 0
+    body = httpx.get(f"{server}/metrics").text
+    for name, count in (("time_to_first_token_seconds", ttft), ("inter_token_latency_seconds", itl)):
+        buckets = [float(v) for v in re.findall(rf'^pycalm_{name}_bucket{{le="[^"]+"}} (\S+)$', body, re.M)]
+        assert len(buckets) == 11 and buckets == sorted(buckets) and buckets[-1] == count
     # a longest prompt again: its full blocks (16 positions) come from the prefix cache
     again = {**max(rs, key=lambda r: len(r["prompt"])), "stream": False}
     assert len(again["prompt"]) > 16

@@ -43,8 +43,34 @@ from pycalm.cpu.reference import logprobs_ref, mask_logits_ref
 from pycalm.cpu.sampler import Sampler, SamplingParams
 from pycalm.errors import PycalmError
 
+# the buckets' upper bounds, seconds: time to first token (the prompt fed, from a request's
+# arrival at the runner) and the time between two tokens of a request
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUDGET = 256  # rows a step feeds at most: the decode rows, then prompt chunks; a larger
 # step makes the running sequences wait longer for their next token while a prompt is fed
+
+
+class Histogram:
+    """A Prometheus histogram: counts of observations at or below each bound, their sum."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # (bounds + 1,) the last: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.sum += value
+
+    def text(self, name: str, about: str) -> str:
+        """The histogram in Prometheus' text format, cumulative buckets up to le="+Inf"."""
+        lines = [f"# HELP {name} {about}", f"# TYPE {name} histogram"]
+        total = 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
+            total += count
+            lines.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        return "\n".join([*lines, f"{name}_sum {self.sum:g}", f"{name}_count {total}"]) + "\n"
 
 
 @dataclass(eq=False)
@@ -64,6 +90,7 @@ class Stream:
     tool_parser: Any = None  # pycalm.app.tools.ToolCallParser, or None
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    t_last: float = 0.0  # when the last token was made
     done: bool = False
 
 
@@ -94,10 +121,14 @@ class BatchRunner:
             self.engine = BatchedGpuEngine(engine, self.blocks.n_blocks, block_size)
             self.threads = contextlib.nullcontext
         else:
-            self.engine = BatchedCpuEngine(engine.ref, self.blocks.n_blocks, block_size, engine.batch_invariant)
+            self.engine = BatchedCpuEngine(
+                engine.ref, self.blocks.n_blocks, block_size, engine.batch_invariant
+            )
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}
+        self.ttft = Histogram(TTFT_BUCKETS)  # seconds from a request's arrival to its first token
+        self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens
         self.next_id = 0
 
     def idle(self) -> bool:
@@ -194,6 +225,10 @@ class BatchRunner:
         if gen.completion_tokens == 0:
             s.t_first = now
             gen.prompt_s = now - s.t0
+            self.ttft.observe(now - s.t0)
+        else:
+            self.itl.observe(now - s.t_last)
+        s.t_last = now
         gen.decode_s = now - s.t_first
         gen.completion_tokens += 1
         if token in self.eos:

@@ -779,7 +779,16 @@ class ParallelWorker(Worker):
         for name, kind, about, key in rows:
             lines += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
             lines.append(f"pycalm_{name} {values[key]:g}")
-        return out + "\n".join(lines) + "\n"
+        r = self.runner
+        return (
+            out
+            + "\n".join(lines)
+            + "\n"
+            + r.ttft.text(
+                "pycalm_time_to_first_token_seconds", "From a request's arrival to its first token."
+            )
+            + r.itl.text("pycalm_inter_token_latency_seconds", "Between two tokens of a request.")
+        )
 
 
 # -------------------------------------------------------------------------------------------

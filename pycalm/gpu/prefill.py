@@ -261,7 +261,12 @@ class Prefill:
 
     # ---------------------------------------------------------------------------------------
     def forward_rows(
-        self, pos0: int, n_rows: int, tokens: object = None, pages: Pages | None = None, pools: list | None = None
+        self,
+        pos0: int,
+        n_rows: int,
+        tokens: object = None,
+        pages: Pages | None = None,
+        pools: list | None = None,
     ) -> None:
         """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1] (or the
         device array `tokens` of n_rows ids: a captured pass reads its token from a fixed place);
