@@ -277,3 +277,27 @@ def test_shutdown_with_sequences_running_and_waiting(model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_generate_takes_a_list_of_prompts(llm, monkeypatch):
+    """LLM.generate over a list of prompts: one batch (the runner's steps), each output the one
+    the prompt gives alone, greedy, seeded and with logprobs; streaming a list is refused."""
+    from pycalm.app.batching import BatchRunner
+    from pycalm.errors import PycalmError
+
+    rng = np.random.default_rng(4)
+    prompts = [[int(t) for t in rng.integers(3, 64, n)] for n in (3, 17, 1, 9)]
+    steps = []
+    step = BatchRunner.step
+    monkeypatch.setattr(BatchRunner, "step", lambda self: steps.append(len(self.streams)) or step(self))
+    for options in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3}):
+        got = llm.generate(prompts, max_tokens=8, **options)
+        assert max(steps) == len(prompts)  # the four ran in the same steps
+        steps.clear()
+        assert got == [llm.generate(p, max_tokens=8, **options) for p in prompts]
+    gens = llm.generate(prompts, max_tokens=4, temperature=0.0, logprobs=2)
+    for p, g in zip(prompts, gens, strict=True):
+        alone = llm.generate(p, max_tokens=4, temperature=0.0, logprobs=2)
+        assert g.text == alone.text and [x.logprob for x in g.logprobs] == [x.logprob for x in alone.logprobs]
+    with pytest.raises(PycalmError, match="list of prompts"):
+        llm.generate(prompts, stream=True)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 # "tool_calls" (OpenAI's shape), a tool's its "tool_call_id" (pycalm.app.tools)
 Message = dict[str, Any]
 MAX_CHOICES = 8  # the most continuations (n) one request asks for
+MAX_BATCH = 32  # the most prompts of a list LLM.generate advances in one pass
 
 
 def load(
@@ -311,7 +312,7 @@ class LLM:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | list[str] | list[list[int]],
         max_tokens: int = 256,
         temperature: float = 0.7,
         top_p: float = 0.9,
@@ -361,9 +362,25 @@ class LLM:
         all alike), the prompt fed once: a list of what n = 1 returns, or with stream=True an
         iterator of the k Generations, each made when the one before it is done (taking the next
         one ends an unfinished one).
+
+        A list of prompts (texts, or lists of token ids) is generated together by continuous
+        batching (pycalm.app.batching: up to MAX_BATCH sequences a pass over a paged KV cache),
+        each with these options and seed as if alone: a list of what one prompt returns (n = 1,
+        no streaming, no tools). Where the engine has no batched forward (speculative decoding,
+        --batch-invariant on the GPU, --kernels simple) the prompts run one after another.
         """
         from dataclasses import replace
 
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, np.integer)):
+            if stream or n != 1 or tool_parser is not None:
+                raise PycalmError("a list of prompts takes n = 1, no streaming and no tools")
+            options = dict(
+                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                seed=_seed(seed), stop=stop, prime=prime, logprobs=logprobs, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logit_bias=logit_bias,
+                response_format=response_format, grammar=grammar, regex=regex,
+            )  # fmt: skip
+            return self._generate_many(prompt, options)
         ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
             raise PycalmError(f"n must be a whole number from 1 to {MAX_CHOICES}, not {n!r}")
@@ -407,6 +424,43 @@ class LLM:
             return [finished(choice(i)) for i in range(n)]
         gen = choice(0)
         return gen if stream else finished(gen)
+
+    def _generate_many(self, prompts: list, options: dict[str, Any]) -> list[str] | list[Generation]:
+        """generate over a list of prompts, batched where the engine can (see generate)."""
+        from pycalm.app.batching import BatchRunner
+        from pycalm.batch.blocks import BLOCK_SIZE
+
+        e = self.engine
+        batched = (e.device == "cpu" and hasattr(e, "ref")) or (
+            e.device == "gpu" and getattr(e, "multi_token", False) and not e.batch_invariant and not e.simple
+        )
+        if not batched or options["max_tokens"] < 1:
+            return [self.generate(p, **options) for p in prompts]
+        ids = [self.tokenize(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        sampling = SamplingParams(
+            options["temperature"], options["top_k"], options["top_p"], options["min_p"], options["seed"],
+            options["presence_penalty"], options["frequency_penalty"], options["repetition_penalty"],
+            tuple(sorted((int(t), float(b)) for t, b in (options["logit_bias"] or {}).items())),
+        )  # fmt: skip
+        stops = [
+            self._check_start(p, options["max_tokens"], sampling, options["stop"], options["logprobs"])
+            for p in ids
+        ]
+        limits = [min(options["max_tokens"], self.seq_len + 1 - len(p)) for p in ids]
+        blocks = sum(-(-(len(p) + max(k, 0)) // BLOCK_SIZE) for p, k in zip(ids, limits, strict=True))
+        runner = BatchRunner(self, min(len(prompts), MAX_BATCH), n_blocks=blocks)
+        streams = []
+        for p, k, stop in zip(ids, limits, stops, strict=True):
+            constraint = self.constraint(
+                response_format=options["response_format"], grammar=options["grammar"], regex=options["regex"]
+            )
+            streams.append(
+                runner.add(p, k, sampling, lambda *_: None, stop=stop,
+                           prime=options["prime"], logprobs=options["logprobs"], constraint=constraint)
+            )  # fmt: skip
+        while not runner.idle():
+            runner.step()
+        return [s.gen.text if options["logprobs"] is None else s.gen for s in streams]
 
     def chat(
         self,
@@ -504,6 +558,30 @@ class LLM:
         constraint: a fresh pycalm.app.constrain.Constraint (LLM.constraint) the tokens follow.
         Checks the arguments here, before the first piece is asked for.
         """
+        stops = self._check_start(ids, max_tokens, sampling, stop, logprobs)
+        if self._active is not None:  # one generation at a time: an abandoned stream ends here
+            self._active.close()
+        gen = Generation(
+            prompt_tokens=len(ids),
+            logprobs=None if logprobs is None else [],
+            tool_calls=None if tool_parser is None else [],
+        )
+        gen._pieces = self._pieces(
+            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint, tool_parser
+        )
+        self._active = gen
+        return gen
+
+    def _check_start(
+        self,
+        ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: str | list[str] | None,
+        logprobs: object,
+    ) -> list[str]:
+        """start's checks of its arguments (a PycalmError naming the first bad one) -> the stop
+        strings as a list."""
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise PycalmError("stop strings must be non-empty strings")
@@ -532,18 +610,7 @@ class LLM:
             raise PycalmError(
                 f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, not {logprobs!r}"
             )
-        if self._active is not None:  # one generation at a time: an abandoned stream ends here
-            self._active.close()
-        gen = Generation(
-            prompt_tokens=len(ids),
-            logprobs=None if logprobs is None else [],
-            tool_calls=None if tool_parser is None else [],
-        )
-        gen._pieces = self._pieces(
-            gen, ids, max_tokens, sampling, stops, prime, cancelled, logprobs, constraint, tool_parser
-        )
-        self._active = gen
-        return gen
+        return stops
 
     def _pieces(
         self,
