@@ -5,7 +5,7 @@ launches (and walk_unwired, what it is about to). Worker subprocesses (the simul
 engine of each config of MODELS, in each weight format and KV format, on stand-in weights, and
 walk everything a run launches (pycalm.gpu.precompile_worker.walk_engine: the token step for
 every attention span, greedy and sampled, and the multi-token forward; and walk_unwired: the
-kernels written but not yet launched by the engine), recording each distinct
+kernels only serve --parallel's batched pass launches), recording each distinct
 (kernel, argument types) as pycalm.gpu.precompile.Walk does for the precompile workers. There is
 no GPU here, so the walk runs in `no_device()`: a stand-in CUDA context whose arrays are never
 allocated and whose copies do nothing (numba types an array argument by its dtype, rank and
@@ -196,24 +196,34 @@ def walk_configs() -> Iterator[tuple[object, str, str]]:
 
 
 def walk_unwired(cfg: object, kv_dtype: str) -> None:
-    """Launch, at cfg's shapes on stand-in arrays, the kernels written and tested but not yet
-    launched by the engine, so that they compile here too: pycalm.kernels.batch_attention
-    (batched serving's decode attention over a paged cache). A kernel leaves this list when the
-    engine's walk launches it."""
+    """Launch, at cfg's shapes on stand-in arrays, the kernels the engine's walk does not reach,
+    so that they compile here too: those of serve --parallel's batched pass on the GPU
+    (pycalm.gpu.batched, compiled at its first step, not by the precompile): qkv_pages,
+    pycalm.kernels.batch_attention over a paged cache, take_rows."""
+    from types import SimpleNamespace
+
     import numpy as np
     from numba import cuda
 
     from pycalm.kernels.attention import KVCache
     from pycalm.kernels.batch_attention import batch_attention
+    from pycalm.kernels.rows import Pages, qkv_pages, take_rows
 
     n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
+    s = cuda.stream()
     pool = cuda.device_array((n_pages * page_size, cfg.kv_dim), np.uint8 if kv_dtype == "fp8" else np.float16)
+    qkv = cuda.device_array((n_rows, cfg.qkv_dim), np.float32)  # (M, q_dim + 2 kv_dim)
     q = cuda.device_array((n_rows, cfg.q_dim), np.float32)  # (M, q_dim)
     out = cuda.device_array((n_rows, cfg.q_dim), np.float16)  # (M, q_dim)
+    x = cuda.device_array((n_rows, cfg.dim), np.float32)  # (M, dim)
     table = cuda.device_array((n_seqs, n_pages), np.int32)  # (n_seqs, max_pages)
     rows = cuda.device_array(n_rows, np.int32)  # (M,): seq_of_row and positions
+    freqs = cuda.device_array(max(1, cfg.rotary_dim // 2), np.float32)
+    layer = SimpleNamespace(bqkv=cuda.device_array(cfg.qkv_dim, np.float32) if cfg.qkv_bias else None)
     cache = KVCache(pool, pool, kv_dtype)
-    batch_attention(q, cache, table, rows, rows, out, cfg, stream=cuda.stream(), page_size=page_size)
+    qkv_pages(qkv, layer, freqs, Pages(rows, rows, table, page_size), q, cache, cfg, stream=s)
+    batch_attention(q, cache, table, rows, rows, out, cfg, stream=s, page_size=page_size)
+    take_rows(x, rows, x, stream=s)
 
 
 def launched_kernels() -> tuple[list, dict]:
