@@ -14,7 +14,7 @@ sampling row's token is drawn by its own request's Sampler (its temperature, top
 penalties and seed: the j-th token of a request takes the j-th coin of its seed, as plain
 decoding does, whatever its batchmates and however often it is preempted); Scheduler.finish_step
 records the tokens; then each token goes through its request's detokenizer, stop strings
-(pycalm.app.api.StopText), constraint and tool-call parser as LLM.start's generation does, and
+(pycalm.app.generation.StopText), constraint and tool-call parser as LLM.start's generation does, and
 the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
 sends: ("start", i), ("logprobs", (i, [TokenLogprobs])), ("text", (i, piece)), ("calls", (i,
 [call])) and ("finish", (i, Generation)).
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from pycalm.app.api import Generation, StopText
+from pycalm.app.generation import Generation, StopText
 from pycalm.batch.blocks import BLOCK_SIZE, BlockManager
 from pycalm.batch.scheduler import Request, Scheduler
 from pycalm.cpu.batched import BatchedCpuEngine

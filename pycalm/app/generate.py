@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pycalm.app.api import StopText
 from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
+from pycalm.app.generation import StopText
 from pycalm.app.models import make_engine, make_speculative, resolve_model
 from pycalm.app.perplexity import mean_nll, windows
 from pycalm.app.progress import ProgressLine, bar
