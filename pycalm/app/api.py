@@ -267,21 +267,6 @@ class LLM:
         """
         from dataclasses import replace
 
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, np.integer)):
-            if stream or n != 1 or tool_parser is not None:
-                raise PycalmError("a list of prompts takes n = 1, no streaming and no tools")
-            options = dict(
-                max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                seed=_seed(seed), stop=stop, prime=prime, logprobs=logprobs, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logit_bias=logit_bias,
-                response_format=response_format, grammar=grammar, regex=regex,
-            )  # fmt: skip
-            return self._generate_many(prompt, options)
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-            raise PycalmError(f"n must be a whole number from 1 to {MAX_CHOICES}, not {n!r}")
-        if n > 1 and tool_parser is not None:
-            raise PycalmError("n > 1 does not go with tools (one choice a chat with tools)")
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         sampling = SamplingParams(
             temperature,
@@ -295,9 +280,20 @@ class LLM:
             bias,
         )
 
+        def constraint() -> object:  # a fresh matcher a choice (a constraint follows one output)
+            return self.constraint(response_format=response_format, grammar=grammar, regex=regex)
+
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, np.integer)):
+            if stream or n != 1 or tool_parser is not None:
+                raise PycalmError("a list of prompts takes n = 1, no streaming and no tools")
+            return self._generate_many(prompt, max_tokens, sampling, stop, prime, logprobs, constraint)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise PycalmError(f"n must be a whole number from 1 to {MAX_CHOICES}, not {n!r}")
+        if n > 1 and tool_parser is not None:
+            raise PycalmError("n > 1 does not go with tools (one choice a chat with tools)")
+
         def choice(i: int) -> Generation:
-            # a fresh matcher a choice (a constraint follows one output)
-            constraint = self.constraint(response_format=response_format, grammar=grammar, regex=regex)
             return self.start(
                 ids,
                 max_tokens,
@@ -305,58 +301,54 @@ class LLM:
                 stop,
                 prime,
                 logprobs=logprobs,
-                constraint=constraint,
+                constraint=constraint(),
                 tool_parser=tool_parser,
             )
-
-        def finished(gen: Generation) -> str | Generation:
-            text = "".join(gen)
-            return text if logprobs is None else gen
 
         if n > 1:
             if stream:
                 choice(0).close()  # the arguments checked now, not at the first next()
                 return (choice(i) for i in range(n))
-            return [finished(choice(i)) for i in range(n)]
+            return [_finished(choice(i), logprobs) for i in range(n)]
         gen = choice(0)
-        return gen if stream else finished(gen)
+        return gen if stream else _finished(gen, logprobs)
 
-    def _generate_many(self, prompts: list, options: dict[str, Any]) -> list[str] | list[Generation]:
-        """generate over a list of prompts, batched where the engine can (see generate)."""
-        from pycalm.app.batching import BatchRunner
+    def _generate_many(
+        self,
+        prompts: list,
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: str | list[str] | None,
+        prime: bool,
+        logprobs: int | None,
+        constraint: Callable[[], object],
+    ) -> list[str] | list[Generation]:
+        """generate over a list of prompts (texts or lists of ids) with these options: batched by
+        the continuous-batching runner where the engine has a batched forward, else one after
+        another; constraint() makes each prompt's fresh matcher."""
+        from pycalm.app.batching import BatchRunner, batch_refusal
         from pycalm.batch.blocks import BLOCK_SIZE
 
-        e = self.engine
-        batched = (e.device == "cpu" and hasattr(e, "ref")) or (
-            e.device == "gpu" and getattr(e, "multi_token", False) and not e.batch_invariant and not e.simple
-        )
-        if not batched or options["max_tokens"] < 1:
-            return [self.generate(p, **options) for p in prompts]
         ids = [self.tokenize(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-        sampling = SamplingParams(
-            options["temperature"], options["top_k"], options["top_p"], options["min_p"], options["seed"],
-            options["presence_penalty"], options["frequency_penalty"], options["repetition_penalty"],
-            tuple(sorted((int(t), float(b)) for t, b in (options["logit_bias"] or {}).items())),
-        )  # fmt: skip
-        stops = [
-            self._check_start(p, options["max_tokens"], sampling, options["stop"], options["logprobs"])
-            for p in ids
-        ]
-        limits = [min(options["max_tokens"], self.seq_len + 1 - len(p)) for p in ids]
-        blocks = sum(-(-(len(p) + max(k, 0)) // BLOCK_SIZE) for p, k in zip(ids, limits, strict=True))
+        if batch_refusal(self.engine) or max_tokens < 1:
+            return [
+                _finished(self.start(p, max_tokens, sampling, stop, prime, logprobs=logprobs, constraint=constraint()), logprobs)
+                for p in ids
+            ]  # fmt: skip
+        stops = [self._check_start(p, max_tokens, sampling, stop, logprobs) for p in ids]
+        limits = [min(max_tokens, self.seq_len + 1 - len(p)) for p in ids]  # the context's end
+        blocks = sum(
+            -(-(len(p) + k) // BLOCK_SIZE) for p, k in zip(ids, limits, strict=True)
+        )  # every one at once
         runner = BatchRunner(self, min(len(prompts), MAX_BATCH), n_blocks=blocks)
-        streams = []
-        for p, k, stop in zip(ids, limits, stops, strict=True):
-            constraint = self.constraint(
-                response_format=options["response_format"], grammar=options["grammar"], regex=options["regex"]
-            )
-            streams.append(
-                runner.add(p, k, sampling, lambda *_: None, stop=stop,
-                           prime=options["prime"], logprobs=options["logprobs"], constraint=constraint)
-            )  # fmt: skip
+        streams = [
+            runner.add(p, k, sampling, lambda *_: None, stop=stop_strings, prime=prime, logprobs=logprobs,
+                       constraint=constraint())
+            for p, k, stop_strings in zip(ids, limits, stops, strict=True)
+        ]  # fmt: skip
         while not runner.idle():
             runner.step()
-        return [s.gen.text if options["logprobs"] is None else s.gen for s in streams]
+        return [s.gen.text if logprobs is None else s.gen for s in streams]
 
     def chat(
         self,
@@ -670,6 +662,12 @@ class LLM:
         if self._active is not None:
             self._active.close()
         self._cached = []
+
+
+def _finished(gen: Generation, logprobs: int | None) -> str | Generation:
+    """A generation run to its end: its text, or with logprobs the Generation (its text in .text)."""
+    text = "".join(gen)
+    return text if logprobs is None else gen
 
 
 def _seed(seed: int | None) -> int:

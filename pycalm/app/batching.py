@@ -9,13 +9,12 @@ forward, and hands each request's text to its consumer (the server's --parallel 
 A step: the streams whose consumer went away are cancelled; pycalm.batch.Scheduler plans the
 step (a decode row for every running sequence, prompt chunks in the rest of the token budget);
 pycalm.cpu.batched.BatchedCpuEngine (pycalm.gpu.batched.BatchedGpuEngine on the GPU) runs the
-plan as one pass over the paged KV pool; each
-sampling row's token is drawn by its own request's Sampler (its temperature, top-k, top-p,
-penalties and seed: the j-th token of a request takes the j-th coin of its seed, as plain
-decoding does, whatever its batchmates and however often it is preempted); Scheduler.finish_step
-records the tokens; then each token goes through its request's detokenizer, stop strings
-(pycalm.app.generation.StopText), constraint and tool-call parser as LLM.start's generation does, and
-the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
+plan as one pass over the paged KV pool; each sampling row's token is drawn by its own
+request's Sampler (its temperature, top-k, top-p, penalties and seed: the j-th token of a
+request takes the j-th coin of its seed, as plain decoding does, whatever its batchmates and
+however often it is preempted); Scheduler.finish_step records the tokens; then each token goes
+through its request's detokenizer, stop strings (pycalm.app.generation.StopText), constraint
+and tool-call parser as LLM.start's generation does, and the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
 sends: ("start", i), ("logprobs", (i, [TokenLogprobs])), ("text", (i, piece)), ("calls", (i,
 [call])) and ("finish", (i, Generation)).
 
@@ -94,9 +93,22 @@ class Stream:
     done: bool = False
 
 
+def batch_refusal(engine: object) -> str | None:
+    """Why `engine` has no batched forward (one line), or None where it has: the CPU engine
+    always, the GPU engine as pycalm.gpu.batched.BatchedGpuEngine.refusal says."""
+    if hasattr(engine, "drafter"):  # pycalm.app.speculative's engine (it forwards the rest)
+        return "--parallel: not with speculative decoding"
+    if engine.device == "gpu":
+        from pycalm.gpu.batched import BatchedGpuEngine
+
+        return BatchedGpuEngine.refusal(engine)
+    return None
+
+
 class BatchRunner:
-    """Scheduler + BatchedCpuEngine (or pycalm.gpu.batched.BatchedGpuEngine) + each request's sampler and text: see the module docstring.
-    Every method runs on one thread (the server's worker)."""
+    """Scheduler + BatchedCpuEngine (or pycalm.gpu.batched.BatchedGpuEngine) + each request's
+    sampler and text: see the module docstring. Every method runs on one thread (the server's
+    worker)."""
 
     def __init__(
         self,
@@ -107,15 +119,14 @@ class BatchRunner:
         token_budget: int | None = None,
     ) -> None:
         engine = llm.engine
-        device = getattr(engine, "device", None)
-        if device not in ("cpu", "gpu") or (device == "cpu" and not hasattr(engine, "ref")):
-            raise PycalmError("--parallel: not with speculative decoding")
+        if why := batch_refusal(engine):
+            raise PycalmError(why)
         self.llm = llm
         self.seq_len = llm.seq_len
         blocks_a_seq = -(-self.seq_len // block_size)
         self.blocks = BlockManager(n_blocks or max_seqs * blocks_a_seq, block_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
-        if device == "gpu":  # the rows pass over a paged pool on the device
+        if engine.device == "gpu":  # the rows pass over a paged pool on the device
             from pycalm.gpu.batched import BatchedGpuEngine
 
             self.engine = BatchedGpuEngine(engine, self.blocks.n_blocks, block_size)

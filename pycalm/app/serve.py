@@ -630,9 +630,9 @@ class Worker(threading.Thread):
 
 class ParallelWorker(Worker):
     """--parallel N: the engine (CPU or GPU) runs up to N requests at once through continuous
-    batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued meanwhile (a
-    choice of a job is a sequence of the batch; embeddings run between steps), then runs one
-    step; it waits on the queue only when nothing runs. A job ends ("done") when its last
+    batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued
+    meanwhile (a choice of a job is a sequence of the batch; embeddings run between steps), then
+    runs one step; it waits on the queue only when nothing runs. A job ends ("done") when its last
     choice has finished; a cancelled job (a client gone, or the shutdown) leaves the batch at the
     next step with what it has."""
 

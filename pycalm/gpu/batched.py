@@ -40,15 +40,22 @@ class BatchedGpuEngine:
     """A GpuEngine's weights and row buffers, a paged KV pool, and `step`: see the module
     docstring."""
 
-    def __init__(self, engine: object, n_blocks: int, block_size: int, batch_invariant: bool = False) -> None:
+    @staticmethod
+    def refusal(engine: object) -> str | None:
+        """Why a GpuEngine cannot batch (one line), or None where it can."""
+        if engine.batch_invariant:
+            return "--parallel with --batch-invariant runs on the CPU engine only (--device cpu)"
+        if not engine.multi_token or engine.simple:
+            return "--parallel on the GPU needs the multi-token forward (not --kernels simple)"
+        return None
+
+    def __init__(self, engine: object, n_blocks: int, block_size: int) -> None:
         from numba import cuda
 
         from pycalm.kernels.attention import KVCache
 
-        if batch_invariant or engine.batch_invariant:
-            raise PycalmError("--parallel with --batch-invariant runs on the CPU engine only (--device cpu)")
-        if not engine.multi_token or engine.simple:
-            raise PycalmError("--parallel on the GPU needs the multi-token forward (not --kernels simple)")
+        if why := self.refusal(engine):
+            raise PycalmError(why)
         if block_size < 1 or block_size & (block_size - 1):
             raise PycalmError(f"block size {block_size} is not a power of two")
         self.engine = engine

@@ -193,10 +193,9 @@ class Prefill:
         self.invariant = engine.batch_invariant and skinny_ok
         if self.invariant:
             max_chunk = min(max_chunk, skinny.MAX_ROWS)
-        most = skinny.MAX_ROWS if self.invariant else None  # skinny's rows a format: as SKINNY_ROWS
-        self.skinny_rows = {
-            dt: (SKINNY_ROWS[dt] if most is None else most) if skinny_ok else 0 for dt in SKINNY_ROWS
-        }
+        self.skinny_rows = dict(SKINNY_ROWS)  # format -> the most rows a pass takes skinny's products for
+        if self.invariant or not skinny_ok:
+            self.skinny_rows = dict.fromkeys(SKINNY_ROWS, skinny.MAX_ROWS if self.invariant else 0)
         self.max_chunk = max_chunk
         # the split attention's rows (its group at most 32 query heads a kv head)
         split_ok = cfg.n_heads // cfg.n_kv_heads <= 32

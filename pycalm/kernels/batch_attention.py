@@ -101,6 +101,13 @@ def batch_attention_keys(head_dim: int, group: int, keys: int = KEYS) -> int:
     return keys
 
 
+@cuda.jit(device=True, inline=True)
+def pool_row(table, seq, t, page_log2):  # noqa: ANN001, ANN201
+    """The pool row of sequence seq's position t: its page table[seq, t >> page_log2], the row
+    t mod the page size within it (the layout of the module docstring)."""
+    return (table[seq, t >> page_log2] << page_log2) | (t & ((1 << page_log2) - 1))
+
+
 @functools.cache
 def batch_attention_kernel(head_dim: int, group: int, kv_dtype: str, threads: int, keys: int) -> object:
     """The kernel for a head_dim (a multiple of 8), group size (query heads a kv head), KV
@@ -146,7 +153,6 @@ def batch_attention_kernel(head_dim: int, group: int, kv_dtype: str, threads: in
         start = 0
         if window > 0 and n_pos > window:
             start = n_pos - window
-        page_mask = (1 << page_log2) - 1
 
         # 0. q, and each head's running max and sum (the first tile's barrier publishes them)
         for i in range(tid, HD, threads):
@@ -162,7 +168,7 @@ def batch_attention_kernel(head_dim: int, group: int, kv_dtype: str, threads: in
             # 1. the tile's pool rows
             if tid < n_here:
                 t = first + tid
-                rows_s[tid] = (table[seq, t >> page_log2] << page_log2) | (t & page_mask)
+                rows_s[tid] = pool_row(table, seq, t, page_log2)
             cuda.syncthreads()  # rows_s holds the tile's rows (q_s, m_s, l_s on the first tile)
 
             # 2. K and V of kv head g, decoded, a word (E elements) a thread at a time

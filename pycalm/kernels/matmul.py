@@ -149,8 +149,9 @@ TILE = Tile()
 ROW_TILE = Tile(16, 32, 1, 2, 3, 8)
 # passes of 17 to 64 rows (a rows pass of many drafts or sequences): 64 rows by 64 of W, 4 warps
 # of 32 x 32, 4 stages (three steps of K in flight), 4 blocks an SM, K split over blocks where
-# the N tiles are too few to fill the SMs. scripts/kernels/rows_matmul.py --tiles: a layer's
-# products at 64 rows, fp16 285 us (64 x 128 with 3 stages: 302, 128 x 128: 422), q4 382 (429)
+# the N tiles are too few to fill the SMs: the fastest of five tiles scripts/kernels/rows_matmul.py
+# --tiles timed at 32 and 64 rows, when the split kernels still spilled their accumulators (not
+# swept again since; docs/BENCHMARKS.md has a layer's products on it)
 MID_TILE = Tile(64, 64, 2, 2, 4, 4)
 # under the simulator a Python thread runs each GPU thread: tests use small tiles
 SIM_TILE = Tile(32, 32, 2, 2)

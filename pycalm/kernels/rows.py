@@ -42,6 +42,7 @@ from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
+from pycalm.kernels.batch_attention import pool_row
 from pycalm.kernels.common import (
     STATE_POS,
     WARP,
@@ -175,8 +176,8 @@ def qkv_pages_kernel(kv_dtype: str) -> object:
         qkv, bias, has_bias, freqs, positions, seq_of_row, table, page_log2, q, k_pool, v_pool, q_dim, kv_dim,
         head_dim,
     ):  # noqa: ANN001  # fmt: skip
-        """Thread (pair p, row t): as qkv_rows_kernel, at position positions[t], the cache row
-        table[s, pos >> page_log2] << page_log2 | (pos & page - 1) of sequence s = seq_of_row[t]."""
+        """Thread (pair p, row t): as qkv_rows_kernel, at position positions[t], into its pool
+        row in sequence s = seq_of_row[t]'s pages (batch_attention.pool_row)."""
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         p = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         t = cuda.blockIdx.y
@@ -185,7 +186,7 @@ def qkv_pages_kernel(kv_dtype: str) -> object:
         if c0 >= qkv.shape[1] or s < 0:
             return
         pos = positions[t]
-        row = (table[s, pos >> page_log2] << page_log2) | (pos & ((1 << page_log2) - 1))
+        row = pool_row(table, s, pos, page_log2)
         store_pair(qkv[t, c0], qkv[t, c0 + 1], c0, bias, has_bias, freqs, pos, row, q[t], k_pool, v_pool,
                    q_dim, kv_dim, head_dim)  # fmt: skip
 
