@@ -1,4 +1,18 @@
-"""The server's streamed tok/s against the CLI's, on the same model and engine.
+"""The server under load (--streams), and the server's streamed tok/s against the CLI's.
+
+--streams 1,8,32,64,128: many users at once through the real HTTP server (make_app and
+uvicorn, the --parallel N worker, in this process) on a model of a shape with random weights
+on the GPU (bench.py's RandomDeviceModel, no EOS, a tokenizer of made-up words), every stream a
+closed loop of --requests streamed /v1/completions requests: a prompt of --prompt distinct
+random token ids, exactly --new tokens out (sampled, temperature 0.8). Each row: aggregate
+output tok/s (completion tokens / the wall time from the first request to the last answer),
+time to first token and time per output token after it (p50 and p99 over the requests, client
+side), the server's steps and the share of their time outside the engine's pass (scheduler,
+sampling bookkeeping, detokenizing; the HTTP side runs beside it in the event loop).
+
+    python scripts/bench_serve.py --streams 1,8,32,64,128 --shape llama3-8b --dtype fp16
+
+Without --streams:
 
 A random-weight model of SmolLM2-135M's shape (tests/tiny_models.make_gguf, converted to fp16;
 its 64-token vocabulary, no EOS so every run makes all its tokens) is written to a temporary
@@ -16,13 +30,16 @@ folder. Then, greedy from the same prompt, N tokens each:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import random
 import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +48,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from tiny_models import make_gguf  # noqa: E402
 
@@ -117,6 +135,142 @@ def server_rates(model: Path, args: argparse.Namespace, cache: Path) -> tuple[li
         proc.wait(timeout=30)
 
 
+class WordTokenizer:
+    """What the server needs of a tokenizer, over vocab_size made-up words " w<id>"."""
+
+    chat_template = ""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.words = [f" w{i}".encode() for i in range(vocab_size)]
+
+    def stream(self) -> object:
+        from pycalm.model.tokenizer import StreamDecoder
+
+        return StreamDecoder(self.words, False)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.words[i] for i in ids).decode()
+
+
+def random_llm(shape: str, dtype: str, context: int) -> object:
+    """An LLM over a GpuEngine of the shape, random weights, no EOS, WordTokenizer."""
+    from bench import RandomDeviceModel, config_for
+
+    from pycalm.app.api import LLM
+    from pycalm.gpu.engine import GpuEngine
+
+    cfg = config_for(shape, dtype, context).replace(eos_ids=())
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16")
+    return LLM(engine, WordTokenizer(cfg.vocab_size), name="random")
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> tuple[int, float, float]:
+    """A streamed completion -> (completion tokens, seconds to the first text, seconds from it to the last)."""
+    t0 = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    return n, first - t0, last - first
+
+
+async def load(url: str, streams: int, args: argparse.Namespace, vocab: int, seed: int) -> dict:
+    """`streams` closed loops of args.requests requests each -> the row's figures."""
+    rng = random.Random(seed)
+    out: list[tuple[int, float, float]] = []
+
+    async def loop(client: httpx.AsyncClient) -> None:
+        for _ in range(args.requests):
+            body = {
+                "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt)],
+                "max_tokens": args.new,
+                "temperature": 0.8,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            out.append(await one_request(client, body))
+
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(client) for _ in range(streams)))
+        wall = time.perf_counter() - t0
+    tokens = sum(n for n, _, _ in out)
+    assert all(n == args.new for n, _, _ in out), [n for n, _, _ in out]
+    ttft = sorted(f for _, f, _ in out)
+    tpot = sorted(d / (n - 1) for n, _, d in out)
+
+    def pct(v: list[float], q: float) -> float:
+        return v[min(len(v) - 1, int(q * len(v)))] * 1e3
+
+    return dict(
+        tok_s=tokens / wall,
+        ttft=(pct(ttft, 0.5), pct(ttft, 0.99)),
+        tpot=(pct(tpot, 0.5), pct(tpot, 0.99)),
+        wall=wall,
+    )
+
+
+def streams_main(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pycalm.app.serve import ParallelWorker, make_app
+
+    counts = [int(v) for v in args.streams.split(",")]
+    loaded = threading.Event()
+    vocab = []
+
+    def on_loaded(llm: object | None, message: str) -> None:
+        assert llm is not None, message
+        vocab.append(llm.config.vocab_size)
+        loaded.set()
+
+    worker = ParallelWorker(lambda: random_llm(args.shape, args.dtype, args.context), on_loaded, max(counts))
+    app = make_app(worker, "random", on_startup=worker.start)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    loaded.wait()
+    url = f"http://127.0.0.1:{port}"
+    print(f"{args.shape} {args.dtype}, --parallel {max(counts)}, prompts of {args.prompt} tokens, {args.new} out, "
+          f"{args.requests} requests a stream")  # fmt: skip
+    print("| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps | outside the pass |")
+    print("|---|---|---|---|---|---|")
+    # a warm-up with every row bucket the runs will meet (the graphs are captured once)
+    warm = argparse.Namespace(**{**vars(args), "requests": 1, "new": 4})
+    for n in sorted({1, *counts}):
+        asyncio.run(load(url, n, warm, vocab[0], seed=n))
+    for i, n in enumerate(counts):
+        runner = worker.runner
+        steps0, step0, engine0 = runner.steps, runner.step_s, runner.engine_s
+        row = asyncio.run(load(url, n, args, vocab[0], seed=1000 + i))
+        steps = runner.steps - steps0
+        step_s, engine_s = runner.step_s - step0, runner.engine_s - engine0
+        outside = 1 - engine_s / row["wall"]
+        print(
+            f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
+            f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | {steps} ({row['wall'] / steps * 1e3:.2f} ms each; "
+            f"in step() {step_s / row['wall']:.0%}) | {outside:.1%} |",
+            flush=True,
+        )
+    worker.shutdown()
+    server.should_exit = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="gpu")
@@ -124,7 +278,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--streams", help="the load test: concurrent streams, e.g. 1,8,32,64,128")
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--dtype", default="fp16")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens a request (--streams)")
+    ap.add_argument("--new", type=int, default=256, help="output tokens a request (--streams)")
+    ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
     args = ap.parse_args()
+    if args.streams:
+        return streams_main(args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         t0 = time.perf_counter()

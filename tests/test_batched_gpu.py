@@ -20,6 +20,8 @@ from test_prefill import rel_l2, tiny_model
 from pycalm.app.batching import BatchRunner
 from pycalm.batch.blocks import BlockManager
 from pycalm.batch.scheduler import Request, Scheduler
+from pycalm.cpu.reference import sample_ref
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.batched import BatchedGpuEngine
 from pycalm.gpu.engine import EngineOptions, GpuEngine
@@ -76,6 +78,32 @@ def test_batched_gpu_rows_are_the_sequences_alone(tmp_path, arch, dtype, kv):
         assert np.array_equal(pool_k[rows].view(np.uint8), mine.view(np.uint8))
 
 
+def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
+    """step_tokens draws each sampled row with its own options and coin on the device: the token
+    sample_ref picks from the logits step gives for the same rows, and the kept rows' logits are
+    step's bits."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    gpu = BatchedGpuEngine(GpuEngine(model, seq_len=SEQ_LEN), 12, BLOCK_SIZE)
+    some = [p[:2] for p in prompts()]  # three prompts of 2 tokens, each fed whole, its last row sampled
+    tokens = np.concatenate(some)
+    seq_of_row = np.repeat(np.arange(3), 2)
+    positions = np.tile(np.arange(2), 3)
+    table = np.arange(3, dtype=np.int32).reshape(3, 1)  # (3 sequences, 1 block)
+    last = np.array([1, 3, 5])
+    want = gpu.step(tokens, positions, seq_of_row, table, last)  # (3, vocab_size)
+    options = [SamplingParams(), SamplingParams(0.8, top_k=5), SamplingParams(1.3, top_p=0.9, min_p=0.02)]
+    coins = [0.1, 0.7, 0.93]
+    chosen, kept = gpu.step_tokens(tokens, positions, seq_of_row, table, last, options, coins, keep=[2, 0])
+    picks = [
+        sample_ref(w, o.temperature, o.top_k, o.top_p, o.min_p, c)
+        for w, o, c in zip(want, options, coins, strict=True)
+    ]
+    assert chosen.tolist() == picks
+    assert np.array_equal(kept, want[[2, 0]])
+    with pytest.raises(PycalmError, match="3 samplings and coins"):
+        gpu.step_tokens(tokens, positions, seq_of_row, table, last, options[:2], [0.1, 0.2])
+
+
 def test_batched_gpu_refuses_bad_steps(tmp_path):
     model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
     gpu = BatchedGpuEngine(GpuEngine(model, seq_len=SEQ_LEN), 8, BLOCK_SIZE)
@@ -97,7 +125,6 @@ def test_batch_runner_on_the_gpu_engine(tmp_path):
     the text the same LLM gives for that prompt alone (the token step's float32 products against
     the batched pass's fp16 ones: no near tie in this model's few tokens)."""
     from pycalm.app.api import LLM
-    from pycalm.cpu.sampler import SamplingParams
     from pycalm.model.tokenizer import Tokenizer
 
     model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)

@@ -125,6 +125,9 @@ def test_concurrent_requests_are_each_served_alone(server, llm):
     ttft, itl = m["time_to_first_token_seconds_count"], m["inter_token_latency_seconds_count"]
     assert ttft == len(rs) and ttft + itl == m["generation_tokens_total"]
     assert m["time_to_first_token_seconds_sum"] > 0 and m["inter_token_latency_seconds_sum"] > 0
+    # every token came from a step; the engine's share of the steps' time is part of it
+    assert 0 < m["batch_steps_total"] <= m["generation_tokens_total"]
+    assert 0 < m["batch_engine_seconds_total"] < m["batch_step_seconds_total"]
     body = httpx.get(f"{server}/metrics").text
     for name, count in (("time_to_first_token_seconds", ttft), ("inter_token_latency_seconds", itl)):
         buckets = [float(v) for v in re.findall(rf'^pycalm_{name}_bucket{{le="[^"]+"}} (\S+)$', body, re.M)]

@@ -9,10 +9,13 @@ forward, and hands each request's text to its consumer (the server's --parallel 
 A step: the streams whose consumer went away are cancelled; pycalm.batch.Scheduler plans the
 step (a decode row for every running sequence, prompt chunks in the rest of the token budget);
 pycalm.cpu.batched.BatchedCpuEngine (pycalm.gpu.batched.BatchedGpuEngine on the GPU) runs the
-plan as one pass over the paged KV pool; each sampling row's token is drawn by its own
+plan as one pass over the paged KV pool; each sampling row's token is drawn with its own
 request's Sampler (its temperature, top-k, top-p, penalties and seed: the j-th token of a
 request takes the j-th coin of its seed, as plain decoding does, whatever its batchmates and
-however often it is preempted); Scheduler.finish_step records the tokens; then each token goes
+however often it is preempted). On the GPU a row without penalties or a constraint is drawn
+there, in the pass's graph, with its request's options and next coin (BatchedGpuEngine.step_tokens),
+and only the logits the host needs come back (penalties, a constraint, logprobs); the CPU
+engine's rows all go through Sampler.sample. Scheduler.finish_step records the tokens; then each token goes
 through its request's detokenizer, stop strings (pycalm.app.generation.StopText), constraint
 and tool-call parser as LLM.start's generation does, and the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
 sends: ("start", i), ("logprobs", (i, [TokenLogprobs])), ("text", (i, piece)), ("calls", (i,
@@ -46,6 +49,7 @@ from pycalm.errors import PycalmError
 # arrival at the runner) and the time between two tokens of a request
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.25, 0.5, 1.0, 2.5)
+GREEDY = SamplingParams()  # a device row's options where the host samples that row
 TOKEN_BUDGET = 256  # rows a step feeds at most: the decode rows, then prompt chunks; a larger
 # step makes the running sequences wait longer for their next token while a prompt is fed
 
@@ -80,6 +84,7 @@ class Stream:
     index: int  # the choice's index in its job (the events' i)
     emit: Callable[[str, object], None]
     sampler: Sampler
+    options: SamplingParams  # the sampler's options without seed or penalties (a device row's)
     decoder: Any  # the tokenizer's streaming decoder
     text: StopText
     gen: Generation
@@ -131,16 +136,21 @@ class BatchRunner:
 
             self.engine = BatchedGpuEngine(engine, self.blocks.n_blocks, block_size)
             self.threads = contextlib.nullcontext
+            self.device_sampling = True  # plain rows sampled on the device (step_tokens)
         else:
             self.engine = BatchedCpuEngine(
                 engine.ref, self.blocks.n_blocks, block_size, engine.batch_invariant
             )
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
+            self.device_sampling = False
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}
         self.ttft = Histogram(TTFT_BUCKETS)  # seconds from a request's arrival to its first token
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens
         self.next_id = 0
+        self.steps = 0  # passes run
+        self.step_s = 0.0  # seconds in step() (the pass, and the host's work around it)
+        self.engine_s = 0.0  # seconds of those in the engine's step (its arrays, the pass, the copy back)
 
     def idle(self) -> bool:
         """No request waiting or running."""
@@ -179,6 +189,7 @@ class BatchRunner:
             index,
             emit,
             Sampler.for_request(sampling, list(ids), self.llm.config.vocab_size),
+            sampling.unseeded(),
             decoder,
             StopText(list(stop or [])),
             Generation(
@@ -206,23 +217,51 @@ class BatchRunner:
             self.streams.pop(r.id, None)
         if not plan.chunks:
             return
+        t0 = time.perf_counter()
+        self._step(plan)
+        self.steps += 1
+        self.step_s += time.perf_counter() - t0
+
+    def _step(self, plan: object) -> None:
+        """The pass of a plan, its tokens sampled and handed out."""
         a = plan.arrays()
-        with self.threads():
-            logits = self.engine.step(
-                a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"]
-            )  # (n_sampled, vocab_size)
+        rows = [self.streams[c.seq] for c in plan.chunks if c.sample]  # a stream a sampled row
+        if self.device_sampling:  # the GPU draws the plain rows' tokens; the host the rest
+            on_host = [s.constraint is not None or s.sampler.penalties is not None for s in rows]
+            keep = [i for i, s in enumerate(rows) if on_host[i] or s.logprobs is not None]
+            options = [GREEDY if h else s.options for s, h in zip(rows, on_host, strict=True)]
+            coins = [0.0 if h else s.sampler.next_coin() for s, h in zip(rows, on_host, strict=True)]
+            t0 = time.perf_counter()
+            chosen, kept = self.engine.step_tokens(
+                a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"],
+                options, coins, keep,
+            )  # fmt: skip
+            self.engine_s += time.perf_counter() - t0
+            logits = [None] * len(rows)  # a row's logits where the host took them
+            for i, row in zip(keep, kept, strict=True):
+                logits[i] = row
+        else:
+            t0 = time.perf_counter()
+            with self.threads():
+                logits = self.engine.step(
+                    a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"]
+                )  # (n_sampled, vocab_size)
+            self.engine_s += time.perf_counter() - t0
+            on_host, chosen = [True] * len(rows), None
         now = time.perf_counter()
         sampled, made = {}, []  # request id -> token; (stream, token, logits) to hand out
-        for c, row in zip([c for c in plan.chunks if c.sample], logits, strict=True):
-            s = self.streams[c.seq]
-            if s.constraint is not None:  # the ids the constraint does not allow to -inf
-                mask = np.zeros(-(-self.llm.config.vocab_size // 32), np.uint32)  # (ceil(vocab / 32),)
-                s.constraint.fill_mask(mask)
-                row = mask_logits_ref(row, mask)
-            token = s.sampler.sample(row)
-            if s.constraint is not None:
-                s.constraint.accept(token)
-            sampled[c.seq] = token
+        for i, (s, row) in enumerate(zip(rows, logits, strict=True)):
+            if on_host[i]:
+                if s.constraint is not None:  # the ids the constraint does not allow to -inf
+                    mask = np.zeros(-(-self.llm.config.vocab_size // 32), np.uint32)  # (ceil(vocab / 32),)
+                    s.constraint.fill_mask(mask)
+                    row = mask_logits_ref(row, mask)
+                token = s.sampler.sample(row)
+                if s.constraint is not None:
+                    s.constraint.accept(token)
+            else:
+                token = int(chosen[i])
+            sampled[s.request.id] = token
             made.append((s, token, row))
         ended = {r.id: r.finish_reason for r in self.scheduler.finish_step(plan, sampled)}
         for s, token, row in made:
@@ -300,5 +339,10 @@ class BatchRunner:
         s.emit("finish", (s.index, gen))
 
     def metrics(self) -> dict[str, float]:
-        """The scheduler's and the pool's counts (Scheduler.metrics)."""
-        return self.scheduler.metrics()
+        """The scheduler's and the pool's counts (Scheduler.metrics), and the steps' time."""
+        return {
+            **self.scheduler.metrics(),
+            "steps": self.steps,
+            "step_s": self.step_s,
+            "engine_s": self.engine_s,
+        }

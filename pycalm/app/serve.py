@@ -773,6 +773,14 @@ class ParallelWorker(Worker):
                 "Share of prompt tokens from the prefix cache.",
                 "prefix_hit_rate",
             ),
+            ("batch_steps_total", "counter", "Batched passes run.", "steps"),
+            ("batch_step_seconds_total", "counter", "Seconds in the batch's steps.", "step_s"),
+            (
+                "batch_engine_seconds_total",
+                "counter",
+                "Seconds of those in the engine's pass (the rest: scheduling, sampling, text).",
+                "engine_s",
+            ),
         ]
         values = {**self.runner.metrics(), "peak": self.peak}
         lines = []

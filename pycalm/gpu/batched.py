@@ -4,6 +4,8 @@ pycalm.cpu.batched.BatchedCpuEngine's interface, so that continuous batching
 
     engine = BatchedGpuEngine(gpu_engine, n_blocks, block_size)
     logits = engine.step(tokens, positions, seq_of_row, block_table, sample_rows)
+    chosen, kept = engine.step_tokens(tokens, positions, seq_of_row, block_table, sample_rows,
+                                      samplings, coins, keep)
 
 A step feeds R rows (pycalm.batch.scheduler.Plan.arrays): row r is token tokens[r] at position
 positions[r] of sequence seq_of_row[r], whose block table is block_table[seq_of_row[r]]; the
@@ -19,6 +21,13 @@ own. take_rows gathers the sampled rows, the final RMSNorm and the classifier ru
 their logits (len(sample_rows), vocab_size) float32 come back to the host, where each request's
 own sampler draws (its seed, penalties and constraint, as on the CPU engine).
 
+step_tokens samples on the device instead: pycalm.kernels.sample's sample_rows draws each
+sampled row's token with that row's own options (temperature, top-k, top-p, min-p) and coin, in
+the same captured graph, so one int32 a row comes back (through a pinned buffer), and the
+logits of only the rows `keep` names (a request with penalties, a constraint or logprobs, which
+the host samples or reads). At 64 sequences of a 128,256-token vocabulary this leaves 256 bytes
+to copy instead of 33 MB.
+
 The pool: a KVCache a layer, (n_blocks * block_size, kv_dim) rows in the engine's KV dtype
 (fp16, or fp8 e5m2 above 4,096 positions), beside the engine's own one-sequence cache. Key t of
 a sequence lives in pool row table[t // block_size] * block_size + t % block_size
@@ -29,11 +38,15 @@ stays on the CPU engine for now (refused here).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
+from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
+from pycalm.kernels.sample import RowSampling
 
 
 class BatchedGpuEngine:
@@ -80,16 +93,23 @@ class BatchedGpuEngine:
                 )
                 for _ in range(cfg.n_layers)
             ]
-        # the step's arrays at fixed places, so that a captured pass replays with new contents
-        self.tokens = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) the step's ids
-        self.positions = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,)
-        self.seq_of_row = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) < 0: padding
-        self.sample_rows = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,)
+        # the step's arrays at fixed places, so that a captured pass replays with new contents:
+        # (4, max_rows) int32 rows tokens, positions, seq_of_row (< 0: padding), sample_rows,
+        # one copy a step from a pinned twin
+        self.args_host = cuda.pinned_array((4, self.max_rows), np.int32)  # (4, max_rows)
+        self.args = cuda.device_array((4, self.max_rows), np.int32, stream=s)  # (4, max_rows)
+        self.tokens, self.positions, self.seq_of_row, self.sample_rows = (self.args[i] for i in range(4))
         self.picked = cuda.device_array((self.max_rows, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
+        # step_tokens: each sampled row's options, coin and token
+        self.row_sampling = RowSampling.allocate(self.max_rows, stream=s)  # 4 x (max_rows,)
+        self.coins = cuda.device_array(self.max_rows, np.float32, stream=s)  # (max_rows,) uniform [0, 1)
+        self.chosen = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) token ids
+        self.chosen_host = cuda.pinned_array(self.max_rows, np.int32)  # (max_rows,)
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
         # (max_rows, max_blocks): a step has at most a sequence a row
         self.table = cuda.device_array((self.max_rows, self.max_blocks), np.int32, stream=s)
-        self.graphs: dict[tuple[int, int], GraphStep] = {}  # (rows bucket, sampled bucket) -> its pass
+        # (rows bucket, sampled bucket, sampled on the device) -> its pass
+        self.graphs: dict[tuple[int, int, bool], GraphStep] = {}
 
     def bucket(self, n: int) -> int:
         """The rows a step of n rows runs: the power of two at or above n (padding rows are
@@ -107,6 +127,58 @@ class BatchedGpuEngine:
         """Feed the rows (each (R,) int: token, position, index into block_table's (S,
         max_blocks) rows), writing their keys and values to the pool -> the logits
         (len(sample_rows), vocab_size) float32 of the rows sample_rows names."""
+        m = self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
+        out = np.empty((m, self.config.vocab_size), np.float32)  # (n_sampled, vocab_size)
+        self._run(m, sampled=False, copy=lambda logits, first, k: logits[:k].copy_to_host(
+            out[first : first + k], stream=self.engine.stream))  # fmt: skip
+        self.engine.stream.synchronize()
+        return out
+
+    def step_tokens(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq_of_row: np.ndarray,
+        block_table: np.ndarray,
+        sample_rows: np.ndarray,
+        samplings: list[SamplingParams],
+        coins: np.ndarray,
+        keep: Sequence[int] = (),
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """step, sampled on the device: sampled row i takes the options samplings[i] (no
+        penalties or bias) and the uniform coin coins[i] -> (chosen (n_sampled,) int32, each
+        sample_ref's pick of its row's logits; the logits (len(keep), vocab_size) float32 of the
+        sampled rows that keep lists, in its order)."""
+        m = self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
+        if len(samplings) != m or len(coins) != m:
+            raise PycalmError(
+                f"{m} sampled rows take {m} samplings and coins, got {len(samplings)} and {len(coins)}"
+            )
+        s = self.engine.stream
+        self.row_sampling.set_rows(samplings, stream=s)
+        self.coins[:m].copy_to_device(np.asarray(coins, np.float32), stream=s)
+        kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
+
+        def copy(logits: object, first: int, k: int) -> None:
+            for j, i in enumerate(keep):
+                if first <= i < first + k:
+                    logits[i - first].copy_to_host(kept[j], stream=s)
+
+        self._run(m, sampled=True, copy=copy)
+        self.chosen[:m].copy_to_host(self.chosen_host[:m], stream=s)
+        s.synchronize()
+        return self.chosen_host[:m].copy(), kept
+
+    def _arrays(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq_of_row: np.ndarray,
+        block_table: np.ndarray,
+        sample_rows: np.ndarray,
+    ) -> int:
+        """Check a step's arrays and enqueue their copies to the device (padded as the module
+        docstring says) -> the number of sampled rows. Sets self.rows (the rows bucket)."""
         cfg, e, s = self.config, self.engine, self.engine.stream
         tokens = np.asarray(tokens, np.int32)
         positions = np.asarray(positions, np.int32)
@@ -125,46 +197,50 @@ class BatchedGpuEngine:
             raise PycalmError(f"a block table names a block outside the pool of {self.n_blocks}")
         if m and (sample_rows.min() < 0 or sample_rows.max() >= n):
             raise PycalmError("a sampled row lies outside the step")
-        rows, picked = self.bucket(n), self.bucket(m) if m else 0
+        self.rows = self.bucket(n)
         # the padded arrays: rows n.. are padding (sequence -1), sampled rows m.. take row 0
-        padded = np.zeros((4, rows), np.int32)  # tokens, positions, seq_of_row, sample_rows
-        padded[0, :n], padded[1, :n], padded[2, :n] = tokens, positions, seq_of_row
-        padded[2, n:] = -1
-        padded[3, :m] = sample_rows
+        a = self.args_host  # (4, max_rows) tokens, positions, seq_of_row, sample_rows
+        a[:, : self.rows] = 0
+        a[0, :n], a[1, :n], a[2, :n], a[3, :m] = tokens, positions, seq_of_row, sample_rows
+        a[2, n : self.rows] = -1
+        # (the pinned buffer is free: every step ends in a synchronize)
+        self.args.copy_to_device(a, stream=s)
         wide = np.zeros((table.shape[0], self.max_blocks), np.int32)  # (S, max_blocks)
         wide[:, : table.shape[1]] = table
-        for dev, host in zip(
-            (self.tokens, self.positions, self.seq_of_row, self.sample_rows), padded, strict=True
-        ):
-            dev[:rows].copy_to_device(host, stream=s)
         self.table[: table.shape[0]].copy_to_device(wide, stream=s)
+        return m
 
-        out = np.empty((m, cfg.vocab_size), np.float32)  # (n_sampled, vocab_size)
+    def _run(self, m: int, sampled: bool, copy: Callable[[object, int, int], None]) -> None:
+        """Enqueue the pass over self.rows rows, the classifier of the m sampled rows (and, when
+        sampled, their tokens into self.chosen); copy(logits, first, k) enqueues what the host
+        takes of logits rows first .. first + k - 1 (in blocks of the logits buffer's rows when
+        more rows are sampled than it holds)."""
+        e, rows = self.engine, self.rows
         logits = self.prefill.buffers.logits
+        picked = self.bucket(m) if m else 0
         if picked > logits.shape[0]:  # more sampled rows than a logits block: eager, in blocks
             self._pass(rows)
             for first in range(0, m, logits.shape[0]):
                 k = min(logits.shape[0], m - first)
-                self._classify(first, k)
-                logits[:k].copy_to_host(out[first : first + k], stream=s)
+                self._classify(first, k, sampled)
+                copy(logits, first, k)
+            return
+        key = (rows, picked, sampled and picked > 0)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.launch()
         else:
-            graph = self.graphs.get((rows, picked))
-            if graph is not None:
-                graph.launch()
-            else:
 
-                def record() -> None:
-                    self._pass(rows)
-                    if picked:  # (a step of prompt chunks alone samples nothing)
-                        self._classify(0, picked)
+            def record() -> None:
+                self._pass(rows)
+                if picked:  # (a step of prompt chunks alone samples nothing)
+                    self._classify(0, picked, sampled)
 
-                record()  # compiles the kernels; also this step's result
-                if e.use_graph and not cfg.n_experts:
-                    self.graphs[(rows, picked)] = GraphStep(s, record)
-            if m:
-                logits[:m].copy_to_host(out, stream=s)
-        s.synchronize()
-        return out
+            record()  # compiles the kernels; also this step's result
+            if e.use_graph and not self.config.n_experts:
+                self.graphs[key] = GraphStep(e.stream, record)
+        if m:
+            copy(logits, 0, m)
 
     def _pass(self, rows: int) -> None:
         """Enqueue the layers over the first `rows` rows of the step's arrays."""
@@ -174,9 +250,11 @@ class BatchedGpuEngine:
         # x = the layers over the rows, each live row's key and value into its pool row
         self.prefill.forward_rows(0, rows, tokens=self.tokens[:rows], pages=pages, pools=self.pools)
 
-    def _classify(self, first: int, k: int) -> None:
-        """Enqueue logits[:k] = the classifier of the residual rows sample_rows[first .. first + k - 1]."""
+    def _classify(self, first: int, k: int, sampled: bool) -> None:
+        """Enqueue logits[:k] = the classifier of the residual rows sample_rows[first .. first + k - 1]
+        (and, when sampled, chosen[first .. first + k - 1] = their tokens)."""
         from pycalm.kernels.rows import rmsnorm_rows, take_rows
+        from pycalm.kernels.sample import sample_rows
 
         cfg, e, s = self.config, self.engine, self.engine.stream
         b = self.prefill.buffers
@@ -186,3 +264,9 @@ class BatchedGpuEngine:
         rmsnorm_rows(self.picked[:k], e.norm, cfg.norm_eps, b.xb[:k], stream=s)
         # logits = xb Wout^T
         self.prefill.products(k)(b.xb[:k], e.output, b.logits[:k], e.output_dtype, stream=s)
+        if sampled:
+            # chosen[i] = sample_ref(logits[i], the row's options, coins[i])
+            part = slice(first, first + k)
+            options = RowSampling(*(a[part] for a in self.row_sampling))
+            sample_rows(b.logits[:k], options, self.coins[part], self.chosen[part], stream=s,
+                        **self.prefill.sample_options)  # fmt: skip
