@@ -1,8 +1,9 @@
 """The server under load (--streams), and the server's streamed tok/s against the CLI's.
 
 --streams 1,8,32,64,128: many users at once through the real HTTP server (make_app and
-uvicorn, the --parallel N worker, in this process) on a model of a shape with random weights
-on the GPU (bench.py's RandomDeviceModel, no EOS, a tokenizer of made-up words), every stream a
+uvicorn, the --parallel N worker) on a model of a shape with random weights
+on the GPU (bench.py's RandomDeviceModel, no EOS, a tokenizer of made-up words; the server a
+process of its own, as a deployment's, the clients asyncio tasks here), every stream a
 closed loop of --requests streamed /v1/completions requests: a prompt of --prompt distinct
 random token ids, exactly --new tokens out (sampled, temperature 0.8). Each row: aggregate
 output tok/s (completion tokens / the wall time from the first request to the last answer),
@@ -39,7 +40,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -223,52 +223,77 @@ async def load(url: str, streams: int, args: argparse.Namespace, vocab: int, see
     )
 
 
-def streams_main(args: argparse.Namespace) -> None:
+def serve_random(args: argparse.Namespace) -> None:
+    """The server process of --streams: --parallel N over random_llm, on port args.serve."""
     import uvicorn
 
     from pycalm.app.serve import ParallelWorker, make_app
 
-    counts = [int(v) for v in args.streams.split(",")]
-    loaded = threading.Event()
-    vocab = []
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
 
     def on_loaded(llm: object | None, message: str) -> None:
         assert llm is not None, message
-        vocab.append(llm.config.vocab_size)
-        loaded.set()
 
-    worker = ParallelWorker(lambda: random_llm(args.shape, args.dtype, args.context), on_loaded, max(counts))
+    worker = ParallelWorker(
+        lambda: random_llm(args.shape, args.dtype, args.context), on_loaded, args.parallel
+    )
     app = make_app(worker, "random", on_startup=worker.start)
+    uvicorn.run(app, host="127.0.0.1", port=args.serve, log_level="warning")
+
+
+def server_counts(url: str) -> dict[str, float]:
+    """/metrics' values by name."""
+    text = httpx.get(url + "/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^pycalm_(\w+) (\S+)$", text, re.M)}
+
+
+def streams_main(args: argparse.Namespace) -> None:
+    counts = [int(v) for v in args.streams.split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    loaded.wait()
+    cmd = [sys.executable, __file__, "--serve", str(port), "--parallel", str(max(counts))]
+    cmd += ["--shape", args.shape, "--dtype", args.dtype, "--context", str(args.context)]
+    cmd += ["--switch-interval", str(args.switch_interval)] if args.switch_interval else []
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    print(f"{args.shape} {args.dtype}, --parallel {max(counts)}, prompts of {args.prompt} tokens, {args.new} out, "
-          f"{args.requests} requests a stream")  # fmt: skip
-    print("| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps | outside the pass |")
-    print("|---|---|---|---|---|---|")
-    # a warm-up with every row bucket the runs will meet (the graphs are captured once)
-    warm = argparse.Namespace(**{**vars(args), "requests": 1, "new": 4})
-    for n in sorted({1, *counts}):
-        asyncio.run(load(url, n, warm, vocab[0], seed=n))
-    for i, n in enumerate(counts):
-        runner = worker.runner
-        steps0, step0, engine0 = runner.steps, runner.step_s, runner.engine_s
-        row = asyncio.run(load(url, n, args, vocab[0], seed=1000 + i))
-        steps = runner.steps - steps0
-        step_s, engine_s = runner.step_s - step0, runner.engine_s - engine0
-        outside = 1 - engine_s / row["wall"]
+    try:
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        vocab = args.vocab
+        print(f"{args.shape} {args.dtype}, the server a process of its own with --parallel {max(counts)}, "
+              f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
         print(
-            f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
-            f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | {steps} ({row['wall'] / steps * 1e3:.2f} ms each; "
-            f"in step() {step_s / row['wall']:.0%}) | {outside:.1%} |",
-            flush=True,
+            "| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps, ms each | outside the pass |"
         )
-    worker.shutdown()
-    server.should_exit = True
+        print("|---|---|---|---|---|---|")
+        # a warm-up with every row bucket the runs will meet (each graph is captured once)
+        warm = argparse.Namespace(**{**vars(args), "requests": 1, "new": 4})
+        for n in sorted({1, *counts}):
+            asyncio.run(load(url, n, warm, vocab, seed=n))
+        for i, n in enumerate(counts):
+            before = server_counts(url)
+            row = asyncio.run(load(url, n, args, vocab, seed=1000 + i))
+            after = server_counts(url)
+            steps = after["batch_steps_total"] - before["batch_steps_total"]
+            step_s = after["batch_step_seconds_total"] - before["batch_step_seconds_total"]
+            engine_s = after["batch_engine_seconds_total"] - before["batch_engine_seconds_total"]
+            print(
+                f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
+                f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | {steps:.0f}, {row['wall'] / steps * 1e3:.2f} "
+                f"(in step() {step_s / row['wall']:.0%}) | {1 - engine_s / row['wall']:.1%} |",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def main() -> None:
@@ -284,7 +309,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens a request (--streams)")
     ap.add_argument("--new", type=int, default=256, help="output tokens a request (--streams)")
     ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
+    ap.add_argument("--vocab", type=int, default=128256, help="the shape's vocabulary (--streams)")
+    ap.add_argument("--switch-interval", type=float, default=0.0, help="the server's sys.setswitchinterval")
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process of --streams: its port
+    ap.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve:
+        return serve_random(args)
     if args.streams:
         return streams_main(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,7 +46,7 @@ from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
-from pycalm.kernels.sample import RowSampling
+from pycalm.kernels.sample import RowSampling, host_rows
 
 
 class BatchedGpuEngine:
@@ -93,21 +93,26 @@ class BatchedGpuEngine:
                 )
                 for _ in range(cfg.n_layers)
             ]
-        # the step's arrays at fixed places, so that a captured pass replays with new contents:
-        # (4, max_rows) int32 rows tokens, positions, seq_of_row (< 0: padding), sample_rows,
-        # one copy a step from a pinned twin
-        self.args_host = cuda.pinned_array((4, self.max_rows), np.int32)  # (4, max_rows)
-        self.args = cuda.device_array((4, self.max_rows), np.int32, stream=s)  # (4, max_rows)
-        self.tokens, self.positions, self.seq_of_row, self.sample_rows = (self.args[i] for i in range(4))
-        self.picked = cuda.device_array((self.max_rows, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
-        # step_tokens: each sampled row's options, coin and token
-        self.row_sampling = RowSampling.allocate(self.max_rows, stream=s)  # 4 x (max_rows,)
-        self.coins = cuda.device_array(self.max_rows, np.float32, stream=s)  # (max_rows,) uniform [0, 1)
-        self.chosen = cuda.device_array(self.max_rows, np.int32, stream=s)  # (max_rows,) token ids
-        self.chosen_host = cuda.pinned_array(self.max_rows, np.int32)  # (max_rows,)
+        # the step's arrays at fixed places, so that a captured pass replays with new contents,
+        # all in one int32 buffer that one copy a step fills from its pinned twin (R = max_rows):
+        #   [0, 4R)        (4, R) tokens, positions, seq_of_row (< 0: padding), sample_rows
+        #   [4R, 9R)       step_tokens' (R,) temperature, top_k, top_p, min_p, coins (float32 bits
+        #                  but top_k): each sampled row's options and uniform [0, 1) coin
+        #   [9R, ..)       (R, max_blocks) the block table, a sequence a row
+        R = self.max_rows
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
-        # (max_rows, max_blocks): a step has at most a sequence a row
-        self.table = cuda.device_array((self.max_rows, self.max_blocks), np.int32, stream=s)
+        self.head = 9 * R  # the words before the block table
+        self.host = cuda.pinned_array(self.head + R * self.max_blocks, np.int32)
+        self.blob = cuda.device_array(self.head + R * self.max_blocks, np.int32, stream=s)
+        self.args = self.blob[: 4 * R].reshape(4, R)
+        self.tokens, self.positions, self.seq_of_row, self.sample_rows = (self.args[i] for i in range(4))
+        f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(4, 9)]
+        self.row_sampling = RowSampling(f32[0], self.blob[5 * R : 6 * R], f32[2], f32[3])
+        self.coins = f32[4]
+        self.table = self.blob[self.head :].reshape(R, self.max_blocks)
+        self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
+        self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
+        self.chosen_host = cuda.pinned_array(R, np.int32)  # (max_rows,)
         # (rows bucket, sampled bucket, sampled on the device) -> its pass
         self.graphs: dict[tuple[int, int, bool], GraphStep] = {}
 
@@ -149,14 +154,16 @@ class BatchedGpuEngine:
         penalties or bias) and the uniform coin coins[i] -> (chosen (n_sampled,) int32, each
         sample_ref's pick of its row's logits; the logits (len(keep), vocab_size) float32 of the
         sampled rows that keep lists, in its order)."""
-        m = self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
+        m = len(sample_rows)
         if len(samplings) != m or len(coins) != m:
             raise PycalmError(
                 f"{m} sampled rows take {m} samplings and coins, got {len(samplings)} and {len(coins)}"
             )
+        R, h = self.max_rows, self.host
+        for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
+            h[(4 + i) * R : (4 + i) * R + m] = field.view(np.int32)
+        self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         s = self.engine.stream
-        self.row_sampling.set_rows(samplings, stream=s)
-        self.coins[:m].copy_to_device(np.asarray(coins, np.float32), stream=s)
         kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
 
         def copy(logits: object, first: int, k: int) -> None:
@@ -198,16 +205,19 @@ class BatchedGpuEngine:
         if m and (sample_rows.min() < 0 or sample_rows.max() >= n):
             raise PycalmError("a sampled row lies outside the step")
         self.rows = self.bucket(n)
+        R, S, h = self.max_rows, table.shape[0], self.host
         # the padded arrays: rows n.. are padding (sequence -1), sampled rows m.. take row 0
-        a = self.args_host  # (4, max_rows) tokens, positions, seq_of_row, sample_rows
+        a = h[: 4 * R].reshape(4, R)  # tokens, positions, seq_of_row, sample_rows
         a[:, : self.rows] = 0
         a[0, :n], a[1, :n], a[2, :n], a[3, :m] = tokens, positions, seq_of_row, sample_rows
         a[2, n : self.rows] = -1
-        # (the pinned buffer is free: every step ends in a synchronize)
-        self.args.copy_to_device(a, stream=s)
-        wide = np.zeros((table.shape[0], self.max_blocks), np.int32)  # (S, max_blocks)
+        wide = h[self.head : self.head + S * self.max_blocks].reshape(S, self.max_blocks)
+        wide[:] = 0
         wide[:, : table.shape[1]] = table
-        self.table[: table.shape[0]].copy_to_device(wide, stream=s)
+        # one copy: the arrays, the options and coins (step_tokens wrote them), S table rows
+        # (the pinned buffer is free again: every step ends in a synchronize)
+        end = self.head + S * self.max_blocks
+        self.blob[:end].copy_to_device(h[:end], stream=s)
         return m
 
     def _run(self, m: int, sampled: bool, copy: Callable[[object, int, int], None]) -> None:

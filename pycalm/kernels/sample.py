@@ -641,7 +641,7 @@ class RowSampling(NamedTuple):
     @classmethod
     def allocate(cls, rows: int, *, stream: object) -> RowSampling:
         """M = `rows` rows, each greedy until set_row / set_rows gives it options."""
-        return cls.from_host(*_host_rows([SamplingParams()] * rows), stream=stream)
+        return cls.from_host(*host_rows([SamplingParams()] * rows), stream=stream)
 
     @classmethod
     def from_host(cls, *arrays: np.ndarray, stream: object) -> RowSampling:
@@ -653,7 +653,7 @@ class RowSampling(NamedTuple):
         one host-to-device copy a field."""
         if not (0 <= first and first + len(samplings) <= self.rows):
             raise PycalmError(f"rows {first}..{first + len(samplings) - 1} of {self.rows}")
-        for device, host in zip(self, _host_rows(samplings), strict=True):
+        for device, host in zip(self, host_rows(samplings), strict=True):
             device[first : first + len(host)].copy_to_device(host, stream=stream)
 
     def set_row(self, row: int, sampling: SamplingParams, *, stream: object) -> None:
@@ -665,7 +665,7 @@ class RowSampling(NamedTuple):
         return self.temperature.shape[0]
 
 
-def _host_rows(samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
+def host_rows(samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
     """(temperature, top_k, top_p, min_p) host arrays of RowSampling's dtypes, each option
     checked as sample_ref checks it. Rows sample the model's logits: no penalties or bias."""
     for s in samplings:
