@@ -8,7 +8,8 @@ device). A step is the arrays to the device, the pass and either
   - logits: the S rows' logits back to the host (step, where a request has penalties).
 GPU time: the same step timed by CUDA events around it alone, the rest is the host's.
 
-    python3 scripts/bench_batched.py --shapes llama3-8b --dtypes fp16 --seqs 1,8,32,64
+    python3 scripts/bench_batched.py --shapes llama3-8b --dtypes fp16 --seqs 1,8,32,64 --pos 128,384
+    python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 192    # steps that feed a prompt too
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from bench import RandomDeviceModel, config_for, time_replays  # noqa: E402
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.gpu.batched import BatchedGpuEngine  # noqa: E402
 from pycalm.gpu.engine import EngineOptions, GpuEngine  # noqa: E402
+from pycalm.gpu.graph import GraphStep  # noqa: E402
 
 BLOCK = 16
 
@@ -43,43 +45,80 @@ def host_ms(run: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
+def attention_ms(batched: BatchedGpuEngine, engine: GpuEngine, reps: int) -> float:
+    """GPU ms of the last step's attention launches (every layer, over the pages), alone in a graph."""
+    from pycalm.kernels.attention import attention
+    from pycalm.kernels.rows import Pages
+
+    b, rows = batched.prefill._rows(batched.rows), batched.rows
+    pages = Pages(batched.positions[:rows], batched.seq_of_row[:rows], batched.table, batched.block_size,
+                  batched.span, batched.scratch)  # fmt: skip
+
+    def record() -> None:
+        for pool in batched.pools:
+            attention(b.q, pool, engine.state, b.att, batched.config, batched.scratch, stream=engine.stream,
+                      span=batched.span, pages=pages)  # fmt: skip
+
+    record()
+    graph = GraphStep(engine.stream, record)
+    return time_replays(engine, lambda _p: graph, 0, reps) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="llama3-8b")
     ap.add_argument("--dtypes", default="fp16")
     ap.add_argument("--seqs", default="1,8,32,64")
-    ap.add_argument("--pos", type=int, default=128)
+    ap.add_argument("--pos", default="128", help="the sequences' position, or a list: a row each")
+    ap.add_argument("--chunk", type=int, default=0, help="and a prompt chunk of this many rows each step")
     ap.add_argument("--reps", type=int, default=10)
     args_ = ap.parse_args()
     seqs = [int(v) for v in args_.seqs.split(",")]
-    print("| shape | weights | token step ms | " + " | ".join(f"{s} seqs: ms, tok/s" for s in seqs) + " |")
+    spots = [int(v) for v in args_.pos.split(",")]
+    context = 2048
+    print(f"steps of S decode rows{f' and a {args_.chunk}-row prompt chunk' if args_.chunk else ''}: ms a step "
+          "sampled on the device, and with the logits back; GPU: the graph alone; attention: its attention launches")  # fmt: skip
+    print("| shape | weights | position | token step ms | " + " | ".join(f"{s} seqs" for s in seqs) + " |")
     for shape in args_.shapes.split(","):
         for dtype in args_.dtypes.split(","):
-            cfg = config_for(shape, dtype, 1024)
-            engine = GpuEngine(RandomDeviceModel(cfg), seq_len=1024, kv_dtype="fp16", options=EngineOptions())
+            cfg = config_for(shape, dtype, context)
+            engine = GpuEngine(
+                RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16", options=EngineOptions()
+            )
             step = functools.partial(engine.graph, SamplingParams())
             step(0)
             time_replays(engine, step, 0, 8)  # warm-up
-            token_ms = time_replays(engine, step, args_.pos, 32) * 1e3
-            per_seq = -(-(args_.pos + 1) // BLOCK)  # blocks a sequence holds
-            batched = BatchedGpuEngine(engine, max(seqs) * per_seq, BLOCK)
-            cells = []
-            for s in seqs:
-                table = np.arange(s * per_seq, dtype=np.int32).reshape(s, per_seq)  # (S, blocks)
-                rows = np.arange(s, dtype=np.int32)
-                tokens = (rows * 7919 + 11) % cfg.vocab_size
-                positions = np.full(s, args_.pos, np.int32)
-                options = [SamplingParams(0.8, top_p=0.95)] * s
-                coins = np.linspace(0.05, 0.95, s)
-                args = (tokens, positions, rows, table, rows)
-                sampled = functools.partial(batched.step_tokens, *args, options, coins)
-                logits = functools.partial(batched.step, *args)
-                cell = [f"{what} {ms:.2f}, {s / ms * 1e3:,.0f}" for what, ms in
-                        (("sampled", host_ms(sampled, args_.reps)), ("logits", host_ms(logits, args_.reps)))]  # fmt: skip
-                graph = batched.graphs[(batched.bucket(s), batched.bucket(s), True)]
-                gpu_ms = time_replays(engine, lambda _p: graph, 0, args_.reps) * 1e3  # noqa: B023
-                cells.append("; ".join(cell) + f"; GPU {gpu_ms:.2f}")
-            print(f"| {shape} | {dtype} | {token_ms:.2f} | " + " | ".join(cells) + " |", flush=True)
+            per_seq = -(-(max(spots) + args_.chunk + 1) // BLOCK)  # blocks a sequence holds
+            batched = BatchedGpuEngine(engine, (max(seqs) + 1) * per_seq, BLOCK)
+            for pos in spots:
+                token_ms = time_replays(engine, step, pos, 32) * 1e3
+                cells = []
+                for s in seqs:
+                    table = np.arange((s + 1) * per_seq, dtype=np.int32).reshape(
+                        s + 1, per_seq
+                    )  # (S + 1, blocks)
+                    seq = np.concatenate([np.arange(s), np.full(args_.chunk, s)]).astype(np.int32)
+                    tokens = (np.arange(len(seq)) * 7919 + 11) % cfg.vocab_size
+                    positions = np.concatenate([np.full(s, pos), np.arange(args_.chunk)]).astype(np.int32)
+                    sample = np.arange(s + (args_.chunk > 0), dtype=np.int32)
+                    if args_.chunk:
+                        sample[-1] = len(seq) - 1
+                    options = [SamplingParams(0.8, top_p=0.95)] * len(sample)
+                    coins = np.linspace(0.05, 0.95, len(sample))
+                    args = (tokens, positions, seq, table[: s + (args_.chunk > 0)], sample)
+                    sampled = functools.partial(batched.step_tokens, *args, options, coins)
+                    logits = functools.partial(batched.step, *args)
+                    ms = host_ms(sampled, args_.reps)
+                    graph = batched.graphs[
+                        (batched.bucket(len(seq)), batched.bucket(len(sample)), batched.span, True)
+                    ]
+                    gpu_ms = time_replays(engine, lambda _p: graph, 0, args_.reps) * 1e3  # noqa: B023
+                    att_ms = attention_ms(batched, engine, args_.reps)
+                    cells.append(f"{ms:.2f} ({s / ms * 1e3:,.0f} tok/s), logits {host_ms(logits, args_.reps):.2f}; "
+                                 f"GPU {gpu_ms:.2f}, attention {att_ms:.2f}")  # fmt: skip
+                print(
+                    f"| {shape} | {dtype} | {pos} | {token_ms:.2f} | " + " | ".join(cells) + " |", flush=True
+                )
             del batched, engine
 
 

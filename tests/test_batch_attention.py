@@ -24,9 +24,12 @@ from tiny_models import attention_config as config
 
 from pycalm.cpu.reference import attention_ref, batch_attention_ref
 from pycalm.errors import PycalmError
-from pycalm.kernels.attention import KVCache
+from pycalm.kernels.attention import KVCache, attention, attention_scratch, attention_span
 from pycalm.kernels.batch_attention import batch_attention, batch_attention_bytes, batch_attention_keys
+from pycalm.kernels.rows import Pages
 from pycalm.model import formats
+
+CHUNK = 8  # the shortest split of the split-K kernel's tests (a block's 2 simulated warps: a tile each)
 
 
 def _pool(seq_lens, page_size, rng, spare_pages=3):
@@ -47,7 +50,9 @@ def _pool(seq_lens, page_size, rng, spare_pages=3):
     return table, n_pages
 
 
-def _run(n_heads, n_kv_heads, head_dim, kv_dtype, rows, page_size=16, window=0, seed=0, **shape):
+def _run(
+    n_heads, n_kv_heads, head_dim, kv_dtype, rows, page_size=16, window=0, seed=0, kernel="batch", **shape
+):
     """rows: (sequence, position) a row (sequence -1: padding). Each sequence holds keys up to
     its rows' largest position; the pool rows past that and the spare pages hold NaN."""
     rng = np.random.default_rng(seed)
@@ -77,7 +82,16 @@ def _run(n_heads, n_kv_heads, head_dim, kv_dtype, rows, page_size=16, window=0, 
     cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
     cfg = config(n_heads, n_kv_heads, head_dim, window)
     args = [cuda.to_device(a) for a in (q, table, seq_of_row, positions)]
-    batch_attention(args[0], cache, *args[1:], out, cfg, stream=stream, page_size=page_size, **shape)
+    if kernel == "batch":
+        batch_attention(args[0], cache, *args[1:], out, cfg, stream=stream, page_size=page_size, **shape)
+    else:  # pycalm.kernels.attention over pages, split over the keys (short splits: several merge)
+        pool_len = n_pages * page_size
+        scratch = attention_scratch(n_heads, n_kv_heads, head_dim, kv_dtype, pool_len, chunk=CHUNK,
+                                    rows=len(rows), paged=True, stream=stream)  # fmt: skip
+        span = attention_span(int(positions.max()), CHUNK, pool_len)
+        pages = Pages(args[3], args[2], args[1], page_size, span, scratch)
+        state = cuda.to_device(np.zeros(8, np.int32))  # (unread over pages)
+        attention(args[0], cache, state, out, cfg, scratch, stream=stream, span=span, pages=pages)
     stream.synchronize()
     got = out.copy_to_host().astype(np.float32)
     want = batch_attention_ref(q, kd, vd, table, seq_of_row, positions, page_size, n_heads, n_kv_heads,
@@ -124,6 +138,27 @@ GPU_CASES = [
 )
 def test_batch_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, page_size, window, rows):
     _run(n_heads, n_kv_heads, head_dim, kv_dtype, rows, page_size, window, seed=len(rows) + head_dim)
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,kv_dtype,page_size,window,rows",
+    SIM_CASES + [(2, 1, 16, "fp8", 8, 0, [(0, 100)]), (4, 2, 16, "fp16", 16, 30, [(1, 70), (0, 3)])]
+    + (GPU_CASES if GPU else []),
+)  # fmt: skip
+def test_paged_split_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, page_size, window, rows):
+    """pycalm.kernels.attention over pages: the same cases, and one or two rows whose keys take
+    several splits (each a few tiles), merged by the last block."""
+    _run(
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        kv_dtype,
+        rows,
+        page_size,
+        window,
+        seed=len(rows) + head_dim,
+        kernel="split",
+    )
 
 
 def test_batch_attention_block_shapes():

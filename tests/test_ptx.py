@@ -199,14 +199,13 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     """Launch, at cfg's shapes on stand-in arrays, the kernels the engine's walk does not reach,
     so that they compile here too: those of serve --parallel's batched pass on the GPU
     (pycalm.gpu.batched, compiled at its first step, not by the precompile): qkv_pages,
-    pycalm.kernels.batch_attention over a paged cache, take_rows."""
+    pycalm.kernels.attention over a paged cache, take_rows."""
     from types import SimpleNamespace
 
     import numpy as np
     from numba import cuda
 
-    from pycalm.kernels.attention import KVCache
-    from pycalm.kernels.batch_attention import batch_attention
+    from pycalm.kernels.attention import KVCache, attention, attention_scratch
     from pycalm.kernels.rows import Pages, qkv_pages, take_rows
 
     n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
@@ -222,7 +221,13 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     layer = SimpleNamespace(bqkv=cuda.device_array(cfg.qkv_dim, np.float32) if cfg.qkv_bias else None)
     cache = KVCache(pool, pool, kv_dtype)
     qkv_pages(qkv, layer, freqs, Pages(rows, rows, table, page_size), q, cache, cfg, stream=s)
-    batch_attention(q, cache, table, rows, rows, out, cfg, stream=s, page_size=page_size)
+    seq_len = n_pages * page_size
+    scratch = attention_scratch(
+        cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv_dtype, seq_len, rows=n_rows, paged=True
+    )
+    pages = Pages(rows, rows, table, page_size, seq_len, scratch)
+    state = cuda.device_array(8, np.int32)  # (unread over pages)
+    attention(q, cache, state, out, cfg, scratch, stream=s, span=seq_len, pages=pages)
     take_rows(x, rows, x, stream=s)
 
 

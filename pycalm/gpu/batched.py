@@ -46,6 +46,7 @@ from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
+from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
 from pycalm.kernels.sample import RowSampling, host_rows
 
 
@@ -64,8 +65,6 @@ class BatchedGpuEngine:
 
     def __init__(self, engine: object, n_blocks: int, block_size: int) -> None:
         from numba import cuda
-
-        from pycalm.kernels.attention import KVCache
 
         if why := self.refusal(engine):
             raise PycalmError(why)
@@ -113,8 +112,12 @@ class BatchedGpuEngine:
         self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
         self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
         self.chosen_host = cuda.pinned_array(R, np.int32)  # (max_rows,)
-        # (rows bucket, sampled bucket, sampled on the device) -> its pass
-        self.graphs: dict[tuple[int, int, bool], GraphStep] = {}
+        # the paged attention's partials: launches of up to max_rows rows over the context
+        self.chunk = attention_chunk_len(cfg.head_dim, engine.kv_dtype)
+        self.scratch = attention_scratch(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, engine.kv_dtype,
+                                         engine.seq_len, chunk=self.chunk, rows=R, paged=True, stream=s)  # fmt: skip
+        # (rows bucket, sampled bucket, attention span, sampled on the device) -> its pass
+        self.graphs: dict[tuple[int, int, int, bool], GraphStep] = {}
 
     def bucket(self, n: int) -> int:
         """The rows a step of n rows runs: the power of two at or above n (padding rows are
@@ -205,6 +208,7 @@ class BatchedGpuEngine:
         if m and (sample_rows.min() < 0 or sample_rows.max() >= n):
             raise PycalmError("a sampled row lies outside the step")
         self.rows = self.bucket(n)
+        self.span = attention_span(int(positions.max()), self.chunk, e.seq_len)  # the attention's grid
         R, S, h = self.max_rows, table.shape[0], self.host
         # the padded arrays: rows n.. are padding (sequence -1), sampled rows m.. take row 0
         a = h[: 4 * R].reshape(4, R)  # tokens, positions, seq_of_row, sample_rows
@@ -235,7 +239,7 @@ class BatchedGpuEngine:
                 self._classify(first, k, sampled)
                 copy(logits, first, k)
             return
-        key = (rows, picked, sampled and picked > 0)
+        key = (rows, picked, self.span, sampled and picked > 0)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.launch()
@@ -256,7 +260,14 @@ class BatchedGpuEngine:
         """Enqueue the layers over the first `rows` rows of the step's arrays."""
         from pycalm.kernels.rows import Pages
 
-        pages = Pages(self.positions[:rows], self.seq_of_row[:rows], self.table, self.block_size)
+        pages = Pages(
+            self.positions[:rows],
+            self.seq_of_row[:rows],
+            self.table,
+            self.block_size,
+            self.span,
+            self.scratch,
+        )
         # x = the layers over the rows, each live row's key and value into its pool row
         self.prefill.forward_rows(0, rows, tokens=self.tokens[:rows], pages=pages, pools=self.pools)
 

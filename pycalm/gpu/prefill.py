@@ -275,7 +275,6 @@ class Prefill:
         pools (a paged KVCache a layer): rows of many sequences, each at its own position in its
         own pages (batched serving, pycalm.gpu.batched), pos0 unread."""
         from pycalm.kernels.attention import attention
-        from pycalm.kernels.batch_attention import batch_attention
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
         from pycalm.kernels.rows import (
@@ -304,8 +303,9 @@ class Prefill:
                 # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
                 qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
                 # att = softmax(q k^T / sqrt(head_dim)) v, each row over its sequence's positions up to its own
-                batch_attention(b.q, cache, pages.table, pages.seq_of_row, pages.positions, b.att, cfg,
-                                stream=s, page_size=pages.page_size)  # fmt: skip
+                attention(
+                    b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
+                )
             else:
                 # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
                 qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)

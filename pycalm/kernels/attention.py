@@ -218,25 +218,37 @@ def attention_scratch(
     *,
     chunk: int | None = None,
     rows: int = 1,
+    paged: bool = False,
     stream: object = 0,
 ) -> AttentionScratch:
     """Allocate the scratch for contexts of up to seq_len positions and launches of up to `rows`
-    query rows (see AttentionScratch). chunk: the shortest split, a power of two (default
-    attention_chunk_len); the tests take short ones to cover the merge at short contexts."""
+    query rows (see AttentionScratch); paged: for the paged launches (their splits shrink with
+    the rows). chunk: the shortest split, a power of two (default attention_chunk_len); the tests
+    take short ones to cover the merge at short contexts."""
     chunk = attention_chunk_len(head_dim, kv_dtype) if chunk is None else chunk
     part = cuda.device_array(
-        part_shape(n_heads, n_kv_heads, head_dim, seq_len, chunk, rows), np.float32, stream=stream
+        part_shape(n_heads, n_kv_heads, head_dim, seq_len, chunk, rows, paged), np.float32, stream=stream
     )
     count = cuda.to_device(np.zeros(rows * n_kv_heads, np.int32), stream=stream)
     return AttentionScratch(part, count, chunk)
 
 
-def part_shape(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, chunk: int, rows: int) -> tuple:
-    """The shape of AttentionScratch.part (4 bytes an element) for these sizes."""
+def part_shape(
+    n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, chunk: int, rows: int, paged: bool = False
+) -> tuple:
+    """The shape of AttentionScratch.part (4 bytes an element) for these sizes. Paged launches of
+    r rows take a view (r * n_heads, their splits, padded) of it, flat."""
     if chunk < 1 or chunk & (chunk - 1):
         raise PycalmError(f"attention chunk {chunk} is not a power of two")
-    n_splits = max(-(-span // split_len(span, chunk, n_kv_heads)) for span in _spans(chunk, seq_len))
     padded = -(-(head_dim + 2) // _LINE) * _LINE
+    if paged:  # the most (row, split) slots any launch of 1..rows rows takes
+        slots = max(
+            r * -(-span // split_len(span, chunk, n_kv_heads * r))
+            for r in range(1, rows + 1)
+            for span in _spans(chunk, seq_len)
+        )
+        return slots * n_heads, 1, padded
+    n_splits = max(-(-span // split_len(span, chunk, n_kv_heads)) for span in _spans(chunk, seq_len))
     return rows * n_heads, n_splits, padded
 
 
@@ -248,6 +260,13 @@ def _spans(chunk: int, seq_len: int) -> list[int]:
         spans.append(span)
         span *= 2
     return [*spans, span]
+
+
+@cuda.jit(device=True, inline=True)
+def pool_row(table, seq, t, page_log2):  # noqa: ANN001, ANN201
+    """The pool row of sequence seq's position t in a paged cache: its page table[seq, t >>
+    page_log2], the row t mod the page size within it (the module docstring's last part)."""
+    return (table[seq, t >> page_log2] << page_log2) | (t & ((1 << page_log2) - 1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -281,11 +300,14 @@ def attention_kernel(
     stages: int = STAGES,
     max_splits: int = TARGET_BLOCKS,
     out_fp16: bool = False,
+    paged: bool = False,
 ) -> object:
     """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
     warp tile and stages, so the per-lane query slices, partial dots and accumulators are
-    fixed-size local arrays that the compiler keeps in registers (all loops over them unroll)."""
+    fixed-size local arrays that the compiler keeps in registers (all loops over them unroll).
+    paged: rows of many sequences over a paged pool (the module docstring's last part)."""
     check_head(head_dim, group, kv_dtype)
+    PAGED = paged
     IS_FP8 = kv_dtype == "fp8"
     EPW = 4 if IS_FP8 else 2  # cache elements an int32 word holds
     ROW_G = _row_words(head_dim, kv_dtype)  # int32 words of a head's row in the cache
@@ -323,7 +345,14 @@ def attention_kernel(
     wait_landed = cp_async_wait(stages - 1)  # all but the stages - 1 newest groups have landed
 
     @cuda.jit(device=True, inline=True)
-    def issue_async(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
+    def cache_row(t, table, seq, page_log2):  # noqa: ANN001, ANN202
+        """The cache row of position t: t itself, or paged, its pool row in sequence seq's pages."""
+        if PAGED:
+            return uint32(pool_row(table, seq, t, page_log2))
+        return uint32(t)
+
+    @cuda.jit(device=True, inline=True)
+    def issue_async(smem, k_cache, v_cache, base, t0, last, col0, lane, table, seq, page_log2):  # noqa: ANN001, ANN202
         """Start a warp's copies of the rows t0 .. t0 + WT - 1 (rows past `last` read row last:
         finite, and their p is 0) into the stage at word `base`; the caches are fp16 views."""
         for c in range(COPY_STEPS):
@@ -331,7 +360,7 @@ def attention_kernel(
             if i < COPIES:
                 r = (i // PIECES) % WT
                 piece = i % PIECES
-                row = uint32(min(t0 + r, last))
+                row = cache_row(min(t0 + r, last), table, seq, page_log2)
                 word = base + r * ROW + piece * 4
                 if i < WT * PIECES:
                     cp_async16(smem, word, k_cache, row, col0 + piece * 8, 16)
@@ -339,7 +368,7 @@ def attention_kernel(
                     cp_async16(smem, word + WT * ROW, v_cache, row, col0 + piece * 8, 16)
 
     @cuda.jit(device=True, inline=True)
-    def issue_words(smem, k_cache, v_cache, base, t0, last, col0, lane):  # noqa: ANN001, ANN202
+    def issue_words(smem, k_cache, v_cache, base, t0, last, col0, lane, table, seq, page_log2):  # noqa: ANN001, ANN202
         """issue_async for rows that are no whole number of 16-byte pieces: the same rows word by
         word (int32 views of the caches), at once; the padding words stay zero."""
         for c in range(COPY_STEPS):
@@ -347,7 +376,7 @@ def attention_kernel(
             if i < COPIES:
                 r = (i // PIECES) % WT
                 w = i % PIECES
-                row = uint32(min(t0 + r, last))
+                row = cache_row(min(t0 + r, last), table, seq, page_log2)
                 if i < WT * PIECES:
                     smem[base + r * ROW + w] = k_cache[row, col0 + w]
                 else:
@@ -366,12 +395,15 @@ def attention_kernel(
     bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
-    def attention_kernel(q, k_cache, v_cache, state, part, count, out, window, split):  # noqa: ANN001, ANN202
+    def attention_kernel(
+        q, k_cache, v_cache, state, part, count, out, window, split, positions, seq_of_row, table, page_log2
+    ):  # noqa: ANN001, ANN202, E501
         grid_dependency_wait()  # in a programmatic graph: q and the cache row come from earlier kernels
         # q (rows, n_heads * head_dim) f32; caches (seq_len, kv_dim * bytes / 2) viewed as fp16
         # (int32 for padded rows); part (>= rows * n_heads, max splits, >= head_dim + 2) f32; count
         # (>= rows * n_kv_heads,) i32; out (rows, n_heads * head_dim) f32 (fp16 with out_fp16);
-        # split: positions a block
+        # split: positions a block. Paged: positions, seq_of_row (rows,) i32, table (n_seqs,
+        # max_pages) i32, page_log2 (else unread)
         rows = q.shape[0]
         kv_head = cuda.blockIdx.x // rows
         row = cuda.blockIdx.x % rows  # the query row: position state[STATE_POS] + row
@@ -379,7 +411,15 @@ def attention_kernel(
         n_kv = cuda.gridDim.x // rows
         head0 = row * n_kv * group + kv_head * group  # the group's first head among the rows' (part)
         ck = row * n_kv + kv_head  # the (row, kv head)'s counter
-        n_pos = int32(state[STATE_POS] + 1 + row)
+        seq = int32(0)  # paged: the row's sequence
+        if PAGED:
+            seq = seq_of_row[row]
+            n_pos = int32(positions[row] + 1) if seq >= 0 else int32(0)  # padding: no position
+            if seq < 0 and split_id == 0:  # padding rows come out zero
+                for i in range(cuda.threadIdx.x, group * head_dim, cuda.blockDim.x):
+                    store(out, row, kv_head * group * head_dim + i, float32(0.0))
+        else:
+            n_pos = int32(state[STATE_POS] + 1 + row)
         start = int32(0)
         if window > 0 and n_pos > window:
             start = int32(n_pos - window)
@@ -423,6 +463,9 @@ def attention_kernel(
                     last,
                     col0,
                     lane,
+                    table,
+                    seq,
+                    page_log2,
                 )
             cp_async_commit()
         qr = cuda.local.array(GLE, float32)  # the lane's slice of each head's q, scaled
@@ -448,7 +491,8 @@ def attention_kernel(
             ahead = i + stages - 1  # the warp tile that enters the ring now
             if ahead < n_mine:
                 t_ahead = first + (warp + ahead * N_WARPS) * WT
-                issue(smem, k_cache, v_cache, ring + (ahead % stages) * STAGE, t_ahead, last, col0, lane)
+                issue(smem, k_cache, v_cache, ring + (ahead % stages) * STAGE, t_ahead, last, col0, lane,
+                      table, seq, page_log2)  # fmt: skip
             cp_async_commit()  # (an empty group near the end)
             wait_landed()  # this lane's copies of warp tile i have landed ...
             cuda.syncwarp()  # ... and every lane's
@@ -630,6 +674,7 @@ def attention(
     *,
     stream: object,
     span: int | None = None,
+    pages: object = None,
 ) -> None:
     """out = attention of q over the positions [start, pos] of one layer's cache (see the module
     docstring): q (n_heads * head_dim,) f32 at pos = state[STATE_POS] (the token step), out the
@@ -643,6 +688,11 @@ def attention(
     whole cache): the launch is right only while the last row's position is below span. A graph
     captured at seq_len 32768 would otherwise launch splits of 512 positions where a short
     context wants 32 (attention_span: the spans an engine captures).
+
+    pages (pycalm.kernels.rows.Pages): the rows of many sequences over a paged pool (the cache):
+    row r at position pages.positions[r] of sequence pages.seq_of_row[r] (< 0: padding, out
+    zero), its keys in the pool rows its row of pages.table names; the span covers every row's
+    position; the scratch from attention_scratch(..., paged=True).
     """
     n_heads, n_kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if cache.dtype not in KV_DTYPES:
@@ -656,9 +706,14 @@ def attention(
     if q.ndim == 1:  # the token step: one row
         q, out = q.reshape(1, q.shape[0]), out.reshape(1, out.shape[0])
     rows = q.shape[0]
-    split = split_len(span, scratch.chunk, n_kv_heads)
+    # paged: the rows' blocks fill the GPU, so each row takes fewer, longer splits
+    split = split_len(span, scratch.chunk, n_kv_heads * (1 if pages is None else rows))
     n_splits = -(-span // split)
     part = scratch.part
+    if pages is not None and part.size >= rows * n_heads * n_splits * part.shape[2]:
+        # (rows * n_heads, n_splits, padded): a view of the flat scratch
+        flat = part.reshape(part.size)[: rows * n_heads * n_splits * part.shape[2]]
+        part = flat.reshape(rows * n_heads, n_splits, part.shape[2])
     if (
         part.shape[0] < rows * n_heads
         or part.shape[1] < n_splits
@@ -668,7 +723,10 @@ def attention(
         raise PycalmError(
             f"attention scratch {part.shape} does not fit {rows} rows of {n_heads} heads over {seq_len} positions"
         )
-    kernel = attention_kernel(head_dim, group, cache.dtype, out_fp16=bool(out.dtype == np.float16))
+    paged = pages is not None
+    kernel = attention_kernel(
+        head_dim, group, cache.dtype, out_fp16=bool(out.dtype == np.float16), paged=paged
+    )
     view = (
         np.float16
         if _shared_row(head_dim, group, cache.dtype) == _row_words(head_dim, cache.dtype)
@@ -676,9 +734,15 @@ def attention(
     )
     k16, v16 = cache.k.view(view), cache.v.view(view)
     window = int32(cfg.sliding_window)
+    # unpaged, the pages' arguments are unread: state and the count stand in for them
+    positions, seq_of_row, table, page_log2 = (
+        (pages.positions, pages.seq_of_row, pages.table, pages.page_log2) if paged
+        else (state, state, scratch.count.reshape(1, scratch.count.shape[0]), 0)
+    )  # fmt: skip
     kernel[(n_kv_heads * rows, n_splits), THREADS, stream](
-        q, k16, v16, state, part, scratch.count, out, window, int32(split)
-    )
+        q, k16, v16, state, part, scratch.count, out, window, int32(split),
+        positions, seq_of_row, table, int32(page_log2),
+    )  # fmt: skip
 
 
 def attention_span(pos: int, chunk: int, seq_len: int) -> int:

@@ -67,7 +67,7 @@ from numba import cuda, float32, int32
 from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.attention import KVCache
+from pycalm.kernels.attention import KVCache, pool_row
 from pycalm.kernels.common import (
     dependent_start,
     fp8x4_cvt,
@@ -99,13 +99,6 @@ def batch_attention_keys(head_dim: int, group: int, keys: int = KEYS) -> int:
             break
         keys //= 2
     return keys
-
-
-@cuda.jit(device=True, inline=True)
-def pool_row(table, seq, t, page_log2):  # noqa: ANN001, ANN201
-    """The pool row of sequence seq's position t: its page table[seq, t >> page_log2], the row
-    t mod the page size within it (the layout of the module docstring)."""
-    return (table[seq, t >> page_log2] << page_log2) | (t & ((1 << page_log2) - 1))
 
 
 @functools.cache

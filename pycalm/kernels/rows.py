@@ -41,8 +41,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.attention import KVCache
-from pycalm.kernels.batch_attention import pool_row
+from pycalm.kernels.attention import KVCache, pool_row
 from pycalm.kernels.common import (
     STATE_POS,
     WARP,
@@ -177,7 +176,7 @@ def qkv_pages_kernel(kv_dtype: str) -> object:
         head_dim,
     ):  # noqa: ANN001  # fmt: skip
         """Thread (pair p, row t): as qkv_rows_kernel, at position positions[t], into its pool
-        row in sequence s = seq_of_row[t]'s pages (batch_attention.pool_row)."""
+        row in sequence s = seq_of_row[t]'s pages (attention.pool_row)."""
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         p = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         t = cuda.blockIdx.y
@@ -230,6 +229,10 @@ class Pages:
     seq_of_row: object  # (rows,) int32: each row's sequence (its row of table), < 0: padding
     table: object  # (n_seqs, max_pages) int32: sequence s's i-th page of positions is pool page table[s, i]
     page_size: int  # pool rows a page, a power of two
+    # the attention's: every row's position lies below span (pycalm.kernels.attention's span),
+    # and its AttentionScratch (attention_scratch(..., paged=True)); qkv_pages reads neither
+    span: int = 0
+    scratch: object = None
 
     @property
     def page_log2(self) -> int:
