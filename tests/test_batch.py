@@ -1,6 +1,6 @@
 """The paged KV cache's block manager and the continuous-batching scheduler (pycalm.batch): pure
 Python, no engine. A fake pool (one token id a row, written and read through the block tables in
-batch_attention's layout) stands in for the keys and values, so reuse and recompute are checked
+the paged attention's layout) stands in for the keys and values, so reuse and recompute are checked
 by what a pass would read, not only by the counts."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pycalm.errors import PycalmError
 
 
 def pool_row(table, t: int, block_size: int) -> int:
-    """batch_attention's layout: key t of a sequence lives in this pool row."""
+    """the paged attention's layout: key t of a sequence lives in this pool row."""
     return table[t >> (block_size.bit_length() - 1)] * block_size + (t & (block_size - 1))
 
 

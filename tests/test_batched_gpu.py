@@ -6,7 +6,7 @@ logits at its sampled rows against the same engine's multi-token forward over th
 
 The products are the same kernels on the same rows (skinny's K order does not depend on the
 pass), so the first layer's keys and values are the same bits in the pool as in the engine's own
-cache; attention (pycalm.kernels.batch_attention against the split or prefill attention) sums
+cache; attention (pycalm.kernels.attention over the pages against the split or prefill attention) sums
 in another order, which moves the logits by a few 1e-4 relative (bound: 1e-3).
 """
 

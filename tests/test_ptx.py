@@ -82,7 +82,7 @@ MODELS = {
              ("fp16", "fp8", "gf4", "q8")),
 }  # fmt: skip
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
-FAMILIES = {"argmax", "attention", "batch_attention", "embed", "finite", "matmul", "matvec", "moe",
+FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",
             "moe_rows", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
 
 

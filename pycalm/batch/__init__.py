@@ -1,7 +1,7 @@
 """Serving many sequences at once: the device-independent bookkeeping of continuous batching.
 
   blocks.py     BlockManager: the paged KV cache's pool of blocks, a block table per sequence in
-                the layout pycalm.kernels.batch_attention reads, and the prefix cache (full,
+                the layout pycalm.kernels.attention reads paged, and the prefix cache (full,
                 computed blocks keyed by a chain hash, shared by reference count, evicted least
                 recently used).
   scheduler.py  Scheduler: requests wait in arrival order; each step's Plan advances every running

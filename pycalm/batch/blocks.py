@@ -4,7 +4,7 @@ cache (full blocks keyed by a chain hash, shared by reference count, evicted lea
 Layout. The pool holds n_blocks blocks of block_size positions (a power of two). A sequence's block
 table is a list of block ids; key t of the sequence lives in pool row
   table[t >> log2(block_size)] * block_size + (t & (block_size - 1)),
-the layout pycalm.kernels.batch_attention reads (its "pages" are these blocks). Nothing here
+the layout pycalm.kernels.attention reads paged (its "pages" are these blocks). Nothing here
 touches a device: the manager hands out ids, and an engine writes and reads the rows.
 
 A block is in exactly one state:

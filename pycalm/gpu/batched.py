@@ -12,12 +12,13 @@ positions[r] of sequence seq_of_row[r], whose block table is block_table[seq_of_
 rows of one sequence are consecutive (a decode row, or a chunk of a prompt). The step's arrays
 go to the device (a few KB) at fixed places, padded to a power of two of rows (padding rows are
 sequence -1: they write no cache row and attend to nothing), and the pass replays as the CUDA
-graph of its (rows, sampled rows) buckets, captured at its first use (eager where the engine
-takes no graphs, and for Mixtral). The pass is pycalm.gpu.prefill's forward_rows with pages: every
-weight read once for all R rows (the rows pass's products: skinny's for a few rows, matmul's
-tiles above), qkv_pages writing each row's key and value into its pool row, and
-pycalm.kernels.batch_attention taking each row over its own sequence's positions up to its
-own. take_rows gathers the sampled rows, the final RMSNorm and the classifier run on them, and
+graph of its (rows, sampled rows, attention span) buckets, captured at its first use (eager
+where the engine takes no graphs, and for Mixtral). The pass is pycalm.gpu.prefill's
+forward_rows with pages: every weight read once for all R rows (the rows pass's products:
+skinny's for a few rows, matmul's tiles above), qkv_pages writing each row's key and value into
+its pool row, and pycalm.kernels.attention over the pages taking each row over its own
+sequence's positions up to its own (split over the keys, fewer splits the more rows; the span,
+the power of two above the step's last position, fixes the grid). take_rows gathers the sampled rows, the final RMSNorm and the classifier run on them, and
 their logits (len(sample_rows), vocab_size) float32 come back to the host, where each request's
 own sampler draws (its seed, penalties and constraint, as on the CPU engine).
 

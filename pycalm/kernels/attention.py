@@ -51,6 +51,15 @@ r's, with its own live splits, partial slots and counter. The rows of one (kv he
 neighbouring blocks, so they run together and the K and V rows they share come from L2 after
 the first. The rows pass (pycalm.gpu.prefill) launches it for its few-row passes.
 
+Paged (pages given: the batched pass of serve --parallel, pycalm.gpu.batched): the cache is a
+pool of pages of page_size rows, and query row r is position positions[r] of sequence s =
+seq_of_row[r] (device arrays, so a captured graph replays with new ones), its key t in pool row
+table[s, t >> log2(page_size)] * page_size + (t & (page_size - 1)) (pool_row: one table load a
+copy, from L1, ahead of the cp.async). Every row has its own live splits, partial slots and
+counter, as above; since the rows' blocks fill the GPU themselves, a launch of R rows takes
+splits R times longer (split_len over n_kv_heads * R blocks), and its partials are a view of
+a flat scratch. A row of sequence -1 is padding: its split 0 writes zeros, and nothing else runs.
+
 Rows that are no whole number of 16-byte pieces, or too short for a team (the tiny heads of test
 models: head_dim 8 in fp8 is 8 bytes), are copied word by word into rows of shared memory padded
 with zeros to a power of two of at least 8 words (_shared_row).
@@ -724,6 +733,12 @@ def attention(
             f"attention scratch {part.shape} does not fit {rows} rows of {n_heads} heads over {seq_len} positions"
         )
     paged = pages is not None
+    if paged:
+        size = pages.page_size
+        if size < 1 or size & (size - 1) or size > seq_len:
+            raise PycalmError(f"page size {size} is not a power of two up to the pool's {seq_len} rows")
+        if pages.positions.shape != (rows,) or pages.seq_of_row.shape != (rows,):
+            raise PycalmError(f"pages: positions and seq_of_row must be ({rows},), one a query row")
     kernel = attention_kernel(
         head_dim, group, cache.dtype, out_fp16=bool(out.dtype == np.float16), paged=paged
     )

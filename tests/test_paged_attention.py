@@ -1,16 +1,16 @@
-"""batch_attention (M rows, each its own sequence at its own position, over a paged KV cache)
-against batch_attention_ref, and each row against attention_ref over its sequence's keys laid
-out contiguously (the pages gathered back in order).
+"""pycalm.kernels.attention over a paged KV cache (M rows, each its own sequence at its own
+position, the batched pass's attention) against batch_attention_ref, and each row against
+attention_ref over its sequence's keys laid out contiguously (the pages gathered back in order).
 
-The cases cover both KV dtypes, GQA groups 1, 2, 3 (a warp a head, heads round-robin over a
-simulated block's 2 warps), pages of 16 rows in a shuffled pool (every sequence spans several
-non-contiguous pages, none in order), pages of 8 (a 16-key tile spans two pages), rows at
-position 0, at the last row of a page and the first of the next, several rows of one sequence
-at different positions, padding rows (seq -1) which must write zeros, a sliding window, M odd,
-and pool rows no row may read holding NaN (unused pages, the rows past a sequence's end), which
-must not reach the output. Under the simulator the head_dims are 16 and 32 and a tile is 16
-keys; with PYCALM_TEST_GPU=1 the same cases run on the GPU, plus Llama-3-8B's heads (head_dim
-128, 32 heads / 8 kv heads) at positions up to ~3000.
+The cases cover both KV dtypes, GQA groups 1, 2, 3, pages of 16 rows in a shuffled pool (every
+sequence spans several non-contiguous pages, none in order), pages of 8, rows at position 0, at
+the last row of a page and the first of the next, several rows of one sequence at different
+positions, padding rows (seq -1) which must come out zero, a sliding window, M odd, one or two
+rows whose keys take several splits (merged by the last block: short splits of CHUNK keys), and
+pool rows no row may read holding NaN (unused pages, the rows past a sequence's end), which must
+not reach the output. Under the simulator the head_dims are 16 and 32; with PYCALM_TEST_GPU=1
+the same cases run on the GPU, plus Llama-3-8B's heads (head_dim 128, 32 heads / 8 kv heads) at
+positions up to ~3000.
 Tolerance: the kernel writes fp16, so half an fp16 ulp (2^-11 relative) on top of
 tests/test_attention.py's 2e-5 absolute for float32 sums in another order (outputs are convex
 mixes of V rows in [-1, 1]): tests/test_prefill_attention.py's, the other fp16-output attention.
@@ -25,7 +25,6 @@ from tiny_models import attention_config as config
 from pycalm.cpu.reference import attention_ref, batch_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache, attention, attention_scratch, attention_span
-from pycalm.kernels.batch_attention import batch_attention, batch_attention_bytes, batch_attention_keys
 from pycalm.kernels.rows import Pages
 from pycalm.model import formats
 
@@ -82,16 +81,14 @@ def _run(
     cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
     cfg = config(n_heads, n_kv_heads, head_dim, window)
     args = [cuda.to_device(a) for a in (q, table, seq_of_row, positions)]
-    if kernel == "batch":
-        batch_attention(args[0], cache, *args[1:], out, cfg, stream=stream, page_size=page_size, **shape)
-    else:  # pycalm.kernels.attention over pages, split over the keys (short splits: several merge)
-        pool_len = n_pages * page_size
-        scratch = attention_scratch(n_heads, n_kv_heads, head_dim, kv_dtype, pool_len, chunk=CHUNK,
-                                    rows=len(rows), paged=True, stream=stream)  # fmt: skip
-        span = attention_span(int(positions.max()), CHUNK, pool_len)
-        pages = Pages(args[3], args[2], args[1], page_size, span, scratch)
-        state = cuda.to_device(np.zeros(8, np.int32))  # (unread over pages)
-        attention(args[0], cache, state, out, cfg, scratch, stream=stream, span=span, pages=pages)
+    # pycalm.kernels.attention over the pages, short splits (several merge)
+    pool_len = n_pages * page_size
+    scratch = attention_scratch(n_heads, n_kv_heads, head_dim, kv_dtype, pool_len, chunk=CHUNK,
+                                rows=len(rows), paged=True, stream=stream)  # fmt: skip
+    span = attention_span(int(positions.max()), CHUNK, pool_len)
+    pages = Pages(args[3], args[2], args[1], page_size, span, scratch)
+    state = cuda.to_device(np.zeros(8, np.int32))  # (unread over pages)
+    attention(args[0], cache, state, out, cfg, scratch, stream=stream, span=span, pages=pages)
     stream.synchronize()
     got = out.copy_to_host().astype(np.float32)
     want = batch_attention_ref(q, kd, vd, table, seq_of_row, positions, page_size, n_heads, n_kv_heads,
@@ -134,13 +131,6 @@ GPU_CASES = [
 
 
 @pytest.mark.parametrize(
-    "n_heads,n_kv_heads,head_dim,kv_dtype,page_size,window,rows", SIM_CASES + (GPU_CASES if GPU else [])
-)
-def test_batch_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, page_size, window, rows):
-    _run(n_heads, n_kv_heads, head_dim, kv_dtype, rows, page_size, window, seed=len(rows) + head_dim)
-
-
-@pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,kv_dtype,page_size,window,rows",
     SIM_CASES + [(2, 1, 16, "fp8", 8, 0, [(0, 100)]), (4, 2, 16, "fp16", 16, 30, [(1, 70), (0, 3)])]
     + (GPU_CASES if GPU else []),
@@ -161,52 +151,22 @@ def test_paged_split_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dt
     )
 
 
-def test_batch_attention_block_shapes():
-    # one warp for 4 heads (every head through warp 0) and tiles of 8 keys (one a page of 8)
-    _run(4, 1, 16, "fp8", [(0, 21), (1, 7)], page_size=8, seed=3, threads=32, keys=8)
-
-
-def test_batch_attention_keys_fit_shared_memory():
-    # the default tile; halved for long heads until the shared arrays fit 48 KB
-    assert batch_attention_keys(128, 4, 32) == 32
-    assert batch_attention_keys(256, 8, 32) == 16
-    for head_dim, group in ((64, 8), (128, 8), (256, 4), (512, 1)):
-        keys = batch_attention_keys(head_dim, group, 32)
-        words = keys * (2 * head_dim + 1) + group * head_dim + group * keys + keys + 3 * group
-        assert 4 * words <= 48 * 1024 and keys & (keys - 1) == 0
-
-
-def test_batch_attention_rejects_bad_arguments():
+def test_paged_attention_rejects_bad_pages():
     q = cuda.to_device(np.zeros((3, 64), np.float32))
     out = cuda.to_device(np.zeros((3, 64), np.float16))
     pool = cuda.to_device(np.zeros((32, 32), np.float16))
     table = cuda.to_device(np.zeros((2, 2), np.int32))
     rows = cuda.to_device(np.zeros(3, np.int32))
     cfg = config(4, 2, 16)
+    scratch = attention_scratch(4, 2, 16, "fp16", 32, chunk=CHUNK, rows=3, paged=True)
 
-    def call(dtype="fp16", cfg=cfg, page_size=16, rows=rows, **shape):
-        cache = KVCache(pool, pool, dtype)
-        batch_attention(q, cache, table, rows, rows, out, cfg, stream=0, page_size=page_size, **shape)
+    def call(page_size=16, rows=rows):
+        pages = Pages(rows, rows, table, page_size, 32, scratch)
+        attention(q, KVCache(pool, pool, "fp16"), rows, out, cfg, scratch, stream=0, span=32, pages=pages)
 
-    with pytest.raises(PycalmError, match="KV cache dtype"):
-        call(dtype="fp32")
     with pytest.raises(PycalmError, match="page size 12"):
         call(page_size=12)
     with pytest.raises(PycalmError, match="page size 64"):  # more than the pool's 32 rows
         call(page_size=64)
-    with pytest.raises(PycalmError, match="head_dim 12"):
-        call(cfg=config(4, 2, 12))
-    with pytest.raises(PycalmError, match="not \\(M, 32\\)"):
-        call(cfg=config(2, 2, 16))
-    with pytest.raises(PycalmError, match="seq_of_row"):
+    with pytest.raises(PycalmError, match="positions and seq_of_row"):
         call(rows=cuda.to_device(np.zeros(4, np.int32)))
-    with pytest.raises(PycalmError, match="48 threads"):
-        call(threads=48)
-
-
-def test_batch_attention_bytes():
-    # rows at positions 4 and 9 and a padding row; 2 heads of 8 (q_dim 16), 1 kv head (kv_dim 8)
-    seq, pos = np.array([0, 1, -1]), np.array([4, 9, 0])
-    q_out = 2 * 16 * 6 + 16 * 2
-    assert batch_attention_bytes(seq, pos, config(2, 1, 8), "fp16") == q_out + 2 * 15 * 8 * 2
-    assert batch_attention_bytes(seq, pos, config(2, 1, 8, window=6), "fp8") == q_out + 2 * 11 * 8
