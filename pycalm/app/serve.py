@@ -433,16 +433,28 @@ class Job:
     tool_parser: object | None = None  # a chat that offers tools: parses the calls (pycalm.app.tools)
 
     def emit(self, kind: str, value: object) -> None:  # on the worker thread
-        self.events.append((kind, value))
-        if not self.woken:
-            self.woken = True
+        if self.post(kind, value):
             self.loop.call_soon_threadsafe(self.ready.set)
+
+    def post(self, kind: str, value: object) -> bool:  # on the worker thread
+        """Append an event -> whether the loop must be woken for it (the caller wakes it:
+        ParallelWorker wakes a step's jobs together, one call_soon_threadsafe a step)."""
+        self.events.append((kind, value))
+        if self.woken:
+            return False
+        self.woken = True
+        return True
 
     async def drain(self) -> list[tuple[str, object]]:  # on the event loop
         await self.ready.wait()
         self.ready.clear()
         self.woken = False  # before taking the events: one appended from here on wakes again
         return [self.events.popleft() for _ in range(len(self.events))]
+
+
+def _set_ready(jobs: list[Job]) -> None:  # on the event loop
+    for job in jobs:
+        job.ready.set()
 
 
 @dataclass
@@ -647,6 +659,7 @@ class ParallelWorker(Worker):
         self.runner: object | None = None  # the BatchRunner, once the model is loaded
         self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
         self.peak = 0  # the most sequences a step has run
+        self.to_wake: list[Job] = []  # jobs with events since the last wake-up
 
     def serve(self) -> None:
         from pycalm.app.batching import BatchRunner
@@ -669,6 +682,7 @@ class ParallelWorker(Worker):
                     job = False
             if not runner.idle():
                 self.step()
+            self.wake()
 
     def start_job(self, job: Job) -> None:
         """A queued job joins the batch (its choices as sequences), or answers at once."""
@@ -681,7 +695,8 @@ class ParallelWorker(Worker):
         r, gens = job.request, [None] * job.request.n
 
         def emit(kind: str, value: object) -> None:
-            job.emit(kind, value)
+            if job.post(kind, value):  # woken after the step, with the step's other jobs
+                self.to_wake.append(job)
             if kind == "finish":
                 i, gen = value
                 gens[i] = gen
@@ -713,6 +728,13 @@ class ParallelWorker(Worker):
             job.cancel.set()  # the choices queued already leave at the next step
             self.active.pop(id(job), None)
             job.emit("error", str(e))
+
+    def wake(self) -> None:
+        """Wake the event loop once for every job that has new events (a call_soon_threadsafe
+        a job would cost a system call each, on the worker thread, 64 a step at 64 sequences)."""
+        if self.to_wake:
+            jobs, self.to_wake = self.to_wake, []
+            jobs[0].loop.call_soon_threadsafe(_set_ready, jobs)
 
     def end_job(self, job: Job, gens: list) -> None:
         """Every choice of the job has finished: its counts, and ("done", gens)."""
