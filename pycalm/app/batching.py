@@ -29,6 +29,7 @@ ones staying in the prefix cache.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +64,7 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
         self.sum += value
 
     def text(self, name: str, about: str) -> str:

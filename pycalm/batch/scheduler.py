@@ -63,8 +63,18 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt then output: what a recompute feeds."""
+        """Prompt then output: what a recompute feeds (a new list)."""
         return self.prompt + self.output
+
+    @property
+    def n_tokens(self) -> int:
+        """len(tokens), without the list."""
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        """tokens[-1], without the list."""
+        return self.output[-1] if self.output else self.prompt[-1]
 
 
 @dataclass
@@ -189,15 +199,15 @@ class Scheduler:
         i = 0
         while i < len(self.running):  # 2. decode rows, oldest first
             r = self.running[i]
-            if len(r.tokens) - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
-                if len(self.blocks.seqs[r.id].tokens) < len(r.tokens) and not self._grow(r):
+            if r.n_tokens - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
+                if len(self.blocks.seqs[r.id].tokens) < r.n_tokens and not self._grow(r):
                     break  # r itself was the newest and is preempted
-                plan.chunks.append(Chunk(r.id, r.computed, [r.tokens[-1]], True, self.blocks.table(r.id)))
+                plan.chunks.append(Chunk(r.id, r.computed, [r.last_token], True, self.blocks.table(r.id)))
                 budget -= 1
             i += 1
 
         for r in self.running:  # 3. prompt chunks of admitted sequences, oldest first
-            todo = len(r.tokens) - r.computed
+            todo = r.n_tokens - r.computed
             if todo > 1 and budget > 0:
                 plan.chunks.append(self._chunk(r, min(todo, budget)))
                 budget -= len(plan.chunks[-1].tokens)
@@ -227,7 +237,7 @@ class Scheduler:
         until one is free. False when r itself had to be preempted."""
         while True:
             try:
-                self.blocks.append(r.id, r.tokens[-1])
+                self.blocks.append(r.id, r.last_token)
                 return True
             except OutOfBlocks:
                 newest = self.running[-1]

@@ -401,7 +401,9 @@ def attention_kernel(
         else:
             out[row, i] = x
 
-    bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 else 3)}
+    # four blocks an SM where a lane's slices fit 16 floats; three for larger groups, and paged
+    # (the block table's lookups in the copy loop spilled at four: 36 bytes at head_dim 128, fp16)
+    bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 and not PAGED else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
     def attention_kernel(
