@@ -91,6 +91,24 @@ def cli_rate(model: Path, args: argparse.Namespace, cache: Path) -> tuple[float,
     return float(re.search(r"decode \d+ tokens, [0-9.]+ s, ([0-9.]+) tok/s", line).group(1)), line
 
 
+def start_server(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The server process, its output into `log` (a pipe could fill and stop it)."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Until /health answers 200 (the model loaded); the log if the server dies first."""
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+
+
 def server_rates(model: Path, args: argparse.Namespace, cache: Path) -> tuple[list[float], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,18 +116,10 @@ def server_rates(model: Path, args: argparse.Namespace, cache: Path) -> tuple[li
     log = cache / "server.log"
     cmd = [sys.executable, "-m", "pycalm.serve", str(model), "--port", str(port), "--device", args.device]
     cmd += ["-c", str(args.context), "--cache-dir", str(cache)]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = start_server(cmd, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_ready(proc, url, log)
         body = {"prompt": PROMPT, "max_tokens": args.tokens, "temperature": 0, "stream": True}
         body["stream_options"] = {"include_usage": True}
         rates = []
@@ -229,9 +239,6 @@ def serve_random(args: argparse.Namespace) -> None:
 
     from pycalm.app.serve import ParallelWorker, make_app
 
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
-
     def on_loaded(llm: object | None, message: str) -> None:
         assert llm is not None, message
 
@@ -255,18 +262,11 @@ def streams_main(args: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, __file__, "--serve", str(port), "--parallel", str(max(counts))]
     cmd += ["--shape", args.shape, "--dtype", args.dtype, "--context", str(args.context)]
-    cmd += ["--switch-interval", str(args.switch_interval)] if args.switch_interval else []
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    server = start_server(cmd, log)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_ready(server, url, log)
         vocab = args.vocab
         print(f"{args.shape} {args.dtype}, the server a process of its own with --parallel {max(counts)}, "
               f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
@@ -310,7 +310,6 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="output tokens a request (--streams)")
     ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
     ap.add_argument("--vocab", type=int, default=128256, help="the shape's vocabulary (--streams)")
-    ap.add_argument("--switch-interval", type=float, default=0.0, help="the server's sys.setswitchinterval")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process of --streams: its port
     ap.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
