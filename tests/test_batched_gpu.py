@@ -123,7 +123,9 @@ def test_batched_gpu_refuses_bad_steps(tmp_path):
 def test_batch_runner_on_the_gpu_engine(tmp_path):
     """The server's --parallel runner over the GPU engine: two greedy requests at once, each
     the text the same LLM gives for that prompt alone (the token step's float32 products against
-    the batched pass's fp16 ones: no near tie in this model's few tokens)."""
+    the batched pass's fp16 ones: no near tie in this model's few tokens). One is drawn on the
+    device; the other has a repetition penalty and asks for logprobs (its logits come to the
+    host, its token drawn there, its logprobs the model's)."""
     from pycalm.app.api import LLM
     from pycalm.model.tokenizer import Tokenizer
 
@@ -133,12 +135,26 @@ def test_batch_runner_on_the_gpu_engine(tmp_path):
         model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
     )
     llm = LLM(GpuEngine(model, seq_len=SEQ_LEN), tok)
-    runner = BatchRunner(llm, max_seqs=3, block_size=BLOCK_SIZE, token_budget=5)
+    # (a budget that feeds both prompts in one step: the chunked plans are the test above's)
+    runner = BatchRunner(llm, max_seqs=3, block_size=BLOCK_SIZE, token_budget=16)
     some = prompts()[1:]
-    streams = [runner.add(p, 2, SamplingParams(temperature=0.0), lambda *_: None) for p in some]
+    options = [dict(repetition_penalty=1.5, logprobs=2), {}]
+    streams = [
+        runner.add(p, 2, SamplingParams(temperature=0.0, repetition_penalty=o.get("repetition_penalty", 1.0)),
+                   lambda *_: None, logprobs=o.get("logprobs"))
+        for p, o in zip(some, options, strict=True)
+    ]  # fmt: skip
     while not runner.idle():
         runner.step()
-    for p, s in zip(some, streams, strict=True):
-        alone = llm.generate(p, max_tokens=2, temperature=0.0)  # the text
+    for p, o, s in zip(some, options, streams, strict=True):
+        alone = llm.generate(p, max_tokens=2, temperature=0.0, **o)  # the text (a Generation with logprobs)
         assert s.gen.finish_reason in ("stop", "length") and s.gen.completion_tokens == len(s.request.output)
+        if "logprobs" in o:
+            assert [x.token for x in s.gen.logprobs] == [x.token for x in alone.logprobs]
+            assert [x.top_ids for x in s.gen.logprobs] == [x.top_ids for x in alone.logprobs]
+            # (the two forwards' logits differ by about 1e-3 relative: the module docstring)
+            np.testing.assert_allclose(
+                [x.logprob for x in s.gen.logprobs], [x.logprob for x in alone.logprobs], atol=1e-2
+            )
+            alone = alone.text
         assert s.gen.text == alone and alone
