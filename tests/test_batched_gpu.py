@@ -93,6 +93,8 @@ def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
     want = gpu.step(tokens, positions, seq_of_row, table, last)  # (3, vocab_size)
     options = [SamplingParams(), SamplingParams(0.8, top_k=5), SamplingParams(1.3, top_p=0.9, min_p=0.02)]
     coins = [0.1, 0.7, 0.93]
+    # stale bits (NaN options) in the pinned buffer, which padding rows must not take
+    gpu.host[:] = -1
     chosen, kept = gpu.step_tokens(tokens, positions, seq_of_row, table, last, options, coins, keep=[2, 0])
     picks = [
         sample_ref(w, o.temperature, o.top_k, o.top_p, o.min_p, c)
@@ -100,6 +102,8 @@ def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
     ]
     assert chosen.tolist() == picks
     assert np.array_equal(kept, want[[2, 0]])
+    # the bucket's padding row (3 sampled rows run as 4) is greedy with coin 0
+    assert [gpu.row_sampling.temperature.copy_to_host()[3], gpu.coins.copy_to_host()[3]] == [0.0, 0.0]
     with pytest.raises(PycalmError, match="3 samplings and coins"):
         gpu.step_tokens(tokens, positions, seq_of_row, table, last, options[:2], [0.1, 0.2])
 

@@ -103,6 +103,7 @@ class BatchedGpuEngine:
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
         self.head = 9 * R  # the words before the block table
         self.host = cuda.pinned_array(self.head + R * self.max_blocks, np.int32)
+        self.host[:] = 0  # (pinned memory comes uninitialised; zero options are greedy rows)
         self.blob = cuda.device_array(self.head + R * self.max_blocks, np.int32, stream=s)
         self.args = self.blob[: 4 * R].reshape(4, R)
         self.tokens, self.positions, self.seq_of_row, self.sample_rows = (self.args[i] for i in range(4))
@@ -166,6 +167,7 @@ class BatchedGpuEngine:
         R, h = self.max_rows, self.host
         for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
             h[(4 + i) * R : (4 + i) * R + m] = field.view(np.int32)
+            h[(4 + i) * R + m : (5 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
         self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         s = self.engine.stream
         kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
