@@ -383,11 +383,14 @@ class SpeculativeEngine:
         constraint: object | None = None,
     ) -> Iterator[int]:
         """engine.generate's contract (feed ids at start_pos.., then up to max_new tokens,
-        stopping after an EOS or at the end of the context), speculating; with logprobs,
-        penalties or a logit bias, a constraint, or where the cache's earlier tokens are unknown,
-        plain engine.generate (prefix: its repetition penalty's cached prompt)."""
+        stopping after an EOS, unless sampling.ignore_eos, or at the end of the context),
+        speculating; with logprobs, penalties or a logit bias, a constraint, min_tokens (its EOS
+        mask is a constraint), or where the cache's earlier tokens are unknown, plain
+        engine.generate (prefix: its repetition penalty's cached prompt)."""
         e = self.engine
-        plain = logprobs is not None or sampling.penalized or constraint is not None
+        plain = (
+            logprobs is not None or sampling.penalized or constraint is not None or sampling.min_tokens > 0
+        )
         if plain or start_pos > len(self._history) or not ids:
             self._fed(ids, start_pos)
             known, given = self._history, []
@@ -413,7 +416,7 @@ class SpeculativeEngine:
         last, pos = ids[-1], end - 1  # the next token to feed, and its position
         room = min(max_new, e.seq_len - pos)  # the tokens this call may give
         coins = np.random.default_rng(sampling.seed).random(room)  # the j-th token's coin
-        eos = set(e.config.eos_ids)
+        eos = sampling.end_ids(e.config.eos_ids)
         produced = 0
         plain = None  # a stretch of plain token steps in flight (engine.generate)
         try:

@@ -47,7 +47,7 @@ from pycalm.cpu.reference import (
     mask_logits_ref,
     sample_ref,
 )
-from pycalm.cpu.sampler import Sampler, SamplingParams
+from pycalm.cpu.sampler import MinTokens, Sampler, SamplingParams
 from pycalm.errors import PycalmError
 
 PREFILL_CHUNK = 512  # rows a pass of the multi-token forward takes at most; the attention's
@@ -209,12 +209,15 @@ class CpuEngine:
         given). prefix: the tokens at positions 0 .. start_pos - 1 (cached), which with ids make
         the prompt that sampling's repetition_penalty counts as seen. constraint
         (pycalm.app.constrain.Constraint): each step samples among the ids it allows
-        (mask_logits_ref), and generation ends once it is finished."""
+        (mask_logits_ref), and generation ends once it is finished. sampling.min_tokens: no EOS
+        among the first min_tokens tokens (MinTokens, a constraint over the given one);
+        sampling.ignore_eos: an EOS does not end the generation."""
         check_logprobs(logprobs)
         check_constraint(constraint, self.config.vocab_size)
+        constraint = MinTokens.over(constraint, sampling, self.config.eos_ids, self.config.vocab_size)
         self._check_fits(ids, start_pos)
         sampler = Sampler.for_request(sampling, [*(prefix or []), *ids], self.config.vocab_size)
-        eos = set(self.config.eos_ids)
+        eos = sampling.end_ids(self.config.eos_ids)
         if len(ids) > 1:  # the prompt but its last token: only the cache matters
             self.prefill(ids[:-1], start_pos)
         pos, token = start_pos + len(ids) - 1, ids[-1]

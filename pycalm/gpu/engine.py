@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pycalm.cpu.reference import TokenLogprobs, check_constraint, check_logprobs
-from pycalm.cpu.sampler import SamplingParams
+from pycalm.cpu.sampler import MinTokens, SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
@@ -736,9 +736,14 @@ class GpuEngine:
         pycalm.kernels.logprobs). prefix: the tokens at positions 0 .. start_pos - 1 (cached),
         which with ids make the prompt that sampling's repetition_penalty counts as seen.
         constraint (pycalm.app.constrain.Constraint): each token is sampled among the ids it
-        allows (_decode_constrained), and generation ends once it is finished."""
+        allows (_decode_constrained), and generation ends once it is finished.
+        sampling.min_tokens: no EOS among the first min_tokens tokens (MinTokens, a constraint
+        over the given one: the whole generation takes the constrained steps, a host round trip
+        a token); sampling.ignore_eos: an EOS does not end the generation."""
         check_logprobs(logprobs)
         check_constraint(constraint, self.config.vocab_size)
+        constraint = MinTokens.over(constraint, sampling, self.config.eos_ids, self.config.vocab_size)
+        eos = sampling.end_ids(self.config.eos_ids)  # the tokens that end it
         if not ids:
             raise PycalmError("nothing to feed: the prompt encodes to no tokens")
         end = start_pos + len(ids)
@@ -783,11 +788,11 @@ class GpuEngine:
         for i in range(end - 1 - first):  # token steps: positions start_pos .. end-2, tokens from feed
             steps[i].launch()
         if constraint is not None:
-            yield from self._decode_constrained(forwards, masked, end - 1, constraint, logprobs)
+            yield from self._decode_constrained(forwards, masked, end - 1, constraint, eos, logprobs)
             return
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
-        yield from self._decode(sampled, end - 1, end, logprobs)
+        yield from self._decode(sampled, end - 1, end, eos, logprobs)
 
     def _decode_constrained(
         self,
@@ -795,11 +800,12 @@ class GpuEngine:
         masked: GraphStep | EagerStep,
         pos: int,
         constraint: object,
+        eos: frozenset[int],
         logprobs: int | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Run the constrained token steps at positions pos, pos + 1, ..., yielding the token
-        each samples (with logprobs = k: its TokenLogprobs). The mask of step i + 1 depends on
-        token i, so the loop runs one step ahead: as soon as step i's masked sampling is
+        each samples (with logprobs = k: its TokenLogprobs) up to one of `eos`. The mask of step
+        i + 1 depends on token i, so the loop runs one step ahead: as soon as step i's masked sampling is
         enqueued, so is step i + 1's forward (forwards[i + 1], which reads the token from the
         state on the device); then the host waits for token i, moves the constraint on by it and
         computes step i + 1's mask into a pinned buffer while the GPU runs that forward, copies
@@ -808,7 +814,6 @@ class GpuEngine:
         it takes longer. When the caller stops, the one forward enqueued past the last token
         taken has written the KV row of a later position (rewritten before it is read) and left
         the state alone: the state is what the last taken step left."""
-        eos = set(self.config.eos_ids)
         from pycalm.kernels.logprobs import token_logprobs
 
         s, ring, event, lp_ring = self.stream, self._tokens_host, self._token_events[0], self._logprobs_host
@@ -841,11 +846,16 @@ class GpuEngine:
                 return
 
     def _decode(
-        self, steps: list[GraphStep | EagerStep], pos: int, feed_end: int, logprobs: int | None = None
+        self,
+        steps: list[GraphStep | EagerStep],
+        pos: int,
+        feed_end: int,
+        eos: frozenset[int],
+        logprobs: int | None = None,
     ) -> Iterator[int] | Iterator[TokenLogprobs]:
         """Run the token steps at positions pos, pos + 1, ..., yielding the token each samples
-        (with logprobs = k: its TokenLogprobs, from the step's logprobs_out, copied into the
-        slot's row of a second pinned ring beside the token),
+        up to one of `eos` (with logprobs = k: its TokenLogprobs, from the step's logprobs_out,
+        copied into the slot's row of a second pinned ring beside the token),
         with up to decode_lookahead steps enqueued ahead of the one the host waits for: after
         each step its token is copied into the step's slot of a pinned ring and an event is
         recorded; the host reads a slot once its event has passed, while the GPU runs the steps
@@ -854,7 +864,6 @@ class GpuEngine:
         write the KV rows of later positions, which a step always rewrites before any step reads
         them, and move the state, which is then set to what the last taken step left (its token,
         its position + 1), as a loop that waits for every token leaves it."""
-        eos = set(self.config.eos_ids)
         from pycalm.kernels.logprobs import token_logprobs
 
         ring, events, lp_ring = self._tokens_host, self._token_events, self._logprobs_host

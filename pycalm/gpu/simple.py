@@ -238,7 +238,7 @@ def generate_sampled(
             "generate_sampled draws at a temperature above 0, with penalties or under a constraint"
         )
     sampler = Sampler.for_request(sampling, prompt if prompt is not None else ids, e.config.vocab_size)
-    end, eos = start_pos + len(ids), set(e.config.eos_ids)
+    end, eos = start_pos + len(ids), sampling.end_ids(e.config.eos_ids)
     if len(ids) > 1:
         e.prefill(ids[:-1], start_pos)
     token, taken = ids[-1], 0
