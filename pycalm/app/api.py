@@ -225,6 +225,8 @@ class LLM:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
         tool_parser: ToolCallParser | None = None,
         response_format: dict | None = None,
         grammar: str | None = None,
@@ -254,6 +256,12 @@ class LLM:
         tokens of the prompt and those generated; logit_bias {token id: -100 to 100} is added last
         (+100 forces a token, -100 bans it).
 
+        The end of the text (vLLM's fields): min_tokens (0 to max_tokens), no EOS among the first
+        min_tokens tokens (their logits at -inf: pycalm.cpu.sampler.MinTokens; the logprobs of
+        those tokens are then over the other ids) and no stop string ends the text before it has
+        that many; ignore_eos, an EOS does not end the text (it runs to max_tokens, a stop string
+        or the end of the context; the EOS is counted and has no text).
+
         n = k (1 to MAX_CHOICES): k continuations, choice i drawn with seed + i (at temperature 0
         all alike), the prompt fed once: a list of what n = 1 returns, or with stream=True an
         iterator of the k Generations, each made when the one before it is done (taking the next
@@ -267,6 +275,9 @@ class LLM:
         """
         from dataclasses import replace
 
+        from pycalm.cpu.sampler import check_min_tokens
+
+        check_min_tokens(min_tokens, ignore_eos, max_tokens)
         bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
         sampling = SamplingParams(
             temperature,
@@ -278,6 +289,8 @@ class LLM:
             frequency_penalty,
             repetition_penalty,
             bias,
+            int(min_tokens),
+            bool(ignore_eos),
         )
 
         def constraint() -> object:  # a fresh matcher a choice (a constraint follows one output)
@@ -359,9 +372,9 @@ class LLM:
     ) -> str | dict[str, Any] | Generation:
         """The assistant's reply to `messages` ([{"role", "content"}, ...]), rendered with the
         model's own chat template; the options (max_tokens, temperature, top_p, top_k, min_p,
-        seed, stop, stream, logprobs, n, the penalties, logit_bias, response_format, grammar,
-        regex) as for generate, which runs it. A conversation that goes on turn after turn reuses
-        the cache of the turns before (only the new tokens are fed).
+        seed, stop, stream, logprobs, n, the penalties, logit_bias, min_tokens, ignore_eos,
+        response_format, grammar, regex) as for generate, which runs it. A conversation that goes
+        on turn after turn reuses the cache of the turns before (only the new tokens are fed).
 
         tools: OpenAI's function tools ([{"type": "function", "function": {"name", "description",
         "parameters"}}]), offered to the model through its chat template; tool_choice: "auto"
@@ -480,9 +493,11 @@ class LLM:
         if max_tokens < 0:
             raise PycalmError(f"max_tokens must be 0 or more, not {max_tokens}")
         from pycalm.cpu.reference import MAX_TOP_LOGPROBS, check_penalties, check_sampling
+        from pycalm.cpu.sampler import check_min_tokens
 
         s = sampling
         check_sampling(s.temperature, s.top_k, s.top_p, s.min_p)
+        check_min_tokens(s.min_tokens, s.ignore_eos)
         check_penalties(
             s.presence_penalty,
             s.frequency_penalty,
@@ -524,9 +539,10 @@ class LLM:
             for t in ids:
                 decoder.push(t)
             decoder.flush()
-        eos = set(self.config.eos_ids)
+        eos = set(self.config.eos_ids)  # the model's: their text is not handed out
+        ends = sampling.end_ids(self.config.eos_ids)  # the ids that end the reply (none: ignore_eos)
         reply: list[int] = []
-        text = StopText(stops)
+        text = StopText(stops, sampling.min_tokens)
 
         def handed_out(events: list[tuple[str, Any]]) -> Iterator[str]:
             """The tool parser's events as pieces: its text, and "" for a call (now in tool_calls)."""
@@ -562,12 +578,12 @@ class LLM:
                 gen.completion_tokens = len(reply)
                 if cancelled is not None and cancelled():
                     return
-                if t in eos:
+                if t in ends:
                     gen.finish_reason = "stop"
                     break
                 if gen.logprobs is not None:
                     gen.logprobs.append(item)
-                if piece := text.push(decoder.push(t)):
+                if piece := text.push("" if t in eos else decoder.push(t)):
                     if tool_parser is None:
                         yield piece
                     else:

@@ -14,17 +14,19 @@ request's Sampler (its temperature, top-k, top-p, penalties and seed: the j-th t
 request takes the j-th coin of its seed, as plain decoding does, whatever its batchmates and
 however often it is preempted). On the GPU a row without penalties or a constraint is drawn
 there, in the pass's graph, with its request's options and next coin (BatchedGpuEngine.step_tokens),
-and only the logits the host needs come back (penalties, a constraint, logprobs); the CPU
-engine's rows all go through Sampler.sample. Scheduler.finish_step records the tokens; then each token goes
-through its request's detokenizer, stop strings (pycalm.app.generation.StopText), constraint
-and tool-call parser as LLM.start's generation does, and the text reaches the consumer through `emit`, the same events the server's one-at-a-time worker
-sends: ("start", i), ("logprobs", (i, [TokenLogprobs])), ("text", (i, piece)), ("calls", (i,
-[call])) and ("finish", (i, Generation)).
+and only the logits the host needs come back (penalties, a constraint, logprobs); a request's
+min_tokens is a constraint (pycalm.cpu.sampler.MinTokens: no EOS yet), so its rows are drawn
+on the host until it has that many tokens. The CPU engine's rows all go through Sampler.sample.
+Scheduler.finish_step records the tokens; then each token goes through its request's
+detokenizer, stop strings (pycalm.app.generation.StopText), constraint and tool-call parser as
+LLM.start's generation does, and the text reaches the consumer through `emit`, the same events
+the server's one-at-a-time worker sends: ("start", i), ("logprobs", (i, [TokenLogprobs])),
+("text", (i, piece)), ("calls", (i, [call])) and ("finish", (i, Generation)).
 
-A request ends on an EOS ("stop"), a stop string or a finished constraint ("stop", or
-"tool_calls" after tool calls), at max_tokens ("length"), or when `cancelled()` turns true
-(finish_reason None); its blocks are freed at once (a stop string's at the next step), the full
-ones staying in the prefix cache.
+A request ends on an EOS ("stop"; not under ignore_eos), a stop string (from its min_tokens-th
+token on) or a finished constraint ("stop", or "tool_calls" after tool calls), at max_tokens
+("length"), or when `cancelled()` turns true (finish_reason None); its blocks are freed at once
+(a stop string's at the next step), the full ones staying in the prefix cache.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pycalm.batch.blocks import BLOCK_SIZE, BlockManager
 from pycalm.batch.scheduler import Request, Scheduler
 from pycalm.cpu.batched import BatchedCpuEngine
 from pycalm.cpu.reference import logprobs_ref, mask_logits_ref
-from pycalm.cpu.sampler import Sampler, SamplingParams
+from pycalm.cpu.sampler import MinTokens, Sampler, SamplingParams
 from pycalm.errors import PycalmError
 
 # the buckets' upper bounds, seconds: time to first token (the prompt fed, from a request's
@@ -91,7 +93,8 @@ class Stream:
     gen: Generation
     cancelled: Callable[[], bool]
     logprobs: int | None = None
-    constraint: Any = None  # pycalm.app.constrain.Constraint, or None
+    # pycalm.app.constrain.Constraint, a MinTokens (over one, or none) while it bans EOS, or None
+    constraint: Any = None
     tool_parser: Any = None  # pycalm.app.tools.ToolCallParser, or None
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
@@ -183,7 +186,7 @@ class BatchRunner:
             for t in ids:
                 decoder.push(t)
             decoder.flush()
-        request = Request(self.next_id, list(ids), max_tokens, self.eos)
+        request = Request(self.next_id, list(ids), max_tokens, sampling.end_ids(self.eos))
         self.next_id += 1
         stream = Stream(
             request,
@@ -192,7 +195,7 @@ class BatchRunner:
             Sampler.for_request(sampling, list(ids), self.llm.config.vocab_size),
             sampling.unseeded(),
             decoder,
-            StopText(list(stop or [])),
+            StopText(list(stop or []), sampling.min_tokens),
             Generation(
                 prompt_tokens=len(ids),
                 logprobs=None if logprobs is None else [],
@@ -200,7 +203,7 @@ class BatchRunner:
             ),
             cancelled or (lambda: False),
             logprobs,
-            constraint,
+            MinTokens.over(constraint, sampling, self.llm.config.eos_ids, self.llm.config.vocab_size),
             tool_parser,
         )
         self.scheduler.submit(request)
@@ -260,6 +263,8 @@ class BatchRunner:
                 token = s.sampler.sample(row)
                 if s.constraint is not None:
                     s.constraint.accept(token)
+                    if isinstance(s.constraint, MinTokens) and not s.constraint.banning:
+                        s.constraint = s.constraint.inner  # EOS allowed: a device row again, if plain
             else:
                 token = int(chosen[i])
             sampled[s.request.id] = token
@@ -282,13 +287,13 @@ class BatchRunner:
         s.t_last = now
         gen.decode_s = now - s.t_first
         gen.completion_tokens += 1
-        if token in self.eos:
+        if token in s.request.stop_tokens:  # an EOS (none under ignore_eos)
             return self._finish(s, "stop")
         if gen.logprobs is not None:
             item = logprobs_ref(logits, token, s.logprobs)
             gen.logprobs.append(item)
             s.emit("logprobs", (s.index, [item]))
-        if piece := s.text.push(s.decoder.push(token)):
+        if piece := s.text.push("" if token in self.eos else s.decoder.push(token)):
             self._text(s, piece)
         if s.text.stopped or (s.constraint is not None and s.constraint.finished):
             self._finish(s, "stop")

@@ -2,7 +2,8 @@
 the server's workers and the continuous-batching runner (pycalm.app.batching) share.
 
   Generation   an iterator of text pieces, and its counts, logprobs and tool calls
-  StopText     holds back the text that may begin a stop string, cuts at the first one
+  StopText     holds back the text that may begin a stop string, cuts at the first one (that
+               ends at or after the min_tokens-th token's text)
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Generation:
     running or when closed early; prompt_s: seconds from the start to the first token (feeding
     the prompt and sampling one token); decode_s: seconds from the first token to the last.
     text: the text handed out so far. logprobs: when asked for (LLM.generate's logprobs=k), a
-    TokenLogprobs (pycalm.cpu.reference) for each sampled token but an EOS, appended as each is
-    made (before its text, which a stop string's check may hold back, is handed out); else None.
+    TokenLogprobs (pycalm.cpu.reference) for each sampled token but an EOS that ends it,
+    appended as each is made (before its text, which a stop string's check may hold back, is
+    handed out); else None.
     tool_calls: a chat offered tools (LLM.chat's tools=): the calls parsed out of the reply, in
     OpenAI's shape, appended as each is complete (an empty piece marks it), their text kept out
     of `text` (finish_reason "tool_calls" when the reply ends after them); else None. message:
@@ -69,9 +71,10 @@ class Generation:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
 
 
-def _stop_at(text: str, stops: list[str]) -> int:
-    """Where the first stop string in `text` begins (-1: none)."""
-    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+def _stop_at(text: str, stops: list[str], armed: int = 0) -> int:
+    """Where the first stop string in `text` that ends past text[armed - 1] begins (-1: none)."""
+    found = (text.find(s, max(0, armed - len(s) + 1)) for s in stops)
+    return min((i for i in found if i >= 0), default=-1)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -87,23 +90,33 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class StopText:
-    """Decoded text pieces in, the text to hand out: cut where a stop string first appears (it
-    and what follows are dropped, `stopped` is set), and an end that could start one held back
-    until the next piece shows. Used by LLM.start and the CLI's prompt mode."""
+    """Decoded text pieces in, one a token, the text to hand out: cut where a stop string first
+    appears (it and what follows are dropped, `stopped` is set), and an end that could start one
+    held back until the next piece shows. min_tokens: as vLLM's, a stop string ends the text only
+    from the min_tokens-th piece on, where its last character comes from that piece or a later
+    one (the text before is not searched again). Used by LLM.start, the batch runner and the
+    CLI's prompt mode."""
 
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], min_tokens: int = 0) -> None:
         self.stops = stops
+        self.min_tokens = min_tokens
+        self.pushed = 0  # pieces (tokens) pushed
         self.pending = ""  # text not handed out yet: it may be the start of a stop string
+        self.armed = 0  # a stop string found in pending must end past pending[armed - 1]
         self.stopped = False
 
     def push(self, piece: str) -> str:
         self.pending += piece
-        cut = _stop_at(self.pending, self.stops)
+        self.pushed += 1
+        if self.pushed < self.min_tokens:  # no stop string ends in the text so far
+            self.armed = len(self.pending)
+        cut = _stop_at(self.pending, self.stops, self.armed)
         if cut >= 0:
             self.pending, self.stopped = self.pending[:cut], True
             return ""
         keep = _held_back(self.pending, self.stops)
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        self.armed = max(0, self.armed - len(out))
         return out
 
     def finish(self, flush: Callable[[], str]) -> str:
@@ -111,7 +124,9 @@ class StopText:
         they may complete one) and the held-back end."""
         if not self.stopped:
             self.pending += flush()
-            cut = _stop_at(self.pending, self.stops)
+            if self.pushed < self.min_tokens:  # (the last piece's bytes)
+                self.armed = len(self.pending)
+            cut = _stop_at(self.pending, self.stops, self.armed)
             if cut >= 0:
                 self.pending, self.stopped = self.pending[:cut], True
         out, self.pending = self.pending, ""
