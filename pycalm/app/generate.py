@@ -100,11 +100,12 @@ def run_prompt(
     stops: list[str] | None = None,
     constrain: Callable[[], object | None] = lambda: None,
 ) -> None:
-    """Stream the continuation of `prompt` to stdout; it ends at an EOS, after `steps` tokens, at
-    the end of the context, or where one of `stops` appears (that text and what follows are not
-    printed: a piece that could start one is held back until the next shows). constrain: makes
-    the generation's constraint (pycalm.app.constrain; None: free), which also ends it once
-    its output is complete."""
+    """Stream the continuation of `prompt` to stdout; it ends at an EOS (not before
+    sampling.min_tokens tokens, never under sampling.ignore_eos), after `steps` tokens, at the
+    end of the context, or where one of `stops` appears (that text and what follows are not
+    printed: a piece that could start one is held back until the next shows; not before
+    min_tokens tokens either). constrain: makes the generation's constraint
+    (pycalm.app.constrain; None: free), which also ends it once its output is complete."""
     stops = stops or []
     ids = tok.encode(prompt, add_bos=True)
     if not ids:
@@ -119,19 +120,20 @@ def run_prompt(
     t0 = time.perf_counter()
     t_first = None
     n = 0
-    eos = set(engine.config.eos_ids)
+    eos = set(engine.config.eos_ids)  # the model's: their text is not printed
+    ends = sampling.end_ids(engine.config.eos_ids)  # the ids that end the text (none: --ignore-eos)
     stopped = False  # by an EOS or a stop string
-    text = StopText(stops)
+    text = StopText(stops, sampling.min_tokens)
     constraint = constrain()
     tokens = engine.generate(ids, 0, steps, sampling, **_constrained(constraint))
     for t in tokens:
         t_last = time.perf_counter()
         t_first = t_first or t_last
         n += 1
-        if t in eos:
+        if t in ends:
             stopped = True
             break
-        sys.stdout.write(text.push(stream.push(t)))
+        sys.stdout.write(text.push("" if t in eos else stream.push(t)))
         sys.stdout.flush()
         if text.stopped:
             stopped = True
@@ -178,7 +180,8 @@ def run_chat(
     prepare(engine, sampling, range(engine.seq_len), timings)
     messages = [{"role": "system", "content": system}] if system else []
     cached: list[int] = []  # tokens whose keys and values are in the engine's cache
-    eos = set(engine.config.eos_ids)
+    eos = set(engine.config.eos_ids)  # the model's: their text is not printed
+    ends = sampling.end_ids(engine.config.eos_ids)  # the ids that end a reply (none: --ignore-eos)
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -210,9 +213,10 @@ def run_chat(
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
                 reply.append(t)
-                if t in eos:
+                if t in ends:
                     break
-                sys.stdout.write(stream.push(t))
+                if t not in eos:
+                    sys.stdout.write(stream.push(t))
                 sys.stdout.flush()
         except KeyboardInterrupt:  # Ctrl-C stops the reply; the chat goes on with what was written
             pass
@@ -401,6 +405,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="ID+BIAS",
         help="add BIAS (-100 to 100) to token ID's logit, e.g. 15043+1 or 15043-100 (bans it); repeatable",
     )
+    ap.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no EOS among the first N tokens (their logits at -inf) and no --stop string ends the text"
+        " before them (default 0; vLLM's min_tokens)",
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="an EOS does not end the text: it runs to -n tokens, a --stop string or the end of the context",
+    )
     ap.add_argument("-s", "--seed", type=int, default=None, help="random seed (default: from the clock)")
     ap.add_argument(
         "-c",
@@ -511,6 +528,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (args.top_k >= 0, f"-k/--top-k {args.top_k}: must be 0 or more (0: off)"),
         (0 <= args.min_p <= 1, f"-m/--min-p {args.min_p}: must be in [0, 1] (0: off)"),
         (args.seed is None or args.seed >= 0, f"-s/--seed {args.seed}: must be 0 or more"),
+        (args.min_tokens >= 0, f"--min-tokens {args.min_tokens}: must be 0 or more"),
+        (
+            args.min_tokens <= args.steps,
+            f"--min-tokens {args.min_tokens}: must be at most -n/--steps ({args.steps})",
+        ),
         (args.threads is None or args.threads >= 1, f"--threads {args.threads}: must be 1 or more"),
         (args.draft_k is None or 1 <= args.draft_k <= 63, f"--draft-k {args.draft_k}: must be 1 to 63"),
     ]
@@ -623,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = SamplingParams(
             args.temperature, args.top_k, args.top_p, args.min_p, seed,
             args.presence_penalty, args.frequency_penalty, args.repeat_penalty, args.logit_bias,
+            args.min_tokens, args.ignore_eos,
         )  # fmt: skip
         check_penalties(
             sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,

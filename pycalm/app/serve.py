@@ -15,9 +15,12 @@ Requests take max_tokens, temperature, top_p, stop, seed, stream (and top_k, min
 OpenAI's set), n (up to 8 choices, made one after another from one feed of the prompt, choice i
 with seed + i; streamed, choice 0's chunks come first, then choice 1's, each with its index;
 usage counts every choice's tokens), presence_penalty, frequency_penalty, logit_bias (OpenAI's)
-and repetition_penalty (vLLM's; pycalm.cpu.reference.penalties_ref gives the rule), and logprobs (chat: `logprobs: true` and `top_logprobs: k`; completions:
-`logprobs: k`; k up to 20): each token's log-probability under the model before temperature and
-the k most likely tokens', in OpenAI's shapes, a streamed chunk carrying its tokens';
+and repetition_penalty (vLLM's; pycalm.cpu.reference.penalties_ref gives the rule), vLLM's
+min_tokens (no EOS, and no stop string's end, before the reply has that many tokens) and
+ignore_eos (an EOS does not end the reply), and logprobs (chat: `logprobs: true` and
+`top_logprobs: k`; completions: `logprobs: k`; k up to 20): each token's log-probability
+under the model before temperature and the k most likely tokens', in OpenAI's shapes, a
+streamed chunk carrying its tokens';
 structured output (pycalm.app.constrain): `response_format` {"type": "json_object"} or
 {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}, or pycalm's extension
 fields `grammar` (a Lark grammar, llguidance's dialect) or `regex` (the text matches it whole);
@@ -226,6 +229,12 @@ def parse_common(body: dict) -> Request:
     _unsupported(body, "best_of", (None, 1))
     max_tokens = _integer(body, "max_tokens", None, 1)
     max_tokens = _integer(body, "max_completion_tokens", max_tokens, 1)
+    min_tokens = _integer(body, "min_tokens", 0, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise BadRequest(
+            f"'min_tokens' must be at most max_tokens ({max_tokens}), not {min_tokens}", "min_tokens"
+        )
+    ignore_eos = _boolean(body, "ignore_eos")
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
     top_k = _integer(body, "top_k", 0, 0)
@@ -246,8 +255,9 @@ def parse_common(body: dict) -> Request:
         raise BadRequest("'stream_options' must be an object", "stream_options")
     include_usage = _boolean(options or {}, "include_usage")
     sampling = SamplingParams(
-        temperature, top_k, top_p, min_p, seed % (2**63), presence, frequency, repetition
-    )
+        temperature, top_k, top_p, min_p, seed % (2**63), presence, frequency, repetition,
+        min_tokens=min_tokens, ignore_eos=ignore_eos,
+    )  # fmt: skip
     return Request(max_tokens, sampling, stop, stream, include_usage, n=n)
 
 
