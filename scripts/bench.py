@@ -712,6 +712,12 @@ def main() -> None:
         "--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count"
     )
     ap.add_argument(
+        "--split-attention-rows",
+        type=int,
+        help="with --rows: passes of up to N rows take the split-K attention (the engine's:"
+        " pycalm.gpu.prefill.SPLIT_ATTENTION_ROWS)",
+    )
+    ap.add_argument(
         "--chunks",
         default=str(EngineOptions().prefill_chunk),
         help="prefill chunk sizes to time (rows a pass; default: the engine's)",
@@ -736,6 +742,10 @@ def main() -> None:
     ap.add_argument("--kv", default="fp16", help="KV cache dtypes of the --depths cells (fp16, fp8)")
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
+    if args.split_attention_rows is not None:
+        import pycalm.gpu.prefill
+
+        pycalm.gpu.prefill.SPLIT_ATTENTION_ROWS = args.split_attention_rows
     if args.rows:
         counts = [int(n) for n in args.rows.split(",")]
         found = []

@@ -236,6 +236,32 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
             assert np.array_equal(part, full[rows]), (mode, rows)
 
 
+@pytest.mark.parametrize(
+    "dtype,mode,t_rows", [("fp16", "residual", 13), ("q8", "gate", 41), ("q4", "plain", 9)]
+)
+def test_skinny_row_tiles(dtype, mode, t_rows):
+    """Warps of 2 and 3 A tiles (a partial last block at N = 37, gate 21 outputs: past its
+    third of 8) give one A tile's bits: each output's sum takes the same steps in the same order."""
+    from pycalm.kernels import skinny
+
+    rng = np.random.default_rng(9)
+    n, k = (21 if mode == "gate" else 37), SKINNY_K[dtype] * 2
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    _, w3 = _inputs(rng, t_rows, n, k, dtype)
+    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
+    x_words = cuda.to_device(x).view(np.uint32)
+    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
+    outs = []
+    for row_tiles in (1, 2, 3):
+        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), skinny.WARPS,
+                                           skinny.UNROLL, 0, row_tiles)  # fmt: skip
+        out = cuda.to_device(r0)
+        kernel[skinny.blocks_for(n, mode, row_tiles), 32 * skinny.WARPS](x_words, *args, out)
+        outs.append(out.copy_to_host())
+    assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], r0)
+    assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
+
+
 def test_skinny_rejects_bad_shapes():
     from pycalm.errors import PycalmError
 

@@ -95,6 +95,13 @@ WARPS, LONG_WARPS, LONG_K = (2, 2, 0) if SIM else (8, 16, 8192)
 # than more loads a warp: fp16 gate at 8 rows, 4 steps 92.0 us at 60 registers, 1 step 61.4 at
 # 44), and each extra step multiplies the registers the decode and mma loops unroll into
 UNROLL = 1
+# A tiles a warp, by format and n-tile count (else one): a warp's X loads serve them all, so the
+# reads of X (from L2, once a block) fall by this factor against the weights'. A layer's four
+# products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
+# H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
+# 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's decode takes more registers:
+# 198 -> 277 at 32 rows, 479 -> 477 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060).
+ROW_TILES: dict[str, dict[int, int]] = {d: {4: 2, 8: 2} for d in ("fp16", "fp8", "q8", "q4")}
 
 
 def warps_for(k_cols: int, dtype: str = "fp16") -> int:
@@ -113,6 +120,18 @@ def n_tiles_for(t_rows: int) -> int:
     return n
 
 
+def row_tiles_for(dtype: str, n_tiles: int) -> int:
+    """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles (a
+    row's sums are the same bits for any count: batch invariance holds across the buckets)."""
+    return ROW_TILES.get(dtype, {}).get(n_tiles, 1)
+
+
+def blocks_for(n_cols: int, mode: str, row_tiles: int) -> int:
+    """The grid: blocks of row_tiles A tiles over out's n_cols columns."""
+    outputs = (8 if mode == "gate" else 16) * row_tiles
+    return (n_cols + outputs - 1) // outputs
+
+
 def fits(dtype: str, k_cols: int) -> bool:
     """Whether the kernel takes K (a whole number of 16-byte units a row; q4: groups of 32 or
     more, so a unit lies in one group)."""
@@ -121,27 +140,36 @@ def fits(dtype: str, k_cols: int) -> bool:
 
 @functools.cache
 def make_skinny_kernel(  # noqa: ANN201, C901
-    dtype: str, mode: int, n_tiles: int, warps: int = WARPS, unroll: int = UNROLL, min_blocks: int = 0
+    dtype: str,
+    mode: int,
+    n_tiles: int,
+    warps: int = WARPS,
+    unroll: int = UNROLL,
+    min_blocks: int = 0,
+    row_tiles: int = 1,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
-    a block, steps a load), one compile each; min_blocks > 0: compiled to fit that many blocks
-    an SM (launch bounds: the registers a thread may take)."""
+    a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
+    to fit that many blocks an SM (launch bounds: the registers a thread may take)."""
     E = UNIT[dtype]  # weights a unit
-    KT = E // 4  # k-tiles (mma) a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
-    XW = E // 2  # words of X a lane reads an n-tile a step
+    XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
     EL = COLS_AN_ELEMENT[dtype]
-    ACC = 4 * n_tiles  # accumulators a lane
-    CHUNK_WORDS = 4 * unroll  # words of a row a chunk brings a lane (a unit a step)
-    A_WORDS = 4 * KT  # a unit's A fragments
+    MT = row_tiles  # A tiles a warp (16 rows of W each; GATE: 8 outputs)
+    ACC1 = 4 * n_tiles  # accumulators a lane for one A tile
+    ACC = ACC1 * MT
+    UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
+    W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
+    A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     # X of a whole chunk in registers, loaded with its weights, where it takes at most 32 words
-    # (passes of up to 16 rows); else an n-tile's X a step, loaded where it is used
+    # (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where they are used
     PREFETCH_X = n_tiles * unroll * XW <= 32
-    X_WORDS = n_tiles * unroll * XW if PREFETCH_X else XW
+    X_WORDS = n_tiles * unroll * XW if PREFETCH_X else 4
     threads = 32 * warps
     fp16, fp8, gf4 = dtype == "fp16", dtype == "fp8", dtype == "gf4"
     q8, q4 = dtype == "q8", dtype == "q4"
     gate, residual = mode == GATE, mode == RESIDUAL
+    tile_rows = 8 if gate else 16  # outputs an A tile makes
 
     @cuda.jit(device=True, inline=True)
     def a_pair(w, i, j, d, m):  # noqa: ANN001, ANN202
@@ -208,15 +236,15 @@ def make_skinny_kernel(  # noqa: ANN201, C901
 
     @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
-        """The block's tile of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
+        """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
-        red = cuda.shared.array((warps, ACC, 32), float32)  # each warp's sums, lane-major
-        wg = cuda.local.array(CHUNK_WORDS, int32)  # the chunk's units of row g, a step each
-        wh = cuda.local.array(CHUNK_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
-        dm = cuda.local.array(CHUNK_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
-        a = cuda.local.array(A_WORDS, int32)  # a step's A fragments, a0..a3 a k-tile
-        xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or a step's n-tile
-        acc = cuda.local.array(ACC, float32)  # (n_tiles, 4) C fragments
+        red = cuda.shared.array((warps, ACC1, 32), float32)  # each warp's sums of one A tile, lane-major
+        wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
+        wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
+        dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
+        a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, a0..a3 a k-tile, each A tile
+        xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or 16 bytes of an n-tile's
+        acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for i in range(ACC):
             acc[i] = float32(0.0)
         tid = cuda.threadIdx.x
@@ -224,14 +252,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         g, t = lane >> 2, lane & 3
         n_rows = w1.shape[0]
         t_rows, k_cols = x.shape[0], x.shape[1] * 2  # x: (T, K / 2) words
-        if gate:  # A rows g: W1's output o0 + g; rows g + 8: W3's
-            row_g = cuda.blockIdx.x * 8 + g
-            row_h = row_g
-        else:
-            row_g = cuda.blockIdx.x * 16 + g
-            row_h = row_g + 8
-        ok_g, ok_h = row_g < n_rows, row_h < n_rows
-        row_g, row_h = min(row_g, n_rows - 1), min(row_h, n_rows - 1)
+        tile0 = cuda.blockIdx.x * MT  # the block's first A tile
         n_steps = (k_cols + STEP - 1) // STEP
         # q4: a group's columns G = K / groups, 32 or 64 (pycalm.model.formats.Q4_GROUPS), as a
         # shift: the group of a column is then a shift, not a 64-bit division in the loop
@@ -242,8 +263,16 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         while chunk * unroll < n_steps:  # warp-uniform
             for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
                 col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
-                load_unit(w1, s1, row_g, col, ok_g and col < k_cols, wg, u, dm, 2 * u, g_shift)
-                load_unit(w3, s3, row_h, col, ok_h and col < k_cols, wh, u, dm, 2 * u + 1, g_shift)
+                for m in range(MT):
+                    # A rows g: W1's row (tile) * 16 + g, rows g + 8 the next 8 (GATE: row g of
+                    # W1 and of W3, output (tile) * 8 + g)
+                    row_g = (tile0 + m) * tile_rows + g
+                    row_h = row_g if gate else row_g + 8
+                    ok_g = row_g < n_rows and col < k_cols
+                    ok_h = row_h < n_rows and col < k_cols
+                    v = u * MT + m
+                    load_unit(w1, s1, min(row_g, n_rows - 1), col, ok_g, wg, v, dm, 2 * v, g_shift)
+                    load_unit(w3, s3, min(row_h, n_rows - 1), col, ok_h, wh, v, dm, 2 * v + 1, g_shift)
             if PREFETCH_X:  # ... and its X, all n-tiles, beside them
                 for u in range(unroll):
                     col = ((chunk * unroll + u) * 4 + t) * E
@@ -252,54 +281,66 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                             load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW + 4 * i, i)
             for u in range(unroll):
                 col = ((chunk * unroll + u) * 4 + t) * E
-                for j in range(KT):  # the unit's A fragments, decoded once for every n-tile
-                    a[4 * j], a[4 * j + 2] = a_pair(wg, u, j, dm[4 * u], dm[4 * u + 1])
-                    a[4 * j + 1], a[4 * j + 3] = a_pair(wh, u, j, dm[4 * u + 2], dm[4 * u + 3])
-                for p in range(n_tiles):
-                    base = (u * n_tiles + p) * XW if PREFETCH_X else 0
-                    if not PREFETCH_X:  # X row 8 p + g over the unit's columns, now
-                        for i in range(XW // 4):
-                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 4 * i, i)
-                    c = 4 * p
-                    for j in range(KT):
-                        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
-                            a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], xb[base + 2 * j],
-                            xb[base + 2 * j + 1], acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
-                        )  # fmt: skip
+                for i in range(XW // 4):  # k-tiles 2 i, 2 i + 1 of the unit (16 bytes of X a row)
+                    for m in range(MT):  # their A fragments, decoded once for every n-tile
+                        v = u * MT + m
+                        for jj in range(2):
+                            j = 2 * i + jj
+                            a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(
+                                wg, v, j, dm[4 * v], dm[4 * v + 1]
+                            )
+                            a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
+                                wh, v, j, dm[4 * v + 2], dm[4 * v + 3]
+                            )
+                    for p in range(n_tiles):
+                        base = (u * n_tiles + p) * XW + 4 * i if PREFETCH_X else 0
+                        if not PREFETCH_X:  # X row 8 p + g over the k-tiles' columns, now
+                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 0, i)
+                        for m in range(MT):
+                            c = (m * n_tiles + p) * 4
+                            for jj in range(2):
+                                q = 8 * m + 4 * jj
+                                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
+                                    a[q], a[q + 1], a[q + 2], a[q + 3], xb[base + 2 * jj],
+                                    xb[base + 2 * jj + 1], acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
+                                )  # fmt: skip
             chunk += warps
 
-        for i in range(ACC):
-            red[warp, i, lane] = acc[i]
-        cuda.syncthreads()  # every warp's partial sums are in red
         n_cols = out.shape[1]
-        for e in range(tid, ACC * 32, threads):  # (accumulator i, lane l) of the tile, in order
-            i, ln = e // 32, e % 32
-            s = red[0, i, ln]
-            for v in range(1, warps):  # the warps' parts in a fixed order
-                s += red[v, i, ln]
-            # accumulator i = 4 p + r of lane ln: A row (ln >> 2) + 8 (r >> 1), token 8 p + 2 (ln & 3) + (r & 1)
-            p, r = i // 4, i % 4
-            token = 8 * p + 2 * (ln & 3) + (r & 1)
-            if gate:
-                if r < 2:  # r: W1's sum, r + 2: W3's, of output o0 + (ln >> 2)
-                    col = cuda.blockIdx.x * 8 + (ln >> 2)
-                    h3 = red[0, i + 2, ln]
-                    for v in range(1, warps):
-                        h3 += red[v, i + 2, ln]
+        for m in range(MT):  # each A tile's sums: the warps' parts meet in red
+            if m > 0:
+                cuda.syncthreads()  # the last tile's sums are read: red is free again
+            for i in range(ACC1):
+                red[warp, i, lane] = acc[m * ACC1 + i]
+            cuda.syncthreads()  # every warp's partial sums of tile m are in red
+            for e in range(tid, ACC1 * 32, threads):  # (accumulator i, lane l) of the tile, in order
+                i, ln = e // 32, e % 32
+                s = red[0, i, ln]
+                for v in range(1, warps):  # the warps' parts in a fixed order
+                    s += red[v, i, ln]
+                # accumulator i = 4 p + r of lane ln: A row (ln >> 2) + 8 (r >> 1), token 8 p + 2 (ln & 3) + (r & 1)
+                p, r = i // 4, i % 4
+                token = 8 * p + 2 * (ln & 3) + (r & 1)
+                if gate:
+                    if r < 2:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + (ln >> 2)
+                        col = (tile0 + m) * 8 + (ln >> 2)
+                        h3 = red[0, i + 2, ln]
+                        for v in range(1, warps):
+                            h3 += red[v, i + 2, ln]
+                        if token < t_rows and col < n_cols:
+                            if q8:
+                                s *= s1[col]
+                                h3 *= s3[col]
+                            out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+                else:
+                    col = (tile0 + m) * 16 + (ln >> 2) + 8 * (r >> 1)
                     if token < t_rows and col < n_cols:
                         if q8:
                             s *= s1[col]
-                            h3 *= s3[col]
-                        out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
-            else:
-                col = cuda.blockIdx.x * 16 + (ln >> 2) + 8 * (r >> 1)
-                if token < t_rows and col < n_cols:
-                    if q8:
-                        s *= s1[col]
-                    if residual:
-                        out[token, col] += s
-                    else:
-                        out[token, col] = s
+                        if residual:
+                            out[token, col] += s
+                        else:
+                            out[token, col] = s
 
     # blocks of 16 warps take launch bounds: the compiler then keeps a thread within the 128
     # registers such a block may have of an SM's 65,536 (q4 at 32 rows: 105, against 134 unbounded,
@@ -358,8 +399,9 @@ def skinny_matmul(
             f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
     warps = warps_for(k_cols, dtype)
-    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles_for(t_rows), warps)
+    n_tiles = n_tiles_for(t_rows)
+    row_tiles = row_tiles_for(dtype, n_tiles)
+    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles)
     args = stored_args(w, w3, dtype, k_cols)
-    tile_rows = 8 if mode == "gate" else 16
-    grid = (out.shape[1] + tile_rows - 1) // tile_rows
+    grid = blocks_for(out.shape[1], mode, row_tiles)
     kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)

@@ -90,14 +90,17 @@ def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
     return (2 if gate else 1) * n * k * formats.bits_per_weight(dtype, k) / 8
 
 
-def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0):  # noqa: ANN001, ANN201
-    """A skinny launch with a chosen block shape (the package's launcher uses WARPS, UNROLL)."""
+def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0):  # noqa: ANN001, ANN201
+    """A skinny launch with a chosen block shape (0: the package's warps_for, UNROLL,
+    row_tiles_for)."""
     warps = warps or skinny.warps_for(x.shape[1], dtype)
+    n_tiles = skinny.n_tiles_for(x.shape[0])
+    row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles)
     kernel = skinny.make_skinny_kernel(
-        dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, unroll or skinny.UNROLL, min_blocks
+        dtype, MODES[mode], n_tiles, warps, unroll or skinny.UNROLL, min_blocks, row_tiles
     )
     args = skinny.stored_args(w, w3, dtype, x.shape[1])
-    grid = (out.shape[1] + (7 if mode == "gate" else 15)) // (8 if mode == "gate" else 16)
+    grid = skinny.blocks_for(out.shape[1], mode, row_tiles)
     xw = x.view(np.uint32)
     return lambda: kernel[grid, 32 * warps, STREAM](xw, *args, out)
 
@@ -195,6 +198,35 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
                 print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
 
 
+def row_tiles_sweep(dtypes: list[str], rows: list[int], variants: list[tuple[int, ...]]) -> None:
+    """skinny's A tiles a warp (with warps a block, min blocks an SM), beside the split tiles: each
+    shape's us and a layer's four products."""
+    scratch = matmul_split_scratch(STREAM)
+    for dtype in dtypes:
+        totals: dict[tuple, float] = {}
+        for name, n, k, mode in SHAPES:
+            w = random_weights(n, k, dtype, 1)
+            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
+            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
+            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            for t in rows:
+                sp = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch))
+                totals[("split", t)] = totals.get(("split", t), 0.0) + sp
+                cells = [f"split {sp * 1e6:6.1f}"]
+                for v in variants:
+                    warps, min_blocks, row_tiles = v
+                    sk = time_launches(
+                        skinny_launch(x[:t], w, w3, out[:t], dtype, mode, warps, 1, min_blocks, row_tiles)
+                    )
+                    totals[(v, t)] = totals.get((v, t), 0.0) + sk
+                    cells.append(f"{warps}w/{min_blocks}b/{row_tiles}t {sk * 1e6:6.1f}")
+                print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
+        for t in rows:
+            cells = [f"split {totals[('split', t)] * 1e6:5.0f}"]
+            cells += [f"{v[0]}w/{v[1]}b/{v[2]}t {totals[(v, t)] * 1e6:5.0f}" for v in variants]
+            print(f"{dtype:4s} layer T={t:2d}  " + "  ".join(cells), flush=True)
+
+
 def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
     """The split launches of each tile: a layer's four products, us."""
     scratch = SplitScratch(
@@ -225,13 +257,20 @@ def main() -> None:
     ap.add_argument(
         "--variant", default="0,0,0", help="warps,unroll,min_blocks of the table (0: the package's)"
     )
+    ap.add_argument(
+        "--row-tiles",
+        help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles;... (0 warps: warps_for)",
+    )
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     args = ap.parse_args()
     global STREAM
     STREAM = cuda.stream()
     dtypes = args.dtypes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    if args.tiles:
+    if args.row_tiles:
+        variants = [tuple(int(v) for v in spec.split(",")) for spec in args.row_tiles.split(";")]
+        row_tiles_sweep(dtypes, rows, variants)
+    elif args.tiles:
         tiles = [Tile(*(int(v) for v in spec.split(","))) for spec in args.tiles.split(";")]
         tile_sweep(dtypes, rows, tiles)
     elif args.sweep:
