@@ -188,6 +188,8 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> tuple[int, float
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the server's own message, not a KeyError
+                raise RuntimeError(f"the server answered an error: {chunk['error']}")
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 last = time.perf_counter()
                 first = first or last
@@ -291,6 +293,9 @@ def streams_main(args: argparse.Namespace) -> None:
                 f"(in step() {step_s / row['wall']:.0%}) | {1 - engine_s / row['wall']:.1%} |",
                 flush=True,
             )
+    except Exception:
+        print("server log, last lines:\n" + "".join(f"  {x}\n" for x in log.read_text().splitlines()[-30:]))
+        raise
     finally:
         server.terminate()
         server.wait(timeout=30)
