@@ -103,8 +103,15 @@ UNROLL = 1
 # products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
 # H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
 # 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's decode takes more registers:
-# 198 -> 277 at 32 rows, 479 -> 477 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060).
-ROW_TILES: dict[str, dict[int, int]] = {d: {4: 2, 8: 2} for d in ("fp16", "fp8", "q8", "q4")}
+# 198 -> 277 at 32 rows, 479 -> 477 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows:
+# 1,060). At 8 n-tiles two tiles spill q4 (255 registers and 80 bytes, ptxas) and, in blocks of
+# LONG_WARPS (128 registers a thread), fp8 and q8 (128 and 36 bytes): those take one.
+ROW_TILES: dict[str, dict[int, int]] = {
+    "fp16": {4: 2, 8: 2},
+    "fp8": {4: 2, 8: 2},
+    "q8": {4: 2, 8: 2},
+    "q4": {4: 2},
+}
 
 
 def warps_for(k_cols: int, dtype: str = "fp16") -> int:
@@ -123,9 +130,12 @@ def n_tiles_for(t_rows: int) -> int:
     return n
 
 
-def row_tiles_for(dtype: str, n_tiles: int) -> int:
-    """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles (a
-    row's sums are the same bits for any count: batch invariance holds across the buckets)."""
+def row_tiles_for(dtype: str, n_tiles: int, warps: int = WARPS) -> int:
+    """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles in
+    blocks of `warps` (a row's sums are the same bits for any count: batch invariance holds
+    across the buckets)."""
+    if n_tiles == 8 and warps > WARPS and dtype != "fp16":
+        return 1
     return ROW_TILES.get(dtype, {}).get(n_tiles, 1)
 
 
@@ -403,7 +413,7 @@ def skinny_matmul(
         )
     warps = warps_for(k_cols, dtype)
     n_tiles = n_tiles_for(t_rows)
-    row_tiles = row_tiles_for(dtype, n_tiles)
+    row_tiles = row_tiles_for(dtype, n_tiles, warps)
     kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles)
     args = stored_args(w, w3, dtype, k_cols)
     grid = blocks_for(out.shape[1], mode, row_tiles)
