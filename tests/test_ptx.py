@@ -199,7 +199,8 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     """Launch, at cfg's shapes on stand-in arrays, the kernels the engine's walk does not reach,
     so that they compile here too: those of serve --parallel's batched pass on the GPU
     (pycalm.gpu.batched, compiled at its first step, not by the precompile): qkv_pages,
-    pycalm.kernels.attention over a paged cache, take_rows."""
+    pycalm.kernels.attention over a paged cache, take_rows, and its one-row step (the token
+    step's layers over the pool: qkv_rope and the attention paged)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -229,6 +230,12 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     state = cuda.device_array(8, np.int32)  # (unread over pages)
     attention(q, cache, state, out, cfg, scratch, stream=s, span=seq_len, pages=pages)
     take_rows(x, rows, x, stream=s)
+    from pycalm.gpu.engine import EngineOptions, GpuEngine
+    from pycalm.gpu.precompile_worker import StandInModel
+
+    engine = GpuEngine(StandInModel(cfg), SEQ_LEN, kv_dtype, options=EngineOptions(parallel_compile=0))
+    one = Pages(rows[:1], rows[:1], table, page_size, seq_len, scratch)
+    engine.layers_step(seq_len, state=state, caches=[cache] * cfg.n_layers, pages=one)
 
 
 def launched_kernels() -> tuple[list, dict]:

@@ -22,6 +22,13 @@ the power of two above the step's last position, fixes the grid). take_rows gath
 their logits (len(sample_rows), vocab_size) float32 come back to the host, where each request's
 own sampler draws (its seed, penalties and constraint, as on the CPU engine).
 
+A step of one sampled row (one sequence decoding alone, or a one-token prompt) runs the engine's
+token step instead (GpuEngine.layers_step: the matvecs, qkv_rope writing the key and value into
+the row's pool row, the same attention kernel over the pages), with row 0's token and position
+in a state of its own in the step's buffer: one user alone decodes at the token step's speed,
+where the rows pass of one row costs 1.1 to 1.4 token steps (its products read fp16 activations,
+and RMSNorm and the QKV epilogue are launches of their own). Its logits are the token step's bits.
+
 step_tokens samples on the device instead: pycalm.kernels.sample's sample_rows draws each
 sampled row's token with that row's own options (temperature, top-k, top-p, min-p) and coin, in
 the same captured graph, so one int32 a row comes back (through a pinned buffer), and the
@@ -48,6 +55,7 @@ from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
+from pycalm.kernels.common import STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.kernels.sample import RowSampling, host_rows
 
 
@@ -98,10 +106,12 @@ class BatchedGpuEngine:
         #   [0, 4R)        (4, R) tokens, positions, seq_of_row (< 0: padding), sample_rows
         #   [4R, 9R)       step_tokens' (R,) temperature, top_k, top_p, min_p, coins (float32 bits
         #                  but top_k): each sampled row's options and uniform [0, 1) coin
-        #   [9R, ..)       (R, max_blocks) the block table, a sequence a row
+        #   [9R, 9R + 4)   a token step's state: row 0's token and position (STATE_TOKEN,
+        #                  STATE_POS), 0 (STATE_FEED_END), and a word of padding
+        #   [9R + 4, ..)   (R, max_blocks) the block table, a sequence a row
         R = self.max_rows
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
-        self.head = 9 * R  # the words before the block table
+        self.head = 9 * R + 4  # the words before the block table
         self.host = cuda.pinned_array(self.head + R * self.max_blocks, np.int32)
         self.host[:] = 0  # (pinned memory comes uninitialised; zero options are greedy rows)
         self.blob = cuda.device_array(self.head + R * self.max_blocks, np.int32, stream=s)
@@ -110,6 +120,7 @@ class BatchedGpuEngine:
         f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(4, 9)]
         self.row_sampling = RowSampling(f32[0], self.blob[5 * R : 6 * R], f32[2], f32[3])
         self.coins = f32[4]
+        self.state = self.blob[9 * R : 9 * R + STATE_SIZE]  # (3,) the one-row step's state
         self.table = self.blob[self.head :].reshape(R, self.max_blocks)
         self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
         self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
@@ -218,6 +229,7 @@ class BatchedGpuEngine:
         a[:, : self.rows] = 0
         a[0, :n], a[1, :n], a[2, :n], a[3, :m] = tokens, positions, seq_of_row, sample_rows
         a[2, n : self.rows] = -1
+        h[9 * R + STATE_TOKEN], h[9 * R + STATE_POS] = tokens[0], positions[0]  # (the one-row step's)
         wide = h[self.head : self.head + S * self.max_blocks].reshape(S, self.max_blocks)
         wide[:] = 0
         wide[:, : table.shape[1]] = table
@@ -233,8 +245,11 @@ class BatchedGpuEngine:
         takes of logits rows first .. first + k - 1 (in blocks of the logits buffer's rows when
         more rows are sampled than it holds)."""
         e, rows = self.engine, self.rows
-        logits = self.prefill.buffers.logits
         picked = self.bucket(m) if m else 0
+        # one sampled row: the token step's matvecs (each weight read once, as by the pass, at
+        # its speed), else the rows pass
+        one = rows == 1 and picked == 1
+        logits = e.logits_buf.reshape(1, self.config.vocab_size) if one else self.prefill.buffers.logits
         if picked > logits.shape[0]:  # more sampled rows than a logits block: eager, in blocks
             self._pass(rows)
             for first in range(0, m, logits.shape[0]):
@@ -249,6 +264,9 @@ class BatchedGpuEngine:
         else:
 
             def record() -> None:
+                if one:
+                    self._token(sampled)
+                    return
                 self._pass(rows)
                 if picked:  # (a step of prompt chunks alone samples nothing)
                     self._classify(0, picked, sampled)
@@ -259,18 +277,31 @@ class BatchedGpuEngine:
         if m:
             copy(logits, 0, m)
 
-    def _pass(self, rows: int) -> None:
-        """Enqueue the layers over the first `rows` rows of the step's arrays."""
+    def _pages(self, rows: int) -> object:
+        """The first `rows` rows of the step as pycalm.kernels.rows.Pages over the pool."""
         from pycalm.kernels.rows import Pages
 
-        pages = Pages(
-            self.positions[:rows],
-            self.seq_of_row[:rows],
-            self.table,
-            self.block_size,
-            self.span,
-            self.scratch,
-        )
+        return Pages(self.positions[:rows], self.seq_of_row[:rows], self.table, self.block_size, self.span,
+                     self.scratch)  # fmt: skip
+
+    def _token(self, sampled: bool) -> None:
+        """Enqueue the step of one sampled row as the engine's token step over the pool: logits_buf
+        = its logits (and, when sampled, chosen[0] = its token)."""
+        from pycalm.kernels.sample import sample_rows
+
+        e = self.engine
+        # logits_buf = the token state[STATE_TOKEN] at state[STATE_POS] through the layers, its
+        # key and value into its pool row
+        e.layers_step(self.span, state=self.state, caches=self.pools, pages=self._pages(1))
+        if sampled:
+            # chosen[0] = sample_ref(logits, the row's options, coins[0])
+            options = RowSampling(*(a[:1] for a in self.row_sampling))
+            sample_rows(e.logits_buf.reshape(1, self.config.vocab_size), options, self.coins[:1],
+                        self.chosen[:1], stream=e.stream, **self.prefill.sample_options)  # fmt: skip
+
+    def _pass(self, rows: int) -> None:
+        """Enqueue the layers over the first `rows` rows of the step's arrays."""
+        pages = self._pages(rows)
         # x = the layers over the rows, each live row's key and value into its pool row
         self.prefill.forward_rows(0, rows, tokens=self.tokens[:rows], pages=pages, pools=self.pools)
 

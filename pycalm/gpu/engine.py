@@ -446,9 +446,14 @@ class GpuEngine:
         (batch_invariant) the multi-token forward's first logits row."""
         return self._prefill_step().buffers.logits[0] if self.batch_invariant else self.logits_buf
 
-    def layers_step(self, span: int | None) -> None:
+    def layers_step(
+        self, span: int | None, state: object = None, caches: list | None = None, pages: object = None
+    ) -> None:
         """Enqueue the token step's layers and classifier: logits_buf = the logits of the token
-        state[STATE_TOKEN] at position state[STATE_POS], its keys and values cached."""
+        state[STATE_TOKEN] at position state[STATE_POS], its keys and values cached. state and
+        caches default to the engine's; pages (pycalm.kernels.rows.Pages of one row, its
+        attention scratch): caches are paged pools (pycalm.gpu.batched), read and written
+        through the block table of the row's sequence."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.embed import embed
         from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual
@@ -456,14 +461,17 @@ class GpuEngine:
         from pycalm.kernels.qkv import qkv_rope
 
         cfg, eps, s = self.config, self.config.norm_eps, self.stream
-        x, q, att, h, route, state = self.x, self.q, self.att, self.h, self.route, self.state
+        x, q, att, h, route = self.x, self.q, self.att, self.h, self.route
+        state = self.state if state is None else state
+        caches = self.kv_caches if caches is None else caches
+        scratch = self.att_scratch if pages is None else pages.scratch
         # x = the embedding row of the token
         embed(self.tok_embeddings, state, x, self.embed_dtype, stream=s)
-        for L, cache in zip(self.layers, self.kv_caches, strict=True):
+        for L, cache in zip(self.layers, caches, strict=True):
             # q, k, v = Wqkv rmsnorm(x) (+ bqkv); q and k rotated by pos; cache row pos = k, v
-            qkv_rope(L, x, self.rope_freqs, state, q, cache, cfg, stream=s)
+            qkv_rope(L, x, self.rope_freqs, state, q, cache, cfg, stream=s, pages=pages)
             # att = softmax(q k^T / sqrt(head_dim)) v over positions 0..pos (or the window)
-            attention(q, cache, state, att, cfg, self.att_scratch, stream=s, span=span)
+            attention(q, cache, state, att, cfg, scratch, stream=s, span=span, pages=pages)
             # x += Wo att
             matvec_residual(L.wo, att, x, L.dtypes["wo"], stream=s)
             if cfg.n_experts:

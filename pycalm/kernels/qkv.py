@@ -17,6 +17,9 @@ passes x as a dummy), so one kernel a weight format and KV dtype serves models w
 q/k/v biases. Programmatic launches as in matvec: the first weight loads before
 grid_dependency_wait, launch_dependents once a warp's last group's loads are issued.
 
+Paged (pycalm.gpu.batched's one-row steps): the cache is a pool, and the row k and v go to is
+that of position pos in the block table of the step's sequence (pycalm.kernels.attention.pool_row).
+
 Bytes moved: Wqkv, x, attn_norm, the bias, q written (4 q_dim) and one cache row of k and v.
 """
 
@@ -28,6 +31,7 @@ import numpy as np
 from numba import cuda, float32, uint8, uint64
 
 from pycalm.errors import PycalmError
+from pycalm.kernels.attention import pool_row
 from pycalm.kernels.common import (
     STATE_POS,
     WARP,
@@ -96,14 +100,16 @@ def rope_store_pair(kv_dtype: str):  # noqa: ANN201
 
 
 @functools.cache
-def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
+def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str, paged: bool = False):  # noqa: ANN201
     """The fused QKV kernel for a weight dtype, the bytes a load (16, or the narrow loads of
     pycalm.kernels.rowgroup.NARROW_BYTES) and the KV-cache dtype. Arguments: w (rows, units) word
     array, s its scales (q8 / q4, as pycalm.kernels.rowgroup.codes_and_scales makes them; other
     dtypes: any float32 array, never read), bias (rows,) float32 (read only when has_bias), x
     (dim,) float32 and x64 (x as uint64 pairs), norm_w (dim,) float32, eps float32, freqs
     (rotary_dim // 2,) float32, state int32, q (q_dim,) float32, k_cache, v_cache (seq_len,
-    kv_dim), q_dim, kv_dim, head_dim, has_bias.
+    kv_dim), q_dim, kv_dim, head_dim, has_bias; seq_of_row (1,) int32, table (n_seqs, max_pages)
+    int32 and page_log2: paged, k and v go to the pool row of position pos of sequence
+    seq_of_row[0] (pycalm.kernels.attention.pool_row); else they are unread and the row is pos.
     Reference: pycalm.cpu.reference.qkv_ref."""
     unroll = UNROLL if nbytes == 16 else 1
     stage_x, load_first, group_dot, group_shift, XSUMS, SCALES, SCALE_T = row_group(
@@ -122,8 +128,9 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
 
     @cuda.jit(cache=True)
     def qkv_rope_kernel(
-        w, s, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias
-    ):  # noqa: ANN001, ANN202, E501
+        w, s, bias, x, x64, norm_w, eps, freqs, state, q, k_cache, v_cache, q_dim, kv_dim, head_dim, has_bias,
+        seq_of_row, table, page_log2,
+    ):  # noqa: ANN001, ANN202, E501  # fmt: skip
         xs = cuda.shared.array(XPAIRS, uint64)  # x (one chunk) as float pairs, transposed by load
         xsum = cuda.shared.array(XSUMS, float32)  # q4, q8: x's sums, one a load
         sc = cuda.local.array(SCALES, SCALE_T)  # q4: a step's group scales; q8: the rows' scales
@@ -145,6 +152,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
         load_first(w, w, s, s, row, 0, nw, lane, words, sc, sh, sh)  # streams in while x is staged
         grid_dependency_wait()  # x and state come from earlier kernels: read them after they finish
         pos = state[STATE_POS]
+        row_kv = pool_row(table, seq_of_row[0], pos, page_log2) if paged else pos  # k and v's cache row
         ss = stage_x(x64, norm_w, xs, xsum, 0, cols, 1)  # x * norm_w, and this thread's sum of x^2
         scale = float32(SCALE) * staged_rms(ss, cols, eps, scratch)  # its barrier publishes xs
         while g < n_groups:  # warp-uniform: the shuffles below see every lane
@@ -159,7 +167,7 @@ def qkv_rope_kernel(dtype: str, nbytes: int, kv_dtype: str):  # noqa: ANN201
             if lane == 0:
                 for p in range(ROWS // 2):
                     if ROWS * g + 2 * p < n_rows:  # n_rows is even: the pair is whole
-                        store_pair(acc[2 * p], acc[2 * p + 1], ROWS * g + 2 * p, bias, has_bias, freqs, pos, pos, q,
+                        store_pair(acc[2 * p], acc[2 * p + 1], ROWS * g + 2 * p, bias, has_bias, freqs, pos, row_kv, q,
                                    k_cache, v_cache, q_dim, kv_dim, head_dim)  # fmt: skip
             g = gn
 
@@ -176,9 +184,12 @@ def qkv_rope(
     cfg: object,
     *,
     stream: object,
+    pages: object = None,
 ) -> None:
     """q = rope(Wq xn + bq); cache.k[pos] = enc(rope(Wk xn + bk)); cache.v[pos] = enc(Wv xn + bv);
-    xn = rmsnorm(x) * layer.attn_norm, pos = state[STATE_POS].
+    xn = rmsnorm(x) * layer.attn_norm, pos = state[STATE_POS]. pages (pycalm.kernels.rows.Pages
+    of one row): the cache is a paged pool, and k and v go to the pool row of position pos of
+    sequence pages.seq_of_row[0] instead of row pos.
 
     layer: .wqkv stored (q_dim + 2 kv_dim, dim) (q8 / q4: a pycalm.model.formats.Quantized), its format
     .dtypes["wqkv"], .bqkv (q_dim + 2 kv_dim,) float32 or None,
@@ -197,12 +208,17 @@ def qkv_rope(
     if w.shape[0] != q_dim + 2 * kv_dim or head_dim % 2:
         raise PycalmError(f"qkv_rope: {w.shape[0]} rows for q_dim {q_dim} and kv_dim {kv_dim}")
     nbytes = load_bytes(w, dtype)
-    kernel = qkv_rope_kernel(dtype, nbytes, cache.dtype)
+    kernel = qkv_rope_kernel(dtype, nbytes, cache.dtype, paged=pages is not None)
     has_bias = bias is not None
+    # unpaged, the pages' arguments are unread: state stands in for them
+    seq_of_row, table, page_log2 = (
+        (pages.seq_of_row, pages.table, pages.page_log2) if pages is not None
+        else (state, state.reshape(1, state.shape[0]), 0)
+    )  # fmt: skip
     args = (
         word_view(w, nbytes), s, bias if has_bias else x, x, x.view(np.uint64), layer.attn_norm,
         np.float32(cfg.norm_eps), rope_freqs, state, q, cache.k, cache.v, q_dim, kv_dim, head_dim,
-        np.int32(has_bias),
+        np.int32(has_bias), seq_of_row, table, np.int32(page_log2),
     )  # fmt: skip
     blocks, threads = row_group_launch(kernel, args, -(-w.shape[0] // ROWS), 1)
     kernel[blocks, threads, stream](*args)
