@@ -208,6 +208,7 @@ async def load(url: str, streams: int, args: argparse.Namespace, vocab: int, see
             body = {
                 "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt)],
                 "max_tokens": args.new,
+                "ignore_eos": True,  # exactly max_tokens out, as vLLM's benchmark asks
                 "temperature": 0.8,
                 "stream": True,
                 "stream_options": {"include_usage": True},
