@@ -90,6 +90,15 @@ def weight_bytes(n: int, k: int, dtype: str, gate: bool) -> float:
     return (2 if gate else 1) * n * k * formats.bits_per_weight(dtype, k) / 8
 
 
+def shape_arrays(n: int, k: int, dtype: str, mode: str) -> tuple:
+    """A shape's random weights W (and W3 for the gate), 64 rows of X and the out of 64 rows."""
+    w = random_weights(n, k, dtype, 1)
+    w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
+    x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
+    out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+    return w, w3, x, out
+
+
 def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0):  # noqa: ANN001, ANN201
     """A skinny launch with a chosen block shape (0: the package's warps_for, UNROLL,
     row_tiles_for)."""
@@ -129,10 +138,7 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
         }
         scratch = matmul_split_scratch(STREAM)
         for name, n, k, mode in SHAPES:
-            w = random_weights(n, k, dtype, 1)
-            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
-            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
-            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
             x1 = cuda.to_device(np.random.default_rng(0).standard_normal(k).astype(np.float32) * 0.1)
             out1 = cuda.device_array(n, np.float32)
             nbytes = weight_bytes(n, k, dtype, mode == "gate")
@@ -173,10 +179,7 @@ def sweep(dtypes: list[str], rows: list[int]) -> None:
     ]  # warps (0: warps_for), unroll, min blocks
     for dtype in dtypes:
         for name, n, k, mode in SHAPES:
-            w = random_weights(n, k, dtype, 1)
-            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
-            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
-            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
             nbytes = weight_bytes(n, k, dtype, mode == "gate")
             for t in rows:
                 cells = []
@@ -205,10 +208,7 @@ def row_tiles_sweep(dtypes: list[str], rows: list[int], variants: list[tuple[int
     for dtype in dtypes:
         totals: dict[tuple, float] = {}
         for name, n, k, mode in SHAPES:
-            w = random_weights(n, k, dtype, 1)
-            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
-            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
-            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
             for t in rows:
                 sp = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch))
                 totals[("split", t)] = totals.get(("split", t), 0.0) + sp
@@ -235,10 +235,7 @@ def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
     for dtype in dtypes:
         totals = {(tile, t): 0.0 for tile in tiles for t in rows}
         for _name, n, k, mode in SHAPES:
-            w = random_weights(n, k, dtype, 1)
-            w3 = random_weights(n, k, dtype, 2) if mode == "gate" else None
-            x = random_words(64 * k // 2, 3, MASK["fp16"]).view(np.float16).reshape(64, k)
-            out = cuda.device_array((64, n), np.float16 if mode == "gate" else np.float32)
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
             for tile in tiles:
                 for t in rows:
                     launch = tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch, tile)
