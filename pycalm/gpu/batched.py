@@ -287,17 +287,13 @@ class BatchedGpuEngine:
     def _token(self, sampled: bool) -> None:
         """Enqueue the step of one sampled row as the engine's token step over the pool: logits_buf
         = its logits (and, when sampled, chosen[0] = its token)."""
-        from pycalm.kernels.sample import sample_rows
-
         e = self.engine
         # logits_buf = the token state[STATE_TOKEN] at state[STATE_POS] through the layers, its
         # key and value into its pool row
         e.layers_step(self.span, state=self.state, caches=self.pools, pages=self._pages(1))
         if sampled:
             # chosen[0] = sample_ref(logits, the row's options, coins[0])
-            options = RowSampling(*(a[:1] for a in self.row_sampling))
-            sample_rows(e.logits_buf.reshape(1, self.config.vocab_size), options, self.coins[:1],
-                        self.chosen[:1], stream=e.stream, **self.prefill.sample_options)  # fmt: skip
+            self._sample(e.logits_buf.reshape(1, self.config.vocab_size), 0)
 
     def _pass(self, rows: int) -> None:
         """Enqueue the layers over the first `rows` rows of the step's arrays."""
@@ -309,7 +305,6 @@ class BatchedGpuEngine:
         """Enqueue logits[:k] = the classifier of the residual rows sample_rows[first .. first + k - 1]
         (and, when sampled, chosen[first .. first + k - 1] = their tokens)."""
         from pycalm.kernels.rows import rmsnorm_rows, take_rows
-        from pycalm.kernels.sample import sample_rows
 
         cfg, e, s = self.config, self.engine, self.engine.stream
         b = self.prefill.buffers
@@ -320,8 +315,15 @@ class BatchedGpuEngine:
         # logits = xb Wout^T
         self.prefill.products(k)(b.xb[:k], e.output, b.logits[:k], e.output_dtype, stream=s)
         if sampled:
-            # chosen[i] = sample_ref(logits[i], the row's options, coins[i])
-            part = slice(first, first + k)
-            options = RowSampling(*(a[part] for a in self.row_sampling))
-            sample_rows(b.logits[:k], options, self.coins[part], self.chosen[part], stream=s,
-                        **self.prefill.sample_options)  # fmt: skip
+            # chosen[first + i] = sample_ref(logits[i], the row's options, coins[first + i])
+            self._sample(b.logits[:k], first)
+
+    def _sample(self, logits: object, first: int) -> None:
+        """Enqueue chosen[first + i] = sample_ref(logits[i], sampled row first + i's options, its
+        coin) for the (k, vocab_size) logits of sampled rows first .. first + k - 1."""
+        from pycalm.kernels.sample import sample_rows
+
+        part = slice(first, first + logits.shape[0])
+        options = RowSampling(*(a[part] for a in self.row_sampling))
+        sample_rows(logits, options, self.coins[part], self.chosen[part], stream=self.engine.stream,
+                    **self.prefill.sample_options)  # fmt: skip
