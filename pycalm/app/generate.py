@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import select
 import sys
 import time
 from collections.abc import Callable
@@ -168,6 +169,18 @@ def prepare(engine: object, sampling: SamplingParams, positions: range, timings:
     timings.compile_s = (timings.compile_s or 0.0) + time.perf_counter() - t0
 
 
+def read_line(interactive: bool) -> str:
+    """The next line of stdin, "" at its end. On a terminal it waits in short selects before it
+    reads: Python raises Ctrl-C's KeyboardInterrupt between bytecodes, and a SIGINT that lands
+    after the prompt is written but before a blocking read() starts would wait inside that read
+    for the next line typed. (A terminal in canonical mode gives a read one line, so no typed line
+    waits in sys.stdin's buffer while select looks at the descriptor.)"""
+    if interactive:
+        while not select.select([sys.stdin], [], [], 0.1)[0]:
+            pass  # a pending KeyboardInterrupt is raised here, between bytecodes
+    return sys.stdin.readline()
+
+
 def run_chat(
     engine: object,
     tok: object,
@@ -187,7 +200,7 @@ def run_chat(
         try:
             if interactive:
                 print("user> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
+            line = read_line(interactive)
         except KeyboardInterrupt:  # Ctrl-C at the prompt leaves, as Ctrl-D does
             print("", file=sys.stderr)
             break
