@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -57,6 +57,8 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/check_prefill_real.py "$gguf" 2>&1 | tee "$out/prefill_real.log" | grep -v "^   " | tail -40 ;;
     startup) npz=${steps[$i]}; i=$((i + 1))  # SmolLM2's tokenizer file (bench_startup.py tokenizer)
              python3 scripts/bench_startup.py run --tokenizer "$npz" --json "$out/startup.json" 2>&1 | tee "$out/startup.log" | tail -20 ;;
+    ptx)     # the compile check of every launched kernel (not in CI: its workers take the 16 cores here)
+             python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_ptx.py 2>&1 | tee "$out/tests_ptx.log" | tail -15 ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -17,6 +17,8 @@ Markers, given here from the tables below (test files carry none but `gpu`, thro
 
 `python -m pytest -q` (neither -m nor paths given) runs the fast set, `-m "not slow"`;
 `python -m pytest -q -m slow` runs the rest. Naming files, folders or tests runs all of theirs.
+CI (.ci/run) runs the fast set and `-m e2e`: the compile check and the long simulator cases take
+longer than its 15 minutes allow.
 """
 
 import hashlib
