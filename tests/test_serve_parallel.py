@@ -181,6 +181,8 @@ def test_parallel_options():
 
     with pytest.raises(SystemExit):  # batch-invariant batching: the CPU engine's alone
         parse_args(["m", "--parallel", "2", "--device", "gpu", "--batch-invariant"])
+    with pytest.raises(SystemExit):  # the batched pass is the fast kernels'
+        parse_args(["m", "--parallel", "2", "--device", "gpu", "--kernels", "simple"])
     with pytest.raises(SystemExit):
         parse_args(["m", "--parallel", "0"])
     assert parse_args(["m"]).parallel == 1
@@ -304,3 +306,70 @@ def test_generate_takes_a_list_of_prompts(llm, monkeypatch):
         assert g.text == alone.text and [x.logprob for x in g.logprobs] == [x.logprob for x in alone.logprobs]
     with pytest.raises(PycalmError, match="list of prompts"):
         llm.generate(prompts, stream=True)
+
+
+def test_a_batch_that_cannot_be_made_fails_the_loading():
+    """The batch runner is made while the model loads: an engine that cannot batch (here the GPU's
+    batch-invariant mode) fails the loading with its one line, and the worker ends (the server
+    then exits), where a dead worker thread once left every request waiting."""
+    from types import SimpleNamespace
+
+    from pycalm.app.serve import ParallelWorker
+
+    llm = SimpleNamespace(engine=SimpleNamespace(device="gpu", batch_invariant=True))
+    loaded = []
+    worker = ParallelWorker(lambda: llm, lambda llm, message: loaded.append((llm, message)), 4)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    assert loaded == [(None, "--parallel with --batch-invariant runs on the CPU engine only (--device cpu)")]
+
+
+def test_a_failed_step_answers_its_requests_and_the_batch_goes_on(llm, monkeypatch):
+    """A step that raises (a bug) ends the requests in it with an error each and a fresh pool;
+    the next request is served whole, and the idle worker waits without using the CPU."""
+    import asyncio
+
+    from pycalm.app import batching
+    from pycalm.app.serve import Job, ParallelWorker, Request
+
+    loaded = []
+    worker = ParallelWorker(lambda: llm, lambda llm, message: loaded.append(message), 4)
+    worker.start()
+    step = batching.BatchRunner.step
+    failing = [True]
+
+    def step_once_failing(self: object) -> None:
+        if failing.pop() if failing else False:
+            raise RuntimeError("a bug in the step")
+        step(self)
+
+    monkeypatch.setattr(batching.BatchRunner, "step", step_once_failing)
+
+    async def ask(prompt: list[int]) -> list[tuple[str, object]]:
+        sampling = SamplingParams(temperature=0.0)
+        request = Request(6, sampling, [], stream=False, include_usage=False)
+        job = Job(prompt, 6, request, True, asyncio.get_running_loop())
+        worker.jobs.put(job)
+        events = []
+        while not events or events[-1][0] not in ("done", "error"):
+            events += await asyncio.wait_for(job.drain(), 60)
+        return events
+
+    try:
+        first = asyncio.run(ask([1, 5, 9]))
+        assert first[-1] == ("error", "internal error: a bug in the step")
+        second = asyncio.run(ask([1, 5, 9]))
+        assert second[-1][0] == "done"
+        want = alone(llm, {"prompt": [1, 5, 9], "max_tokens": 6, "temperature": 0.0, "seed": 0})
+        assert second[-1][1][0].text == want[0]
+        # idle: the worker blocks on its queue (it once spun, asking the failed runner, which
+        # never empties, whether the batch was idle)
+        time.sleep(0.2)
+        before = time.process_time()
+        time.sleep(1.0)
+        assert time.process_time() - before < 0.3
+    finally:
+        worker.jobs.put(None)
+        worker.join(timeout=30)
+    assert loaded == [""] and not worker.is_alive()

@@ -36,7 +36,7 @@ queue; each request's text pieces cross to the event loop through a deque (Job).
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 
---parallel N > 1 (the CPU engine only) replaces that worker with ParallelWorker: the jobs join
+--parallel N > 1 replaces that worker with ParallelWorker: the jobs join
 one batch, up to N sequences at once (pycalm.app.batching: continuous batching over a paged KV
 cache with prefix caching), the same events going out the same way; a cancel flag takes its
 sequence out at the next step. /metrics adds the batch's gauges.
@@ -496,6 +496,7 @@ class Worker(threading.Thread):
     def run(self) -> None:
         try:
             llm = self.load()
+            self.prepare(llm)
         except (PycalmError, OSError) as e:
             self.on_loaded(None, str(e))
             return
@@ -506,6 +507,10 @@ class Worker(threading.Thread):
         self.llm = llm
         self.on_loaded(llm, "")
         self.serve()
+
+    def prepare(self, llm: object) -> None:
+        """What serving needs beyond the model, made before the server says it is ready: a failure
+        here fails the loading (one line, and the server exits), not the requests."""
 
     def serve(self) -> None:
         """The queued jobs in arrival order, one at a time, until the None that ends the queue."""
@@ -671,14 +676,18 @@ class ParallelWorker(Worker):
         self.peak = 0  # the most sequences a step has run
         self.to_wake: list[Job] = []  # jobs with events since the last wake-up
 
-    def serve(self) -> None:
+    def prepare(self, llm: object) -> None:
+        """The batch runner and its KV pool: an engine that cannot batch, or a pool that does not
+        fit, fails the loading."""
         from pycalm.app.batching import BatchRunner
 
-        self.runner = runner = BatchRunner(self.llm, self.parallel)
-        ending = False
-        while not ending or not runner.idle():
+        self.runner = BatchRunner(llm, self.parallel)
+
+    def serve(self) -> None:
+        ending = False  # (self.runner, not a local: a failed step replaces it)
+        while not ending or not self.runner.idle():
             try:
-                job = self.jobs.get(block=runner.idle() and not ending)
+                job = self.jobs.get(block=self.runner.idle() and not ending)
             except queue.Empty:
                 job = False  # nothing new: step the batch
             while job is not False:
@@ -690,7 +699,7 @@ class ParallelWorker(Worker):
                     job = self.jobs.get_nowait()
                 except queue.Empty:
                     job = False
-            if not runner.idle():
+            if not self.runner.idle():
                 self.step()
             self.wake()
 
@@ -763,21 +772,24 @@ class ParallelWorker(Worker):
         """One step of the batch; a bug ends the requests in it (an error each), not the server."""
         m = self.metrics
         t0 = time.perf_counter()
+        failed = None
         try:
             self.runner.step()
         except Exception as e:
             traceback.print_exc()
+            failed = f"internal error: {e}"
+        m.busy_s += time.perf_counter() - t0
+        if failed is not None:
             from pycalm.app.batching import BatchRunner
 
             for job, _ in list(self.active.values()):
                 job.cancel.set()
-                job.emit("error", f"internal error: {e}")
+                job.emit("error", failed)
             self.active.clear()
-            self.runner = BatchRunner(self.llm, self.parallel)  # a fresh pool: the old one's state is unknown
-        finally:
-            m.busy_s += time.perf_counter() - t0
-            m.running = len(self.runner.scheduler.running)
-            self.peak = max(self.peak, m.running)
+            self.runner = None  # the old pool freed (its state is unknown) before a fresh one is made
+            self.runner = BatchRunner(self.llm, self.parallel)
+        m.running = len(self.runner.scheduler.running)
+        self.peak = max(self.peak, m.running)
 
     def shutdown(self) -> None:
         """The server is stopping (on the event loop): the running jobs stop at the next step and
@@ -789,7 +801,8 @@ class ParallelWorker(Worker):
     def metrics_text(self) -> str:
         """The counters, and the batch's: running and waiting sequences, KV blocks, prefix hits."""
         out = super().metrics_text()
-        if self.runner is None:
+        r = self.runner  # read once: a failed step replaces it (None meanwhile)
+        if r is None:
             return out
         rows = [
             ("batch_running", "gauge", "Sequences in the batch.", "running"),
@@ -814,12 +827,11 @@ class ParallelWorker(Worker):
                 "engine_s",
             ),
         ]
-        values = {**self.runner.metrics(), "peak": self.peak}
+        values = {**r.metrics(), "peak": self.peak}
         lines = []
         for name, kind, about, key in rows:
             lines += [f"# HELP pycalm_{name} {about}", f"# TYPE pycalm_{name} {kind}"]
             lines.append(f"pycalm_{name} {values[key]:g}")
-        r = self.runner
         return (
             out
             + "\n".join(lines)
@@ -1339,6 +1351,8 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error(f"--parallel {args.parallel}: must be 1 or more")
     if args.parallel > 1 and args.device == "gpu" and args.batch_invariant:
         ap.error("--parallel > 1 with --batch-invariant runs on the CPU engine only (--device cpu)")
+    if args.parallel > 1 and args.device == "gpu" and args.kernels == "simple":
+        ap.error("--parallel > 1 on the GPU needs the fast kernels (not --kernels simple)")
     if args.parallel > 1 and args.speculate != "off":
         ap.error("--parallel > 1 does not go with --speculate yet")
     if args.threads is not None and args.threads < 1:
