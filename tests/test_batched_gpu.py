@@ -189,8 +189,25 @@ def test_batch_runner_on_the_gpu_engine(tmp_path):
                    lambda *_: None, logprobs=o.get("logprobs"))
         for p, o in zip(some, options, strict=True)
     ]  # fmt: skip
+    # where each hand-out of tokens runs: inside step_tokens (while the GPU runs the next step)
+    # but for the last, which has no next step
+    inside, where = [False], []
+    step_tokens = runner.engine.step_tokens
+
+    def tracked(*args: object, **kwargs: object) -> object:
+        inside[0] = True
+        try:
+            return step_tokens(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    runner.engine.step_tokens = tracked
+    runner.on_events = lambda: where.append(inside[0])
     while not runner.idle():
         runner.step()
+    # three steps: the prompts (nothing to hand out yet), the second tokens (the first ones handed
+    # out meanwhile), and the last hand-out, with no pass left to overlap
+    assert where == [True, True, False]
     for p, o, s in zip(some, options, streams, strict=True):
         alone = llm.generate(p, max_tokens=2, temperature=0.0, **o)  # the text (a Generation with logprobs)
         assert s.gen.finish_reason in ("stop", "length") and s.gen.completion_tokens == len(s.request.output)

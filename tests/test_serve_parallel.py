@@ -234,15 +234,23 @@ def test_soak(server, llm):
     assert served(client, rs[0]) == alone(llm, rs[0])
 
 
-def test_shutdown_with_sequences_running_and_waiting(model, tmp_path):
+def test_shutdown_with_sequences_running_and_waiting(tmp_path):
     """SIGINT with two sequences in the batch and one waiting for a place: every stream ends (what
-    it has, then [DONE]) and the process exits at once, with no traceback."""
+    it has, then [DONE]) and the process exits at once, with no traceback. (The model's context
+    is 4,096 positions, so that the two run for seconds: at 256 they ended within a quarter of a
+    second, and a loaded machine's polls of /metrics could miss that state.)"""
     import signal
     import subprocess
     import sys
 
     from test_cli import REPO, _env
     from test_serve import _free_port, wait_healthy
+    from tiny_models import make_hf_llama
+
+    from pycalm.convert.main import convert
+
+    tiny = make_hf_llama(tmp_path, n_layers=2, vocab_size=64, max_positions=4096)
+    model = convert(tiny.path, tmp_path / "long.pycalm", "fp16", progress=False)
 
     port, log = _free_port(), tmp_path / "server.log"
     cmd = [sys.executable, "-m", "pycalm.serve", str(model), "--port", str(port), "--device", "cpu"]
@@ -373,3 +381,39 @@ def test_a_failed_step_answers_its_requests_and_the_batch_goes_on(llm, monkeypat
         worker.jobs.put(None)
         worker.join(timeout=30)
     assert loaded == [""] and not worker.is_alive()
+
+
+def test_a_stop_string_ends_its_request_a_step_late_and_the_batch_empties(llm):
+    """A step's tokens are handed out while the next pass runs (pycalm.app.batching), so a stop
+    string seen in the next-to-last token ends its request after the scheduler has planned, and
+    ended at max_tokens, the last one: the text is the request's alone, the dropped token's stream
+    leaves, the runner empties and the pool is whole again."""
+    from pycalm.app.batching import BatchRunner
+
+    def text(prompt: list[int], n: int, stop: list[str] | None = None) -> tuple[str, str]:
+        return alone(llm, {"prompt": prompt, "max_tokens": n, "temperature": 0.0, "seed": 0, "stop": stop})
+
+    for last in range(3, 64):  # a prompt whose 5th greedy word is not among the 4 before it
+        prompt = [1, 5, last]
+        word = text(prompt, 5)[0][len(text(prompt, 4)[0]) :].strip()
+        if word and word not in text(prompt, 4)[0]:
+            break
+    want = text(prompt, 6, [word])
+    assert want[1] == "stop"
+    runner = BatchRunner(llm, 2)
+    got = {"text": "", "finish": None}
+
+    def emit(kind: str, value: object) -> None:
+        if kind == "text":
+            got["text"] += value[1]
+        elif kind == "finish":
+            got["finish"] = value[1].finish_reason
+
+    runner.add(prompt, 6, SamplingParams(temperature=0.0), emit, stop=[word])
+    steps = 0
+    while not runner.idle():
+        runner.step()
+        steps += 1
+        assert steps < 20, "the runner never empties"
+    assert (got["text"], got["finish"]) == want
+    assert runner.scheduler.metrics()["kv_blocks_used"] == 0

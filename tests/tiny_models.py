@@ -103,6 +103,7 @@ def make_hf_llama(
     seed: int = 0,
     shards: int = 1,
     name: str | None = None,
+    max_positions: int = 256,
 ) -> TinyModel:
     """An HF model folder of architecture `arch` with random weights (float32 or bfloat16)."""
     rng = np.random.default_rng(seed)
@@ -118,7 +119,7 @@ def make_hf_llama(
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": max_positions,
         "rope_theta": rope_theta or (10000.0 if arch != "qwen2" else 1000000.0),
         "rms_norm_eps": 1e-5,
         "bos_token_id": 1,

@@ -23,6 +23,12 @@ LLM.start's generation does, and the text reaches the consumer through `emit`, t
 the server's one-at-a-time worker sends: ("start", i), ("logprobs", (i, [TokenLogprobs])),
 ("text", (i, piece)), ("calls", (i, [call])) and ("finish", (i, Generation)).
 
+That hand-out of a step's tokens runs while the next step's pass runs on the GPU (the engine's
+while_waiting), and then `on_events()` (the server: wake its event loop, which formats and sends
+the text while the GPU works): the host's work and the pass overlap. A stop string seen there
+ends its request one step late: that step's row for it is computed, and its token dropped. A
+step with nothing to run hands out at once.
+
 A request ends on an EOS ("stop"; not under ignore_eos), a stop string (from its min_tokens-th
 token on) or a finished constraint ("stop", or "tool_calls" after tool calls), at max_tokens
 ("length"), or when `cancelled()` turns true (finish_reason None); its blocks are freed at once
@@ -152,9 +158,13 @@ class BatchRunner:
         self.ttft = Histogram(TTFT_BUCKETS)  # seconds from a request's arrival to its first token
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens
         self.next_id = 0
+        self.pending: list[tuple] = []  # the last step's (stream, token, logits, time, end) to hand out
+        self.on_events: Callable[[], None] = lambda: None  # after a hand-out (the server's wake-up)
         self.steps = 0  # passes run
         self.step_s = 0.0  # seconds in step() (the pass, and the host's work around it)
-        self.engine_s = 0.0  # seconds of those in the engine's step (its arrays, the pass, the copy back)
+        self.engine_s = 0.0  # seconds of those in the engine's step (its arrays, the pass, the copy
+        # back), not counting the hand-out that runs inside it
+        self.hand_out_s = 0.0  # seconds in hand_out
 
     def idle(self) -> bool:
         """No request waiting or running."""
@@ -219,7 +229,8 @@ class BatchRunner:
         plan = self.scheduler.schedule()
         for r in plan.finished:  # cancelled in schedule(): their streams have finished already
             self.streams.pop(r.id, None)
-        if not plan.chunks:
+        if not plan.chunks:  # nothing to overlap the last step's hand-out with
+            self.hand_out()
             return
         t0 = time.perf_counter()
         self._step(plan)
@@ -235,16 +246,17 @@ class BatchRunner:
             keep = [i for i, s in enumerate(rows) if on_host[i] or s.logprobs is not None]
             options = [GREEDY if h else s.options for s, h in zip(rows, on_host, strict=True)]
             coins = [0.0 if h else s.sampler.next_coin() for s, h in zip(rows, on_host, strict=True)]
-            t0 = time.perf_counter()
+            t0, handed = time.perf_counter(), self.hand_out_s
             chosen, kept = self.engine.step_tokens(
                 a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"],
-                options, coins, keep,
+                options, coins, keep, while_waiting=self.hand_out,
             )  # fmt: skip
-            self.engine_s += time.perf_counter() - t0
+            self.engine_s += time.perf_counter() - t0 - (self.hand_out_s - handed)
             logits = [None] * len(rows)  # a row's logits where the host took them
             for i, row in zip(keep, kept, strict=True):
                 logits[i] = row
         else:
+            self.hand_out()  # (the CPU engine's pass holds the host: nothing overlaps)
             t0 = time.perf_counter()
             with self.threads():
                 logits = self.engine.step(
@@ -270,8 +282,20 @@ class BatchRunner:
             sampled[s.request.id] = token
             made.append((s, token, row))
         ended = {r.id: r.finish_reason for r in self.scheduler.finish_step(plan, sampled)}
-        for s, token, row in made:
-            self._hand_out(s, token, row, now, ended.get(s.request.id))
+        self.pending = [(s, token, row, now, ended.get(s.request.id)) for s, token, row in made]
+
+    def hand_out(self) -> None:
+        """The last step's tokens to their streams (a stream that finished meanwhile, on a stop
+        string or a cancellation, drops its token), then on_events()."""
+        t0 = time.perf_counter()
+        pending, self.pending = self.pending, []
+        for s, token, row, now, ended in pending:
+            if not s.done:
+                self._hand_out(s, token, row, now, ended)
+            elif ended is not None:  # finished here and ended by the scheduler: no cancel pops it
+                self.streams.pop(s.request.id, None)
+        self.on_events()
+        self.hand_out_s += time.perf_counter() - t0
 
     def _hand_out(self, s: Stream, token: int, logits: np.ndarray, now: float, ended: str | None) -> None:
         """A request's new token: its text (stop strings, tool calls) to the consumer; the
@@ -345,10 +369,12 @@ class BatchRunner:
         s.emit("finish", (s.index, gen))
 
     def metrics(self) -> dict[str, float]:
-        """The scheduler's and the pool's counts (Scheduler.metrics), and the steps' time."""
+        """The scheduler's and the pool's counts (Scheduler.metrics), and the steps' time: in
+        step(), in the engine's call (the hand-out it overlaps not counted), and on the GPU."""
         return {
             **self.scheduler.metrics(),
             "steps": self.steps,
             "step_s": self.step_s,
             "engine_s": self.engine_s,
+            "gpu_s": getattr(self.engine, "gpu_s", 0.0),  # the GPU engine's (CUDA events)
         }

@@ -659,9 +659,11 @@ class ParallelWorker(Worker):
     """--parallel N: the engine (CPU or GPU) runs up to N requests at once through continuous
     batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued
     meanwhile (a choice of a job is a sequence of the batch; embeddings run between steps), then
-    runs one step; it waits on the queue only when nothing runs. A job ends ("done") when its last
-    choice has finished; a cancelled job (a client gone, or the shutdown) leaves the batch at the
-    next step with what it has."""
+    runs one step; it waits on the queue only when nothing runs. The runner hands a step's text
+    out while the GPU runs the next pass, and the event loop is woken right then (the runner's
+    on_events), so that it formats and sends the text while the GPU works. A job ends ("done")
+    when its last choice has finished; a cancelled job (a client gone, or the shutdown) leaves
+    the batch at the next step with what it has."""
 
     def __init__(
         self,
@@ -679,9 +681,16 @@ class ParallelWorker(Worker):
     def prepare(self, llm: object) -> None:
         """The batch runner and its KV pool: an engine that cannot batch, or a pool that does not
         fit, fails the loading."""
+        self.runner = self.new_runner(llm)
+
+    def new_runner(self, llm: object) -> object:
+        """A BatchRunner of up to self.parallel sequences that wakes the event loop after each
+        hand-out of tokens (while the GPU runs the next step)."""
         from pycalm.app.batching import BatchRunner
 
-        self.runner = BatchRunner(llm, self.parallel)
+        runner = BatchRunner(llm, self.parallel)
+        runner.on_events = self.wake
+        return runner
 
     def serve(self) -> None:
         ending = False  # (self.runner, not a local: a failed step replaces it)
@@ -780,14 +789,12 @@ class ParallelWorker(Worker):
             failed = f"internal error: {e}"
         m.busy_s += time.perf_counter() - t0
         if failed is not None:
-            from pycalm.app.batching import BatchRunner
-
             for job, _ in list(self.active.values()):
                 job.cancel.set()
                 job.emit("error", failed)
             self.active.clear()
             self.runner = None  # the old pool freed (its state is unknown) before a fresh one is made
-            self.runner = BatchRunner(self.llm, self.parallel)
+            self.runner = self.new_runner(self.llm)
         m.running = len(self.runner.scheduler.running)
         self.peak = max(self.peak, m.running)
 
@@ -825,6 +832,12 @@ class ParallelWorker(Worker):
                 "counter",
                 "Seconds of those in the engine's pass (the rest: scheduling, sampling, text).",
                 "engine_s",
+            ),
+            (
+                "batch_gpu_seconds_total",
+                "counter",
+                "Seconds the GPU spent on the batch's passes (CUDA events; 0 on the CPU engine).",
+                "gpu_s",
             ),
         ]
         values = {**r.metrics(), "peak": self.peak}

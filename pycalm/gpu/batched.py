@@ -131,6 +131,8 @@ class BatchedGpuEngine:
                                          engine.seq_len, chunk=self.chunk, rows=R, paged=True, stream=s)  # fmt: skip
         # (rows bucket, sampled bucket, attention span, sampled on the device) -> its pass
         self.graphs: dict[tuple[int, int, int, bool], GraphStep] = {}
+        self.marks = (cuda.event(), cuda.event())  # around each step's work on the stream
+        self.gpu_s = 0.0  # seconds the GPU spent on the steps (between the marks: not the host's gaps)
 
     def bucket(self, n: int) -> int:
         """The rows a step of n rows runs: the power of two at or above n (padding rows are
@@ -144,15 +146,19 @@ class BatchedGpuEngine:
         seq_of_row: np.ndarray,
         block_table: np.ndarray,
         sample_rows: np.ndarray,
+        while_waiting: Callable[[], None] = lambda: None,
     ) -> np.ndarray:
         """Feed the rows (each (R,) int: token, position, index into block_table's (S,
         max_blocks) rows), writing their keys and values to the pool -> the logits
-        (len(sample_rows), vocab_size) float32 of the rows sample_rows names."""
+        (len(sample_rows), vocab_size) float32 of the rows sample_rows names. while_waiting()
+        runs on the host once the pass is enqueued, while the GPU works."""
+        s = self.engine.stream
+        self.marks[0].record(s)
         m = self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         out = np.empty((m, self.config.vocab_size), np.float32)  # (n_sampled, vocab_size)
         self._run(m, sampled=False, copy=lambda logits, first, k: logits[:k].copy_to_host(
-            out[first : first + k], stream=self.engine.stream))  # fmt: skip
-        self.engine.stream.synchronize()
+            out[first : first + k], stream=s))  # fmt: skip
+        self._wait(while_waiting)
         return out
 
     def step_tokens(
@@ -165,11 +171,12 @@ class BatchedGpuEngine:
         samplings: list[SamplingParams],
         coins: np.ndarray,
         keep: Sequence[int] = (),
+        while_waiting: Callable[[], None] = lambda: None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """step, sampled on the device: sampled row i takes the options samplings[i] (no
         penalties or bias) and the uniform coin coins[i] -> (chosen (n_sampled,) int32, each
         sample_ref's pick of its row's logits; the logits (len(keep), vocab_size) float32 of the
-        sampled rows that keep lists, in its order)."""
+        sampled rows that keep lists, in its order). while_waiting() as step's."""
         m = len(sample_rows)
         if len(samplings) != m or len(coins) != m:
             raise PycalmError(
@@ -179,8 +186,9 @@ class BatchedGpuEngine:
         for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
             h[(4 + i) * R : (4 + i) * R + m] = field.view(np.int32)
             h[(4 + i) * R + m : (5 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
-        self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         s = self.engine.stream
+        self.marks[0].record(s)
+        self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
 
         def copy(logits: object, first: int, k: int) -> None:
@@ -190,8 +198,17 @@ class BatchedGpuEngine:
 
         self._run(m, sampled=True, copy=copy)
         self.chosen[:m].copy_to_host(self.chosen_host[:m], stream=s)
-        s.synchronize()
+        self._wait(while_waiting)
         return self.chosen_host[:m].copy(), kept
+
+    def _wait(self, while_waiting: Callable[[], None]) -> None:
+        """while_waiting() on the host while the GPU works, then the wait for the step's end;
+        gpu_s counts the step's GPU time (the simulator's events time nothing)."""
+        s = self.engine.stream
+        self.marks[1].record(s)
+        while_waiting()
+        s.synchronize()
+        self.gpu_s += max(0.0, self.marks[0].elapsed_time(self.marks[1])) / 1e3
 
     def _arrays(
         self,
