@@ -8,10 +8,21 @@ closed loop of --requests streamed /v1/completions requests: a prompt of --promp
 random token ids, exactly --new tokens out (sampled, temperature 0.8). Each row: aggregate
 output tok/s (completion tokens / the wall time from the first request to the last answer),
 time to first token and time per output token after it (p50 and p99 over the requests, client
-side), the server's steps and the share of their time outside the engine's pass (scheduler,
-sampling bookkeeping, detokenizing; the HTTP side runs beside it in the event loop).
+side), the server's steps, the share of the wall time outside the engine's pass (scheduler,
+sampling bookkeeping, detokenizing, waiting for the GIL; the hand-out of a step's tokens that
+overlaps the next pass counts as outside too), and the share in which the GPU has no pass to
+run (its busy time from CUDA events around each step).
 
     python scripts/bench_serve.py --streams 1,8,32,64,128 --shape llama3-8b --dtype fp16
+
+--stand-in BASE,ROW (ms) puts a stand-in in the GPU's place, to measure the host's side on a
+machine without one: each step sleeps BASE + ROW x its rows on the worker thread (the GIL
+released, as in a wait for the GPU) and draws random tokens; the server, the scheduler, the
+sampling bookkeeping and the HTTP side are the real ones. The default, 8.1,0.056, is the H200's
+fp16 8B step (bench_batched.py: 64 rows 11.7 ms, 64 rows and a 192-row chunk 22.4 ms).
+--profile FILE writes the worker thread's cProfile (pstats) there each time the batch empties.
+
+    python scripts/bench_serve.py --streams 64 --stand-in 8.1,0.056 --profile /tmp/worker.prof
 
 Without --streams:
 
@@ -165,6 +176,64 @@ class WordTokenizer:
         return b"".join(self.words[i] for i in ids).decode()
 
 
+class StandInEngine:
+    """The GpuEngine's face that the server and BatchRunner see, and no GPU behind it."""
+
+    device = "gpu"
+    batch_invariant = False
+    multi_token = True
+    simple = False
+
+    def __init__(self, config: object, seq_len: int) -> None:
+        self.config, self.seq_len = config, seq_len
+
+
+class StandInBatched:
+    """pycalm.gpu.batched.BatchedGpuEngine's step_tokens without a GPU: a step sleeps base_ms +
+    row_ms x its rows (after while_waiting, as the engine calls it) and draws each sampled row's
+    token at random (the options still checked)."""
+
+    base_ms, row_ms = 8.1, 0.056
+
+    @staticmethod
+    def refusal(engine: object) -> None:  # it batches any engine
+        return None
+
+    def __init__(self, engine: StandInEngine, n_blocks: int, block_size: int) -> None:
+        import numpy as np
+
+        self.vocab = engine.config.vocab_size
+        self.rng = np.random.default_rng(0)
+        self.gpu_s = 0.0  # the steps' "GPU" seconds
+
+    def step_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins, keep=(),  # noqa: ANN001, ANN201
+                    while_waiting=lambda: None):  # fmt: skip
+        import numpy as np
+
+        from pycalm.kernels.sample import host_rows
+
+        host_rows(samplings)
+        t0, gpu_s = time.perf_counter(), (self.base_ms + self.row_ms * len(tokens)) / 1e3
+        while_waiting()  # as the engine's, while the "GPU" works
+        time.sleep(max(0.0, t0 + gpu_s - time.perf_counter()))
+        self.gpu_s += gpu_s
+        chosen = self.rng.integers(3, self.vocab, len(sample_rows)).astype(np.int32)  # (n_sampled,)
+        return chosen, np.zeros((len(keep), self.vocab), np.float32)  # (len(keep), vocab_size)
+
+
+def stand_in_llm(shape: str, dtype: str, context: int, stand_in: str) -> object:
+    """An LLM over a StandInEngine of the shape (no EOS, WordTokenizer), its batched pass StandInBatched."""
+    from bench import config_for
+
+    import pycalm.gpu.batched
+    from pycalm.app.api import LLM
+
+    StandInBatched.base_ms, StandInBatched.row_ms = (float(v) for v in stand_in.split(","))
+    pycalm.gpu.batched.BatchedGpuEngine = StandInBatched  # what BatchRunner builds on a "gpu" engine
+    cfg = config_for(shape, dtype, context).replace(eos_ids=())
+    return LLM(StandInEngine(cfg, context), WordTokenizer(cfg.vocab_size), name="random")
+
+
 def random_llm(shape: str, dtype: str, context: int) -> object:
     """An LLM over a GpuEngine of the shape, random weights, no EOS, WordTokenizer."""
     from bench import RandomDeviceModel, config_for
@@ -245,9 +314,37 @@ def serve_random(args: argparse.Namespace) -> None:
     def on_loaded(llm: object | None, message: str) -> None:
         assert llm is not None, message
 
-    worker = ParallelWorker(
-        lambda: random_llm(args.shape, args.dtype, args.context), on_loaded, args.parallel
-    )
+    def llm() -> object:
+        if args.stand_in:
+            return stand_in_llm(args.shape, args.dtype, args.context, args.stand_in)
+        return random_llm(args.shape, args.dtype, args.context)
+
+    worker = ParallelWorker(llm, on_loaded, args.parallel)
+    if args.profile:  # the worker thread's profile, written each time the batch empties
+        import cProfile
+        import os
+
+        profile = cProfile.Profile()
+        serve, step, wake = worker.serve, worker.step, worker.wake
+        stepped = [False]  # a step ran since the last write
+
+        def profiled_serve() -> None:
+            profile.enable()
+            serve()
+
+        def profiled_step() -> None:
+            stepped[0] = True
+            step()
+
+        def profiled_wake() -> None:  # (uvicorn's exit re-raises SIGTERM: no end to write at)
+            wake()
+            if stepped[0] and worker.runner.idle():
+                stepped[0] = False
+                profile.dump_stats(args.profile + ".part")  # stops the profile: on again below
+                os.replace(args.profile + ".part", args.profile)
+                profile.enable()
+
+        worker.serve, worker.step, worker.wake = profiled_serve, profiled_step, profiled_wake
     app = make_app(worker, "random", on_startup=worker.start)
     uvicorn.run(app, host="127.0.0.1", port=args.serve, log_level="warning")
 
@@ -265,6 +362,8 @@ def streams_main(args: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, __file__, "--serve", str(port), "--parallel", str(max(counts))]
     cmd += ["--shape", args.shape, "--dtype", args.dtype, "--context", str(args.context)]
+    cmd += ["--stand-in", args.stand_in] if args.stand_in else []
+    cmd += ["--profile", args.profile] if args.profile else []
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = start_server(cmd, log)
     url = f"http://127.0.0.1:{port}"
@@ -274,9 +373,9 @@ def streams_main(args: argparse.Namespace) -> None:
         print(f"{args.shape} {args.dtype}, the server a process of its own with --parallel {max(counts)}, "
               f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
         print(
-            "| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps, ms each | outside the pass |"
+            "| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps, ms each | outside the pass | GPU idle |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         # a warm-up with every row bucket the runs will meet (each graph is captured once)
         warm = argparse.Namespace(**{**vars(args), "requests": 1, "new": 4})
         for n in sorted({1, *counts}):
@@ -288,10 +387,12 @@ def streams_main(args: argparse.Namespace) -> None:
             steps = after["batch_steps_total"] - before["batch_steps_total"]
             step_s = after["batch_step_seconds_total"] - before["batch_step_seconds_total"]
             engine_s = after["batch_engine_seconds_total"] - before["batch_engine_seconds_total"]
+            gpu_s = after["batch_gpu_seconds_total"] - before["batch_gpu_seconds_total"]
             print(
                 f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
                 f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | {steps:.0f}, {row['wall'] / steps * 1e3:.2f} "
-                f"(in step() {step_s / row['wall']:.0%}) | {1 - engine_s / row['wall']:.1%} |",
+                f"(in step() {step_s / row['wall']:.0%}) | {1 - engine_s / row['wall']:.1%} | "
+                f"{1 - gpu_s / row['wall']:.1%} |",
                 flush=True,
             )
     except Exception:
@@ -316,6 +417,14 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="output tokens a request (--streams)")
     ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
     ap.add_argument("--vocab", type=int, default=128256, help="the shape's vocabulary (--streams)")
+    ap.add_argument(
+        "--stand-in", metavar="BASE,ROW", help="no GPU: a step sleeps BASE + ROW x rows ms (--streams)"
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="the server worker's cProfile (pstats), written when the batch empties (--streams)",
+    )
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process of --streams: its port
     ap.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
