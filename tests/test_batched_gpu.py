@@ -220,3 +220,39 @@ def test_batch_runner_on_the_gpu_engine(tmp_path):
             )
             alone = alone.text
         assert s.gen.text == alone and alone
+
+
+@pytest.mark.skipif(GPU, reason="the GPU's free memory stands in for a small one")
+def test_pool_takes_the_memory_there_is(tmp_path, monkeypatch):
+    """Without a pool size given, the paged pool takes a full context for every sequence where
+    that fits the GPU's free memory (less the reserve), else as many blocks as fit, and at least
+    one full context: short of that, loading fails with the out-of-memory line."""
+    import pycalm.gpu.batched as batched
+    import pycalm.gpu.memory as memory
+    from pycalm.app.api import LLM
+    from pycalm.model.tokenizer import Tokenizer
+
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    cfg = model.config
+    engine = GpuEngine(model, seq_len=SEQ_LEN)
+    block_bytes = 2 * cfg.n_layers * BLOCK_SIZE * cfg.kv_dim * 2  # keys and values, fp16
+    total = 8 << 30  # (5% of it is below RESERVE_MIN: the reserve is RESERVE_MIN)
+
+    def free_for(blocks: float) -> None:
+        info = lambda: (batched.RESERVE_MIN + blocks * block_bytes, total)  # noqa: E731
+        monkeypatch.setattr(batched, "gpu_memory_info", info)
+        monkeypatch.setattr(memory, "gpu_memory_info", info)
+
+    full = SEQ_LEN // BLOCK_SIZE  # blocks of one full context
+    free_for(2.5 * full)
+    assert BatchedGpuEngine(engine, 4 * full, BLOCK_SIZE, min_blocks=full).n_blocks == int(2.5 * full)
+    assert BatchedGpuEngine(engine, 2 * full, BLOCK_SIZE, min_blocks=full).n_blocks == 2 * full
+    tok = Tokenizer.from_blob(
+        model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
+    )
+    runner = BatchRunner(LLM(engine, tok), max_seqs=4, block_size=BLOCK_SIZE)
+    assert runner.blocks.n_blocks == int(2.5 * full)  # the scheduler hands out the pool's blocks
+    free_for(full - 1)
+    with pytest.raises(PycalmError, match=r"^out of GPU memory: the paged KV pool of 8 blocks"):
+        BatchRunner(LLM(engine, tok), max_seqs=4, block_size=BLOCK_SIZE)
+    assert BatchedGpuEngine(engine, 12, BLOCK_SIZE).n_blocks == 12  # a size given is taken whole

@@ -139,20 +139,23 @@ class BatchRunner:
         self.llm = llm
         self.seq_len = llm.seq_len
         blocks_a_seq = -(-self.seq_len // block_size)
-        self.blocks = BlockManager(n_blocks or max_seqs * blocks_a_seq, block_size)
-        self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
         if engine.device == "gpu":  # the rows pass over a paged pool on the device
             from pycalm.gpu.batched import BatchedGpuEngine
 
-            self.engine = BatchedGpuEngine(engine, self.blocks.n_blocks, block_size)
+            # by default, a full context for every sequence where that fits the GPU's memory,
+            # else as many blocks as fit (at least one full context): preemption handles the rest
+            most = n_blocks or max_seqs * blocks_a_seq
+            self.engine = BatchedGpuEngine(engine, most, block_size, None if n_blocks else blocks_a_seq)
             self.threads = contextlib.nullcontext
             self.device_sampling = True  # plain rows sampled on the device (step_tokens)
-        else:
+        else:  # (its pool's pages are mapped as they are first written)
             self.engine = BatchedCpuEngine(
-                engine.ref, self.blocks.n_blocks, block_size, engine.batch_invariant
+                engine.ref, n_blocks or max_seqs * blocks_a_seq, block_size, engine.batch_invariant
             )
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
             self.device_sampling = False
+        self.blocks = BlockManager(self.engine.n_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}
         self.ttft = Histogram(TTFT_BUCKETS)  # seconds from a request's arrival to its first token

@@ -681,7 +681,10 @@ class ParallelWorker(Worker):
     def prepare(self, llm: object) -> None:
         """The batch runner and its KV pool: an engine that cannot batch, or a pool that does not
         fit, fails the loading."""
-        self.runner = self.new_runner(llm)
+        self.runner = r = self.new_runner(llm)
+        positions = r.blocks.n_blocks * r.blocks.block_size
+        print(f"pycalm: --parallel {self.parallel}: a KV pool of {positions:,} positions "
+              f"({positions / llm.seq_len:.1f} full contexts)", file=sys.stderr, flush=True)  # fmt: skip
 
     def new_runner(self, llm: object) -> object:
         """A BatchRunner of up to self.parallel sequences that wakes the event loop after each

@@ -37,7 +37,10 @@ the host samples or reads). At 64 sequences of a 128,256-token vocabulary this l
 to copy instead of 33 MB.
 
 The pool: a KVCache a layer, (n_blocks * block_size, kv_dim) rows in the engine's KV dtype
-(fp16, or fp8 e5m2 above 4,096 positions), beside the engine's own one-sequence cache. Key t of
+(fp16, or fp8 e5m2 above 4,096 positions), beside the engine's own one-sequence cache. Given
+min_blocks, it takes as many of the n_blocks as the GPU's free memory holds beside a reserve
+(RESERVE), and at least min_blocks (BatchRunner: a full context for every sequence where that
+fits, else what fits, at least one full context; the scheduler preempts when blocks run out). Key t of
 a sequence lives in pool row table[t // block_size] * block_size + t % block_size
 (pycalm.batch.blocks hands the blocks out). A row's logits are the multi-token forward's: they
 differ from the token step's by about 1e-3 relative (fp16 products), so batch-invariant serving
@@ -53,10 +56,15 @@ import numpy as np
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
-from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
+from pycalm.gpu.memory import gpu_memory_info, out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
 from pycalm.kernels.common import STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.kernels.sample import RowSampling, host_rows
+
+# the GPU memory a pool sized to fit leaves free: this share of the GPU's, and at least
+# RESERVE_MIN bytes (the CUDA graphs of the row buckets, kernel modules loaded later)
+RESERVE = 0.05
+RESERVE_MIN = 1 << 30
 
 
 class BatchedGpuEngine:
@@ -72,7 +80,9 @@ class BatchedGpuEngine:
             return "--parallel on the GPU needs the multi-token forward (not --kernels simple)"
         return None
 
-    def __init__(self, engine: object, n_blocks: int, block_size: int) -> None:
+    def __init__(self, engine: object, n_blocks: int, block_size: int, min_blocks: int | None = None) -> None:
+        """A pool of n_blocks blocks of block_size positions; with min_blocks, of as many of the
+        n_blocks as fit the GPU's free memory (less a reserve, RESERVE), and at least min_blocks."""
         from numba import cuda
 
         if why := self.refusal(engine):
@@ -81,26 +91,10 @@ class BatchedGpuEngine:
             raise PycalmError(f"block size {block_size} is not a power of two")
         self.engine = engine
         self.config = cfg = engine.config
-        self.n_blocks = n_blocks
         self.block_size = block_size
         self.prefill = engine._prefill_step()
         self.max_rows = self.prefill.buffers.x.shape[0]  # rows a step holds at most
         s = engine.stream
-        kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
-        rows = n_blocks * block_size
-        nbytes = 2 * cfg.n_layers * rows * cfg.kv_dim * np.dtype(kv_np).itemsize
-        what = f"the paged KV pool of {n_blocks:,} blocks of {block_size} positions"
-        require_gpu_memory(what, nbytes)
-        with out_of_memory_as_error(what, nbytes):
-            # a layer's pool: (n_blocks * block_size, kv_dim) keys and values, fp16 or e5m2 bytes
-            self.pools = [
-                KVCache(
-                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
-                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
-                    engine.kv_dtype,
-                )
-                for _ in range(cfg.n_layers)
-            ]
         # the step's arrays at fixed places, so that a captured pass replays with new contents,
         # all in one int32 buffer that one copy a step fills from its pinned twin (R = max_rows):
         #   [0, 4R)        (4, R) tokens, positions, seq_of_row (< 0: padding), sample_rows
@@ -133,6 +127,28 @@ class BatchedGpuEngine:
         self.graphs: dict[tuple[int, int, int, bool], GraphStep] = {}
         self.marks = (cuda.event(), cuda.event())  # around each step's work on the stream
         self.gpu_s = 0.0  # seconds the GPU spent on the steps (between the marks: not the host's gaps)
+        # the pool, last: with min_blocks it takes the memory the rest leaves
+        kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
+        block_bytes = 2 * cfg.n_layers * block_size * cfg.kv_dim * np.dtype(kv_np).itemsize
+        reserve = 0.0
+        if min_blocks is not None:
+            free, total = gpu_memory_info()
+            reserve = max(RESERVE * total, RESERVE_MIN)
+            n_blocks = max(min(n_blocks, int((free - reserve) // block_bytes)), min(min_blocks, n_blocks))
+        self.n_blocks = n_blocks
+        rows = n_blocks * block_size
+        what = f"the paged KV pool of {n_blocks:,} blocks of {block_size} positions"
+        require_gpu_memory(what, n_blocks * block_bytes, reserve)
+        with out_of_memory_as_error(what, n_blocks * block_bytes):
+            # a layer's pool: (n_blocks * block_size, kv_dim) keys and values, fp16 or e5m2 bytes
+            self.pools = [
+                KVCache(
+                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
+                    cuda.device_array((rows, cfg.kv_dim), kv_np, stream=s),
+                    engine.kv_dtype,
+                )
+                for _ in range(cfg.n_layers)
+            ]
 
     def bucket(self, n: int) -> int:
         """The rows a step of n rows runs: the power of two at or above n (padding rows are

@@ -27,13 +27,14 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def require_gpu_memory(what: str, nbytes: int) -> None:
-    """A one-line PycalmError unless `what` (nbytes) fits the GPU's free memory: checked
-    before allocating whatever has a size known in advance."""
+def require_gpu_memory(what: str, nbytes: int, reserve: float = 0) -> None:
+    """A one-line PycalmError unless `what` (nbytes), and `reserve` bytes beside it, fit the GPU's
+    free memory: checked before allocating whatever has a size known in advance."""
     free, total = gpu_memory_info()
-    if nbytes > free:
+    if nbytes + reserve > free:
+        beside = f" beside a reserve of {_mib(reserve)}" if reserve else ""
         raise PycalmError(
-            f"out of GPU memory: {what} needs {_mib(nbytes)} ({nbytes:,} bytes), "
+            f"out of GPU memory: {what} needs {_mib(nbytes)} ({nbytes:,} bytes){beside}, "
             f"{_mib(free)} of the GPU's {_mib(total)} are free"
         )
 
