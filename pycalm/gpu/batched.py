@@ -134,7 +134,8 @@ class BatchedGpuEngine:
         if min_blocks is not None:
             free, total = gpu_memory_info()
             reserve = max(RESERVE * total, RESERVE_MIN)
-            n_blocks = max(min(n_blocks, int((free - reserve) // block_bytes)), min(min_blocks, n_blocks))
+            if free - reserve < n_blocks * block_bytes:  # (the simulator's memory is infinite)
+                n_blocks = max(int((free - reserve) // block_bytes), min(min_blocks, n_blocks))
         self.n_blocks = n_blocks
         rows = n_blocks * block_size
         what = f"the paged KV pool of {n_blocks:,} blocks of {block_size} positions"
