@@ -16,10 +16,14 @@ CUDA_ERROR_OUT_OF_MEMORY = 2  # the CUresult of an allocation the device cannot 
 
 
 def gpu_memory_info() -> tuple[float, float]:
-    """(free, total) bytes of the current GPU's memory (the simulator: infinite)."""
+    """(free, total) bytes of the current GPU's memory (the simulator: infinite), after numba's
+    pending frees (it frees arrays no longer referenced in batches) are done."""
     from numba import cuda
 
-    free, total = cuda.current_context().get_memory_info()
+    context = cuda.current_context()
+    if hasattr(context, "deallocations"):  # (not the simulator's)
+        context.deallocations.clear()
+    free, total = context.get_memory_info()
     return free, total
 
 
