@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -59,6 +59,14 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/bench_startup.py run --tokenizer "$npz" --json "$out/startup.json" 2>&1 | tee "$out/startup.log" | tail -20 ;;
     ptx)     # the compile check of every launched kernel (not in CI: its workers take the 16 cores here)
              python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_ptx.py 2>&1 | tee "$out/tests_ptx.log" | tail -15 ;;
+    serving) dtypes=${steps[$i]}; i=$((i + 1))  # the batched engine and the server under load, e.g. fp16,q4
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_batched_gpu.py \
+               tests/test_eos_options.py 2>&1 | tee "$out/tests_serving.log" | tail -6
+             python3 scripts/bench_batched.py --seqs 1,64 --pos 384 --reps 5 2>&1 | tee "$out/bench_batched.log" | tail -10
+             for dtype in ${dtypes//,/ }; do
+               python3 scripts/bench_serve.py --streams 1,32,64 --shape llama3-8b --dtype "$dtype" 2>&1 \
+                 | tee -a "$out/bench_serve.log" | tail -4
+             done ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;
