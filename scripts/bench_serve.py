@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import socket
@@ -199,9 +200,12 @@ class StandInBatched:
     def refusal(engine: object) -> None:  # it batches any engine
         return None
 
-    def __init__(self, engine: StandInEngine, n_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, engine: StandInEngine, n_blocks: int, block_size: int, min_blocks: int | None = None
+    ) -> None:
         import numpy as np
 
+        self.n_blocks = n_blocks  # (no memory to fit: the blocks asked for)
         self.vocab = engine.config.vocab_size
         self.rng = np.random.default_rng(0)
         self.gpu_s = 0.0  # the steps' "GPU" seconds
@@ -312,7 +316,9 @@ def serve_random(args: argparse.Namespace) -> None:
     from pycalm.app.serve import ParallelWorker, make_app
 
     def on_loaded(llm: object | None, message: str) -> None:
-        assert llm is not None, message
+        if llm is None:  # the parent sees the server gone (wait_ready), with this line in its log
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            os._exit(1)
 
     def llm() -> object:
         if args.stand_in:
@@ -322,7 +328,6 @@ def serve_random(args: argparse.Namespace) -> None:
     worker = ParallelWorker(llm, on_loaded, args.parallel)
     if args.profile:  # the worker thread's profile, written each time the batch empties
         import cProfile
-        import os
 
         profile = cProfile.Profile()
         serve, step, wake = worker.serve, worker.step, worker.wake
