@@ -1346,7 +1346,8 @@ def parse_args(argv: list[str] | None) -> Any:
         type=int,
         default=1,
         metavar="N",
-        help="run up to N requests at once by continuous batching (default 1: one at a time)",
+        help="run up to N requests at once by continuous batching, over a KV pool of N full contexts"
+        " or, on the GPU, as many positions as its free memory holds (default 1: one at a time)",
     )
     ap.add_argument(
         "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
