@@ -170,7 +170,6 @@ class BatchedGpuEngine:
         (len(sample_rows), vocab_size) float32 of the rows sample_rows names. while_waiting()
         runs on the host once the pass is enqueued, while the GPU works."""
         s = self.engine.stream
-        self.marks[0].record(s)
         m = self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         out = np.empty((m, self.config.vocab_size), np.float32)  # (n_sampled, vocab_size)
         self._run(m, sampled=False, copy=lambda logits, first, k: logits[:k].copy_to_host(
@@ -204,7 +203,6 @@ class BatchedGpuEngine:
             h[(4 + i) * R : (4 + i) * R + m] = field.view(np.int32)
             h[(4 + i) * R + m : (5 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
         s = self.engine.stream
-        self.marks[0].record(s)
         self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
         kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
 
@@ -270,6 +268,7 @@ class BatchedGpuEngine:
         # one copy: the arrays, the options and coins (step_tokens wrote them), S table rows
         # (the pinned buffer is free again: every step ends in a synchronize)
         end = self.head + S * self.max_blocks
+        self.marks[0].record(s)  # the step's GPU work starts here (the host's before it is not counted)
         self.blob[:end].copy_to_device(h[:end], stream=s)
         return m
 
