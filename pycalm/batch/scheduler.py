@@ -111,29 +111,26 @@ class Plan:
         """The plan as the arrays a pass reads: row r feeds tokens[r] at positions[r] of chunk
         seq_of_row[r], whose block table is block_table[seq_of_row[r]] (padded with block 0,
         which no row reads); sample_rows are the rows whose logits are sampled, in chunk order."""
-        n_rows, n_seqs = self.n_rows, len(self.chunks)
-        width = max_blocks or max((len(c.table) for c in self.chunks), default=0)
-        tokens = np.empty(n_rows, np.int32)  # (R,)
-        positions = np.empty(n_rows, np.int32)  # (R,)
-        seq_of_row = np.empty(n_rows, np.int32)  # (R,) index into chunks
+        chunks, n_seqs = self.chunks, len(self.chunks)
+        lens = np.fromiter((len(c.tokens) for c in chunks), np.int32, n_seqs)  # (S,) rows a chunk
+        n_rows = int(lens.sum())
+        width = max_blocks or max((len(c.table) for c in chunks), default=0)
+        last = np.cumsum(lens, dtype=np.int32) - 1  # (S,) each chunk's last row
+        # (R,) tokens in chunk order; (R,) each row's chunk; (R,) start + the row's place in its chunk
+        tokens = np.fromiter((t for c in chunks for t in c.tokens), np.int32, n_rows)
+        seq_of_row = np.repeat(np.arange(n_seqs, dtype=np.int32), lens)
+        starts = np.fromiter((c.start for c in chunks), np.int32, n_seqs)  # (S,)
+        positions = np.arange(n_rows, dtype=np.int32) + np.repeat(starts - (last + 1 - lens), lens)
         block_table = np.zeros((n_seqs, width), np.int32)  # (S, max_blocks)
-        sample_rows = []
-        r = 0
-        for i, c in enumerate(self.chunks):
-            n = len(c.tokens)
-            tokens[r : r + n] = c.tokens
-            positions[r : r + n] = np.arange(c.start, c.start + n)
-            seq_of_row[r : r + n] = i
+        for i, c in enumerate(chunks):
             block_table[i, : len(c.table)] = c.table
-            if c.sample:
-                sample_rows.append(r + n - 1)
-            r += n
+        sample_rows = last[np.fromiter((c.sample for c in chunks), bool, n_seqs)]
         return {
             "tokens": tokens,
             "positions": positions,
             "seq_of_row": seq_of_row,
             "block_table": block_table,
-            "sample_rows": np.array(sample_rows, np.int32),  # (n_sampled,)
+            "sample_rows": sample_rows,  # (n_sampled,)
         }
 
 
