@@ -139,19 +139,17 @@ class BatchRunner:
         self.llm = llm
         self.seq_len = llm.seq_len
         blocks_a_seq = -(-self.seq_len // block_size)
+        most = n_blocks or max_seqs * blocks_a_seq  # by default, a full context for every sequence
         if engine.device == "gpu":  # the rows pass over a paged pool on the device
             from pycalm.gpu.batched import BatchedGpuEngine
 
-            # by default, a full context for every sequence where that fits the GPU's memory,
-            # else as many blocks as fit (at least one full context): preemption handles the rest
-            most = n_blocks or max_seqs * blocks_a_seq
+            # (by default, where those do not fit the GPU's memory, as many blocks as fit, at
+            # least one full context: preemption handles the rest)
             self.engine = BatchedGpuEngine(engine, most, block_size, None if n_blocks else blocks_a_seq)
             self.threads = contextlib.nullcontext
             self.device_sampling = True  # plain rows sampled on the device (step_tokens)
         else:  # (its pool's pages are mapped as they are first written)
-            self.engine = BatchedCpuEngine(
-                engine.ref, n_blocks or max_seqs * blocks_a_seq, block_size, engine.batch_invariant
-            )
+            self.engine = BatchedCpuEngine(engine.ref, most, block_size, engine.batch_invariant)
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
             self.device_sampling = False
         self.blocks = BlockManager(self.engine.n_blocks, block_size)
