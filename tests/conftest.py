@@ -52,7 +52,7 @@ E2E_FIXTURES = {
     "real",
 }
 E2E_TESTS = {"test_models.py", "test_tokenizer.py::test_gguf_metadata_reader_errors"}
-COMPILE = {"test_ptx.py"}
+COMPILE = {"test_ptx.py", "test_warpgroup.py::test_wgmma_compiles_for_sm90a"}
 # Simulator cases of 10 s or more in a whole run on a loaded 2-core machine (two workers, other
 # jobs beside them; --durations): each kernel keeps its cheaper cases in the fast set, and where
 # every case of a test is long, its cheapest stays (moe_rows [q8], prefill_logits [llama-fp16]).

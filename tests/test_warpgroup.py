@@ -1,0 +1,242 @@
+"""Hopper's warpgroup intrinsics (pycalm.kernels.warpgroup) against NumPy: wgmma over tiles staged
+in both descriptor layouts, the k-th 16 of K reached through the descriptor's start, and the
+asynchrony the simulator twin keeps. Under the simulator these test the twins; with
+PYCALM_TEST_GPU=1 the same tests run the inline PTX on the GPU (compute capability 9.0).
+"""
+
+import numpy as np
+import pytest
+from gpu import GPU
+from numba import cuda, float32, int32
+
+from pycalm.kernels.warpgroup import (
+    SWIZZLE_128B,
+    SWIZZLE_NONE,
+    fence_proxy_async,
+    shared_byte_address,
+    smem_desc,
+    wgmma_commit,
+    wgmma_f16,
+    wgmma_fence,
+    wgmma_wait,
+)
+
+K = 64  # a staged tile's columns: 128 bytes a row, the 128-byte swizzle's row
+_KERNELS: dict = {}
+
+
+def _kernel(n: int) -> object:
+    """A warpgroup that stages A (64, K) and B^T (n, K) in shared memory in the layout `swizzle`
+    names, then out (64, n) = A B by K / 16 wgmma (the first with scale_d = 0 over garbage
+    accumulators), read after the wait. early: also out2 = the accumulators read BEFORE the wait
+    (on the GPU undefined; the twin gives the values from before the group)."""
+    if n in _KERNELS:
+        return _KERNELS[n]
+    wgmma = wgmma_f16(n)
+    wait_all = wgmma_wait(0)
+    words_a, words_b = 64 * K // 2, n * K // 2
+    acc_n = n // 2
+    smem_words = words_a + words_b + 256  # the tiles, and 1 KiB to align them
+
+    @cuda.jit
+    def kernel(a, bt, out, swizzle):  # noqa: ANN001, ANN202
+        # a (64, K / 2) and bt (n, K / 2) int32 words of fp16 pairs; out (64, n) float32
+        smem = cuda.shared.array(smem_words, int32)  # the tiles, and 1 KiB to align them
+        tid = cuda.threadIdx.x
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        for i in range(tid, (64 + n) * 8, 128):  # 16-byte chunks: row r, chunk c (8 fp16 of K)
+            r, c = i >> 3, i & 7
+            base = pad
+            src_row = r
+            if r >= 64:
+                base, src_row = pad + words_a, r - 64
+            rr = src_row
+            if swizzle == SWIZZLE_128B:  # 8 rows of 128 bytes an atom, chunk c at c ^ (row & 7)
+                w = base + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
+            else:  # core matrices of 8 rows x 16 bytes: K's 8 of them 128 bytes apart (LBO)
+                w = base + (rr >> 3) * 256 + c * 32 + (rr & 7) * 4
+            for e in range(4):
+                if r < 64:
+                    smem[w + e] = a[src_row, 4 * c + e]
+                else:
+                    smem[w + e] = bt[src_row, 4 * c + e]
+        fence_proxy_async()  # the stores above, visible to the tensor cores' reads
+        cuda.syncthreads()  # every thread's stores in place before any wgmma reads them
+        acc = cuda.local.array(acc_n, float32)
+        for i in range(acc_n):
+            acc[i] = 1e30  # garbage: the first wgmma's scale_d = 0 ignores it
+        wgmma_fence()
+        for kk in range(K // 16):
+            # the kk-th 16 of K: 32 bytes on in the swizzled rows; 2 core matrices (256 bytes) on
+            step = 8 * kk if swizzle == SWIZZLE_128B else 64 * kk
+            da = smem_desc(smem, pad + step, 128, 1024, swizzle)
+            db = smem_desc(smem, pad + words_a + step, 128, 1024, swizzle)
+            wgmma(acc, smem, da, db, 1 if kk > 0 else 0)
+        wgmma_commit()
+        wait_all()
+        q, lane = tid >> 5, tid & 31
+        g, t = lane >> 2, lane & 3
+        for j in range(n // 8):
+            out[16 * q + g, 8 * j + 2 * t] = acc[4 * j]
+            out[16 * q + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+            out[16 * q + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+            out[16 * q + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+
+    _KERNELS[n] = kernel
+    return kernel
+
+
+def _fp16_words(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.int32)
+
+
+@pytest.mark.parametrize("swizzle", [SWIZZLE_128B, SWIZZLE_NONE])
+@pytest.mark.parametrize("n", [64, 128])
+def test_wgmma_matches_numpy(n: int, swizzle: int) -> None:
+    rng = np.random.default_rng(n + swizzle)
+    a = rng.standard_normal((64, K)).astype(np.float16)
+    bt = rng.standard_normal((n, K)).astype(np.float16)
+    out = cuda.to_device(np.zeros((64, n), np.float32))
+    _kernel(n)[1, 128](cuda.to_device(_fp16_words(a)), cuda.to_device(_fp16_words(bt)), out, swizzle)
+    got = out.copy_to_host()
+    want = a.astype(np.float64) @ bt.astype(np.float64).T
+    scale = np.abs(a.astype(np.float64)) @ np.abs(bt.astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / (scale + 1e-9))
+
+
+def test_wgmma_twin_layouts_differ() -> None:
+    """The two layouts put an element in different places: the same bytes read through the other
+    descriptor give other sums (a layout the twin ignored would pass both tests above)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, K)).astype(np.float16)
+    bt = rng.standard_normal((64, K)).astype(np.float16)
+    outs = []
+    for swizzle in (SWIZZLE_128B, SWIZZLE_NONE):
+        out = cuda.to_device(np.zeros((64, 64), np.float32))
+        _kernel(64)[1, 128](cuda.to_device(_fp16_words(a)), cuda.to_device(_fp16_words(bt)), out, swizzle)
+        outs.append(out.copy_to_host())
+    want = a.astype(np.float32) @ bt.astype(np.float32).T
+    assert np.allclose(outs[0], want, rtol=1e-3, atol=1e-3) and np.allclose(
+        outs[1], want, rtol=1e-3, atol=1e-3
+    )
+
+
+@cuda.jit
+def _early_kernel(a, bt, out):  # noqa: ANN001, ANN202
+    # a (64, 32), bt (64, 32) int32 words; out (2, 64, 64): the accumulators before and after the wait
+    smem = cuda.shared.array(64 * 32 * 2 + 256, int32)
+    tid = cuda.threadIdx.x
+    pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2
+    for i in range(tid, 128 * 8, 128):
+        r, c = i >> 3, i & 7
+        rr = r & 63
+        w = pad + (r >> 6) * 2048 + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
+        for e in range(4):
+            smem[w + e] = a[rr, 4 * c + e] if r < 64 else bt[rr, 4 * c + e]
+    fence_proxy_async()  # the stores, visible to the tensor cores
+    cuda.syncthreads()  # every store in place before the wgmma
+    acc = cuda.local.array(32, float32)
+    for i in range(32):
+        acc[i] = 0.0
+    wgmma_fence()
+    _wgmma64(acc, smem, smem_desc(smem, pad, 128, 1024, SWIZZLE_128B),
+             smem_desc(smem, pad + 2048, 128, 1024, SWIZZLE_128B), 1)  # fmt: skip
+    wgmma_commit()
+    q, lane = tid >> 5, tid & 31
+    g, t = lane >> 2, lane & 3
+    for j in range(8):  # read before the wait: what a kernel must not do
+        out[0, 16 * q + g, 8 * j + 2 * t] = acc[4 * j]
+    _wait0()
+    for j in range(8):
+        out[1, 16 * q + g, 8 * j + 2 * t] = acc[4 * j]
+
+
+_wgmma64 = wgmma_f16(64)
+_wait0 = wgmma_wait(0)
+
+
+@pytest.mark.skipif(GPU, reason="the twin's asynchrony: on the GPU an early read is undefined")
+def test_wgmma_twin_is_asynchronous() -> None:
+    """Under the simulator the sums land at the wait, not at the wgmma: a kernel that reads its
+    accumulators early sees the old values (zeros here), as it may on the GPU."""
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((64, K)).astype(np.float16)
+    bt = rng.standard_normal((64, K)).astype(np.float16)
+    out = cuda.to_device(np.zeros((2, 64, 64), np.float32))
+    _early_kernel[1, 128](cuda.to_device(_fp16_words(a)), cuda.to_device(_fp16_words(bt)), out)
+    got = out.copy_to_host()
+    want = a[:, :16].astype(np.float32) @ bt[:, :16].astype(np.float32).T  # one k16: the first 16 of K
+    rows = np.arange(64)[np.arange(64) % 16 < 8]  # rows 16 q + g, and of those the even columns
+    written = np.ix_(rows, (np.arange(0, 64, 8)[:, None] + 2 * np.arange(4)[None, :]).ravel())
+    assert np.all(got[0][written] == 0.0)
+    assert np.allclose(got[1][written], want[written], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the real compiler: sm_90a PTX through ptxas (no GPU needed)
+
+
+def ptxas_report(kernel: object, sig: tuple, label: str) -> dict:
+    """Compile kernel's Python function for sm_90a (wgmma needs the arch-specific target) and run
+    ptxas -v on it -> {label, rc, regs, spills, warnings, wgmma}: what the machine code shows
+    (ptxas warns where it must serialize wgmma, e.g. accumulators touched while one runs)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from test_ptx import _ptxas
+
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"))
+    with tempfile.TemporaryDirectory() as d:
+        src = f"{d}/k.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", src, "-o", f"{d}/k.cubin"], capture_output=True, text=True
+        )
+    return {
+        "label": label,
+        "rc": r.returncode,
+        "regs": max([int(m) for m in re.findall(r"Used (\d+) registers", r.stderr)] or [-1]),
+        "spills": max([int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)] or [0]),
+        "local_in_ptx": "ld.local" in ptx or "st.local" in ptx,
+        "warnings": [line for line in r.stderr.splitlines() if "warning" in line.lower()],
+        "wgmma": ptx.count("wgmma.mma_async"),
+    }
+
+
+def _reports() -> None:
+    """(run with the simulator off) one JSON line a kernel: the test kernels for each n."""
+    import json
+
+    from numba import types
+
+    for n in (64, 128, 256):
+        sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
+        print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
+
+
+def test_wgmma_compiles_for_sm90a() -> None:
+    """The intrinsics through numba's real compiler and ptxas for sm_90a: K / 16 wgmma a kernel,
+    no spill, no ptxas warning (a serialized wgmma is one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {
+        **os.environ,
+        "NUMBA_ENABLE_CUDASIM": "0",
+        "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
+    }
+    r = subprocess.run([sys.executable, "-c", "import test_warpgroup; test_warpgroup._reports()"],
+                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 3
+    for rep in reports:
+        assert rep["rc"] == 0 and rep["regs"] > 0, rep
+        assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and not rep["local_in_ptx"], rep
+        assert not rep["warnings"], rep
