@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -67,6 +67,10 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/bench_serve.py --streams 1,32,64 --shape llama3-8b --dtype "$dtype" 2>&1 \
                  | tee -a "$out/bench_serve.log" | tail -4
              done ;;
+    wgmma)   # Hopper's warpgroup intrinsics on the GPU, then the wgmma matmul versions against the shipped tile and cuBLAS
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py 2>&1 \
+               | tee "$out/tests_warpgroup.log" | tail -8
+             python3 scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch 2>&1 | tee "$out/kernels_wgmma.log" | tail -12 ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;

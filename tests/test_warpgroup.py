@@ -69,8 +69,9 @@ def _kernel(n: int) -> object:
         for kk in range(K // 16):
             # the kk-th 16 of K: 32 bytes on in the swizzled rows; 2 core matrices (256 bytes) on
             step = 8 * kk if swizzle == SWIZZLE_128B else 64 * kk
-            da = smem_desc(smem, pad + step, 128, 1024, swizzle)
-            db = smem_desc(smem, pad + words_a + step, 128, 1024, swizzle)
+            lbo = 16 if swizzle == SWIZZLE_128B else 128  # (the swizzled K-major form has no use for it)
+            da = smem_desc(smem, pad + step, lbo, 1024, swizzle)
+            db = smem_desc(smem, pad + words_a + step, lbo, 1024, swizzle)
             wgmma(acc, smem, da, db, 1 if kk > 0 else 0)
         wgmma_commit()
         wait_all()
@@ -139,8 +140,8 @@ def _early_kernel(a, bt, out):  # noqa: ANN001, ANN202
     for i in range(32):
         acc[i] = 0.0
     wgmma_fence()
-    _wgmma64(acc, smem, smem_desc(smem, pad, 128, 1024, SWIZZLE_128B),
-             smem_desc(smem, pad + 2048, 128, 1024, SWIZZLE_128B), 1)  # fmt: skip
+    _wgmma64(acc, smem, smem_desc(smem, pad, 16, 1024, SWIZZLE_128B),
+             smem_desc(smem, pad + 2048, 16, 1024, SWIZZLE_128B), 1)  # fmt: skip
     wgmma_commit()
     q, lane = tid >> 5, tid & 31
     g, t = lane >> 2, lane & 3
@@ -186,7 +187,8 @@ def ptxas_report(kernel: object, sig: tuple, label: str) -> dict:
 
     from test_ptx import _ptxas
 
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"))
+    bounds = kernel.targetoptions.get("launch_bounds")
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"), launch_bounds=bounds)
     with tempfile.TemporaryDirectory() as d:
         src = f"{d}/k.ptx"
         with open(src, "w") as f:
@@ -202,6 +204,7 @@ def ptxas_report(kernel: object, sig: tuple, label: str) -> dict:
         "local_in_ptx": "ld.local" in ptx or "st.local" in ptx,
         "warnings": [line for line in r.stderr.splitlines() if "warning" in line.lower()],
         "wgmma": ptx.count("wgmma.mma_async"),
+        "max_regs": 65536 // (bounds[0] * bounds[1]) if bounds and len(bounds) > 1 else 255,
     }
 
 
@@ -214,11 +217,30 @@ def _reports() -> None:
     for n in (64, 128, 256):
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
         print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
+    script = _matmul_script()
+    sig = (types.float16[:, ::1], types.float16[:, ::1], types.float32[:, ::1])
+    for version, shape in script.WGMMA_VERSIONS.items():
+        for residual in (False, True):
+            kernel = script.wgmma_kernel(*shape, residual)
+            print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} residual={residual}")))
+
+
+def _matmul_script() -> object:
+    """scripts/kernels/matmul.py as a module (its wgmma versions)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / "matmul.py"
+    spec = importlib.util.spec_from_file_location("matmul_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_wgmma_compiles_for_sm90a() -> None:
-    """The intrinsics through numba's real compiler and ptxas for sm_90a: K / 16 wgmma a kernel,
-    no spill, no ptxas warning (a serialized wgmma is one)."""
+    """The intrinsics, and the wgmma versions of scripts/kernels/matmul.py, through numba's real
+    compiler and ptxas for sm_90a: 4 wgmma a K step of 64, no spill, no ptxas warning (a
+    serialized wgmma is one)."""
     import json
     import os
     import subprocess
@@ -235,8 +257,24 @@ def test_wgmma_compiles_for_sm90a() -> None:
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 3
+    assert len(reports) == 3 + 2 * len(_matmul_script().WGMMA_VERSIONS)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
         assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and not rep["local_in_ptx"], rep
         assert not rep["warnings"], rep
+        assert rep["regs"] <= rep["max_regs"], rep  # what the launch bounds allow
+
+
+def test_matmul_script_checks_its_wgmma_version() -> None:
+    """scripts/kernels/matmul.py's wgmma version runs its own check against the reference (under
+    the simulator: the 128 x 64 tile at a shape with partial tiles and a K tail)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / "matmul.py"
+    r = subprocess.run([sys.executable, str(script), "--wgmma", "ws", "--check"], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count(" ok") == 2 and "FAIL" not in r.stdout, r.stdout

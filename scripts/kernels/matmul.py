@@ -4,6 +4,8 @@ pycalm.cpu.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
     python scripts/kernels/matmul.py                  # check, variants, the table (GPU)
     python scripts/kernels/matmul.py --check          # only the checks against the reference
     python scripts/kernels/matmul.py --table --quick  # only the table, T = 2048
+    python scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch  # the wgmma versions: check, time
+    NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --wgmma ws   # the same, simulator
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --check --tiny   # simulator, seconds
 
 Versions (pycalm.kernels.matmul.Tile: block_m x block_n, warps_m x warps_n, stages, blocks an SM
@@ -38,18 +40,31 @@ needed for the last token only).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 
 import numpy as np
 from numba import config as numba_config
-from numba import cuda, uint32
+from numba import cuda, float32, int32, uint32
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
 from pycalm.kernels.matmul import TILE, Tile, matmul  # noqa: E402
+from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait  # noqa: E402
+from pycalm.kernels.warpgroup import (  # noqa: E402
+    SWIZZLE_128B,
+    allow_dynamic_shared,
+    fence_proxy_async,
+    shared_byte_address,
+    smem_desc,
+    wgmma_commit,
+    wgmma_f16,
+    wgmma_fence,
+    wgmma_wait,
+)
 from pycalm.model import formats  # noqa: E402
 
 SIM_TILE = Tile(32, 32, 2, 2)  # the tile pycalm.kernels.matmul takes under the simulator
@@ -114,6 +129,170 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
     words = cuda.device_array(rows * cols * storage.itemsize // 4, np.uint32)
     fill_kernel[1024, 256](words, uint32(seed), uint32(MASK[dtype]))
     return words.view(storage).reshape(rows, cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma versions: Hopper's warpgroup instructions (pycalm.kernels.warpgroup), fp16 W
+#
+# A block of two warpgroups (256 threads) computes a 128 x BN tile of out (T, N): warpgroup w
+# the rows 64 w .. 64 w + 63, with one wgmma m64nBNk16 a 16 of K, its accumulators BN / 2
+# float32 a thread. K in steps of 64: each step stages the X tile (128, 64) and the W tile
+# (BN, 64) in shared memory, fp16, 128 bytes a row, 8 rows a 1 KiB atom, 16-byte chunk c of
+# row r at chunk c ^ (r & 7) (the descriptor's 128-byte swizzle), copied by cp.async (rows past
+# T or N and columns past K zero-filled). STAGES stages in a ring of dynamic shared memory: at
+# step i the copies of step i + STAGES - 2 are issued into the stage that step i - 2 read, whose
+# wgmma every warpgroup has retired (wgmma_wait(1) at the end of step i - 1, then the barrier at
+# the top of step i), while step i's wgmma run asynchronously and step i - 1's may still run.
+#
+#   w1: 128 x 256, 4 stages (192 KiB), one block an SM: a thread's 128 accumulators (156
+#       registers, ptxas)
+#   w2: 128 x 128, 4 stages (128 KiB), one block an SM (147 registers: two blocks an SM, capped
+#       at 128, spill 64 bytes)
+#   w3: same as w2 with 6 stages (192 KiB)
+#   ws: 128 x 64, 3 stages: the simulator's (--tiny)
+#
+# Bytes: each block reads its X strip and W strip once a tile (L2 serves the neighbours: the
+# grid walks T fastest, so the blocks of one W strip run together). Modes: plain and residual.
+
+WGMMA_BM, WGMMA_BK, WGMMA_THREADS = 128, 64, 256
+UNROLLED = 64  # the longest loop over acc that the compiler unrolls (a loop of 128 stays a loop,
+# and acc then lives in local memory)
+# name: (BN, stages, blocks an SM the registers are capped for)
+WGMMA_VERSIONS = {"w1": (256, 4, 1), "w2": (128, 4, 1), "w3": (128, 6, 1), "ws": (64, 3, 1)}
+
+
+@functools.cache
+def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) -> object:
+    """The kernel of a wgmma version: out (T, N) float32 = (residual: +=) X (T, K) fp16 W (N, K)^T fp16."""
+    bm, bk, threads = WGMMA_BM, WGMMA_BK, WGMMA_THREADS
+    wgmma = wgmma_f16(block_n)
+    wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
+    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
+    acc_n = block_n // 2
+    a_words = bm * bk // 2  # a stage's X tile (128, 64) fp16, in int32 words
+    stage_words = a_words + block_n * bk // 2  # and its W tile (BN, 64)
+    copies = (bm + block_n) * bk // 8 // threads  # 16-byte copies a thread a stage
+
+    @cuda.jit(device=True, inline=True)
+    def load_stage(smem, x, w, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
+        """Issue this thread's copies of step `step`'s X and W tiles into its stage."""
+        base = pad + (step % stages) * stage_words
+        t_rows, k_cols = x.shape
+        col0 = step * bk
+        for i in range(copies):
+            idx = tid + threads * i
+            r, c = idx >> 3, idx & 7  # tile row, 16-byte chunk
+            col = col0 + 8 * c
+            if r < bm:
+                row = m0 + r
+                ok = row < t_rows and col < k_cols
+                word = base + (r >> 3) * 256 + (r & 7) * 32 + ((c ^ (r & 7)) << 2)
+                cp_async16(smem, word, x, row if ok else 0, col if ok else 0, 16 if ok else 0)
+            else:
+                rr = r - bm
+                row = n0 + rr
+                ok = row < w.shape[0] and col < k_cols
+                word = base + a_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
+                cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+
+    bounds = (
+        {"launch_bounds": (threads, blocks_per_sm)}
+        if blocks_per_sm > 1 and not numba_config.ENABLE_CUDASIM
+        else {}
+    )
+
+    @cuda.jit(**bounds)
+    def wgmma_matmul_kernel(x, w, out):  # noqa: ANN001, ANN202
+        smem = cuda.shared.array(0, int32)  # (stages, X tile + W tile) words, from a 1 KiB boundary
+        tid = cuda.threadIdx.x
+        m0 = cuda.blockIdx.x * bm
+        n0 = cuda.blockIdx.y * block_n
+        t_rows, k_cols = x.shape
+        n_cols = w.shape[0]
+        steps = (k_cols + bk - 1) // bk
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        group = tid >> 7  # the warpgroup: tile rows 64 group ..
+        acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                acc[i] = 0.0
+        for s in range(stages - 2):  # the first stages - 2 steps in flight
+            if s < steps:
+                load_stage(smem, x, w, pad, tid, m0, n0, s)
+            cp_async_commit()
+        for step in range(steps):
+            wait_loads()  # this thread's copies of this step landed
+            fence_proxy_async()  # ... and visible to the async proxy wgmma reads through
+            cuda.syncthreads()  # every thread's copies of this step in place; every warpgroup's
+            # wgmma of step - 2 retired (each waited at the end of step - 1): its stage is free
+            nxt = step + stages - 2
+            if nxt < steps:
+                load_stage(smem, x, w, pad, tid, m0, n0, nxt)
+            cp_async_commit()  # (an empty group past the end keeps wait_loads' count)
+            base = pad + (step % stages) * stage_words
+            wgmma_fence()
+            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
+                da = smem_desc(smem, base + group * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, base + a_words + 8 * kk, 16, 1024, SWIZZLE_128B)
+                wgmma(acc, smem, da, db, 1)
+            wgmma_commit()
+            wait_one()  # step - 1's wgmma retired
+        wait_all()  # every sum in acc
+        q, lane = (tid >> 5) & 3, tid & 31
+        g, t = lane >> 2, lane & 3
+        row0 = m0 + 64 * group + 16 * q + g
+        # acc[i] is D[row0 + 8 h, n0 + 8 j + 2 t + e] for i = 4 j + 2 h + e; loops of at most 64
+        # (UNROLLED) so that the compiler unrolls each and acc stays in registers
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                row = row0 + 8 * ((i >> 1) & 1)
+                col = n0 + 8 * (i >> 2) + 2 * t + (i & 1)
+                if row < t_rows and col < n_cols:
+                    if residual:
+                        out[row, col] += acc[i]
+                    else:
+                        out[row, col] = acc[i]
+
+    return wgmma_matmul_kernel
+
+
+_ALLOWED: set = set()
+
+
+def wgmma_matmul(x: object, w: object, out: object, version: str, residual: bool, stream: object = 0) -> None:
+    """out = (residual: +=) X W^T by the wgmma version `version`; device arrays, fp16 W."""
+    block_n, stages, blocks_per_sm = WGMMA_VERSIONS[version]
+    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, residual)
+    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 1024  # the stages, and the alignment pad
+    if (kernel, nbytes) not in _ALLOWED:
+        allow_dynamic_shared(kernel, (x, w, out), nbytes)
+        _ALLOWED.add((kernel, nbytes))
+    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (w.shape[0] + block_n - 1) // block_n)
+    kernel[grid, WGMMA_THREADS, stream, nbytes](x, w, out)
+
+
+def check_wgmma(version: str, shape: tuple[int, int, int]) -> bool:
+    """A wgmma version, plain and residual, against the reference (fp16 W), as check()."""
+    t_rows, n, k = shape
+    rng = np.random.default_rng(11)
+    x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
+    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), "fp16")
+    scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, "fp16").astype(np.float64)).T
+    ok = True
+    for residual in (False, True):
+        r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
+        want = matmul_residual_ref(x, w, "fp16", r0) if residual else matmul_ref(x, w, "fp16")
+        d_out = cuda.to_device(r0 if residual else np.zeros((t_rows, n), np.float32))
+        wgmma_matmul(cuda.to_device(x), cuda.to_device(w), d_out, version, residual)
+        got = d_out.copy_to_host().astype(np.float64)
+        worst = float(np.max(np.abs(got - want.astype(np.float64)) / (1e-5 * scale)))
+        good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
+        ok &= good
+        mode = "residual" if residual else "plain"
+        print(
+            f"  {version} fp16 {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
+        )
+    return ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +447,45 @@ def variants(versions: dict[int, Tile], deadline: float) -> None:
             print(f"| {version} | {shape} | {dtype} | " + " | ".join(cells) + " |", flush=True)
 
 
+def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> None:
+    """Each wgmma version beside the shipped tile (and cuBLAS fp16 with --torch), fp16, on the
+    Llama-3-8B matrices in plain and residual modes (w1 as a plain product), T = 512 and 2048."""
+    print("\nwgmma versions (TFLOP/s), fp16, Llama-3-8B matrices")
+    cells_of = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("w1", 14336, 4096, "plain"),
+                ("w2", 4096, 14336, "residual")]  # fmt: skip
+    heads = [f"{name} T={t}" for name, *_ in cells_of for t in (512, 2048)]
+    print("| version | " + " | ".join(heads) + " |")
+    print("| --- | " + " | ".join("---:" for _ in heads) + " |")
+    rows: dict[str, list[str]] = {v: [] for v in ["shipped", *versions] + (["cuBLAS"] if use_torch else [])}
+    for _name, n, k, mode in cells_of:
+        if time.time() > deadline:
+            print("(out of time)")
+            break
+        bench = Bench(n, k, "fp16", mode, 2048)
+        for t_rows in (512, 2048):
+            x, out = bench.x[:t_rows], bench.out[:t_rows]
+            f = flops(t_rows, n, k, mode)
+            rows["shipped"].append(f"{f / bench.seconds(t_rows, TILE) / 1e12:.0f}")
+            for v in versions:
+                s = time_launches(
+                    lambda v=v, x=x, w=bench.w, out=out, res=mode == "residual": wgmma_matmul(
+                        x, w, out, v, res
+                    )
+                )
+                rows[v].append(f"{f / s / 1e12:.0f}")
+            if use_torch:
+                s = torch_seconds(t_rows, n, k, mode)
+                rows["cuBLAS"].append("-" if s is None else f"{f / s / 1e12:.0f}")
+        del bench
+    for v, cells in rows.items():
+        shape = (
+            f" ({WGMMA_BM}x{WGMMA_VERSIONS[v][0]}, {WGMMA_VERSIONS[v][1]} stages)"
+            if v in WGMMA_VERSIONS
+            else ""
+        )
+        print(f"| {v}{shape} | " + " | ".join(cells) + " |", flush=True)
+
+
 def table(tokens: list[int], use_torch: bool, deadline: float, tile: Tile) -> None:
     print(
         f"\nTFLOP/s (% of {PEAK_TFLOPS:.0f}) with tile {tuple(tile)}; cuBLAS fp16 alongside where torch is present"
@@ -317,8 +535,23 @@ def main() -> None:
     p.add_argument(
         "--versions", default=",".join(map(str, VERSIONS)), help="versions to check and compare, e.g. 1,2"
     )
+    p.add_argument("--wgmma", default="", help="wgmma versions to check and time instead, e.g. w1,w2,w3")
     args = p.parse_args()
     deadline = time.time() + args.budget
+    if args.wgmma:
+        wanted = args.wgmma.split(",")
+        if unknown := [v for v in wanted if v not in WGMMA_VERSIONS]:
+            sys.exit(f"unknown wgmma version {unknown[0]} (one of {', '.join(WGMMA_VERSIONS)})")
+        print("check against pycalm.cpu.reference")
+        if args.tiny or numba_config.ENABLE_CUDASIM:
+            ok = all(check_wgmma(v, (70, 2 * WGMMA_VERSIONS[v][0] - 8, 200)) for v in wanted)
+        else:
+            ok = all([check_wgmma(v, (300, 520, 1032)) for v in wanted])
+        if not ok:
+            sys.exit("check failed")
+        if not (numba_config.ENABLE_CUDASIM or args.check):
+            wgmma_variants(wanted, args.torch, deadline)
+        return
     versions = {v: VERSIONS[v] for v in map(int, args.versions.split(","))}
     everything = not (args.check or args.table or args.variants)
     if args.check or everything:
