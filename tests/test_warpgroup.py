@@ -201,6 +201,7 @@ def ptxas_report(kernel: object, sig: tuple, label: str) -> dict:
         "rc": r.returncode,
         "regs": max([int(m) for m in re.findall(r"Used (\d+) registers", r.stderr)] or [-1]),
         "spills": max([int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)] or [0]),
+        "stack": max([int(m) for m in re.findall(r"(\d+) bytes stack frame", r.stderr)] or [0]),
         "local_in_ptx": "ld.local" in ptx or "st.local" in ptx,
         "warnings": [line for line in r.stderr.splitlines() if "warning" in line.lower()],
         "wgmma": ptx.count("wgmma.mma_async"),
@@ -218,11 +219,12 @@ def _reports() -> None:
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
         print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
     script = _matmul_script()
-    sig = (types.float16[:, ::1], types.float16[:, ::1], types.float32[:, ::1])
     for version, shape in script.WGMMA_VERSIONS.items():
-        for residual in (False, True):
-            kernel = script.wgmma_kernel(*shape, residual)
-            print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} residual={residual}")))
+        for mode in ("plain", "residual", "gate"):
+            out = types.float16 if mode == "gate" else types.float32
+            sig = (types.float16[:, ::1], types.float16[:, ::1], types.float16[:, ::1], out[:, ::1])
+            kernel = script.wgmma_kernel(*shape, mode)
+            print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {mode}")))
 
 
 def _matmul_script() -> object:
@@ -257,10 +259,11 @@ def test_wgmma_compiles_for_sm90a() -> None:
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 3 + 2 * len(_matmul_script().WGMMA_VERSIONS)
+    assert len(reports) == 3 + 3 * len(_matmul_script().WGMMA_VERSIONS)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
-        assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and not rep["local_in_ptx"], rep
+        assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
+        assert not rep["local_in_ptx"], rep
         assert not rep["warnings"], rep
         assert rep["regs"] <= rep["max_regs"], rep  # what the launch bounds allow
 
@@ -277,4 +280,4 @@ def test_matmul_script_checks_its_wgmma_version() -> None:
     r = subprocess.run([sys.executable, str(script), "--wgmma", "ws", "--check"], capture_output=True, text=True,
                        env=dict(os.environ), timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert r.stdout.count(" ok") == 2 and "FAIL" not in r.stdout, r.stdout
+    assert r.stdout.count(" ok") == 3 and "FAIL" not in r.stdout, r.stdout

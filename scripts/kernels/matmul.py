@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 import time
@@ -52,6 +53,7 @@ from numba import cuda, float32, int32, uint32
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
+from pycalm.kernels.common import fp16_encode  # noqa: E402
 from pycalm.kernels.matmul import TILE, Tile, matmul  # noqa: E402
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait  # noqa: E402
 from pycalm.kernels.warpgroup import (  # noqa: E402
@@ -152,19 +154,25 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
 #   ws: 128 x 64, 3 stages: the simulator's (--tiny)
 #
 # Bytes: each block reads its X strip and W strip once a tile (L2 serves the neighbours: the
-# grid walks T fastest, so the blocks of one W strip run together). Modes: plain and residual.
+# grid walks T fastest, so the blocks of one W strip run together). Modes: plain, residual, gate.
 
 WGMMA_BM, WGMMA_BK, WGMMA_THREADS = 128, 64, 256
 UNROLLED = 64  # the longest loop over acc that the compiler unrolls (a loop of 128 stays a loop,
 # and acc then lives in local memory)
+GATE_UNROLLED = 32  # the same for the gate's epilogue, whose body is longer
 # name: (BN, stages, blocks an SM the registers are capped for)
 WGMMA_VERSIONS = {"w1": (256, 4, 1), "w2": (128, 4, 1), "w3": (128, 6, 1), "ws": (64, 3, 1)}
 
 
 @functools.cache
-def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) -> object:
-    """The kernel of a wgmma version: out (T, N) float32 = (residual: +=) X (T, K) fp16 W (N, K)^T fp16."""
+def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str) -> object:
+    """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T fp16 ("plain"),
+    out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the B tile
+    holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
+    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns)."""
     bm, bk, threads = WGMMA_BM, WGMMA_BK, WGMMA_THREADS
+    residual, gate = mode == "residual", mode == "gate"
+    out_n = block_n // 2 if gate else block_n  # output columns a tile
     wgmma = wgmma_f16(block_n)
     wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
     wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
@@ -174,7 +182,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
     copies = (bm + block_n) * bk // 8 // threads  # 16-byte copies a thread a stage
 
     @cuda.jit(device=True, inline=True)
-    def load_stage(smem, x, w, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
+    def load_stage(smem, x, w, w3, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
         """Issue this thread's copies of step `step`'s X and W tiles into its stage."""
         base = pad + (step % stages) * stage_words
         t_rows, k_cols = x.shape
@@ -190,10 +198,31 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
                 cp_async16(smem, word, x, row if ok else 0, col if ok else 0, 16 if ok else 0)
             else:
                 rr = r - bm
-                row = n0 + rr
-                ok = row < w.shape[0] and col < k_cols
                 word = base + a_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
-                cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+                if gate:  # tile row rr: W (rr >> 3 even) or W3 (odd), output n0 + 8 (rr >> 4) + (rr & 7)
+                    row = n0 + 8 * (rr >> 4) + (rr & 7)
+                    ok = row < w.shape[0] and col < k_cols
+                    if (rr >> 3) & 1:
+                        cp_async16(smem, word, w3, row if ok else 0, col if ok else 0, 16 if ok else 0)
+                    else:
+                        cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+                else:
+                    row = n0 + rr
+                    ok = row < w.shape[0] and col < k_cols
+                    cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def gate_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
+        """out = fp16(silu(h1) h3) of the pairs lo .. lo + GATE_UNROLLED - 1 of a thread's gate
+        accumulators (pair v: acc[i], acc[i + 4], i = 8 (v >> 2) + (v & 3))."""
+        for v in range(lo, min(lo + GATE_UNROLLED, acc_n // 2)):
+            i = 8 * (v >> 2) + (v & 3)
+            row = row0 + 8 * ((i >> 1) & 1)
+            col = col0 + 8 * (i >> 3) + (i & 1)
+            h1 = acc[i]
+            h = h1 / (float32(1.0) + math.exp(-h1)) * acc[i + 4]
+            if row < out.shape[0] and col < out.shape[1]:
+                out[row, col] = fp16_encode(h)
 
     bounds = (
         {"launch_bounds": (threads, blocks_per_sm)}
@@ -202,13 +231,13 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
     )
 
     @cuda.jit(**bounds)
-    def wgmma_matmul_kernel(x, w, out):  # noqa: ANN001, ANN202
+    def wgmma_matmul_kernel(x, w, w3, out):  # noqa: ANN001, ANN202
         smem = cuda.shared.array(0, int32)  # (stages, X tile + W tile) words, from a 1 KiB boundary
         tid = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * bm
-        n0 = cuda.blockIdx.y * block_n
+        n0 = cuda.blockIdx.y * out_n
         t_rows, k_cols = x.shape
-        n_cols = w.shape[0]
+        n_cols = out.shape[1]
         steps = (k_cols + bk - 1) // bk
         pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
         group = tid >> 7  # the warpgroup: tile rows 64 group ..
@@ -218,7 +247,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
                 acc[i] = 0.0
         for s in range(stages - 2):  # the first stages - 2 steps in flight
             if s < steps:
-                load_stage(smem, x, w, pad, tid, m0, n0, s)
+                load_stage(smem, x, w, w3, pad, tid, m0, n0, s)
             cp_async_commit()
         for step in range(steps):
             wait_loads()  # this thread's copies of this step landed
@@ -227,7 +256,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
             # wgmma of step - 2 retired (each waited at the end of step - 1): its stage is free
             nxt = step + stages - 2
             if nxt < steps:
-                load_stage(smem, x, w, pad, tid, m0, n0, nxt)
+                load_stage(smem, x, w, w3, pad, tid, m0, n0, nxt)
             cp_async_commit()  # (an empty group past the end keeps wait_loads' count)
             base = pad + (step % stages) * stage_words
             wgmma_fence()
@@ -241,17 +270,22 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
         q, lane = (tid >> 5) & 3, tid & 31
         g, t = lane >> 2, lane & 3
         row0 = m0 + 64 * group + 16 * q + g
-        # acc[i] is D[row0 + 8 h, n0 + 8 j + 2 t + e] for i = 4 j + 2 h + e; loops of at most 64
-        # (UNROLLED) so that the compiler unrolls each and acc stays in registers
-        for lo in range(0, acc_n, UNROLLED):
-            for i in range(lo, min(lo + UNROLLED, acc_n)):
-                row = row0 + 8 * ((i >> 1) & 1)
-                col = n0 + 8 * (i >> 2) + 2 * t + (i & 1)
-                if row < t_rows and col < n_cols:
-                    if residual:
-                        out[row, col] += acc[i]
-                    else:
-                        out[row, col] = acc[i]
+        # acc[i] is D[row0 + 8 h, 8 j + 2 t + e] of the tile for i = 4 j + 2 h + e; loops of at
+        # most 64 (UNROLLED) so that the compiler unrolls each and acc stays in registers
+        if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
+            gate_out(acc, 0, out, row0, n0 + 2 * t)
+            if acc_n > 2 * GATE_UNROLLED:  # (two calls, each a loop of constant bounds it unrolls)
+                gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t)
+        else:
+            for lo in range(0, acc_n, UNROLLED):
+                for i in range(lo, min(lo + UNROLLED, acc_n)):
+                    row = row0 + 8 * ((i >> 1) & 1)
+                    col = n0 + 8 * (i >> 2) + 2 * t + (i & 1)
+                    if row < t_rows and col < n_cols:
+                        if residual:
+                            out[row, col] += acc[i]
+                        else:
+                            out[row, col] = acc[i]
 
     return wgmma_matmul_kernel
 
@@ -259,36 +293,55 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, residual: bool) 
 _ALLOWED: set = set()
 
 
-def wgmma_matmul(x: object, w: object, out: object, version: str, residual: bool, stream: object = 0) -> None:
-    """out = (residual: +=) X W^T by the wgmma version `version`; device arrays, fp16 W."""
+def wgmma_matmul(
+    x: object,
+    w: object,
+    out: object,
+    version: str,
+    mode: str = "plain",
+    w3: object = None,
+    stream: object = 0,
+) -> None:
+    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the wgmma version `version`;
+    device arrays, fp16 W."""
     block_n, stages, blocks_per_sm = WGMMA_VERSIONS[version]
-    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, residual)
+    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, mode)
     nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 1024  # the stages, and the alignment pad
+    args = (x, w, w if w3 is None else w3, out)
     if (kernel, nbytes) not in _ALLOWED:
-        allow_dynamic_shared(kernel, (x, w, out), nbytes)
+        allow_dynamic_shared(kernel, args, nbytes)
         _ALLOWED.add((kernel, nbytes))
-    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (w.shape[0] + block_n - 1) // block_n)
-    kernel[grid, WGMMA_THREADS, stream, nbytes](x, w, out)
+    out_n = block_n // 2 if mode == "gate" else block_n
+    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
+    kernel[grid, WGMMA_THREADS, stream, nbytes](*args)
 
 
 def check_wgmma(version: str, shape: tuple[int, int, int]) -> bool:
-    """A wgmma version, plain and residual, against the reference (fp16 W), as check()."""
+    """A wgmma version in each mode against the reference (fp16 W), as check()."""
     t_rows, n, k = shape
     rng = np.random.default_rng(11)
     x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
     w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), "fp16")
+    w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), "fp16")
     scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, "fp16").astype(np.float64)).T
     ok = True
-    for residual in (False, True):
+    for mode in ("plain", "residual", "gate"):
         r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
-        want = matmul_residual_ref(x, w, "fp16", r0) if residual else matmul_ref(x, w, "fp16")
-        d_out = cuda.to_device(r0 if residual else np.zeros((t_rows, n), np.float32))
-        wgmma_matmul(cuda.to_device(x), cuda.to_device(w), d_out, version, residual)
+        if mode == "plain":
+            want, out = matmul_ref(x, w, "fp16"), np.zeros((t_rows, n), np.float32)
+        elif mode == "residual":
+            want, out = matmul_residual_ref(x, w, "fp16", r0), r0
+        else:
+            want, out = matmul_gate_ref(x, w, w3, "fp16"), np.zeros((t_rows, n), np.float16)
+        d_out = cuda.to_device(out)
+        wgmma_matmul(cuda.to_device(x), cuda.to_device(w), d_out, version, mode, cuda.to_device(w3))
         got = d_out.copy_to_host().astype(np.float64)
-        worst = float(np.max(np.abs(got - want.astype(np.float64)) / (1e-5 * scale)))
+        err = np.abs(got - want.astype(np.float64))
+        # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
+        bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
+        worst = float(np.max(err / bound))
         good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
         ok &= good
-        mode = "residual" if residual else "plain"
         print(
             f"  {version} fp16 {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
         )
@@ -449,9 +502,9 @@ def variants(versions: dict[int, Tile], deadline: float) -> None:
 
 def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> None:
     """Each wgmma version beside the shipped tile (and cuBLAS fp16 with --torch), fp16, on the
-    Llama-3-8B matrices in plain and residual modes (w1 as a plain product), T = 512 and 2048."""
+    Llama-3-8B matrices in the modes the layer uses, T = 512 and 2048."""
     print("\nwgmma versions (TFLOP/s), fp16, Llama-3-8B matrices")
-    cells_of = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("w1", 14336, 4096, "plain"),
+    cells_of = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("w1/w3", 14336, 4096, "gate"),
                 ("w2", 4096, 14336, "residual")]  # fmt: skip
     heads = [f"{name} T={t}" for name, *_ in cells_of for t in (512, 2048)]
     print("| version | " + " | ".join(heads) + " |")
@@ -468,9 +521,7 @@ def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> Non
             rows["shipped"].append(f"{f / bench.seconds(t_rows, TILE) / 1e12:.0f}")
             for v in versions:
                 s = time_launches(
-                    lambda v=v, x=x, w=bench.w, out=out, res=mode == "residual": wgmma_matmul(
-                        x, w, out, v, res
-                    )
+                    lambda v=v, x=x, b=bench, out=out: wgmma_matmul(x, b.w, out, v, b.mode, b.w3)
                 )
                 rows[v].append(f"{f / s / 1e12:.0f}")
             if use_torch:
