@@ -190,9 +190,10 @@ class StandInEngine:
 
 
 class StandInBatched:
-    """pycalm.gpu.batched.BatchedGpuEngine's step_tokens without a GPU: a step sleeps base_ms +
-    row_ms x its rows (after while_waiting, as the engine calls it) and draws each sampled row's
-    token at random (the options still checked)."""
+    """pycalm.gpu.batched.BatchedGpuEngine's step_tokens, enqueue_tokens and collect without a
+    GPU: a step takes base_ms + row_ms x its rows of a "GPU" that runs one step at a time (an
+    enqueued step starts when the one before it ends; collect sleeps until it has ended) and
+    draws each sampled row's token at random (the options still checked)."""
 
     base_ms, row_ms = 8.1, 0.056
 
@@ -209,20 +210,34 @@ class StandInBatched:
         self.vocab = engine.config.vocab_size
         self.rng = np.random.default_rng(0)
         self.gpu_s = 0.0  # the steps' "GPU" seconds
+        self.busy_until = 0.0  # when the last step enqueued ends
 
-    def step_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins, keep=(),  # noqa: ANN001, ANN201
-                    while_waiting=lambda: None):  # fmt: skip
+    def enqueue_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins,  # noqa: ANN001, ANN201
+                       prev=None):  # fmt: skip
         import numpy as np
 
         from pycalm.kernels.sample import host_rows
 
         host_rows(samplings)
-        t0, gpu_s = time.perf_counter(), (self.base_ms + self.row_ms * len(tokens)) / 1e3
-        while_waiting()  # as the engine's, while the "GPU" works
-        time.sleep(max(0.0, t0 + gpu_s - time.perf_counter()))
+        gpu_s = (self.base_ms + self.row_ms * len(tokens)) / 1e3
+        self.busy_until = max(time.perf_counter(), self.busy_until) + gpu_s
         self.gpu_s += gpu_s
-        chosen = self.rng.integers(3, self.vocab, len(sample_rows)).astype(np.int32)  # (n_sampled,)
-        return chosen, np.zeros((len(keep), self.vocab), np.float32)  # (len(keep), vocab_size)
+        return self.busy_until, self.rng.integers(3, self.vocab, len(sample_rows)).astype(np.int32)
+
+    def collect(self, ticket):  # noqa: ANN001, ANN201
+        end, chosen = ticket
+        time.sleep(max(0.0, end - time.perf_counter()))
+        return chosen  # (n_sampled,)
+
+    def step_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins, keep=(),  # noqa: ANN001, ANN201
+                    while_waiting=lambda: None, prev=None):  # fmt: skip
+        import numpy as np
+
+        ticket = self.enqueue_tokens(
+            tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins
+        )
+        while_waiting()  # as the engine's, while the "GPU" works
+        return self.collect(ticket), np.zeros((len(keep), self.vocab), np.float32)  # (len(keep), vocab_size)
 
 
 def stand_in_llm(shape: str, dtype: str, context: int, stand_in: str) -> object:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pycalm.batch.blocks import BlockManager, OutOfBlocks
-from pycalm.batch.scheduler import FINISHED, Plan, Request, Scheduler
+from pycalm.batch.scheduler import FINISHED, PENDING, Plan, Request, Scheduler
 from pycalm.errors import PycalmError
 
 
@@ -184,10 +184,16 @@ def next_token(context: list[int]) -> int:
     return zlib.crc32(array("q", context).tobytes()) % VOCAB
 
 
-def run_plan(plan: Plan, pool: np.ndarray, m: BlockManager) -> dict[int, int]:
+def run_plan(
+    plan: Plan, pool: np.ndarray, m: BlockManager, device: dict[int, int] | None = None
+) -> dict[int, int]:
     """A fake engine's pass over a plan's arrays: every row writes its token to its pool row,
-    then each sampled row reads its context through its block table."""
+    then each sampled row reads its context through its block table. A PENDING token is the one
+    the engine sampled for that request in its last pass (`device`: request id -> token), as the
+    GPU's rows read theirs."""
     a = plan.arrays()
+    for r in np.flatnonzero(a["tokens"] == PENDING):
+        a["tokens"][r] = device[plan.chunks[a["seq_of_row"][r]].seq]
     bs, log2 = m.block_size, m.block_size.bit_length() - 1
     rows = a["block_table"][a["seq_of_row"], a["positions"] >> log2] * bs + (
         a["positions"] & (bs - 1)
@@ -213,12 +219,15 @@ def alone(prompt: list[int], n: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
 @pytest.mark.parametrize("seed, bs", [(7, 4), (8, 2), (9, 8)])
-def test_scheduler_simulated_run(seed, bs):
+def test_scheduler_simulated_run(seed, bs, ahead):
     """Requests arrive over time with random lengths and shared prefixes; a pool too small for all
     of them forces preemptions; random cancellations. Every step keeps the token budget and the
     invariants; every request ends (none lost), each output is what the request gives alone, no
-    request stays at the head of the queue long, and the pool is whole at the end."""
+    request stays at the head of the queue long, and the pool is whole at the end. ahead: each
+    step is planned and run before the last one's tokens are read (assume, then resolve one step
+    later, as a GPU that samples on the device runs ahead)."""
     rng = random.Random(seed)
     n_blocks, max_seqs, budget = 96 // bs, 6, 16  # 96 positions; a request takes up to 69
     m = BlockManager(n_blocks, bs)
@@ -234,6 +243,7 @@ def test_scheduler_simulated_run(seed, bs):
     with pytest.raises(PycalmError, match="KV blocks"):
         sched.submit(Request(999, [1] * 60, max_tokens=60))
     ended: dict[int, Request] = {}
+    inflight, device = None, {}  # (ahead) the last step's slots and tokens; request id -> its token
     head_since: dict[int, int] = {}
     longest_at_head = 0
     cancelled = set()
@@ -259,15 +269,29 @@ def test_scheduler_simulated_run(seed, bs):
             longest_at_head = max(longest_at_head, step - head_since[head])
         else:
             head_since = {}
-        sampled = run_plan(plan, pool, m)
+        sampled = run_plan(plan, pool, m, device)
         assert set(sampled) == {c.seq for c in plan.chunks if c.sample}
-        for r in sched.finish_step(plan, sampled):
-            ended[r.id] = r
+        if not ahead:
+            for r in sched.finish_step(plan, sampled):
+                ended[r.id] = r
+        else:  # the last step's tokens read now, this step's assumed
+            if inflight is not None:
+                for r in sched.resolve(*inflight):
+                    ended[r.id] = r
+                sched.check()
+            slots, done = sched.assume(plan)
+            for r in done:
+                ended[r.id] = r
+            inflight = (slots, [sampled[r.id] for r, _ in slots])
+            device = sampled
         sched.check()
         if step > max(arrivals.values()) and sched.idle():
             break
     else:
         pytest.fail("the run did not end")
+    if inflight is not None:
+        for r in sched.resolve(*inflight):
+            ended[r.id] = r
     assert sorted(ended) == list(range(len(requests))), "a request was lost"
     assert sched.preemptions > 0, "the pool was never short"
     assert m.hit_tokens > 0, "no prefix was reused"

@@ -105,7 +105,8 @@ def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
     options = [SamplingParams(), SamplingParams(0.8, top_k=5), SamplingParams(1.3, top_p=0.9, min_p=0.02)]
     coins = [0.1, 0.7, 0.93]
     # stale bits (NaN options) in the pinned buffer, which padding rows must not take
-    gpu.host[:] = -1
+    for h in gpu.hosts:
+        h[:] = -1
     chosen, kept = gpu.step_tokens(tokens, positions, seq_of_row, table, last, options, coins, keep=[2, 0])
     picks = [
         sample_ref(w, o.temperature, o.top_k, o.top_p, o.min_p, c)
@@ -117,6 +118,44 @@ def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
     assert [gpu.row_sampling.temperature.copy_to_host()[3], gpu.coins.copy_to_host()[3]] == [0.0, 0.0]
     with pytest.raises(PycalmError, match="3 samplings and coins"):
         gpu.step_tokens(tokens, positions, seq_of_row, table, last, options[:2], [0.1, 0.2])
+
+
+def test_batched_gpu_runs_ahead(tmp_path):
+    """enqueue_tokens: each step enqueued before the host reads the last one's tokens, its decode
+    rows feeding them on the device (prev), gives the tokens of the same steps taken one at a time
+    with the tokens given (step_tokens): three prompts, then a decode row each (the rows pass),
+    then one sequence's decode row alone (the token step's path, which reads its token from the
+    step's state)."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    engine = GpuEngine(model, seq_len=SEQ_LEN)
+    some = [p[:2] for p in prompts()]
+    greedy = [SamplingParams()] * 3
+    table = np.arange(3, dtype=np.int32).reshape(3, 1)  # (3 sequences, 1 block each)
+    feed = (
+        np.concatenate(some),
+        np.tile(np.arange(2), 3),
+        np.repeat(np.arange(3), 2),
+        table,
+        np.array([1, 3, 5]),
+    )
+    decode = (np.arange(3), table, np.arange(3))  # seq_of_row, table, sample_rows: a row each at position 2
+    results = []
+    for ahead in (False, True):
+        gpu = BatchedGpuEngine(engine, 12, BLOCK_SIZE)
+        if not ahead:  # one step at a time, each decode row's token given
+            first, _ = gpu.step_tokens(*feed, greedy, [0.0] * 3)
+            second, _ = gpu.step_tokens(first, np.full(3, 2), *decode, greedy, [0.0] * 3)
+            third, _ = gpu.step_tokens(second[:1], [3], [0], table[:1], [0], greedy[:1], [0.0])
+        else:  # each step enqueued before the one before it is read: the tokens zero, prev naming them
+            t1 = gpu.enqueue_tokens(*feed, greedy, [0.0] * 3)
+            t2 = gpu.enqueue_tokens(np.zeros(3), np.full(3, 2), *decode, greedy, [0.0] * 3, prev=np.arange(3))
+            first = gpu.collect(t1)
+            t3 = gpu.enqueue_tokens([0], [3], [0], table[:1], [0], greedy[:1], [0.0], prev=[0])
+            second, third = gpu.collect(t2), gpu.collect(t3)
+        results.append((first.tolist(), second.tolist(), third.tolist()))
+    assert results[0] == results[1]
+    with pytest.raises(PycalmError, match="prev"):
+        gpu.enqueue_tokens([0], [3], [0], table[:1], [0], greedy[:1], [0.0], prev=[0, 1])
 
 
 def test_batched_gpu_one_row_is_the_token_step(tmp_path):
@@ -256,3 +295,49 @@ def test_pool_takes_the_memory_there_is(tmp_path, monkeypatch):
     with pytest.raises(PycalmError, match=r"^out of GPU memory: the paged KV pool of 8 blocks"):
         BatchRunner(LLM(engine, tok), max_seqs=4, block_size=BLOCK_SIZE)
     assert BatchedGpuEngine(engine, 12, BLOCK_SIZE).n_blocks == 12  # a size given is taken whole
+
+
+def test_batch_runner_runs_ahead_on_the_gpu_engine(tmp_path):
+    """Greedy requests whose rows are all drawn on the device run ahead (each step enqueued before
+    the last one's tokens are read): every request's tokens are the ones the same LLM gives it
+    alone, cut at its EOS (one request meets one: a token of its own reply taken as the model's
+    EOS) or at max_tokens, and its finish reason says which; no step waited for its own tokens."""
+    from pycalm.app.api import LLM
+    from pycalm.model.tokenizer import Tokenizer
+
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    cfg = model.config
+    tok = Tokenizer.from_blob(
+        model.tokenizer_kind, model.tokenizer_blob, cfg.bos_id, cfg.eos_ids, model.chat_template
+    )
+    llm = LLM(GpuEngine(model, seq_len=SEQ_LEN), tok)
+    some, limits = prompts(), [3, 2, 4]
+    alone = [
+        [x.token for x in llm.generate(p, max_tokens=n, temperature=0.0, logprobs=1).logprobs]
+        for p, n in zip(some, limits, strict=True)
+    ]
+    eos = next(
+        t for i, t in enumerate(alone[2]) if 0 < i < 3 and t not in alone[2][:i]
+    )  # ends request 2 early
+    runner = BatchRunner(llm, max_seqs=3, block_size=BLOCK_SIZE, token_budget=16)
+    assert runner.ahead
+    runner.eos = frozenset({eos})
+    calls = {"enqueue_tokens": 0, "step_tokens": 0}
+    for name in calls:
+        method = getattr(runner.engine, name)
+
+        def counted(*args: object, _m: object = method, _n: str = name, **kwargs: object) -> object:
+            calls[_n] += 1
+            return _m(*args, **kwargs)
+
+        setattr(runner.engine, name, counted)
+    streams = [runner.add(p, n, SamplingParams(), lambda *_: None) for p, n in zip(some, limits, strict=True)]
+    while not runner.idle():
+        runner.step()
+    cuts = [want[: want.index(eos) + 1] if eos in want else want for want in alone]
+    assert calls["step_tokens"] == 0 and calls["enqueue_tokens"] == max(map(len, cuts))
+    for s, want, cut in zip(streams, alone, cuts, strict=True):
+        assert s.request.output == cut
+        assert s.gen.finish_reason == ("stop" if eos in want else "length")
+        assert s.gen.completion_tokens == len(cut)
+    assert runner.blocks.whole() and runner.inflight is None

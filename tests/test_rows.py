@@ -16,6 +16,7 @@ from numba import cuda
 from pycalm.cpu.reference import (
     embed_ref,
     embed_rows_ref,
+    feed_tokens_ref,
     kv_round,
     moe_group_ref,
     moe_route_ref,
@@ -28,12 +29,13 @@ from pycalm.cpu.reference import (
 )
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS
+from pycalm.kernels.common import STATE_POS, STATE_SIZE, STATE_TOKEN
 from pycalm.kernels.rows import (
     ExpertRows,
     Pages,
     RowRoutes,
     embed_rows,
+    feed_tokens,
     moe_group,
     moe_route_rows,
     qkv_pages,
@@ -239,6 +241,28 @@ def test_take_rows():
     np.testing.assert_array_equal(out.copy_to_host(), x[rows[:3]])
     with pytest.raises(PycalmError, match="take_rows"):
         take_rows(cuda.to_device(x), cuda.to_device(rows[:2]), out, stream=0)
+
+
+@pytest.mark.parametrize("row0_ahead", [True, False])
+def test_feed_tokens(row0_ahead):
+    """Rows whose prev is >= 0 feed the token the last pass sampled (chosen[prev]); the others
+    keep theirs; row 0's token goes to the one-row step's state when it takes one."""
+    rng = np.random.default_rng(13)
+    n = 37
+    tokens = rng.integers(0, 1000, n).astype(np.int32)
+    prev = np.where(rng.random(n) < 0.5, rng.integers(0, 9, n), -1).astype(np.int32)
+    prev[0] = 4 if row0_ahead else -1
+    chosen = rng.integers(1000, 2000, 9).astype(np.int32)
+    state = np.zeros(STATE_SIZE, np.int32)
+    state[STATE_TOKEN] = 77
+    d_tokens, d_state = cuda.to_device(tokens), cuda.to_device(state)
+    feed_tokens(d_tokens, cuda.to_device(prev), cuda.to_device(chosen), d_state, stream=0)
+    want = feed_tokens_ref(tokens, prev, chosen)
+    np.testing.assert_array_equal(d_tokens.copy_to_host(), want)
+    assert d_state.copy_to_host()[STATE_TOKEN] == (chosen[4] if row0_ahead else 77)
+    assert np.all(want[prev >= 0] >= 1000) and np.array_equal(want[prev < 0], tokens[prev < 0])  # (the ref)
+    with pytest.raises(PycalmError, match="feed_tokens"):
+        feed_tokens(d_tokens, cuda.to_device(prev[:3]), cuda.to_device(chosen), d_state, stream=0)
 
 
 def test_rope_rows_ref_is_rope_ref_row_by_row():

@@ -418,3 +418,72 @@ def test_a_stop_string_ends_its_request_a_step_late_and_the_batch_empties(llm):
         assert steps < 20, "the runner never empties"
     assert (got["text"], got["finish"]) == want
     assert runner.scheduler.metrics()["kv_blocks_used"] == 0
+
+
+class DeviceSamplingCpu:
+    """The CPU engine's batched pass behind BatchedGpuEngine's face: each row "on the device"
+    (sample_ref with its options and coin, as pycalm.kernels.sample draws it), and steps that run
+    ahead: a row whose prev is >= 0 feeds the token the step before drew in that sampled row."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.n_blocks, self.last = inner, inner.n_blocks, None
+        self.calls = {"enqueue_tokens": 0, "step_tokens": 0, "fed ahead": 0}
+
+    def enqueue_tokens(self, tokens, positions, seq_of_row, table, sample_rows, samplings, coins, prev=None):  # noqa: ANN001, ANN201
+        from pycalm.cpu.reference import feed_tokens_ref, sample_ref
+
+        self.calls["enqueue_tokens"] += 1
+        tokens = np.asarray(tokens, np.int32)
+        if prev is not None:
+            self.calls["fed ahead"] += int(np.sum(prev >= 0))
+            tokens = feed_tokens_ref(tokens, np.asarray(prev), self.last)
+        assert np.all(tokens >= 0), "a row feeds a token nobody drew"
+        logits = self.inner.step(tokens, positions, seq_of_row, table, sample_rows)  # (n_sampled, vocab)
+        self.last = np.array(
+            [sample_ref(w, o.temperature, o.top_k, o.top_p, o.min_p, c) for w, o, c in zip(logits, samplings, coins, strict=True)],
+            np.int32,
+        )  # fmt: skip
+        return self.last
+
+    def collect(self, ticket: np.ndarray) -> np.ndarray:
+        return ticket
+
+    def step_tokens(self, *args, keep=(), while_waiting=lambda: None, prev=None):  # noqa: ANN001, ANN002, ANN201
+        self.calls["step_tokens"] += 1
+        raise AssertionError("a step waited for its own tokens")
+
+
+def test_the_runner_runs_ahead_of_a_device_that_samples(llm):
+    """BatchRunner over an engine that draws every row on the device runs each step ahead of the
+    host's reading of the last one (pycalm.app.batching): greedy and seeded requests, some with a
+    stop string, some ending on an EOS, each give the text and finish reason the API gives alone;
+    the decode rows fed the device's tokens; the pool is whole at the end."""
+    from pycalm.app.batching import BatchRunner
+
+    runner = BatchRunner(llm, 4, token_budget=24)
+    engine = DeviceSamplingCpu(runner.engine)
+    runner.engine, runner.device_sampling, runner.ahead = engine, True, True
+    rs = requests(12, seed=5)
+    got = [{"text": "", "finish": None} for _ in rs]
+
+    def emitter(i: int) -> object:
+        def emit(kind: str, value: object) -> None:
+            if kind == "text":
+                got[i]["text"] += value[1]
+            elif kind == "finish":
+                got[i]["finish"] = value[1].finish_reason
+
+        return emit
+
+    for i, r in enumerate(rs):
+        sampling = SamplingParams(temperature=r["temperature"], seed=r["seed"])
+        runner.add(r["prompt"], r["max_tokens"], sampling, emitter(i), stop=r.get("stop"))
+    steps = 0
+    while not runner.idle():
+        runner.step()
+        steps += 1
+        assert steps < 400, "the runner never empties"
+    assert [(g["text"], g["finish"]) for g in got] == [alone(llm, r) for r in rs]
+    assert {"stop", "length"} <= {g["finish"] for g in got}
+    assert engine.calls["fed ahead"] > 0 and engine.calls["step_tokens"] == 0
+    assert runner.blocks.whole() and runner.inflight is None

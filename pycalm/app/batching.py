@@ -29,6 +29,15 @@ the text while the GPU works): the host's work and the pass overlap. A stop stri
 ends its request one step late: that step's row for it is computed, and its token dropped. A
 step with nothing to run hands out at once.
 
+On the GPU a step whose every sampled row is drawn there, with no logits for the host, runs
+ahead: it is enqueued (BatchedGpuEngine.enqueue_tokens), then the step before it is collected,
+its tokens recorded (Scheduler.resolve) and handed out, and the new step assumed
+(Scheduler.assume: its tokens PENDING); the step after it is planned and enqueued before this
+one's tokens are read, its decode rows feeding them on the device. So the GPU always has a pass
+queued while the host plans, records and hands out. A request that draws an EOS there has one
+more row computed in the step enqueued meanwhile, its token dropped. A step with a row the host
+draws or reads waits for its own tokens, as above.
+
 A request ends on an EOS ("stop"; not under ignore_eos), a stop string (from its min_tokens-th
 token on) or a finished constraint ("stop", or "tool_calls" after tool calls), at max_tokens
 ("length"), or when `cancelled()` turns true (finish_reason None); its blocks are freed at once
@@ -48,7 +57,7 @@ import numpy as np
 
 from pycalm.app.generation import Generation, StopText
 from pycalm.batch.blocks import BLOCK_SIZE, BlockManager
-from pycalm.batch.scheduler import Request, Scheduler
+from pycalm.batch.scheduler import FINISHED, PENDING, Request, Scheduler
 from pycalm.cpu.batched import BatchedCpuEngine
 from pycalm.cpu.reference import logprobs_ref, mask_logits_ref
 from pycalm.cpu.sampler import MinTokens, Sampler, SamplingParams
@@ -83,6 +92,19 @@ class Histogram:
             total += count
             lines.append(f'{name}_bucket{{le="{bound}"}} {total}')
         return "\n".join([*lines, f"{name}_sum {self.sum:g}", f"{name}_count {total}"]) + "\n"
+
+
+@dataclass
+class InFlight:
+    """A step enqueued ahead of the host: the engine's ticket, the scheduler's slots of its
+    PENDING tokens, for each slot its sampled row, its streams (a sampled row each) and each
+    request's sampled row (request id -> row)."""
+
+    ticket: object
+    slots: list
+    rows_of_slots: list[int]
+    streams: list
+    order: dict[int, int]
 
 
 @dataclass(eq=False)
@@ -148,10 +170,11 @@ class BatchRunner:
             self.engine = BatchedGpuEngine(engine, most, block_size, None if n_blocks else blocks_a_seq)
             self.threads = contextlib.nullcontext
             self.device_sampling = True  # plain rows sampled on the device (step_tokens)
+            self.ahead = hasattr(self.engine, "enqueue_tokens")  # steps run ahead of the host
         else:  # (its pool's pages are mapped as they are first written)
             self.engine = BatchedCpuEngine(engine.ref, most, block_size, engine.batch_invariant)
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
-            self.device_sampling = False
+            self.device_sampling = self.ahead = False
         self.blocks = BlockManager(self.engine.n_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
         self.eos = frozenset(llm.config.eos_ids)
@@ -160,6 +183,7 @@ class BatchRunner:
         self.itl = Histogram(ITL_BUCKETS)  # seconds between a request's tokens
         self.next_id = 0
         self.pending: list[tuple] = []  # the last step's (stream, token, logits, time, end) to hand out
+        self.inflight: InFlight | None = None  # the step enqueued ahead, its tokens not read yet
         self.on_events: Callable[[], None] = lambda: None  # after a hand-out (the server's wake-up)
         self.steps = 0  # passes run
         self.step_s = 0.0  # seconds in step() (the pass, and the host's work around it)
@@ -168,8 +192,8 @@ class BatchRunner:
         self.hand_out_s = 0.0  # seconds in hand_out
 
     def idle(self) -> bool:
-        """No request waiting or running."""
-        return not self.streams
+        """No request waiting or running (and no step in flight)."""
+        return not self.streams and self.inflight is None
 
     def add(
         self,
@@ -231,6 +255,7 @@ class BatchRunner:
         for r in plan.finished:  # cancelled in schedule(): their streams have finished already
             self.streams.pop(r.id, None)
         if not plan.chunks:  # nothing to overlap the last step's hand-out with
+            self._collect()
             self.hand_out()
             return
         t0 = time.perf_counter()
@@ -239,7 +264,8 @@ class BatchRunner:
         self.step_s += time.perf_counter() - t0
 
     def _step(self, plan: object) -> None:
-        """The pass of a plan, its tokens sampled and handed out."""
+        """The pass of a plan, its tokens sampled and handed out (or, run ahead, assumed: the
+        module docstring)."""
         a = plan.arrays()
         rows = [self.streams[c.seq] for c in plan.chunks if c.sample]  # a stream a sampled row
         if self.device_sampling:  # the GPU draws the plain rows' tokens; the host the rest
@@ -247,11 +273,28 @@ class BatchRunner:
             keep = [i for i, s in enumerate(rows) if on_host[i] or s.logprobs is not None]
             options = [GREEDY if h else s.options for s, h in zip(rows, on_host, strict=True)]
             coins = [0.0 if h else s.sampler.next_coin() for s, h in zip(rows, on_host, strict=True)]
+            prev = self._prev(plan, a)
             t0, handed = time.perf_counter(), self.hand_out_s
-            chosen, kept = self.engine.step_tokens(
-                a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"],
-                options, coins, keep, while_waiting=self.hand_out,
-            )  # fmt: skip
+            step = (
+                a["tokens"],
+                a["positions"],
+                a["seq_of_row"],
+                a["block_table"],
+                a["sample_rows"],
+                options,
+                coins,
+            )
+            if self.ahead and not keep:  # nothing for the host to draw or read: run ahead
+                ticket = self.engine.enqueue_tokens(*step, prev=prev)
+                self.engine_s += time.perf_counter() - t0
+                self._collect()  # the step before: its tokens read (resolve) ...
+                slots, _ = self.scheduler.assume(plan)  # ... before this one's positions are computed
+                order = {c.seq: j for j, c in enumerate(c for c in plan.chunks if c.sample)}
+                self.inflight = InFlight(ticket, slots, [order[r.id] for r, _ in slots], rows, order)
+                self.hand_out()  # (while this step runs)
+                return
+            chosen, kept = self.engine.step_tokens(*step, keep, while_waiting=self._collect_and_hand_out,
+                                                   prev=prev)  # fmt: skip
             self.engine_s += time.perf_counter() - t0 - (self.hand_out_s - handed)
             logits = [None] * len(rows)  # a row's logits where the host took them
             for i, row in zip(keep, kept, strict=True):
@@ -284,6 +327,41 @@ class BatchRunner:
             made.append((s, token, row))
         ended = {r.id: r.finish_reason for r in self.scheduler.finish_step(plan, sampled)}
         self.pending = [(s, token, row, now, ended.get(s.request.id)) for s, token, row in made]
+
+    def _prev(self, plan: object, a: dict[str, np.ndarray]) -> np.ndarray | None:
+        """Each row's sampled row of the step in flight whose token it feeds (PENDING tokens),
+        else -1; None where no row feeds one."""
+        ahead = np.flatnonzero(a["tokens"] == PENDING)
+        if not len(ahead):
+            return None
+        prev = np.full(len(a["tokens"]), -1, np.int32)  # (R,)
+        for r in ahead:
+            prev[r] = self.inflight.order[plan.chunks[a["seq_of_row"][r]].seq]
+        return prev
+
+    def _collect(self) -> None:
+        """Wait for the step in flight, if any: its tokens into the scheduler (resolve) and to the
+        streams (the hand-out list)."""
+        if self.inflight is None:
+            return
+        f, self.inflight = self.inflight, None
+        t0 = time.perf_counter()
+        chosen = self.engine.collect(f.ticket)
+        now = time.perf_counter()
+        self.engine_s += now - t0
+        tokens = [int(chosen[j]) for j in f.rows_of_slots]
+        self.scheduler.resolve(f.slots, tokens)
+        made = []
+        for (r, i), token in zip(f.slots, tokens, strict=True):
+            end = r.finish_reason if r.state == FINISHED and i == len(r.output) - 1 else None
+            made.append((f.streams[f.order[r.id]], token, None, now, end))
+        self.pending += made
+
+    def _collect_and_hand_out(self) -> None:
+        """While a step that waits for its own tokens runs: the step in flight before it
+        collected, and handed out."""
+        self._collect()
+        self.hand_out()
 
     def hand_out(self) -> None:
         """The last step's tokens to their streams (a stream that finished meanwhile, on a stop

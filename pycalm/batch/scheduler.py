@@ -26,6 +26,18 @@ keys); a sampled token is appended to the request's output. The scheduler stops 
 stop tokens (EOS) and at max_tokens (finish reasons "stop" and "length"); stop STRINGS need the
 detokenizer, so the caller detects them and calls `cancel(id, "stop")`.
 
+Running ahead. An engine that samples on the device can take the next step before the host has
+read this one's tokens: the next step's decode rows read them where the device left them. Then
+`assume(plan)` stands in for finish_step: the fed positions become computed, each sampled token
+enters the output as PENDING, and a request that reaches max_tokens ends ("length"), whatever its
+token. `schedule()` plans the next step as usual (a PENDING token is fed as the device's), and
+`resolve(slots, sampled)`, once the tokens are read, writes them in place and ends the requests
+whose token is a stop token ("stop"). Such a request has one row in the step planned meanwhile:
+its key and value land past its end, and its token is dropped. The order is: schedule the next
+step, run it, resolve this one, assume the next (a full block gets its key from its tokens when
+assume marks it computed, so they must be known by then). A preempted request is admitted again
+only once its tokens are known (its recompute feeds them).
+
 The waiting queue stays in arrival order (preempted requests are older than every waiting one),
 and the running list in admission order, so "newest" is the running list's last.
 """
@@ -42,6 +54,7 @@ from pycalm.batch.blocks import BlockManager, OutOfBlocks
 from pycalm.errors import PycalmError
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+PENDING = -1  # a sampled token the device holds and the host has not read yet (assume, resolve)
 
 
 @dataclass(eq=False)
@@ -210,6 +223,8 @@ class Scheduler:
                 budget -= len(plan.chunks[-1].tokens)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:  # admissions, FIFO
             r = self.waiting[0]
+            if r.output and r.output[-1] == PENDING:  # preempted with a token not read yet
+                break
             if not self.blocks.can_allocate(r.tokens, reserve=len(self.running)):
                 break
             self.waiting.popleft()
@@ -270,6 +285,53 @@ class Scheduler:
                 self.running.remove(r)
                 self.blocks.free_seq(r.id)
                 self._end(r, "stop" if token in r.stop_tokens else "length")
+                done.append(r)
+        return done
+
+    def assume(self, plan: Plan) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """Record a step whose sampled tokens the host has not read (see "Running ahead" above)
+        -> ((request, index of its PENDING token in its output) for each sampling chunk, in plan
+        order; the requests that ended at max_tokens)."""
+        slots, done = [], []
+        for c in plan.chunks:
+            r = self.requests.get(c.seq)
+            if r is None:  # ended since the plan (resolve: a stop token): its row is dropped
+                continue
+            r.computed = c.start + len(c.tokens)
+            self.blocks.computed(r.id, r.computed)
+            if not c.sample:
+                continue
+            r.output.append(PENDING)
+            slots.append((r, len(r.output) - 1))
+            if len(r.output) >= r.max_tokens:
+                self.running.remove(r)
+                self.blocks.free_seq(r.id)
+                self._end(r, "length")
+                done.append(r)
+        return slots, done
+
+    def resolve(self, slots: list[tuple[Request, int]], sampled: list[int]) -> list[Request]:
+        """The tokens of an assumed step, read at last: each in its place (the request's output,
+        and its slot's token where it still holds blocks) -> the requests that end on them (a
+        stop token: "stop"). A request that ended meanwhile (max_tokens, a cancellation) takes
+        its token and ends no further (one that ended at max_tokens on a stop token: its reason
+        becomes "stop")."""
+        done = []
+        for (r, i), token in zip(slots, sampled, strict=True):
+            r.output[i] = token
+            if r.state == FINISHED:  # a stop token as the last of max_tokens: "stop", as finish_step says
+                if r.finish_reason == "length" and i == len(r.output) - 1 and token in r.stop_tokens:
+                    r.finish_reason = "stop"
+                continue
+            if (s := self.blocks.seqs.get(r.id)) is not None and len(r.prompt) + i < len(s.tokens):
+                s.tokens[len(r.prompt) + i] = token  # (the next step's slot: not computed yet)
+            if token in r.stop_tokens:
+                if r.state == RUNNING:
+                    self.running.remove(r)
+                    self.blocks.free_seq(r.id)
+                else:
+                    self.waiting.remove(r)
+                self._end(r, "stop")
                 done.append(r)
         return done
 

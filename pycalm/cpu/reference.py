@@ -21,6 +21,7 @@ one token through the model:
                      its log-probability and the k most likely tokens'  logprobs_ref
     speculation      a drafted token kept, or drawn anew               speculative_accept_ref
     advance          what the next step feeds, at which position       advance_ref
+                     (batched, run ahead: the tokens still on the device) feed_tokens_ref
 
 Beside a step's one-token reference stands its form for T tokens at once (the prefill:
 `*_rows_ref`, `matmul*_ref`, `prefill_attention_ref`, `moe_group_ref`). The CPU engine runs
@@ -757,6 +758,13 @@ def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[
     prompt), so a prompt is prefilled by the same step as generation."""
     nxt = pos + 1
     return (int(feed[nxt]) if nxt < feed_end else token), nxt
+
+
+def feed_tokens_ref(tokens: np.ndarray, prev: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """A batched step's tokens when it runs ahead of the host: row r feeds chosen[prev[r]], the
+    token the step before sampled for its sequence (on the device, not yet read), where prev[r]
+    >= 0, else tokens[r]."""
+    return np.where(prev >= 0, chosen[np.maximum(prev, 0)], tokens).astype(np.int32)
 
 
 # =============================================================================================

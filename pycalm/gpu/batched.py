@@ -29,6 +29,12 @@ in a state of its own in the step's buffer: one user alone decodes at the token 
 where the rows pass of one row costs 1.1 to 1.4 token steps (its products read fp16 activations,
 and RMSNorm and the QKV epilogue are launches of their own). Its logits are the token step's bits.
 
+Running ahead. enqueue_tokens enqueues a step sampled on the device and returns at once; collect
+waits for its tokens. The next step can be enqueued first: its decode rows name, in prev, the
+sampled row of the step before whose token they feed, and the pass begins with feed_tokens,
+which copies those tokens from where the sampler left them (pycalm.kernels.rows). The host then
+plans and reads while the GPU always has a pass queued (pycalm.app.batching).
+
 step_tokens samples on the device instead: pycalm.kernels.sample's sample_rows draws each
 sampled row's token with that row's own options (temperature, top-k, top-p, min-p) and coin, in
 the same captured graph, so one int32 a row comes back (through a pinned buffer), and the
@@ -97,35 +103,43 @@ class BatchedGpuEngine:
         s = engine.stream
         # the step's arrays at fixed places, so that a captured pass replays with new contents,
         # all in one int32 buffer that one copy a step fills from its pinned twin (R = max_rows):
-        #   [0, 4R)        (4, R) tokens, positions, seq_of_row (< 0: padding), sample_rows
-        #   [4R, 9R)       step_tokens' (R,) temperature, top_k, top_p, min_p, coins (float32 bits
-        #                  but top_k): each sampled row's options and uniform [0, 1) coin
-        #   [9R, 9R + 4)   a token step's state: row 0's token and position (STATE_TOKEN,
+        #   [0, 5R)        (5, R) tokens, positions, seq_of_row (< 0: padding), sample_rows, prev
+        #                  (>= 0: the row feeds the token the step before sampled in its sampled
+        #                  row prev, still on the device: enqueue_tokens)
+        #   [5R, 10R)      step_tokens' (R,) temperature, top_k, top_p, min_p, coins (float32
+        #                  bits but top_k): each sampled row's options and uniform [0, 1) coin
+        #   [10R, 10R + 4) a token step's state: row 0's token and position (STATE_TOKEN,
         #                  STATE_POS), 0 (STATE_FEED_END), and a word of padding
-        #   [9R + 4, ..)   (R, max_blocks) the block table, a sequence a row
+        #   [10R + 4, ..)  (R, max_blocks) the block table, a sequence a row
         R = self.max_rows
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
-        self.head = 9 * R + 4  # the words before the block table
-        self.host = cuda.pinned_array(self.head + R * self.max_blocks, np.int32)
-        self.host[:] = 0  # (pinned memory comes uninitialised; zero options are greedy rows)
+        self.head = 10 * R + 4  # the words before the block table
+        # two pinned twins, by turns: a step's arrays are written while the copy of the last
+        # step's may still wait in the stream (enqueue_tokens), and so are two of chosen's
+        self.hosts = [cuda.pinned_array(self.head + R * self.max_blocks, np.int32) for _ in range(2)]
+        for h in self.hosts:
+            h[:] = 0  # (pinned memory comes uninitialised; zero options are greedy rows)
         self.blob = cuda.device_array(self.head + R * self.max_blocks, np.int32, stream=s)
-        self.args = self.blob[: 4 * R].reshape(4, R)
-        self.tokens, self.positions, self.seq_of_row, self.sample_rows = (self.args[i] for i in range(4))
-        f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(4, 9)]
-        self.row_sampling = RowSampling(f32[0], self.blob[5 * R : 6 * R], f32[2], f32[3])
+        self.args = self.blob[: 5 * R].reshape(5, R)
+        self.tokens, self.positions, self.seq_of_row, self.sample_rows, self.prev = (
+            self.args[i] for i in range(5)
+        )
+        f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(5, 10)]
+        self.row_sampling = RowSampling(f32[0], self.blob[6 * R : 7 * R], f32[2], f32[3])
         self.coins = f32[4]
-        self.state = self.blob[9 * R : 9 * R + STATE_SIZE]  # (3,) the one-row step's state
+        self.state = self.blob[10 * R : 10 * R + STATE_SIZE]  # (3,) the one-row step's state
         self.table = self.blob[self.head :].reshape(R, self.max_blocks)
         self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
         self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
-        self.chosen_host = cuda.pinned_array(R, np.int32)  # (max_rows,)
+        self.chosen_hosts = [cuda.pinned_array(R, np.int32) for _ in range(2)]  # (max_rows,) by turns
+        self.turn = 0  # which twin the next step writes
         # the paged attention's partials: launches of up to max_rows rows over the context
         self.chunk = attention_chunk_len(cfg.head_dim, engine.kv_dtype)
         self.scratch = attention_scratch(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, engine.kv_dtype,
                                          engine.seq_len, chunk=self.chunk, rows=R, paged=True, stream=s)  # fmt: skip
         # (rows bucket, sampled bucket, attention span, sampled on the device) -> its pass
         self.graphs: dict[tuple[int, int, int, bool], GraphStep] = {}
-        self.marks = (cuda.event(), cuda.event())  # around each step's work on the stream
+        self.marks = [(cuda.event(), cuda.event()) for _ in range(2)]  # around a step's work, by turns
         self.gpu_s = 0.0  # seconds the GPU spent on the steps (between the marks: not the host's gaps)
         # the pool, last: with min_blocks it takes the memory the rest leaves
         kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
@@ -188,42 +202,94 @@ class BatchedGpuEngine:
         coins: np.ndarray,
         keep: Sequence[int] = (),
         while_waiting: Callable[[], None] = lambda: None,
+        prev: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """step, sampled on the device: sampled row i takes the options samplings[i] (no
         penalties or bias) and the uniform coin coins[i] -> (chosen (n_sampled,) int32, each
         sample_ref's pick of its row's logits; the logits (len(keep), vocab_size) float32 of the
-        sampled rows that keep lists, in its order). while_waiting() as step's."""
-        m = len(sample_rows)
-        if len(samplings) != m or len(coins) != m:
-            raise PycalmError(
-                f"{m} sampled rows take {m} samplings and coins, got {len(samplings)} and {len(coins)}"
-            )
-        R, h = self.max_rows, self.host
-        for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
-            h[(4 + i) * R : (4 + i) * R + m] = field.view(np.int32)
-            h[(4 + i) * R + m : (5 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
-        s = self.engine.stream
-        self._arrays(tokens, positions, seq_of_row, block_table, sample_rows)
+        sampled rows that keep lists, in its order). while_waiting() as step's; prev as
+        enqueue_tokens'."""
         kept = np.empty((len(keep), self.config.vocab_size), np.float32)  # (len(keep), vocab_size)
+        s = self.engine.stream
 
         def copy(logits: object, first: int, k: int) -> None:
             for j, i in enumerate(keep):
                 if first <= i < first + k:
                     logits[i - first].copy_to_host(kept[j], stream=s)
 
+        ticket = self._enqueue_sampled(tokens, positions, seq_of_row, block_table, sample_rows, samplings,
+                                       coins, prev, copy)  # fmt: skip
+        while_waiting()
+        return self.collect(ticket), kept
+
+    def enqueue_tokens(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq_of_row: np.ndarray,
+        block_table: np.ndarray,
+        sample_rows: np.ndarray,
+        samplings: list[SamplingParams],
+        coins: np.ndarray,
+        prev: np.ndarray | None = None,
+    ) -> tuple[int, int]:
+        """step_tokens without the wait: the pass is enqueued, and a ticket comes back at once;
+        collect(ticket) waits for its tokens. So the next step can be enqueued before the host
+        reads this one's tokens: where prev[r] >= 0, row r feeds the token that the step enqueued
+        before drew in its sampled row prev[r] (on the device; tokens[r] is then not read). At
+        most one step may be enqueued and not collected when the next one is enqueued (the pinned
+        buffers go by turns of two)."""
+        return self._enqueue_sampled(tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins,
+                                     prev, lambda logits, first, k: None)  # fmt: skip
+
+    def collect(self, ticket: tuple[int, int]) -> np.ndarray:
+        """Wait for an enqueued step -> its chosen (n_sampled,) int32 tokens. gpu_s counts the
+        step's GPU time (the simulator's events time nothing)."""
+        turn, m = ticket
+        start, end = self.marks[turn]
+        end.synchronize()
+        self.gpu_s += max(0.0, start.elapsed_time(end)) / 1e3
+        return self.chosen_hosts[turn][:m].copy()
+
+    def _enqueue_sampled(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq_of_row: np.ndarray,
+        block_table: np.ndarray,
+        sample_rows: np.ndarray,
+        samplings: list[SamplingParams],
+        coins: np.ndarray,
+        prev: np.ndarray | None,
+        copy: Callable[[object, int, int], None],
+    ) -> tuple[int, int]:
+        """Enqueue a step sampled on the device (its options and coins into this turn's pinned
+        twin, the arrays, the pass, chosen back) -> (turn, n_sampled): collect's ticket."""
+        m = len(sample_rows)
+        if len(samplings) != m or len(coins) != m:
+            raise PycalmError(
+                f"{m} sampled rows take {m} samplings and coins, got {len(samplings)} and {len(coins)}"
+            )
+        R, h, turn = self.max_rows, self.hosts[self.turn], self.turn
+        for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
+            h[(5 + i) * R : (5 + i) * R + m] = field.view(np.int32)
+            h[(5 + i) * R + m : (6 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
+        s = self.engine.stream
+        self._arrays(tokens, positions, seq_of_row, block_table, sample_rows, prev)
         self._run(m, sampled=True, copy=copy)
-        self.chosen[:m].copy_to_host(self.chosen_host[:m], stream=s)
-        self._wait(while_waiting)
-        return self.chosen_host[:m].copy(), kept
+        self.chosen[:m].copy_to_host(self.chosen_hosts[turn][:m], stream=s)
+        self.marks[turn][1].record(s)
+        return turn, m
 
     def _wait(self, while_waiting: Callable[[], None]) -> None:
         """while_waiting() on the host while the GPU works, then the wait for the step's end;
         gpu_s counts the step's GPU time (the simulator's events time nothing)."""
         s = self.engine.stream
-        self.marks[1].record(s)
+        start, end = self.marks[self.turn ^ 1]  # (_arrays handed the turn on)
+        end.record(s)
         while_waiting()
         s.synchronize()
-        self.gpu_s += max(0.0, self.marks[0].elapsed_time(self.marks[1])) / 1e3
+        self.gpu_s += max(0.0, start.elapsed_time(end)) / 1e3
 
     def _arrays(
         self,
@@ -232,16 +298,26 @@ class BatchedGpuEngine:
         seq_of_row: np.ndarray,
         block_table: np.ndarray,
         sample_rows: np.ndarray,
+        prev: np.ndarray | None = None,
     ) -> int:
         """Check a step's arrays and enqueue their copies to the device (padded as the module
-        docstring says) -> the number of sampled rows. Sets self.rows (the rows bucket)."""
+        docstring says) in this turn's pinned twin, and hand the turn on -> the number of sampled
+        rows. Sets self.rows (the rows bucket) and self.ahead (some row feeds a token on the
+        device: prev)."""
         cfg, e, s = self.config, self.engine, self.engine.stream
-        tokens = np.asarray(tokens, np.int32)
+        tokens = np.array(tokens, np.int32)  # (a copy: the rows fed from the device are zeroed)
         positions = np.asarray(positions, np.int32)
         seq_of_row = np.asarray(seq_of_row, np.int32)
         table = np.asarray(block_table, np.int32)
         sample_rows = np.asarray(sample_rows, np.int32)
         n, m = len(tokens), len(sample_rows)
+        prev = np.full(n, -1, np.int32) if prev is None else np.asarray(prev, np.int32)
+        if len(prev) != n or prev.max(initial=-1) >= self.max_rows:
+            raise PycalmError(
+                "a batched step's prev names a row per row, each a sampled row of the last step"
+            )
+        self.ahead = bool(np.any(prev >= 0))
+        tokens[prev >= 0] = 0  # (read on the device)
         bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
         if len(bad):
             raise PycalmError(f"token id {bad[0]} outside the vocabulary (0..{cfg.vocab_size - 1})")
@@ -255,21 +331,23 @@ class BatchedGpuEngine:
             raise PycalmError("a sampled row lies outside the step")
         self.rows = self.bucket(n)
         self.span = attention_span(int(positions.max()), self.chunk, e.seq_len)  # the attention's grid
-        R, S, h = self.max_rows, table.shape[0], self.host
+        R, S, h = self.max_rows, table.shape[0], self.hosts[self.turn]
         # the padded arrays: rows n.. are padding (sequence -1), sampled rows m.. take row 0
-        a = h[: 4 * R].reshape(4, R)  # tokens, positions, seq_of_row, sample_rows
+        a = h[: 5 * R].reshape(5, R)  # tokens, positions, seq_of_row, sample_rows, prev
         a[:, : self.rows] = 0
-        a[0, :n], a[1, :n], a[2, :n], a[3, :m] = tokens, positions, seq_of_row, sample_rows
+        a[0, :n], a[1, :n], a[2, :n], a[3, :m], a[4, :n] = tokens, positions, seq_of_row, sample_rows, prev
         a[2, n : self.rows] = -1
-        h[9 * R + STATE_TOKEN], h[9 * R + STATE_POS] = tokens[0], positions[0]  # (the one-row step's)
+        a[4, n : self.rows] = -1
+        h[10 * R + STATE_TOKEN], h[10 * R + STATE_POS] = tokens[0], positions[0]  # (the one-row step's)
         wide = h[self.head : self.head + S * self.max_blocks].reshape(S, self.max_blocks)
         wide[:] = 0
         wide[:, : table.shape[1]] = table
         # one copy: the arrays, the options and coins (step_tokens wrote them), S table rows
         # (the pinned buffer is free again: every step ends in a synchronize)
         end = self.head + S * self.max_blocks
-        self.marks[0].record(s)  # the step's GPU work starts here (the host's before it is not counted)
+        self.marks[self.turn][0].record(s)  # the step's GPU work starts here (not the host's before it)
         self.blob[:end].copy_to_device(h[:end], stream=s)
+        self.turn ^= 1
         return m
 
     def _run(self, m: int, sampled: bool, copy: Callable[[object, int, int], None]) -> None:
@@ -284,19 +362,23 @@ class BatchedGpuEngine:
         one = rows == 1 and picked == 1
         logits = e.logits_buf.reshape(1, self.config.vocab_size) if one else self.prefill.buffers.logits
         if picked > logits.shape[0]:  # more sampled rows than a logits block: eager, in blocks
+            if self.ahead:
+                self._feed(rows)
             self._pass(rows)
             for first in range(0, m, logits.shape[0]):
                 k = min(logits.shape[0], m - first)
                 self._classify(first, k, sampled)
                 copy(logits, first, k)
             return
-        key = (rows, picked, self.span, sampled and picked > 0)
+        key = (rows, picked, self.span, sampled and picked > 0, self.ahead)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.launch()
         else:
 
             def record() -> None:
+                if self.ahead:  # the rows' tokens that the last step drew, still on the device
+                    self._feed(rows)
                 if one:
                     self._token(sampled)
                     return
@@ -309,6 +391,13 @@ class BatchedGpuEngine:
                 self.graphs[key] = GraphStep(e.stream, record)
         if m:
             copy(logits, 0, m)
+
+    def _feed(self, rows: int) -> None:
+        """Enqueue tokens[r] = chosen[prev[r]] for the rows whose prev is >= 0 (and the one-row
+        step's state token: row 0's)."""
+        from pycalm.kernels.rows import feed_tokens
+
+        feed_tokens(self.tokens[:rows], self.prev[:rows], self.chosen, self.state, stream=self.engine.stream)
 
     def _pages(self, rows: int) -> object:
         """The first `rows` rows of the step as pycalm.kernels.rows.Pages over the pool."""

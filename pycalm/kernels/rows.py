@@ -44,6 +44,7 @@ from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache, pool_row
 from pycalm.kernels.common import (
     STATE_POS,
+    STATE_TOKEN,
     WARP,
     block_reduce_sum,
     dependent_start,
@@ -256,6 +257,30 @@ def take_rows(x: object, rows: object, out: object, *, stream: object) -> None:
     if rows.shape[0] < n or out.shape[1] != x.shape[1]:
         raise PycalmError(f"take_rows: {n} rows of {x.shape[1]} from {rows.shape[0]} indices")
     take_rows_kernel[(-(-out.shape[1] // THREADS), n), THREADS, stream](x, rows, out)
+
+
+@cuda.jit(cache=True)
+def feed_tokens_kernel(tokens, prev, chosen, state):  # noqa: ANN001, ANN201
+    """Thread r: tokens[r] = chosen[prev[r]] where prev[r] >= 0; row 0's also into
+    state[STATE_TOKEN] (the one-row step's token)."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    r = cuda.grid(1)
+    if r < tokens.shape[0]:
+        p = prev[r]
+        if p >= 0:
+            tokens[r] = chosen[p]
+            if r == 0:
+                state[STATE_TOKEN] = chosen[p]
+
+
+def feed_tokens(tokens: object, prev: object, chosen: object, state: object, *, stream: object) -> None:
+    """tokens (n,) int32 = feed_tokens_ref(tokens, prev, chosen), in place on the device: each
+    row whose prev (n,) is >= 0 feeds chosen[prev] (a token the last pass sampled, not yet read
+    by the host); and state[STATE_TOKEN] = the new tokens[0] where row 0 took one."""
+    n = tokens.shape[0]
+    if prev.shape[0] < n:
+        raise PycalmError(f"feed_tokens: {n} rows, {prev.shape[0]} prev")
+    feed_tokens_kernel[-(-n // THREADS), THREADS, stream](tokens, prev, chosen, state)
 
 
 def _check_qkv(name: str, qkv: object, q: object, cache: KVCache, cfg: ModelConfig) -> tuple[int, int]:
