@@ -219,12 +219,18 @@ def _reports() -> None:
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
         print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
     script = _matmul_script()
+    weights = {
+        "fp16": (types.float16[:, ::1],),
+        "q8": (types.int8[:, ::1], types.float32[::1]),
+        "q4": (types.uint32[:, ::1], types.float16[:, :, ::1]),
+    }
     for version, shape in script.WGMMA_VERSIONS.items():
-        for mode in ("plain", "residual", "gate"):
-            out = types.float16 if mode == "gate" else types.float32
-            sig = (types.float16[:, ::1], types.float16[:, ::1], types.float16[:, ::1], out[:, ::1])
-            kernel = script.wgmma_kernel(*shape, mode)
-            print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {mode}")))
+        for dtype in script.WGMMA_DTYPES:
+            for mode in ("plain", "residual", "gate"):
+                out = types.float16 if mode == "gate" else types.float32
+                sig = (types.float16[:, ::1], *weights[dtype], *weights[dtype], out[:, ::1])
+                kernel = script.wgmma_kernel(*shape, mode, dtype)
+                print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {dtype} {mode}")))
 
 
 def _matmul_script() -> object:
@@ -259,7 +265,8 @@ def test_wgmma_compiles_for_sm90a() -> None:
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 3 + 3 * len(_matmul_script().WGMMA_VERSIONS)
+    script = _matmul_script()
+    assert len(reports) == 3 + 3 * len(script.WGMMA_VERSIONS) * len(script.WGMMA_DTYPES)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
         assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
@@ -280,4 +287,4 @@ def test_matmul_script_checks_its_wgmma_version() -> None:
     r = subprocess.run([sys.executable, str(script), "--wgmma", "ws", "--check"], capture_output=True, text=True,
                        env=dict(os.environ), timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert r.stdout.count(" ok") == 3 and "FAIL" not in r.stdout, r.stdout
+    assert r.stdout.count(" ok") == 9 and "FAIL" not in r.stdout, r.stdout  # 3 modes x fp16, q8, q4

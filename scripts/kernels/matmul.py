@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
 from pycalm.kernels.common import fp16_encode  # noqa: E402
-from pycalm.kernels.matmul import TILE, Tile, matmul  # noqa: E402
-from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait  # noqa: E402
+from pycalm.kernels.matmul import TILE, Tile, _q4_words, _q8_words, matmul  # noqa: E402
+from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128  # noqa: E402
 from pycalm.kernels.warpgroup import (  # noqa: E402
     SWIZZLE_128B,
     allow_dynamic_shared,
@@ -106,7 +106,7 @@ MODELS = {
 }
 TOKENS = [128, 512, 2048]
 # finite-value masks on random words: one exponent bit of each fp16 / e5m2 / gf4 scale cleared
-MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF}
+MASK = {"fp16": 0xBFFFBFFF, "fp8": 0xBFBFBFBF, "gf4": 0xFFFFFFBF, "q8": 0x7F7F7F7F, "q4": 0xFFFFFFFF}
 
 
 @cuda.jit
@@ -125,26 +125,42 @@ def fill_kernel(words, seed, mask):  # noqa: ANN001, ANN201
 
 
 def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
-    """A device array of the stored shape of `dtype` (fp16 / fp8 / gf4) with random finite values."""
+    """A device array of the stored shape of `dtype` with random finite values (q8 / q4: a
+    formats.Quantized of random codes and small scales, as scripts/kernels/rows_matmul.py's)."""
     rows, cols = formats.storage_shape(*shape, dtype)
     storage = formats.STORAGE_DTYPE[dtype]
     words = cuda.device_array(rows * cols * storage.itemsize // 4, np.uint32)
     fill_kernel[1024, 256](words, uint32(seed), uint32(MASK[dtype]))
-    return words.view(storage).reshape(rows, cols)
+    codes = words.view(storage).reshape(rows, cols)
+    if dtype == "q8":
+        return formats.Quantized(codes, cuda.to_device(np.full(shape[0], 0.01, np.float32)))
+    if dtype == "q4":
+        scales = np.zeros((shape[0], shape[1] // 32, 2), np.float16)  # (N, groups of 32, (d, m))
+        scales[..., 0], scales[..., 1] = 0.01, -0.08
+        return formats.Quantized(codes, cuda.to_device(scales))
+    return codes
 
 
 # ---------------------------------------------------------------------------------------------
-# wgmma versions: Hopper's warpgroup instructions (pycalm.kernels.warpgroup), fp16 W
+# wgmma versions: Hopper's warpgroup instructions (pycalm.kernels.warpgroup)
 #
 # A block of two warpgroups (256 threads) computes a 128 x BN tile of out (T, N): warpgroup w
 # the rows 64 w .. 64 w + 63, with one wgmma m64nBNk16 a 16 of K, its accumulators BN / 2
 # float32 a thread. K in steps of 64: each step stages the X tile (128, 64) and the W tile
 # (BN, 64) in shared memory, fp16, 128 bytes a row, 8 rows a 1 KiB atom, 16-byte chunk c of
-# row r at chunk c ^ (r & 7) (the descriptor's 128-byte swizzle), copied by cp.async (rows past
-# T or N and columns past K zero-filled). STAGES stages in a ring of dynamic shared memory: at
-# step i the copies of step i + STAGES - 2 are issued into the stage that step i - 2 read, whose
-# wgmma every warpgroup has retired (wgmma_wait(1) at the end of step i - 1, then the barrier at
-# the top of step i), while step i's wgmma run asynchronously and step i - 1's may still run.
+# row r at chunk c ^ (r & 7) (the descriptor's 128-byte swizzle). X (and fp16 W) come by
+# cp.async (rows past T or N and columns past K zero-filled) into STAGES stages, a ring of
+# dynamic shared memory: at step i the copies of step i + STAGES - 2 are issued into the stage
+# that step i - 2 read, whose wgmma every warpgroup has retired (wgmma_wait(1) at the end of
+# step i - 1, then the barrier at the top of step i), while step i's wgmma run asynchronously
+# and step i - 1's may still run.
+#
+# q8 and q4 W come through registers, as in the shipped kernel: a thread loads its units of step
+# i + 2's W tile (q8: 16 codes, 16 bytes; q4: 32 weights, 4 words, and the group's step d and
+# offset m) during step i, and during step i + 1, once step i + 1's wgmma are issued, decodes
+# them to fp16 (the codes exact for q8, whose row scale multiplies the sums in the epilogue;
+# fp16(d q + m) for q4) into the W tile of step i + 2, one of three: the one that step i - 1's
+# wgmma read (retired at the top of step i + 1).
 #
 #   w1: 128 x 256, 4 stages (192 KiB), one block an SM: a thread's 128 accumulators (156
 #       registers, ptxas)
@@ -157,33 +173,60 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
 # grid walks T fastest, so the blocks of one W strip run together). Modes: plain, residual, gate.
 
 WGMMA_BM, WGMMA_BK, WGMMA_THREADS = 128, 64, 256
+WGMMA_DTYPES = ("fp16", "q8", "q4")
 UNROLLED = 64  # the longest loop over acc that the compiler unrolls (a loop of 128 stays a loop,
 # and acc then lives in local memory)
-GATE_UNROLLED = 32  # the same for the gate's epilogue, whose body is longer
+GATE_UNROLLED = 32  # the same for the gate's epilogue (pairs of accumulators), whose body is longer
+STORE_UNROLLED = 32  # and for the plain and residual epilogues (q8: a scale a column)
 # name: (BN, stages, blocks an SM the registers are capped for)
 WGMMA_VERSIONS = {"w1": (256, 4, 1), "w2": (128, 4, 1), "w3": (128, 6, 1), "ws": (64, 3, 1)}
 
 
+def wgmma_shared_bytes(block_n: int, stages: int, dtype: str) -> int:
+    """Dynamic shared memory of a version: the X stages, the W stages (fp16) or three decoded W
+    tiles (q8, q4), and 1 KiB to align them."""
+    x_tile, w_tile = WGMMA_BM * WGMMA_BK * 2, block_n * WGMMA_BK * 2
+    return stages * x_tile + (stages if dtype == "fp16" else 3) * w_tile + 1024
+
+
 @functools.cache
-def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str) -> object:
-    """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T fp16 ("plain"),
-    out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the B tile
+def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype: str = "fp16") -> object:  # noqa: C901
+    """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T ("plain"),
+    out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the W tile
     holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
-    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns)."""
+    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). fp16 W:
+    arguments (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out)."""
     bm, bk, threads = WGMMA_BM, WGMMA_BK, WGMMA_THREADS
     residual, gate = mode == "residual", mode == "gate"
+    q8, q4 = dtype == "q8", dtype == "q4"
+    quantized = q8 or q4
+    fp16_w = not quantized
     out_n = block_n // 2 if gate else block_n  # output columns a tile
     wgmma = wgmma_f16(block_n)
     wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
     wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
     acc_n = block_n // 2
-    a_words = bm * bk // 2  # a stage's X tile (128, 64) fp16, in int32 words
-    stage_words = a_words + block_n * bk // 2  # and its W tile (BN, 64)
-    copies = (bm + block_n) * bk // 8 // threads  # 16-byte copies a thread a stage
+    x_words = bm * bk // 2  # a stage's X tile (128, 64) fp16, in int32 words
+    w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
+    stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
+    w_base = stages * stage_words  # (q8, q4) the three decoded W tiles, after the ring
+    copies = (bm + (0 if quantized else block_n)) * bk // 8 // threads  # 16-byte copies a thread a stage
+    unit_cols = 16 if q8 else 32  # (q8, q4) the columns of a unit: a 16-byte load
+    all_units = block_n * (bk // unit_cols)  # (q8, q4) units a W tile
+    units = -(-all_units // threads)  # (q8, q4) units a thread a step (the last: some threads none)
+    unit_words = 4 * max(units, 1)  # (q8, q4) the registers of a thread's units
+    chunks_a_unit = unit_cols // 8  # 16-byte fp16 chunks a unit decodes to
+
+    @cuda.jit(device=True, inline=True)
+    def w_source(rr, n0):  # noqa: ANN001, ANN202
+        """A W tile row's source: (from W3, the row of W or W3)."""
+        if gate:  # tile row rr: W (rr >> 3 even) or W3 (odd), output n0 + 8 (rr >> 4) + (rr & 7)
+            return (rr >> 3) & 1, n0 + 8 * (rr >> 4) + (rr & 7)
+        return 0, n0 + rr
 
     @cuda.jit(device=True, inline=True)
     def load_stage(smem, x, w, w3, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
-        """Issue this thread's copies of step `step`'s X and W tiles into its stage."""
+        """Issue this thread's copies of step `step`'s X tile (and fp16 W tile) into its stage."""
         base = pad + (step % stages) * stage_words
         t_rows, k_cols = x.shape
         col0 = step * bk
@@ -196,96 +239,174 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str) -> ob
                 ok = row < t_rows and col < k_cols
                 word = base + (r >> 3) * 256 + (r & 7) * 32 + ((c ^ (r & 7)) << 2)
                 cp_async16(smem, word, x, row if ok else 0, col if ok else 0, 16 if ok else 0)
-            else:
+            elif fp16_w:  # (a constant: q8 / q4 W tiles come through registers, not here)
                 rr = r - bm
-                word = base + a_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
-                if gate:  # tile row rr: W (rr >> 3 even) or W3 (odd), output n0 + 8 (rr >> 4) + (rr & 7)
-                    row = n0 + 8 * (rr >> 4) + (rr & 7)
-                    ok = row < w.shape[0] and col < k_cols
-                    if (rr >> 3) & 1:
-                        cp_async16(smem, word, w3, row if ok else 0, col if ok else 0, 16 if ok else 0)
-                    else:
-                        cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+                word = base + x_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
+                which, row = w_source(rr, n0)
+                ok = row < w.shape[0] and col < k_cols
+                if which:
+                    cp_async16(smem, word, w3, row if ok else 0, col if ok else 0, 16 if ok else 0)
                 else:
-                    row = n0 + rr
-                    ok = row < w.shape[0] and col < k_cols
                     cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
 
     @cuda.jit(device=True, inline=True)
-    def gate_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
+    def fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, step):  # noqa: ANN001, ANN202
+        """(q8, q4) This thread's units of step `step`'s W tile into regs (and q4's d, m into
+        scale); zeros past N and K."""
+        for i in range(units):
+            u = tid + threads * i
+            rr, part = u // (bk // unit_cols), u % (bk // unit_cols)  # tile row, unit of the row
+            which, row = w_source(rr, n0)
+            col = step * bk + part * unit_cols
+            src = w3 if which else w
+            for j in range(4):
+                regs[4 * i + j] = int32(0)
+            if u < all_units and row < src.shape[0] and col < k_cols:
+                e = col if q8 else col // 8  # the unit's first element: a code, or a word of 8
+                regs[4 * i], regs[4 * i + 1], regs[4 * i + 2], regs[4 * i + 3] = ldg128w(src, row, e)
+                if q4:
+                    sc = s3 if which else s
+                    group = col // (k_cols // sc.shape[1])
+                    scale[2 * i] = float32(sc[row, group, 0])
+                    scale[2 * i + 1] = float32(sc[row, group, 1])
+            elif q4:
+                scale[2 * i] = float32(0.0)
+                scale[2 * i + 1] = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def put_units(smem, regs, scale, tid, tile):  # noqa: ANN001, ANN202
+        """(q8, q4) This thread's fetched units, decoded to fp16, into decoded W tile `tile`."""
+        for i in range(units):
+            u = tid + threads * i
+            if u >= all_units:
+                break
+            rr, part = u // (bk // unit_cols), u % (bk // unit_cols)
+            row_word = tile + (rr >> 3) * 256 + (rr & 7) * 32
+            for j in range(chunks_a_unit):
+                c = part * chunks_a_unit + j
+                if q8:  # 8 codes, exact in fp16
+                    h0, h1, h2, h3 = _q8_words(regs[4 * i + 2 * j], regs[4 * i + 2 * j + 1])
+                else:  # 8 weights d q + m of one word
+                    h0, h1, h2, h3 = _q4_words(regs[4 * i + j], scale[2 * i], scale[2 * i + 1])
+                sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
+
+    @cuda.jit(device=True, inline=True)
+    def gate_out(acc, lo, out, row0, col0, s, s3):  # noqa: ANN001, ANN202
         """out = fp16(silu(h1) h3) of the pairs lo .. lo + GATE_UNROLLED - 1 of a thread's gate
-        accumulators (pair v: acc[i], acc[i + 4], i = 8 (v >> 2) + (v & 3))."""
+        accumulators (pair v: acc[i], acc[i + 4], i = 8 (v >> 2) + (v & 3); q8: each times its
+        row scale)."""
         for v in range(lo, min(lo + GATE_UNROLLED, acc_n // 2)):
             i = 8 * (v >> 2) + (v & 3)
             row = row0 + 8 * ((i >> 1) & 1)
             col = col0 + 8 * (i >> 3) + (i & 1)
-            h1 = acc[i]
-            h = h1 / (float32(1.0) + math.exp(-h1)) * acc[i + 4]
             if row < out.shape[0] and col < out.shape[1]:
-                out[row, col] = fp16_encode(h)
+                h1, h3 = acc[i], acc[i + 4]
+                if q8:
+                    h1 *= s[col]
+                    h3 *= s3[col]
+                out[row, col] = fp16_encode(h1 / (float32(1.0) + math.exp(-h1)) * h3)
+
+    @cuda.jit(device=True, inline=True)
+    def store_out(acc, lo, out, row0, col0, s):  # noqa: ANN001, ANN202
+        """out = (residual: +=) acc[i] (q8: times its row scale) for i in lo .. lo +
+        STORE_UNROLLED - 1: acc[i] is D[row0 + 8 h, col0 + 8 j + e] for i = 4 j + 2 h + e."""
+        for i in range(lo, min(lo + STORE_UNROLLED, acc_n)):
+            row = row0 + 8 * ((i >> 1) & 1)
+            col = col0 + 8 * (i >> 2) + (i & 1)
+            if row < out.shape[0] and col < out.shape[1]:
+                v = acc[i]
+                if q8:
+                    v *= s[col]
+                if residual:
+                    out[row, col] += v
+                else:
+                    out[row, col] = v
+
+    @cuda.jit(device=True, inline=True)
+    def block_tile(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
+        """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16)."""
+        smem = cuda.shared.array(0, int32)  # the X (and W) stages, (q8, q4) 3 W tiles: from 1 KiB
+        tid = cuda.threadIdx.x
+        m0 = cuda.blockIdx.x * bm
+        n0 = cuda.blockIdx.y * out_n
+        k_cols = x.shape[1]
+        steps = (k_cols + bk - 1) // bk
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        group = tid >> 7  # the warpgroup: tile rows 64 group ..
+        acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
+        regs = cuda.local.array(unit_words, int32)  # (q8, q4) the units of a step ahead
+        scale = cuda.local.array(unit_words, float32)  # (q4) their d, m
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                acc[i] = 0.0
+        for st in range(stages - 2):  # the first stages - 2 steps in flight
+            if st < steps:
+                load_stage(smem, x, w, w3, pad, tid, m0, n0, st)
+            cp_async_commit()
+        if quantized:  # step 0's W tile decoded, step 1's units fetched
+            fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, 0)
+            put_units(smem, regs, scale, tid, pad + w_base)
+            if steps > 1:
+                fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, 1)
+        for step in range(steps):
+            wait_loads()  # this thread's copies of this step landed
+            fence_proxy_async()  # ... and its stores of this step's W tile: visible to wgmma's async proxy
+            cuda.syncthreads()  # every thread's copies and stores of this step in place; every
+            # warpgroup's wgmma of step - 2 retired (each waited at the end of step - 1): its
+            # stage (and, q8 / q4, its W tile) is free
+            nxt = step + stages - 2
+            if nxt < steps:
+                load_stage(smem, x, w, w3, pad, tid, m0, n0, nxt)
+            cp_async_commit()  # (an empty group past the end keeps wait_loads' count)
+            base = pad + (step % stages) * stage_words
+            w_tile = pad + w_base + (step % 3) * w_words if quantized else base + x_words
+            wgmma_fence()
+            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
+                da = smem_desc(smem, base + group * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, w_tile + 8 * kk, 16, 1024, SWIZZLE_128B)
+                wgmma(acc, smem, da, db, 1)
+            wgmma_commit()
+            if quantized:  # while the wgmma run: step + 1's W tile decoded, step + 2's units fetched
+                if step + 1 < steps:
+                    put_units(smem, regs, scale, tid, pad + w_base + ((step + 1) % 3) * w_words)
+                if step + 2 < steps:
+                    fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, step + 2)
+            wait_one()  # step - 1's wgmma retired
+        wait_all()  # every sum in acc
+        q, lane = (tid >> 5) & 3, tid & 31
+        g, t = lane >> 2, lane & 3
+        row0 = m0 + 64 * group + 16 * q + g
+        # acc[i] is D[row0 + 8 h, 8 j + 2 t + e] of the tile for i = 4 j + 2 h + e, read in loops
+        # the compiler unrolls, so that acc stays in registers
+        if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
+            gate_out(acc, 0, out, row0, n0 + 2 * t, s, s3)
+            if acc_n > 2 * GATE_UNROLLED:  # (two calls, each a loop of constant bounds it unrolls)
+                gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t, s, s3)
+        else:  # (calls of constant bounds, each a loop the compiler unrolls)
+            store_out(acc, 0, out, row0, n0 + 2 * t, s)
+            if acc_n > STORE_UNROLLED:
+                store_out(acc, STORE_UNROLLED, out, row0, n0 + 2 * t, s)
+            if acc_n > 2 * STORE_UNROLLED:
+                store_out(acc, 2 * STORE_UNROLLED, out, row0, n0 + 2 * t, s)
+            if acc_n > 3 * STORE_UNROLLED:
+                store_out(acc, 3 * STORE_UNROLLED, out, row0, n0 + 2 * t, s)
 
     bounds = (
         {"launch_bounds": (threads, blocks_per_sm)}
         if blocks_per_sm > 1 and not numba_config.ENABLE_CUDASIM
         else {}
     )
+    if quantized:
 
-    @cuda.jit(**bounds)
-    def wgmma_matmul_kernel(x, w, w3, out):  # noqa: ANN001, ANN202
-        smem = cuda.shared.array(0, int32)  # (stages, X tile + W tile) words, from a 1 KiB boundary
-        tid = cuda.threadIdx.x
-        m0 = cuda.blockIdx.x * bm
-        n0 = cuda.blockIdx.y * out_n
-        t_rows, k_cols = x.shape
-        n_cols = out.shape[1]
-        steps = (k_cols + bk - 1) // bk
-        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
-        group = tid >> 7  # the warpgroup: tile rows 64 group ..
-        acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
-        for lo in range(0, acc_n, UNROLLED):
-            for i in range(lo, min(lo + UNROLLED, acc_n)):
-                acc[i] = 0.0
-        for s in range(stages - 2):  # the first stages - 2 steps in flight
-            if s < steps:
-                load_stage(smem, x, w, w3, pad, tid, m0, n0, s)
-            cp_async_commit()
-        for step in range(steps):
-            wait_loads()  # this thread's copies of this step landed
-            fence_proxy_async()  # ... and visible to the async proxy wgmma reads through
-            cuda.syncthreads()  # every thread's copies of this step in place; every warpgroup's
-            # wgmma of step - 2 retired (each waited at the end of step - 1): its stage is free
-            nxt = step + stages - 2
-            if nxt < steps:
-                load_stage(smem, x, w, w3, pad, tid, m0, n0, nxt)
-            cp_async_commit()  # (an empty group past the end keeps wait_loads' count)
-            base = pad + (step % stages) * stage_words
-            wgmma_fence()
-            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
-                da = smem_desc(smem, base + group * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
-                db = smem_desc(smem, base + a_words + 8 * kk, 16, 1024, SWIZZLE_128B)
-                wgmma(acc, smem, da, db, 1)
-            wgmma_commit()
-            wait_one()  # step - 1's wgmma retired
-        wait_all()  # every sum in acc
-        q, lane = (tid >> 5) & 3, tid & 31
-        g, t = lane >> 2, lane & 3
-        row0 = m0 + 64 * group + 16 * q + g
-        # acc[i] is D[row0 + 8 h, 8 j + 2 t + e] of the tile for i = 4 j + 2 h + e; loops of at
-        # most 64 (UNROLLED) so that the compiler unrolls each and acc stays in registers
-        if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
-            gate_out(acc, 0, out, row0, n0 + 2 * t)
-            if acc_n > 2 * GATE_UNROLLED:  # (two calls, each a loop of constant bounds it unrolls)
-                gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t)
-        else:
-            for lo in range(0, acc_n, UNROLLED):
-                for i in range(lo, min(lo + UNROLLED, acc_n)):
-                    row = row0 + 8 * ((i >> 1) & 1)
-                    col = n0 + 8 * (i >> 2) + 2 * t + (i & 1)
-                    if row < t_rows and col < n_cols:
-                        if residual:
-                            out[row, col] += acc[i]
-                        else:
-                            out[row, col] = acc[i]
+        @cuda.jit(**bounds)
+        def wgmma_matmul_kernel(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
+            block_tile(x, w, s, w3, s3, out)
+
+    else:
+
+        @cuda.jit(**bounds)
+        def wgmma_matmul_kernel(x, w, w3, out):  # noqa: ANN001, ANN202
+            block_tile(x, w, w, w3, w3, out)
 
     return wgmma_matmul_kernel
 
@@ -300,14 +421,16 @@ def wgmma_matmul(
     version: str,
     mode: str = "plain",
     w3: object = None,
+    dtype: str = "fp16",
     stream: object = 0,
 ) -> None:
     """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the wgmma version `version`;
-    device arrays, fp16 W."""
+    device arrays (q8 / q4: formats.Quantized of device arrays)."""
     block_n, stages, blocks_per_sm = WGMMA_VERSIONS[version]
-    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, mode)
-    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 1024  # the stages, and the alignment pad
-    args = (x, w, w if w3 is None else w3, out)
+    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, mode, dtype)
+    nbytes = wgmma_shared_bytes(block_n, stages, dtype)
+    w3 = w if w3 is None else w3
+    args = (x, w.codes, w.scales, w3.codes, w3.scales, out) if dtype != "fp16" else (x, w, w3, out)
     if (kernel, nbytes) not in _ALLOWED:
         allow_dynamic_shared(kernel, args, nbytes)
         _ALLOWED.add((kernel, nbytes))
@@ -316,36 +439,51 @@ def wgmma_matmul(
     kernel[grid, WGMMA_THREADS, stream, nbytes](*args)
 
 
-def check_wgmma(version: str, shape: tuple[int, int, int]) -> bool:
-    """A wgmma version in each mode against the reference (fp16 W), as check()."""
+def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ...] = WGMMA_DTYPES) -> bool:
+    """A wgmma version in each mode and weight dtype against the reference, as check()."""
     t_rows, n, k = shape
     rng = np.random.default_rng(11)
-    x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
-    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), "fp16")
-    w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), "fp16")
-    scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, "fp16").astype(np.float64)).T
     ok = True
-    for mode in ("plain", "residual", "gate"):
-        r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
-        if mode == "plain":
-            want, out = matmul_ref(x, w, "fp16"), np.zeros((t_rows, n), np.float32)
-        elif mode == "residual":
-            want, out = matmul_residual_ref(x, w, "fp16", r0), r0
-        else:
-            want, out = matmul_gate_ref(x, w, w3, "fp16"), np.zeros((t_rows, n), np.float16)
-        d_out = cuda.to_device(out)
-        wgmma_matmul(cuda.to_device(x), cuda.to_device(w), d_out, version, mode, cuda.to_device(w3))
-        got = d_out.copy_to_host().astype(np.float64)
-        err = np.abs(got - want.astype(np.float64))
-        # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
-        bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
-        worst = float(np.max(err / bound))
-        good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
-        ok &= good
-        print(
-            f"  {version} fp16 {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
+    for dtype in dtypes:
+        x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
+        w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+        w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
+        d_w, d_w3 = (on_device(m) for m in (w, w3))
+        # the weights as the tensor cores take them: a q4 weight d q + m rounded to fp16
+        rw, rw3, rdtype = (
+            (w, w3, dtype)
+            if dtype != "q4"
+            else (*(formats.fp16_encode(formats.decode(m, "q4")) for m in (w, w3)), "fp16")
         )
+        for mode in ("plain", "residual", "gate"):
+            r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
+            if mode == "plain":
+                want, out = matmul_ref(x, rw, rdtype), np.zeros((t_rows, n), np.float32)
+            elif mode == "residual":
+                want, out = matmul_residual_ref(x, rw, rdtype, r0), r0
+            else:
+                want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
+            d_out = cuda.to_device(out)
+            wgmma_matmul(cuda.to_device(x), d_w, d_out, version, mode, d_w3, dtype)
+            got = d_out.copy_to_host().astype(np.float64)
+            err = np.abs(got - want.astype(np.float64))
+            # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
+            bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
+            worst = float(np.max(err / bound))
+            good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
+            ok &= good
+            print(
+                f"  {version} {dtype} {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
+            )
     return ok
+
+
+def on_device(w: object) -> object:
+    """A stored matrix (a formats.Quantized of two arrays for q8 / q4) on the device."""
+    if isinstance(w, formats.Quantized):
+        return formats.Quantized(cuda.to_device(w.codes), cuda.to_device(w.scales))
+    return cuda.to_device(w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,40 +639,46 @@ def variants(versions: dict[int, Tile], deadline: float) -> None:
 
 
 def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> None:
-    """Each wgmma version beside the shipped tile (and cuBLAS fp16 with --torch), fp16, on the
-    Llama-3-8B matrices in the modes the layer uses, T = 512 and 2048."""
-    print("\nwgmma versions (TFLOP/s), fp16, Llama-3-8B matrices")
+    """Each wgmma version beside the shipped tile (and cuBLAS fp16 with --torch) on the Llama-3-8B
+    matrices in the modes the layer uses, T = 512 and 2048, in fp16, q8 and q4; and each one's
+    tok/s of a layer's four products alone at T = 2048."""
     cells_of = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("w1/w3", 14336, 4096, "gate"),
                 ("w2", 4096, 14336, "residual")]  # fmt: skip
     heads = [f"{name} T={t}" for name, *_ in cells_of for t in (512, 2048)]
-    print("| version | " + " | ".join(heads) + " |")
-    print("| --- | " + " | ".join("---:" for _ in heads) + " |")
-    rows: dict[str, list[str]] = {v: [] for v in ["shipped", *versions] + (["cuBLAS"] if use_torch else [])}
-    for _name, n, k, mode in cells_of:
-        if time.time() > deadline:
-            print("(out of time)")
-            break
-        bench = Bench(n, k, "fp16", mode, 2048)
-        for t_rows in (512, 2048):
-            x, out = bench.x[:t_rows], bench.out[:t_rows]
-            f = flops(t_rows, n, k, mode)
-            rows["shipped"].append(f"{f / bench.seconds(t_rows, TILE) / 1e12:.0f}")
-            for v in versions:
-                s = time_launches(
-                    lambda v=v, x=x, b=bench, out=out: wgmma_matmul(x, b.w, out, v, b.mode, b.w3)
-                )
-                rows[v].append(f"{f / s / 1e12:.0f}")
-            if use_torch:
-                s = torch_seconds(t_rows, n, k, mode)
-                rows["cuBLAS"].append("-" if s is None else f"{f / s / 1e12:.0f}")
-        del bench
-    for v, cells in rows.items():
-        shape = (
-            f" ({WGMMA_BM}x{WGMMA_VERSIONS[v][0]}, {WGMMA_VERSIONS[v][1]} stages)"
-            if v in WGMMA_VERSIONS
-            else ""
-        )
-        print(f"| {v}{shape} | " + " | ".join(cells) + " |", flush=True)
+    for dtype in WGMMA_DTYPES:
+        print(f"\nwgmma versions (TFLOP/s), {dtype} W, Llama-3-8B matrices")
+        print("| version | " + " | ".join(heads) + " | tok/s, 32 layers' products at T=2048 |")
+        print("| --- | " + " | ".join("---:" for _ in heads) + " | ---: |")
+        names = ["shipped", *versions] + (["cuBLAS fp16"] if use_torch and dtype == "fp16" else [])
+        rows: dict[str, list[str]] = {v: [] for v in names}
+        layer = dict.fromkeys(names, 0.0)  # seconds of a layer's four products at T = 2048
+        for _name, n, k, mode in cells_of:
+            if time.time() > deadline:
+                print("(out of time)")
+                return
+            bench = Bench(n, k, dtype, mode, 2048)
+            for t_rows in (512, 2048):
+                x, out = bench.x[:t_rows], bench.out[:t_rows]
+                f = flops(t_rows, n, k, mode)
+                timed = {"shipped": bench.seconds(t_rows, TILE)}
+                for v in versions:
+                    timed[v] = time_launches(
+                        lambda v=v, x=x, b=bench, out=out: wgmma_matmul(x, b.w, out, v, b.mode, b.w3, b.dtype)
+                    )
+                if "cuBLAS fp16" in names:
+                    timed["cuBLAS fp16"] = torch_seconds(t_rows, n, k, mode)
+                for v, sec in timed.items():
+                    rows[v].append("-" if sec is None else f"{f / sec / 1e12:.0f}")
+                    if t_rows == 2048 and sec is not None:
+                        layer[v] += sec
+            del bench
+        for v, cells in rows.items():
+            shape = (
+                f" ({WGMMA_BM}x{WGMMA_VERSIONS[v][0]}, {WGMMA_VERSIONS[v][1]} stages)"
+                if v in WGMMA_VERSIONS
+                else ""
+            )
+            print(f"| {v}{shape} | " + " | ".join(cells) + f" | {2048 / (32 * layer[v]):,.0f} |", flush=True)
 
 
 def table(tokens: list[int], use_torch: bool, deadline: float, tile: Tile) -> None:
@@ -595,9 +739,11 @@ def main() -> None:
             sys.exit(f"unknown wgmma version {unknown[0]} (one of {', '.join(WGMMA_VERSIONS)})")
         print("check against pycalm.cpu.reference")
         if args.tiny or numba_config.ENABLE_CUDASIM:
-            ok = all(check_wgmma(v, (70, 2 * WGMMA_VERSIONS[v][0] - 8, 200)) for v in wanted)
+            ok = all(check_wgmma(v, (70, 2 * WGMMA_VERSIONS[v][0] - 8, 224)) for v in wanted)  # K: 3.5 steps
         else:
-            ok = all([check_wgmma(v, (300, 520, 1032)) for v in wanted])
+            ok = all(
+                [check_wgmma(v, (300, 520, 1056)) for v in wanted]
+            )  # (K: q4's groups of 32, a step's half)
         if not ok:
             sys.exit("check failed")
         if not (numba_config.ENABLE_CUDASIM or args.check):
