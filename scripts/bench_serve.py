@@ -196,6 +196,7 @@ class StandInBatched:
     draws each sampled row's token at random (the options still checked)."""
 
     base_ms, row_ms = 8.1, 0.056
+    max_rows = 2048  # rows a pass takes at most (the engine's prefill buffers: a lone prompt's step)
 
     @staticmethod
     def refusal(engine: object) -> None:  # it batches any engine

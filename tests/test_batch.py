@@ -336,6 +336,30 @@ def test_scheduler_budget_and_chunked_prefill():
         Scheduler(m, max_seqs=8, token_budget=4)
 
 
+def test_a_step_without_decode_rows_takes_the_prefill_budget():
+    """No sequence decoding: a prompt is fed in steps of the prefill budget; once one decodes,
+    the others' prompts go in chunks within the token budget beside its row."""
+    m = BlockManager(64, 4)
+    sched = Scheduler(m, max_seqs=4, token_budget=8, prefill_budget=32)
+    sched.submit(Request(0, list(range(1, 41)), max_tokens=3))  # 40 prompt tokens
+    plan = sched.schedule()
+    assert [(c.seq, c.start, len(c.tokens), c.sample) for c in plan.chunks] == [(0, 0, 32, False)]
+    sched.check(plan)
+    sched.finish_step(plan, {})
+    sched.submit(Request(1, list(range(100, 130)), max_tokens=2))  # (no prefix shared with 0)
+    plan = sched.schedule()  # still nobody decodes: request 0's last 8, then 24 of request 1's
+    assert [(c.seq, c.start, len(c.tokens), c.sample) for c in plan.chunks] == [
+        (0, 32, 8, True),
+        (1, 0, 24, False),
+    ]
+    sched.check(plan)
+    sched.finish_step(plan, {0: 7})
+    plan = sched.schedule()  # request 0 decodes: request 1's rest within the token budget
+    assert [(c.seq, len(c.tokens)) for c in plan.chunks] == [(0, 1), (1, 6)]
+    sched.check(plan)
+    assert Scheduler(m, max_seqs=4, token_budget=8).prefill_budget == 8  # (by default, the token budget)
+
+
 def test_admission_keeps_a_spare_block_per_running_sequence_and_fifo():
     """The head is admitted only with one block to spare for each running sequence, and a head
     that does not fit holds back the smaller requests behind it."""

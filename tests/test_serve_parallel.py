@@ -186,8 +186,43 @@ def test_parallel_options():
         parse_args(["m", "--parallel", "2", "--device", "gpu", "--kernels", "simple"])
     with pytest.raises(SystemExit):
         parse_args(["m", "--parallel", "0"])
-    assert parse_args(["m"]).parallel == 1
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--parallel", "many"])
+    assert parse_args(["m"]).parallel is None  # auto, decided at load (below)
+    assert parse_args(["m", "--parallel", "auto", "--device", "gpu", "--batch-invariant"]).parallel is None
     assert parse_args(["m", "--parallel", "8", "--device", "gpu"]).parallel == 8
+
+
+def test_parallel_auto_decides_at_load(llm, capfd):
+    """--parallel auto: a GPU engine that batches gets AUTO_PARALLEL sequences; the CPU engine,
+    and a GPU engine that cannot batch (here its batch-invariant mode), get one request at a time,
+    with a line that says why, where --parallel N would fail the loading (the test above). The
+    worker then serves as the one-at-a-time Worker does (tests/test_serve.py's servers run so:
+    the CPU engine under the default --parallel)."""
+    from types import SimpleNamespace
+
+    from pycalm.app.serve import AUTO_PARALLEL, ParallelWorker, auto_parallel
+
+    batching_gpu = SimpleNamespace(device="gpu", batch_invariant=False, multi_token=True, simple=False)
+    invariant_gpu = SimpleNamespace(device="gpu", batch_invariant=True)
+    assert auto_parallel(batching_gpu) == (AUTO_PARALLEL, "")
+    assert auto_parallel(llm.engine)[0] == 1
+    assert auto_parallel(invariant_gpu) == (
+        1,
+        "batching with --batch-invariant runs on the CPU engine only (--device cpu)",
+    )
+    for target in (llm, SimpleNamespace(engine=invariant_gpu)):
+        loaded = []
+        worker = ParallelWorker(
+            lambda t=target: t, lambda got, message, out=loaded: out.append((got, message)), None
+        )
+        worker.start()
+        worker.jobs.put(None)  # the queue's end: the one-at-a-time loop returns
+        worker.join(timeout=30)
+        assert not worker.is_alive()
+        assert loaded == [(target, "")] and worker.runner is None and worker.parallel == 1
+    err = capfd.readouterr().err
+    assert err.count("pycalm: --parallel auto: one request at a time (") == 2
 
 
 @pytest.mark.slow

@@ -176,7 +176,10 @@ class BatchRunner:
             self.threads = engine._threads  # BLAS at the CPU engine's thread count around each pass
             self.device_sampling = self.ahead = False
         self.blocks = BlockManager(self.engine.n_blocks, block_size)
-        self.scheduler = Scheduler(self.blocks, max_seqs, token_budget or max(max_seqs, TOKEN_BUDGET))
+        # (a step without decode rows feeds up to the engine's rows a pass: one user's prompt in
+        # as few passes as the engine allows)
+        budget = token_budget or max(max_seqs, TOKEN_BUDGET)
+        self.scheduler = Scheduler(self.blocks, max_seqs, budget, getattr(self.engine, "max_rows", None))
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}
         self.ttft = Histogram(TTFT_BUCKETS)  # seconds from a request's arrival to its first token

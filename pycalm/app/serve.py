@@ -39,7 +39,10 @@ token: the generation stops there and the next request starts.
 --parallel N > 1 replaces that worker with ParallelWorker: the jobs join
 one batch, up to N sequences at once (pycalm.app.batching: continuous batching over a paged KV
 cache with prefix caching), the same events going out the same way; a cancel flag takes its
-sequence out at the next step. /metrics adds the batch's gauges.
+sequence out at the next step. /metrics adds the batch's gauges. --parallel auto (the default)
+decides once the model is loaded: on the GPU engine, where it can batch, up to AUTO_PARALLEL
+sequences over a pool of as many positions as the GPU's memory holds; else (the CPU engine,
+speculative decoding, the GPU's --batch-invariant or simple kernels) one request at a time.
 
 Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
 two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages
@@ -57,6 +60,7 @@ text.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import hmac
@@ -655,6 +659,22 @@ class Worker(threading.Thread):
         return "\n".join(out) + "\n"
 
 
+AUTO_PARALLEL = 64  # --parallel auto on the GPU: sequences a step at most (the row buckets
+# measured, up to 64); the pool takes the memory there is, and admission waits for its blocks
+
+
+def auto_parallel(engine: object) -> tuple[int, str]:
+    """--parallel auto for a loaded engine -> (sequences, why): AUTO_PARALLEL on a GPU engine
+    that batches, else 1 and the reason."""
+    from pycalm.app.batching import batch_refusal
+
+    if engine.device != "gpu":
+        return 1, "the CPU engine serves one request at a time unless --parallel N says otherwise"
+    if why := batch_refusal(engine):
+        return 1, why.replace("--parallel", "batching", 1)
+    return AUTO_PARALLEL, ""
+
+
 class ParallelWorker(Worker):
     """--parallel N: the engine (CPU or GPU) runs up to N requests at once through continuous
     batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued
@@ -663,28 +683,35 @@ class ParallelWorker(Worker):
     out while the GPU runs the next pass, and the event loop is woken right then (the runner's
     on_events), so that it formats and sends the text while the GPU works. A job ends ("done")
     when its last choice has finished; a cancelled job (a client gone, or the shutdown) leaves
-    the batch at the next step with what it has."""
+    the batch at the next step with what it has. parallel None (--parallel auto): auto_parallel
+    decides at load; where it says 1, the worker serves as Worker does, one job at a time."""
 
     def __init__(
         self,
         load: Callable[[], object],
         on_loaded: Callable[[object | None, str], None],
-        parallel: int,
+        parallel: int | None,
     ) -> None:
         super().__init__(load, on_loaded)
         self.parallel = parallel
+        self.auto = parallel is None
         self.runner: object | None = None  # the BatchRunner, once the model is loaded
         self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
         self.peak = 0  # the most sequences a step has run
         self.to_wake: list[Job] = []  # jobs with events since the last wake-up
 
     def prepare(self, llm: object) -> None:
-        """The batch runner and its KV pool: an engine that cannot batch, or a pool that does not
-        fit, fails the loading."""
+        """The batch runner and its KV pool: an engine that cannot batch (--parallel N), or a pool
+        that does not fit, fails the loading. --parallel auto decides here (auto_parallel)."""
+        if self.auto:
+            self.parallel, why = auto_parallel(llm.engine)
+            if self.parallel == 1:
+                print(f"pycalm: --parallel auto: one request at a time ({why})", file=sys.stderr, flush=True)
+                return
         self.runner = r = self.new_runner(llm)
         positions = r.blocks.n_blocks * r.blocks.block_size
-        print(f"pycalm: --parallel {self.parallel}: a KV pool of {positions:,} positions "
-              f"({positions / llm.seq_len:.1f} full contexts)", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"pycalm: --parallel {self.parallel}{' (auto)' if self.auto else ''}: a KV pool of {positions:,} "
+              f"positions ({positions / llm.seq_len:.1f} full contexts)", file=sys.stderr, flush=True)  # fmt: skip
 
     def new_runner(self, llm: object) -> object:
         """A BatchRunner of up to self.parallel sequences that wakes the event loop after each
@@ -696,6 +723,8 @@ class ParallelWorker(Worker):
         return runner
 
     def serve(self) -> None:
+        if self.runner is None:  # --parallel auto chose one request at a time
+            return Worker.serve(self)
         ending = False  # (self.runner, not a local: a failed step replaces it)
         while not ending or not self.runner.idle():
             try:
@@ -1343,11 +1372,12 @@ def parse_args(argv: list[str] | None) -> Any:
     ap.add_argument(
         "--parallel",
         "-np",
-        type=int,
-        default=1,
+        type=parallel_count,
+        default=None,
         metavar="N",
         help="run up to N requests at once by continuous batching, over a KV pool of N full contexts"
-        " or, on the GPU, as many positions as its free memory holds (default 1: one at a time)",
+        " or, on the GPU, as many positions as its free memory holds; 1: one at a time (default auto:"
+        f" up to {AUTO_PARALLEL} on the GPU where it can batch, else 1)",
     )
     ap.add_argument(
         "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
@@ -1364,17 +1394,29 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error(f"--draft-k {args.draft_k}: must be 1 to 63")
     if args.context < 2 or not 0 <= args.port < 65536:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
-    if args.parallel < 1:
+    if args.parallel is None:  # auto: decided once the model is loaded (auto_parallel)
+        pass
+    elif args.parallel < 1:
         ap.error(f"--parallel {args.parallel}: must be 1 or more")
-    if args.parallel > 1 and args.device == "gpu" and args.batch_invariant:
+    elif args.parallel > 1 and args.device == "gpu" and args.batch_invariant:
         ap.error("--parallel > 1 with --batch-invariant runs on the CPU engine only (--device cpu)")
-    if args.parallel > 1 and args.device == "gpu" and args.kernels == "simple":
+    elif args.parallel > 1 and args.device == "gpu" and args.kernels == "simple":
         ap.error("--parallel > 1 on the GPU needs the fast kernels (not --kernels simple)")
-    if args.parallel > 1 and args.speculate != "off":
+    elif args.parallel > 1 and args.speculate != "off":
         ap.error("--parallel > 1 does not go with --speculate yet")
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads {args.threads}: must be 1 or more")
     return args
+
+
+def parallel_count(value: str) -> int | None:
+    """--parallel's value: a whole number, or "auto" (None)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number or auto") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1422,7 +1464,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
-    if args.parallel > 1:
+    if args.parallel is None or args.parallel > 1:  # (auto: ParallelWorker decides at load)
         worker = ParallelWorker(load_model, on_loaded, args.parallel)
     else:
         worker = Worker(load_model, on_loaded)

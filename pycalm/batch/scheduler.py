@@ -14,7 +14,9 @@ schedule():
      waiting queue with its prompt and output, to be fed again as one longer prompt. The oldest
      sequence thus always advances; a request that could never fit alone is refused at `submit`.
   3. Prompt chunks (chunked prefill). The rest of the token budget goes to running sequences that
-     still have prompt to feed, oldest first, then to waiting requests in arrival order: the head
+     still have prompt to feed, oldest first, then to waiting requests in arrival order (a step
+     without decode rows, which no sequence waits on for its next token, takes the larger
+     prefill budget: one user's prompt is fed in as few passes as the engine allows): the head
      is admitted when its blocks fit beside one spare block per running sequence (a watermark:
      each may cross a block boundary next step, and an admission that forces a preemption at
      once wastes its prefill), while fewer than max_seqs run, and the budget has a token left. A
@@ -150,12 +152,15 @@ class Plan:
 class Scheduler:
     """Continuous batching over a BlockManager: see the module docstring."""
 
-    def __init__(self, blocks: BlockManager, max_seqs: int, token_budget: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_seqs: int, token_budget: int, prefill_budget: int | None = None
+    ) -> None:
         if token_budget < max_seqs:  # every running sequence's decode row fits, and a prefill token
             raise ValueError(f"token budget {token_budget} is below max_seqs {max_seqs}")
         self.blocks = blocks
         self.max_seqs = max_seqs
         self.token_budget = token_budget
+        self.prefill_budget = max(token_budget, prefill_budget or 0)  # rows of a step without decode rows
         self.waiting: deque[Request] = deque()  # arrival order
         self.running: list[Request] = []  # admission order: the last is the newest
         self.requests: dict[int, Request] = {}  # every request not finished, by id
@@ -216,6 +221,8 @@ class Scheduler:
                 budget -= 1
             i += 1
 
+        if not plan.chunks:  # no sequence waits on this step for a token: the prefill budget
+            budget = self.prefill_budget
         for r in self.running:  # 3. prompt chunks of admitted sequences, oldest first
             todo = r.n_tokens - r.computed
             if todo > 1 and budget > 0:
@@ -368,7 +375,8 @@ class Scheduler:
             assert r.computed == s.computed and s.tokens == r.tokens[: len(s.tokens)]
             assert len(r.tokens) - len(s.tokens) <= 1
         if plan is not None:
-            assert plan.n_rows <= self.token_budget
+            decoding = any(not c.prompt for c in plan.chunks)
+            assert plan.n_rows <= (self.token_budget if decoding else self.prefill_budget)
             assert len({c.seq for c in plan.chunks}) == len(plan.chunks), "a sequence twice in a plan"
             for c in plan.chunks:
                 assert c.start + len(c.tokens) <= len(self.blocks.seqs[c.seq].tokens), "a row without a slot"
