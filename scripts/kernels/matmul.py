@@ -466,16 +466,7 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
                 want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
             d_out = cuda.to_device(out)
             wgmma_matmul(cuda.to_device(x), d_w, d_out, version, mode, d_w3, dtype)
-            got = d_out.copy_to_host().astype(np.float64)
-            err = np.abs(got - want.astype(np.float64))
-            # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
-            bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
-            worst = float(np.max(err / bound))
-            good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
-            ok &= good
-            print(
-                f"  {version} {dtype} {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
-            )
+            ok &= judge(d_out, want, scale, mode, f"{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}")
     return ok
 
 
@@ -493,8 +484,7 @@ def on_device(w: object) -> object:
 def check(
     version: int, tile: Tile, shape: tuple[int, int, int], modes: list[str], dtypes: list[str] = DTYPES
 ) -> bool:
-    """Each dtype x mode at `shape` (T, N, K) against the reference; prints the worst error
-    relative to the |X| |W|^T sums (the tests' tolerance is 1e-5)."""
+    """Each dtype x mode at `shape` (T, N, K) against the reference (judge)."""
     t_rows, n, k = shape
     rng = np.random.default_rng(version)
     ok = True
@@ -525,17 +515,21 @@ def check(
                 w3=d_w3,
                 tile=tile,
             )
-            got = d_out.copy_to_host().astype(np.float64)
-            err = np.abs(got - want.astype(np.float64))
-            # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
-            bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
-            worst = float(np.max(err / bound))
-            good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
-            ok &= good
-            print(
-                f"  v{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}"
-            )
+            ok &= judge(d_out, want, scale, mode, f"v{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}")
     return ok
+
+
+def judge(d_out: object, want: np.ndarray, scale: np.ndarray, mode: str, label: str) -> bool:
+    """A launch's out against the reference: the worst error relative to the |X| |W|^T sums (the
+    tests' tolerance is 1e-5), printed after `label`; False where it is above or not finite."""
+    got = d_out.copy_to_host().astype(np.float64)
+    err = np.abs(got - want.astype(np.float64))
+    # the gate's fp16 output: one fp16 rounding relative to the value besides the sums' error
+    bound = 1e-5 * scale + (2.0**-10 * np.abs(want) + 1e-5 * scale * 4 if mode == "gate" else 0)
+    worst = float(np.max(err / bound))
+    good = bool(np.all(np.isfinite(got)) and worst <= 1.0)
+    print(f"  {label}: err/bound {worst:.3f} {'ok' if good else 'FAIL'}")
+    return good
 
 
 # ---------------------------------------------------------------------------------------------
