@@ -329,7 +329,7 @@ def serve_random(args: argparse.Namespace) -> None:
     """The server process of --streams: --parallel N over random_llm, on port args.serve."""
     import uvicorn
 
-    from pycalm.app.serve import ParallelWorker, make_app
+    from pycalm.app.serve import ParallelWorker, Worker, make_app
 
     def on_loaded(llm: object | None, message: str) -> None:
         if llm is None:  # the parent sees the server gone (wait_ready), with this line in its log
@@ -341,7 +341,7 @@ def serve_random(args: argparse.Namespace) -> None:
             return stand_in_llm(args.shape, args.dtype, args.context, args.stand_in)
         return random_llm(args.shape, args.dtype, args.context)
 
-    worker = ParallelWorker(llm, on_loaded, args.parallel)
+    worker = Worker(llm, on_loaded) if args.plain else ParallelWorker(llm, on_loaded, args.parallel)
     if args.profile:  # the worker thread's profile, written each time the batch empties
         import cProfile
 
@@ -385,13 +385,17 @@ def streams_main(args: argparse.Namespace) -> None:
     cmd += ["--shape", args.shape, "--dtype", args.dtype, "--context", str(args.context)]
     cmd += ["--stand-in", args.stand_in] if args.stand_in else []
     cmd += ["--profile", args.profile] if args.profile else []
+    cmd += ["--plain"] if args.plain else []
     log = Path(tempfile.mkdtemp()) / "server.log"
     server = start_server(cmd, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(server, url, log)
         vocab = args.vocab
-        print(f"{args.shape} {args.dtype}, the server a process of its own with --parallel {max(counts)}, "
+        served_by = (
+            "one request at a time (--parallel 1's worker)" if args.plain else f"--parallel {max(counts)}"
+        )
+        print(f"{args.shape} {args.dtype}, the server a process of its own with {served_by}, "
               f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
         print(
             "| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps, ms each | outside the pass | GPU idle |"
@@ -405,6 +409,10 @@ def streams_main(args: argparse.Namespace) -> None:
             before = server_counts(url)
             row = asyncio.run(load(url, n, args, vocab, seed=1000 + i))
             after = server_counts(url)
+            if args.plain:  # (no batch counters: the one-at-a-time worker)
+                print(f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
+                      f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | - | - | - |", flush=True)  # fmt: skip
+                continue
             steps = after["batch_steps_total"] - before["batch_steps_total"]
             step_s = after["batch_step_seconds_total"] - before["batch_step_seconds_total"]
             engine_s = after["batch_engine_seconds_total"] - before["batch_engine_seconds_total"]
@@ -446,9 +454,14 @@ def main() -> None:
         metavar="FILE",
         help="the server worker's cProfile (pstats), written when the batch empties (--streams)",
     )
+    ap.add_argument(
+        "--plain", action="store_true", help="the server's one-at-a-time worker, not the batch (--streams 1)"
+    )
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process of --streams: its port
     ap.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.plain and args.stand_in:
+        ap.error("--plain runs the engine's own decode loop, which the stand-in does not have")
     if args.serve:
         return serve_random(args)
     if args.streams:

@@ -66,6 +66,11 @@ while [ $i -lt ${#steps[@]} ]; do
              for dtype in ${dtypes//,/ }; do
                python3 scripts/bench_serve.py --streams 1,32,64 --shape llama3-8b --dtype "$dtype" 2>&1 \
                  | tee -a "$out/bench_serve.log" | tail -4
+             done
+             # one user with a long prompt, the batch's path (--parallel auto's) against the one-at-a-time worker
+             for how in "" --plain; do
+               python3 scripts/bench_serve.py --streams 1 --prompt 2000 --new 128 --context 4096 $how \
+                 --shape llama3-8b --dtype fp16 2>&1 | tee -a "$out/bench_serve.log" | tail -2
              done ;;
     wgmma)   # Hopper's warpgroup intrinsics on the GPU, then the wgmma matmul versions against the shipped tile and cuBLAS
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py 2>&1 \
