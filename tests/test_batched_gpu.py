@@ -89,6 +89,24 @@ def test_batched_gpu_rows_are_the_sequences_alone(tmp_path, arch, dtype, kv):
     assert lone, "no step of one row"
 
 
+def test_batched_gpu_one_long_chunk_takes_the_prefill_tiles(tmp_path):
+    """A step of one sequence's prompt chunk of more than 16 rows (one user's prompt) runs the
+    prefill attention's tiles over that sequence's pages (shuffled blocks, the chunk padded to its
+    bucket): its logits are the engine's own prefill of the prompt (rel 1e-3: the products' K
+    split can differ with the rows), and a second chunk of the same prompt at position 20 too."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    engine = GpuEngine(model, seq_len=SEQ_LEN)
+    gpu = BatchedGpuEngine(engine, 12, BLOCK_SIZE)
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(3, 64, 29)]  # 20 rows (a bucket of 32), then 9
+    table = rng.permutation(12)[:8].astype(np.int32).reshape(1, 8)  # (1 sequence, 8 blocks of 4)
+    first = gpu.step(prompt[:20], np.arange(20), np.zeros(20), table, [19])
+    assert gpu.one_sequence
+    second = gpu.step(prompt[20:], np.arange(20, 29), np.zeros(9), table, [8])
+    want = np.concatenate(list(engine.prefill_logits(prompt, 0)))  # (29, vocab_size)
+    assert rel_l2(first[0], want[19]) < 1e-3 and rel_l2(second[0], want[28]) < 1e-3
+
+
 def test_batched_gpu_samples_each_row_with_its_options(tmp_path):
     """step_tokens draws each sampled row with its own options and coin on the device: the token
     sample_ref picks from the logits step gives for the same rows, and the kept rows' logits are

@@ -23,7 +23,7 @@ from tiny_models import attention_config as config
 from pycalm.cpu.reference import attention_ref, prefill_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS
+from pycalm.kernels.common import STATE_POS, STATE_ROWS
 from pycalm.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_bytes,
@@ -92,6 +92,50 @@ GPU_CASES = [
 )
 def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window):
     _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=n_rows + pos0)
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,kv_dtype,n_rows,pos0,window,page",
+    [(4, 2, 32, "fp16", 11, 20, 0, 4), (3, 1, 16, "fp8", 7, 9, 5, 8)]
+    + ([(32, 8, 128, "fp16", 200, 100, 0, 16), (32, 8, 128, "fp8", 77, 500, 0, 16)] if GPU else []),
+)
+def test_prefill_attention_over_pages_is_the_contiguous_bits(
+    n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, page
+):
+    """The paged form (a batched pass of one sequence's prompt chunk, pycalm.gpu.batched): the
+    cache rows scattered over a pool by a shuffled block table, q padded to a bucket of more
+    rows, state[STATE_ROWS] the live ones: each live row's output is the contiguous cache's bits,
+    and the padding rows' out is left as it was."""
+    q, kq, vq, _, _ = _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=5)
+    seq_len, cfg = kq.shape[0], config(n_heads, n_kv_heads, head_dim, window)
+    n_pages = -(-seq_len // page)
+    rng = np.random.default_rng(6)
+    table = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)  # (max_pages,) the sequence's pages
+    rows = table[np.arange(seq_len) // page] * page + np.arange(seq_len) % page  # its positions' pool rows
+    pool_k = np.full(((n_pages + 3) * page, kq.shape[1] * kq.itemsize), 0xFF, np.uint8).view(
+        kq.dtype
+    )  # NaN elsewhere
+    pool_v = pool_k.copy()
+    pool_k[rows], pool_v[rows] = kq, vq
+    state = np.zeros(4, np.int32)
+    state[STATE_POS], state[STATE_ROWS] = pos0, n_rows
+    cfg_args = dict(stream=cuda.default_stream())
+    want = cuda.to_device(np.full((n_rows, n_heads * head_dim), np.nan, np.float16))
+    prefill_attention(cuda.to_device(q), KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype),
+                      cuda.to_device(state), want, cfg, **cfg_args)  # fmt: skip
+    bucket = 1 << (n_rows - 1).bit_length()  # the pass's rows: padding past n_rows
+    padded = np.concatenate([q, rng.standard_normal((bucket - n_rows, q.shape[1])).astype(np.float32)])
+    got = cuda.to_device(np.full((bucket, n_heads * head_dim), np.nan, np.float16))
+    pool = KVCache(cuda.to_device(pool_k), cuda.to_device(pool_v), kv_dtype)
+    prefill_attention(cuda.to_device(padded), pool, cuda.to_device(state), got, cfg, **cfg_args,
+                      table=cuda.to_device(table), page_size=page)  # fmt: skip
+    got, want = got.copy_to_host(), want.copy_to_host()
+    assert np.array_equal(got[:n_rows].view(np.uint16), want.view(np.uint16))
+    assert np.all(np.isnan(got[n_rows:]))
+    with pytest.raises(PycalmError, match="power of two"):
+        out = cuda.to_device(np.zeros((bucket, n_heads * head_dim), np.float16))
+        prefill_attention(cuda.to_device(padded), pool, cuda.to_device(state), out, cfg, **cfg_args,
+                          table=cuda.to_device(table), page_size=6)  # fmt: skip
 
 
 def test_prefill_attention_block_shapes():

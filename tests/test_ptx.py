@@ -199,14 +199,16 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     """Launch, at cfg's shapes on stand-in arrays, the kernels the engine's walk does not reach,
     so that they compile here too: those of serve --parallel's batched pass on the GPU
     (pycalm.gpu.batched, compiled at its first step, not by the precompile): qkv_pages,
-    pycalm.kernels.attention over a paged cache, take_rows, feed_tokens (a step run ahead), and
-    its one-row step (the token step's layers over the pool: qkv_rope and the attention paged)."""
+    pycalm.kernels.attention over a paged cache, the prefill attention over one sequence's pages,
+    take_rows, feed_tokens (a step run ahead), and its one-row step (the token step's layers over
+    the pool: qkv_rope and the attention paged)."""
     from types import SimpleNamespace
 
     import numpy as np
     from numba import cuda
 
     from pycalm.kernels.attention import KVCache, attention, attention_scratch
+    from pycalm.kernels.prefill_attention import prefill_attention
     from pycalm.kernels.rows import Pages, feed_tokens, qkv_pages, take_rows
 
     n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
@@ -229,6 +231,8 @@ def walk_unwired(cfg: object, kv_dtype: str) -> None:
     pages = Pages(rows, rows, table, page_size, seq_len, scratch)
     state = cuda.device_array(8, np.int32)  # (unread over pages)
     attention(q, cache, state, out, cfg, scratch, stream=s, span=seq_len, pages=pages)
+    # one sequence's prompt chunk: the prefill attention's tiles over its pages
+    prefill_attention(q, cache, state, out, cfg, stream=s, table=table[0], page_size=page_size)
     take_rows(x, rows, x, stream=s)
     feed_tokens(rows, rows, rows, state, stream=s)
     from pycalm.gpu.engine import EngineOptions, GpuEngine

@@ -18,7 +18,11 @@ forward_rows with pages: every weight read once for all R rows (the rows pass's 
 skinny's for a few rows, matmul's tiles above), qkv_pages writing each row's key and value into
 its pool row, and pycalm.kernels.attention over the pages taking each row over its own
 sequence's positions up to its own (split over the keys, fewer splits the more rows; the span,
-the power of two above the step's last position, fixes the grid). take_rows gathers the sampled rows, the final RMSNorm and the classifier run on them, and
+the power of two above the step's last position, fixes the grid); a step of one sequence's
+prompt chunk alone (one user's prompt: more than SPLIT_ATTENTION_ROWS rows) takes the prefill
+attention's tensor-core tiles over that sequence's pages instead (pycalm.kernels.prefill_attention
+with its block table, the live rows in the state's STATE_ROWS), as the engine's own prefill does
+over its cache. take_rows gathers the sampled rows, the final RMSNorm and the classifier run on them, and
 their logits (len(sample_rows), vocab_size) float32 come back to the host, where each request's
 own sampler draws (its seed, penalties and constraint, as on the CPU engine).
 
@@ -64,7 +68,7 @@ from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import gpu_memory_info, out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
-from pycalm.kernels.common import STATE_POS, STATE_SIZE, STATE_TOKEN
+from pycalm.kernels.common import STATE_POS, STATE_ROWS, STATE_SIZE, STATE_TOKEN
 from pycalm.kernels.sample import RowSampling, host_rows
 
 # the GPU memory a pool sized to fit leaves free: this share of the GPU's, and at least
@@ -109,7 +113,8 @@ class BatchedGpuEngine:
         #   [5R, 10R)      step_tokens' (R,) temperature, top_k, top_p, min_p, coins (float32
         #                  bits but top_k): each sampled row's options and uniform [0, 1) coin
         #   [10R, 10R + 4) a token step's state: row 0's token and position (STATE_TOKEN,
-        #                  STATE_POS), 0 (STATE_FEED_END), and a word of padding
+        #                  STATE_POS), 0 (STATE_FEED_END), and the step's rows (STATE_ROWS: the
+        #                  prefill attention's live rows in a pass of one sequence's chunk)
         #   [10R + 4, ..)  (R, max_blocks) the block table, a sequence a row
         R = self.max_rows
         self.max_blocks = -(-engine.seq_len // block_size)  # blocks a sequence holds at most
@@ -128,6 +133,7 @@ class BatchedGpuEngine:
         self.row_sampling = RowSampling(f32[0], self.blob[6 * R : 7 * R], f32[2], f32[3])
         self.coins = f32[4]
         self.state = self.blob[10 * R : 10 * R + STATE_SIZE]  # (3,) the one-row step's state
+        self.chunk_state = self.blob[10 * R : 10 * R + 4]  # (4,) the same, and STATE_ROWS
         self.table = self.blob[self.head :].reshape(R, self.max_blocks)
         self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
         self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
@@ -339,6 +345,10 @@ class BatchedGpuEngine:
         a[2, n : self.rows] = -1
         a[4, n : self.rows] = -1
         h[10 * R + STATE_TOKEN], h[10 * R + STATE_POS] = tokens[0], positions[0]  # (the one-row step's)
+        h[10 * R + STATE_ROWS] = n
+        # one sequence's rows (its consecutive positions: a prompt chunk): the prefill attention's
+        # tiles over its pages, where the pass is long enough for them
+        self.one_sequence = table.shape[0] == 1 and n > 1
         wide = h[self.head : self.head + S * self.max_blocks].reshape(S, self.max_blocks)
         wide[:] = 0
         wide[:, : table.shape[1]] = table
@@ -370,7 +380,7 @@ class BatchedGpuEngine:
                 self._classify(first, k, sampled)
                 copy(logits, first, k)
             return
-        key = (rows, picked, self.span, sampled and picked > 0, self.ahead)
+        key = (rows, picked, self.span, sampled and picked > 0, self.ahead, self.one_sequence)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.launch()
@@ -403,8 +413,9 @@ class BatchedGpuEngine:
         """The first `rows` rows of the step as pycalm.kernels.rows.Pages over the pool."""
         from pycalm.kernels.rows import Pages
 
+        state = self.chunk_state if self.one_sequence else None
         return Pages(self.positions[:rows], self.seq_of_row[:rows], self.table, self.block_size, self.span,
-                     self.scratch)  # fmt: skip
+                     self.scratch, state)  # fmt: skip
 
     def _token(self, sampled: bool) -> None:
         """Enqueue the step of one sampled row as the engine's token step over the pool: logits_buf

@@ -303,9 +303,13 @@ class Prefill:
                 # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
                 qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
                 # att = softmax(q k^T / sqrt(head_dim)) v, each row over its sequence's positions up to its own
-                attention(
-                    b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
-                )
+                if pages.state is not None and n_rows > self.split_rows:  # one sequence's chunk: tiles
+                    prefill_attention(b.q, cache, pages.state, b.att, cfg, stream=s, table=pages.table[0],
+                                      page_size=pages.page_size)  # fmt: skip
+                else:
+                    attention(
+                        b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
+                    )
             else:
                 # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
                 qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)

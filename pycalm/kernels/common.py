@@ -59,6 +59,7 @@ STATE_TOKEN = 0  # state[0]: the token the step embeds (the sampler writes the n
 STATE_POS = 1  # state[1]: the step's position pos, 0-based; attention spans 0..pos
 STATE_FEED_END = 2  # state[2]: positions below it take their token from `feed` (the prompt)
 STATE_SIZE = 3
+STATE_ROWS = 3  # state[3], where a state has it (a batched pass's): the pass's live rows
 
 WARP = 32
 FULL_MASK = 0xFFFFFFFF

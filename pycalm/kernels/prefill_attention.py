@@ -73,7 +73,7 @@ from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS, dependent_start, fp16_encode, h2f2, ldg128, prmt
+from pycalm.kernels.common import STATE_POS, STATE_ROWS, dependent_start, fp16_encode, h2f2, ldg128, prmt
 from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128
 from pycalm.model.config import ModelConfig
 
@@ -137,11 +137,14 @@ def prefill_attention_kernel(
     kv_dtype: str,
     warps: int,
     keys: int,
+    paged: bool = False,
 ) -> object:
     """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
     16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); see the module
     docstring. The sizes are compile-time constants: the fragments are fixed-size local arrays
-    indexed by unrolled loops, so they live in registers."""
+    indexed by unrolled loops, so they live in registers. paged: the cache is a paged pool read
+    through one sequence's block table (two more arguments, table and page_log2), and the live
+    rows are state[STATE_ROWS] (a batched pass's padding rows past them compute nothing)."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
     THREADS = 32 * warps
@@ -191,17 +194,21 @@ def prefill_attention_kernel(
             sts128(smem, word + 4, w[4], w[5], w[6], w[7])
 
     @cuda.jit(device=True, inline=True)
-    def stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
+    def stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
         """Step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), a thread's
-        unit of a K row and of a V row at a time, each by 16-byte stores."""
+        unit of a K row and of a V row at a time, each by 16-byte stores. paged: key j's row is
+        pool row table[j >> page_log2] << page_log2 | (j & (page - 1))."""
         for i in range(tid, keys * UNITS, THREADS):
             kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
             for e in range(E // 2):
                 w[e] = int32(0)
                 w2[e] = int32(0)
             if j0 + kr <= last_pos:
-                load_words(k_cache, j0 + kr, g * UNITS + u, w)
-                load_words(v_cache, j0 + kr, g * UNITS + u, w2)
+                row = j0 + kr
+                if paged:
+                    row = (table[row >> page_log2] << page_log2) | (row & ((1 << page_log2) - 1))
+                load_words(k_cache, row, g * UNITS + u, w)
+                load_words(v_cache, row, g * UNITS + u, w2)
             store_words(qk, kr * ROW + u * (E // 2), w, u)
             store_words(vs, kr * ROW + u * (E // 2), w2, u)
 
@@ -219,9 +226,9 @@ def prefill_attention_kernel(
                 word = hi if part == 0 else lo
             qk[r * ROW + c] = word
 
-    @cuda.jit(fastmath=False, cache=True, **_launch_bounds(THREADS, min_blocks(head_dim)))
-    def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
-        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    @cuda.jit(device=True, inline=True)
+    def attend(q, k_cache, v_cache, state, out, window, table, page_log2):  # noqa: ANN001, ANN202
+        """The kernel's work (see the module docstring); table, page_log2: paged's (unread else)."""
         # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
         # elements; state i32; out (T, n_heads*D) f16
         qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
@@ -233,6 +240,8 @@ def prefill_attention_kernel(
         w = cuda.local.array(8, int32)  # a unit's fp16 words
         w2 = cuda.local.array(8, int32)  # and a V unit's
         n_rows = q.shape[0]
+        if paged:  # a batched pass's live rows (the bucket's padding rows attend to nothing)
+            n_rows = min(n_rows, int32(state[STATE_ROWS]))
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
         t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)  # the longest blocks first
@@ -283,7 +292,7 @@ def prefill_attention_kernel(
         j0 = (first_key // keys) * keys
         while j0 <= last_pos:
             # 2. the K and V tiles, key-major; keys past last_pos: zeros
-            stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid)
+            stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid, table, page_log2)
             cuda.syncthreads()  # the tile is staged
 
             # 3. S = q_hi K^T + q_lo K^T
@@ -368,6 +377,21 @@ def prefill_attention_kernel(
                     out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
                     out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
 
+    bounds = _launch_bounds(THREADS, min_blocks(head_dim))
+    if paged:
+
+        @cuda.jit(fastmath=False, cache=True, **bounds)
+        def prefill_attention_paged_kernel(q, k_cache, v_cache, state, out, window, table, page_log2):  # noqa: ANN001, ANN202
+            dependent_start()  # in a programmatic graph: wait for the earlier kernels
+            attend(q, k_cache, v_cache, state, out, window, table, page_log2)
+
+        return prefill_attention_paged_kernel
+
+    @cuda.jit(fastmath=False, cache=True, **bounds)
+    def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        attend(q, k_cache, v_cache, state, out, window, state, 0)
+
     return prefill_attention_kernel
 
 
@@ -381,10 +405,19 @@ def prefill_attention(
     stream: object,
     warps: int | None = None,
     keys: int | None = None,
+    table: object = None,
+    page_size: int = 0,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
     0 .. pos0 + T - 1 are written (pycalm.kernels.rows.qkv_rows writes the block's own).
+
+    With table (one sequence's (max_pages,) int32 block table, a device array) and page_size (a
+    power of two), the cache is a paged pool (pycalm.batch.blocks' layout: position j at pool
+    row table[j // page_size] * page_size + j % page_size; pycalm.kernels.rows.qkv_pages writes
+    the block's own), and only the first state[STATE_ROWS] rows are live (a batched pass of one
+    sequence's prompt chunk, padded to its bucket: pycalm.gpu.batched); the others' out is not
+    written. Same sums as the contiguous cache's, in the same order.
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
@@ -407,10 +440,16 @@ def prefill_attention(
     width = cfg.n_heads * head_dim
     if q.shape[1] != width or out.shape[0] != q.shape[0] or out.shape[1] != width:
         raise PycalmError(f"prefill_attention: q {q.shape} and out {out.shape} are not (T, {width})")
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys)
+    paged = table is not None
+    if paged and (page_size < 1 or page_size & (page_size - 1)):
+        raise PycalmError(f"prefill_attention: page size {page_size} is not a power of two")
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, paged)
     grid = (n_kv_heads, -(-q.shape[0] // ((16 * warps) // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
-    kernel[grid, 32 * warps, stream](q, k64, v64, state, out, int32(cfg.sliding_window))
+    args = (q, k64, v64, state, out, int32(cfg.sliding_window))
+    if paged:
+        args += (table, int32(page_size.bit_length() - 1))
+    kernel[grid, 32 * warps, stream](*args)
 
 
 def prefill_attention_bytes(n_rows: int, pos0: int, cfg: ModelConfig, kv_dtype: str) -> int:

@@ -234,6 +234,10 @@ class Pages:
     # and its AttentionScratch (attention_scratch(..., paged=True)); qkv_pages reads neither
     span: int = 0
     scratch: object = None
+    # a pass of one sequence's consecutive positions (table row 0): a state whose STATE_POS is
+    # its first row's position and STATE_ROWS its live rows, for the prefill attention's tiles
+    # over the pages; None: rows of many sequences
+    state: object = None
 
     @property
     def page_log2(self) -> int:
