@@ -363,17 +363,22 @@ else:
         "Wait until all but the newest of this thread's committed cp.async groups have landed.",
     )
 
-    _WAITS: dict[int, object] = {}
+    def ptx_counted(text: str, doc: str) -> object:
+        """A function of a constant n -> the no-argument intrinsic that emits text.format(n)
+        (doc.format(n) its docstring), one an n (the wait_group instructions)."""
+        made: dict[int, object] = {}
 
-    def cp_async_wait(n: int) -> object:
-        """The intrinsic cp.async.wait_group n (n a constant): wait until at most the n newest
-        of this thread's committed groups are still in flight."""
-        if n not in _WAITS:
-            _WAITS[n] = _ptx_void(
-                f"cp.async.wait_group {int(n)};",
-                f"Wait until all but the {n} newest of this thread's committed cp.async groups have landed.",
-            )
-        return _WAITS[n]
+        def of(n: int) -> object:
+            if n not in made:
+                made[n] = _ptx_void(text.format(int(n)), doc.format(n))
+            return made[n]
+
+        return of
+
+    cp_async_wait = ptx_counted(
+        "cp.async.wait_group {};",
+        "Wait until all but the {} newest of this thread's committed cp.async groups have landed.",
+    )
 
     @intrinsic
     def sts128(typingctx, smem, word, w0, w1, w2, w3):  # noqa: ANN001, ANN201

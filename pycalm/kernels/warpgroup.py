@@ -173,7 +173,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from pycalm.kernels.tensorcore import _is_word_array, _ptx_void, _shared_word_address
+    from pycalm.kernels.tensorcore import _is_word_array, _ptx_void, _shared_word_address, ptx_counted
 
     _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -274,17 +274,12 @@ else:
         "Make this thread's shared-memory writes (generic proxy) visible to the async proxy wgmma reads through.",
     )
 
-    _WAITS: dict[int, object] = {}
-
-    def wgmma_wait(n: int) -> object:
-        """The intrinsic wgmma.wait_group n (n a constant): wait until at most the n newest of
-        this warpgroup's committed wgmma groups are still running."""
-        if n not in _WAITS:
-            _WAITS[n] = _ptx_void(
-                f"wgmma.wait_group.sync.aligned {int(n)};",
-                f"Wait until all but the {n} newest of this warpgroup's wgmma groups have retired.",
-            )
-        return _WAITS[n]
+    # wgmma_wait(n): the intrinsic wgmma.wait_group n (n a constant): wait until at most the n
+    # newest of this warpgroup's committed wgmma groups are still running
+    wgmma_wait = ptx_counted(
+        "wgmma.wait_group.sync.aligned {};",
+        "Wait until all but the {} newest of this warpgroup's wgmma groups have retired.",
+    )
 
     def allow_dynamic_shared(kernel: object, args: tuple, nbytes: int) -> None:
         """Raise the dynamic shared memory a launch of `kernel` with `args` may take to nbytes
