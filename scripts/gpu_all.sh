@@ -75,7 +75,7 @@ while [ $i -lt ${#steps[@]} ]; do
     wgmma)   # Hopper's warpgroup intrinsics on the GPU, then the wgmma matmul versions against the shipped tile and cuBLAS
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py 2>&1 \
                | tee "$out/tests_warpgroup.log" | tail -8
-             python3 scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch 2>&1 | tee "$out/kernels_wgmma.log" | tail -12 ;;
+             python3 scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch --budget 400 2>&1 | tee "$out/kernels_wgmma.log" | tail -40 ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
 from pycalm.kernels.common import fp16_encode  # noqa: E402
-from pycalm.kernels.matmul import TILE, Tile, _q4_words, _q8_words, matmul  # noqa: E402
+from pycalm.kernels.matmul import TILE, Tile, _fp8_words, _gf4_words, _q4_words, _q8_words, matmul  # noqa: E402
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128  # noqa: E402
 from pycalm.kernels.warpgroup import (  # noqa: E402
     SWIZZLE_128B,
@@ -155,12 +155,12 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
 # step i - 1, then the barrier at the top of step i), while step i's wgmma run asynchronously
 # and step i - 1's may still run.
 #
-# q8 and q4 W come through registers, as in the shipped kernel: a thread loads its units of step
-# i + 2's W tile (q8: 16 codes, 16 bytes; q4: 32 weights, 4 words, and the group's step d and
-# offset m) during step i, and during step i + 1, once step i + 1's wgmma are issued, decodes
-# them to fp16 (the codes exact for q8, whose row scale multiplies the sums in the epilogue;
-# fp16(d q + m) for q4) into the W tile of step i + 2, one of three: the one that step i - 1's
-# wgmma read (retired at the top of step i + 1).
+# fp8, gf4, q8 and q4 W come through registers, as in the shipped kernel: a thread loads its
+# units of step i + 2's W tile (fp8 / q8: 16 bytes of 16 weights; gf4 / q4: 4 words of 32
+# weights, and q4's group step d and offset m) during step i, and during step i + 1, once step
+# i + 1's wgmma are issued, decodes them to fp16 (exact for fp8, gf4 and q8's codes, whose row
+# scale multiplies the sums in the epilogue; fp16(d q + m) for q4) into the W tile of step
+# i + 2, one of three: the one that step i - 1's wgmma read (retired at the top of step i + 1).
 #
 #   w1: 128 x 256, 4 stages (192 KiB), one block an SM: a thread's 128 accumulators (156
 #       registers, ptxas)
@@ -173,7 +173,7 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
 # grid walks T fastest, so the blocks of one W strip run together). Modes: plain, residual, gate.
 
 WGMMA_BM, WGMMA_BK, WGMMA_THREADS = 128, 64, 256
-WGMMA_DTYPES = ("fp16", "q8", "q4")
+WGMMA_DTYPES = ("fp16", "fp8", "gf4", "q8", "q4")
 UNROLLED = 64  # the longest loop over acc that the compiler unrolls (a loop of 128 stays a loop,
 # and acc then lives in local memory)
 GATE_UNROLLED = 32  # the same for the gate's epilogue (pairs of accumulators), whose body is longer
@@ -184,7 +184,7 @@ WGMMA_VERSIONS = {"w1": (256, 4, 1), "w2": (128, 4, 1), "w3": (128, 6, 1), "ws":
 
 def wgmma_shared_bytes(block_n: int, stages: int, dtype: str) -> int:
     """Dynamic shared memory of a version: the X stages, the W stages (fp16) or three decoded W
-    tiles (q8, q4), and 1 KiB to align them."""
+    tiles (W through registers), and 1 KiB to align them."""
     x_tile, w_tile = WGMMA_BM * WGMMA_BK * 2, block_n * WGMMA_BK * 2
     return stages * x_tile + (stages if dtype == "fp16" else 3) * w_tile + 1024
 
@@ -194,12 +194,12 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
     """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T ("plain"),
     out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the W tile
     holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
-    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). fp16 W:
-    arguments (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out)."""
+    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). Arguments
+    (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out)."""
     bm, bk, threads = WGMMA_BM, WGMMA_BK, WGMMA_THREADS
     residual, gate = mode == "residual", mode == "gate"
-    q8, q4 = dtype == "q8", dtype == "q4"
-    quantized = q8 or q4
+    q8, q4, fp8 = dtype == "q8", dtype == "q4", dtype == "fp8"
+    quantized = dtype != "fp16"  # (and below: W through registers, decoded to fp16)
     fp16_w = not quantized
     out_n = block_n // 2 if gate else block_n  # output columns a tile
     wgmma = wgmma_f16(block_n)
@@ -209,12 +209,14 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
     x_words = bm * bk // 2  # a stage's X tile (128, 64) fp16, in int32 words
     w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
     stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
-    w_base = stages * stage_words  # (q8, q4) the three decoded W tiles, after the ring
+    w_base = stages * stage_words  # (W through registers) the three decoded W tiles, after the ring
     copies = (bm + (0 if quantized else block_n)) * bk // 8 // threads  # 16-byte copies a thread a stage
-    unit_cols = 16 if q8 else 32  # (q8, q4) the columns of a unit: a 16-byte load
-    all_units = block_n * (bk // unit_cols)  # (q8, q4) units a W tile
-    units = -(-all_units // threads)  # (q8, q4) units a thread a step (the last: some threads none)
-    unit_words = 4 * max(units, 1)  # (q8, q4) the registers of a thread's units
+    unit_cols = 16 if q8 or fp8 else 32  # (W through registers) the columns of a unit: a 16-byte load
+    all_units = block_n * (bk // unit_cols)  # (W through registers) units a W tile
+    units = -(
+        -all_units // threads
+    )  # (W through registers) units a thread a step (the last: some threads none)
+    unit_words = 4 * max(units, 1)  # (W through registers) the registers of a thread's units
     chunks_a_unit = unit_cols // 8  # 16-byte fp16 chunks a unit decodes to
 
     @cuda.jit(device=True, inline=True)
@@ -251,7 +253,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
 
     @cuda.jit(device=True, inline=True)
     def fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, step):  # noqa: ANN001, ANN202
-        """(q8, q4) This thread's units of step `step`'s W tile into regs (and q4's d, m into
+        """(W through registers) This thread's units of step `step`'s W tile into regs (and q4's d, m into
         scale); zeros past N and K."""
         for i in range(units):
             u = tid + threads * i
@@ -262,7 +264,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
             for j in range(4):
                 regs[4 * i + j] = int32(0)
             if u < all_units and row < src.shape[0] and col < k_cols:
-                e = col if q8 else col // 8  # the unit's first element: a code, or a word of 8
+                e = col if q8 or fp8 else col // 8  # the unit's first element: a byte, or a word of 8
                 regs[4 * i], regs[4 * i + 1], regs[4 * i + 2], regs[4 * i + 3] = ldg128w(src, row, e)
                 if q4:
                     sc = s3 if which else s
@@ -275,7 +277,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
 
     @cuda.jit(device=True, inline=True)
     def put_units(smem, regs, scale, tid, tile):  # noqa: ANN001, ANN202
-        """(q8, q4) This thread's fetched units, decoded to fp16, into decoded W tile `tile`."""
+        """(W through registers) This thread's fetched units, decoded to fp16, into decoded W tile `tile`."""
         for i in range(units):
             u = tid + threads * i
             if u >= all_units:
@@ -286,8 +288,12 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
                 c = part * chunks_a_unit + j
                 if q8:  # 8 codes, exact in fp16
                     h0, h1, h2, h3 = _q8_words(regs[4 * i + 2 * j], regs[4 * i + 2 * j + 1])
-                else:  # 8 weights d q + m of one word
+                elif fp8:  # 8 e5m2 bytes, the top bytes of 8 halves
+                    h0, h1, h2, h3 = _fp8_words(regs[4 * i + 2 * j], regs[4 * i + 2 * j + 1])
+                elif q4:  # 8 weights d q + m of one word
                     h0, h1, h2, h3 = _q4_words(regs[4 * i + j], scale[2 * i], scale[2 * i + 1])
+                else:  # gf4: 8 weights of one word and its scale, exact
+                    h0, h1, h2, h3 = _gf4_words(regs[4 * i + j])
                 sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
 
     @cuda.jit(device=True, inline=True)
@@ -325,7 +331,9 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
     @cuda.jit(device=True, inline=True)
     def block_tile(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
         """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16)."""
-        smem = cuda.shared.array(0, int32)  # the X (and W) stages, (q8, q4) 3 W tiles: from 1 KiB
+        smem = cuda.shared.array(
+            0, int32
+        )  # the X (and W) stages, (W through registers) 3 W tiles: from 1 KiB
         tid = cuda.threadIdx.x
         m0 = cuda.blockIdx.x * bm
         n0 = cuda.blockIdx.y * out_n
@@ -334,7 +342,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
         pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
         group = tid >> 7  # the warpgroup: tile rows 64 group ..
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
-        regs = cuda.local.array(unit_words, int32)  # (q8, q4) the units of a step ahead
+        regs = cuda.local.array(unit_words, int32)  # (W through registers) the units of a step ahead
         scale = cuda.local.array(unit_words, float32)  # (q4) their d, m
         for lo in range(0, acc_n, UNROLLED):
             for i in range(lo, min(lo + UNROLLED, acc_n)):
@@ -396,7 +404,7 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
         if blocks_per_sm > 1 and not numba_config.ENABLE_CUDASIM
         else {}
     )
-    if quantized:
+    if q8 or q4:
 
         @cuda.jit(**bounds)
         def wgmma_matmul_kernel(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
@@ -430,7 +438,7 @@ def wgmma_matmul(
     kernel = wgmma_kernel(block_n, stages, blocks_per_sm, mode, dtype)
     nbytes = wgmma_shared_bytes(block_n, stages, dtype)
     w3 = w if w3 is None else w3
-    args = (x, w.codes, w.scales, w3.codes, w3.scales, out) if dtype != "fp16" else (x, w, w3, out)
+    args = (x, w.codes, w.scales, w3.codes, w3.scales, out) if dtype in ("q8", "q4") else (x, w, w3, out)
     if (kernel, nbytes) not in _ALLOWED:
         allow_dynamic_shared(kernel, args, nbytes)
         _ALLOWED.add((kernel, nbytes))
@@ -634,7 +642,7 @@ def variants(versions: dict[int, Tile], deadline: float) -> None:
 
 def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> None:
     """Each wgmma version beside the shipped tile (and cuBLAS fp16 with --torch) on the Llama-3-8B
-    matrices in the modes the layer uses, T = 512 and 2048, in fp16, q8 and q4; and each one's
+    matrices in the modes the layer uses, T = 512 and 2048, in every format; and each one's
     tok/s of a layer's four products alone at T = 2048."""
     cells_of = [("qkv", 6144, 4096, "plain"), ("wo", 4096, 4096, "residual"), ("w1/w3", 14336, 4096, "gate"),
                 ("w2", 4096, 14336, "residual")]  # fmt: skip
