@@ -336,6 +336,26 @@ def test_scheduler_budget_and_chunked_prefill():
         Scheduler(m, max_seqs=8, token_budget=4)
 
 
+def test_a_step_recorded_in_full_after_one_run_ahead():
+    """A step assumed (run ahead), then the next one planned, then the first resolved: a request
+    that ends there on its stop token is in the next plan, whose tokens finish_step then records
+    (a step that waits for its own tokens follows one that ran ahead): its row is dropped, the
+    others' are recorded, and the pool is whole once they end."""
+    m = BlockManager(16, 4)
+    sched = Scheduler(m, max_seqs=4, token_budget=8)
+    sched.submit(Request(0, [1, 2, 3], max_tokens=5, stop_tokens=frozenset({STOP})))
+    sched.submit(Request(1, [4, 5], max_tokens=2, stop_tokens=frozenset({STOP})))
+    slots, _ = sched.assume(first := sched.schedule())
+    second = sched.schedule()  # both decode, feeding the tokens not read yet
+    assert [c.seq for c in second.chunks] == [0, 1] and [c.tokens for c in second.chunks] == [[PENDING]] * 2
+    ended = sched.resolve(slots, [STOP, 9])  # request 0 ends on its stop token
+    assert [r.id for r in ended] == [0] and len(first.chunks) == 2
+    ended = sched.finish_step(second, {0: 7, 1: 8})  # request 0's row dropped, request 1 at max_tokens
+    assert [(r.id, r.finish_reason, r.output) for r in ended] == [(1, "length", [9, 8])]
+    sched.check()
+    assert sched.idle() and m.whole()
+
+
 def test_a_step_without_decode_rows_takes_the_prefill_budget():
     """No sequence decoding: a prompt is fed in steps of the prefill budget; once one decodes,
     the others' prompts go in chunks within the token budget beside its row."""

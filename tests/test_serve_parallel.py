@@ -473,7 +473,9 @@ class DeviceSamplingCpu:
             self.calls["fed ahead"] += int(np.sum(prev >= 0))
             tokens = feed_tokens_ref(tokens, np.asarray(prev), self.last)
         assert np.all(tokens >= 0), "a row feeds a token nobody drew"
-        logits = self.inner.step(tokens, positions, seq_of_row, table, sample_rows)  # (n_sampled, vocab)
+        self.logits = logits = self.inner.step(
+            tokens, positions, seq_of_row, table, sample_rows
+        )  # (n_sampled, vocab)
         self.last = np.array(
             [sample_ref(w, o.temperature, o.top_k, o.top_p, o.min_p, c) for w, o, c in zip(logits, samplings, coins, strict=True)],
             np.int32,
@@ -483,9 +485,15 @@ class DeviceSamplingCpu:
     def collect(self, ticket: np.ndarray) -> np.ndarray:
         return ticket
 
-    def step_tokens(self, *args, keep=(), while_waiting=lambda: None, prev=None):  # noqa: ANN001, ANN002, ANN201
+    def step_tokens(self, tokens, positions, seq_of_row, table, sample_rows, samplings, coins, keep=(),  # noqa: ANN001, ANN201
+                    while_waiting=lambda: None, prev=None):  # fmt: skip
+        """A step that waits for its own tokens (a row the host reads): the logits of keep too."""
         self.calls["step_tokens"] += 1
-        raise AssertionError("a step waited for its own tokens")
+        chosen = self.enqueue_tokens(
+            tokens, positions, seq_of_row, table, sample_rows, samplings, coins, prev
+        )
+        while_waiting()
+        return chosen, self.logits[list(keep)]
 
 
 def test_the_runner_runs_ahead_of_a_device_that_samples(llm):
@@ -521,4 +529,47 @@ def test_the_runner_runs_ahead_of_a_device_that_samples(llm):
     assert [(g["text"], g["finish"]) for g in got] == [alone(llm, r) for r in rs]
     assert {"stop", "length"} <= {g["finish"] for g in got}
     assert engine.calls["fed ahead"] > 0 and engine.calls["step_tokens"] == 0
+    assert runner.blocks.whole() and runner.inflight is None
+
+
+def test_a_step_that_waits_after_one_run_ahead(llm):
+    """A request whose logits the host reads (logprobs) makes its steps wait for their own
+    tokens, right after steps that ran ahead: the step in flight is read meanwhile, and a request
+    that ends there on its EOS, though planned into the waiting step, leaves cleanly. Every text,
+    finish reason and logprob is the API's alone."""
+    from pycalm.app.batching import BatchRunner
+
+    runner = BatchRunner(llm, 4, token_budget=24)
+    engine = DeviceSamplingCpu(runner.engine)
+    runner.engine, runner.device_sampling, runner.ahead = engine, True, True
+    rs = requests(12, seed=5)  # two of them end on an EOS (the test above)
+    late = {"prompt": [7, 9, 11], "max_tokens": 30, "temperature": 0.0, "seed": 0}  # arrives at step 3
+    got = [{"text": "", "finish": None, "logprobs": []} for _ in range(len(rs) + 1)]
+
+    def emitter(i: int) -> object:
+        def emit(kind: str, value: object) -> None:
+            if kind == "text":
+                got[i]["text"] += value[1]
+            elif kind == "logprobs":
+                got[i]["logprobs"] += [x.logprob for x in value[1]]
+            elif kind == "finish":
+                got[i]["finish"] = value[1].finish_reason
+
+        return emit
+
+    for i, r in enumerate(rs):
+        runner.add(r["prompt"], r["max_tokens"], SamplingParams(temperature=r["temperature"], seed=r["seed"]),
+                   emitter(i), stop=r.get("stop"))  # fmt: skip
+    steps = 0
+    while not runner.idle():
+        if steps == 3:
+            runner.add(late["prompt"], late["max_tokens"], SamplingParams(), emitter(len(rs)), logprobs=1)
+        runner.step()
+        steps += 1
+        assert steps < 400, "the runner never empties"
+    assert [(g["text"], g["finish"]) for g in got] == [alone(llm, r) for r in [*rs, late]]
+    gen = llm.start(late["prompt"], late["max_tokens"], SamplingParams(), None, prime=True, logprobs=1)
+    "".join(gen)
+    np.testing.assert_allclose(got[-1]["logprobs"], [x.logprob for x in gen.logprobs], rtol=1e-6)
+    assert engine.calls["step_tokens"] > 0 and engine.calls["fed ahead"] > 0
     assert runner.blocks.whole() and runner.inflight is None

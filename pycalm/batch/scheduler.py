@@ -278,22 +278,11 @@ class Scheduler:
     def finish_step(self, plan: Plan, sampled: Mapping[int, int]) -> list[Request]:
         """Record a step: each planned sequence's fed rows are computed, and `sampled` maps each
         sampling chunk's request id to its new token. Returns the requests that ended (stop token
-        or max_tokens); their blocks are freed, full ones staying in the prefix cache."""
-        done = []
-        for c in plan.chunks:
-            r = self.requests[c.seq]
-            r.computed = c.start + len(c.tokens)
-            self.blocks.computed(r.id, r.computed)
-            if not c.sample:
-                continue
-            token = sampled[c.seq]
-            r.output.append(token)
-            if token in r.stop_tokens or len(r.output) >= r.max_tokens:
-                self.running.remove(r)
-                self.blocks.free_seq(r.id)
-                self._end(r, "stop" if token in r.stop_tokens else "length")
-                done.append(r)
-        return done
+        or max_tokens); their blocks are freed, full ones staying in the prefix cache. A request
+        that ended since the plan (a step before it, run ahead, resolved on its stop token) has
+        its row dropped. This is assume and resolve at once."""
+        slots, done = self.assume(plan)
+        return done + self.resolve(slots, [sampled[r.id] for r, _ in slots])
 
     def assume(self, plan: Plan) -> tuple[list[tuple[Request, int]], list[Request]]:
         """Record a step whose sampled tokens the host has not read (see "Running ahead" above)
