@@ -68,7 +68,7 @@ from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import gpu_memory_info, out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
-from pycalm.kernels.common import STATE_POS, STATE_ROWS, STATE_SIZE, STATE_TOKEN
+from pycalm.kernels.common import STATE_POS, STATE_ROWS, STATE_TOKEN
 from pycalm.kernels.sample import RowSampling, host_rows
 
 # the GPU memory a pool sized to fit leaves free: this share of the GPU's, and at least
@@ -132,8 +132,7 @@ class BatchedGpuEngine:
         f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(5, 10)]
         self.row_sampling = RowSampling(f32[0], self.blob[6 * R : 7 * R], f32[2], f32[3])
         self.coins = f32[4]
-        self.state = self.blob[10 * R : 10 * R + STATE_SIZE]  # (3,) the one-row step's state
-        self.chunk_state = self.blob[10 * R : 10 * R + 4]  # (4,) the same, and STATE_ROWS
+        self.state = self.blob[10 * R : 10 * R + 4]  # (4,) the one-row step's state, and STATE_ROWS
         self.table = self.blob[self.head :].reshape(R, self.max_blocks)
         self.picked = cuda.device_array((R, cfg.dim), np.float32, stream=s)  # (max_rows, dim)
         self.chosen = cuda.device_array(R, np.int32, stream=s)  # (max_rows,) each sampled row's token
@@ -413,7 +412,7 @@ class BatchedGpuEngine:
         """The first `rows` rows of the step as pycalm.kernels.rows.Pages over the pool."""
         from pycalm.kernels.rows import Pages
 
-        state = self.chunk_state if self.one_sequence else None
+        state = self.state if self.one_sequence else None
         return Pages(self.positions[:rows], self.seq_of_row[:rows], self.table, self.block_size, self.span,
                      self.scratch, state)  # fmt: skip
 
