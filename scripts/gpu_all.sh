@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma] [wgmma-rows]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -72,10 +72,15 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/bench_serve.py --streams 1 --prompt 2000 --new 128 --context 4096 $how \
                  --shape llama3-8b --dtype fp16 2>&1 | tee -a "$out/bench_serve.log" | tail -2
              done ;;
-    wgmma)   # Hopper's warpgroup intrinsics on the GPU, then the wgmma matmul versions against the shipped tile and cuBLAS
+    wgmma)   # Hopper's warpgroup intrinsics on the GPU (first the descriptor model, byte by byte), then the
+             # wgmma matmul versions against the shipped tile and cuBLAS
+             python3 scripts/kernels/wgmma_probe.py 2>&1 | tee "$out/wgmma_probe.log" | tail -16
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py 2>&1 \
                | tee "$out/tests_warpgroup.log" | tail -8
              python3 scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch --budget 400 2>&1 | tee "$out/kernels_wgmma.log" | tail -40 ;;
+    wgmma-rows)  # the wgmma rows versions, checked, then timed at 16 / 32 / 64 rows beside skinny and the split tile
+             timeout 560 python3 scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --splits 2,4,8 --dtypes fp16,q4,q8,fp8,gf4 2>&1 \
+               | tee "$out/kernels_wgmma_rows.log" | grep -E "check|FAIL|layer" ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -92,7 +92,7 @@ def _fp16_words(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("swizzle", [SWIZZLE_128B, SWIZZLE_NONE])
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [32, 64, 128])
 def test_wgmma_matches_numpy(n: int, swizzle: int) -> None:
     rng = np.random.default_rng(n + swizzle)
     a = rng.standard_normal((64, K)).astype(np.float16)
@@ -215,10 +215,13 @@ def _reports() -> None:
 
     from numba import types
 
-    for n in (64, 128, 256):
+    for n in (32, 64, 128, 256):
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
         print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
-    script = _matmul_script()
+    probe = _script("wgmma_probe")
+    sig = (types.int32[::1], types.int32[::1], types.float32[:, :, ::1], *[types.int64] * 4)
+    print(json.dumps(ptxas_report(probe.probe_kernel, sig, "wgmma probe")))
+    script = _script("matmul")
     weights = {
         "fp16": (types.float16[:, ::1],),
         "fp8": (types.uint8[:, ::1],),
@@ -230,32 +233,33 @@ def _reports() -> None:
         for dtype in script.WGMMA_DTYPES:
             for mode in ("plain", "residual", "gate"):
                 out = types.float16 if mode == "gate" else types.float32
-                sig = (types.float16[:, ::1], *weights[dtype], *weights[dtype], out[:, ::1])
+                split = (types.float32[::1], types.int32[::1]) if shape[3] else ()  # part, tiles_done
+                sig = (types.float16[:, ::1], *weights[dtype], *weights[dtype], out[:, ::1], *split)
                 kernel = script.wgmma_kernel(*shape, mode, dtype)
                 print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {dtype} {mode}")))
 
 
 def gpu_versions(script: object) -> dict:
     """The wgmma versions the GPU runs (not the simulator's small tile)."""
-    return {v: shape for v, shape in script.WGMMA_VERSIONS.items() if v != "ws"}
+    return {v: shape for v, shape in script.WGMMA_VERSIONS.items() if v not in script.SIM_VERSIONS}
 
 
-def _matmul_script() -> object:
-    """scripts/kernels/matmul.py as a module (its wgmma versions)."""
+def _script(name: str) -> object:
+    """scripts/kernels/NAME.py as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / "matmul.py"
-    spec = importlib.util.spec_from_file_location("matmul_script", path)
+    path = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_wgmma_compiles_for_sm90a() -> None:
-    """The intrinsics, and the wgmma versions of scripts/kernels/matmul.py, through numba's real
-    compiler and ptxas for sm_90a: 4 wgmma a K step of 64, no spill, no ptxas warning (a
-    serialized wgmma is one)."""
+    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py and the wgmma versions of
+    scripts/kernels/matmul.py, through numba's real compiler and ptxas for sm_90a: 4 wgmma a K
+    step of 64, no spill, no ptxas warning (a serialized wgmma is one)."""
     import json
     import os
     import subprocess
@@ -272,26 +276,48 @@ def test_wgmma_compiles_for_sm90a() -> None:
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    script = _matmul_script()
-    assert len(reports) == 3 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
+    script = _script("matmul")
+    assert len(reports) == 5 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
-        assert rep["wgmma"] == K // 16 and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
+        wgmmas = 1 if rep["label"] == "wgmma probe" else K // 16  # (the probe: one)
+        assert rep["wgmma"] == wgmmas and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
         assert not rep["local_in_ptx"], rep
         assert not rep["warnings"], rep
         assert rep["regs"] <= rep["max_regs"], rep  # what the launch bounds allow
 
 
-def test_matmul_script_checks_its_wgmma_version() -> None:
-    """scripts/kernels/matmul.py's wgmma version runs its own check against the reference (under
-    the simulator: the 128 x 64 tile at a shape with partial tiles and a K tail)."""
+@pytest.mark.parametrize(("version", "cases"), [("ws", 15), ("rs", 30)])
+def test_matmul_script_checks_its_wgmma_version(version: str, cases: int) -> None:
+    """scripts/kernels/matmul.py's wgmma versions run their own check against the reference (under
+    the simulator: the 128 x 64 tile, and the rows versions' 64 x 64 tile with K split in two and
+    in four, at a shape with partial tiles and a K tail)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / "matmul.py"
-    r = subprocess.run([sys.executable, str(script), "--wgmma", "ws", "--check"], capture_output=True, text=True,
-                       env=dict(os.environ), timeout=600)  # fmt: skip
+    r = subprocess.run([sys.executable, str(script), "--wgmma", version, "--check"], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    assert r.stdout.count(" ok") == 15 and "FAIL" not in r.stdout, r.stdout  # 3 modes x 5 formats
+    # 3 modes x 5 formats (x 2 splits: rows)
+    assert r.stdout.count(" ok") == cases and "FAIL" not in r.stdout, r.stdout
+
+
+def test_wgmma_probe_finds_where_a_model_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/kernels/wgmma_probe.py: each probed A slot's rows and B slots agree with the model
+    (under the simulator, the twin's reads; on the GPU, the hardware's), and a model of the other
+    layout is caught on the slots where the two differ."""
+    probe = _script("wgmma_probe")
+    read = sorted(probe.model(32, 16, 1024, SWIZZLE_128B)[0])
+    slots = np.array([*read[::97], 5, 700, 3001])  # slots the model reads, and others
+    assert probe.probe("128B", 1, slots) == (0, len(read[::97]))
+    assert probe.probe("none", 1, slots)[0] == 0
+    monkeypatch.setitem(probe.LAYOUTS, "wrong", (SWIZZLE_NONE, 128, 1024, 32))  # the kernel's reads
+    true_model = probe.model
+    monkeypatch.setattr(
+        probe, "model", lambda offset, lbo, sbo, swizzle: true_model(offset, 16, 1024, SWIZZLE_128B)
+    )
+    bad, _ = probe.probe("wrong", 1, slots)
+    assert bad > 0

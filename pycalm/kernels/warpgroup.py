@@ -2,7 +2,7 @@
 
   smem_desc(smem, word, lbo, sbo, swizzle) -> desc   a shared-memory matrix descriptor (u64)
   wgmma_f16(n)(acc, smem, desc_a, desc_b, scale_d)   wgmma.mma_async.sync.aligned.m64n{n}k16
-                                                     .f32.f16.f16 (n = 64, 128 or 256)
+                                                     .f32.f16.f16 (n = 32, 64, 128 or 256)
   wgmma_fence()                                      wgmma.fence.sync.aligned
   wgmma_commit()                                     wgmma.commit_group.sync.aligned
   wgmma_wait(n)()                                    wgmma.wait_group.sync.aligned n
@@ -63,8 +63,38 @@ from __future__ import annotations
 import numpy as np
 from numba import config as _numba_config
 
-WGMMA_N = (64, 128, 256)  # the n of the m64nNk16 forms built here
+WGMMA_N = (32, 64, 128, 256)  # the n of the m64nNk16 forms built here
 SWIZZLE_NONE, SWIZZLE_128B = 0, 1  # the descriptor's swizzle modes used here
+
+
+def encode_descriptor(byte_address: int, lbo: int, sbo: int, swizzle: int) -> int:
+    """The 64-bit descriptor (as an int) of a matrix at a shared byte address (see the module
+    docstring): what smem_desc builds on the device."""
+    return (
+        ((int(byte_address) & 0x3FFFF) >> 4)
+        | ((int(lbo) >> 4) << 16)
+        | ((int(sbo) >> 4) << 32)
+        | (int(swizzle) << 62)
+    )
+
+
+def descriptor_addresses(desc: int, rows: int) -> np.ndarray:
+    """The byte address of each element (r, k), r < rows, k < 16, of a descriptor's K-major
+    matrix, as the module docstring models the hardware's reads: (rows, 16) int64."""
+    d = int(desc)
+    start = (d & 0x3FFF) << 4
+    lbo = ((d >> 16) & 0x3FFF) << 4
+    sbo = ((d >> 32) & 0x3FFF) << 4
+    swizzle = (d >> 62) & 3
+    r = np.arange(rows, dtype=np.int64)[:, None]
+    k = np.arange(16, dtype=np.int64)[None, :]
+    if swizzle == SWIZZLE_NONE:
+        return start + (r >> 3) * sbo + (r & 7) * 16 + (k >> 3) * lbo + 2 * (k & 7)
+    if swizzle != SWIZZLE_128B:
+        raise ValueError(f"descriptor swizzle mode {swizzle} is not modelled")
+    a = start + (r >> 3) * sbo + (r & 7) * 128 + 2 * k
+    return a ^ (((a >> 7) & 7) << 4)
+
 
 if _numba_config.ENABLE_CUDASIM:
     import threading
@@ -82,31 +112,11 @@ if _numba_config.ENABLE_CUDASIM:
 
     def smem_desc(smem: np.ndarray, word: int, lbo: int, sbo: int, swizzle: int) -> np.int64:
         """The descriptor of a matrix whose first element is smem[word] (see the module docstring)."""
-        addr = 4 * int(word)
-        return np.int64(
-            ((addr & 0x3FFFF) >> 4) | ((int(lbo) >> 4) << 16) | ((int(sbo) >> 4) << 32) | (int(swizzle) << 62)
-        )
-
-    def _element_bytes(desc: int, rows: int) -> np.ndarray:
-        """The byte address of each element (r, k), r < rows, k < 16, of a descriptor's matrix:
-        (rows, 16) int64."""
-        d = int(desc)
-        start = (d & 0x3FFF) << 4
-        lbo = ((d >> 16) & 0x3FFF) << 4
-        sbo = ((d >> 32) & 0x3FFF) << 4
-        swizzle = (d >> 62) & 3
-        r = np.arange(rows, dtype=np.int64)[:, None]
-        k = np.arange(16, dtype=np.int64)[None, :]
-        if swizzle == SWIZZLE_NONE:
-            return start + (r >> 3) * sbo + (r & 7) * 16 + (k >> 3) * lbo + 2 * (k & 7)
-        if swizzle != SWIZZLE_128B:
-            raise ValueError(f"descriptor swizzle mode {swizzle} is not modelled")
-        a = start + (r >> 3) * sbo + (r & 7) * 128 + 2 * k
-        return a ^ (((a >> 7) & 7) << 4)
+        return np.int64(encode_descriptor(4 * int(word), lbo, sbo, swizzle))
 
     def _operand(smem: np.ndarray, desc: int, rows: int) -> np.ndarray:
         """A descriptor's (rows, 16) fp16 matrix from the shared array, as float32."""
-        addr = _element_bytes(desc, rows)
+        addr = descriptor_addresses(desc, rows)
         if addr.min() < 0 or addr.max() + 2 > smem.nbytes or np.any(addr & 1):
             raise ValueError("a wgmma descriptor addresses outside its shared array")
         halves = smem.view(np.float16).reshape(-1)

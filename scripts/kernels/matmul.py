@@ -169,8 +169,23 @@ def random_device(shape: tuple[int, int], dtype: str, seed: int) -> object:
 #   w3: same as w2 with 6 stages (192 KiB)
 #   ws: 128 x 64, 3 stages: the simulator's (--tiny)
 #
+# Rows versions, for the rows pass (T up to 64: issue 29's 32- and 64-row passes): a 64 x BN
+# tile, the two warpgroups sharing the X tile (64, 64) and splitting the W tile's rows, warpgroup
+# w taking W rows BN / 2 w .. (one wgmma m64n{BN/2}k16 a 16 of K). So each block reads X once for
+# BN rows of W, and a weight is decoded once a pass. A few tiles cover N (qkv at BN = 256: 24), so
+# K is split over gridDim.z (the same steps, from step z ceil(steps / splits)); each block writes
+# its partial sums to a scratch, (tiles, splits, BN / 4, 256) float32, and the tile's last block
+# to finish (an atomic count a tile, reset by it) adds them up in split order, then runs the
+# epilogue: the sums do not depend on which block finishes last.
+#
+#   r1: 64 x 256, 4 stages, one block an SM
+#   r2: 64 x 128, 4 stages, two blocks an SM (registers capped at 128)
+#   r3: 64 x 128, 6 stages, one block an SM
+#   rs: 64 x 64, 3 stages: the simulator's
+#
 # Bytes: each block reads its X strip and W strip once a tile (L2 serves the neighbours: the
-# grid walks T fastest, so the blocks of one W strip run together). Modes: plain, residual, gate.
+# grid walks T fastest, so the blocks of one W strip run together); a rows version's partial sums
+# are 4 T N bytes a split, written and read once (from L2). Modes: plain, residual, gate.
 
 WGMMA_BM, WGMMA_BK, WGMMA_THREADS = 128, 64, 256
 WGMMA_DTYPES = ("fp16", "fp8", "gf4", "q8", "q4")
@@ -178,35 +193,54 @@ UNROLLED = 64  # the longest loop over acc that the compiler unrolls (a loop of 
 # and acc then lives in local memory)
 GATE_UNROLLED = 32  # the same for the gate's epilogue (pairs of accumulators), whose body is longer
 STORE_UNROLLED = 32  # and for the plain and residual epilogues (q8: a scale a column)
-# name: (BN, stages, blocks an SM the registers are capped for)
-WGMMA_VERSIONS = {"w1": (256, 4, 1), "w2": (128, 4, 1), "w3": (128, 6, 1), "ws": (64, 3, 1)}
+# name: (BN, stages, blocks an SM the registers are capped for, rows: a 64-row tile, K split)
+WGMMA_VERSIONS = {
+    "w1": (256, 4, 1, False),
+    "w2": (128, 4, 1, False),
+    "w3": (128, 6, 1, False),
+    "ws": (64, 3, 1, False),
+    "r1": (256, 4, 1, True),
+    "r2": (128, 4, 2, True),
+    "r3": (128, 6, 1, True),
+    "rs": (64, 3, 1, True),
+}
+SIM_VERSIONS = ("ws", "rs")  # the simulator's small tiles
+ROWS_BM = 64  # a rows version's tile rows: one wgmma's M
+H200_SMS = 132
+MAX_ROW_SPLITS = 16  # splits of K a rows tile at most
+MIN_ROW_SPLIT_STEPS = 1 if numba_config.ENABLE_CUDASIM else 4  # steps of K a split takes at least
 
 
-def wgmma_shared_bytes(block_n: int, stages: int, dtype: str) -> int:
+def wgmma_shared_bytes(block_n: int, stages: int, dtype: str, rows: bool = False) -> int:
     """Dynamic shared memory of a version: the X stages, the W stages (fp16) or three decoded W
     tiles (W through registers), and 1 KiB to align them."""
-    x_tile, w_tile = WGMMA_BM * WGMMA_BK * 2, block_n * WGMMA_BK * 2
+    x_tile, w_tile = (ROWS_BM if rows else WGMMA_BM) * WGMMA_BK * 2, block_n * WGMMA_BK * 2
     return stages * x_tile + (stages if dtype == "fp16" else 3) * w_tile + 1024
 
 
 @functools.cache
-def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype: str = "fp16") -> object:  # noqa: C901
+def wgmma_kernel(  # noqa: C901
+    block_n: int, stages: int, blocks_per_sm: int, rows: bool, mode: str, dtype: str = "fp16"
+) -> object:
     """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T ("plain"),
     out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the W tile
     holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
     (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). Arguments
-    (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out)."""
-    bm, bk, threads = WGMMA_BM, WGMMA_BK, WGMMA_THREADS
+    (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out); rows versions
+    two more, the split's scratch: part (>= tiles x splits x BN / 4 x 256,) float32 and
+    tiles_done (>= tiles,) int32, zeros."""
+    bm, bk, threads = ROWS_BM if rows else WGMMA_BM, WGMMA_BK, WGMMA_THREADS
     residual, gate = mode == "residual", mode == "gate"
     q8, q4, fp8 = dtype == "q8", dtype == "q4", dtype == "fp8"
     quantized = dtype != "fp16"  # (and below: W through registers, decoded to fp16)
     fp16_w = not quantized
     out_n = block_n // 2 if gate else block_n  # output columns a tile
-    wgmma = wgmma_f16(block_n)
+    wn = block_n // 2 if rows else block_n  # a warpgroup's columns of the tile (its wgmma's n)
+    wgmma = wgmma_f16(wn)
     wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
     wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
-    acc_n = block_n // 2
-    x_words = bm * bk // 2  # a stage's X tile (128, 64) fp16, in int32 words
+    acc_n = wn // 2
+    x_words = bm * bk // 2  # a stage's X tile (BM, 64) fp16, in int32 words
     w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
     stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
     w_base = stages * stage_words  # (W through registers) the three decoded W tiles, after the ring
@@ -297,6 +331,19 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
                 sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
 
     @cuda.jit(device=True, inline=True)
+    def split_sums(acc, part, at, how):  # noqa: ANN001, ANN202
+        """A thread's acc and its partial sums in part[at + i threads], i < acc_n: how 0 writes
+        acc there, 1 adds them to acc, 2 loads them into acc (a loop the compiler unrolls:
+        acc_n <= UNROLLED)."""
+        for i in range(acc_n):
+            if how == 0:
+                part[at + i * threads] = acc[i]
+            elif how == 1:
+                acc[i] += part[at + i * threads]
+            else:
+                acc[i] = part[at + i * threads]
+
+    @cuda.jit(device=True, inline=True)
     def gate_out(acc, lo, out, row0, col0, s, s3):  # noqa: ANN001, ANN202
         """out = fp16(silu(h1) h3) of the pairs lo .. lo + GATE_UNROLLED - 1 of a thread's gate
         accumulators (pair v: acc[i], acc[i + 4], i = 8 (v >> 2) + (v & 3); q8: each times its
@@ -329,8 +376,9 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
                     out[row, col] = v
 
     @cuda.jit(device=True, inline=True)
-    def block_tile(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
-        """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16)."""
+    def block_tile(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
+        """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16);
+        part, tiles_done: the split's scratch (rows versions)."""
         smem = cuda.shared.array(
             0, int32
         )  # the X (and W) stages, (W through registers) 3 W tiles: from 1 KiB
@@ -339,24 +387,29 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
         n0 = cuda.blockIdx.y * out_n
         k_cols = x.shape[1]
         steps = (k_cols + bk - 1) // bk
+        first = 0  # the block's steps: first .. steps - 1 (rows versions: its split's)
+        if rows:
+            per = (steps + cuda.gridDim.z - 1) // cuda.gridDim.z
+            first = cuda.blockIdx.z * per
+            steps = min(steps, first + per)
         pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
-        group = tid >> 7  # the warpgroup: tile rows 64 group ..
+        group = tid >> 7  # the warpgroup: tile rows 64 group .. (rows versions: W tile rows wn group ..)
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
         regs = cuda.local.array(unit_words, int32)  # (W through registers) the units of a step ahead
         scale = cuda.local.array(unit_words, float32)  # (q4) their d, m
         for lo in range(0, acc_n, UNROLLED):
             for i in range(lo, min(lo + UNROLLED, acc_n)):
                 acc[i] = 0.0
-        for st in range(stages - 2):  # the first stages - 2 steps in flight
+        for st in range(first, first + stages - 2):  # the first stages - 2 steps in flight
             if st < steps:
                 load_stage(smem, x, w, w3, pad, tid, m0, n0, st)
             cp_async_commit()
-        if quantized:  # step 0's W tile decoded, step 1's units fetched
-            fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, 0)
-            put_units(smem, regs, scale, tid, pad + w_base)
-            if steps > 1:
-                fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, 1)
-        for step in range(steps):
+        if quantized:  # the first step's W tile decoded, the second's units fetched
+            fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, first)
+            put_units(smem, regs, scale, tid, pad + w_base + (first % 3) * w_words)
+            if first + 1 < steps:
+                fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, first + 1)
+        for step in range(first, steps):
             wait_loads()  # this thread's copies of this step landed
             fence_proxy_async()  # ... and its stores of this step's W tile: visible to wgmma's async proxy
             cuda.syncthreads()  # every thread's copies and stores of this step in place; every
@@ -370,8 +423,10 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
             w_tile = pad + w_base + (step % 3) * w_words if quantized else base + x_words
             wgmma_fence()
             for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
-                da = smem_desc(smem, base + group * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
-                db = smem_desc(smem, w_tile + 8 * kk, 16, 1024, SWIZZLE_128B)
+                a_rows = 0 if rows else group * 2048  # the warpgroup's 64 X rows (8 atoms)
+                b_rows = group * (wn // 8) * 256 if rows else 0  # its wn W rows
+                da = smem_desc(smem, base + a_rows + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, w_tile + b_rows + 8 * kk, 16, 1024, SWIZZLE_128B)
                 wgmma(acc, smem, da, db, 1)
             wgmma_commit()
             if quantized:  # while the wgmma run: step + 1's W tile decoded, step + 2's units fetched
@@ -381,9 +436,27 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
                     fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, step + 2)
             wait_one()  # step - 1's wgmma retired
         wait_all()  # every sum in acc
+        if rows:  # the tile's splits meet: the last block to finish adds them up in split order
+            n_splits = cuda.gridDim.z
+            tile_id = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+            home = tile_id * n_splits * acc_n * threads + tid  # (tiles, splits, acc_n, threads)
+            split_sums(acc, part, home + cuda.blockIdx.z * acc_n * threads, 0)
+            cuda.threadfence()  # this thread's partials reach L2 before the count says so
+            cuda.syncthreads()  # every thread's partials fenced (and every wgmma retired) before the count
+            if tid == 0:  # smem[pad]: 1 in the block that finishes the tile (no copy is in flight)
+                smem[pad] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
+            cuda.syncthreads()  # smem[pad] is visible to the block
+            if smem[pad] == 0:
+                return  # block-uniform, after the last barrier
+            cuda.threadfence()  # the other splits' partials are read after their count
+            for z in range(n_splits):  # in split order: the same sums whichever block is last
+                split_sums(acc, part, home + z * acc_n * threads, 1 if z > 0 else 2)
+            if tid == 0:
+                tiles_done[tile_id] = 0  # for the next launch
         q, lane = (tid >> 5) & 3, tid & 31
         g, t = lane >> 2, lane & 3
-        row0 = m0 + 64 * group + 16 * q + g
+        row0 = m0 + (0 if rows else 64 * group) + 16 * q + g
+        n0 += group * (out_n // 2) if rows else 0  # the warpgroup's first output column
         # acc[i] is D[row0 + 8 h, 8 j + 2 t + e] of the tile for i = 4 j + 2 h + e, read in loops
         # the compiler unrolls, so that acc stays in registers
         if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
@@ -404,22 +477,55 @@ def wgmma_kernel(block_n: int, stages: int, blocks_per_sm: int, mode: str, dtype
         if blocks_per_sm > 1 and not numba_config.ENABLE_CUDASIM
         else {}
     )
-    if q8 or q4:
+    if (q8 or q4) and rows:
+
+        @cuda.jit(**bounds)
+        def wgmma_matmul_kernel(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202
+            block_tile(x, w, s, w3, s3, out, part, tiles_done)
+
+    elif rows:
+
+        @cuda.jit(**bounds)
+        def wgmma_matmul_kernel(x, w, w3, out, part, tiles_done):  # noqa: ANN001, ANN202
+            block_tile(x, w, w, w3, w3, out, part, tiles_done)
+
+    elif q8 or q4:
 
         @cuda.jit(**bounds)
         def wgmma_matmul_kernel(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
-            block_tile(x, w, s, w3, s3, out)
+            block_tile(x, w, s, w3, s3, out, out, out)  # no split: part, tiles_done unread
 
     else:
 
         @cuda.jit(**bounds)
         def wgmma_matmul_kernel(x, w, w3, out):  # noqa: ANN001, ANN202
-            block_tile(x, w, w, w3, w3, out)
+            block_tile(x, w, w, w3, w3, out, out, out)  # no scales, no split: unread
 
     return wgmma_matmul_kernel
 
 
 _ALLOWED: set = set()
+_SCRATCH: dict = {}  # (part, tiles_done) of the rows versions' splits, by size
+
+
+def row_splits(version: str, tiles: int, k_cols: int) -> int:
+    """Splits of K for a rows version's launch of `tiles` tiles: as many as fill two waves of
+    the blocks an SM takes, each of at least MIN_ROW_SPLIT_STEPS steps (and no split empty)."""
+    blocks_per_sm = WGMMA_VERSIONS[version][2]
+    steps = -(-k_cols // WGMMA_BK)
+    splits = max(1, min(2 * H200_SMS * blocks_per_sm // tiles, steps // MIN_ROW_SPLIT_STEPS, MAX_ROW_SPLITS))
+    per = -(-steps // splits)
+    return -(-steps // per)
+
+
+def split_scratch(words: int, tiles: int) -> tuple:
+    """The rows versions' scratch of at least `words` partial sums and `tiles` counts (zeros)."""
+    key = max((k for k in _SCRATCH if k[0] >= words and k[1] >= tiles), default=None)
+    if key is None:
+        key = (words, tiles)
+        _SCRATCH.clear()
+        _SCRATCH[key] = (cuda.device_array(words, np.float32), cuda.to_device(np.zeros(tiles, np.int32)))
+    return _SCRATCH[key]
 
 
 def wgmma_matmul(
@@ -431,24 +537,36 @@ def wgmma_matmul(
     w3: object = None,
     dtype: str = "fp16",
     stream: object = 0,
+    splits: int = 0,
 ) -> None:
     """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the wgmma version `version`;
-    device arrays (q8 / q4: formats.Quantized of device arrays)."""
-    block_n, stages, blocks_per_sm = WGMMA_VERSIONS[version]
-    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, mode, dtype)
-    nbytes = wgmma_shared_bytes(block_n, stages, dtype)
+    device arrays (q8 / q4: formats.Quantized of device arrays). Rows versions: K in `splits`
+    splits (0: row_splits')."""
+    block_n, stages, blocks_per_sm, rows = WGMMA_VERSIONS[version]
+    kernel = wgmma_kernel(block_n, stages, blocks_per_sm, rows, mode, dtype)
+    nbytes = wgmma_shared_bytes(block_n, stages, dtype, rows)
     w3 = w if w3 is None else w3
     args = (x, w.codes, w.scales, w3.codes, w3.scales, out) if dtype in ("q8", "q4") else (x, w, w3, out)
+    out_n = block_n // 2 if mode == "gate" else block_n
+    bm = ROWS_BM if rows else WGMMA_BM
+    grid = ((x.shape[0] + bm - 1) // bm, (out.shape[1] + out_n - 1) // out_n)
+    if rows:
+        tiles = grid[0] * grid[1]
+        splits = splits or row_splits(version, tiles, x.shape[1])
+        steps = -(-x.shape[1] // WGMMA_BK)
+        if -(-steps // splits) * (splits - 1) >= steps:
+            raise ValueError(f"{splits} splits of {steps} steps leave one empty")
+        args = (*args, *split_scratch(tiles * splits * (block_n // 4) * WGMMA_THREADS, tiles))
+        grid = (*grid, splits)
     if (kernel, nbytes) not in _ALLOWED:
         allow_dynamic_shared(kernel, args, nbytes)
         _ALLOWED.add((kernel, nbytes))
-    out_n = block_n // 2 if mode == "gate" else block_n
-    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
     kernel[grid, WGMMA_THREADS, stream, nbytes](*args)
 
 
 def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ...] = WGMMA_DTYPES) -> bool:
-    """A wgmma version in each mode and weight dtype against the reference, as check()."""
+    """A wgmma version in each mode and weight dtype against the reference, as check(); a rows
+    version with K in several splits."""
     t_rows, n, k = shape
     rng = np.random.default_rng(11)
     ok = True
@@ -472,9 +590,15 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
                 want, out = matmul_residual_ref(x, rw, rdtype, r0), r0
             else:
                 want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
-            d_out = cuda.to_device(out)
-            wgmma_matmul(cuda.to_device(x), d_w, d_out, version, mode, d_w3, dtype)
-            ok &= judge(d_out, want, scale, mode, f"{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}")
+            # rows versions: K whole (on the GPU), in two splits, and in row_splits' (0)
+            row_cases = (2, 0) if numba_config.ENABLE_CUDASIM else (1, 2, 0)
+            for splits in row_cases if WGMMA_VERSIONS[version][3] else (0,):
+                d_out = cuda.to_device(out)
+                wgmma_matmul(cuda.to_device(x), d_w, d_out, version, mode, d_w3, dtype, splits=splits)
+                label = f"{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}" + (
+                    f" splits={splits}" if splits else ""
+                )
+                ok &= judge(d_out, want, scale, mode, label)
     return ok
 
 
@@ -743,13 +867,15 @@ def main() -> None:
         if args.tiny or numba_config.ENABLE_CUDASIM:
             ok = all(check_wgmma(v, (70, 2 * WGMMA_VERSIONS[v][0] - 8, 224)) for v in wanted)  # K: 3.5 steps
         else:
-            ok = all(
-                [check_wgmma(v, (300, 520, 1056)) for v in wanted]
-            )  # (K: q4's groups of 32, a step's half)
+            # (K: q4's groups of 32, a step's half; the rows versions at a rows pass's T)
+            ok = all([check_wgmma(v, (61 if WGMMA_VERSIONS[v][3] else 300, 520, 1056)) for v in wanted])
         if not ok:
             sys.exit("check failed")
-        if not (numba_config.ENABLE_CUDASIM or args.check):
-            wgmma_variants(wanted, args.torch, deadline)
+        prompt_versions = [
+            v for v in wanted if not WGMMA_VERSIONS[v][3]
+        ]  # (rows_matmul.py times the rows ones)
+        if prompt_versions and not (numba_config.ENABLE_CUDASIM or args.check):
+            wgmma_variants(prompt_versions, args.torch, deadline)
         return
     versions = {v: VERSIONS[v] for v in map(int, args.versions.split(","))}
     everything = not (args.check or args.table or args.variants)

@@ -10,10 +10,14 @@ Versions:
            pass's launches above skinny's rows)
   skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
            variants of warps a block (splitting K) and steps a warp loads at once
+  r1..r3   scripts/kernels/matmul.py's wgmma rows versions (--wgmma): a 64 x BN tile on Hopper's
+           warpgroup instructions, X staged once a block for BN rows of W, K split over blocks
+           (checked against the reference first, as matmul.py --wgmma checks them)
 
     python scripts/kernels/rows_matmul.py                     # table: every dtype, T = 1..64
     python scripts/kernels/rows_matmul.py --sweep             # skinny's warps x unroll at T = 8, 64
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
+    python scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --rows 16,32,64   # beside skinny, split
 
 Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
 replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
@@ -23,6 +27,7 @@ weights' bytes only (what a pass must read).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/ (gpuben
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (matmul.py)
 
 from gpubench import graph_seconds  # noqa: E402
-from matmul import fill_kernel  # noqa: E402
+from matmul import WGMMA_VERSIONS, check_wgmma, fill_kernel, row_splits, wgmma_matmul  # noqa: E402
 
 from pycalm.kernels import skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch  # noqa: E402
@@ -245,6 +250,49 @@ def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
             print(f"{dtype:4s} tile {tuple(tile)}: a layer's products, us  {cells}", flush=True)
 
 
+def wgmma_table(dtypes: list[str], rows: list[int], versions: list[str], splits: list[int]) -> None:
+    """The wgmma rows versions (each at row_splits' splits, and at each of `splits`) beside the
+    package's launches: each shape's us, and a layer's four products against the matvec's."""
+    print("check against pycalm.cpu.reference")
+    if not all([check_wgmma(v, (61, 520, 1056), tuple(dtypes)) for v in versions]):
+        sys.exit("check failed")
+    scratch = matmul_split_scratch(STREAM)
+    kinds = ["split", "skinny"] + [f"{v}/{z or 'auto'}" for v in versions for z in [0, *splits]]
+    for dtype in dtypes:
+        totals = dict.fromkeys([(kind, t) for kind in kinds for t in rows], 0.0)
+        matvec_total = 0.0
+        for name, n, k, mode in SHAPES:
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
+            x1 = cuda.to_device(np.random.default_rng(0).standard_normal(k).astype(np.float32) * 0.1)
+            mv = time_launches(matvec_launch(w, w3, x1, cuda.device_array(n, np.float32), dtype, mode))
+            matvec_total += mv
+            for t in rows:
+                timed = {
+                    "split": time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch)),
+                    "skinny": time_launches(skinny_launch(x[:t], w, w3, out[:t], dtype, mode, 0, 0)),
+                }
+                for v in versions:
+                    for z in [0, *splits]:
+                        timed[f"{v}/{z or 'auto'}"] = time_launches(
+                            functools.partial(wgmma_matmul, x[:t], w, out[:t], v, mode, w3, dtype, STREAM, z)
+                        )
+                for kind, sec in timed.items():
+                    totals[(kind, t)] += sec
+                cells = "  ".join(f"{kind} {sec * 1e6:6.1f}" for kind, sec in timed.items())
+                auto = {
+                    v: row_splits(v, -(-n // (WGMMA_VERSIONS[v][0] // (2 if mode == "gate" else 1))), k)
+                    for v in versions
+                }
+                print(f"{dtype:4s} {name:4s} T={t:2d} matvec {mv * 1e6:6.1f}  {cells}  (auto splits: {auto})",
+                      flush=True)  # fmt: skip
+        for t in rows:
+            cells = "  ".join(
+                f"{kind} {totals[(kind, t)] * 1e6:5.0f} ({totals[(kind, t)] / matvec_total:.2f}x)"
+                for kind in kinds
+            )
+            print(f"{dtype:4s} layer T={t:2d}  matvec {matvec_total * 1e6:5.0f}  {cells}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -259,12 +307,24 @@ def main() -> None:
         help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles;... (0 warps: warps_for)",
     )
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
+    ap.add_argument("--wgmma", help="time matmul.py's wgmma rows versions, e.g. r1,r2,r3")
+    ap.add_argument(
+        "--splits", default="", help="with --wgmma: splits of K to time beside the automatic, e.g. 2,4,8"
+    )
     args = ap.parse_args()
     global STREAM
     STREAM = cuda.stream()
     dtypes = args.dtypes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    if args.row_tiles:
+    if args.wgmma:
+        splits = [int(z) for z in args.splits.split(",") if z]
+        wgmma_table(
+            dtypes,
+            rows if args.rows != ap.get_default("rows") else [16, 32, 64],
+            args.wgmma.split(","),
+            splits,
+        )
+    elif args.row_tiles:
         variants = [tuple(int(v) for v in spec.split(",")) for spec in args.row_tiles.split(";")]
         row_tiles_sweep(dtypes, rows, variants)
     elif args.tiles:
