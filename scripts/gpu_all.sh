@@ -38,6 +38,8 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/rows_matmul.py --no-tile 2>&1 | tee "$out/kernels_rows.log" | tail -12
              python3 scripts/bench.py --rows --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,fp8,gf4,q8,q4 \
                2>&1 | tee "$out/bench_rows.log" | tail -14
+             python3 scripts/bench.py --rows --shapes mixtral-8x7b --dtypes fp8,gf4 \
+               2>&1 | tee -a "$out/bench_rows.log" | tail -4  # issue 29's third shape
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,q4 \
                --tokens 64 2>&1 | tee -a "$out/bench_rows.log" | tail -4 ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
@@ -63,10 +65,12 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_batched_gpu.py \
                tests/test_eos_options.py 2>&1 | tee "$out/tests_serving.log" | tail -6
              python3 scripts/bench_batched.py --seqs 1,64 --pos 384 --reps 5 2>&1 | tee "$out/bench_batched.log" | tail -10
-             for dtype in ${dtypes//,/ }; do
-               python3 scripts/bench_serve.py --streams 1,32,64 --shape llama3-8b --dtype "$dtype" 2>&1 \
-                 | tee -a "$out/bench_serve.log" | tail -4
+             for dtype in ${dtypes//,/ }; do  # issue 31's table: 256 in / 256 out, then 1,000-token prompts (fp16)
+               python3 scripts/bench_serve.py --streams 1,8,32,64,128 --shape llama3-8b --dtype "$dtype" 2>&1 \
+                 | tee -a "$out/bench_serve.log" | tail -6
              done
+             python3 scripts/bench_serve.py --streams 1,8,32,64,128 --prompt 1000 --shape llama3-8b --dtype fp16 2>&1 \
+               | tee -a "$out/bench_serve.log" | tail -6
              # one user with a long prompt, the batch's path (--parallel auto's) against the one-at-a-time worker
              for how in "" --plain; do
                python3 scripts/bench_serve.py --streams 1 --prompt 2000 --new 128 --context 4096 $how \
