@@ -82,8 +82,11 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py 2>&1 \
                | tee "$out/tests_warpgroup.log" | tail -8
              python3 scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch --budget 400 2>&1 | tee "$out/kernels_wgmma.log" | tail -40 ;;
-    wgmma-rows)  # the wgmma rows versions, checked, then timed at 16 / 32 / 64 rows beside skinny and the split tile
-             timeout 560 python3 scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --splits 2,4,8 --dtypes fp16,q4,q8,fp8,gf4 2>&1 \
+    wgmma-rows)  # the prefill attention on wgmma beside the shipped kernel; the wgmma rows versions, checked,
+             # then timed at 16 / 32 / 64 rows beside skinny and the split tile
+             python3 scripts/kernels/prefill_attention.py --variants shipped,wg --rows 2048,4000 2>&1 \
+               | tee "$out/kernels_prefill_attention_wg.log" | grep -A12 "=== summary"
+             timeout 480 python3 scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --splits 2,4,8 --dtypes fp16,q4,q8,fp8,gf4 2>&1 \
                | tee "$out/kernels_wgmma_rows.log" | grep -E "check|FAIL|layer" ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;

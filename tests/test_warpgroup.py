@@ -221,6 +221,13 @@ def _reports() -> None:
     probe = _script("wgmma_probe")
     sig = (types.int32[::1], types.int32[::1], types.float32[:, :, ::1], *[types.int64] * 4)
     print(json.dumps(ptxas_report(probe.probe_kernel, sig, "wgmma probe")))
+    attention = _script("prefill_attention")
+    sig = (types.float32[:, ::1], types.uint64[:, ::1], types.uint64[:, ::1], types.int32[::1],
+           types.float16[:, ::1], types.int32)  # fmt: skip
+    for head_dim, group in ((128, 4), (64, 8)):  # Llama-3-8B's, TinyLlama's
+        for kv_dtype in ("fp16", "fp8"):
+            kernel = attention.wg_kernel(head_dim, group, kv_dtype, 64)
+            print(json.dumps(ptxas_report(kernel, sig, f"attention wg d{head_dim} {kv_dtype}")))
     script = _script("matmul")
     weights = {
         "fp16": (types.float16[:, ::1],),
@@ -257,9 +264,10 @@ def _script(name: str) -> object:
 
 
 def test_wgmma_compiles_for_sm90a() -> None:
-    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py and the wgmma versions of
-    scripts/kernels/matmul.py, through numba's real compiler and ptxas for sm_90a: 4 wgmma a K
-    step of 64, no spill, no ptxas warning (a serialized wgmma is one)."""
+    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py, the wgmma versions of
+    scripts/kernels/matmul.py and the wg attention of scripts/kernels/prefill_attention.py,
+    through numba's real compiler and ptxas for sm_90a: the wgmma a loop step takes, no spill, no
+    ptxas warning (a serialized wgmma is one)."""
     import json
     import os
     import subprocess
@@ -277,10 +285,12 @@ def test_wgmma_compiles_for_sm90a() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     script = _script("matmul")
-    assert len(reports) == 5 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
+    assert len(reports) == 9 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
-        wgmmas = 1 if rep["label"] == "wgmma probe" else K // 16  # (the probe: one)
+        # the probe: one; the attention: 2 (head_dim / 16 + 64 / 16) a tile of keys; else a K step's 4
+        wgmmas = {"wgmma probe": 1, "attention wg d128 fp16": 24, "attention wg d128 fp8": 24,
+                  "attention wg d64 fp16": 16, "attention wg d64 fp8": 16}.get(rep["label"], K // 16)  # fmt: skip
         assert rep["wgmma"] == wgmmas and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
         assert not rep["local_in_ptx"], rep
         assert not rep["warnings"], rep

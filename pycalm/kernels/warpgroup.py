@@ -2,7 +2,7 @@
 
   smem_desc(smem, word, lbo, sbo, swizzle) -> desc   a shared-memory matrix descriptor (u64)
   wgmma_f16(n)(acc, smem, desc_a, desc_b, scale_d)   wgmma.mma_async.sync.aligned.m64n{n}k16
-                                                     .f32.f16.f16 (n = 32, 64, 128 or 256)
+                                                     .f32.f16.f16 (n = 16, 32, 64, 128 or 256)
   wgmma_fence()                                      wgmma.fence.sync.aligned
   wgmma_commit()                                     wgmma.commit_group.sync.aligned
   wgmma_wait(n)()                                    wgmma.wait_group.sync.aligned n
@@ -63,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config as _numba_config
 
-WGMMA_N = (32, 64, 128, 256)  # the n of the m64nNk16 forms built here
+WGMMA_N = (16, 32, 64, 128, 256)  # the n of the m64nNk16 forms built here
 SWIZZLE_NONE, SWIZZLE_128B = 0, 1  # the descriptor's swizzle modes used here
 
 

@@ -2,7 +2,7 @@
 cores) and its variants, each checked against pycalm.cpu.reference.prefill_attention_ref, then timed
 on the GPU (llm.c dev/cuda style).
 
-    python scripts/kernels/prefill_attention.py                   # shipped, tc16, simt: checked, timed
+    python scripts/kernels/prefill_attention.py                   # shipped, wg, tc16, simt: checked, timed
     python scripts/kernels/prefill_attention.py --variants all    # every version and block shape
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/prefill_attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
@@ -20,6 +20,9 @@ Versions:
             take them (tc_kernel below, split=False: half the mma work, 2^-11 relative in each
             score and weight)
   copy      tc_kernel with split=True: the shipped kernel's code, here (its time is shipped's)
+  wg        the shipped kernel's steps on Hopper's wgmma (wg_kernel below): q, K, V (transposed)
+            and p (two fp16 parts) in 128-byte-swizzled shared memory, S and P V each a group of
+            wgmma of one warpgroup a block; the same sums to float32 precision
 
 Timing: one launch over a whole prompt of T tokens at positions 0 .. T - 1 (the K/V rows already
 in the cache), captured in a CUDA graph and replayed (median); the cache holds random finite
@@ -66,6 +69,18 @@ from pycalm.kernels.prefill_attention import (  # noqa: E402
     prefill_attention_flops,
 )
 from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128  # noqa: E402
+from pycalm.kernels.warpgroup import (  # noqa: E402
+    SWIZZLE_128B,
+    WGMMA_N,
+    allow_dynamic_shared,
+    fence_proxy_async,
+    shared_byte_address,
+    smem_desc,
+    wgmma_commit,
+    wgmma_f16,
+    wgmma_fence,
+    wgmma_wait,
+)
 from pycalm.model import formats  # noqa: E402
 from pycalm.model.config import ModelConfig  # noqa: E402
 
@@ -411,6 +426,265 @@ def tc_attention(q: object, cache: KVCache, state: object, out: object, cfg: Mod
 
 
 # ---------------------------------------------------------------------------------------------
+# wg: the shipped kernel's steps on Hopper's warpgroup instructions (pycalm.kernels.warpgroup)
+#
+# A block is one warpgroup (4 warps: the shipped kernel's 64 (position, head) rows), keys in
+# tiles of WG_KEYS. Every operand sits in dynamic shared memory in the 128-byte-swizzled K-major
+# layout the descriptors read (64 fp16 of K a 128-byte row, 8 rows a 1 KiB atom, a K past 64 in
+# column blocks of 64, each a run of atoms; `at` below is a word's place):
+#   q_hi, q_lo  (64 rows, K = head_dim): the block's q times 1/sqrt(head_dim), two fp16 parts
+#   k           (WG_KEYS keys, K = head_dim): the tile's K rows (e5m2 made fp16, exact)
+#   vt          (head_dim rows, K = WG_KEYS keys): the tile's V, transposed as it is staged (a
+#               word holds one dim of two keys: two V rows' units joined by prmt)
+#   p_hi, p_lo  (64 rows, K = WG_KEYS keys): the softmax's p, two fp16 parts
+# S (64 x WG_KEYS) = q_hi K^T + q_lo K^T: 2 head_dim / 16 wgmma m64n{WG_KEYS}k16. Their
+# accumulators are the shipped kernel's S fragments (warp w: rows 16 w + (lane >> 2) and + 8,
+# keys 8 j + 2 (lane & 3) + c), so the masking and online softmax are its code. p goes to
+# p_hi / p_lo (fence.proxy.async, barrier), then O (64 x head_dim) += p_hi V + p_lo V: 2 WG_KEYS
+# / 16 wgmma m64n{head_dim}k16, O's accumulators again the shipped kernel's. A block waits for
+# each group of wgmma before its operands change (the SM's other blocks fill the gaps).
+# Shared memory at head_dim 128: 80 KiB (two blocks an SM), at 64: 48 KiB (three).
+
+WG_KEYS = 16 if SIM else 64
+
+
+def wg_shared_words(head_dim: int, keys: int) -> int:
+    """Words of the wg kernel's shared operands (q_hi, q_lo, k, vt, p_hi, p_lo), and 1 KiB to
+    align them."""
+    cb_d, cb_k = -(-head_dim // 64), -(-keys // 64)  # column blocks of a K of head_dim, of keys
+    return 2 * 2048 * cb_d + keys * 32 * cb_d + head_dim * 32 * cb_k + 2 * 2048 * cb_k + 256
+
+
+@cuda.jit(device=True, inline=True)
+def _at(base: int, rows: int, r: int, cw: int) -> int:
+    """The word of (row r, K words 2 cw, 2 cw + 1) of an operand of `rows` rows at base, in the
+    128-byte-swizzled K-major layout (column block cw >> 5, atom r >> 3, 16-byte chunk
+    ((cw & 31) >> 2) ^ (r & 7))."""
+    return (
+        base
+        + (cw >> 5) * (rows * 32)
+        + (r >> 3) * 256
+        + (r & 7) * 32
+        + ((((cw & 31) >> 2) ^ (r & 7)) << 2)
+        + (cw & 3)
+    )
+
+
+@cuda.jit(device=True, inline=True)
+def _desc(smem, base, rows, kk):  # noqa: ANN001, ANN202
+    """The descriptor of the kk-th 16 of K of an operand of `rows` rows at base."""
+    return smem_desc(smem, base + (kk >> 2) * (rows * 32) + (kk & 3) * 8, 16, 1024, SWIZZLE_128B)
+
+
+@functools.cache
+def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  # noqa: C901
+    """The wg kernel for a head_dim (a multiple of 16 whose wgmma n exists), group size (at most
+    64 / 1 positions a block), KV dtype and keys a tile (16, 32 or 64); arguments as the
+    shipped kernel's, 4 * wg_shared_words bytes of dynamic shared memory a launch."""
+    D = head_dim
+    ROWS, THREADS = 64, 128
+    POSITIONS = ROWS // group
+    USED = POSITIONS * group
+    KSTEPS, PSTEPS = D // 16, keys // 16  # k-steps of S, of O
+    S_TILES, O_TILES = keys // 8, D // 8
+    SW, OW = 4 * S_TILES, 4 * O_TILES  # S and O accumulators a thread
+    CB_D, CB_K = -(-D // 64), -(-keys // 64)
+    Q_HI = 0  # the operands' words, from the 1 KiB-aligned pad
+    Q_LO = 2048 * CB_D
+    KT = 2 * 2048 * CB_D
+    VT = KT + keys * 32 * CB_D
+    P_HI = VT + D * 32 * CB_K
+    P_LO = P_HI + 2048 * CB_K
+    FP8 = kv_dtype == "fp8"
+    E = 16 if FP8 else 8  # cache elements a 16-byte load
+    UNITS = D // E
+    SCALE = 1.0 / math.sqrt(head_dim)
+    wgmma_s, wgmma_o, wait_all = wgmma_f16(keys), wgmma_f16(D), wgmma_wait(0)
+
+    @cuda.jit(device=True, inline=True)
+    def load_words(cache, row, u, w):  # noqa: ANN001, ANN202
+        """16-byte unit u of cache row `row` into w[0 .. E / 2) as fp16 words (e5m2 bytes the
+        top bytes of halves)."""
+        a, b = ldg128(cache, row, u)
+        if FP8:
+            for i in range(4):
+                word = _lo(a) if i == 0 else _hi(a) if i == 1 else _lo(b) if i == 2 else _hi(b)
+                w[2 * i] = prmt(word, int32(0), int32(0x1404))
+                w[2 * i + 1] = prmt(word, int32(0), int32(0x3424))
+        else:
+            w[0], w[1], w[2], w[3] = _lo(a), _hi(a), _lo(b), _hi(b)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_kv(smem, pad, k_cache, v_cache, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
+        """The tile's K rows into k and its V, transposed, into vt (keys past last_pos: zeros)."""
+        for i in range(tid, keys * UNITS, THREADS):  # a unit of a key's K row: whole chunks
+            kr, u = i // UNITS, i % UNITS
+            for e in range(E // 2):
+                w[e] = int32(0)
+            if j0 + kr <= last_pos:
+                load_words(k_cache, j0 + kr, g * UNITS + u, w)
+            for c in range(E // 8):
+                sts128(smem, _at(pad + KT, keys, kr, u * (E // 2) + 4 * c), w[4 * c], w[4 * c + 1],
+                       w[4 * c + 2], w[4 * c + 3])  # fmt: skip
+        for i in range(tid, (keys // 2) * UNITS, THREADS):  # a unit of keys 2 kp and 2 kp + 1
+            kp, u = i // UNITS, i % UNITS
+            for e in range(E // 2):
+                w[e] = int32(0)
+                w2[e] = int32(0)
+            if j0 + 2 * kp <= last_pos:
+                load_words(v_cache, j0 + 2 * kp, g * UNITS + u, w)
+            if j0 + 2 * kp + 1 <= last_pos:
+                load_words(v_cache, j0 + 2 * kp + 1, g * UNITS + u, w2)
+            for e in range(E // 2):  # dims u E + 2 e and + 1, each over the two keys
+                d = u * E + 2 * e
+                smem[_at(pad + VT, D, d, kp)] = prmt(w[e], w2[e], int32(0x5410))
+                smem[_at(pad + VT, D, d + 1, kp)] = prmt(w[e], w2[e], int32(0x7632))
+
+    @cuda.jit(device=True, inline=True)
+    def attend(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+        smem = cuda.shared.array(0, int32)  # the operands, from the first 1 KiB boundary
+        s = cuda.local.array(SW, float32)  # S accumulators, then p
+        o = cuda.local.array(OW, float32)  # O accumulators
+        w = cuda.local.array(8, int32)  # a unit's fp16 words
+        w2 = cuda.local.array(8, int32)  # and the next key's V unit
+        n_rows = q.shape[0]
+        pos0 = int32(state[STATE_POS])
+        g = int32(cuda.blockIdx.x)  # kv head
+        t0 = int32((cuda.gridDim.y - 1 - cuda.blockIdx.y) * POSITIONS)  # the longest blocks first
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        quad = lane & 3
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        last_pos = pos0 + min(t0 + POSITIONS, n_rows) - 1
+        first_key = int32(0)
+        if window > 0:
+            first_key = max(int32(0), pos0 + t0 + 1 - window)
+        for i in range(tid, ROWS * (D // 2), THREADS):  # q_hi, q_lo (padding rows, rows past T: 0)
+            r, c = i // (D // 2), i % (D // 2)
+            t = t0 + r // group
+            hi, lo = int32(0), int32(0)
+            if r < USED and t < n_rows:
+                col = (g * group + r % group) * D + 2 * c
+                hi, lo = _split(q[t, col] * float32(SCALE), q[t, col + 1] * float32(SCALE))
+            smem[_at(pad + Q_HI, ROWS, r, c)] = hi
+            smem[_at(pad + Q_LO, ROWS, r, c)] = lo
+        r0 = warp * 16 + (lane >> 2)  # the lane's two rows
+        r1 = r0 + 8
+        pos_r0 = pos0 + t0 + r0 // group
+        pos_r1 = pos0 + t0 + r1 // group
+        ok0 = r0 < USED and t0 + r0 // group < n_rows
+        ok1 = r1 < USED and t0 + r1 // group < n_rows
+        m0, m1 = float32(NEG), float32(NEG)
+        l0, l1 = float32(0.0), float32(0.0)
+        for i in range(OW):
+            o[i] = float32(0.0)
+        j0 = (first_key // keys) * keys
+        while j0 <= last_pos:
+            stage_kv(smem, pad, k_cache, v_cache, w, w2, j0, last_pos, g, tid)
+            fence_proxy_async()  # this thread's stores (the tile, and q before the first) visible to wgmma
+            cuda.syncthreads()  # every thread's stores in place
+            wgmma_fence()
+            for kk in range(KSTEPS):  # S = q_hi K^T + q_lo K^T
+                wgmma_s(s, smem, _desc(smem, pad + Q_HI, ROWS, kk), _desc(smem, pad + KT, keys, kk),
+                        1 if kk > 0 else 0)  # fmt: skip
+                wgmma_s(s, smem, _desc(smem, pad + Q_LO, ROWS, kk), _desc(smem, pad + KT, keys, kk), 1)
+            wgmma_commit()
+            wait_all()  # S in s
+            # masking and the online softmax of the lane's two rows (the shipped kernel's)
+            mx0, mx1 = float32(NEG), float32(NEG)
+            for n in range(S_TILES):
+                for c in range(2):
+                    key = j0 + 8 * n + 2 * quad + c
+                    if not (ok0 and key <= pos_r0 and (window <= 0 or key > pos_r0 - window)):
+                        s[4 * n + c] = float32(NEG)
+                    if not (ok1 and key <= pos_r1 and (window <= 0 or key > pos_r1 - window)):
+                        s[4 * n + 2 + c] = float32(NEG)
+                    mx0 = max(mx0, s[4 * n + c])
+                    mx1 = max(mx1, s[4 * n + 2 + c])
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))  # the row's 4 lanes
+            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+            new0, new1 = max(m0, mx0), max(m1, mx1)
+            alpha0, alpha1 = libdevice.fast_expf(m0 - new0), libdevice.fast_expf(m1 - new1)
+            m0, m1 = new0, new1
+            l0 *= alpha0
+            l1 *= alpha1
+            for n in range(O_TILES):
+                o[4 * n] *= alpha0
+                o[4 * n + 1] *= alpha0
+                o[4 * n + 2] *= alpha1
+                o[4 * n + 3] *= alpha1
+            for n in range(S_TILES):
+                for c in range(2):
+                    e0, e1 = s[4 * n + c], s[4 * n + 2 + c]
+                    p0 = float32(0.0) if e0 <= float32(NEG) else libdevice.fast_expf(e0 - m0)
+                    p1 = float32(0.0) if e1 <= float32(NEG) else libdevice.fast_expf(e1 - m1)
+                    s[4 * n + c], s[4 * n + 2 + c] = p0, p1
+                    l0 += p0
+                    l1 += p1
+                # p of keys 8 n + 2 quad, + 1: K word 4 n + quad of rows r0 and r1, two fp16 parts
+                hi, lo = _split(s[4 * n], s[4 * n + 1])
+                smem[_at(pad + P_HI, ROWS, r0, 4 * n + quad)] = hi
+                smem[_at(pad + P_LO, ROWS, r0, 4 * n + quad)] = lo
+                hi, lo = _split(s[4 * n + 2], s[4 * n + 3])
+                smem[_at(pad + P_HI, ROWS, r1, 4 * n + quad)] = hi
+                smem[_at(pad + P_LO, ROWS, r1, 4 * n + quad)] = lo
+            fence_proxy_async()  # this thread's p visible to wgmma
+            cuda.syncthreads()  # every warp's p in place
+            wgmma_fence()  # (o was rescaled by the threads)
+            for kk in range(PSTEPS):  # O += p_hi V + p_lo V
+                wgmma_o(o, smem, _desc(smem, pad + P_HI, ROWS, kk), _desc(smem, pad + VT, D, kk), 1)
+                wgmma_o(o, smem, _desc(smem, pad + P_LO, ROWS, kk), _desc(smem, pad + VT, D, kk), 1)
+            wgmma_commit()
+            wait_all()  # O in o; k, vt and p free once every warp is here
+            cuda.syncthreads()  # every warp's wgmma done before the next tile's stores
+            j0 += keys
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)  # the rows' sums over their 4 lanes, out = O / l
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        for half in range(2):
+            ok = ok0 if half == 0 else ok1
+            if ok:
+                r = r0 if half == 0 else r1
+                inv = float32(1.0) / (l0 if half == 0 else l1)
+                t = t0 + r // group
+                col = (g * group + r % group) * D + 2 * quad
+                for n in range(O_TILES):
+                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
+                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
+
+    @cuda.jit(fastmath=False, **_tc_bounds(THREADS, head_dim))
+    def wg_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph: wait for the earlier kernels
+        attend(q, k_cache, v_cache, state, out, window)
+
+    return wg_attention_kernel
+
+
+_WG_ALLOWED: set = set()
+
+
+def wg_attention(q: object, cache: KVCache, state: object, out: object, cfg: ModelConfig, *,
+                 stream: object) -> None:  # fmt: skip
+    """prefill_attention's launch of wg_kernel: a block a kv head and 64 / group positions."""
+    check_launch(q, cache, out, cfg)
+    group = cfg.n_heads // cfg.n_kv_heads
+    if group > 64 or cfg.head_dim not in WGMMA_N:
+        raise PycalmError(f"the wg kernel takes a group of at most 64 and head_dim in {WGMMA_N}")
+    kernel = wg_kernel(cfg.head_dim, group, cache.dtype, WG_KEYS)
+    grid = (cfg.n_kv_heads, -(-q.shape[0] // (64 // group)))
+    k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)
+    args = (q, k64, v64, state, out, int32(cfg.sliding_window))
+    nbytes = 4 * wg_shared_words(cfg.head_dim, WG_KEYS)
+    if (kernel, nbytes) not in _WG_ALLOWED:
+        allow_dynamic_shared(kernel, args, nbytes)
+        _WG_ALLOWED.add((kernel, nbytes))
+    kernel[grid, 128, stream, nbytes](*args)
+
+
+# ---------------------------------------------------------------------------------------------
 # simt: the fp32 SIMT kernel (block shapes ROWS x LANES)
 
 ROWS_A_THREAD = 4  # query rows a thread accumulates (scores and outputs)
@@ -672,6 +946,7 @@ VARIANTS = {
     "k32": lambda hd: {"keys": 32},
     "tc16": lambda hd: {"tc": False},
     "copy": lambda hd: {"tc": True},
+    "wg": lambda hd: {"wg": True},
     "simt": lambda hd: {"simt": (default_rows(hd), 16)},
     "simt-r16": lambda hd: {"simt": (16, 16)},
     "simt-r32": lambda hd: {"simt": (32, 16)},
@@ -679,12 +954,13 @@ VARIANTS = {
     "simt-l32r16": lambda hd: {"simt": (16, 32)},
     "simt-l32r32": lambda hd: {"simt": (32, 32)},
 }
-DEFAULT_VARIANTS = "shipped,tc16,simt"
+DEFAULT_VARIANTS = "shipped,wg,tc16,simt"
 TINY_VARIANTS = {
     "shipped": {},
     "w2": {"warps": 2, "keys": 32},
     "tc16": {"tc": False},
     "copy": {"tc": True},
+    "wg": {"wg": True},
     "simt": {"simt": (16, 8)},
     "simt-r32l4": {"simt": (32, 4)},
     "simt-r8l16": {"simt": (8, 16)},
@@ -706,6 +982,8 @@ def launcher(
         return functools.partial(
             simt_attention, q, cache, state, out, cfg, stream=stream, rows=rows, lanes=lanes
         )
+    if "wg" in shape:
+        return functools.partial(wg_attention, q, cache, state, out, cfg, stream=stream)
     if "tc" in shape:
         return functools.partial(tc_attention, q, cache, state, out, cfg, stream=stream, split=shape["tc"])
     return functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream, **shape)
