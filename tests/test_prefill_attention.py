@@ -190,13 +190,14 @@ def test_kernel_script_versions():
         {"warps": 2, "keys": 32},
         {"tc": False},
         {"wg": True},
+        {"wg": 2},
     ):
         assert script.check(cache, cfg, spec, 9, 17) <= 1, spec
 
 
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "head_dim"), [(4, 1, 128), (8, 2, 64)])
 def test_kernel_script_wgmma_version_at_model_head_dims(n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-    """scripts/kernels/prefill_attention.py's wg version (the steps on wgmma) at Llama-3-8B's and
+    """scripts/kernels/prefill_attention.py's wg and wg2 versions (the steps on wgmma) at Llama-3-8B's and
     TinyLlama's head_dim and group, both KV dtypes, over several tiles of keys: head_dim 128 takes
     two column blocks of q and K in the swizzled layout, 64 one."""
     import importlib
@@ -212,4 +213,5 @@ def test_kernel_script_wgmma_version_at_model_head_dims(n_heads: int, n_kv_heads
     cfg = script.config(n_heads, n_kv_heads, head_dim)
     for kv_dtype in ("fp16", "fp8"):
         cache = script.random_cache(80, cfg.kv_dim, kv_dtype, seed=3)
-        assert script.check(cache, cfg, {"wg": True}, 19, 40) <= 1, kv_dtype
+        for spec in ({"wg": True}, {"wg": 2}):  # one K / V buffer, two
+            assert script.check(cache, cfg, spec, 19, 40) <= 1, (kv_dtype, spec)

@@ -2,7 +2,7 @@
 cores) and its variants, each checked against pycalm.cpu.reference.prefill_attention_ref, then timed
 on the GPU (llm.c dev/cuda style).
 
-    python scripts/kernels/prefill_attention.py                   # shipped, wg, tc16, simt: checked, timed
+    python scripts/kernels/prefill_attention.py                   # shipped, wg, wg2, tc16, simt: checked, timed
     python scripts/kernels/prefill_attention.py --variants all    # every version and block shape
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/prefill_attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
@@ -22,7 +22,8 @@ Versions:
   copy      tc_kernel with split=True: the shipped kernel's code, here (its time is shipped's)
   wg        the shipped kernel's steps on Hopper's wgmma (wg_kernel below): q, K, V (transposed)
             and p (two fp16 parts) in 128-byte-swizzled shared memory, S and P V each a group of
-            wgmma of one warpgroup a block; the same sums to float32 precision
+            wgmma of one warpgroup a block; the same sums to float32 precision; wg2: two buffers of
+            K and V, the next tile staged while this one's S wgmma run
 
 Timing: one launch over a whole prompt of T tokens at positions 0 .. T - 1 (the K/V rows already
 in the cache), captured in a CUDA graph and replayed (median); the cache holds random finite
@@ -443,16 +444,18 @@ def tc_attention(q: object, cache: KVCache, state: object, out: object, cfg: Mod
 # p_hi / p_lo (fence.proxy.async, barrier), then O (64 x head_dim) += p_hi V + p_lo V: 2 WG_KEYS
 # / 16 wgmma m64n{head_dim}k16, O's accumulators again the shipped kernel's. A block waits for
 # each group of wgmma before its operands change (the SM's other blocks fill the gaps).
-# Shared memory at head_dim 128: 80 KiB (two blocks an SM), at 64: 48 KiB (three).
+# Shared memory at head_dim 128: 80 KiB (two blocks an SM), at 64: 48 KiB (three). wg2 doubles
+# the K and V tiles (112 and 64 KiB) and stages the next tile's while this tile's S wgmma run.
 
 WG_KEYS = 16 if SIM else 64
 
 
-def wg_shared_words(head_dim: int, keys: int) -> int:
-    """Words of the wg kernel's shared operands (q_hi, q_lo, k, vt, p_hi, p_lo), and 1 KiB to
-    align them."""
+def wg_shared_words(head_dim: int, keys: int, double: bool = False) -> int:
+    """Words of the wg kernel's shared operands (q_hi, q_lo, k, vt, p_hi, p_lo; double: a
+    second k and vt), and 1 KiB to align them."""
     cb_d, cb_k = -(-head_dim // 64), -(-keys // 64)  # column blocks of a K of head_dim, of keys
-    return 2 * 2048 * cb_d + keys * 32 * cb_d + head_dim * 32 * cb_k + 2 * 2048 * cb_k + 256
+    kv = keys * 32 * cb_d + head_dim * 32 * cb_k
+    return 2 * 2048 * cb_d + (2 if double else 1) * kv + 2 * 2048 * cb_k + 256
 
 
 @cuda.jit(device=True, inline=True)
@@ -477,10 +480,11 @@ def _desc(smem, base, rows, kk):  # noqa: ANN001, ANN202
 
 
 @functools.cache
-def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  # noqa: C901
+def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool = False) -> object:  # noqa: C901
     """The wg kernel for a head_dim (a multiple of 16 whose wgmma n exists), group size (at most
     64 / 1 positions a block), KV dtype and keys a tile (16, 32 or 64); arguments as the
-    shipped kernel's, 4 * wg_shared_words bytes of dynamic shared memory a launch."""
+    shipped kernel's, 4 * wg_shared_words bytes of dynamic shared memory a launch. double (wg2):
+    two k / vt buffers, the next tile staged while this tile's S wgmma run."""
     D = head_dim
     ROWS, THREADS = 64, 128
     POSITIONS = ROWS // group
@@ -495,6 +499,8 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
     VT = KT + keys * 32 * CB_D
     P_HI = VT + D * 32 * CB_K
     P_LO = P_HI + 2048 * CB_K
+    KT2 = P_LO + 2048 * CB_K  # (double) the second k and vt
+    VT2 = KT2 + keys * 32 * CB_D
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E
@@ -515,8 +521,9 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
             w[0], w[1], w[2], w[3] = _lo(a), _hi(a), _lo(b), _hi(b)
 
     @cuda.jit(device=True, inline=True)
-    def stage_kv(smem, pad, k_cache, v_cache, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
-        """The tile's K rows into k and its V, transposed, into vt (keys past last_pos: zeros)."""
+    def stage_kv(smem, pad, kt, vt, k_cache, v_cache, w, w2, j0, last_pos, g, tid):  # noqa: ANN001, ANN202
+        """The tile's K rows into k (at word kt) and its V, transposed, into vt (keys past
+        last_pos: zeros)."""
         for i in range(tid, keys * UNITS, THREADS):  # a unit of a key's K row: whole chunks
             kr, u = i // UNITS, i % UNITS
             for e in range(E // 2):
@@ -524,7 +531,7 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
             if j0 + kr <= last_pos:
                 load_words(k_cache, j0 + kr, g * UNITS + u, w)
             for c in range(E // 8):
-                sts128(smem, _at(pad + KT, keys, kr, u * (E // 2) + 4 * c), w[4 * c], w[4 * c + 1],
+                sts128(smem, _at(pad + kt, keys, kr, u * (E // 2) + 4 * c), w[4 * c], w[4 * c + 1],
                        w[4 * c + 2], w[4 * c + 3])  # fmt: skip
         for i in range(tid, (keys // 2) * UNITS, THREADS):  # a unit of keys 2 kp and 2 kp + 1
             kp, u = i // UNITS, i % UNITS
@@ -537,8 +544,8 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
                 load_words(v_cache, j0 + 2 * kp + 1, g * UNITS + u, w2)
             for e in range(E // 2):  # dims u E + 2 e and + 1, each over the two keys
                 d = u * E + 2 * e
-                smem[_at(pad + VT, D, d, kp)] = prmt(w[e], w2[e], int32(0x5410))
-                smem[_at(pad + VT, D, d + 1, kp)] = prmt(w[e], w2[e], int32(0x7632))
+                smem[_at(pad + vt, D, d, kp)] = prmt(w[e], w2[e], int32(0x5410))
+                smem[_at(pad + vt, D, d + 1, kp)] = prmt(w[e], w2[e], int32(0x7632))
 
     @cuda.jit(device=True, inline=True)
     def attend(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
@@ -579,16 +586,24 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
         for i in range(OW):
             o[i] = float32(0.0)
         j0 = (first_key // keys) * keys
+        buf = 0  # (double) the buffer of this tile's k and vt
+        if double:
+            stage_kv(smem, pad, KT, VT, k_cache, v_cache, w, w2, j0, last_pos, g, tid)
         while j0 <= last_pos:
-            stage_kv(smem, pad, k_cache, v_cache, w, w2, j0, last_pos, g, tid)
+            kt, vt = (KT, VT) if buf == 0 else (KT2, VT2)
+            if not double:
+                stage_kv(smem, pad, kt, vt, k_cache, v_cache, w, w2, j0, last_pos, g, tid)
             fence_proxy_async()  # this thread's stores (the tile, and q before the first) visible to wgmma
             cuda.syncthreads()  # every thread's stores in place
             wgmma_fence()
             for kk in range(KSTEPS):  # S = q_hi K^T + q_lo K^T
-                wgmma_s(s, smem, _desc(smem, pad + Q_HI, ROWS, kk), _desc(smem, pad + KT, keys, kk),
+                wgmma_s(s, smem, _desc(smem, pad + Q_HI, ROWS, kk), _desc(smem, pad + kt, keys, kk),
                         1 if kk > 0 else 0)  # fmt: skip
-                wgmma_s(s, smem, _desc(smem, pad + Q_LO, ROWS, kk), _desc(smem, pad + KT, keys, kk), 1)
+                wgmma_s(s, smem, _desc(smem, pad + Q_LO, ROWS, kk), _desc(smem, pad + kt, keys, kk), 1)
             wgmma_commit()
+            if double and j0 + keys <= last_pos:  # the next tile into the other buffer, while S runs
+                nkt, nvt = (KT2, VT2) if buf == 0 else (KT, VT)  # (read by the last tile's wgmma, retired)
+                stage_kv(smem, pad, nkt, nvt, k_cache, v_cache, w, w2, j0 + keys, last_pos, g, tid)
             wait_all()  # S in s
             # masking and the online softmax of the lane's two rows (the shipped kernel's)
             mx0, mx1 = float32(NEG), float32(NEG)
@@ -634,12 +649,14 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int) -> object:  #
             cuda.syncthreads()  # every warp's p in place
             wgmma_fence()  # (o was rescaled by the threads)
             for kk in range(PSTEPS):  # O += p_hi V + p_lo V
-                wgmma_o(o, smem, _desc(smem, pad + P_HI, ROWS, kk), _desc(smem, pad + VT, D, kk), 1)
-                wgmma_o(o, smem, _desc(smem, pad + P_LO, ROWS, kk), _desc(smem, pad + VT, D, kk), 1)
+                wgmma_o(o, smem, _desc(smem, pad + P_HI, ROWS, kk), _desc(smem, pad + vt, D, kk), 1)
+                wgmma_o(o, smem, _desc(smem, pad + P_LO, ROWS, kk), _desc(smem, pad + vt, D, kk), 1)
             wgmma_commit()
             wait_all()  # O in o; k, vt and p free once every warp is here
             cuda.syncthreads()  # every warp's wgmma done before the next tile's stores
             j0 += keys
+            if double:
+                buf ^= 1
         l0 += cuda.shfl_xor_sync(FULL, l0, 1)  # the rows' sums over their 4 lanes, out = O / l
         l0 += cuda.shfl_xor_sync(FULL, l0, 2)
         l1 += cuda.shfl_xor_sync(FULL, l1, 1)
@@ -667,17 +684,17 @@ _WG_ALLOWED: set = set()
 
 
 def wg_attention(q: object, cache: KVCache, state: object, out: object, cfg: ModelConfig, *,
-                 stream: object) -> None:  # fmt: skip
+                 stream: object, double: bool = False) -> None:  # fmt: skip
     """prefill_attention's launch of wg_kernel: a block a kv head and 64 / group positions."""
     check_launch(q, cache, out, cfg)
     group = cfg.n_heads // cfg.n_kv_heads
     if group > 64 or cfg.head_dim not in WGMMA_N:
         raise PycalmError(f"the wg kernel takes a group of at most 64 and head_dim in {WGMMA_N}")
-    kernel = wg_kernel(cfg.head_dim, group, cache.dtype, WG_KEYS)
+    kernel = wg_kernel(cfg.head_dim, group, cache.dtype, WG_KEYS, double)
     grid = (cfg.n_kv_heads, -(-q.shape[0] // (64 // group)))
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)
     args = (q, k64, v64, state, out, int32(cfg.sliding_window))
-    nbytes = 4 * wg_shared_words(cfg.head_dim, WG_KEYS)
+    nbytes = 4 * wg_shared_words(cfg.head_dim, WG_KEYS, double)
     if (kernel, nbytes) not in _WG_ALLOWED:
         allow_dynamic_shared(kernel, args, nbytes)
         _WG_ALLOWED.add((kernel, nbytes))
@@ -947,6 +964,7 @@ VARIANTS = {
     "tc16": lambda hd: {"tc": False},
     "copy": lambda hd: {"tc": True},
     "wg": lambda hd: {"wg": True},
+    "wg2": lambda hd: {"wg": 2},
     "simt": lambda hd: {"simt": (default_rows(hd), 16)},
     "simt-r16": lambda hd: {"simt": (16, 16)},
     "simt-r32": lambda hd: {"simt": (32, 16)},
@@ -954,13 +972,14 @@ VARIANTS = {
     "simt-l32r16": lambda hd: {"simt": (16, 32)},
     "simt-l32r32": lambda hd: {"simt": (32, 32)},
 }
-DEFAULT_VARIANTS = "shipped,wg,tc16,simt"
+DEFAULT_VARIANTS = "shipped,wg,wg2,tc16,simt"
 TINY_VARIANTS = {
     "shipped": {},
     "w2": {"warps": 2, "keys": 32},
     "tc16": {"tc": False},
     "copy": {"tc": True},
     "wg": {"wg": True},
+    "wg2": {"wg": 2},
     "simt": {"simt": (16, 8)},
     "simt-r32l4": {"simt": (32, 4)},
     "simt-r8l16": {"simt": (8, 16)},
@@ -983,7 +1002,9 @@ def launcher(
             simt_attention, q, cache, state, out, cfg, stream=stream, rows=rows, lanes=lanes
         )
     if "wg" in shape:
-        return functools.partial(wg_attention, q, cache, state, out, cfg, stream=stream)
+        return functools.partial(
+            wg_attention, q, cache, state, out, cfg, stream=stream, double=shape["wg"] == 2
+        )
     if "tc" in shape:
         return functools.partial(tc_attention, q, cache, state, out, cfg, stream=stream, split=shape["tc"])
     return functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream, **shape)
