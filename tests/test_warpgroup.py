@@ -223,6 +223,12 @@ def _reports() -> None:
     probe = _script("wgmma_probe")
     sig = (types.int32[::1], types.int32[::1], types.float32[:, :, ::1], *[types.int64] * 4)
     print(json.dumps(ptxas_report(probe.probe_kernel, sig, "wgmma probe")))
+    import test_tma  # Hopper's TMA: a box alone, and boxes into wgmma
+
+    sig = (types.uint64[::1], types.int32[::1], types.int64, types.int64)
+    print(json.dumps(ptxas_report(test_tma._box_kernel, sig, "tma box")))
+    sig = (types.uint64[::1], types.uint64[::1], types.float32[:, ::1])
+    print(json.dumps(ptxas_report(test_tma._tma_wgmma_kernel, sig, "tma wgmma")))
     attention = _script("prefill_attention")
     sig = (types.float32[:, ::1], types.uint64[:, ::1], types.uint64[:, ::1], types.int32[::1],
            types.float16[:, ::1], types.int32)  # fmt: skip
@@ -268,9 +274,9 @@ def _script(name: str) -> object:
 
 
 def test_wgmma_compiles_for_sm90a() -> None:
-    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py, the wgmma versions of
-    scripts/kernels/matmul.py and the wg attention of scripts/kernels/prefill_attention.py,
-    through numba's real compiler and ptxas for sm_90a: the wgmma a loop step takes, no spill, no
+    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py, test_tma's TMA kernels, the
+    wgmma versions of scripts/kernels/matmul.py and the wg attention of
+    scripts/kernels/prefill_attention.py, through numba's real compiler and ptxas for sm_90a: the wgmma a loop step takes, no spill, no
     ptxas warning (a serialized wgmma is one)."""
     import json
     import os
@@ -285,22 +291,19 @@ def test_wgmma_compiles_for_sm90a() -> None:
         "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)]),
     }
     r = subprocess.run([sys.executable, "-c", "import test_warpgroup; test_warpgroup._reports()"],
-                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+                       capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     script = _script("matmul")
-    assert len(reports) == 13 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
+    assert len(reports) == 15 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
-        # the probe: one; the attention: 2 (head_dim / 16 + 64 / 16) a tile of keys; else a K step's 4
+        # the probe: one; TMA's box: none; the attention: 2 (head_dim / 16 + 64 / 16) a tile of
+        # keys; else a K step's 4
         attention = re.match(r"attention wg2? d(\d+)", rep["label"])
-        wgmmas = (
-            1
-            if rep["label"] == "wgmma probe"
-            else 2 * (int(attention[1]) + 64) // 16
-            if attention
-            else K // 16
-        )
+        wgmmas = {"wgmma probe": 1, "tma box": 0}.get(rep["label"], K // 16)
+        if attention:
+            wgmmas = 2 * (int(attention[1]) + 64) // 16
         assert rep["wgmma"] == wgmmas and rep["spills"] == 0 and rep["stack"] == 0, rep  # acc in registers
         assert not rep["local_in_ptx"], rep
         assert not rep["warnings"], rep
