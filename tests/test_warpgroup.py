@@ -254,11 +254,22 @@ def _reports() -> None:
                 sig = (types.float16[:, ::1], *weights[dtype], *weights[dtype], out[:, ::1], *split)
                 kernel = script.wgmma_kernel(*shape, mode, dtype)
                 print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {dtype} {mode}")))
+    for version, (block_n, stages) in tma_versions(script).items():  # fed by TMA, fp16 W
+        for mode in ("plain", "residual", "gate"):
+            out = types.float16 if mode == "gate" else types.float32
+            sig = (types.uint64[::1], types.uint64[::1], types.uint64[::1], types.int32, out[:, ::1])
+            kernel = script.tma_kernel(block_n, stages, mode)
+            print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} fp16 {mode}")))
 
 
 def gpu_versions(script: object) -> dict:
     """The wgmma versions the GPU runs (not the simulator's small tile)."""
     return {v: shape for v, shape in script.WGMMA_VERSIONS.items() if v not in script.SIM_VERSIONS}
+
+
+def tma_versions(script: object) -> dict:
+    """The TMA versions the GPU runs."""
+    return {v: shape for v, shape in script.TMA_VERSIONS.items() if v not in script.SIM_VERSIONS}
 
 
 def _script(name: str) -> object:
@@ -295,7 +306,9 @@ def test_wgmma_compiles_for_sm90a() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     script = _script("matmul")
-    assert len(reports) == 15 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES)
+    assert len(reports) == 15 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES) + 3 * len(
+        tma_versions(script)
+    )
     for rep in reports:
         assert rep["rc"] == 0 and rep["regs"] > 0, rep
         # the probe: one; TMA's box: none; the attention: 2 (head_dim / 16 + 64 / 16) a tile of
@@ -310,7 +323,7 @@ def test_wgmma_compiles_for_sm90a() -> None:
         assert rep["regs"] <= rep["max_regs"], rep  # what the launch bounds allow
 
 
-@pytest.mark.parametrize(("version", "cases"), [("ws", 15), ("rs", 30)])
+@pytest.mark.parametrize(("version", "cases"), [("ws", 15), ("rs", 30), ("ts", 3)])
 def test_matmul_script_checks_its_wgmma_version(version: str, cases: int) -> None:
     """scripts/kernels/matmul.py's wgmma versions run their own check against the reference (under
     the simulator: the 128 x 64 tile, and the rows versions' 64 x 64 tile with K split in two and
@@ -324,7 +337,7 @@ def test_matmul_script_checks_its_wgmma_version(version: str, cases: int) -> Non
     r = subprocess.run([sys.executable, str(script), "--wgmma", version, "--check"], capture_output=True, text=True,
                        env=dict(os.environ), timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    # 3 modes x 5 formats (x 2 splits: rows)
+    # 3 modes x 5 formats (x 2 splits: rows; TMA: fp16 alone)
     assert r.stdout.count(" ok") == cases and "FAIL" not in r.stdout, r.stdout
 
 

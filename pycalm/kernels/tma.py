@@ -16,6 +16,7 @@
   fence_mbarrier_init()                                  fence.mbarrier_init.release.cluster
   mbarrier_expect_tx(smem, bar, nbytes)                  mbarrier.arrive.expect_tx: one arrival,
                                                        and nbytes the phase waits for
+  mbarrier_arrive(smem, bar)                             mbarrier.arrive: one arrival
   mbarrier_try_wait(smem, bar, parity) -> u32            mbarrier.try_wait.parity: 1 once the
                                                        phase of that parity has completed
 
@@ -54,6 +55,7 @@ _DATA_TYPE = {np.dtype(np.uint8): 0, np.dtype(np.float16): 6, np.dtype(np.int32)
 
 if _numba_config.ENABLE_CUDASIM:
     import threading
+    import time
 
     _MAPS: dict[int, tuple] = {}  # key -> (array, box_rows, box_cols, swizzle)
     _BARRIERS: dict[
@@ -70,6 +72,11 @@ if _numba_config.ENABLE_CUDASIM:
         words[0] = key
         return cuda.to_device(words)
 
+    def _key(smem: np.ndarray, bar: int) -> tuple[int, int]:
+        """A barrier's record key: the block's shared memory (its data address: every thread's
+        view of a dynamic shared array is a new object over the same memory) and the word."""
+        return smem.__array_interface__["data"][0], int(bar)
+
     def _complete(state: list) -> None:
         if state[1] == state[0] and state[2] == 0:  # every arrival and every byte: the phase ends
             state[1] = 0
@@ -80,7 +87,7 @@ if _numba_config.ENABLE_CUDASIM:
         if int(bar) % 2:
             raise ValueError(f"an mbarrier takes 8 aligned bytes: word {bar} is odd")
         with _LOCK:
-            _BARRIERS[(id(smem), int(bar))] = [int(count), 0, 0, 0]
+            _BARRIERS[_key(smem, bar)] = [int(count), 0, 0, 0]
 
     def fence_mbarrier_init() -> None:
         """(simulator: one memory)"""
@@ -91,15 +98,23 @@ if _numba_config.ENABLE_CUDASIM:
     def mbarrier_expect_tx(smem: np.ndarray, bar: int, nbytes: int) -> None:
         """One arrival, and nbytes more for the phase to wait for."""
         with _LOCK:
-            state = _BARRIERS[(id(smem), int(bar))]
+            state = _BARRIERS[_key(smem, bar)]
             state[1] += 1
             state[2] += int(nbytes)
             _complete(state)
 
+    def mbarrier_arrive(smem: np.ndarray, bar: int) -> None:
+        """One arrival."""
+        mbarrier_expect_tx(smem, bar, 0)
+
     def mbarrier_try_wait(smem: np.ndarray, bar: int, parity: int) -> int:
-        """1 once the phase of this parity has completed (the barrier has moved past it)."""
+        """1 once the phase of this parity has completed (the barrier has moved past it); a 0
+        first lets the other threads run a while (the hardware's try_wait waits a while too)."""
         with _LOCK:
-            return int(_BARRIERS[(id(smem), int(bar))][3] != (int(parity) & 1))
+            done = _BARRIERS[_key(smem, bar)][3] != (int(parity) & 1)
+        if not done:
+            time.sleep(1e-3)
+        return int(done)
 
     def tma_load_2d(smem: np.ndarray, word: int, tmap: np.ndarray, col: int, row: int, bar: int) -> None:
         """Copy the box at (row, col) into smem[word ..] at once, swizzled as the hardware does,
@@ -120,7 +135,7 @@ if _numba_config.ENABLE_CUDASIM:
             a ^= ((a >> 7) & 7) << 4
         smem.view(np.uint8)[a] = data
         with _LOCK:
-            state = _BARRIERS[(id(smem), int(bar))]
+            state = _BARRIERS[_key(smem, bar)]
             state[2] -= box_rows * box_cols * item
             _complete(state)
 
@@ -218,6 +233,20 @@ else:
             _call(
                 builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}", [addr, n]
             )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_arrive(typingctx, smem, bar):  # noqa: ANN001, ANN201
+        """Arrive on the barrier at smem[bar]."""
+        if not _is_word_array(smem):
+            return None
+        sig = types.void(smem, bar)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            _call(builder, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}", [addr])
             return context.get_dummy_value()
 
         return sig, codegen

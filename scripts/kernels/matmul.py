@@ -4,7 +4,7 @@ pycalm.cpu.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
     python scripts/kernels/matmul.py                  # check, variants, the table (GPU)
     python scripts/kernels/matmul.py --check          # only the checks against the reference
     python scripts/kernels/matmul.py --table --quick  # only the table, T = 2048
-    python scripts/kernels/matmul.py --wgmma w1,w2,w3 --torch  # the wgmma versions: check, time
+    python scripts/kernels/matmul.py --wgmma w1,w2,w3,t1,t2 --torch  # the wgmma and TMA versions: check, time
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --wgmma ws   # the same, simulator
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --check --tiny   # simulator, seconds
 
@@ -56,6 +56,17 @@ from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_re
 from pycalm.kernels.common import fp16_encode  # noqa: E402
 from pycalm.kernels.matmul import TILE, Tile, _fp8_words, _gf4_words, _q4_words, _q8_words, matmul  # noqa: E402
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128  # noqa: E402
+from pycalm.kernels.tma import SWIZZLE_128B as TMA_SWIZZLE_128B  # noqa: E402
+from pycalm.kernels.tma import (  # noqa: E402
+    fence_mbarrier_init,
+    mbarrier_arrive,
+    mbarrier_expect_tx,
+    mbarrier_init,
+    mbarrier_try_wait,
+    tensor_map_2d,
+    tensormap_acquire,
+    tma_load_2d,
+)
 from pycalm.kernels.warpgroup import (  # noqa: E402
     SWIZZLE_128B,
     allow_dynamic_shared,
@@ -204,7 +215,7 @@ WGMMA_VERSIONS = {
     "r3": (128, 6, 1, True),
     "rs": (64, 3, 1, True),
 }
-SIM_VERSIONS = ("ws", "rs")  # the simulator's small tiles
+SIM_VERSIONS = ("ws", "rs", "ts")  # the simulator's small tiles
 ROWS_BM = 64  # a rows version's tile rows: one wgmma's M
 H200_SMS = 132
 MAX_ROW_SPLITS = 16  # splits of K a rows tile at most
@@ -541,7 +552,12 @@ def wgmma_matmul(
 ) -> None:
     """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the wgmma version `version`;
     device arrays (q8 / q4: formats.Quantized of device arrays). Rows versions: K in `splits`
-    splits (0: row_splits')."""
+    splits (0: row_splits'). TMA versions: tma_matmul (fp16 W)."""
+    if version in TMA_VERSIONS:
+        if dtype != "fp16":
+            raise ValueError(f"the TMA versions take fp16 weights, not {dtype}")
+        tma_matmul(x, w, out, version, mode, w3 if mode == "gate" else None, stream)
+        return
     block_n, stages, blocks_per_sm, rows = WGMMA_VERSIONS[version]
     kernel = wgmma_kernel(block_n, stages, blocks_per_sm, rows, mode, dtype)
     nbytes = wgmma_shared_bytes(block_n, stages, dtype, rows)
@@ -564,13 +580,187 @@ def wgmma_matmul(
     kernel[grid, WGMMA_THREADS, stream, nbytes](*args)
 
 
+# ---------------------------------------------------------------------------------------------
+# TMA versions (fp16 W): Hopper's tensor memory accelerator (pycalm.kernels.tma) feeds the ring,
+# and the warps specialize
+#
+# A block of three warpgroups computes a 128 x BN tile of out, as the wgmma versions do. Warpgroup
+# 0 is the producer: one of its threads waits for a stage to be free (its "empty" mbarrier: both
+# consumers have retired the wgmma that read it), then has TMA fetch step i's X box (128 x 64) and
+# W box (BN x 64; the gate: BN / 2 rows of W and the same rows of W3) into it, counting the bytes
+# on the stage's "full" mbarrier. Warpgroups 1 and 2 are the consumers, rows 64 (w - 1) .. of
+# the tile: each waits for a stage's full barrier, issues its 4 wgmma m64nBNk16, and once the
+# step before has retired (wgmma_wait(1)) each of its threads arrives on that step's empty
+# barrier (256 arrivals free a stage: a thread's wait covers its own part of the wgmma). No thread copies a byte and no barrier stops the block: the producer runs up to STAGES
+# steps ahead. TMA lands each box in the 128-byte-swizzled layout the descriptors read (rows
+# past T or N and columns past K as zeros). Phases: step i uses stage i % STAGES in round
+# i // STAGES; the consumers wait for the full barrier's phase of that round's parity, the
+# producer for the empty barrier's phase before it (parity 1 on a fresh barrier passes at once).
+#
+#   t1: 128 x 256, 4 stages (192 KiB)    t2: 128 x 128, 6 stages (144 KiB)    ts: 128 x 64, 3 stages (simulator)
+
+TMA_VERSIONS = {"t1": (256, 4), "t2": (128, 6), "ts": (64, 3)}  # name: (BN, stages)
+TMA_THREADS = 384
+_TMAPS: dict = {}  # (device pointer, shape, box) -> the map (a tensor map is built once an array)
+
+
+@functools.cache
+def tma_kernel(block_n: int, stages: int, mode: str) -> object:  # noqa: C901
+    """The kernel of a TMA version: out (T, N) float32 (=, +=) X W^T, or fp16 silu(X W^T) * (X
+    W3^T) (the W tile's rows: W's BN / 2, then W3's), fp16 W. Arguments: (tmap of X, tmap of W,
+    tmap of W3 (the gate's; else W's again), k_cols, out)."""
+    bm, bk, threads = WGMMA_BM, WGMMA_BK, TMA_THREADS
+    residual, gate = mode == "residual", mode == "gate"
+    out_n = block_n // 2 if gate else block_n
+    wgmma = wgmma_f16(block_n)
+    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
+    acc_n = block_n // 2
+    x_words, w_words = bm * bk // 2, block_n * bk // 2
+    stage_words = x_words + w_words
+    stage_bytes = 4 * stage_words
+    bars = stages * stage_words  # full[s] at bars + 2 s, empty[s] at bars + 2 (stages + s)
+
+    @cuda.jit(device=True, inline=True)
+    def gate_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
+        """out = fp16(silu(h1) h3) for the pairs lo .. lo + GATE_UNROLLED - 1 of a thread's gate
+        accumulators: acc[i] (W's columns, i < acc_n / 2) and acc[i + acc_n / 2] (W3's)."""
+        for i in range(lo, min(lo + GATE_UNROLLED, acc_n // 2)):
+            row = row0 + 8 * ((i >> 1) & 1)
+            col = col0 + 8 * (i >> 2) + (i & 1)
+            if row < out.shape[0] and col < out.shape[1]:
+                h1, h3 = acc[i], acc[i + acc_n // 2]
+                out[row, col] = fp16_encode(h1 / (float32(1.0) + math.exp(-h1)) * h3)
+
+    @cuda.jit(device=True, inline=True)
+    def store_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
+        """out = (residual: +=) acc[i] for i in lo .. lo + STORE_UNROLLED - 1 (acc[i]: D[row0 +
+        8 h, col0 + 8 j + e], i = 4 j + 2 h + e)."""
+        for i in range(lo, min(lo + STORE_UNROLLED, acc_n)):
+            row = row0 + 8 * ((i >> 1) & 1)
+            col = col0 + 8 * (i >> 2) + (i & 1)
+            if row < out.shape[0] and col < out.shape[1]:
+                if residual:
+                    out[row, col] += acc[i]
+                else:
+                    out[row, col] = acc[i]
+
+    @cuda.jit(**({} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}))
+    def tma_matmul_kernel(tx, tw, tw3, k_cols, out):  # noqa: ANN001, ANN202
+        smem = cuda.shared.array(0, int32)  # STAGES stages of (X box, W box), then the barriers
+        tid = cuda.threadIdx.x
+        group = tid >> 7  # 0: the producer; 1, 2: the consumers of tile rows 64 (group - 1) ..
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        m0 = cuda.blockIdx.x * bm
+        n0 = cuda.blockIdx.y * out_n
+        steps = (k_cols + bk - 1) // bk
+        full, empty = pad + bars, pad + bars + 2 * stages
+        if tid == 0:
+            for st in range(stages):
+                mbarrier_init(smem, full + 2 * st, 1)  # the producer's arrival (and the boxes' bytes)
+                mbarrier_init(smem, empty + 2 * st, 256)  # one arrival a consumer thread
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are set up before anyone waits on them
+        if group == 0:
+            if tid == 0:
+                tensormap_acquire(tx)
+                tensormap_acquire(tw)
+                tensormap_acquire(tw3)
+                for i in range(steps):
+                    st, phase = i % stages, (i // stages) & 1
+                    while mbarrier_try_wait(smem, empty + 2 * st, phase ^ 1) == 0:  # the stage is free
+                        pass
+                    mbarrier_expect_tx(smem, full + 2 * st, stage_bytes)
+                    base = pad + st * stage_words
+                    tma_load_2d(smem, base, tx, i * bk, m0, full + 2 * st)
+                    if gate:
+                        tma_load_2d(smem, base + x_words, tw, i * bk, n0, full + 2 * st)
+                        tma_load_2d(smem, base + x_words + w_words // 2, tw3, i * bk, n0, full + 2 * st)
+                    else:
+                        tma_load_2d(smem, base + x_words, tw, i * bk, n0, full + 2 * st)
+            return  # the producer warpgroup's other threads have nothing to do
+        acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                acc[i] = 0.0
+        for i in range(steps):
+            st, phase = i % stages, (i // stages) & 1
+            while mbarrier_try_wait(smem, full + 2 * st, phase) == 0:  # step i's boxes have landed
+                pass
+            base = pad + st * stage_words
+            wgmma_fence()
+            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
+                da = smem_desc(smem, base + (group - 1) * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, base + x_words + 8 * kk, 16, 1024, SWIZZLE_128B)
+                wgmma(acc, smem, da, db, 1)
+            wgmma_commit()
+            wait_one()  # this thread's part of step i - 1's wgmma retired: its reads of that stage are done
+            if i > 0:
+                mbarrier_arrive(smem, empty + 2 * ((i - 1) % stages))
+        wait_all()  # every sum in acc
+        q, lane = (tid >> 5) & 3, tid & 31
+        g, t = lane >> 2, lane & 3
+        row0 = m0 + 64 * (group - 1) + 16 * q + g
+        if gate:  # (calls of constant bounds, each a loop the compiler unrolls)
+            gate_out(acc, 0, out, row0, n0 + 2 * t)
+            if acc_n // 2 > GATE_UNROLLED:
+                gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t)
+        else:
+            store_out(acc, 0, out, row0, n0 + 2 * t)
+            if acc_n > STORE_UNROLLED:
+                store_out(acc, STORE_UNROLLED, out, row0, n0 + 2 * t)
+            if acc_n > 2 * STORE_UNROLLED:
+                store_out(acc, 2 * STORE_UNROLLED, out, row0, n0 + 2 * t)
+            if acc_n > 3 * STORE_UNROLLED:
+                store_out(acc, 3 * STORE_UNROLLED, out, row0, n0 + 2 * t)
+
+    return tma_matmul_kernel
+
+
+def tma_map(array: object, box_rows: int) -> object:
+    """A 128-byte-swizzled map of (box_rows, 64) fp16 boxes of a 2-D device array, built once
+    (the simulator: each call)."""
+    if numba_config.ENABLE_CUDASIM:
+        return tensor_map_2d(array, box_rows, WGMMA_BK, TMA_SWIZZLE_128B)
+    key = (array.device_ctypes_pointer.value, array.shape, box_rows)
+    if key not in _TMAPS:
+        _TMAPS[key] = tensor_map_2d(array, box_rows, WGMMA_BK, TMA_SWIZZLE_128B)
+    return _TMAPS[key]
+
+
+def tma_matmul(x: object, w: object, out: object, version: str, mode: str = "plain", w3: object = None,
+               stream: object = 0) -> None:  # fmt: skip
+    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the TMA version `version`;
+    fp16 device arrays, K a multiple of 8 (the maps' 16-byte rows)."""
+    block_n, stages = TMA_VERSIONS[version]
+    kernel = tma_kernel(block_n, stages, mode)
+    w_rows = block_n // 2 if mode == "gate" else block_n
+    tw = tma_map(w, w_rows)
+    args = (tma_map(x, WGMMA_BM), tw, tw if w3 is None else tma_map(w3, w_rows), int32(x.shape[1]), out)
+    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 16 * stages + 1024
+    if (kernel, nbytes) not in _ALLOWED:
+        allow_dynamic_shared(kernel, args, nbytes)
+        _ALLOWED.add((kernel, nbytes))
+    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + w_rows - 1) // w_rows)
+    kernel[grid, TMA_THREADS, stream, nbytes](*args)
+
+
+def is_rows(version: str) -> bool:
+    """A rows version (64-row tiles, K split)."""
+    return version in WGMMA_VERSIONS and WGMMA_VERSIONS[version][3]
+
+
+def block_n_of(version: str) -> int:
+    """A wgmma or TMA version's BN."""
+    return (WGMMA_VERSIONS.get(version) or TMA_VERSIONS[version])[0]
+
+
 def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ...] = WGMMA_DTYPES) -> bool:
     """A wgmma version in each mode and weight dtype against the reference, as check(); a rows
     version with K in several splits."""
     t_rows, n, k = shape
     rng = np.random.default_rng(11)
     ok = True
-    for dtype in dtypes:
+    for dtype in ("fp16",) if version in TMA_VERSIONS else dtypes:
         x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
         w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
         w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
@@ -592,7 +782,7 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
                 want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
             # rows versions: K whole (on the GPU), in two splits, and in row_splits' (0)
             row_cases = (2, 0) if numba_config.ENABLE_CUDASIM else (1, 2, 0)
-            for splits in row_cases if WGMMA_VERSIONS[version][3] else (0,):
+            for splits in row_cases if is_rows(version) else (0,):
                 d_out = cuda.to_device(out)
                 wgmma_matmul(cuda.to_device(x), d_w, d_out, version, mode, d_w3, dtype, splits=splits)
                 label = f"{version} {dtype} {mode:8s} T={t_rows} N={n} K={k}" + (
@@ -788,6 +978,8 @@ def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> Non
                 f = flops(t_rows, n, k, mode)
                 timed = {"shipped": bench.seconds(t_rows, TILE)}
                 for v in versions:
+                    if v in TMA_VERSIONS and dtype != "fp16":
+                        continue  # (fp16 W only)
                     timed[v] = time_launches(
                         lambda v=v, x=x, b=bench, out=out: wgmma_matmul(x, b.w, out, v, b.mode, b.w3, b.dtype)
                     )
@@ -799,11 +991,12 @@ def wgmma_variants(versions: list[str], use_torch: bool, deadline: float) -> Non
                         layer[v] += sec
             del bench
         for v, cells in rows.items():
+            versions_of = {**WGMMA_VERSIONS, **TMA_VERSIONS}
             shape = (
-                f" ({WGMMA_BM}x{WGMMA_VERSIONS[v][0]}, {WGMMA_VERSIONS[v][1]} stages)"
-                if v in WGMMA_VERSIONS
-                else ""
+                f" ({WGMMA_BM}x{versions_of[v][0]}, {versions_of[v][1]} stages)" if v in versions_of else ""
             )
+            if not cells:
+                continue  # (a TMA version in a quantized format)
             print(f"| {v}{shape} | " + " | ".join(cells) + f" | {2048 / (32 * layer[v]):,.0f} |", flush=True)
 
 
@@ -861,19 +1054,19 @@ def main() -> None:
     deadline = time.time() + args.budget
     if args.wgmma:
         wanted = args.wgmma.split(",")
-        if unknown := [v for v in wanted if v not in WGMMA_VERSIONS]:
-            sys.exit(f"unknown wgmma version {unknown[0]} (one of {', '.join(WGMMA_VERSIONS)})")
+        if unknown := [v for v in wanted if v not in WGMMA_VERSIONS and v not in TMA_VERSIONS]:
+            sys.exit(
+                f"unknown wgmma version {unknown[0]} (one of {', '.join([*WGMMA_VERSIONS, *TMA_VERSIONS])})"
+            )
         print("check against pycalm.cpu.reference")
         if args.tiny or numba_config.ENABLE_CUDASIM:
-            ok = all(check_wgmma(v, (70, 2 * WGMMA_VERSIONS[v][0] - 8, 224)) for v in wanted)  # K: 3.5 steps
+            ok = all(check_wgmma(v, (70, 2 * block_n_of(v) - 8, 224)) for v in wanted)  # K: 3.5 steps
         else:
             # (K: q4's groups of 32, a step's half; the rows versions at a rows pass's T)
-            ok = all([check_wgmma(v, (61 if WGMMA_VERSIONS[v][3] else 300, 520, 1056)) for v in wanted])
+            ok = all([check_wgmma(v, (61 if is_rows(v) else 300, 520, 1056)) for v in wanted])
         if not ok:
             sys.exit("check failed")
-        prompt_versions = [
-            v for v in wanted if not WGMMA_VERSIONS[v][3]
-        ]  # (rows_matmul.py times the rows ones)
+        prompt_versions = [v for v in wanted if not is_rows(v)]  # (rows_matmul.py times the rows ones)
         if prompt_versions and not (numba_config.ENABLE_CUDASIM or args.check):
             wgmma_variants(prompt_versions, args.torch, deadline)
         return
