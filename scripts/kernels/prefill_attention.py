@@ -163,6 +163,51 @@ def _mma_acc(acc, n, a0, a1, a2, a3, b0, b1):  # noqa: ANN001, ANN202
 
 
 @functools.cache
+def online_softmax(s_tiles: int, o_tiles: int) -> object:
+    """The shipped kernel's step 4 for a lane's two rows r0, r1 (positions pos_r0, pos_r1; ok0,
+    ok1: rows that hold a query) over a tile of 8 s_tiles keys from j0: the masking, the tile's
+    max over the row's 4 lanes, the running max m and sum l, the O accumulators (o_tiles 8-dim
+    tiles) rescaled; the S fragments in s become p -> (m0, m1, l0, l1)."""
+
+    @cuda.jit(device=True, inline=True)
+    def step(s, o, j0, quad, ok0, ok1, pos_r0, pos_r1, window, m0, m1, l0, l1):  # noqa: ANN001, ANN202
+        mx0, mx1 = float32(NEG), float32(NEG)
+        for n in range(s_tiles):
+            for c in range(2):
+                key = j0 + 8 * n + 2 * quad + c
+                if not (ok0 and key <= pos_r0 and (window <= 0 or key > pos_r0 - window)):
+                    s[4 * n + c] = float32(NEG)
+                if not (ok1 and key <= pos_r1 and (window <= 0 or key > pos_r1 - window)):
+                    s[4 * n + 2 + c] = float32(NEG)
+                mx0 = max(mx0, s[4 * n + c])
+                mx1 = max(mx1, s[4 * n + 2 + c])
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))  # the row's 4 lanes
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+        new0, new1 = max(m0, mx0), max(m1, mx1)
+        alpha0, alpha1 = libdevice.fast_expf(m0 - new0), libdevice.fast_expf(m1 - new1)
+        l0 *= alpha0
+        l1 *= alpha1
+        for n in range(o_tiles):
+            o[4 * n] *= alpha0
+            o[4 * n + 1] *= alpha0
+            o[4 * n + 2] *= alpha1
+            o[4 * n + 3] *= alpha1
+        for n in range(s_tiles):
+            for c in range(2):
+                e0, e1 = s[4 * n + c], s[4 * n + 2 + c]
+                p0 = float32(0.0) if e0 <= float32(NEG) else libdevice.fast_expf(e0 - new0)  # masked: 0
+                p1 = float32(0.0) if e1 <= float32(NEG) else libdevice.fast_expf(e1 - new1)
+                s[4 * n + c], s[4 * n + 2 + c] = p0, p1
+                l0 += p0
+                l1 += p1
+        return new0, new1, l0, l1
+
+    return step
+
+
+@functools.cache
 def tc_kernel(
     head_dim: int,
     group: int,
@@ -185,6 +230,7 @@ def tc_kernel(
     SW = 4 * S_TILES  # S accumulators a lane
     PSTEPS = keys // 16  # k-steps of P V
     O_TILES = D // 8  # 8-dim tiles of O
+    softmax = online_softmax(S_TILES, O_TILES)  # step 4
     OW = 4 * O_TILES  # O accumulators a lane
     ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
@@ -345,38 +391,7 @@ def tc_kernel(
                             )
 
             # 4. masking and the online softmax of the lane's two rows
-            mx0, mx1 = float32(NEG), float32(NEG)
-            for n in range(S_TILES):
-                for c in range(2):
-                    key = j0 + 8 * n + 2 * quad + c
-                    if not (ok0 and key <= pos_r0 and (window <= 0 or key > pos_r0 - window)):
-                        s[4 * n + c] = float32(NEG)
-                    if not (ok1 and key <= pos_r1 and (window <= 0 or key > pos_r1 - window)):
-                        s[4 * n + 2 + c] = float32(NEG)
-                    mx0 = max(mx0, s[4 * n + c])
-                    mx1 = max(mx1, s[4 * n + 2 + c])
-            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))  # the row's 4 lanes
-            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
-            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
-            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
-            new0, new1 = max(m0, mx0), max(m1, mx1)
-            alpha0, alpha1 = libdevice.fast_expf(m0 - new0), libdevice.fast_expf(m1 - new1)
-            m0, m1 = new0, new1
-            l0 *= alpha0
-            l1 *= alpha1
-            for n in range(O_TILES):
-                o[4 * n] *= alpha0
-                o[4 * n + 1] *= alpha0
-                o[4 * n + 2] *= alpha1
-                o[4 * n + 3] *= alpha1
-            for n in range(S_TILES):
-                for c in range(2):
-                    e0, e1 = s[4 * n + c], s[4 * n + 2 + c]
-                    p0 = float32(0.0) if e0 <= float32(NEG) else libdevice.fast_expf(e0 - m0)  # masked: 0
-                    p1 = float32(0.0) if e1 <= float32(NEG) else libdevice.fast_expf(e1 - m1)
-                    s[4 * n + c], s[4 * n + 2 + c] = p0, p1
-                    l0 += p0
-                    l1 += p1
+            m0, m1, l0, l1 = softmax(s, o, j0, quad, ok0, ok1, pos_r0, pos_r1, window, m0, m1, l0, l1)
 
             # 5. O += p_hi V + p_lo V: the p of key tiles 2 kk, 2 kk + 1 are k-step kk's A fragments
             for kk in range(PSTEPS):
@@ -491,6 +506,7 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool 
     USED = POSITIONS * group
     KSTEPS, PSTEPS = D // 16, keys // 16  # k-steps of S, of O
     S_TILES, O_TILES = keys // 8, D // 8
+    softmax = online_softmax(S_TILES, O_TILES)  # the shipped kernel's step 4
     SW, OW = 4 * S_TILES, 4 * O_TILES  # S and O accumulators a thread
     CB_D, CB_K = -(-D // 64), -(-keys // 64)
     Q_HI = 0  # the operands' words, from the 1 KiB-aligned pad
@@ -606,39 +622,8 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool 
                 stage_kv(smem, pad, nkt, nvt, k_cache, v_cache, w, w2, j0 + keys, last_pos, g, tid)
             wait_all()  # S in s
             # masking and the online softmax of the lane's two rows (the shipped kernel's)
-            mx0, mx1 = float32(NEG), float32(NEG)
-            for n in range(S_TILES):
-                for c in range(2):
-                    key = j0 + 8 * n + 2 * quad + c
-                    if not (ok0 and key <= pos_r0 and (window <= 0 or key > pos_r0 - window)):
-                        s[4 * n + c] = float32(NEG)
-                    if not (ok1 and key <= pos_r1 and (window <= 0 or key > pos_r1 - window)):
-                        s[4 * n + 2 + c] = float32(NEG)
-                    mx0 = max(mx0, s[4 * n + c])
-                    mx1 = max(mx1, s[4 * n + 2 + c])
-            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))  # the row's 4 lanes
-            mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
-            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
-            mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
-            new0, new1 = max(m0, mx0), max(m1, mx1)
-            alpha0, alpha1 = libdevice.fast_expf(m0 - new0), libdevice.fast_expf(m1 - new1)
-            m0, m1 = new0, new1
-            l0 *= alpha0
-            l1 *= alpha1
-            for n in range(O_TILES):
-                o[4 * n] *= alpha0
-                o[4 * n + 1] *= alpha0
-                o[4 * n + 2] *= alpha1
-                o[4 * n + 3] *= alpha1
-            for n in range(S_TILES):
-                for c in range(2):
-                    e0, e1 = s[4 * n + c], s[4 * n + 2 + c]
-                    p0 = float32(0.0) if e0 <= float32(NEG) else libdevice.fast_expf(e0 - m0)
-                    p1 = float32(0.0) if e1 <= float32(NEG) else libdevice.fast_expf(e1 - m1)
-                    s[4 * n + c], s[4 * n + 2 + c] = p0, p1
-                    l0 += p0
-                    l1 += p1
-                # p of keys 8 n + 2 quad, + 1: K word 4 n + quad of rows r0 and r1, two fp16 parts
+            m0, m1, l0, l1 = softmax(s, o, j0, quad, ok0, ok1, pos_r0, pos_r1, window, m0, m1, l0, l1)
+            for n in range(S_TILES):  # p of keys 8 n + 2 quad, + 1: K word 4 n + quad of rows r0, r1
                 hi, lo = _split(s[4 * n], s[4 * n + 1])
                 smem[_at(pad + P_HI, ROWS, r0, 4 * n + quad)] = hi
                 smem[_at(pad + P_LO, ROWS, r0, 4 * n + quad)] = lo
