@@ -208,6 +208,31 @@ def online_softmax(s_tiles: int, o_tiles: int) -> object:
 
 
 @functools.cache
+def finish_rows(o_tiles: int, group: int, head_dim: int) -> object:
+    """The shipped kernel's step 6 for a lane's two rows r0, r1: each row's sum l over its 4
+    lanes, then out = O / l as fp16 (rows that hold a query: ok0, ok1)."""
+
+    @cuda.jit(device=True, inline=True)
+    def finish(o, out, l0, l1, ok0, ok1, r0, r1, t0, g, quad):  # noqa: ANN001, ANN202
+        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
+        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
+        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
+        for half in range(2):
+            ok = ok0 if half == 0 else ok1
+            if ok:
+                r = r0 if half == 0 else r1
+                inv = float32(1.0) / (l0 if half == 0 else l1)
+                t = t0 + r // group
+                col = (g * group + r % group) * head_dim + 2 * quad
+                for n in range(o_tiles):
+                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
+                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
+
+    return finish
+
+
+@functools.cache
 def tc_kernel(
     head_dim: int,
     group: int,
@@ -231,6 +256,7 @@ def tc_kernel(
     PSTEPS = keys // 16  # k-steps of P V
     O_TILES = D // 8  # 8-dim tiles of O
     softmax = online_softmax(S_TILES, O_TILES)  # step 4
+    finish = finish_rows(O_TILES, group, D)  # step 6
     OW = 4 * O_TILES  # O accumulators a lane
     ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
@@ -411,20 +437,7 @@ def tc_kernel(
             j0 += keys
 
         # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)
-        l0 += cuda.shfl_xor_sync(FULL, l0, 1)
-        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
-        for half in range(2):
-            ok = ok0 if half == 0 else ok1
-            if ok:
-                r = r0 if half == 0 else r1
-                inv = float32(1.0) / (l0 if half == 0 else l1)
-                t = t0 + r // group
-                col = (g * group + r % group) * D + 2 * quad
-                for n in range(O_TILES):
-                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
-                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
+        finish(o, out, l0, l1, ok0, ok1, r0, r1, t0, g, quad)
 
     return tc_kernel
 
@@ -507,6 +520,7 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool 
     KSTEPS, PSTEPS = D // 16, keys // 16  # k-steps of S, of O
     S_TILES, O_TILES = keys // 8, D // 8
     softmax = online_softmax(S_TILES, O_TILES)  # the shipped kernel's step 4
+    finish = finish_rows(O_TILES, group, D)  # and step 6
     SW, OW = 4 * S_TILES, 4 * O_TILES  # S and O accumulators a thread
     CB_D, CB_K = -(-D // 64), -(-keys // 64)
     Q_HI = 0  # the operands' words, from the 1 KiB-aligned pad
@@ -642,20 +656,9 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool 
             j0 += keys
             if double:
                 buf ^= 1
-        l0 += cuda.shfl_xor_sync(FULL, l0, 1)  # the rows' sums over their 4 lanes, out = O / l
-        l0 += cuda.shfl_xor_sync(FULL, l0, 2)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 1)
-        l1 += cuda.shfl_xor_sync(FULL, l1, 2)
-        for half in range(2):
-            ok = ok0 if half == 0 else ok1
-            if ok:
-                r = r0 if half == 0 else r1
-                inv = float32(1.0) / (l0 if half == 0 else l1)
-                t = t0 + r // group
-                col = (g * group + r % group) * D + 2 * quad
-                for n in range(O_TILES):
-                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
-                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
+        finish(
+            o, out, l0, l1, ok0, ok1, r0, r1, t0, g, quad
+        )  # the rows' sums over their 4 lanes, out = O / l
 
     @cuda.jit(fastmath=False, **_tc_bounds(THREADS, head_dim))
     def wg_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
