@@ -254,11 +254,11 @@ def _reports() -> None:
                 sig = (types.float16[:, ::1], *weights[dtype], *weights[dtype], out[:, ::1], *split)
                 kernel = script.wgmma_kernel(*shape, mode, dtype)
                 print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} {dtype} {mode}")))
-    for version, (block_n, stages) in tma_versions(script).items():  # fed by TMA, fp16 W
+    for version, shape in tma_versions(script).items():  # fed by TMA, fp16 W
         for mode in ("plain", "residual", "gate"):
             out = types.float16 if mode == "gate" else types.float32
             sig = (types.uint64[::1], types.uint64[::1], types.uint64[::1], types.int32, out[:, ::1])
-            kernel = script.tma_kernel(block_n, stages, mode)
+            kernel = script.tma_kernel(*shape, mode)
             print(json.dumps(ptxas_report(kernel, sig, f"matmul {version} fp16 {mode}")))
 
 

@@ -7,6 +7,11 @@
   wgmma_commit()                                     wgmma.commit_group.sync.aligned
   wgmma_wait(n)()                                    wgmma.wait_group.sync.aligned n
   fence_proxy_async()                                fence.proxy.async.shared::cta
+  setmaxnreg_inc(n)(), setmaxnreg_dec(n)()           setmaxnreg.{inc,dec}.sync.aligned.u32 n: this
+                                                     warpgroup's registers a thread raised to /
+                                                     lowered to n (a multiple of 8, 24..256), so a
+                                                     producer warpgroup hands its registers to the
+                                                     consumers
   shared_byte_address(smem, word) -> u32             the shared-memory address of smem[word]
   allow_dynamic_shared(kernel, args, nbytes)         lets a launch take more than 48 KiB of
                                                      dynamic shared memory (host side)
@@ -175,6 +180,17 @@ if _numba_config.ENABLE_CUDASIM:
     def fence_proxy_async() -> None:
         """(simulator: one memory)"""
 
+    def _setmaxnreg(n: int) -> object:
+        if n % 8 or not 24 <= n <= 256:
+            raise ValueError(f"setmaxnreg takes a multiple of 8 in 24..256, got {n}")
+
+        def set_registers() -> None:
+            """(simulator: registers are Python's)"""
+
+        return set_registers
+
+    setmaxnreg_inc = setmaxnreg_dec = _setmaxnreg
+
     def allow_dynamic_shared(kernel: object, args: tuple, nbytes: int) -> None:
         """(simulator: no limit)"""
 
@@ -289,6 +305,14 @@ else:
     wgmma_wait = ptx_counted(
         "wgmma.wait_group.sync.aligned {};",
         "Wait until all but the {} newest of this warpgroup's wgmma groups have retired.",
+    )
+    # setmaxnreg_inc(n) / setmaxnreg_dec(n): this warpgroup's registers a thread raised / lowered
+    # to n (every thread of the warpgroup calls it)
+    setmaxnreg_inc = ptx_counted(
+        "setmaxnreg.inc.sync.aligned.u32 {};", "Raise this warpgroup's registers a thread to {}."
+    )
+    setmaxnreg_dec = ptx_counted(
+        "setmaxnreg.dec.sync.aligned.u32 {};", "Lower this warpgroup's registers a thread to {}."
     )
 
     def allow_dynamic_shared(kernel: object, args: tuple, nbytes: int) -> None:

@@ -71,6 +71,8 @@ from pycalm.kernels.warpgroup import (  # noqa: E402
     SWIZZLE_128B,
     allow_dynamic_shared,
     fence_proxy_async,
+    setmaxnreg_dec,
+    setmaxnreg_inc,
     shared_byte_address,
     smem_desc,
     wgmma_commit,
@@ -598,14 +600,17 @@ def wgmma_matmul(
 # producer for the empty barrier's phase before it (parity 1 on a fresh barrier passes at once).
 #
 #   t1: 128 x 256, 4 stages (192 KiB)    t2: 128 x 128, 6 stages (144 KiB)    ts: 128 x 64, 3 stages (simulator)
+#   t3: t1 with setmaxnreg: the producer warpgroup down to 40 registers a thread, the consumers up to 232
 
-TMA_VERSIONS = {"t1": (256, 4), "t2": (128, 6), "ts": (64, 3)}  # name: (BN, stages)
+# name: (BN, stages, registers a consumer thread after setmaxnreg: 0 none)
+TMA_VERSIONS = {"t1": (256, 4, 0), "t2": (128, 6, 0), "t3": (256, 4, 232), "ts": (64, 3, 0)}
+PRODUCER_REGISTERS = 40  # the producer warpgroup's, with setmaxnreg (40 x 128 + 232 x 256 <= 65,536)
 TMA_THREADS = 384
 _TMAPS: dict = {}  # (device pointer, shape, box) -> the map (a tensor map is built once an array)
 
 
 @functools.cache
-def tma_kernel(block_n: int, stages: int, mode: str) -> object:  # noqa: C901
+def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object:  # noqa: C901
     """The kernel of a TMA version: out (T, N) float32 (=, +=) X W^T, or fp16 silu(X W^T) * (X
     W3^T) (the W tile's rows: W's BN / 2, then W3's), fp16 W. Arguments: (tmap of X, tmap of W,
     tmap of W3 (the gate's; else W's again), k_cols, out)."""
@@ -619,6 +624,7 @@ def tma_kernel(block_n: int, stages: int, mode: str) -> object:  # noqa: C901
     stage_words = x_words + w_words
     stage_bytes = 4 * stage_words
     bars = stages * stage_words  # full[s] at bars + 2 s, empty[s] at bars + 2 (stages + s)
+    shrink, grow = setmaxnreg_dec(PRODUCER_REGISTERS), setmaxnreg_inc(registers or 232)
 
     @cuda.jit(device=True, inline=True)
     def gate_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
@@ -661,6 +667,8 @@ def tma_kernel(block_n: int, stages: int, mode: str) -> object:  # noqa: C901
             fence_mbarrier_init()
         cuda.syncthreads()  # the barriers are set up before anyone waits on them
         if group == 0:
+            if registers:
+                shrink()  # (the whole warpgroup) its registers to the consumers
             if tid == 0:
                 tensormap_acquire(tx)
                 tensormap_acquire(tw)
@@ -678,6 +686,8 @@ def tma_kernel(block_n: int, stages: int, mode: str) -> object:  # noqa: C901
                     else:
                         tma_load_2d(smem, base + x_words, tw, i * bk, n0, full + 2 * st)
             return  # the producer warpgroup's other threads have nothing to do
+        if registers:
+            grow()  # the producer's registers
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
         for lo in range(0, acc_n, UNROLLED):
             for i in range(lo, min(lo + UNROLLED, acc_n)):
@@ -731,8 +741,8 @@ def tma_matmul(x: object, w: object, out: object, version: str, mode: str = "pla
                stream: object = 0) -> None:  # fmt: skip
     """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the TMA version `version`;
     fp16 device arrays, K a multiple of 8 (the maps' 16-byte rows)."""
-    block_n, stages = TMA_VERSIONS[version]
-    kernel = tma_kernel(block_n, stages, mode)
+    block_n, stages, registers = TMA_VERSIONS[version]
+    kernel = tma_kernel(block_n, stages, registers, mode)
     w_rows = block_n // 2 if mode == "gate" else block_n
     tw = tma_map(w, w_rows)
     args = (tma_map(x, WGMMA_BM), tw, tw if w3 is None else tma_map(w3, w_rows), int32(x.shape[1]), out)
