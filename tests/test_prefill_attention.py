@@ -169,10 +169,9 @@ def test_prefill_attention_flops_and_bytes():
     assert prefill_attention_bytes(3, 2, config(2, 1, 8, window=2), "fp8") == 3 * 16 * 6 + 2 * 4 * 8
 
 
-def test_kernel_script_versions():
-    """scripts/kernels/prefill_attention.py (the versions: the fp32 SIMT kernel the tensor-core one
-    replaced, kept for comparison, and q and p rounded once) imports, and its versions pass their
-    checks at a small shape under the simulator (on the GPU: the real one)."""
+def _kernel_script() -> object:
+    """scripts/kernels/prefill_attention.py as a module (imported with its folder on the path, as
+    it imports its neighbours)."""
     import importlib
     import sys
     from pathlib import Path
@@ -180,9 +179,16 @@ def test_kernel_script_versions():
     folder = str(Path(__file__).resolve().parents[1] / "scripts" / "kernels")
     sys.path.insert(0, folder)
     try:
-        script = importlib.import_module("prefill_attention")
+        return importlib.import_module("prefill_attention")
     finally:
         sys.path.remove(folder)
+
+
+def test_kernel_script_versions():
+    """scripts/kernels/prefill_attention.py (the versions: the fp32 SIMT kernel the tensor-core one
+    replaced, kept for comparison, and q and p rounded once) imports, and its versions pass their
+    checks at a small shape under the simulator (on the GPU: the real one)."""
+    script = _kernel_script()
     cfg = script.config(4, 2, 32)
     cache = script.random_cache(40, cfg.kv_dim, "fp8", seed=3)
     for spec in (
@@ -200,16 +206,7 @@ def test_kernel_script_wgmma_version_at_model_head_dims(n_heads: int, n_kv_heads
     """scripts/kernels/prefill_attention.py's wg and wg2 versions (the steps on wgmma) at Llama-3-8B's and
     TinyLlama's head_dim and group, both KV dtypes, over several tiles of keys: head_dim 128 takes
     two column blocks of q and K in the swizzled layout, 64 one."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    folder = str(Path(__file__).resolve().parents[1] / "scripts" / "kernels")
-    sys.path.insert(0, folder)
-    try:
-        script = importlib.import_module("prefill_attention")
-    finally:
-        sys.path.remove(folder)
+    script = _kernel_script()
     cfg = script.config(n_heads, n_kv_heads, head_dim)
     for kv_dtype in ("fp16", "fp8"):
         cache = script.random_cache(80, cfg.kv_dim, kv_dtype, seed=3)

@@ -184,21 +184,45 @@ else:
         fnty = ir.FunctionType(ret or ir.VoidType(), [a.type for a in args])
         return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
 
-    @intrinsic
-    def mbarrier_init(typingctx, smem, bar, count):  # noqa: ANN001, ANN201
-        """A barrier at smem[bar] (two words, 8-byte aligned) expecting `count` arrivals a
-        phase, at phase 0. One thread calls it; then fence_mbarrier_init and a barrier."""
-        if not _is_word_array(smem):
-            return None
-        sig = types.void(smem, bar, count)
+    def _barrier_op(text: str, doc: str, counted: bool) -> object:
+        """An intrinsic (smem, bar, n) (counted) or (smem, bar) that emits `text` with $0 the
+        shared address of the barrier at smem[bar] and $1 the int32 n."""
 
         def codegen(context: object, builder: object, sig: object, args: object) -> object:
             addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            n = context.cast(builder, args[2], sig.args[2], types.int32)
-            _call(builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", [addr, n])
+            operands = [addr] + (
+                [context.cast(builder, args[2], sig.args[2], types.int32)] if counted else []
+            )
+            _call(builder, text, ",".join(["r"] * len(operands) + ["~{memory}"]), operands)
             return context.get_dummy_value()
 
-        return sig, codegen
+        if counted:
+
+            def impl(typingctx, smem, bar, n):  # noqa: ANN001, ANN202
+                return (types.void(smem, bar, n), codegen) if _is_word_array(smem) else None
+
+        else:
+
+            def impl(typingctx, smem, bar):  # noqa: ANN001, ANN202
+                return (types.void(smem, bar), codegen) if _is_word_array(smem) else None
+
+        impl.__doc__ = doc
+        return intrinsic(impl)
+
+    mbarrier_init = _barrier_op(
+        "mbarrier.init.shared::cta.b64 [$0], $1;",
+        "A barrier at smem[bar] (two words, 8-byte aligned) expecting n arrivals a phase, at phase 0. "
+        "One thread calls it; then fence_mbarrier_init and a barrier.",
+        counted=True,
+    )
+    mbarrier_expect_tx = _barrier_op(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        "Arrive on the barrier at smem[bar], and add n bytes to the bytes its phase waits for.",
+        counted=True,
+    )
+    mbarrier_arrive = _barrier_op(
+        "mbarrier.arrive.shared::cta.b64 _, [$0];", "Arrive on the barrier at smem[bar].", counted=False
+    )
 
     fence_mbarrier_init = _ptx_void(
         "fence.mbarrier_init.release.cluster;",
@@ -216,37 +240,6 @@ else:
         def codegen(context: object, builder: object, sig: object, args: object) -> object:
             tm = _address_of(context, builder, sig.args[0], args[0])
             _call(builder, "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}", [tm])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def mbarrier_expect_tx(typingctx, smem, bar, nbytes):  # noqa: ANN001, ANN201
-        """Arrive on the barrier at smem[bar], and add nbytes to the bytes its phase waits for."""
-        if not _is_word_array(smem):
-            return None
-        sig = types.void(smem, bar, nbytes)
-
-        def codegen(context: object, builder: object, sig: object, args: object) -> object:
-            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            n = context.cast(builder, args[2], sig.args[2], types.int32)
-            _call(
-                builder, "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}", [addr, n]
-            )
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def mbarrier_arrive(typingctx, smem, bar):  # noqa: ANN001, ANN201
-        """Arrive on the barrier at smem[bar]."""
-        if not _is_word_array(smem):
-            return None
-        sig = types.void(smem, bar)
-
-        def codegen(context: object, builder: object, sig: object, args: object) -> object:
-            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            _call(builder, "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}", [addr])
             return context.get_dummy_value()
 
         return sig, codegen

@@ -232,6 +232,41 @@ def wgmma_shared_bytes(block_n: int, stages: int, dtype: str, rows: bool = False
 
 
 @functools.cache
+def plain_epilogue(acc_n: int, residual: bool, q8: bool) -> object:
+    """The plain / residual epilogue of a warpgroup's acc_n accumulators a thread: store_all(acc,
+    out, row0, col0, s) writes out[row, col] = (residual: +=) acc[i] (q8: times its row scale
+    s[col]), acc[i] being D[row0 + 8 h, col0 + 8 j + e] for i = 4 j + 2 h + e, in calls of
+    STORE_UNROLLED accumulators: each a loop of constant bounds the compiler unrolls, so acc
+    stays in registers."""
+
+    @cuda.jit(device=True, inline=True)
+    def store_out(acc, lo, out, row0, col0, s):  # noqa: ANN001, ANN202
+        for i in range(lo, min(lo + STORE_UNROLLED, acc_n)):
+            row = row0 + 8 * ((i >> 1) & 1)
+            col = col0 + 8 * (i >> 2) + (i & 1)
+            if row < out.shape[0] and col < out.shape[1]:
+                v = acc[i]
+                if q8:
+                    v *= s[col]
+                if residual:
+                    out[row, col] += v
+                else:
+                    out[row, col] = v
+
+    @cuda.jit(device=True, inline=True)
+    def store_all(acc, out, row0, col0, s):  # noqa: ANN001, ANN202
+        store_out(acc, 0, out, row0, col0, s)
+        if acc_n > STORE_UNROLLED:
+            store_out(acc, STORE_UNROLLED, out, row0, col0, s)
+        if acc_n > 2 * STORE_UNROLLED:
+            store_out(acc, 2 * STORE_UNROLLED, out, row0, col0, s)
+        if acc_n > 3 * STORE_UNROLLED:
+            store_out(acc, 3 * STORE_UNROLLED, out, row0, col0, s)
+
+    return store_all
+
+
+@functools.cache
 def wgmma_kernel(  # noqa: C901
     block_n: int, stages: int, blocks_per_sm: int, rows: bool, mode: str, dtype: str = "fp16"
 ) -> object:
@@ -253,6 +288,7 @@ def wgmma_kernel(  # noqa: C901
     wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
     wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
     acc_n = wn // 2
+    store_all = plain_epilogue(acc_n, residual, q8)
     x_words = bm * bk // 2  # a stage's X tile (BM, 64) fp16, in int32 words
     w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
     stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
@@ -373,22 +409,6 @@ def wgmma_kernel(  # noqa: C901
                 out[row, col] = fp16_encode(h1 / (float32(1.0) + math.exp(-h1)) * h3)
 
     @cuda.jit(device=True, inline=True)
-    def store_out(acc, lo, out, row0, col0, s):  # noqa: ANN001, ANN202
-        """out = (residual: +=) acc[i] (q8: times its row scale) for i in lo .. lo +
-        STORE_UNROLLED - 1: acc[i] is D[row0 + 8 h, col0 + 8 j + e] for i = 4 j + 2 h + e."""
-        for i in range(lo, min(lo + STORE_UNROLLED, acc_n)):
-            row = row0 + 8 * ((i >> 1) & 1)
-            col = col0 + 8 * (i >> 2) + (i & 1)
-            if row < out.shape[0] and col < out.shape[1]:
-                v = acc[i]
-                if q8:
-                    v *= s[col]
-                if residual:
-                    out[row, col] += v
-                else:
-                    out[row, col] = v
-
-    @cuda.jit(device=True, inline=True)
     def block_tile(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
         """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16);
         part, tiles_done: the split's scratch (rows versions)."""
@@ -476,14 +496,8 @@ def wgmma_kernel(  # noqa: C901
             gate_out(acc, 0, out, row0, n0 + 2 * t, s, s3)
             if acc_n > 2 * GATE_UNROLLED:  # (two calls, each a loop of constant bounds it unrolls)
                 gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t, s, s3)
-        else:  # (calls of constant bounds, each a loop the compiler unrolls)
-            store_out(acc, 0, out, row0, n0 + 2 * t, s)
-            if acc_n > STORE_UNROLLED:
-                store_out(acc, STORE_UNROLLED, out, row0, n0 + 2 * t, s)
-            if acc_n > 2 * STORE_UNROLLED:
-                store_out(acc, 2 * STORE_UNROLLED, out, row0, n0 + 2 * t, s)
-            if acc_n > 3 * STORE_UNROLLED:
-                store_out(acc, 3 * STORE_UNROLLED, out, row0, n0 + 2 * t, s)
+        else:
+            store_all(acc, out, row0, n0 + 2 * t, s)
 
     bounds = (
         {"launch_bounds": (threads, blocks_per_sm)}
@@ -620,6 +634,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
     wgmma = wgmma_f16(block_n)
     wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
     acc_n = block_n // 2
+    store_all = plain_epilogue(acc_n, residual, False)
     x_words, w_words = bm * bk // 2, block_n * bk // 2
     stage_words = x_words + w_words
     stage_bytes = 4 * stage_words
@@ -636,19 +651,6 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
             if row < out.shape[0] and col < out.shape[1]:
                 h1, h3 = acc[i], acc[i + acc_n // 2]
                 out[row, col] = fp16_encode(h1 / (float32(1.0) + math.exp(-h1)) * h3)
-
-    @cuda.jit(device=True, inline=True)
-    def store_out(acc, lo, out, row0, col0):  # noqa: ANN001, ANN202
-        """out = (residual: +=) acc[i] for i in lo .. lo + STORE_UNROLLED - 1 (acc[i]: D[row0 +
-        8 h, col0 + 8 j + e], i = 4 j + 2 h + e)."""
-        for i in range(lo, min(lo + STORE_UNROLLED, acc_n)):
-            row = row0 + 8 * ((i >> 1) & 1)
-            col = col0 + 8 * (i >> 2) + (i & 1)
-            if row < out.shape[0] and col < out.shape[1]:
-                if residual:
-                    out[row, col] += acc[i]
-                else:
-                    out[row, col] = acc[i]
 
     @cuda.jit(**({} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}))
     def tma_matmul_kernel(tx, tw, tw3, k_cols, out):  # noqa: ANN001, ANN202
@@ -715,13 +717,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
             if acc_n // 2 > GATE_UNROLLED:
                 gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t)
         else:
-            store_out(acc, 0, out, row0, n0 + 2 * t)
-            if acc_n > STORE_UNROLLED:
-                store_out(acc, STORE_UNROLLED, out, row0, n0 + 2 * t)
-            if acc_n > 2 * STORE_UNROLLED:
-                store_out(acc, 2 * STORE_UNROLLED, out, row0, n0 + 2 * t)
-            if acc_n > 3 * STORE_UNROLLED:
-                store_out(acc, 3 * STORE_UNROLLED, out, row0, n0 + 2 * t)
+            store_all(acc, out, row0, n0 + 2 * t, out)  # (no row scales: out unread there)
 
     return tma_matmul_kernel
 
