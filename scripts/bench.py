@@ -740,8 +740,17 @@ def main() -> None:
         " the bandwidth bound (one read of the weights and the cache at the copy ceiling)",
     )
     ap.add_argument("--kv", default="fp16", help="KV cache dtypes of the --depths cells (fp16, fp8)")
+    ap.add_argument(
+        "--no-wgmma",
+        action="store_true",
+        help="prompt passes take the mma.sync tile, not pycalm.kernels.wgmma_matmul (the numbers before it)",
+    )
     args = ap.parse_args()
     print(f"GPU: {cuda.get_current_device().name}", flush=True)
+    if args.no_wgmma:
+        import pycalm.kernels.wgmma_matmul
+
+        pycalm.kernels.wgmma_matmul.WGMMA_MIN_ROWS = 1 << 30  # no pass is that long
     if args.split_attention_rows is not None:
         import pycalm.gpu.prefill
 

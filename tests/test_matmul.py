@@ -30,6 +30,7 @@ from pycalm.kernels.matmul import (
     splits_for,
 )
 from pycalm.kernels.skinny import MAX_ROWS, skinny_matmul
+from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 from pycalm.model import formats
 
 DTYPES = ["fp16", "fp8", "gf4"]
@@ -74,12 +75,14 @@ def _check(got, want, scale):
 
 def _run(mode, x, w, dtype, out, w3=None, tile=None, scratch=None):
     """The kernel's out: matmul with `tile` (K split over blocks with a scratch), or the skinny
-    kernel for tile="skinny"."""
+    kernel for tile="skinny", or wgmma_matmul's for tile="wgmma"."""
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
     w3 = None if w3 is None else to_device(w3)
     if tile == "skinny":
         skinny_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
+    elif tile == "wgmma":
+        wgmma_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
     else:
         args = (cuda.to_device(x), to_device(w), d_out, dtype)
         matmul(*args, stream=stream, mode=mode, w3=w3, tile=tile, scratch=scratch)
@@ -129,6 +132,29 @@ def test_matmul(dtype, mode, t_rows, n, k):
 @pytest.mark.parametrize("mode", MODES)
 def test_matmul_quantized(dtype, group, mode, t_rows, n, k):
     _test(mode, dtype, t_rows, n, k, group=group, seed=3)
+
+
+# pycalm.kernels.wgmma_matmul (Hopper): under the simulator its small tile (T = 70: a partial second
+# row tile; N = 120: a partial last W tile, the gate's of 32 outputs 4; K = 192: three steps,
+# more than the ring's stages) in each format, fp16 (TMA) in every mode; on the GPU every format
+# and mode through matmul itself at a prompt's row count (K = 1088: 17 steps)
+WGMMA_CASES = [("fp16", m) for m in MODES] + [
+    ("fp8", "plain"),
+    ("gf4", "gate"),
+    ("q8", "gate"),
+    ("q4", "residual"),
+]
+if GPU:
+    WGMMA_CASES = [(d, m) for d in ("fp16", "fp8", "gf4", "q8", "q4") for m in MODES]
+
+
+@pytest.mark.parametrize("dtype,mode", WGMMA_CASES)
+def test_wgmma_matmul(dtype, mode):
+    if GPU:  # a prompt's pass: matmul routes it to wgmma_matmul (an H100 / H200)
+        assert takes(600, 1088), "matmul would not route a 600-row pass to wgmma_matmul here"
+        _test(mode, dtype, 600, 520, 1088, seed=5, group=64 if mode == "gate" else 32)
+    else:
+        _test(mode, dtype, 70, 120, 192, tile="wgmma", seed=5)
 
 
 @pytest.mark.parametrize("tile", [Tile(32, 64, 2, 2), Tile(32, 64, 1, 2)], ids=["2units", "4units"])

@@ -73,6 +73,7 @@ GROUPS = ("step", "sample", "prefill")  # in the order the walk visits them
 # slowest, then the tensor-core matmuls and the matvecs, whose quantized decode makes them slower
 MODULE_COST = {
     "sample": 14,
+    "wgmma_matmul": 8,  # (not timed with the others: a guess above the mma.sync tile's)
     "matmul": 5,
     "skinny": 3,
     "moe_rows": 5,

@@ -321,6 +321,9 @@ else:
         from numba.cuda.cudadrv.driver import binding, driver
 
         argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-        cufunc = kernel.compile(argtypes)._codelibrary.get_cufunc()
+        compiled = kernel.compile(argtypes)
+        if not hasattr(compiled, "_codelibrary"):
+            return  # a recorded compile (pycalm.gpu.precompile's walk): nothing runs
+        cufunc = compiled._codelibrary.get_cufunc()
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
