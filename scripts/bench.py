@@ -499,6 +499,9 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
         n = min(p.max_chunk, n_tokens - pos0)
         b = p.buffers.first(n)
         tokens = e.feed[pos0 : pos0 + n]
+        for fn in roles.values():  # once uncaptured: what a launch sets up on first use (TMA maps)
+            every_layer(fn, b)
+        s.synchronize()
         graphs = {name: GraphStep(s, functools.partial(every_layer, fn, b)) for name, fn in roles.items()}
         graphs["embed_rows"] = GraphStep(
             s, functools.partial(embed_rows, e.tok_embeddings, tokens, b.x, e.embed_dtype, stream=s)
@@ -750,7 +753,8 @@ def main() -> None:
     if args.no_wgmma:
         import pycalm.kernels.wgmma_matmul
 
-        pycalm.kernels.wgmma_matmul.WGMMA_MIN_ROWS = 1 << 30  # no pass is that long
+        wgmma = pycalm.kernels.wgmma_matmul
+        wgmma.WGMMA_MIN_ROWS = dict.fromkeys(wgmma.WGMMA_MIN_ROWS, 1 << 30)  # no pass is that long
     if args.split_attention_rows is not None:
         import pycalm.gpu.prefill
 

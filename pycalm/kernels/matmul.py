@@ -23,7 +23,7 @@ and each B fragment for 4. Passes of at most 16 rows take ROW_TILE, BM = 16 and 
 warps of 16 x 16: a block per 32 rows of W, so a one-row pass spreads W over N/32 blocks. A
 row's sums do not depend on the tile (each output element takes K's 16-wide slices in order, in
 one accumulator), so a row's logits are the same bits in a pass of 1 row or of 2,048. On an
-H100 / H200 a pass of wgmma_matmul.WGMMA_MIN_ROWS rows and more takes Hopper's wgmma instead
+H100 / H200 a pass of wgmma_matmul.WGMMA_MIN_ROWS rows and more (512 or 1,024) takes Hopper's wgmma instead
 (pycalm.kernels.wgmma_matmul: 2.3x this tile's TFLOP/s in fp16), the same slices in the same
 order, each slice's sum in the hardware's order.
 
@@ -678,7 +678,7 @@ def matmul(
     t_rows, k_cols = x.shape
     from pycalm.kernels import wgmma_matmul as hopper  # (it imports this module)
 
-    if tile is None and hopper.takes(t_rows, k_cols):  # a prompt's pass on an H100 / H200: wgmma
+    if tile is None and hopper.takes(t_rows, k_cols, dtype):  # a prompt's pass on an H100 / H200: wgmma
         hopper.wgmma_matmul(x, w, out, dtype, stream=stream, mode=mode, w3=w3)
         return
     if tile is None:

@@ -1,6 +1,6 @@
 """Matrix products for T tokens on Hopper's warpgroup tensor cores (wgmma), fed by TMA for fp16
-weights and through registers for fp8 / gf4 / q8 / q4: prompt passes of WGMMA_MIN_ROWS rows and
-more on an sm_90 GPU (pycalm.kernels.matmul.matmul routes them here).
+weights and through registers for fp8 / gf4 / q8 / q4: prompt passes of WGMMA_MIN_ROWS[format] rows
+and more on an sm_90 GPU (pycalm.kernels.matmul.matmul routes them here).
 
   PLAIN:     out = X W^T                       (qkv, the classifier)
   RESIDUAL:  out += X W^T                      (wo and w2: the residual add fused in)
@@ -76,7 +76,13 @@ from pycalm.kernels.warpgroup import (
 )
 
 SIM = numba_config.ENABLE_CUDASIM
-WGMMA_MIN_ROWS = 512  # the fewest rows a pass takes these kernels for (measured ahead of the tile from here)
+# the fewest rows a pass of each weight format takes these kernels for. Measured, the 8B prefill
+# (H200, scripts/bench.py --prefill, the same run with --no-wgmma): fp16 ahead of the mma.sync tile
+# from 512 rows (20,333 against 15,600 tok/s at T = 512; 28,648 against 16,778 at 2,048), fp8
+# too; q8 and q4 behind it at 512 (13,021 against 13,437; 8,794 against 9,325), ahead at 2,048
+# (17,699 against 14,629; 12,388 against 10,210), where a 128 x 256 tile leaves most of the 8B's
+# qkv / wo / w2 grids under a wave of the 132 SMs. 1,024 lies between the two measured points.
+WGMMA_MIN_ROWS = {"fp16": 512, "fp8": 512, "gf4": 1024, "q8": 1024, "q4": 1024}
 BLOCK_N, STAGES = 256, 4  # the tile's W rows and the ring's stages
 SIM_BLOCK_N, SIM_STAGES = 64, 3  # the simulator's (its threads are Python threads)
 
@@ -500,15 +506,33 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
     return tma_matmul_kernel
 
 
-def tma_map(array: object, box_rows: int) -> object:
+def tma_map(array: object, box_rows: int, stream: object = 0) -> object:
     """A 128-byte-swizzled map of (box_rows, 64) fp16 boxes of a 2-D device array, built once
-    (the simulator: each call)."""
+    (the simulator: each call). A map is a device array written from the host, which a CUDA
+    graph capture on `stream` cannot hold: a pass captured into a graph runs once uncaptured
+    first (pycalm.gpu.graph.GraphStep's callers), else this raises."""
     if SIM:
         return tensor_map_2d(array, box_rows, WGMMA_BK, TMA_SWIZZLE_128B)
     key = (array.device_ctypes_pointer.value, array.shape, box_rows)
     if key not in _TMAPS:
+        if _capturing(stream):
+            raise PycalmError(
+                f"wgmma_matmul needs a TMA map of a new {array.shape} array during a CUDA graph capture:"
+                " launch the pass once before capturing it"
+            )
         _TMAPS[key] = tensor_map_2d(array, box_rows, WGMMA_BK, TMA_SWIZZLE_128B)
     return _TMAPS[key]
+
+
+def _capturing(stream: object) -> bool:
+    """`stream` (a numba stream; 0: the default stream, never captured here) is being captured."""
+    handle = getattr(stream, "handle", None)
+    if handle is None:
+        return False
+    from cuda.bindings import driver as cu
+
+    err, status = cu.cuStreamIsCapturing(handle)
+    return err != cu.CUresult.CUDA_SUCCESS or status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 @functools.cache
@@ -517,10 +541,11 @@ def _hopper() -> bool:
     return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
 
-def takes(t_rows: int, k_cols: int) -> bool:
-    """A product of t_rows rows and K = k_cols goes to wgmma_matmul: on an sm_90 GPU, from
-    WGMMA_MIN_ROWS rows, K whole steps of 64 (the units the weight loads take never cross a row)."""
-    return not SIM and t_rows >= WGMMA_MIN_ROWS and k_cols % WGMMA_BK == 0 and _hopper()
+def takes(t_rows: int, k_cols: int, dtype: str) -> bool:
+    """A product of t_rows rows, K = k_cols and `dtype` weights goes to wgmma_matmul: on an sm_90
+    GPU, from WGMMA_MIN_ROWS[dtype] rows, K whole steps of 64 (the units the weight loads take
+    never cross a row)."""
+    return not SIM and t_rows >= WGMMA_MIN_ROWS[dtype] and k_cols % WGMMA_BK == 0 and _hopper()
 
 
 def wgmma_matmul(
@@ -541,8 +566,9 @@ def wgmma_matmul(
     grid = ((t_rows + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
     if dtype == "fp16":
         kernel = tma_kernel(block_n, stages, 0, mode)
-        tw = tma_map(w, out_n)  # (the gate's box: out_n rows of W, then of W3)
-        args = (tma_map(x, WGMMA_BM), tw, tw if w3 is None else tma_map(w3, out_n), int32(k_cols), out)
+        tw = tma_map(w, out_n, stream)  # (the gate's box: out_n rows of W, then of W3)
+        tw3 = tw if w3 is None else tma_map(w3, out_n, stream)
+        args = (tma_map(x, WGMMA_BM, stream), tw, tw3, int32(k_cols), out)
         nbytes, threads = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 16 * stages + 1024, TMA_THREADS
     else:
         kernel = wgmma_kernel(block_n, stages, 1, False, mode, dtype)
