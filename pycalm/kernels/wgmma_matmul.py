@@ -137,39 +137,20 @@ def plain_epilogue(acc_n: int, residual: bool, q8: bool) -> object:
 
 
 @functools.cache
-def wgmma_kernel(  # noqa: C901
-    block_n: int, stages: int, blocks_per_sm: int, rows: bool, mode: str, dtype: str = "fp16"
-) -> object:
-    """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T ("plain"),
-    out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the W tile
-    holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
-    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). Arguments
-    (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out); rows versions
-    two more, the split's scratch: part (>= tiles x splits x BN / 4 x 256,) float32 and
-    tiles_done (>= tiles,) int32, zeros."""
-    bm, bk, threads = ROWS_BM if rows else WGMMA_BM, WGMMA_BK, WGMMA_THREADS
-    residual, gate = mode == "residual", mode == "gate"
+def weight_units(block_n: int, dtype: str, gate: bool, threads: int) -> tuple:
+    """How `threads` threads bring a (BN, 64) W tile of fp8 / gf4 / q8 / q4 weights through their
+    registers into shared memory as fp16: (w_source, fetch_units, put_units, unit_words).
+    A unit is one 16-byte load of a W row (fp8 / q8: 16 weights; gf4 / q4: 4 words of 8, and
+    q4's group step d and offset m); thread tid takes units tid, tid + threads, ... of the tile.
+    fetch_units loads a step's units into registers (unit_words of them), put_units decodes them
+    (exact for fp8, gf4 and q8's codes; fp16(d q + m) for q4) and stores them in the
+    128-byte-swizzled layout. The gate's tile holds W and W3 rows by turns of 8 (w_source)."""
     q8, q4, fp8 = dtype == "q8", dtype == "q4", dtype == "fp8"
-    quantized = dtype != "fp16"  # (and below: W through registers, decoded to fp16)
-    fp16_w = not quantized
-    out_n = block_n // 2 if gate else block_n  # output columns a tile
-    wn = block_n // 2 if rows else block_n  # a warpgroup's columns of the tile (its wgmma's n)
-    wgmma = wgmma_f16(wn)
-    wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
-    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
-    acc_n = wn // 2
-    store_all = plain_epilogue(acc_n, residual, q8)
-    x_words = bm * bk // 2  # a stage's X tile (BM, 64) fp16, in int32 words
-    w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
-    stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
-    w_base = stages * stage_words  # (W through registers) the three decoded W tiles, after the ring
-    copies = (bm + (0 if quantized else block_n)) * bk // 8 // threads  # 16-byte copies a thread a stage
-    unit_cols = 16 if q8 or fp8 else 32  # (W through registers) the columns of a unit: a 16-byte load
-    all_units = block_n * (bk // unit_cols)  # (W through registers) units a W tile
-    units = -(
-        -all_units // threads
-    )  # (W through registers) units a thread a step (the last: some threads none)
-    unit_words = 4 * max(units, 1)  # (W through registers) the registers of a thread's units
+    bk = WGMMA_BK
+    unit_cols = 16 if q8 or fp8 else 32  # the columns of a unit: a 16-byte load
+    all_units = block_n * (bk // unit_cols)  # units a W tile
+    units = -(-all_units // threads)  # units a thread a step (the last: some threads none)
+    unit_words = 4 * max(units, 1)  # the registers of a thread's units
     chunks_a_unit = unit_cols // 8  # 16-byte fp16 chunks a unit decodes to
 
     @cuda.jit(device=True, inline=True)
@@ -178,31 +159,6 @@ def wgmma_kernel(  # noqa: C901
         if gate:  # tile row rr: W (rr >> 3 even) or W3 (odd), output n0 + 8 (rr >> 4) + (rr & 7)
             return (rr >> 3) & 1, n0 + 8 * (rr >> 4) + (rr & 7)
         return 0, n0 + rr
-
-    @cuda.jit(device=True, inline=True)
-    def load_stage(smem, x, w, w3, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
-        """Issue this thread's copies of step `step`'s X tile (and fp16 W tile) into its stage."""
-        base = pad + (step % stages) * stage_words
-        t_rows, k_cols = x.shape
-        col0 = step * bk
-        for i in range(copies):
-            idx = tid + threads * i
-            r, c = idx >> 3, idx & 7  # tile row, 16-byte chunk
-            col = col0 + 8 * c
-            if r < bm:
-                row = m0 + r
-                ok = row < t_rows and col < k_cols
-                word = base + (r >> 3) * 256 + (r & 7) * 32 + ((c ^ (r & 7)) << 2)
-                cp_async16(smem, word, x, row if ok else 0, col if ok else 0, 16 if ok else 0)
-            elif fp16_w:  # (a constant: q8 / q4 W tiles come through registers, not here)
-                rr = r - bm
-                word = base + x_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
-                which, row = w_source(rr, n0)
-                ok = row < w.shape[0] and col < k_cols
-                if which:
-                    cp_async16(smem, word, w3, row if ok else 0, col if ok else 0, 16 if ok else 0)
-                else:
-                    cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
 
     @cuda.jit(device=True, inline=True)
     def fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, step):  # noqa: ANN001, ANN202
@@ -249,18 +205,14 @@ def wgmma_kernel(  # noqa: C901
                     h0, h1, h2, h3 = _gf4_words(regs[4 * i + j])
                 sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
 
-    @cuda.jit(device=True, inline=True)
-    def split_sums(acc, part, at, how):  # noqa: ANN001, ANN202
-        """A thread's acc and its partial sums in part[at + i threads], i < acc_n: how 0 writes
-        acc there, 1 adds them to acc, 2 loads them into acc (a loop the compiler unrolls:
-        acc_n <= UNROLLED)."""
-        for i in range(acc_n):
-            if how == 0:
-                part[at + i * threads] = acc[i]
-            elif how == 1:
-                acc[i] += part[at + i * threads]
-            else:
-                acc[i] = part[at + i * threads]
+    return w_source, fetch_units, put_units, unit_words
+
+
+@functools.cache
+def interleaved_gate(acc_n: int, q8: bool) -> object:
+    """The gate's epilogue over a tile whose W rows alternate by 8 between W and W3 (weight_units'
+    w_source): gate_all(acc, out, row0, col0, s, s3) writes out = fp16(silu(h1) h3), in calls of
+    GATE_UNROLLED pairs (each a loop of constant bounds the compiler unrolls)."""
 
     @cuda.jit(device=True, inline=True)
     def gate_out(acc, lo, out, row0, col0, s, s3):  # noqa: ANN001, ANN202
@@ -277,6 +229,84 @@ def wgmma_kernel(  # noqa: C901
                     h1 *= s[col]
                     h3 *= s3[col]
                 out[row, col] = fp16_encode(h1 / (float32(1.0) + math.exp(-h1)) * h3)
+
+    @cuda.jit(device=True, inline=True)
+    def gate_all(acc, out, row0, col0, s, s3):  # noqa: ANN001, ANN202
+        gate_out(acc, 0, out, row0, col0, s, s3)
+        if acc_n > 2 * GATE_UNROLLED:
+            gate_out(acc, GATE_UNROLLED, out, row0, col0, s, s3)
+
+    return gate_all
+
+
+@functools.cache
+def wgmma_kernel(  # noqa: C901
+    block_n: int, stages: int, blocks_per_sm: int, rows: bool, mode: str, dtype: str = "fp16"
+) -> object:
+    """The kernel of a wgmma version: out (T, N) float32 = X (T, K) fp16 W (N, K)^T ("plain"),
+    out += X W^T ("residual"), or out (T, N) fp16 = silu(X W^T) * (X W3^T) ("gate": the W tile
+    holds W and W3 rows by turns of 8, so a thread's accumulators of 8 columns j (W) and j + 1
+    (W3) are the same outputs' two sums, and the tile's outputs are BN / 2 columns). Arguments
+    (x, w, w3, out); q8 / q4: (x, w codes, w scales, w3 codes, w3 scales, out); rows versions
+    two more, the split's scratch: part (>= tiles x splits x BN / 4 x 256,) float32 and
+    tiles_done (>= tiles,) int32, zeros."""
+    bm, bk, threads = ROWS_BM if rows else WGMMA_BM, WGMMA_BK, WGMMA_THREADS
+    residual, gate = mode == "residual", mode == "gate"
+    q8, scaled = dtype == "q8", dtype in ("q8", "q4")  # (scaled: codes and scales, two arguments)
+    quantized = dtype != "fp16"  # (and below: W through registers, decoded to fp16)
+    fp16_w = not quantized
+    out_n = block_n // 2 if gate else block_n  # output columns a tile
+    wn = block_n // 2 if rows else block_n  # a warpgroup's columns of the tile (its wgmma's n)
+    wgmma = wgmma_f16(wn)
+    wait_loads = cp_async_wait(stages - 3)  # all but the stages - 3 newest groups: this step's landed
+    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
+    acc_n = wn // 2
+    store_all = plain_epilogue(acc_n, residual, q8)
+    x_words = bm * bk // 2  # a stage's X tile (BM, 64) fp16, in int32 words
+    w_words = block_n * bk // 2  # a W tile (BN, 64) fp16
+    stage_words = x_words if quantized else x_words + w_words  # a stage of the cp.async ring
+    w_base = stages * stage_words  # (W through registers) the three decoded W tiles, after the ring
+    copies = (bm + (0 if quantized else block_n)) * bk // 8 // threads  # 16-byte copies a thread a stage
+    w_source, fetch_units, put_units, unit_words = weight_units(block_n, dtype, gate, threads)
+    gate_all = interleaved_gate(acc_n, q8)
+
+    @cuda.jit(device=True, inline=True)
+    def load_stage(smem, x, w, w3, pad, tid, m0, n0, step):  # noqa: ANN001, ANN202
+        """Issue this thread's copies of step `step`'s X tile (and fp16 W tile) into its stage."""
+        base = pad + (step % stages) * stage_words
+        t_rows, k_cols = x.shape
+        col0 = step * bk
+        for i in range(copies):
+            idx = tid + threads * i
+            r, c = idx >> 3, idx & 7  # tile row, 16-byte chunk
+            col = col0 + 8 * c
+            if r < bm:
+                row = m0 + r
+                ok = row < t_rows and col < k_cols
+                word = base + (r >> 3) * 256 + (r & 7) * 32 + ((c ^ (r & 7)) << 2)
+                cp_async16(smem, word, x, row if ok else 0, col if ok else 0, 16 if ok else 0)
+            elif fp16_w:  # (a constant: q8 / q4 W tiles come through registers, not here)
+                rr = r - bm
+                word = base + x_words + (rr >> 3) * 256 + (rr & 7) * 32 + ((c ^ (rr & 7)) << 2)
+                which, row = w_source(rr, n0)
+                ok = row < w.shape[0] and col < k_cols
+                if which:
+                    cp_async16(smem, word, w3, row if ok else 0, col if ok else 0, 16 if ok else 0)
+                else:
+                    cp_async16(smem, word, w, row if ok else 0, col if ok else 0, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline=True)
+    def split_sums(acc, part, at, how):  # noqa: ANN001, ANN202
+        """A thread's acc and its partial sums in part[at + i threads], i < acc_n: how 0 writes
+        acc there, 1 adds them to acc, 2 loads them into acc (a loop the compiler unrolls:
+        acc_n <= UNROLLED)."""
+        for i in range(acc_n):
+            if how == 0:
+                part[at + i * threads] = acc[i]
+            elif how == 1:
+                acc[i] += part[at + i * threads]
+            else:
+                acc[i] = part[at + i * threads]
 
     @cuda.jit(device=True, inline=True)
     def block_tile(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
@@ -363,16 +393,14 @@ def wgmma_kernel(  # noqa: C901
         # acc[i] is D[row0 + 8 h, 8 j + 2 t + e] of the tile for i = 4 j + 2 h + e, read in loops
         # the compiler unrolls, so that acc stays in registers
         if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
-            gate_out(acc, 0, out, row0, n0 + 2 * t, s, s3)
-            if acc_n > 2 * GATE_UNROLLED:  # (two calls, each a loop of constant bounds it unrolls)
-                gate_out(acc, GATE_UNROLLED, out, row0, n0 + 2 * t, s, s3)
+            gate_all(acc, out, row0, n0 + 2 * t, s, s3)
         else:
             store_all(acc, out, row0, n0 + 2 * t, s)
 
     bounds = {"cache": not SIM} | (
         {"launch_bounds": (threads, blocks_per_sm)} if blocks_per_sm > 1 and not SIM else {}
     )
-    if (q8 or q4) and rows:
+    if scaled and rows:
 
         @cuda.jit(**bounds)
         def wgmma_matmul_kernel(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202
@@ -384,7 +412,7 @@ def wgmma_kernel(  # noqa: C901
         def wgmma_matmul_kernel(x, w, w3, out, part, tiles_done):  # noqa: ANN001, ANN202
             block_tile(x, w, w, w3, w3, out, part, tiles_done)
 
-    elif q8 or q4:
+    elif scaled:
 
         @cuda.jit(**bounds)
         def wgmma_matmul_kernel(x, w, s, w3, s3, out):  # noqa: ANN001, ANN202
