@@ -460,7 +460,6 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     """Seconds of each kernel role of a prefill of n_tokens (its launches for all layers and
     every chunk, each role's launches of a chunk captured in a graph of their own and replayed;
     MoE: the routing and grouping of the rows as of the last prefill)."""
-    from pycalm.kernels.matmul import matmul
     from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
     from pycalm.kernels.prefill_attention import prefill_attention
     from pycalm.kernels.rows import embed_rows, moe_group, moe_route_rows, qkv_rows, rmsnorm_rows
@@ -468,6 +467,10 @@ def prefill_roles(engine: GpuEngine, n_tokens: int) -> dict[str, float]:
     e, cfg, s = engine, engine.config, engine.stream
     eps = cfg.norm_eps
     p = Prefill(engine, engine.prefill_chunk)  # row buffers of its own (fit_layers spares them)
+
+    def matmul(x: object, *args: object, **kwargs: object) -> None:  # the pass's products (Prefill.products)
+        p.products(x.shape[0])(x, *args, **kwargs)
+
     roles = {  # role -> its launches for one layer and a chunk of rows b (formats: L.dtypes)
         "rmsnorm_rows": lambda L, c, b: (rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s),
                                               rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma] [wgmma-rows]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -82,6 +82,10 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 0 -p no:cacheprovider tests/test_warpgroup.py tests/test_tma.py -m "not compile" -k "not script_checks" 2>&1 \
                | tee "$out/tests_warpgroup.log" | tail -8
              python3 scripts/kernels/matmul.py --wgmma w1,w2,w3,t1,t2,t3 --torch --budget 400 2>&1 | tee "$out/kernels_wgmma.log" | tail -40 ;;
+    decode)  # the wgmma versions of the other formats: w1 (its warps decode) against d1 / d2 (a producer
+             # warpgroup decodes; d2's codes come by TMA), checked on the GPU, then timed beside the tile
+             python3 scripts/kernels/matmul.py --wgmma w1,d1,d2 --dtypes fp8,gf4,q8,q4 --budget 420 2>&1 \
+               | tee "$out/kernels_decode.log" | grep -v " ok$" | tail -40 ;;
     wgmma-rows)  # the prefill attention on wgmma beside the shipped kernel; the wgmma rows versions, checked,
              # then timed at 16 / 32 / 64 rows beside skinny and the split tile
              python3 scripts/kernels/prefill_attention.py --variants shipped,wg,wg2 --rows 2048,4000 2>&1 \

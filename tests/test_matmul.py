@@ -137,7 +137,7 @@ def test_matmul_quantized(dtype, group, mode, t_rows, n, k):
 # pycalm.kernels.wgmma_matmul (Hopper): under the simulator its small tile (T = 70: a partial second
 # row tile; N = 120: a partial last W tile, the gate's of 32 outputs 4; K = 192: three steps,
 # more than the ring's stages) in each format, fp16 (TMA) in every mode; on the GPU every format
-# and mode through matmul itself at a prompt's row count (T = 1,100: a partial ninth row tile;
+# and mode at a prompt's row count (T = 1,100: a partial ninth row tile;
 # K = 1088: 17 steps)
 WGMMA_CASES = [("fp16", m) for m in MODES] + [
     ("fp8", "plain"),
@@ -151,9 +151,11 @@ if GPU:
 
 @pytest.mark.parametrize("dtype,mode", WGMMA_CASES)
 def test_wgmma_matmul(dtype, mode):
-    if GPU:  # a prompt's pass: matmul routes it to wgmma_matmul (an H100 / H200)
-        assert takes(1100, 1088, dtype), "matmul would not route a 1,100-row pass to wgmma_matmul here"
-        _test(mode, dtype, 1100, 520, 1088, seed=5, group=64 if mode == "gate" else 32)
+    if GPU:  # a prompt's pass, which the prompt pass sends to wgmma_matmul (an H100 / H200)
+        assert takes(1100, 1088, dtype), (
+            "the prompt pass would not send a 1,100-row pass to wgmma_matmul here"
+        )
+        _test(mode, dtype, 1100, 520, 1088, tile="wgmma", seed=5, group=64 if mode == "gate" else 32)
     else:
         _test(mode, dtype, 70, 120, 192, tile="wgmma", seed=5)
 

@@ -243,11 +243,18 @@ class Prefill:
 
     def products(self, n_rows: int) -> object:
         """The weight-product launcher of a pass of n_rows rows (matmul's arguments): for each
-        matrix, skinny_matmul up to skinny_rows of its format, else the tiled matmul."""
+        matrix, skinny_matmul up to skinny_rows of its format; on an H100 / H200 wgmma_matmul
+        from its WGMMA_MIN_ROWS of the format (K a multiple of 64); else the tiled matmul."""
         from pycalm.kernels.skinny import skinny_matmul
+        from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 
         def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
-            launch = skinny_matmul if n_rows <= self.skinny_rows[dtype] else self.tiled
+            if n_rows <= self.skinny_rows[dtype]:
+                launch = skinny_matmul
+            elif not self.invariant and takes(n_rows, x.shape[1], dtype):
+                launch = wgmma_matmul
+            else:
+                launch = self.tiled
             launch(x, w, out, dtype, **kwargs)
 
         return product

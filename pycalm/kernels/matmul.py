@@ -23,9 +23,9 @@ and each B fragment for 4. Passes of at most 16 rows take ROW_TILE, BM = 16 and 
 warps of 16 x 16: a block per 32 rows of W, so a one-row pass spreads W over N/32 blocks. A
 row's sums do not depend on the tile (each output element takes K's 16-wide slices in order, in
 one accumulator), so a row's logits are the same bits in a pass of 1 row or of 2,048. On an
-H100 / H200 a pass of wgmma_matmul.WGMMA_MIN_ROWS rows and more (512 or 1,024) takes Hopper's wgmma instead
-(pycalm.kernels.wgmma_matmul: 2.3x this tile's TFLOP/s in fp16), the same slices in the same
-order, each slice's sum in the hardware's order.
+H100 / H200 the prompt pass (pycalm.gpu.prefill) sends passes of wgmma_matmul.WGMMA_MIN_ROWS rows
+and more (512 or 1,024) to Hopper's wgmma instead (pycalm.kernels.wgmma_matmul: 2.3x this tile's
+TFLOP/s in fp16), the same slices in the same order, each slice's sum in the hardware's order.
 
 Shared memory: per stage, X tile (BM, BK) and W tile (BN, BK) fp16, row-major in int32 words
 (two halves a word, 64 bytes a row), the four 16-byte chunks of row r stored in the order
@@ -669,18 +669,12 @@ def matmul(
     ("gate"); X (T, K) float16, W (and W3) the stored (N, K) weights in `dtype` (q8 / q4: a
     formats.Quantized of device arrays), out (T, N) float32 (gate: float16). Device arrays.
     scratch (matmul_split_scratch of the tile): K is split over blocks where the tiles alone
-    leave SMs idle (splits_for); without it, never. Without a tile, a pass of
-    wgmma_matmul.WGMMA_MIN_ROWS rows and more on an sm_90 GPU takes pycalm.kernels.wgmma_matmul."""
+    leave SMs idle (splits_for); without it, never."""
     if mode not in MODES:
         raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
     if (mode == "gate") != (w3 is not None):
         raise PycalmError("the gate takes w3, and only the gate")
     t_rows, k_cols = x.shape
-    from pycalm.kernels import wgmma_matmul as hopper  # (it imports this module)
-
-    if tile is None and hopper.takes(t_rows, k_cols, dtype):  # a prompt's pass on an H100 / H200: wgmma
-        hopper.wgmma_matmul(x, w, out, dtype, stream=stream, mode=mode, w3=w3)
-        return
     if tile is None:
         tile = tile_for(t_rows)
     if k_cols % UNIT:

@@ -51,7 +51,15 @@ from numba import config as _numba_config
 from numba import cuda
 
 SWIZZLE_NONE, SWIZZLE_128B = 0, 3  # the map's swizzle modes used here (CUtensorMapSwizzle)
-_DATA_TYPE = {np.dtype(np.uint8): 0, np.dtype(np.float16): 6, np.dtype(np.int32): 3, np.dtype(np.float32): 7}
+# CUtensorMapDataType of each element type (int8 copied as uint8: TMA moves the bytes as they are)
+_DATA_TYPE = {
+    np.dtype(np.uint8): 0,
+    np.dtype(np.int8): 0,
+    np.dtype(np.float16): 6,
+    np.dtype(np.int32): 3,
+    np.dtype(np.uint32): 2,
+    np.dtype(np.float32): 7,
+}
 
 if _numba_config.ENABLE_CUDASIM:
     import threading

@@ -5,6 +5,7 @@ pycalm.cpu.reference, and TFLOP/s on the GPU (llm.c dev/cuda style).
     python scripts/kernels/matmul.py --check          # only the checks against the reference
     python scripts/kernels/matmul.py --table --quick  # only the table, T = 2048
     python scripts/kernels/matmul.py --wgmma w1,w2,w3,t1,t2 --torch  # the wgmma and TMA versions: check, time
+    python scripts/kernels/matmul.py --wgmma w1,d1,d2 --dtypes fp8,gf4,q8,q4  # the decode versions
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --wgmma ws   # the same, simulator
     NUMBA_ENABLE_CUDASIM=1 python scripts/kernels/matmul.py --check --tiny   # simulator, seconds
 
@@ -40,28 +41,54 @@ needed for the last token only).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 
 import numpy as np
 from numba import config as numba_config
-from numba import cuda, int32, uint32
+from numba import cuda, float32, int32, uint32
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from pycalm.cpu.reference import matmul_gate_ref, matmul_ref, matmul_residual_ref  # noqa: E402
-from pycalm.kernels.matmul import TILE, Tile, matmul  # noqa: E402
-from pycalm.kernels.warpgroup import allow_dynamic_shared  # noqa: E402
+from pycalm.kernels.matmul import TILE, Tile, matmul, weight_args  # noqa: E402
+from pycalm.kernels.tma import (  # noqa: E402
+    SWIZZLE_NONE,
+    fence_mbarrier_init,
+    mbarrier_arrive,
+    mbarrier_expect_tx,
+    mbarrier_init,
+    mbarrier_try_wait,
+    tensor_map_2d,
+    tensormap_acquire,
+    tma_load_2d,
+)
+from pycalm.kernels.warpgroup import (  # noqa: E402
+    SWIZZLE_128B,
+    allow_dynamic_shared,
+    fence_proxy_async,
+    shared_byte_address,
+    smem_desc,
+    wgmma_commit,
+    wgmma_f16,
+    wgmma_fence,
+    wgmma_wait,
+)
 from pycalm.kernels.wgmma_matmul import (  # noqa: E402
     _ALLOWED,
     ROWS_BM,
     TMA_THREADS,
+    UNROLLED,
     WGMMA_BK,
     WGMMA_BM,
     WGMMA_THREADS,
+    interleaved_gate,
+    plain_epilogue,
     tma_kernel,
     tma_map,
+    weight_units,
     wgmma_kernel,
     wgmma_shared_bytes,
 )
@@ -196,7 +223,7 @@ WGMMA_VERSIONS = {
     "r3": (128, 6, 1, True),
     "rs": (64, 3, 1, True),
 }
-SIM_VERSIONS = ("ws", "rs", "ts")  # the simulator's small tiles
+SIM_VERSIONS = ("ws", "rs", "ts", "ds", "dt")  # the simulator's small tiles
 WGMMA_DTYPES = ("fp16", "fp8", "gf4", "q8", "q4")
 _SCRATCH: dict = {}  # (part, tiles_done) of the rows versions' splits, by size
 H200_SMS = 132
@@ -240,7 +267,13 @@ def wgmma_matmul(
 ) -> None:
     """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the wgmma version `version`;
     device arrays (q8 / q4: formats.Quantized of device arrays). Rows versions: K in `splits`
-    splits (0: row_splits'). TMA versions: tma_matmul (fp16 W)."""
+    splits (0: row_splits'). TMA versions: tma_matmul (fp16 W); decode versions: decode_matmul
+    (fp8 / gf4 / q8 / q4 W)."""
+    if version in DECODE_VERSIONS:
+        if dtype == "fp16":
+            raise ValueError("the decode versions take fp8 / gf4 / q8 / q4 weights, not fp16")
+        decode_matmul(x, w, out, version, mode, w3 if mode == "gate" else None, dtype, stream)
+        return
     if version in TMA_VERSIONS:
         if dtype != "fp16":
             raise ValueError(f"the TMA versions take fp16 weights, not {dtype}")
@@ -309,14 +342,282 @@ def tma_matmul(x: object, w: object, out: object, version: str, mode: str = "pla
     kernel[grid, TMA_THREADS, stream, nbytes](*args)
 
 
+# ---------------------------------------------------------------------------------------------
+# Decode versions (fp8 / gf4 / q8 / q4 W): the TMA versions' pipeline with a producer warpgroup
+# that decodes
+#
+# As the TMA versions: a block of three warpgroups, a 128 x BN tile, consumers 1 and 2 on wgmma
+# over a ring of STAGES stages with "full" and "empty" mbarriers, TMA bringing X's box. The
+# producer warpgroup's 128 threads now all work: each step, they decode their units of W (16
+# bytes of codes each, pycalm.kernels.wgmma_matmul.weight_units for 128 threads) to fp16 into the
+# stage's W tile, make their stores visible to the tensor cores (fence.proxy.async) and arrive on
+# the stage's full barrier (129 arrivals: the 128 threads and thread 0's expect_tx of X's bytes).
+# So the consumers only issue wgmma, as in t1, where the w versions' warps decode between their
+# wgmma and wait at a block-wide barrier each step.
+#
+#   d1: the units come by 16-byte loads from global memory in the step that decodes them (their
+#       latency in each of the producer's steps). Loading them a step ahead made ptxas spill
+#       32-256 bytes a thread in fp8, q8 and the q4 gate, at the 168 registers 384 threads leave.
+#   d2: TMA brings W's codes as they are stored (BN rows of 64 bytes, or of 8 words; the gate's
+#       W rows, then W3's) into a third part of each stage, counted on a "landed" mbarrier;
+#       thread 0 keeps STAGES - 2 steps of them in flight, and the producer decodes from shared
+#       memory (q4's d and m come by loads a step ahead). 3 stages (64 KiB each with fp8 codes).
+#   ds, dt: d1, d2 at 128 x 64: the simulator's
+# (setmaxnreg, the producer down to 96 registers and the consumers up to 208, made ptxas spill
+# 300-800 bytes in the producer: the consumers need no more than 168)
+
+# name: (BN, stages, where the producer's units come from: "loads" (d1) or "tma" (d2))
+DECODE_VERSIONS = {
+    "d1": (256, 4, "loads"),
+    "d2": (256, 3, "tma"),
+    "ds": (64, 3, "loads"),
+    "dt": (64, 3, "tma"),
+}
+
+
+@functools.cache
+def decode_kernel(block_n: int, stages: int, source: str, mode: str, dtype: str) -> object:  # noqa: C901
+    """The kernel of a decode version: out (T, N) float32 (=, +=) X W^T, or fp16 silu(X W^T) *
+    (X W3^T) (the W tile's rows: W and W3 by turns of 8), fp8 / gf4 / q8 / q4 W, the producer's
+    units from `source` (DECODE_VERSIONS). Arguments: (tmap of X, w, w3, k_cols, out); q8 / q4:
+    (tmap of X, w codes, w scales, w3 codes, w3 scales, k_cols, out); source "tma": the maps of
+    W's and W3's codes in place of w and w3."""
+    raw = source == "tma"
+    bm, bk, threads = WGMMA_BM, WGMMA_BK, TMA_THREADS
+    residual, gate, q8 = mode == "residual", mode == "gate", dtype == "q8"
+    wgmma = wgmma_f16(block_n)
+    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
+    acc_n = block_n // 2
+    store_all = plain_epilogue(acc_n, residual, q8)
+    gate_all = interleaved_gate(acc_n, q8)
+    _, fetch_units, put_units, unit_words = weight_units(block_n, dtype, gate, 128)
+    out_n = block_n // 2 if gate else block_n
+    x_words, w_words = bm * bk // 2, block_n * bk // 2  # a stage's X box and W tile, int32 words
+    row_words = 16 if dtype in ("fp8", "q8") else 8  # (raw) a W row's 64 codes, int32 words
+    raw_words = block_n * row_words if raw else 0  # (raw) a stage's codes as TMA lands them
+    stage_words = x_words + w_words + raw_words
+    # full[s] at bars + 2 s, empty[s] at bars + 2 (stages + s), (raw) landed[s] at bars + 2 (2 stages + s)
+    bars = stages * stage_words
+    ahead = max(1, stages - 2)  # (raw) the steps whose codes are on their way while one decodes
+    unit_cols = 16 if dtype in ("fp8", "q8") else 32  # (raw) weights a unit
+    units = block_n * bk // unit_cols // 128  # (raw) a producer thread's units a step
+    q4 = dtype == "q4"
+
+    @cuda.jit(device=True, inline=True)
+    def issue(smem, tx, tw, tw3, pad, m0, n0, i, full, empty, landed):  # noqa: ANN001, ANN202
+        """(raw, thread 0) Once stage i % STAGES is free: TMA brings step i's X box (counted on
+        its full barrier) and W's codes (on its landed barrier; the gate: W's BN / 2 rows, then
+        W3's)."""
+        st, phase = i % stages, (i // stages) & 1
+        while mbarrier_try_wait(smem, empty + 2 * st, phase ^ 1) == 0:  # the stage is free
+            pass
+        base = pad + st * stage_words
+        mbarrier_expect_tx(smem, full + 2 * st, 4 * x_words)
+        tma_load_2d(smem, base, tx, i * bk, m0, full + 2 * st)
+        mbarrier_expect_tx(smem, landed + 2 * st, 4 * raw_words)
+        col = i * (bk if row_words == 16 else bk // 8)  # the step's first byte, or word of 8 codes
+        tma_load_2d(smem, base + x_words + w_words, tw, col, n0, landed + 2 * st)
+        if gate:
+            tma_load_2d(smem, base + x_words + w_words + raw_words // 2, tw3, col, n0, landed + 2 * st)
+
+    @cuda.jit(device=True, inline=True)
+    def unit_row(tid, i):  # noqa: ANN001, ANN202
+        """(raw) A producer thread's unit i: its W tile row, its part of the row, and the row of the
+        landed codes (the gate's: W's rows first, then W3's)."""
+        u = tid + 128 * i
+        rr, part = u // (bk // unit_cols), u % (bk // unit_cols)
+        if gate:
+            return rr, part, ((rr >> 3) & 1) * (block_n // 2) + 8 * (rr >> 4) + (rr & 7)
+        return rr, part, rr
+
+    @cuda.jit(device=True, inline=True)
+    def q4_scales(s, s3, scale, tid, n0, k_cols, i):  # noqa: ANN001, ANN202
+        """(raw, q4) The d, m of this thread's units of step i into scale (zeros past N)."""
+        for j in range(units):
+            rr, part, lr = unit_row(tid, j)
+            which = lr >= block_n // 2 if gate else False
+            row = n0 + (lr - block_n // 2 if which else lr)
+            sc = s3 if which else s
+            scale[2 * j] = float32(0.0)
+            scale[2 * j + 1] = float32(0.0)
+            if row < sc.shape[0]:
+                group = (i * bk + part * unit_cols) // (k_cols // sc.shape[1])
+                scale[2 * j] = float32(sc[row, min(group, sc.shape[1] - 1), 0])
+                scale[2 * j + 1] = float32(sc[row, min(group, sc.shape[1] - 1), 1])
+
+    @cuda.jit(device=True, inline=True)
+    def raw_producer(smem, tx, tw, s, tw3, s3, k_cols, tid, pad, m0, n0, steps, full, empty, landed):  # noqa: ANN001, ANN202
+        """(d2) The producer warpgroup: thread 0 keeps `ahead` steps of TMA in flight; every
+        thread decodes its units of each landed step into the stage's W tile."""
+        if tid == 0:
+            tensormap_acquire(tx)
+            tensormap_acquire(tw)
+            tensormap_acquire(tw3)
+            for i in range(min(ahead, steps)):
+                issue(smem, tx, tw, tw3, pad, m0, n0, i, full, empty, landed)
+        regs = cuda.local.array(unit_words, int32)  # (units) a step's codes, from shared memory
+        scale = cuda.local.array(unit_words, float32)  # (q4) this step's d, m
+        scale2 = cuda.local.array(unit_words, float32)  # (q4) the next step's, in flight
+        if q4:
+            q4_scales(s, s3, scale, tid, n0, k_cols, 0)
+        for i in range(steps):
+            st, phase = i % stages, (i // stages) & 1
+            if tid == 0 and i + ahead < steps:
+                issue(smem, tx, tw, tw3, pad, m0, n0, i + ahead, full, empty, landed)
+            if q4 and i + 1 < steps:
+                q4_scales(s, s3, scale2, tid, n0, k_cols, i + 1)
+            while mbarrier_try_wait(smem, landed + 2 * st, phase) == 0:  # step i's codes have landed
+                pass
+            base = pad + st * stage_words
+            for j in range(units):
+                _, part, lr = unit_row(tid, j)
+                at = base + x_words + w_words + lr * row_words + 4 * part
+                for e in range(4):
+                    regs[4 * j + e] = smem[at + e]
+            put_units(smem, regs, scale, tid, base + x_words)
+            fence_proxy_async()  # this thread's stores of the W tile: visible to wgmma's async proxy
+            mbarrier_arrive(smem, full + 2 * st)
+            if q4:
+                for j in range(unit_words):  # (registers: a loop the compiler unrolls)
+                    scale[j] = scale2[j]
+
+    @cuda.jit(device=True, inline=True)
+    def register_producer(smem, tx, w, s, w3, s3, k_cols, tid, pad, m0, n0, steps, full, empty):  # noqa: ANN001, ANN202
+        """(d1) The producer warpgroup: every thread loads its units of W from global memory and
+        decodes them into the stage's W tile; thread 0 has TMA bring X."""
+        if tid == 0:
+            tensormap_acquire(tx)
+        regs = cuda.local.array(unit_words, int32)  # (units) step i's W units
+        scale = cuda.local.array(unit_words, float32)  # (q4) their d, m
+        for i in range(steps):
+            st, phase = i % stages, (i // stages) & 1
+            fetch_units(w, s, w3, s3, regs, scale, tid, n0, k_cols, i)  # (issued before the wait)
+            while mbarrier_try_wait(smem, empty + 2 * st, phase ^ 1) == 0:  # the stage is free
+                pass
+            base = pad + st * stage_words
+            if tid == 0:
+                mbarrier_expect_tx(smem, full + 2 * st, 4 * x_words)
+                tma_load_2d(smem, base, tx, i * bk, m0, full + 2 * st)
+            put_units(smem, regs, scale, tid, base + x_words)
+            fence_proxy_async()  # this thread's stores of the W tile: visible to wgmma's async proxy
+            mbarrier_arrive(smem, full + 2 * st)
+
+    @cuda.jit(device=True, inline=True)
+    def block_tile(tx, w, s, w3, s3, k_cols, out):  # noqa: ANN001, ANN202
+        smem = cuda.shared.array(0, int32)  # STAGES stages of (X box, W tile), then the barriers
+        tid = cuda.threadIdx.x
+        group = tid >> 7  # 0: the producer; 1, 2: the consumers of tile rows 64 (group - 1) ..
+        pad = ((1024 - (shared_byte_address(smem, 0) & 1023)) & 1023) >> 2  # words to a 1 KiB boundary
+        m0 = cuda.blockIdx.x * bm
+        n0 = cuda.blockIdx.y * out_n
+        steps = (k_cols + bk - 1) // bk
+        full, empty, landed = pad + bars, pad + bars + 2 * stages, pad + bars + 4 * stages
+        if tid == 0:
+            for st in range(stages):
+                mbarrier_init(smem, full + 2 * st, 129)  # the producer's threads, and thread 0's bytes
+                mbarrier_init(smem, empty + 2 * st, 256)  # one arrival a consumer thread
+                if raw:
+                    mbarrier_init(smem, landed + 2 * st, 1)  # thread 0's bytes of W's codes
+            fence_mbarrier_init()
+        cuda.syncthreads()  # the barriers are set up before anyone waits on them
+        if group == 0:  # (raw: a constant, so numba keeps one of the two calls)
+            if raw:
+                raw_producer(smem, tx, w, s, w3, s3, k_cols, tid, pad, m0, n0, steps, full, empty, landed)
+            else:
+                register_producer(smem, tx, w, s, w3, s3, k_cols, tid, pad, m0, n0, steps, full, empty)
+            return
+        acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                acc[i] = 0.0
+        for i in range(steps):
+            st, phase = i % stages, (i // stages) & 1
+            while mbarrier_try_wait(smem, full + 2 * st, phase) == 0:  # step i's X box and W tile are in
+                pass
+            base = pad + st * stage_words
+            wgmma_fence()
+            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
+                da = smem_desc(smem, base + (group - 1) * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, base + x_words + 8 * kk, 16, 1024, SWIZZLE_128B)
+                wgmma(acc, smem, da, db, 1)
+            wgmma_commit()
+            wait_one()  # this thread's part of step i - 1's wgmma retired: its reads of that stage are done
+            if i > 0:
+                mbarrier_arrive(smem, empty + 2 * ((i - 1) % stages))
+        wait_all()  # every sum in acc
+        q, lane = (tid >> 5) & 3, tid & 31
+        g, t = lane >> 2, lane & 3
+        row0 = m0 + 64 * (group - 1) + 16 * q + g
+        if gate:  # acc[8 p + u] (u < 4): W's sums of outputs 8 p + ..; acc[8 p + u + 4]: W3's
+            gate_all(acc, out, row0, n0 + 2 * t, s, s3)
+        else:
+            store_all(acc, out, row0, n0 + 2 * t, s)
+
+    bounds = {} if numba_config.ENABLE_CUDASIM else {"launch_bounds": (threads, 1)}
+    if dtype in ("q8", "q4"):
+
+        @cuda.jit(**bounds)
+        def decode_matmul_kernel(tx, w, s, w3, s3, k_cols, out):  # noqa: ANN001, ANN202
+            block_tile(tx, w, s, w3, s3, k_cols, out)
+
+    else:
+
+        @cuda.jit(**bounds)
+        def decode_matmul_kernel(tx, w, w3, k_cols, out):  # noqa: ANN001, ANN202
+            block_tile(tx, w, w, w3, w3, k_cols, out)  # no scales: unread
+
+    return decode_matmul_kernel
+
+
+def decode_matmul(x: object, w: object, out: object, version: str, mode: str = "plain", w3: object = None,
+                  dtype: str = "q4", stream: object = 0) -> None:  # fmt: skip
+    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the decode version `version`; X
+    fp16, W in `dtype` (q8 / q4: formats.Quantized of device arrays), K as the w versions take it."""
+    block_n, stages, source = DECODE_VERSIONS[version]
+    kernel = decode_kernel(block_n, stages, source, mode, dtype)
+    k_cols = x.shape[1]
+    weights = weight_args(w, w3, dtype, k_cols)  # (w, w3) or (w codes, w scales, w3 codes, w3 scales)
+    raw_bytes = 0
+    if source == "tma":  # the maps of W's and W3's codes in place of the arrays
+        rows = block_n // 2 if mode == "gate" else block_n
+        codes = [code_map(weights[i], rows) for i in ((0, 2) if len(weights) == 4 else (0, 1))]
+        weights = (codes[0], weights[1], codes[1], weights[3]) if len(weights) == 4 else tuple(codes)
+        raw_bytes = (
+            stages * block_n * (WGMMA_BK if dtype in ("fp8", "q8") else WGMMA_BK // 2)
+        )  # 1 or 1/2 byte a weight
+    args = (tma_map(x, WGMMA_BM), *weights, int32(k_cols), out)
+    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + raw_bytes + 24 * stages + 1024
+    if (kernel, nbytes) not in _ALLOWED:
+        allow_dynamic_shared(kernel, args, nbytes)
+        _ALLOWED.add((kernel, nbytes))
+    out_n = block_n // 2 if mode == "gate" else block_n
+    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
+    kernel[grid, TMA_THREADS, stream, nbytes](*args)
+
+
+def code_map(codes: object, box_rows: int) -> object:
+    """A map of W's codes as stored, in (box_rows, 64 weights) boxes, unswizzled: 64 bytes a row
+    (fp8, q8) or 8 words (gf4, q4); built once an array (the simulator: each call)."""
+    cols = 64 if np.dtype(codes.dtype).itemsize == 1 else 8
+    if numba_config.ENABLE_CUDASIM:
+        return tensor_map_2d(codes, box_rows, cols, SWIZZLE_NONE)
+    key = (codes.device_ctypes_pointer.value, codes.shape, box_rows)
+    if key not in _CODE_MAPS:
+        _CODE_MAPS[key] = tensor_map_2d(codes, box_rows, cols, SWIZZLE_NONE)
+    return _CODE_MAPS[key]
+
+
+_CODE_MAPS: dict = {}
+
+
 def is_rows(version: str) -> bool:
     """A rows version (64-row tiles, K split)."""
     return version in WGMMA_VERSIONS and WGMMA_VERSIONS[version][3]
 
 
 def block_n_of(version: str) -> int:
-    """A wgmma or TMA version's BN."""
-    return (WGMMA_VERSIONS.get(version) or TMA_VERSIONS[version])[0]
+    """A wgmma, TMA or decode version's BN."""
+    return {**WGMMA_VERSIONS, **TMA_VERSIONS, **DECODE_VERSIONS}[version][0]
 
 
 def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ...] = WGMMA_DTYPES) -> bool:
@@ -325,7 +626,11 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
     t_rows, n, k = shape
     rng = np.random.default_rng(11)
     ok = True
-    for dtype in ("fp16",) if version in TMA_VERSIONS else dtypes:
+    if version in TMA_VERSIONS:
+        dtypes = ("fp16",)
+    elif version in DECODE_VERSIONS:
+        dtypes = tuple(d for d in dtypes if d != "fp16")
+    for dtype in dtypes:
         x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
         w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
         w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
@@ -545,8 +850,8 @@ def wgmma_variants(
                 f = flops(t_rows, n, k, mode)
                 timed = {"shipped": bench.seconds(t_rows, TILE)}
                 for v in versions:
-                    if v in TMA_VERSIONS and dtype != "fp16":
-                        continue  # (fp16 W only)
+                    if (v in TMA_VERSIONS and dtype != "fp16") or (v in DECODE_VERSIONS and dtype == "fp16"):
+                        continue  # (TMA versions: fp16 W only; decode versions: the others)
                     timed[v] = time_launches(
                         lambda v=v, x=x, b=bench, out=out: wgmma_matmul(x, b.w, out, v, b.mode, b.w3, b.dtype)
                     )
@@ -558,12 +863,12 @@ def wgmma_variants(
                         layer[v] += sec
             del bench
         for v, cells in rows.items():
-            versions_of = {**WGMMA_VERSIONS, **TMA_VERSIONS}
+            versions_of = {**WGMMA_VERSIONS, **TMA_VERSIONS, **DECODE_VERSIONS}
             shape = (
                 f" ({WGMMA_BM}x{versions_of[v][0]}, {versions_of[v][1]} stages)" if v in versions_of else ""
             )
             if not cells:
-                continue  # (a TMA version in a quantized format)
+                continue  # (a TMA version in a quantized format, a decode version in fp16)
             print(f"| {v}{shape} | " + " | ".join(cells) + f" | {2048 / (32 * layer[v]):,.0f} |", flush=True)
 
 
@@ -622,10 +927,9 @@ def main() -> None:
     deadline = time.time() + args.budget
     if args.wgmma:
         wanted = args.wgmma.split(",")
-        if unknown := [v for v in wanted if v not in WGMMA_VERSIONS and v not in TMA_VERSIONS]:
-            sys.exit(
-                f"unknown wgmma version {unknown[0]} (one of {', '.join([*WGMMA_VERSIONS, *TMA_VERSIONS])})"
-            )
+        known = {**WGMMA_VERSIONS, **TMA_VERSIONS, **DECODE_VERSIONS}
+        if unknown := [v for v in wanted if v not in known]:
+            sys.exit(f"unknown wgmma version {unknown[0]} (one of {', '.join(known)})")
         print("check against pycalm.cpu.reference")
         if args.tiny or numba_config.ENABLE_CUDASIM:
             ok = all(check_wgmma(v, (70, 2 * block_n_of(v) - 8, 224)) for v in wanted)  # K: 3.5 steps
