@@ -436,6 +436,51 @@ _TMAPS: dict = {}  # (device pointer, shape, box) -> the map (a tensor map is bu
 
 
 @functools.cache
+def ring(block_n: int, stages: int, stage_words: int, x_words: int, full_arrivals: int) -> tuple:
+    """The consumers' side of a warp-specialized ring of `stages` stages of stage_words words, a
+    stage holding X's 128-row box, then the (BN, 64) W tile x_words on, both 128-byte-swizzled,
+    with a "full" and an "empty" mbarrier a stage: (init_ring, consume).
+    init_ring(smem, full, empty) (one thread) sets full[s] (words full + 2 s) to full_arrivals
+    arrivals a phase and empty[s] to one a consumer thread (256).
+    consume(smem, acc, pad, group, steps, full, empty) runs consumer warpgroup group (1 or 2: tile
+    rows 64 (group - 1) ..) over the steps: it waits for step i's stage to be full, issues its 4
+    wgmma m64nBNk16, and once step i - 1's have retired (its own part of them) arrives on that
+    stage's empty barrier; it leaves every sum in acc (BN / 2 float32, zeroed first)."""
+    wgmma = wgmma_f16(block_n)
+    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
+    acc_n, bk = block_n // 2, WGMMA_BK
+
+    @cuda.jit(device=True, inline=True)
+    def init_ring(smem, full, empty):  # noqa: ANN001, ANN202
+        for st in range(stages):
+            mbarrier_init(smem, full + 2 * st, full_arrivals)
+            mbarrier_init(smem, empty + 2 * st, 256)  # one arrival a consumer thread
+
+    @cuda.jit(device=True, inline=True)
+    def consume(smem, acc, pad, group, steps, full, empty):  # noqa: ANN001, ANN202
+        for lo in range(0, acc_n, UNROLLED):
+            for i in range(lo, min(lo + UNROLLED, acc_n)):
+                acc[i] = 0.0
+        for i in range(steps):
+            st, phase = i % stages, (i // stages) & 1
+            while mbarrier_try_wait(smem, full + 2 * st, phase) == 0:  # step i's stage is full
+                pass
+            base = pad + st * stage_words
+            wgmma_fence()
+            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
+                da = smem_desc(smem, base + (group - 1) * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
+                db = smem_desc(smem, base + x_words + 8 * kk, 16, 1024, SWIZZLE_128B)
+                wgmma(acc, smem, da, db, 1)
+            wgmma_commit()
+            wait_one()  # this thread's part of step i - 1's wgmma retired: its reads of that stage are done
+            if i > 0:
+                mbarrier_arrive(smem, empty + 2 * ((i - 1) % stages))
+        wait_all()  # every sum in acc
+
+    return init_ring, consume
+
+
+@functools.cache
 def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object:  # noqa: C901
     """The kernel of a TMA version: out (T, N) float32 (=, +=) X W^T, or fp16 silu(X W^T) * (X
     W3^T) (the W tile's rows: W's BN / 2, then W3's), fp16 W. Arguments: (tmap of X, tmap of W,
@@ -443,12 +488,11 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
     bm, bk, threads = WGMMA_BM, WGMMA_BK, TMA_THREADS
     residual, gate = mode == "residual", mode == "gate"
     out_n = block_n // 2 if gate else block_n
-    wgmma = wgmma_f16(block_n)
-    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
     acc_n = block_n // 2
     store_all = plain_epilogue(acc_n, residual, False)
     x_words, w_words = bm * bk // 2, block_n * bk // 2
     stage_words = x_words + w_words
+    init_ring, consume = ring(block_n, stages, stage_words, x_words, 1)
     stage_bytes = 4 * stage_words
     bars = stages * stage_words  # full[s] at bars + 2 s, empty[s] at bars + 2 (stages + s)
     shrink, grow = setmaxnreg_dec(PRODUCER_REGISTERS), setmaxnreg_inc(registers or 232)
@@ -475,9 +519,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
         steps = (k_cols + bk - 1) // bk
         full, empty = pad + bars, pad + bars + 2 * stages
         if tid == 0:
-            for st in range(stages):
-                mbarrier_init(smem, full + 2 * st, 1)  # the producer's arrival (and the boxes' bytes)
-                mbarrier_init(smem, empty + 2 * st, 256)  # one arrival a consumer thread
+            init_ring(smem, full, empty)  # full: the producer's arrival (and the boxes' bytes)
             fence_mbarrier_init()
         cuda.syncthreads()  # the barriers are set up before anyone waits on them
         if group == 0:
@@ -503,24 +545,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
         if registers:
             grow()  # the producer's registers
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
-        for lo in range(0, acc_n, UNROLLED):
-            for i in range(lo, min(lo + UNROLLED, acc_n)):
-                acc[i] = 0.0
-        for i in range(steps):
-            st, phase = i % stages, (i // stages) & 1
-            while mbarrier_try_wait(smem, full + 2 * st, phase) == 0:  # step i's boxes have landed
-                pass
-            base = pad + st * stage_words
-            wgmma_fence()
-            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
-                da = smem_desc(smem, base + (group - 1) * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
-                db = smem_desc(smem, base + x_words + 8 * kk, 16, 1024, SWIZZLE_128B)
-                wgmma(acc, smem, da, db, 1)
-            wgmma_commit()
-            wait_one()  # this thread's part of step i - 1's wgmma retired: its reads of that stage are done
-            if i > 0:
-                mbarrier_arrive(smem, empty + 2 * ((i - 1) % stages))
-        wait_all()  # every sum in acc
+        consume(smem, acc, pad, group, steps, full, empty)  # every sum in acc
         q, lane = (tid >> 5) & 3, tid & 31
         g, t = lane >> 2, lane & 3
         row0 = m0 + 64 * (group - 1) + 16 * q + g

@@ -66,26 +66,20 @@ from pycalm.kernels.tma import (  # noqa: E402
     tma_load_2d,
 )
 from pycalm.kernels.warpgroup import (  # noqa: E402
-    SWIZZLE_128B,
     allow_dynamic_shared,
     fence_proxy_async,
     shared_byte_address,
-    smem_desc,
-    wgmma_commit,
-    wgmma_f16,
-    wgmma_fence,
-    wgmma_wait,
 )
 from pycalm.kernels.wgmma_matmul import (  # noqa: E402
     _ALLOWED,
     ROWS_BM,
     TMA_THREADS,
-    UNROLLED,
     WGMMA_BK,
     WGMMA_BM,
     WGMMA_THREADS,
     interleaved_gate,
     plain_epilogue,
+    ring,
     tma_kernel,
     tma_map,
     weight_units,
@@ -385,8 +379,6 @@ def decode_kernel(block_n: int, stages: int, source: str, mode: str, dtype: str)
     raw = source == "tma"
     bm, bk, threads = WGMMA_BM, WGMMA_BK, TMA_THREADS
     residual, gate, q8 = mode == "residual", mode == "gate", dtype == "q8"
-    wgmma = wgmma_f16(block_n)
-    wait_one, wait_all = wgmma_wait(1), wgmma_wait(0)
     acc_n = block_n // 2
     store_all = plain_epilogue(acc_n, residual, q8)
     gate_all = interleaved_gate(acc_n, q8)
@@ -402,6 +394,7 @@ def decode_kernel(block_n: int, stages: int, source: str, mode: str, dtype: str)
     unit_cols = 16 if dtype in ("fp8", "q8") else 32  # (raw) weights a unit
     units = block_n * bk // unit_cols // 128  # (raw) a producer thread's units a step
     q4 = dtype == "q4"
+    init_ring, consume = ring(block_n, stages, stage_words, x_words, 129)
 
     @cuda.jit(device=True, inline=True)
     def issue(smem, tx, tw, tw3, pad, m0, n0, i, full, empty, landed):  # noqa: ANN001, ANN202
@@ -513,11 +506,9 @@ def decode_kernel(block_n: int, stages: int, source: str, mode: str, dtype: str)
         steps = (k_cols + bk - 1) // bk
         full, empty, landed = pad + bars, pad + bars + 2 * stages, pad + bars + 4 * stages
         if tid == 0:
-            for st in range(stages):
-                mbarrier_init(smem, full + 2 * st, 129)  # the producer's threads, and thread 0's bytes
-                mbarrier_init(smem, empty + 2 * st, 256)  # one arrival a consumer thread
-                if raw:
-                    mbarrier_init(smem, landed + 2 * st, 1)  # thread 0's bytes of W's codes
+            init_ring(smem, full, empty)  # full: the producer's threads, and thread 0's bytes
+            for st in range(stages if raw else 0):
+                mbarrier_init(smem, landed + 2 * st, 1)  # thread 0's bytes of W's codes
             fence_mbarrier_init()
         cuda.syncthreads()  # the barriers are set up before anyone waits on them
         if group == 0:  # (raw: a constant, so numba keeps one of the two calls)
@@ -527,24 +518,7 @@ def decode_kernel(block_n: int, stages: int, source: str, mode: str, dtype: str)
                 register_producer(smem, tx, w, s, w3, s3, k_cols, tid, pad, m0, n0, steps, full, empty)
             return
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
-        for lo in range(0, acc_n, UNROLLED):
-            for i in range(lo, min(lo + UNROLLED, acc_n)):
-                acc[i] = 0.0
-        for i in range(steps):
-            st, phase = i % stages, (i // stages) & 1
-            while mbarrier_try_wait(smem, full + 2 * st, phase) == 0:  # step i's X box and W tile are in
-                pass
-            base = pad + st * stage_words
-            wgmma_fence()
-            for kk in range(bk // 16):  # the kk-th 16 of K: 32 bytes on in the swizzled rows
-                da = smem_desc(smem, base + (group - 1) * 2048 + 8 * kk, 16, 1024, SWIZZLE_128B)
-                db = smem_desc(smem, base + x_words + 8 * kk, 16, 1024, SWIZZLE_128B)
-                wgmma(acc, smem, da, db, 1)
-            wgmma_commit()
-            wait_one()  # this thread's part of step i - 1's wgmma retired: its reads of that stage are done
-            if i > 0:
-                mbarrier_arrive(smem, empty + 2 * ((i - 1) % stages))
-        wait_all()  # every sum in acc
+        consume(smem, acc, pad, group, steps, full, empty)  # every sum in acc
         q, lane = (tid >> 5) & 3, tid & 31
         g, t = lane >> 2, lane & 3
         row0 = m0 + 64 * (group - 1) + 16 * q + g
