@@ -25,7 +25,7 @@ while [ $i -lt ${#steps[@]} ]; do
     plain)   python3 scripts/bench.py --plain --json "$out/bench_plain.json" 2>&1 | tee "$out/bench_plain.log" | tail -20 ;;
     attention) python3 scripts/kernels/attention.py --check 2>&1 | tee "$out/kernels_attention.log" | grep -A40 "=== summary" ;;
     prefill) PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_prefill.py tests/test_moe_rows.py \
-               tests/test_rows.py tests/test_prefill_attention.py 2>&1 | tee "$out/tests_prefill.log" | tail -15
+               tests/test_rows.py tests/test_prefill_attention.py tests/test_matmul.py 2>&1 | tee "$out/tests_prefill.log" | tail -15
              python3 scripts/kernels/prefill_attention.py 2>&1 | tee "$out/kernels_prefill_attention.log" | tail -30
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b,tinyllama-1.1b,mixtral-8x7b \
                --dtypes fp16,fp8,gf4,q8,q4 --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -60 ;;
