@@ -670,10 +670,7 @@ def matmul(
     formats.Quantized of device arrays), out (T, N) float32 (gate: float16). Device arrays.
     scratch (matmul_split_scratch of the tile): K is split over blocks where the tiles alone
     leave SMs idle (splits_for); without it, never."""
-    if mode not in MODES:
-        raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
-    if (mode == "gate") != (w3 is not None):
-        raise PycalmError("the gate takes w3, and only the gate")
+    check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if tile is None:
         tile = tile_for(t_rows)
@@ -694,6 +691,14 @@ def matmul(
         raise PycalmError(f"matmul split scratch holds fewer than {blocks} blocks of tile {tuple(tile)}")
     kernel = make_matmul_kernel(dtype, MODES[mode], tile, split=True)
     kernel[(*grid, splits), tile.threads, stream](*args, scratch.part, scratch.tiles_done)
+
+
+def check_mode(mode: str, w3: object) -> None:
+    """A product's mode is one of MODES, and W3 comes with the gate alone."""
+    if mode not in MODES:
+        raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
+    if (mode == "gate") != (w3 is not None):
+        raise PycalmError("the gate takes w3, and only the gate")
 
 
 def tile_for(t_rows: int) -> Tile:

@@ -78,7 +78,7 @@ from pycalm.kernels.common import (
     hsub2,
     prmt,
 )
-from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, weight_args
+from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, weight_args
 from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2
 
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
@@ -402,10 +402,7 @@ def skinny_matmul(
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= MAX_ROWS and K a
     multiple of UNIT[dtype] (fits)."""
-    if mode not in MODES:
-        raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
-    if (mode == "gate") != (w3 is not None):
-        raise PycalmError("the gate takes w3, and only the gate")
+    check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if not fits(dtype, k_cols):
         raise PycalmError(

@@ -15,6 +15,8 @@
   shared_byte_address(smem, word) -> u32             the shared-memory address of smem[word]
   allow_dynamic_shared(kernel, args, nbytes)         lets a launch take more than 48 KiB of
                                                      dynamic shared memory (host side)
+  launch_dynamic(kernel, grid, threads, stream,      kernel[grid, threads, stream, nbytes](*args),
+                 nbytes, args)                       allow_dynamic_shared on its first launch
 
 A warpgroup is four consecutive warps (threads 128 w .. 128 w + 127 of a block). One wgmma
 computes D (64 x n, float32) = A (64 x 16, fp16) B (16 x n, fp16) + scale_d D, reading A and B
@@ -327,3 +329,17 @@ else:
         cufunc = compiled._codelibrary.get_cufunc()
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, int(nbytes), cufunc.handle, cufunc.device.id)
+
+
+_ALLOWED: set = set()  # (kernel, dynamic shared bytes) whose limit is raised
+
+
+def launch_dynamic(
+    kernel: object, grid: tuple, threads: int, stream: object, nbytes: int, args: tuple
+) -> None:
+    """kernel[grid, threads, stream, nbytes](*args): a launch with nbytes of dynamic shared
+    memory, whose limit allow_dynamic_shared raises on the (kernel, nbytes)'s first launch."""
+    if (kernel, nbytes) not in _ALLOWED:
+        allow_dynamic_shared(kernel, args, nbytes)
+        _ALLOWED.add((kernel, nbytes))
+    kernel[grid, threads, stream, nbytes](*args)

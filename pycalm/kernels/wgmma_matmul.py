@@ -1,6 +1,6 @@
 """Matrix products for T tokens on Hopper's warpgroup tensor cores (wgmma), fed by TMA for fp16
 weights and through registers for fp8 / gf4 / q8 / q4: prompt passes of WGMMA_MIN_ROWS[format] rows
-and more on an sm_90 GPU (pycalm.kernels.matmul.matmul routes them here).
+and more on an sm_90 GPU (pycalm.gpu.prefill's products send them here).
 
   PLAIN:     out = X W^T                       (qkv, the classifier)
   RESIDUAL:  out += X W^T                      (wo and w2: the residual add fused in)
@@ -48,7 +48,7 @@ from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import fp16_encode
-from pycalm.kernels.matmul import MODES, _fp8_words, _gf4_words, _q4_words, _q8_words, weight_args
+from pycalm.kernels.matmul import _fp8_words, _gf4_words, _q4_words, _q8_words, check_mode, weight_args
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128
 from pycalm.kernels.tma import SWIZZLE_128B as TMA_SWIZZLE_128B
 from pycalm.kernels.tma import (
@@ -63,8 +63,8 @@ from pycalm.kernels.tma import (
 )
 from pycalm.kernels.warpgroup import (
     SWIZZLE_128B,
-    allow_dynamic_shared,
     fence_proxy_async,
+    launch_dynamic,
     setmaxnreg_dec,
     setmaxnreg_inc,
     shared_byte_address,
@@ -427,9 +427,6 @@ def wgmma_kernel(  # noqa: C901
     return wgmma_matmul_kernel
 
 
-_ALLOWED: set = set()  # (kernel, dynamic shared bytes) whose limit is raised
-
-
 PRODUCER_REGISTERS = 40  # the producer warpgroup's, with setmaxnreg (40 x 128 + 232 x 256 <= 65,536)
 TMA_THREADS = 384
 _TMAPS: dict = {}  # (device pointer, shape, box) -> the map (a tensor map is built once an array)
@@ -577,6 +574,25 @@ def tma_map(array: object, box_rows: int, stream: object = 0) -> object:
     return _TMAPS[key]
 
 
+def tma_shared_bytes(block_n: int, stages: int) -> int:
+    """Dynamic shared memory of tma_kernel: the stages' X and W boxes, two mbarriers a stage, and
+    1 KiB to align them."""
+    return stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 16 * stages + 1024
+
+
+def tma_matmul(x: object, w: object, out: object, block_n: int, stages: int, *, stream: object,
+               mode: str = "plain", w3: object = None, registers: int = 0) -> None:  # fmt: skip
+    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by tma_kernel(block_n, stages,
+    registers, mode); fp16 device arrays, K a multiple of 8 (the maps' 16-byte rows)."""
+    out_n = block_n // 2 if mode == "gate" else block_n  # output columns a tile (the gate's box: out_n rows)
+    tw = tma_map(w, out_n, stream)
+    tw3 = tw if w3 is None else tma_map(w3, out_n, stream)
+    args = (tma_map(x, WGMMA_BM, stream), tw, tw3, int32(x.shape[1]), out)
+    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
+    kernel = tma_kernel(block_n, stages, registers, mode)
+    launch_dynamic(kernel, grid, TMA_THREADS, stream, tma_shared_bytes(block_n, stages), args)
+
+
 def _capturing(stream: object) -> bool:
     """`stream` (a numba stream; 0: the default stream, never captured here) is being captured."""
     handle = getattr(stream, "handle", None)
@@ -607,27 +623,16 @@ def wgmma_matmul(
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul: fp16 W by tma_kernel, the other formats by
     wgmma_kernel, a 128 x BLOCK_N tile a block (the simulator: SIM_BLOCK_N). Device arrays."""
-    if mode not in MODES:
-        raise PycalmError(f"unknown matmul mode {mode!r} (one of {', '.join(MODES)})")
-    if (mode == "gate") != (w3 is not None):
-        raise PycalmError("the gate takes w3, and only the gate")
+    check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if k_cols % WGMMA_BK:
         raise PycalmError(f"wgmma_matmul needs K a multiple of {WGMMA_BK}, got {k_cols}")
     block_n, stages = (SIM_BLOCK_N, SIM_STAGES) if SIM else (BLOCK_N, STAGES)
+    if dtype == "fp16":
+        tma_matmul(x, w, out, block_n, stages, stream=stream, mode=mode, w3=w3)
+        return
     out_n = block_n // 2 if mode == "gate" else block_n  # output columns a tile
     grid = ((t_rows + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
-    if dtype == "fp16":
-        kernel = tma_kernel(block_n, stages, 0, mode)
-        tw = tma_map(w, out_n, stream)  # (the gate's box: out_n rows of W, then of W3)
-        tw3 = tw if w3 is None else tma_map(w3, out_n, stream)
-        args = (tma_map(x, WGMMA_BM, stream), tw, tw3, int32(k_cols), out)
-        nbytes, threads = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 16 * stages + 1024, TMA_THREADS
-    else:
-        kernel = wgmma_kernel(block_n, stages, 1, False, mode, dtype)
-        args = (x, *weight_args(w, w3, dtype, k_cols), out)
-        nbytes, threads = wgmma_shared_bytes(block_n, stages, dtype), WGMMA_THREADS
-    if (kernel, nbytes) not in _ALLOWED:
-        allow_dynamic_shared(kernel, args, nbytes)
-        _ALLOWED.add((kernel, nbytes))
-    kernel[grid, threads, stream, nbytes](*args)
+    kernel = wgmma_kernel(block_n, stages, 1, False, mode, dtype)
+    args = (x, *weight_args(w, w3, dtype, k_cols), out)
+    launch_dynamic(kernel, grid, WGMMA_THREADS, stream, wgmma_shared_bytes(block_n, stages, dtype), args)

@@ -66,12 +66,11 @@ from pycalm.kernels.tma import (  # noqa: E402
     tma_load_2d,
 )
 from pycalm.kernels.warpgroup import (  # noqa: E402
-    allow_dynamic_shared,
     fence_proxy_async,
+    launch_dynamic,
     shared_byte_address,
 )
 from pycalm.kernels.wgmma_matmul import (  # noqa: E402
-    _ALLOWED,
     ROWS_BM,
     TMA_THREADS,
     WGMMA_BK,
@@ -80,11 +79,14 @@ from pycalm.kernels.wgmma_matmul import (  # noqa: E402
     interleaved_gate,
     plain_epilogue,
     ring,
-    tma_kernel,
     tma_map,
+    tma_shared_bytes,
     weight_units,
     wgmma_kernel,
     wgmma_shared_bytes,
+)
+from pycalm.kernels.wgmma_matmul import (
+    tma_matmul as wgmma_tma_matmul,
 )
 from pycalm.model import formats  # noqa: E402
 
@@ -289,10 +291,7 @@ def wgmma_matmul(
             raise ValueError(f"{splits} splits of {steps} steps leave one empty")
         args = (*args, *split_scratch(tiles * splits * (block_n // 4) * WGMMA_THREADS, tiles))
         grid = (*grid, splits)
-    if (kernel, nbytes) not in _ALLOWED:
-        allow_dynamic_shared(kernel, args, nbytes)
-        _ALLOWED.add((kernel, nbytes))
-    kernel[grid, WGMMA_THREADS, stream, nbytes](*args)
+    launch_dynamic(kernel, grid, WGMMA_THREADS, stream, nbytes, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,19 +320,10 @@ TMA_VERSIONS = {"t1": (256, 4, 0), "t2": (128, 6, 0), "t3": (256, 4, 232), "ts":
 
 def tma_matmul(x: object, w: object, out: object, version: str, mode: str = "plain", w3: object = None,
                stream: object = 0) -> None:  # fmt: skip
-    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the TMA version `version`;
-    fp16 device arrays, K a multiple of 8 (the maps' 16-byte rows)."""
+    """out = X W^T, += X W^T or silu(X W^T) * (X W3^T) (mode) by the TMA version `version`
+    (pycalm.kernels.wgmma_matmul.tma_matmul); fp16 device arrays."""
     block_n, stages, registers = TMA_VERSIONS[version]
-    kernel = tma_kernel(block_n, stages, registers, mode)
-    w_rows = block_n // 2 if mode == "gate" else block_n
-    tw = tma_map(w, w_rows)
-    args = (tma_map(x, WGMMA_BM), tw, tw if w3 is None else tma_map(w3, w_rows), int32(x.shape[1]), out)
-    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + 16 * stages + 1024
-    if (kernel, nbytes) not in _ALLOWED:
-        allow_dynamic_shared(kernel, args, nbytes)
-        _ALLOWED.add((kernel, nbytes))
-    grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + w_rows - 1) // w_rows)
-    kernel[grid, TMA_THREADS, stream, nbytes](*args)
+    wgmma_tma_matmul(x, w, out, block_n, stages, stream=stream, mode=mode, w3=w3, registers=registers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,13 +550,10 @@ def decode_matmul(x: object, w: object, out: object, version: str, mode: str = "
             stages * block_n * (WGMMA_BK if dtype in ("fp8", "q8") else WGMMA_BK // 2)
         )  # 1 or 1/2 byte a weight
     args = (tma_map(x, WGMMA_BM), *weights, int32(k_cols), out)
-    nbytes = stages * (WGMMA_BM + block_n) * WGMMA_BK * 2 + raw_bytes + 24 * stages + 1024
-    if (kernel, nbytes) not in _ALLOWED:
-        allow_dynamic_shared(kernel, args, nbytes)
-        _ALLOWED.add((kernel, nbytes))
+    nbytes = tma_shared_bytes(block_n, stages) + raw_bytes + 8 * stages  # (raw: a third mbarrier a stage)
     out_n = block_n // 2 if mode == "gate" else block_n
     grid = ((x.shape[0] + WGMMA_BM - 1) // WGMMA_BM, (out.shape[1] + out_n - 1) // out_n)
-    kernel[grid, TMA_THREADS, stream, nbytes](*args)
+    launch_dynamic(kernel, grid, TMA_THREADS, stream, nbytes, args)
 
 
 def code_map(codes: object, box_rows: int) -> object:

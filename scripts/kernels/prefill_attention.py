@@ -73,8 +73,8 @@ from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816,
 from pycalm.kernels.warpgroup import (  # noqa: E402
     SWIZZLE_128B,
     WGMMA_N,
-    allow_dynamic_shared,
     fence_proxy_async,
+    launch_dynamic,
     shared_byte_address,
     smem_desc,
     wgmma_commit,
@@ -668,9 +668,6 @@ def wg_kernel(head_dim: int, group: int, kv_dtype: str, keys: int, double: bool 
     return wg_attention_kernel
 
 
-_WG_ALLOWED: set = set()
-
-
 def wg_attention(q: object, cache: KVCache, state: object, out: object, cfg: ModelConfig, *,
                  stream: object, double: bool = False) -> None:  # fmt: skip
     """prefill_attention's launch of wg_kernel: a block a kv head and 64 / group positions."""
@@ -683,10 +680,7 @@ def wg_attention(q: object, cache: KVCache, state: object, out: object, cfg: Mod
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)
     args = (q, k64, v64, state, out, int32(cfg.sliding_window))
     nbytes = 4 * wg_shared_words(cfg.head_dim, WG_KEYS, double)
-    if (kernel, nbytes) not in _WG_ALLOWED:
-        allow_dynamic_shared(kernel, args, nbytes)
-        _WG_ALLOWED.add((kernel, nbytes))
-    kernel[grid, 128, stream, nbytes](*args)
+    launch_dynamic(kernel, grid, 128, stream, nbytes, args)
 
 
 # ---------------------------------------------------------------------------------------------
