@@ -10,6 +10,8 @@ GPU time: the same step timed by CUDA events around it alone, the rest is the ho
 
     python3 scripts/bench_batched.py --shapes llama3-8b --dtypes fp16 --seqs 1,8,32,64 --pos 128,384
     python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 192    # steps that feed a prompt too
+    python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 0,64,192,448,960   # a row each: the
+        # cost of each row bucket (64 + chunk rows, padded to a power of two): bench_serve --stand-in's table
 """
 
 from __future__ import annotations
@@ -70,15 +72,20 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp16")
     ap.add_argument("--seqs", default="1,8,32,64")
     ap.add_argument("--pos", default="128", help="the sequences' position, or a list: a row each")
-    ap.add_argument("--chunk", type=int, default=0, help="and a prompt chunk of this many rows each step")
+    ap.add_argument(
+        "--chunk", default="0", help="and a prompt chunk of this many rows each step, or a list: a row each"
+    )
     ap.add_argument("--reps", type=int, default=10)
     args_ = ap.parse_args()
     seqs = [int(v) for v in args_.seqs.split(",")]
     spots = [int(v) for v in args_.pos.split(",")]
+    chunks = [int(v) for v in args_.chunk.split(",")]
     context = 2048
-    print(f"steps of S decode rows{f' and a {args_.chunk}-row prompt chunk' if args_.chunk else ''}: ms a step "
+    print("steps of S decode rows and a prompt chunk of C rows (positions 0..C-1 of one more sequence): ms a step "
           "sampled on the device, and with the logits back; GPU: the graph alone; attention: its attention launches")  # fmt: skip
-    print("| shape | weights | position | token step ms | " + " | ".join(f"{s} seqs" for s in seqs) + " |")
+    print(
+        "| shape | weights | position | C | token step ms | " + " | ".join(f"{s} seqs" for s in seqs) + " |"
+    )
     for shape in args_.shapes.split(","):
         for dtype in args_.dtypes.split(","):
             cfg = config_for(shape, dtype, context)
@@ -88,24 +95,24 @@ def main() -> None:
             step = functools.partial(engine.graph, SamplingParams())
             step(0)
             time_replays(engine, step, 0, 8)  # warm-up
-            per_seq = -(-(max(spots) + args_.chunk + 1) // BLOCK)  # blocks a sequence holds
+            per_seq = -(-(max(spots) + max(chunks) + 1) // BLOCK)  # blocks a sequence holds
             batched = BatchedGpuEngine(engine, (max(seqs) + 1) * per_seq, BLOCK)
-            for pos in spots:
+            for pos, chunk in [(p, c) for p in spots for c in chunks]:
                 token_ms = time_replays(engine, step, pos, 32) * 1e3
                 cells = []
                 for s in seqs:
                     table = np.arange((s + 1) * per_seq, dtype=np.int32).reshape(
                         s + 1, per_seq
                     )  # (S + 1, blocks)
-                    seq = np.concatenate([np.arange(s), np.full(args_.chunk, s)]).astype(np.int32)
+                    seq = np.concatenate([np.arange(s), np.full(chunk, s)]).astype(np.int32)
                     tokens = (np.arange(len(seq)) * 7919 + 11) % cfg.vocab_size
-                    positions = np.concatenate([np.full(s, pos), np.arange(args_.chunk)]).astype(np.int32)
-                    sample = np.arange(s + (args_.chunk > 0), dtype=np.int32)
-                    if args_.chunk:
+                    positions = np.concatenate([np.full(s, pos), np.arange(chunk)]).astype(np.int32)
+                    sample = np.arange(s + (chunk > 0), dtype=np.int32)
+                    if chunk:
                         sample[-1] = len(seq) - 1
                     options = [SamplingParams(0.8, top_p=0.95)] * len(sample)
                     coins = np.linspace(0.05, 0.95, len(sample))
-                    args = (tokens, positions, seq, table[: s + (args_.chunk > 0)], sample)
+                    args = (tokens, positions, seq, table[: s + (chunk > 0)], sample)
                     sampled = functools.partial(batched.step_tokens, *args, options, coins)
                     logits = functools.partial(batched.step, *args)
                     ms = host_ms(sampled, args_.reps)
@@ -117,7 +124,8 @@ def main() -> None:
                     cells.append(f"{ms:.2f} ({s / ms * 1e3:,.0f} tok/s), logits {host_ms(logits, args_.reps):.2f}; "
                                  f"GPU {gpu_ms:.2f}, attention {att_ms:.2f}")  # fmt: skip
                 print(
-                    f"| {shape} | {dtype} | {pos} | {token_ms:.2f} | " + " | ".join(cells) + " |", flush=True
+                    f"| {shape} | {dtype} | {pos} | {chunk} | {token_ms:.2f} | " + " | ".join(cells) + " |",
+                    flush=True,
                 )
             del batched, engine
 

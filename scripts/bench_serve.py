@@ -53,9 +53,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -195,7 +197,7 @@ class StandInBatched:
     enqueued step starts when the one before it ends; collect sleeps until it has ended) and
     draws each sampled row's token at random (the options still checked)."""
 
-    base_ms, row_ms = 8.1, 0.056
+    cost = staticmethod(lambda rows: 8.1 + 0.056 * rows)  # ms a step of `rows` rows (stand_in_cost)
     max_rows = 2048  # rows a pass takes at most (the engine's prefill buffers: a lone prompt's step)
 
     @staticmethod
@@ -205,8 +207,6 @@ class StandInBatched:
     def __init__(
         self, engine: StandInEngine, n_blocks: int, block_size: int, min_blocks: int | None = None
     ) -> None:
-        import numpy as np
-
         self.n_blocks = n_blocks  # (no memory to fit: the blocks asked for)
         self.vocab = engine.config.vocab_size
         self.rng = np.random.default_rng(0)
@@ -215,12 +215,10 @@ class StandInBatched:
 
     def enqueue_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins,  # noqa: ANN001, ANN201
                        prev=None):  # fmt: skip
-        import numpy as np
-
         from pycalm.kernels.sample import host_rows
 
         host_rows(samplings)
-        gpu_s = (self.base_ms + self.row_ms * len(tokens)) / 1e3
+        gpu_s = self.cost(len(tokens)) / 1e3
         self.busy_until = max(time.perf_counter(), self.busy_until) + gpu_s
         self.gpu_s += gpu_s
         return self.busy_until, self.rng.integers(3, self.vocab, len(sample_rows)).astype(np.int32)
@@ -232,13 +230,29 @@ class StandInBatched:
 
     def step_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins, keep=(),  # noqa: ANN001, ANN201
                     while_waiting=lambda: None, prev=None):  # fmt: skip
-        import numpy as np
-
         ticket = self.enqueue_tokens(
             tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins
         )
         while_waiting()  # as the engine's, while the "GPU" works
         return self.collect(ticket), np.zeros((len(keep), self.vocab), np.float32)  # (len(keep), vocab_size)
+
+
+def stand_in_cost(spec: str) -> Callable[[int], float]:
+    """--stand-in's step time, ms, for a step of n rows: "BASE,ROW" -> BASE + ROW n; "R:MS,R:MS,..."
+    -> the step's rows padded to a power of two (BatchedGpuEngine.bucket: the GPU engine runs the
+    bucket's graph, padding rows and all) and that bucket's ms, linear between the listed ones
+    (the last one's beyond). Raises ValueError on a malformed spec."""
+    if ":" not in spec:
+        base, row = (float(v) for v in spec.split(","))
+        return lambda n: base + row * n
+    table = sorted((int(r), float(ms)) for r, ms in (p.split(":") for p in spec.split(",")))
+    rows, ms = [r for r, _ in table], [m for _, m in table]
+
+    def cost(n: int) -> float:
+        bucket = 1 << max(0, n - 1).bit_length()
+        return float(np.interp(bucket, rows, ms))
+
+    return cost
 
 
 def stand_in_llm(shape: str, dtype: str, context: int, stand_in: str) -> object:
@@ -248,7 +262,7 @@ def stand_in_llm(shape: str, dtype: str, context: int, stand_in: str) -> object:
     import pycalm.gpu.batched
     from pycalm.app.api import LLM
 
-    StandInBatched.base_ms, StandInBatched.row_ms = (float(v) for v in stand_in.split(","))
+    StandInBatched.cost = staticmethod(stand_in_cost(stand_in))
     pycalm.gpu.batched.BatchedGpuEngine = StandInBatched  # what BatchRunner builds on a "gpu" engine
     cfg = config_for(shape, dtype, context).replace(eos_ids=())
     return LLM(StandInEngine(cfg, context), WordTokenizer(cfg.vocab_size), name="random")
@@ -341,7 +355,11 @@ def serve_random(args: argparse.Namespace) -> None:
             return stand_in_llm(args.shape, args.dtype, args.context, args.stand_in)
         return random_llm(args.shape, args.dtype, args.context)
 
-    worker = Worker(llm, on_loaded) if args.plain else ParallelWorker(llm, on_loaded, args.parallel)
+    worker = (
+        Worker(llm, on_loaded)
+        if args.plain
+        else ParallelWorker(llm, on_loaded, args.parallel, args.batch_size)
+    )
     if args.profile:  # the worker thread's profile, written each time the batch empties
         import cProfile
 
@@ -384,6 +402,7 @@ def streams_main(args: argparse.Namespace) -> None:
     cmd = [sys.executable, __file__, "--serve", str(port), "--parallel", str(max(counts))]
     cmd += ["--shape", args.shape, "--dtype", args.dtype, "--context", str(args.context)]
     cmd += ["--stand-in", args.stand_in] if args.stand_in else []
+    cmd += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--plain"] if args.plain else []
     log = Path(tempfile.mkdtemp()) / "server.log"
@@ -393,7 +412,9 @@ def streams_main(args: argparse.Namespace) -> None:
         wait_ready(server, url, log)
         vocab = args.vocab
         served_by = (
-            "one request at a time (--parallel 1's worker)" if args.plain else f"--parallel {max(counts)}"
+            "one request at a time (--parallel 1's worker)"
+            if args.plain
+            else f"--parallel {max(counts)}" + (f" --batch-size {args.batch_size}" if args.batch_size else "")
         )
         print(f"{args.shape} {args.dtype}, the server a process of its own with {served_by}, "
               f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
@@ -447,7 +468,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
     ap.add_argument("--vocab", type=int, default=128256, help="the shape's vocabulary (--streams)")
     ap.add_argument(
-        "--stand-in", metavar="BASE,ROW", help="no GPU: a step sleeps BASE + ROW x rows ms (--streams)"
+        "--stand-in",
+        metavar="BASE,ROW|R:MS,...",
+        help="no GPU: a step sleeps BASE + ROW x rows ms, or its rows' power-of-two bucket's ms from the"
+        " table R:MS,... (--streams)",
+    )
+    ap.add_argument(
+        "--batch-size", type=int, help="the server's --batch-size: rows a step at most (--streams)"
     )
     ap.add_argument(
         "--profile",

@@ -65,9 +65,15 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_batched_gpu.py \
                tests/test_eos_options.py 2>&1 | tee "$out/tests_serving.log" | tail -6
              python3 scripts/bench_batched.py --seqs 1,64 --pos 384 --reps 5 2>&1 | tee "$out/bench_batched.log" | tail -10
+             # each row bucket's step (64 decode rows and a chunk: 128, 256, 512, 1,024 rows): the stand-in's table
+             python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 64,192,448,960 --reps 3 --dtypes "$dtypes" 2>&1 \
+               | tee -a "$out/bench_batched.log" | tail -14
              for dtype in ${dtypes//,/ }; do  # issue 31's table: 256 in / 256 out, then 1,000-token prompts (fp16)
                python3 scripts/bench_serve.py --streams 1,8,32,64,128 --shape llama3-8b --dtype "$dtype" 2>&1 \
                  | tee -a "$out/bench_serve.log" | tail -6
+               # steps of up to 512 rows (fp16 and fp8 take wgmma from 512)
+               python3 scripts/bench_serve.py --streams 32,64 --batch-size 512 --shape llama3-8b --dtype "$dtype" 2>&1 \
+                 | tee -a "$out/bench_serve.log" | tail -3
              done
              python3 scripts/bench_serve.py --streams 1,8,32,64,128 --prompt 1000 --shape llama3-8b --dtype fp16 2>&1 \
                | tee -a "$out/bench_serve.log" | tail -6

@@ -191,6 +191,25 @@ def test_parallel_options():
     assert parse_args(["m"]).parallel is None  # auto, decided at load (below)
     assert parse_args(["m", "--parallel", "auto", "--device", "gpu", "--batch-invariant"]).parallel is None
     assert parse_args(["m", "--parallel", "8", "--device", "gpu"]).parallel == 8
+    with pytest.raises(SystemExit):  # a step holds a row for each running request
+        parse_args(["m", "--parallel", "8", "--batch-size", "4"])
+    with pytest.raises(SystemExit):
+        parse_args(["m", "-b", "0"])
+    assert parse_args(["m", "-np", "8", "-b", "512"]).batch_size == 512
+
+
+def test_batch_size_caps_a_step(llm):
+    """--batch-size reaches the scheduler (whose plans keep to it: Scheduler.check); one below
+    the sequences fails the loading in one line (--parallel auto's 64 is known only then)."""
+    from pycalm.app.batching import BatchRunner
+    from pycalm.app.serve import ParallelWorker
+    from pycalm.errors import PycalmError
+
+    worker = ParallelWorker(lambda: llm, lambda got, message: None, 4, 24)
+    worker.prepare(llm)
+    assert worker.runner.scheduler.token_budget == 24
+    with pytest.raises(PycalmError, match="a batch of 3 rows a step is below 4 sequences"):
+        BatchRunner(llm, 4, token_budget=3)
 
 
 def test_parallel_auto_decides_at_load(llm, capfd):

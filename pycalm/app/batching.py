@@ -179,6 +179,8 @@ class BatchRunner:
         # (a step without decode rows feeds up to the engine's rows a pass: one user's prompt in
         # as few passes as the engine allows)
         budget = token_budget or max(max_seqs, TOKEN_BUDGET)
+        if budget < max_seqs:
+            raise PycalmError(f"a batch of {budget} rows a step is below {max_seqs} sequences (a row each)")
         self.scheduler = Scheduler(self.blocks, max_seqs, budget, getattr(self.engine, "max_rows", None))
         self.eos = frozenset(llm.config.eos_ids)
         self.streams: dict[int, Stream] = {}

@@ -36,11 +36,11 @@ queue; each request's text pieces cross to the event loop through a deque (Job).
 that disconnects mid-stream sets its request's cancel flag, which the worker reads after every
 token: the generation stops there and the next request starts.
 
---parallel N > 1 replaces that worker with ParallelWorker: the jobs join
-one batch, up to N sequences at once (pycalm.app.batching: continuous batching over a paged KV
-cache with prefix caching), the same events going out the same way; a cancel flag takes its
-sequence out at the next step. /metrics adds the batch's gauges. --parallel auto (the default)
-decides once the model is loaded: on the GPU engine, where it can batch, up to AUTO_PARALLEL
+--parallel N > 1 replaces that worker with ParallelWorker: the jobs join one batch, up to N
+sequences at once (pycalm.app.batching: continuous batching over a paged KV cache with prefix
+caching), the same events going out the same way; a cancel flag takes its sequence out at the
+next step, and --batch-size caps the rows of a step. /metrics adds the batch's gauges.
+--parallel auto (the default) decides once the model is loaded: on the GPU engine, where it can batch, up to AUTO_PARALLEL
 sequences over a pool of as many positions as the GPU's memory holds; else (the CPU engine,
 speculative decoding, the GPU's --batch-invariant or simple kernels) one request at a time.
 
@@ -691,9 +691,11 @@ class ParallelWorker(Worker):
         load: Callable[[], object],
         on_loaded: Callable[[object | None, str], None],
         parallel: int | None,
+        batch_size: int | None = None,
     ) -> None:
         super().__init__(load, on_loaded)
         self.parallel = parallel
+        self.batch_size = batch_size  # rows a step feeds at most (None: BatchRunner's default)
         self.auto = parallel is None
         self.runner: object | None = None  # the BatchRunner, once the model is loaded
         self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
@@ -718,7 +720,7 @@ class ParallelWorker(Worker):
         hand-out of tokens (while the GPU runs the next step)."""
         from pycalm.app.batching import BatchRunner
 
-        runner = BatchRunner(llm, self.parallel)
+        runner = BatchRunner(llm, self.parallel, token_budget=self.batch_size)
         runner.on_events = self.wake
         return runner
 
@@ -1297,6 +1299,7 @@ def make_app(
 
 
 def parse_args(argv: list[str] | None) -> Any:
+    from pycalm.app.batching import TOKEN_BUDGET
     from pycalm.app.fetch import DEFAULT_MODEL, KNOWN_MODELS
     from pycalm.model.config import WEIGHT_DTYPES
 
@@ -1380,6 +1383,15 @@ def parse_args(argv: list[str] | None) -> Any:
         f" up to {AUTO_PARALLEL} on the GPU where it can batch, else 1)",
     )
     ap.add_argument(
+        "--batch-size",
+        "-b",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--parallel: rows a step feeds at most, every running request's next token and then"
+        f" chunks of prompts (default {TOKEN_BUDGET}, or N of --parallel N where that is larger)",
+    )
+    ap.add_argument(
         "--draft-k", type=int, default=None, metavar="N", help="drafts a pass (default: adaptive)"
     )
     args = ap.parse_args(argv)
@@ -1394,10 +1406,16 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error(f"--draft-k {args.draft_k}: must be 1 to 63")
     if args.context < 2 or not 0 <= args.port < 65536:
         ap.error("out-of-range value: need context >= 2 and 0 <= port < 65536")
+    if args.batch_size is not None and args.batch_size < 1:
+        ap.error(f"--batch-size {args.batch_size}: must be 1 or more")
     if args.parallel is None:  # auto: decided once the model is loaded (auto_parallel)
         pass
     elif args.parallel < 1:
         ap.error(f"--parallel {args.parallel}: must be 1 or more")
+    elif args.batch_size is not None and args.batch_size < args.parallel:
+        ap.error(
+            f"--batch-size {args.batch_size}: below --parallel {args.parallel} (a row for each request's next token)"
+        )
     elif args.parallel > 1 and args.device == "gpu" and args.batch_invariant:
         ap.error("--parallel > 1 with --batch-invariant runs on the CPU engine only (--device cpu)")
     elif args.parallel > 1 and args.device == "gpu" and args.kernels == "simple":
@@ -1465,7 +1483,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks.append(asyncio.get_running_loop().create_task(when_listening()))
 
     if args.parallel is None or args.parallel > 1:  # (auto: ParallelWorker decides at load)
-        worker = ParallelWorker(load_model, on_loaded, args.parallel)
+        worker = ParallelWorker(load_model, on_loaded, args.parallel, args.batch_size)
     else:
         worker = Worker(load_model, on_loaded)
     app = make_app(
