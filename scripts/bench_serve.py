@@ -438,10 +438,12 @@ def streams_main(args: argparse.Namespace) -> None:
             step_s = after["batch_step_seconds_total"] - before["batch_step_seconds_total"]
             engine_s = after["batch_engine_seconds_total"] - before["batch_engine_seconds_total"]
             gpu_s = after["batch_gpu_seconds_total"] - before["batch_gpu_seconds_total"]
+            captures = after["batch_graph_captures_total"] - before["batch_graph_captures_total"]
+            capture_s = after["batch_capture_seconds_total"] - before["batch_capture_seconds_total"]
             print(
                 f"| {n} | {row['tok_s']:,.0f} | {row['ttft'][0]:.0f} / {row['ttft'][1]:.0f} | "
                 f"{row['tpot'][0]:.2f} / {row['tpot'][1]:.2f} | {steps:.0f}, {row['wall'] / steps * 1e3:.2f} "
-                f"(in step() {step_s / row['wall']:.0%}) | {1 - engine_s / row['wall']:.1%} | "
+                f"(in step() {step_s / row['wall']:.0%}; {captures:.0f} graphs captured, {capture_s:.2f} s) | {1 - engine_s / row['wall']:.1%} | "
                 f"{1 - gpu_s / row['wall']:.1%} |",
                 flush=True,
             )

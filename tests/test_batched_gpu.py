@@ -265,6 +265,10 @@ def test_batch_runner_on_the_gpu_engine(tmp_path):
     # three steps: the prompts (nothing to hand out yet), the second tokens (the first ones handed
     # out meanwhile), and the last hand-out, with no pass left to overlap
     assert where == [True, True, False]
+    # each graph captured is counted once, with the host's time of its first step (/metrics);
+    # the simulator captures none
+    m = runner.metrics()
+    assert m["captures"] == len(runner.engine.graphs) and (m["capture_s"] > 0) == (m["captures"] > 0)
     for p, o, s in zip(some, options, streams, strict=True):
         alone = llm.generate(p, max_tokens=2, temperature=0.0, **o)  # the text (a Generation with logprobs)
         assert s.gen.finish_reason in ("stop", "length") and s.gen.completion_tokens == len(s.request.output)

@@ -128,7 +128,8 @@ def test_concurrent_requests_are_each_served_alone(server, llm):
     # every token came from a step; the engine's share of the steps' time is part of it
     assert 0 < m["batch_steps_total"] <= m["generation_tokens_total"]
     assert 0 < m["batch_engine_seconds_total"] < m["batch_step_seconds_total"]
-    assert m["batch_gpu_seconds_total"] == 0  # (the CPU engine's: no GPU time)
+    assert m["batch_gpu_seconds_total"] == 0  # (the CPU engine's: no GPU time, no graph)
+    assert m["batch_graph_captures_total"] == 0 and m["batch_capture_seconds_total"] == 0
     body = httpx.get(f"{server}/metrics").text
     for name, count in (("time_to_first_token_seconds", ttft), ("inter_token_latency_seconds", itl)):
         buckets = [float(v) for v in re.findall(rf'^pycalm_{name}_bucket{{le="[^"]+"}} (\S+)$', body, re.M)]

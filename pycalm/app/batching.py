@@ -454,11 +454,14 @@ class BatchRunner:
 
     def metrics(self) -> dict[str, float]:
         """The scheduler's and the pool's counts (Scheduler.metrics), and the steps' time: in
-        step(), in the engine's call (the hand-out it overlaps not counted), and on the GPU."""
+        step(), in the engine's call (the hand-out it overlaps not counted), and on the GPU; the
+        GPU engine's graph captures and the host's seconds in those steps."""
         return {
             **self.scheduler.metrics(),
             "steps": self.steps,
             "step_s": self.step_s,
             "engine_s": self.engine_s,
             "gpu_s": getattr(self.engine, "gpu_s", 0.0),  # the GPU engine's (CUDA events)
+            "captures": getattr(self.engine, "captures", 0),  # the GPU engine's graphs captured
+            "capture_s": getattr(self.engine, "capture_s", 0.0),
         }

@@ -873,6 +873,18 @@ class ParallelWorker(Worker):
                 "Seconds the GPU spent on the batch's passes (CUDA events; 0 on the CPU engine).",
                 "gpu_s",
             ),
+            (
+                "batch_graph_captures_total",
+                "counter",
+                "CUDA graphs captured (a step's rows, sampled rows and attention span met first).",
+                "captures",
+            ),
+            (
+                "batch_capture_seconds_total",
+                "counter",
+                "Host seconds of those steps (launched a kernel at a time, then captured).",
+                "capture_s",
+            ),
         ]
         values = {**r.metrics(), "peak": self.peak}
         lines = []

@@ -59,6 +59,7 @@ stays on the CPU engine for now (refused here).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -146,6 +147,10 @@ class BatchedGpuEngine:
         self.graphs: dict[tuple[int, int, int, bool], GraphStep] = {}
         self.marks = [(cuda.event(), cuda.event()) for _ in range(2)]  # around a step's work, by turns
         self.gpu_s = 0.0  # seconds the GPU spent on the steps (between the marks: not the host's gaps)
+        self.captures = 0  # graphs captured: keys met for the first time
+        self.capture_s = (
+            0.0  # host seconds of those first steps (launched one kernel at a time, then captured)
+        )
         # the pool, last: with min_blocks it takes the memory the rest leaves
         kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
         block_bytes = 2 * cfg.n_layers * block_size * cfg.kv_dim * np.dtype(kv_np).itemsize
@@ -395,9 +400,12 @@ class BatchedGpuEngine:
                 if picked:  # (a step of prompt chunks alone samples nothing)
                     self._classify(0, picked, sampled)
 
+            t0 = time.perf_counter()
             record()  # compiles the kernels; also this step's result
             if e.use_graph and not self.config.n_experts:
                 self.graphs[key] = GraphStep(e.stream, record)
+                self.captures += 1
+                self.capture_s += time.perf_counter() - t0
         if m:
             copy(logits, 0, m)
 
