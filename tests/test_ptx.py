@@ -95,7 +95,7 @@ def no_device() -> Iterator[None]:
     """Within: numba's CUDA API works without a driver, on a stand-in context of an sm_90 device
     with 132 SMs. Device arrays are never allocated (each points at one fake address), copies to
     the device and memsets do nothing, copies to the host read zeros, streams and events do
-    nothing. Only typing and recording may happen meanwhile (pycalm.gpu.precompile.Walk): a real
+    nothing, TMA maps are stand-ins. Only typing and recording may happen meanwhile (pycalm.gpu.precompile.Walk): a real
     launch or compile would fail."""
     import numpy as np
     from numba.cuda.cudadrv import devices, driver
@@ -159,6 +159,13 @@ def no_device() -> Iterator[None]:
     def to_host(dst: object, src: object, size: int, stream: object = 0) -> None:
         ctypes.memset(driver.host_pointer(dst), 0, size)
 
+    def tma_map(array: object, box_rows: int, stream: object = 0) -> object:  # no driver to encode one
+        from numba import cuda
+
+        return cuda.device_array(16, np.uint64)  # (16,) the 128 bytes of a map
+
+    from pycalm.kernels import wgmma_matmul
+
     runtime = devices._runtime
     saved = [
         (runtime, "ensure_context"),
@@ -168,12 +175,14 @@ def no_device() -> Iterator[None]:
         (driver, "device_memset"),
         (driver, "device_to_host"),
         (driver.MemoryPointer, "memset"),
+        (wgmma_matmul, "tma_map"),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
     replacement = {
         "ensure_context": ensure_context,
         "get_or_create_context": lambda devnum=None: context,
         "device_to_host": to_host,
+        "tma_map": tma_map,
     }
     for owner, name, _ in saved:
         setattr(owner, name, replacement.get(name, nothing))
@@ -311,7 +320,9 @@ class _Checks:
         from numba import cuda
 
         try:
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0), launch_bounds=launch_bounds)
+            # (on a GPU of compute capability 9.0 numba compiles for the arch-specific sm_90a,
+            # whose instructions the wgmma kernels take)
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=(9, 0, "a"), launch_bounds=launch_bounds)
         except Exception as e:  # noqa: BLE001
             self.out["problems"].append(f"{label}: {type(e).__name__}: {str(e)[:300]}")
             return None
@@ -332,7 +343,7 @@ class _Checks:
             with open(src, "w") as f:
                 f.write(ptx)
             r = subprocess.run(
-                [self.ptxas, "-arch=sm_90", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                [self.ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
                 capture_output=True,
                 text=True,
             )

@@ -205,12 +205,17 @@ class Walk:
 def virtual_memory() -> Iterator[None]:
     """Within: device arrays of any size cost nothing (every allocation is a view of one small
     real one, and the GPU reports all its memory free), copies to the device and memsets do
-    nothing, and copies to the host fill the host buffer with zeros (so host code that reads a
-    device result gets a stand-in 0). Nothing may launch meanwhile (Walk)."""
+    nothing, copies to the host fill the host buffer with zeros (so host code that reads a
+    device result gets a stand-in 0), and a TMA map is a stand-in array of its type, neither
+    encoded by the driver (which the walk may lack) nor kept in wgmma_matmul's cache of maps by
+    address (every stand-in array has the same one). Nothing may launch meanwhile (Walk)."""
     import ctypes
 
+    import numpy as np
     from numba import cuda
     from numba.cuda.cudadrv import driver
+
+    from pycalm.kernels import wgmma_matmul
 
     backing = cuda.device_array(256, "u1")  # the address every stand-in array points at
     base = backing.gpu_data.device_pointer_value
@@ -228,6 +233,9 @@ def virtual_memory() -> Iterator[None]:
     def plenty(context: object) -> tuple[int, int]:  # (free, total): the stand-ins take none
         return 1 << 60, 1 << 60
 
+    def tma_map(array: object, box_rows: int, stream: object = 0) -> object:
+        return cuda.device_array(16, np.uint64)  # (16,) the 128 bytes of a map
+
     saved = {
         (driver.Context, "memalloc"): driver.Context.memalloc,
         (driver.Context, "get_memory_info"): driver.Context.get_memory_info,
@@ -236,8 +244,14 @@ def virtual_memory() -> Iterator[None]:
         (driver, "device_to_device"): driver.device_to_device,
         (driver, "device_memset"): driver.device_memset,
         (driver, "device_to_host"): driver.device_to_host,
+        (wgmma_matmul, "tma_map"): wgmma_matmul.tma_map,
     }
-    replacement = {"memalloc": memalloc, "get_memory_info": plenty, "device_to_host": to_host}
+    replacement = {
+        "memalloc": memalloc,
+        "get_memory_info": plenty,
+        "device_to_host": to_host,
+        "tma_map": tma_map,
+    }
     for owner, name in saved:
         setattr(owner, name, replacement.get(name, nothing))
     try:

@@ -47,7 +47,7 @@ from numba import config as numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import fp16_encode
+from pycalm.kernels.common import dependent_start, fp16_encode
 from pycalm.kernels.matmul import _fp8_words, _gf4_words, _q4_words, _q8_words, check_mode, weight_args
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128
 from pycalm.kernels.tma import SWIZZLE_128B as TMA_SWIZZLE_128B
@@ -312,6 +312,7 @@ def wgmma_kernel(  # noqa: C901
     def block_tile(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
         """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16);
         part, tiles_done: the split's scratch (rows versions)."""
+        dependent_start()  # in a programmatic graph (a batched step): X comes from the kernel before
         smem = cuda.shared.array(
             0, int32
         )  # the X (and W) stages, (W through registers) 3 W tiles: from 1 KiB
@@ -507,6 +508,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (threads, 1), "cache": True}))
     def tma_matmul_kernel(tx, tw, tw3, k_cols, out):  # noqa: ANN001, ANN202
+        dependent_start()  # in a programmatic graph (a batched step): X comes from the kernel before
         smem = cuda.shared.array(0, int32)  # STAGES stages of (X box, W box), then the barriers
         tid = cuda.threadIdx.x
         group = tid >> 7  # 0: the producer; 1, 2: the consumers of tile rows 64 (group - 1) ..
