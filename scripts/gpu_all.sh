@@ -34,7 +34,7 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
                --variants default,copy --check 2>&1 | tee "$out/kernels_attention_long.log" | grep -A20 "=== summary" ;;
     rows)    PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_matmul.py -k skinny \
-               tests/test_batch_attention.py tests/test_sample_rows.py 2>&1 | tee "$out/tests_rows.log" | tail -8
+               tests/test_paged_attention.py tests/test_sample_rows.py 2>&1 | tee "$out/tests_rows.log" | tail -8
              python3 scripts/kernels/rows_matmul.py --no-tile 2>&1 | tee "$out/kernels_rows.log" | tail -12
              python3 scripts/bench.py --rows --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,fp8,gf4,q8,q4 \
                2>&1 | tee "$out/bench_rows.log" | tail -14

@@ -109,16 +109,22 @@ def _test(mode, dtype, t_rows, n, k, tile=None, seed=0, group=32, scratch=None):
         got = _run(
             mode, x, w, dtype, np.full((t_rows, n), np.nan, np.float16), w3=w3, tile=tile, scratch=scratch
         )
-        w3t, _ = _decoded(w3, dtype)
-        want = matmul_gate_ref(x, wt, w3t, dt)
-        assert got.dtype == np.float16 and np.all(np.isfinite(got))
-        a, b = matmul_ref(x, wt, dt), matmul_ref(x, w3t, dt)
-        da, db = RTOL * scale, RTOL * _sum_scale(x, w3, dtype)
-        # one fp16 rounding of the result each side, and the sums' float32 error through the gate
-        # (|silu'| <= 1.1, |silu(a)| <= |a| + 0.28), plus fp16's smallest subnormal
-        tol = 2.0**-10 * np.abs(want) + 1.1 * np.abs(b) * da + (np.abs(a) + 0.28) * db + 2.0**-24
-        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-        assert np.all(err <= tol), f"max err / tol {np.max(err / tol):.3g}"
+        _check_gate(got, x, w, w3, dtype)
+
+
+def _check_gate(got: np.ndarray, x: np.ndarray, w: object, w3: object, dtype: str) -> None:
+    """got, fp16 silu(X W^T) * (X W3^T), against matmul_gate_ref on the decoded weights."""
+    wt, dt = _decoded(w, dtype)
+    w3t, _ = _decoded(w3, dtype)
+    want = matmul_gate_ref(x, wt, w3t, dt)
+    assert got.dtype == np.float16 and np.all(np.isfinite(got))
+    a, b = matmul_ref(x, wt, dt), matmul_ref(x, w3t, dt)
+    da, db = RTOL * _sum_scale(x, w, dtype), RTOL * _sum_scale(x, w3, dtype)
+    # one fp16 rounding of the result each side, and the sums' float32 error through the gate
+    # (|silu'| <= 1.1, |silu(a)| <= |a| + 0.28), plus fp16's smallest subnormal
+    tol = 2.0**-10 * np.abs(want) + 1.1 * np.abs(b) * da + (np.abs(a) + 0.28) * db + 2.0**-24
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert np.all(err <= tol), f"max err / tol {np.max(err / tol):.3g}"
 
 
 @pytest.mark.parametrize("t_rows,n,k", SHAPES)
@@ -289,6 +295,30 @@ def test_skinny_row_tiles(dtype, mode, t_rows):
         outs.append(out.copy_to_host())
     assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], r0)
     assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("mode", ["residual", "gate"])
+def test_skinny_adds_the_warps_sums_in_parts(mode):
+    """Blocks of 16 warps at 8 n-tiles (the 8B shape's w2, K > LONG_K, in passes of 33 to 64
+    rows) would take 64 KiB of static shared memory for the warps' sums of a tile, past the 48
+    KiB a kernel may: they add them in two parts of 4 n-tiles (the gate's W1 and W3 sums in one).
+    The outputs are the reference's, as at any block shape."""
+    from pycalm.kernels import skinny
+
+    warps, t_rows, n, k = 16, 41, 21 if mode == "gate" else 19, 512  # 16 steps of 32 columns
+    kernel = skinny.make_skinny_kernel("fp16", skinny.MODES[mode], 8, warps, skinny.UNROLL, 0, 2)
+    rng = np.random.default_rng(10)
+    x, w = _inputs(rng, t_rows, n, k, "fp16")
+    _, w3 = _inputs(rng, t_rows, n, k, "fp16")
+    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, "fp16", k)
+    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
+    out = cuda.to_device(r0)
+    kernel[skinny.blocks_for(n, mode, 2), 32 * warps](cuda.to_device(x).view(np.uint32), *args, out)
+    got = out.copy_to_host()
+    if mode == "residual":
+        _check(got, matmul_residual_ref(x, w, "fp16", r0), _sum_scale(x, w, "fp16") + np.abs(r0))
+    else:
+        _check_gate(got, x, w, w3, "fp16")
 
 
 def test_skinny_rejects_bad_shapes():

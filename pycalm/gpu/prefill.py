@@ -55,9 +55,10 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # a matrix of each format takes pycalm.kernels.skinny's products in passes of at most
 # SKINNY_ROWS[format] rows (each weight read once a pass at close to the token step's speed), in
 # longer ones matmul's tiles, K split over blocks: the faster of the two a layer's products, by
-# scripts/kernels/rows_matmul.py on the 8B shape (H200); batch-invariant engines take skinny's
-# for every pass
-SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
+# scripts/kernels/rows_matmul.py on the 8B shape (H200; at 64 rows skinny's two tiles against the
+# split tile, us: fp8 221 / 236, q8 235 / 250, q4 260 / 331, fp16 297 / 236, gf4 477 / 286);
+# batch-invariant engines take skinny's for every pass
+SKINNY_ROWS = {"fp16": 32, "fp8": 64, "gf4": 32, "q8": 64, "q4": 64}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every

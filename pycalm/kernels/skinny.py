@@ -36,8 +36,7 @@ in a great while), with the group's d and m (a unit lies in one group: 32 column
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
-two in passes of 17 to 32 rows but gf4's, and of 33 to 64 where they fit the registers; one
-below) and its warps (WARPS, or LONG_WARPS for rows longer than LONG_K) split K. Each warp holds
+two in passes of 17 to 64 rows but gf4's, one below) and its warps (WARPS, or LONG_WARPS for rows longer than LONG_K) split K. Each warp holds
 the A fragments of all the block's tiles, so one load of X serves them all: X is read from L2
 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit) times a tile's weight bytes.
 Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ... (a chunk's weight loads,
@@ -104,13 +103,13 @@ UNROLL = 1
 # H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
 # 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's decode takes more registers:
 # 198 -> 277 at 32 rows, 479 -> 477 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows:
-# 1,060). At 8 n-tiles two tiles spill q4 (255 registers and 80 bytes, ptxas) and, in blocks of
-# LONG_WARPS (128 registers a thread), fp8 and q8 (128 and 36 bytes): those take one.
+# 1,060). (The 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of
+# LONG_WARPS, fp8 and q8; ptxas now gives q4 197 registers and those 124, no spill.)
 ROW_TILES: dict[str, dict[int, int]] = {
     "fp16": {4: 2, 8: 2},
     "fp8": {4: 2, 8: 2},
     "q8": {4: 2, 8: 2},
-    "q4": {4: 2},
+    "q4": {4: 2, 8: 2},
 }
 
 
@@ -130,12 +129,9 @@ def n_tiles_for(t_rows: int) -> int:
     return n
 
 
-def row_tiles_for(dtype: str, n_tiles: int, warps: int = WARPS) -> int:
-    """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles in
-    blocks of `warps` (a row's sums are the same bits for any count: batch invariance holds
-    across the buckets)."""
-    if n_tiles == 8 and warps > WARPS and dtype != "fp16":
-        return 1
+def row_tiles_for(dtype: str, n_tiles: int) -> int:
+    """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles (a
+    row's sums are the same bits for any count: batch invariance holds across the buckets)."""
     return ROW_TILES.get(dtype, {}).get(n_tiles, 1)
 
 
@@ -171,6 +167,13 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     MT = row_tiles  # A tiles a warp (16 rows of W each; GATE: 8 outputs)
     ACC1 = 4 * n_tiles  # accumulators a lane for one A tile
     ACC = ACC1 * MT
+    # the warps' sums of an A tile meet in shared memory in RED_PARTS parts of RED_ACC accumulators
+    # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
+    # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
+    RED_PARTS = 1
+    while warps * (ACC1 // RED_PARTS) * 32 * 4 > 48 * 1024:
+        RED_PARTS *= 2
+    RED_ACC = ACC1 // RED_PARTS
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
     W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
@@ -240,9 +243,20 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     @cuda.jit(device=True, inline=True)
     def load_x(x, token, col, t_rows, k_cols, xb, at, i):  # noqa: ANN001, ANN202
         """xb[at : at + 4] = words 4 i .. 4 i + 3 of X row `token` over the unit's E columns from
-        col: the B words of k-tiles 2 i, 2 i + 1 (zeros past T or K)."""
-        if token < t_rows and col < k_cols:
-            xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
+        col: the B words of k-tiles 2 i, 2 i + 1 (zeros past K; past T, zeros where X of the
+        whole chunk is prefetched, else what the words held: a token past T is a column of B
+        and of C of its own, whose sums are never stored, so only finite zeros under the K
+        tail's zero weights matter. Keeping the words, the loads of the n-tiles need no select:
+        at 64 rows q4's two tiles then take 197 registers, not 255 and 80 bytes of spill)."""
+        if PREFETCH_X:
+            if token < t_rows and col < k_cols:
+                xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
+            else:
+                for e in range(4):
+                    xb[at + e] = int32(0)
+        elif col < k_cols:
+            if token < t_rows:
+                xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
         else:
             for e in range(4):
                 xb[at + e] = int32(0)
@@ -251,7 +265,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
-        red = cuda.shared.array((warps, ACC1, 32), float32)  # each warp's sums of one A tile, lane-major
+        red = cuda.shared.array(
+            (warps, RED_ACC, 32), float32
+        )  # each warp's sums of a part of an A tile, lane-major
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
@@ -260,6 +276,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for i in range(ACC):
             acc[i] = float32(0.0)
+        for i in range(X_WORDS):  # (finite words for the tokens past T: load_x)
+            xb[i] = int32(0)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
@@ -320,26 +338,28 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             chunk += warps
 
         n_cols = out.shape[1]
-        for m in range(MT):  # each A tile's sums: the warps' parts meet in red
-            if m > 0:
-                cuda.syncthreads()  # the last tile's sums are read: red is free again
-            for i in range(ACC1):
-                red[warp, i, lane] = acc[m * ACC1 + i]
-            cuda.syncthreads()  # every warp's partial sums of tile m are in red
-            for e in range(tid, ACC1 * 32, threads):  # (accumulator i, lane l) of the tile, in order
-                i, ln = e // 32, e % 32
-                s = red[0, i, ln]
+        for part in range(MT * RED_PARTS):  # each A tile's sums, a part at a time: the warps' meet in red
+            m, first = part // RED_PARTS, (part % RED_PARTS) * RED_ACC  # the tile, its first accumulator here
+            if part > 0:
+                cuda.syncthreads()  # the last part's sums are read: red is free again
+            for i in range(RED_ACC):
+                red[warp, i, lane] = acc[m * ACC1 + first + i]
+            cuda.syncthreads()  # every warp's partial sums of this part are in red
+            for e in range(tid, RED_ACC * 32, threads):  # (accumulator i, lane l) of the part, in order
+                j, ln = e // 32, e % 32
+                s = red[0, j, ln]
                 for v in range(1, warps):  # the warps' parts in a fixed order
-                    s += red[v, i, ln]
+                    s += red[v, j, ln]
+                i = first + j  # the accumulator in the tile
                 # accumulator i = 4 p + r of lane ln: A row (ln >> 2) + 8 (r >> 1), token 8 p + 2 (ln & 3) + (r & 1)
                 p, r = i // 4, i % 4
                 token = 8 * p + 2 * (ln & 3) + (r & 1)
                 if gate:
                     if r < 2:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + (ln >> 2)
                         col = (tile0 + m) * 8 + (ln >> 2)
-                        h3 = red[0, i + 2, ln]
+                        h3 = red[0, j + 2, ln]
                         for v in range(1, warps):
-                            h3 += red[v, i + 2, ln]
+                            h3 += red[v, j + 2, ln]
                         if token < t_rows and col < n_cols:
                             if q8:
                                 s *= s1[col]
@@ -410,7 +430,7 @@ def skinny_matmul(
         )
     warps = warps_for(k_cols, dtype)
     n_tiles = n_tiles_for(t_rows)
-    row_tiles = row_tiles_for(dtype, n_tiles, warps)
+    row_tiles = row_tiles_for(dtype, n_tiles)
     kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles)
     args = stored_args(w, w3, dtype, k_cols)
     grid = blocks_for(out.shape[1], mode, row_tiles)

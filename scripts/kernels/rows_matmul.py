@@ -109,7 +109,7 @@ def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_t
     row_tiles_for)."""
     warps = warps or skinny.warps_for(x.shape[1], dtype)
     n_tiles = skinny.n_tiles_for(x.shape[0])
-    row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles, warps)
+    row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles)
     kernel = skinny.make_skinny_kernel(
         dtype, MODES[mode], n_tiles, warps, unroll or skinny.UNROLL, min_blocks, row_tiles
     )
