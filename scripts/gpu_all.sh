@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 set -uo pipefail
@@ -33,6 +33,14 @@ while [ $i -lt ${#steps[@]} ]; do
                --kv fp16,fp8 2>&1 | tee "$out/bench_depths.log" | tail -8
              python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
                --variants default,copy --check 2>&1 | tee "$out/kernels_attention_long.log" | grep -A20 "=== summary" ;;
+    attention-ncu)  # issue 32: where the decode attention's time goes at 4k and 32k positions (8B, fp16 KV):
+             # issue stalls, occupancy and DRAM throughput of two launches at each length
+             for n in 4000 32000; do
+               ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+                 --section MemoryWorkloadAnalysis -k regex:attention_kernel --launch-skip 40 --launch-count 2 \
+                 python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos $n 2>&1 \
+                 | tee "$out/ncu_attention_$n.log" | grep -E "Duration|DRAM Throughput|Achieved Occupancy|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued" | head -40
+             done ;;
     rows)    PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_matmul.py -k skinny \
                tests/test_paged_attention.py tests/test_sample_rows.py 2>&1 | tee "$out/tests_rows.log" | tail -8
              python3 scripts/kernels/rows_matmul.py --no-tile 2>&1 | tee "$out/kernels_rows.log" | tail -12
