@@ -41,11 +41,13 @@ the A fragments of all the block's tiles, so one load of X serves them all: X is
 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit) times a tile's weight bytes.
 Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ... (a chunk's weight loads,
 and its X loads where they fit 32 registers, are issued together, then decoded and multiplied).
-The warps' partial sums meet in shared memory, a tile at a time, and are added in warp order,
+The warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles
+where 16 warps' sums would pass the 48 KiB of static shared memory), and are added in warp order,
 one thread an output, which then applies the epilogue (the q8 row scale, the residual add or
 the gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles =
 ceil(T / 8) mma tiles along the tokens, a compile-time size: the kernel is compiled for 1, 2, 4
-and 8 (passes of 8, 16, 32 and 64 rows); X rows past T are zeros.
+and 8 (passes of 8, 16, 32 and 64 rows); the tokens past T are columns of B and C whose sums
+are never stored (load_x).
 
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
