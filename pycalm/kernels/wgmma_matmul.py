@@ -312,7 +312,7 @@ def wgmma_kernel(  # noqa: C901
     def block_tile(x, w, s, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
         """The block's tile of out (see wgmma_kernel); s, s3: q8 / q4 scales (unread for fp16);
         part, tiles_done: the split's scratch (rows versions)."""
-        dependent_start()  # in a programmatic graph (a batched step): X comes from the kernel before
+        dependent_start()  # in a graph with programmatic edges: X comes from the kernel before
         smem = cuda.shared.array(
             0, int32
         )  # the X (and W) stages, (W through registers) 3 W tiles: from 1 KiB
@@ -508,7 +508,7 @@ def tma_kernel(block_n: int, stages: int, registers: int, mode: str) -> object: 
 
     @cuda.jit(**({} if SIM else {"launch_bounds": (threads, 1), "cache": True}))
     def tma_matmul_kernel(tx, tw, tw3, k_cols, out):  # noqa: ANN001, ANN202
-        dependent_start()  # in a programmatic graph (a batched step): X comes from the kernel before
+        dependent_start()  # in a graph with programmatic edges: X comes from the kernel before
         smem = cuda.shared.array(0, int32)  # STAGES stages of (X box, W box), then the barriers
         tid = cuda.threadIdx.x
         group = tid >> 7  # 0: the producer; 1, 2: the consumers of tile rows 64 (group - 1) ..
