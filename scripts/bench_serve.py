@@ -20,6 +20,8 @@ machine without one: each step sleeps BASE + ROW x its rows on the worker thread
 released, as in a wait for the GPU) and draws random tokens; the server, the scheduler, the
 sampling bookkeeping and the HTTP side are the real ones. The default, 8.1,0.056, is the H200's
 fp16 8B step (bench_batched.py: 64 rows 11.7 ms, 64 rows and a 192-row chunk 22.4 ms).
+--stand-in R:MS,R:MS,... instead charges a step its rows' power-of-two bucket, as the GPU
+engine's graphs do (docs/BENCHMARKS.md has a table); --batch-size N passes the server's.
 --profile FILE writes the worker thread's cProfile (pstats) there each time the batch empties.
 
     python scripts/bench_serve.py --streams 64 --stand-in 8.1,0.056 --profile /tmp/worker.prof
