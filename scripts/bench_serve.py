@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from tiny_models import make_gguf  # noqa: E402
 
 from pycalm.convert.main import convert  # noqa: E402
+from pycalm.gpu.batched import BatchedGpuEngine  # noqa: E402  (the stand-in takes its buckets)
 from pycalm.model.loader import ModelWriter, open_model  # noqa: E402
 
 PROMPT = "the cat"
@@ -199,8 +200,9 @@ class StandInBatched:
     enqueued step starts when the one before it ends; collect sleeps until it has ended) and
     draws each sampled row's token at random (the options still checked)."""
 
-    cost = staticmethod(lambda rows: 8.1 + 0.056 * rows)  # ms a step of `rows` rows (stand_in_cost)
+    cost = staticmethod(lambda rows, bucket: 8.1 + 0.056 * rows)  # ms a step (stand_in_cost)
     max_rows = 2048  # rows a pass takes at most (the engine's prefill buffers: a lone prompt's step)
+    bucket = BatchedGpuEngine.bucket  # the rows a step of n rows runs: its graph's bucket
 
     @staticmethod
     def refusal(engine: object) -> None:  # it batches any engine
@@ -220,7 +222,7 @@ class StandInBatched:
         from pycalm.kernels.sample import host_rows
 
         host_rows(samplings)
-        gpu_s = self.cost(len(tokens)) / 1e3
+        gpu_s = self.cost(len(tokens), self.bucket(len(tokens))) / 1e3
         self.busy_until = max(time.perf_counter(), self.busy_until) + gpu_s
         self.gpu_s += gpu_s
         return self.busy_until, self.rng.integers(3, self.vocab, len(sample_rows)).astype(np.int32)
@@ -239,22 +241,17 @@ class StandInBatched:
         return self.collect(ticket), np.zeros((len(keep), self.vocab), np.float32)  # (len(keep), vocab_size)
 
 
-def stand_in_cost(spec: str) -> Callable[[int], float]:
-    """--stand-in's step time, ms, for a step of n rows: "BASE,ROW" -> BASE + ROW n; "R:MS,R:MS,..."
-    -> the step's rows padded to a power of two (BatchedGpuEngine.bucket: the GPU engine runs the
-    bucket's graph, padding rows and all) and that bucket's ms, linear between the listed ones
-    (the last one's beyond). Raises ValueError on a malformed spec."""
+def stand_in_cost(spec: str) -> Callable[[int, int], float]:
+    """--stand-in's step time, ms, for a step of n rows run as the graph of `bucket` rows:
+    "BASE,ROW" -> BASE + ROW n; "R:MS,R:MS,..." -> the bucket's ms (the GPU engine runs the
+    bucket's graph, padding rows and all), linear between the listed ones (the last one's beyond).
+    Raises ValueError on a malformed spec."""
     if ":" not in spec:
         base, row = (float(v) for v in spec.split(","))
-        return lambda n: base + row * n
+        return lambda n, bucket: base + row * n
     table = sorted((int(r), float(ms)) for r, ms in (p.split(":") for p in spec.split(",")))
     rows, ms = [r for r, _ in table], [m for _, m in table]
-
-    def cost(n: int) -> float:
-        bucket = 1 << max(0, n - 1).bit_length()
-        return float(np.interp(bucket, rows, ms))
-
-    return cost
+    return lambda n, bucket: float(np.interp(bucket, rows, ms))
 
 
 def stand_in_llm(shape: str, dtype: str, context: int, stand_in: str) -> object:

@@ -40,9 +40,10 @@ token: the generation stops there and the next request starts.
 sequences at once (pycalm.app.batching: continuous batching over a paged KV cache with prefix
 caching), the same events going out the same way; a cancel flag takes its sequence out at the
 next step, and --batch-size caps the rows of a step. /metrics adds the batch's gauges.
---parallel auto (the default) decides once the model is loaded: on the GPU engine, where it can batch, up to AUTO_PARALLEL
-sequences over a pool of as many positions as the GPU's memory holds; else (the CPU engine,
-speculative decoding, the GPU's --batch-invariant or simple kernels) one request at a time.
+--parallel auto (the default) decides once the model is loaded: on the GPU engine, where it can
+batch, up to AUTO_PARALLEL sequences over a pool of as many positions as the GPU's memory
+holds; else (the CPU engine, speculative decoding, the GPU's --batch-invariant or simple
+kernels) one request at a time.
 
 Chats take OpenAI's `tools` and `tool_choice` (auto, none, required, or a named function: these
 two by constrained decoding, pycalm.app.tools.tool_grammar), rendered by the model's chat template, and messages of role "tool" and assistant messages

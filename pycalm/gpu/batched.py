@@ -148,9 +148,8 @@ class BatchedGpuEngine:
         self.marks = [(cuda.event(), cuda.event()) for _ in range(2)]  # around a step's work, by turns
         self.gpu_s = 0.0  # seconds the GPU spent on the steps (between the marks: not the host's gaps)
         self.captures = 0  # graphs captured: keys met for the first time
-        self.capture_s = (
-            0.0  # host seconds of those first steps (launched one kernel at a time, then captured)
-        )
+        # host seconds of those first steps (launched one kernel at a time, then captured)
+        self.capture_s = 0.0
         # the pool, last: with min_blocks it takes the memory the rest leaves
         kv_np = np.float16 if engine.kv_dtype == "fp16" else np.uint8
         block_bytes = 2 * cfg.n_layers * block_size * cfg.kv_dim * np.dtype(kv_np).itemsize

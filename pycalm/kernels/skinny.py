@@ -36,18 +36,18 @@ in a great while), with the group's d and m (a unit lies in one group: 32 column
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
-two in passes of 17 to 64 rows but gf4's, one below) and its warps (WARPS, or LONG_WARPS for rows longer than LONG_K) split K. Each warp holds
-the A fragments of all the block's tiles, so one load of X serves them all: X is read from L2
-once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit) times a tile's weight bytes.
-Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ... (a chunk's weight loads,
-and its X loads where they fit 32 registers, are issued together, then decoded and multiplied).
-The warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles
-where 16 warps' sums would pass the 48 KiB of static shared memory), and are added in warp order,
-one thread an output, which then applies the epilogue (the q8 row scale, the residual add or
-the gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles =
-ceil(T / 8) mma tiles along the tokens, a compile-time size: the kernel is compiled for 1, 2, 4
-and 8 (passes of 8, 16, 32 and 64 rows); the tokens past T are columns of B and C whose sums
-are never stored (load_x).
+two in passes of 17 to 64 rows but gf4's, one below) and its warps (WARPS, or LONG_WARPS for
+rows longer than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so
+one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is 4
+(fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
+steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit 32 registers,
+are issued together, then decoded and multiplied). The warps' partial sums meet in shared
+memory, a tile at a time (in parts of whole n-tiles where 16 warps' sums would pass the 48 KiB
+of static shared memory), and are added in warp order, one thread an output, which then applies
+the epilogue (the q8 row scale, the residual add or the gate). Grid: ceil(N / (16 row_tiles))
+blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
+compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows);
+the tokens past T are columns of B and C whose sums are never stored (load_x).
 
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
@@ -267,9 +267,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
-        red = cuda.shared.array(
-            (warps, RED_ACC, 32), float32
-        )  # each warp's sums of a part of an A tile, lane-major
+        # (warps, RED_ACC, 32) each warp's sums of a part of an A tile, lane-major
+        red = cuda.shared.array((warps, RED_ACC, 32), float32)
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
