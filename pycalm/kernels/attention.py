@@ -78,7 +78,7 @@ instruction an fp16 element; an e5m2 byte is the top byte of an fp16, so a byte 
 of a word's bytes there first (1.5 instructions an element). The stream loop's shared-memory
 words are addressed from an unsigned per-lane base (no wraparound test, constant offsets in the
 loads) and each copy step knows whether it copies K or V rows. Per warp tile (Llama-3-8B: head_dim
-128, a group of 4) that is about 410 instructions a lane in fp16 and 380 in fp8 (ptxas for sm_90).
+128, a group of 4) that is about 380 instructions a lane in fp16 and 370 in fp8 (ptxas for sm_90).
 
 Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM, once;
 q, out, and with several live splits their partials (written, then read by the merging block)
@@ -368,9 +368,9 @@ def attention_kernel(
         for c in range(COPY_STEPS):
             i = int32(lane + 32 * c)
             if COPIES % 32 == 0 or i < COPIES:
-                r = (i // PIECES) % WT
+                r = int32((i // PIECES) % WT)
                 piece = i % PIECES
-                row = cache_row(min(t0 + r, last), table, seq, page_log2)
+                row = cache_row(min(int32(t0 + r), last), table, seq, page_log2)
                 word = base + r * ROW + piece * 4
                 # K rows or V rows: known per step once the loop unrolls, but where a step holds both
                 if (c + 1) * 32 <= K_COPIES or (c * 32 < K_COPIES and i < K_COPIES):
@@ -503,7 +503,7 @@ def attention_kernel(
         for i in range(n_mine):
             ahead = i + stages - 1  # the warp tile that enters the ring now
             if ahead < n_mine:
-                t_ahead = first + (warp + ahead * N_WARPS) * WT
+                t_ahead = int32(first + (warp + ahead * N_WARPS) * WT)
                 issue(smem, k_cache, v_cache, ring + (ahead & (stages - 1)) * STAGE, t_ahead, last, col0, lane,
                       table, seq, page_log2)  # fmt: skip
             cp_async_commit()  # (an empty group near the end)
