@@ -73,18 +73,36 @@ from pycalm.kernels.common import (
     and_or,
     dependent_start,
     fp16_encode,
-    gf4_code,
-    gf4_scale,
     hfma2,
     hsub2,
     prmt,
 )
 from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, weight_args
-from pycalm.kernels.tensorcore import ldg128w, mma_16816, pack_f16x2
+from pycalm.kernels.tensorcore import ldg128w, mma_16816
 
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
 Q8_BIAS = 0x64806480  # (1152, 1152) as f16x2: 1024 + 128, the exponent and the code's bias
 Q4_BIAS = 0x54006400  # (1024, 64) as f16x2: a low nibble's exponent, a high nibble's
+
+
+def _f16x2(lo: float, hi: float) -> int:
+    """Two fp16 values as the int32 word of an f16x2 (lo in the low half)."""
+    return int(np.array([lo, hi], np.float16).view(np.int32)[0])
+
+
+NEG_ZERO2 = _f16x2(-0.0, -0.0)  # the addend of a product alone: x * y + (-0) keeps the product's sign
+GF4_QUARTER = _f16x2(-0.25, -0.25)  # gf4's weights are (q - 4) (-s / 4)
+# gf4's code pairs (0, 1), (2, 3), (4, 5), (6, 7) of a word (code k at bits 8 + 3k, the scale in
+# bits 0-7) as two fp16 halves: a byte permute puts the byte(s) holding the pair's codes into each
+# half, a LOP3 keeps each code's 3 bits and ORs an exponent under which the code's lowest bit is
+# worth 1 (code bit b of a half: exponent 10 - b), then the subtraction of that power of two and
+# of 4 leaves q - 4 exactly: (prmt selector, mask, exponents, subtrahends) a pair
+GF4_PAIRS = (
+    (0x4141, 0x00380007, _f16x2(1024.0, 128.0), _f16x2(1028.0, 132.0)),  # byte 1 in both: bits 0-2, 3-5
+    (0x4221, 0x000E01C0, _f16x2(16.0, 512.0), _f16x2(20.0, 516.0)),  # bytes 1-2 | byte 2: bits 6-8, 1-3
+    (0x3222, 0x03800070, _f16x2(64.0, 8.0), _f16x2(68.0, 12.0)),  # byte 2 | bytes 2-3: bits 4-6, 7-9
+    (0x4343, 0x00E0001C, _f16x2(256.0, 32.0), _f16x2(260.0, 36.0)),  # byte 3 in both: bits 2-4, 5-7
+)
 UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
 # elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
 # (two halves), gf4 and q4 are uint32 words of 8 weights
@@ -206,13 +224,15 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 hsub2(prmt(u, magic, int32(0x5342)), int32(Q8_BIAS)),
             )
         v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) .. (bytes 2 (j % 2), + 1)
-        if gf4:
-            h = 4 * (j % 2)
-            s = gf4_scale(v)
+        if gf4:  # codes 4h .. 4h + 3 (h = j % 2) as two pairs, each q - 4 times -s/4
+            f = hfma2(prmt(v, int32(0), int32(0x0404)), int32(GF4_QUARTER), int32(NEG_ZERO2))  # (-s/4, -s/4)
+            p0, p1 = 2 * (j % 2), 2 * (j % 2) + 1
             return (
-                pack_f16x2(gf4_code(v, h) * s, gf4_code(v, h + 1) * s),
-                pack_f16x2(gf4_code(v, h + 2) * s, gf4_code(v, h + 3) * s),
-            )
+                hfma2(hsub2(and_or(prmt(v, int32(0), int32(GF4_PAIRS[p0][0])), int32(GF4_PAIRS[p0][1]),
+                                   int32(GF4_PAIRS[p0][2])), int32(GF4_PAIRS[p0][3])), f, int32(NEG_ZERO2)),
+                hfma2(hsub2(and_or(prmt(v, int32(0), int32(GF4_PAIRS[p1][0])), int32(GF4_PAIRS[p1][1]),
+                                   int32(GF4_PAIRS[p1][2])), int32(GF4_PAIRS[p1][3])), f, int32(NEG_ZERO2)),
+            )  # fmt: skip
         # q4: byte b (codes 2b, 2b + 1) into bytes 0 and 2, its low nibble under the exponent of
         # 1024 and its high one under that of 64 (one LOP3), minus (1024, 64): the two codes,
         # exact; then d q + m rounded once to fp16 (HFMA2), d and m being fp16 (d = (d, d), m = (m, m))
