@@ -263,25 +263,75 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
 
     @cuda.jit(device=True, inline=True)
-    def load_x(x, token, col, t_rows, k_cols, xb, at, i):  # noqa: ANN001, ANN202
+    def load_x(x, token, col, t_rows, k_cols, xb, at, i, tail):  # noqa: ANN001, ANN202
         """xb[at : at + 4] = words 4 i .. 4 i + 3 of X row `token` over the unit's E columns from
-        col: the B words of k-tiles 2 i, 2 i + 1 (zeros past K; past T, zeros where X of the
-        whole chunk is prefetched, else what the words held: a token past T is a column of B
-        and of C of its own, whose sums are never stored, so only finite zeros under the K
-        tail's zero weights matter. Keeping the words, the loads of the n-tiles need no select:
-        at 64 rows q4's two tiles then take 197 registers, not 255 and 80 bytes of spill)."""
+        col: the B words of k-tiles 2 i, 2 i + 1 (zeros past K, checked in the tail chunk). A
+        token past T is a column of B and of C of its own, whose sums are never stored: where X
+        of the whole chunk is prefetched it takes the last row's words, else the words it held
+        (only finite zeros under the K tail's zero weights matter; keeping the words, the loads
+        of the n-tiles need no select: at 64 rows q4's two tiles then take 197 registers, not
+        255 and 80 bytes of spill)."""
         if PREFETCH_X:
-            if token < t_rows and col < k_cols:
-                xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
+            if not tail or col < k_cols:
+                xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(
+                    x, min(token, t_rows - 1), col // 2 + 4 * i
+                )
             else:
                 for e in range(4):
                     xb[at + e] = int32(0)
-        elif col < k_cols:
+        elif not tail or col < k_cols:
             if token < t_rows:
                 xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(x, token, col // 2 + 4 * i)
         else:
             for e in range(4):
                 xb[at + e] = int32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_product(
+        x, w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, t_rows, k_cols, g_shift, wg, wh, dm, a, xb, acc
+    ):  # noqa: ANN001, ANN202, E501
+        """acc += the products of chunk `chunk` (UNROLL steps) of the lane's A tiles and n-tiles.
+        tail: the chunk reaches past K, and loads past it give zeros; else no load is checked."""
+        for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
+            col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
+            for m in range(MT):
+                # A rows g: W1's row (tile) * 16 + g, rows g + 8 the next 8 (GATE: row g of
+                # W1 and of W3, output (tile) * 8 + g)
+                row_g = (tile0 + m) * tile_rows + g
+                row_h = row_g if gate else row_g + 8
+                ok = not tail or col < k_cols  # (rows past N: the last row's weights, never stored)
+                v = u * MT + m
+                load_unit(w1, s1, min(row_g, n_rows - 1), col, ok, wg, v, dm, 2 * v, g_shift)
+                load_unit(w3, s3, min(row_h, n_rows - 1), col, ok, wh, v, dm, 2 * v + 1, g_shift)
+        if PREFETCH_X:  # ... and its X, all n-tiles, beside them
+            for u in range(unroll):
+                col = ((chunk * unroll + u) * 4 + t) * E
+                for p in range(n_tiles):
+                    for i in range(XW // 4):
+                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW + 4 * i, i, tail)
+        for u in range(unroll):
+            col = ((chunk * unroll + u) * 4 + t) * E
+            for i in range(XW // 4):  # k-tiles 2 i, 2 i + 1 of the unit (16 bytes of X a row)
+                for m in range(MT):  # their A fragments, decoded once for every n-tile
+                    v = u * MT + m
+                    for jj in range(2):
+                        j = 2 * i + jj
+                        a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, v, j, dm[4 * v], dm[4 * v + 1])
+                        a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
+                            wh, v, j, dm[4 * v + 2], dm[4 * v + 3]
+                        )
+                for p in range(n_tiles):
+                    base = (u * n_tiles + p) * XW + 4 * i if PREFETCH_X else 0
+                    if not PREFETCH_X:  # X row 8 p + g over the k-tiles' columns, now
+                        load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 0, i, tail)
+                    for m in range(MT):
+                        c = (m * n_tiles + p) * 4
+                        for jj in range(2):
+                            q = 8 * m + 4 * jj
+                            acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
+                                a[q], a[q + 1], a[q + 2], a[q + 3], xb[base + 2 * jj],
+                                xb[base + 2 * jj + 1], acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
+                            )  # fmt: skip
 
     @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
@@ -312,51 +362,14 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
         chunk = warp
-        while chunk * unroll < n_steps:  # warp-uniform
-            for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
-                col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
-                for m in range(MT):
-                    # A rows g: W1's row (tile) * 16 + g, rows g + 8 the next 8 (GATE: row g of
-                    # W1 and of W3, output (tile) * 8 + g)
-                    row_g = (tile0 + m) * tile_rows + g
-                    row_h = row_g if gate else row_g + 8
-                    ok_g = row_g < n_rows and col < k_cols
-                    ok_h = row_h < n_rows and col < k_cols
-                    v = u * MT + m
-                    load_unit(w1, s1, min(row_g, n_rows - 1), col, ok_g, wg, v, dm, 2 * v, g_shift)
-                    load_unit(w3, s3, min(row_h, n_rows - 1), col, ok_h, wh, v, dm, 2 * v + 1, g_shift)
-            if PREFETCH_X:  # ... and its X, all n-tiles, beside them
-                for u in range(unroll):
-                    col = ((chunk * unroll + u) * 4 + t) * E
-                    for p in range(n_tiles):
-                        for i in range(XW // 4):
-                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, (u * n_tiles + p) * XW + 4 * i, i)
-            for u in range(unroll):
-                col = ((chunk * unroll + u) * 4 + t) * E
-                for i in range(XW // 4):  # k-tiles 2 i, 2 i + 1 of the unit (16 bytes of X a row)
-                    for m in range(MT):  # their A fragments, decoded once for every n-tile
-                        v = u * MT + m
-                        for jj in range(2):
-                            j = 2 * i + jj
-                            a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(
-                                wg, v, j, dm[4 * v], dm[4 * v + 1]
-                            )
-                            a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
-                                wh, v, j, dm[4 * v + 2], dm[4 * v + 3]
-                            )
-                    for p in range(n_tiles):
-                        base = (u * n_tiles + p) * XW + 4 * i if PREFETCH_X else 0
-                        if not PREFETCH_X:  # X row 8 p + g over the k-tiles' columns, now
-                            load_x(x, 8 * p + g, col, t_rows, k_cols, xb, 0, i)
-                        for m in range(MT):
-                            c = (m * n_tiles + p) * 4
-                            for jj in range(2):
-                                q = 8 * m + 4 * jj
-                                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma_16816(
-                                    a[q], a[q + 1], a[q + 2], a[q + 3], xb[base + 2 * jj],
-                                    xb[base + 2 * jj + 1], acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
-                                )  # fmt: skip
+        full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
+        while chunk < full:  # warp-uniform
+            chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
+                          wg, wh, dm, a, xb, acc)  # fmt: skip
             chunk += warps
+        if chunk * unroll < n_steps:  # the last chunk, in part past K (one warp's): its loads checked
+            chunk_product(x, w1, s1, w3, s3, chunk, True, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
+                          wg, wh, dm, a, xb, acc)  # fmt: skip
 
         n_cols = out.shape[1]
         for part in range(MT * RED_PARTS):  # each A tile's sums, a part at a time: the warps' meet in red
