@@ -78,7 +78,8 @@ instruction an fp16 element; an e5m2 byte is the top byte of an fp16, so a byte 
 of a word's bytes there first (1.5 instructions an element). The stream loop's shared-memory
 words are addressed from an unsigned per-lane base (no wraparound test, constant offsets in the
 loads) and each copy step knows whether it copies K or V rows. Per warp tile (Llama-3-8B: head_dim
-128, a group of 4) that is about 380 instructions a lane in fp16 and 370 in fp8 (ptxas for sm_90).
+128, a group of 4) that is 393 instructions a lane in fp16 and 369 in fp8
+(scripts/kernels/sass_loops.py counts them in the machine code).
 
 Bytes moved: n attended positions x kv_dim x 2 (K and V) x bytes per element from DRAM, once;
 q, out, and with several live splits their partials (written, then read by the merging block)
