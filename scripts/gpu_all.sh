@@ -32,7 +32,8 @@ while [ $i -lt ${#steps[@]} ]; do
     depths)  python3 scripts/bench.py --depths 0,4000,8000,16000,32000 --shapes llama3-8b --dtypes fp16,q4 \
                --kv fp16,fp8 2>&1 | tee "$out/bench_depths.log" | tail -8
              python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
-               --variants default,copy --check 2>&1 | tee "$out/kernels_attention_long.log" | grep -A20 "=== summary" ;;
+               --variants default,s_t8st2,s_st3,s_tg256 --check 2>&1 | tee "$out/kernels_attention_long.log" \
+               | grep -A30 "=== summary" ;;
     attention-ncu)  # issue 32: where the decode attention's time goes at 4k and 32k positions (8B, fp16 KV):
              # issue stalls, occupancy and DRAM throughput of two launches at each length
              for n in 4000 32000; do

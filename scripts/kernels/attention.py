@@ -6,7 +6,9 @@ streaming warp tiles through cp.async rings; `SplitTuning` sizes it):
   default   through the package's launcher: 128 threads, warp tiles of 4 positions, rings of 4
             stages, splits sized for 512 blocks at most, the shortest split 32 positions
   s_t256    256 threads a block
-  s_tile8   warp tiles of 8 positions, 3 stages
+  s_tile8   warp tiles of 8 positions, 3 stages (head_dim 128 fp16: too much shared memory)
+  s_t8st2   warp tiles of 8 positions, 2 stages (about 17% fewer instructions a position than the
+            default in the machine code, scripts/kernels/sass_loops.py, but one tile in flight)
   s_st3     rings of 3 stages; s_st6: 6
   s_c16, s_c64  the shortest split 16 / 64 positions
   s_tg256, s_tg1024  splits sized for 256 / 1024 blocks
@@ -453,6 +455,7 @@ VARIANTS = {
     "kw8vw4": Tuning(threads=64, max_chunk=8, k_words=8, v_words=4, unroll=1),
     "s_t256": SplitTuning(threads=256),
     "s_tile8": SplitTuning(tile=8, stages=3),
+    "s_t8st2": SplitTuning(tile=8, stages=2),
     "s_st3": SplitTuning(stages=3),
     "s_st6": SplitTuning(stages=6),
     "s_c16": SplitTuning(chunk=16),
@@ -482,9 +485,13 @@ def split_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
     span = cache.k.shape[0] if span is None else span
     split = split_len(span, scratch.chunk, cfg.n_kv_heads, t.target)
     k16, v16 = cache.k.view(np.float16), cache.v.view(np.float16)
+    count = scratch.count
+    if q.ndim == 1:  # the token step's one row, as the kernel takes rows
+        q, out = q.reshape(1, q.shape[0]), out.reshape(1, out.shape[0])
     kernel[(cfg.n_kv_heads, -(-span // split)), t.threads, stream](
-        q, k16, v16, state, scratch.part, scratch.count, out, int32(cfg.sliding_window), int32(split)
-    )
+        q, k16, v16, state, scratch.part, count, out, int32(cfg.sliding_window), int32(split),
+        state, state, count.reshape(1, count.shape[0]), int32(0),  # unpaged: the pages' arguments, unread
+    )  # fmt: skip
 
 
 def launcher(scratch: object):  # noqa: ANN201
