@@ -207,18 +207,19 @@ def test_bad_arguments_are_named():
 
 
 def test_kernel_script_runs_its_check():
-    # scripts/kernels/attention.py (the versions and their timing table): the shipped kernel and
-    # two other tunings of its copy (one warp with more lanes a row; one lane a row) checked
-    # against the reference at a tiny shape (on the simulator or the GPU, as here)
+    # scripts/kernels/attention.py (the versions and their timing table): the shipped kernel, two
+    # tunings of the earlier per-head kernel (one warp with more lanes a row; one lane a row) and
+    # one of the shipped kernel's (warp tiles of 8 positions, 2 stages) checked against the
+    # reference at a tiny shape (on the simulator or the GPU, as here)
     script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "attention.py"
     p = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--variants", "default,w32kw2,kw8vw4"],
+        [sys.executable, str(script), "--tiny", "--variants", "default,w32kw2,kw8vw4,s_t8st2"],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert p.stdout.count("error") == 18
+    assert p.stdout.count("error") == 24
 
 
 @pytest.mark.parametrize(
