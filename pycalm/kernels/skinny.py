@@ -29,7 +29,9 @@ exchange; a tile then makes 8 outputs.
 Decoding into A fragments (f16x2 words, the same values as matmul's fetch): fp16 as loaded; fp8
 one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 a prmt and an HADD2 a pair (the
 biased byte under the fp16 exponent of 1024, minus 1152: the code, exact), the row scale applied
-to the sums; gf4 (q - 4) (-s/4), exact; q4 a prmt, a LOP3, an HADD2 and two HFMA2 a pair of pairs
+to the sums; gf4 a prmt, a LOP3, an HADD2 and an HFMA2 a pair (each code's bits under an
+exponent that makes its lowest bit worth 1, minus that power and 4, times -s/4: GF4_PAIRS),
+exact; q4 a prmt, a LOP3, an HADD2 and two HFMA2 a pair of pairs
 (the nibbles under exponents whose mantissa unit is 1, minus those powers, then d q + m rounded
 once to fp16, d and m being fp16: matmul's fp16(d q + m) but for a float32 double rounding once
 in a great while), with the group's d and m (a unit lies in one group: 32 columns, G = 32 or 64).
@@ -123,8 +125,8 @@ UNROLL = 1
 # reads of X (from L2, once a block) fall by this factor against the weights'. A layer's four
 # products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
 # H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
-# 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's decode takes more registers:
-# 198 -> 277 at 32 rows, 479 -> 477 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows:
+# 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's float32 decode took more registers:
+# 198 -> 277 at 32 rows, 479 -> 477 at 64 (its fp16 decode compiles two tiles in 136 / 202, untimed). Four tiles spill or lose occupancy (fp8 at 64 rows:
 # 1,060). (The 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of
 # LONG_WARPS, fp8 and q8; ptxas now gives q4 197 registers and those 124, no spill.)
 ROW_TILES: dict[str, dict[int, int]] = {
