@@ -45,6 +45,9 @@ while [ $i -lt ${#steps[@]} ]; do
     rows)    PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_matmul.py -k skinny \
                tests/test_paged_attention.py tests/test_sample_rows.py 2>&1 | tee "$out/tests_rows.log" | tail -8
              python3 scripts/kernels/rows_matmul.py --no-tile 2>&1 | tee "$out/kernels_rows.log" | tail -12
+             # gf4 with two A tiles (its fp16 decode compiles them without spill in blocks of 8 warps)
+             python3 scripts/kernels/rows_matmul.py --dtypes gf4 --rows 8,32,64 --row-tiles "0,0,1;0,0,2;8,0,2" \
+               2>&1 | tee -a "$out/kernels_rows.log" | tail -8
              python3 scripts/bench.py --rows --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,fp8,gf4,q8,q4 \
                2>&1 | tee "$out/bench_rows.log" | tail -14
              python3 scripts/bench.py --rows --shapes mixtral-8x7b --dtypes fp8,gf4 \
