@@ -45,10 +45,10 @@ one load of X serves them all: X is read from L2 once a block, and at 64 rows th
 steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit 32 registers,
 are issued together, then decoded and multiplied). The chunks whose columns all lie in K load
 without checks (a row past N reads the last row, a token past T the last token's X: their sums
-are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The warps' partial sums meet in shared
-memory, a tile at a time (in parts of whole n-tiles where 16 warps' sums would pass the 48 KiB
-of static shared memory), and are added in warp order, one thread an output, which then applies
-the epilogue (the q8 row scale, the residual add or the gate). Grid: ceil(N / (16 row_tiles))
+are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The
+warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
+warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one
+thread an output, which then applies the epilogue (the q8 row scale, the residual add or the gate). Grid: ceil(N / (16 row_tiles))
 blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
 compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows);
 the tokens past T are columns of B and C whose sums are never stored (load_x).
@@ -107,6 +107,18 @@ GF4_PAIRS = (
     (0x3222, 0x03800070, _f16x2(64.0, 8.0), _f16x2(68.0, 12.0)),  # byte 2 | bytes 2-3: bits 4-6, 7-9
     (0x4343, 0x00E0001C, _f16x2(256.0, 32.0), _f16x2(260.0, 36.0)),  # byte 3 in both: bits 2-4, 5-7
 )
+
+
+@cuda.jit(device=True, inline=True)
+def gf4_pair(v: int, p: int, f: int) -> int:
+    """Code pair p (a constant after unrolling) of the gf4 word v as an f16x2 word of weights:
+    (q - 4) of each code exact (GF4_PAIRS), times f = (-s/4, -s/4), exact (the -0 addend keeps a
+    zero's sign)."""
+    sel, mask, exponents, subtrahends = GF4_PAIRS[p]
+    q = hsub2(and_or(prmt(v, int32(0), int32(sel)), int32(mask), int32(exponents)), int32(subtrahends))
+    return hfma2(q, f, int32(NEG_ZERO2))
+
+
 UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
 # elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
 # (two halves), gf4 and q4 are uint32 words of 8 weights
@@ -125,10 +137,11 @@ UNROLL = 1
 # reads of X (from L2, once a block) fall by this factor against the weights'. A layer's four
 # products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
 # H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
-# 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's float32 decode took more registers:
-# 198 -> 277 at 32 rows, 479 -> 477 at 64 (its fp16 decode compiles two tiles in 136 / 202, untimed). Four tiles spill or lose occupancy (fp8 at 64 rows:
-# 1,060). (The 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of
-# LONG_WARPS, fp8 and q8; ptxas now gives q4 197 registers and those 124, no spill.)
+# 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260. gf4's float32 decode took more
+# registers: 198 -> 277 at 32 rows, 479 -> 477 at 64 (its fp16 decode compiles two tiles in 136 /
+# 202 registers, untimed). Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060). (The
+# 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of LONG_WARPS, fp8 and
+# q8; ptxas now gives q4 233 registers, one block of 8 warps an SM, and those 124, no spill.)
 ROW_TILES: dict[str, dict[int, int]] = {
     "fp16": {4: 2, 8: 2},
     "fp8": {4: 2, 8: 2},
@@ -208,7 +221,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     threads = 32 * warps
     # the chunks wholly in K take unchecked loads (about a third fewer instructions a step), but
     # in blocks of 16 warps (128 registers a thread) at 8 n-tiles of two A tiles the unchecked
-    # step spills (fp8 / q8: 64 bytes): there every chunk checks its loads, as the last one does
+    # step spills (ptxas: fp8 84 bytes, q8 68): there every chunk checks its loads, as the last one does
     PEEL = threads <= 256 or n_tiles * row_tiles < 16
     fp16, fp8, gf4 = dtype == "fp16", dtype == "fp8", dtype == "gf4"
     q8, q4 = dtype == "q8", dtype == "q4"
@@ -232,15 +245,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 hsub2(prmt(u, magic, int32(0x5342)), int32(Q8_BIAS)),
             )
         v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) .. (bytes 2 (j % 2), + 1)
-        if gf4:  # codes 4h .. 4h + 3 (h = j % 2) as two pairs, each q - 4 times -s/4
+        if gf4:  # codes 4h .. 4h + 3 (h = j % 2) as pairs 2h and 2h + 1, each q - 4 times -s/4
             f = hfma2(prmt(v, int32(0), int32(0x0404)), int32(GF4_QUARTER), int32(NEG_ZERO2))  # (-s/4, -s/4)
-            p0, p1 = 2 * (j % 2), 2 * (j % 2) + 1
-            return (
-                hfma2(hsub2(and_or(prmt(v, int32(0), int32(GF4_PAIRS[p0][0])), int32(GF4_PAIRS[p0][1]),
-                                   int32(GF4_PAIRS[p0][2])), int32(GF4_PAIRS[p0][3])), f, int32(NEG_ZERO2)),
-                hfma2(hsub2(and_or(prmt(v, int32(0), int32(GF4_PAIRS[p1][0])), int32(GF4_PAIRS[p1][1]),
-                                   int32(GF4_PAIRS[p1][2])), int32(GF4_PAIRS[p1][3])), f, int32(NEG_ZERO2)),
-            )  # fmt: skip
+            return gf4_pair(v, 2 * (j % 2), f), gf4_pair(v, 2 * (j % 2) + 1, f)
         # q4: byte b (codes 2b, 2b + 1) into bytes 0 and 2, its low nibble under the exponent of
         # 1024 and its high one under that of 64 (one LOP3), minus (1024, 64): the two codes,
         # exact; then d q + m rounded once to fp16 (HFMA2), d and m being fp16 (d = (d, d), m = (m, m))
@@ -277,8 +284,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         token past T is a column of B and of C of its own, whose sums are never stored: where X
         of the whole chunk is prefetched it takes the last row's words, else the words it held
         (only finite zeros under the K tail's zero weights matter; keeping the words, the loads
-        of the n-tiles need no select: at 64 rows q4's two tiles then take 197 registers, not
-        255 and 80 bytes of spill)."""
+        of the n-tiles need no select, and with one q4's two tiles at 64 rows spill: 255
+        registers and 80 bytes)."""
         if PREFETCH_X:
             if not tail or col < k_cols:
                 xb[at], xb[at + 1], xb[at + 2], xb[at + 3] = ldg128w(
