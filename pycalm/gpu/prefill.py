@@ -54,11 +54,12 @@ from pycalm.model.config import ModelConfig
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
 # a matrix of each format takes pycalm.kernels.skinny's products in passes of at most
 # SKINNY_ROWS[format] rows (each weight read once a pass at close to the token step's speed), in
-# longer ones matmul's tiles, K split over blocks: the faster of the two a layer's products, by
-# scripts/kernels/rows_matmul.py on the 8B shape (H200; at 64 rows skinny's two tiles against the
-# split tile, us: fp8 221 / 236, q8 235 / 250, q4 260 / 331, fp16 297 / 236, gf4 477 / 286);
-# batch-invariant engines take skinny's for every pass
-SKINNY_ROWS = {"fp16": 32, "fp8": 64, "gf4": 32, "q8": 64, "q4": 64}
+# longer ones matmul's tiles, K split over blocks. At 64 rows the tiles win for every format: the
+# 8B shape's 64-row pass, ms (`bench.py --rows 32,64 --rows-both`, H100, 2026-12-05), q4 17.33 on
+# skinny's two A tiles against 12.68 on the split tile (32 rows: 8.40 against 12.46), fp8 and q8
+# 16.36 and 16.84 on skinny's, where fp16's split tile takes 11.50; batch-invariant engines take
+# skinny's for every pass
+SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every

@@ -141,7 +141,9 @@ UNROLL = 1
 # registers: 198 -> 277 at 32 rows, 479 -> 477 at 64 (its fp16 decode compiles two tiles in 136 /
 # 202 registers, untimed). Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060). (The
 # 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of LONG_WARPS, fp8 and
-# q8; ptxas now gives q4 233 registers, one block of 8 warps an SM, and those 124, no spill.)
+# q8; ptxas now gives q4 233 registers, one block of 8 warps an SM, and those 124, no spill.
+# Those run slower: on an H100 fp8's qkv takes 56.3 us at 64 rows against 12.3 at 32, and the
+# rows pass takes matmul's split tile at 64 rows, prefill.SKINNY_ROWS.)
 ROW_TILES: dict[str, dict[int, int]] = {
     "fp16": {4: 2, 8: 2},
     "fp8": {4: 2, 8: 2},
