@@ -558,9 +558,9 @@ def bench_prefill(
 
 
 def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
-    """tok/s of generate with EngineOptions.batch_invariant (every sampled token a one-row pass
-    of the multi-token forward, its logits read back, the token drawn on the host) after a
-    16-token prompt, warm; the prompt's pass counted in."""
+    """tok/s of generate with EngineOptions.batch_invariant (every token step the multi-token
+    forward's one-row pass and the classifier, captured, the token drawn on the device) after a
+    16-token prompt, warm; the prompt's pass and the host's loop counted in."""
     cfg = fit_layers(config_for(shape, dtype, 4096), 16, 4096)
     options = EngineOptions(batch_invariant=True, prefill_chunk=16)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
