@@ -2,13 +2,24 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
+#                           [cache-out]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
+# The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of pycalm/kernels/) do not
+# outlive the machine, and a fresh one spends most of a step compiling: `cache-out` packs this
+# tree's folder into $OUT as parts of at most 15 MiB (kernels.tar.xz.00, .01, ...); copied into
+# .kcache/ here and carried with the next call, they are unpacked first, so that call compiles
+# only what changed (a kernel module edited gives a new folder: the old parts are then unused).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+kernels_root=${XDG_CACHE_HOME:-$HOME/.cache}/pycalm/kernels  # pycalm.paths.cache_dir()'s kernels/
+if compgen -G ".kcache/kernels.tar.xz.*" >/dev/null; then
+  mkdir -p "$kernels_root" && cat .kcache/kernels.tar.xz.* | tar -xJ -C "$kernels_root" \
+    && echo "kernel cache: $(find "$kernels_root" -name '*.nbc' | wc -l) compiled kernels unpacked"
+fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests kernels bench)
 i=0
 while [ $i -lt ${#steps[@]} ]; do
@@ -112,6 +123,11 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee "$out/kernels_wgmma_rows.log" | grep -E "check|FAIL|layer" ;;
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
+    cache-out)  # this tree's compiled kernels, for .kcache/ (see the header)
+             key=$(python3 -c "from pycalm.gpu import kernel_cache; print(kernel_cache.folder().name)") || exit 1
+             tar -C "$kernels_root" -cf - "$key" | xz -T0 -6 | split -b 15m -d - "$out/kernels.tar.xz."
+             echo "kernel cache $key: $(find "$kernels_root/$key" -name '*.nbc' | wc -l) kernels in" \
+               "$(du -ch "$out"/kernels.tar.xz.* | tail -1 | cut -f1) ($(ls "$out"/kernels.tar.xz.* | wc -l) parts)" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
