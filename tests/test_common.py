@@ -4,6 +4,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from pycalm.kernels import common
+from pycalm.kernels.tensorcore import pack_f16x2
 from pycalm.model import formats
 
 
@@ -45,6 +46,23 @@ def _decode_gf4_kernel(words, x, out, dots):
             w, x[b], x[b + 1], x[b + 2], x[b + 3], x[b + 4], x[b + 5], x[b + 6], x[b + 7]
         )
         dots[i] = raw * float32(common.GF4_RAW_SCALE)
+
+
+@cuda.jit
+def _pair_decoders_kernel(gf4, q8, q4, q4_scales, out_gf4, out_q8, out_q4):
+    # the f16x2 pair decoders of the tensor-core kernels' W tiles, a word a thread: gf4 (n,) words
+    # -> out_gf4 (n, 4) words of two weights; q8 (n,) words of 4 codes -> out_q8 (n, 2); q4 (n,)
+    # words of 8 codes with q4_scales (n, 2) fp16 (d, m) as float32 -> out_q4 (n, 4)
+    i = cuda.grid(1)
+    if i < gf4.shape[0]:
+        f = common.gf4_factor(gf4[i])
+        for p in range(4):
+            out_gf4[i, p] = common.gf4_pair(gf4[i], p, f)
+        out_q8[i, 0], out_q8[i, 1] = common.q8_pairs(q8[i])
+        dd = pack_f16x2(q4_scales[i, 0], q4_scales[i, 0])
+        mm = pack_f16x2(q4_scales[i, 1], q4_scales[i, 1])
+        for b in range(4):
+            out_q4[i, b] = common.q4_pair(q4[i], b, dd, mm)
 
 
 @cuda.jit
@@ -163,3 +181,38 @@ def test_reductions():
     np.testing.assert_array_equal(maxs, np.repeat(w.max(1), 32))
     np.testing.assert_allclose(bsum, np.full(96, x.sum()), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(bmax, np.full(96, x.max()))
+
+
+def test_pair_decoders_match_formats():
+    """gf4_pair, q8_pairs and q4_pair (the W tiles of skinny, matmul and wgmma_matmul) give the
+    formats' weights as fp16, bit for bit: gf4 and q8 exactly, q4 as d q + m rounded once."""
+    rng = np.random.default_rng(3)
+    n = 512
+    gf4 = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    gf4[(gf4 & 0x7C) == 0x7C] &= ~np.uint32(0x40)  # finite scales only (as the encoder makes)
+    gf4[:64] = formats.gf4_encode(rng.standard_normal((1, 512)).astype(np.float32))[0]
+    gf4[64:72] = formats.gf4_encode(1e-4 * rng.standard_normal((1, 64)).astype(np.float32))[0]  # tiny scales
+    q8 = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    q4 = formats.q4_encode(
+        rng.standard_normal((n // 4, 32)).astype(np.float32) * rng.uniform(1e-3, 10, (n // 4, 1))
+    )
+    q4_words = q4.codes.reshape(n)  # (n // 4, 4) words of 8 codes, one group of 32 a row
+    q4_scales = np.repeat(q4.scales.reshape(n // 4, 2), 4, axis=0).astype(
+        np.float32
+    )  # (n, 2) each word's d, m
+    outs = [cuda.to_device(np.zeros((n, k), np.int32)) for k in (4, 2, 4)]
+    args = (gf4.view(np.int32), q8.view(np.int32), q4_words.view(np.int32), q4_scales)
+    _launch(_pair_decoders_kernel, n, *(cuda.to_device(a) for a in args), *outs)
+    got_gf4, got_q8, got_q4 = (o.copy_to_host().view(np.float16).reshape(n, -1) for o in outs)
+    want_gf4 = formats.gf4_decode(gf4[None, :])[0].reshape(n, 8)
+    np.testing.assert_array_equal(got_gf4.astype(np.float32), want_gf4)
+    assert np.all(np.signbit(got_gf4) == np.signbit(want_gf4))  # -0 stays -0
+    want_q8 = q8.view(np.int8).reshape(n, 4).astype(np.float16)
+    np.testing.assert_array_equal(got_q8.view(np.uint16), want_q8.view(np.uint16))
+    d, m = q4_scales[:, :1].astype(np.float64), q4_scales[:, 1:].astype(np.float64)
+    codes = formats.q4_unpack(q4_words[:, None]).reshape(n, 8).astype(np.float64)
+    want_q4 = (d * codes + m).astype(np.float16)  # exact, then rounded once
+    np.testing.assert_array_equal(got_q4.view(np.uint16), want_q4.view(np.uint16))
+    # and the formats' float32 weights, rounded to fp16 (no double rounding on these scales)
+    ref = formats.q4_decode(q4).reshape(n, 8).astype(np.float16)
+    np.testing.assert_array_equal(got_q4.view(np.uint16), ref.view(np.uint16))

@@ -553,6 +553,101 @@ def q4_code(w: int, k: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# decoders to f16x2 words (the tensor-core kernels' weight tiles: pycalm.kernels.skinny's A
+# fragments, pycalm.kernels.matmul's and wgmma_matmul's shared W tiles): two weights an f16x2
+# word, lo in the low half, each pair in a few half-precision instructions and no conversion
+
+
+def f16x2_const(lo: float, hi: float) -> int:
+    """Two fp16 values as the int32 word of an f16x2 (lo in the low half)."""
+    return int(np.array([lo, hi], np.float16).view(np.int32)[0])
+
+
+Q8_BIAS = 0x64806480  # (1152, 1152) as f16x2: 1024 + 128, the exponent and the code's bias
+Q4_BIAS = 0x54006400  # (1024, 64) as f16x2: a low nibble's exponent, a high nibble's
+NEG_ZERO2 = f16x2_const(-0.0, -0.0)  # the addend of a product alone: x * y + (-0) keeps its sign
+GF4_QUARTER = f16x2_const(-0.25, -0.25)  # gf4's weights are (q - 4) (-s / 4)
+# gf4's code pairs (0, 1), (2, 3), (4, 5), (6, 7) of a word (code k at bits 8 + 3k, the scale in
+# bits 0-7) as two fp16 halves: a byte permute puts the byte(s) holding the pair's codes into each
+# half, a LOP3 keeps each code's 3 bits and ORs an exponent under which the code's lowest bit is
+# worth 1 (code bit b of a half: exponent 10 - b), then the subtraction of that power of two and
+# of 4 leaves q - 4 exactly: (prmt selector, mask, exponents, subtrahends) a pair
+GF4_PAIRS = (
+    (
+        0x4141,
+        0x00380007,
+        f16x2_const(1024.0, 128.0),
+        f16x2_const(1028.0, 132.0),
+    ),  # byte 1 in both: bits 0-2, 3-5
+    (
+        0x4221,
+        0x000E01C0,
+        f16x2_const(16.0, 512.0),
+        f16x2_const(20.0, 516.0),
+    ),  # bytes 1-2 | byte 2: bits 6-8, 1-3
+    (
+        0x3222,
+        0x03800070,
+        f16x2_const(64.0, 8.0),
+        f16x2_const(68.0, 12.0),
+    ),  # byte 2 | bytes 2-3: bits 4-6, 7-9
+    (0x4343, 0x00E0001C, f16x2_const(256.0, 32.0), f16x2_const(260.0, 36.0)),  # byte 3 in both: bits 2-4, 5-7
+)
+GF4_PAIR0, GF4_PAIR1, GF4_PAIR2, GF4_PAIR3 = GF4_PAIRS
+
+
+@cuda.jit(device=True, inline=True)
+def gf4_factor(v: int) -> int:
+    """The gf4 word v's group factor as an f16x2 word (-s/4, -s/4), exact: its e5m2 scale byte is
+    the top byte of an fp16 in both halves (a prmt), times -1/4."""
+    return hfma2(prmt(v, int32(0), int32(0x0404)), int32(GF4_QUARTER), int32(NEG_ZERO2))
+
+
+@cuda.jit(device=True, inline=True)
+def gf4_pair(v: int, p: int, f: int) -> int:
+    """Code pair p (a constant after unrolling) of the gf4 word v as an f16x2 word of weights:
+    (q - 4) of each code exact (GF4_PAIRS), times f = gf4_factor(v), exact (the -0 addend keeps a
+    zero's sign). A prmt, a LOP3, an HADD2 and an HFMA2."""
+    # (a chain of constant tuples, not GF4_PAIRS[p]: numba compiles a tuple index by a literal
+    # as a device function of its own, which a compile without a GPU cannot)
+    if p == 0:
+        sel, mask, exponents, subtrahends = GF4_PAIR0
+    elif p == 1:
+        sel, mask, exponents, subtrahends = GF4_PAIR1
+    elif p == 2:
+        sel, mask, exponents, subtrahends = GF4_PAIR2
+    else:
+        sel, mask, exponents, subtrahends = GF4_PAIR3
+    q = hsub2(and_or(prmt(v, int32(0), int32(sel)), int32(mask), int32(exponents)), int32(subtrahends))
+    return hfma2(q, f, int32(NEG_ZERO2))
+
+
+@cuda.jit(device=True, inline=True)
+def q8_pairs(w: int) -> tuple[int, int]:
+    """The four q8 codes of the int32 w (byte 0 first) as two f16x2 words, exact: each byte, biased
+    to unsigned (one XOR a word), goes under the fp16 exponent of 1024 (a prmt a pair), minus 1152
+    (an HADD2 a pair)."""
+    u = int32(int32(w) ^ int32(0x80808080 - (1 << 32)))
+    magic = int32(0x64646464)
+    return (
+        hsub2(prmt(u, magic, int32(0x5140)), int32(Q8_BIAS)),
+        hsub2(prmt(u, magic, int32(0x5342)), int32(Q8_BIAS)),
+    )
+
+
+@cuda.jit(device=True, inline=True)
+def q4_pair(v: int, b: int, dd: int, mm: int) -> int:
+    """Byte b (a constant after unrolling) of the q4 word v, codes 2b and 2b + 1, as the f16x2
+    word of weights d q + m, each rounded once to fp16 (dd = (d, d), mm = (m, m): the group's step
+    and offset, fp16 in both halves). A prmt puts the byte into both halves, a LOP3 keeps its low
+    nibble under the exponent of 1024 and its high one under that of 64 (mantissa unit 1 either
+    way), an HADD2 subtracts those powers (the codes, exact) and an HFMA2 makes d q + m."""
+    sel = int32(0x4040 + 0x0101 * b)
+    q = hsub2(and_or(prmt(v, int32(0), sel), int32(0x00F0000F), int32(Q4_BIAS)), int32(Q4_BIAS))
+    return hfma2(q, dd, mm)
+
+
+# ---------------------------------------------------------------------------------------------
 # encoders for the KV-cache write (bit-exact with pycalm.model.formats)
 
 

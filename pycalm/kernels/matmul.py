@@ -45,16 +45,18 @@ T or N and columns past K zero-filled. fp8 and gf4 W come through registers: the
 of a step, and after this step's mma they are decoded to fp16 and stored (one 16-byte shared
 store a unit). e5m2 is
 the top byte of an fp16, so one prmt builds two halves; a gf4 weight is (q - 4) * (-s/4),
-exact in fp16, from common's exact code and scale decoders and one cvt.rn.f16x2.f32 a pair. The
-decode of a weight is paid once per block and serves the BM rows of X in the tile.
+exact in fp16, two at a time in half precision (common.gf4_pair: a prmt, a LOP3, an HADD2 and
+an HFMA2 a pair). The decode of a weight is paid once per block and serves the BM rows of X in
+the tile.
 
 q8 and q4 come through registers too, a thread taking w_units consecutive units of a W row, so
 that its codes come in one load (default tile: q8 16 bytes, q4 8). q8: the tile holds the codes
-(exact in fp16), and the row scale (W's row is out's column) multiplies the float32 sums in the
-epilogue. q4: a step's 32 columns lie in one group (G = 32 or 64), so a thread loads the step d
-and offset m once a step and stores fp16(d q + m) (common.q4_code, one FMA: the reference's
-float32 weight, rounded to fp16 once, 2**-11 relative, since the tensor cores take fp16). K: a
-multiple of 16 for q8, of the group size for q4.
+(exact in fp16: common.q8_pairs, a prmt and an HADD2 a pair), and the row scale (W's row is
+out's column) multiplies the float32 sums in the epilogue. q4: a step's 32 columns lie in one
+group (G = 32 or 64), so a thread loads the step d and offset m once a step and stores
+fp16(d q + m), d q + m rounded once (common.q4_pair, an HFMA2 on fp16 d and m: the reference's
+float32 weight rounded to fp16, 2**-11 relative, but for a float32 double rounding once in a
+great while). K: a multiple of 16 for q8, of the group size for q4.
 
 Fragments (pycalm.kernels.tensorcore has the PTX layouts). A (16 x 16 of X) by one ldmatrix.x4:
 lane l addresses row l & 15, columns 8 (l >> 4)..+7 of the m-tile, so matrices 0..3 are the
@@ -107,7 +109,7 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode, gf4_code, gf4_scale, prmt, q4_code, q8x4
+from pycalm.kernels.common import dependent_start, fp16_encode, gf4_factor, gf4_pair, prmt, q4_pair, q8_pairs
 from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
@@ -237,34 +239,28 @@ def _fp8_words(lo: int, hi: int) -> tuple[int, int, int, int]:
 
 @cuda.jit(device=True, inline=True)
 def _gf4_words(w: int) -> tuple[int, int, int, int]:
-    """One gf4 word -> its 8 weights as 4 f16x2 words, exact: (q_k - 4) * (-s/4)."""
-    s = gf4_scale(w)
-    return (
-        pack_f16x2(gf4_code(w, 0) * s, gf4_code(w, 1) * s),
-        pack_f16x2(gf4_code(w, 2) * s, gf4_code(w, 3) * s),
-        pack_f16x2(gf4_code(w, 4) * s, gf4_code(w, 5) * s),
-        pack_f16x2(gf4_code(w, 6) * s, gf4_code(w, 7) * s),
-    )
+    """One gf4 word -> its 8 weights as 4 f16x2 words, exact: (q_k - 4) * (-s/4) (common.gf4_pair:
+    2 instructions a weight)."""
+    f = gf4_factor(w)
+    return gf4_pair(w, 0, f), gf4_pair(w, 1, f), gf4_pair(w, 2, f), gf4_pair(w, 3, f)
 
 
 @cuda.jit(device=True, inline=True)
 def _q8_words(lo: int, hi: int) -> tuple[int, int, int, int]:
-    """8 q8 codes (two little-endian words of int8) -> 4 f16x2 words of the codes, exact."""
-    c0, c1, c2, c3 = q8x4(lo)
-    c4, c5, c6, c7 = q8x4(hi)
-    return pack_f16x2(c0, c1), pack_f16x2(c2, c3), pack_f16x2(c4, c5), pack_f16x2(c6, c7)
+    """8 q8 codes (two little-endian words of int8) -> 4 f16x2 words of the codes, exact
+    (common.q8_pairs: 1.25 instructions a weight)."""
+    h0, h1 = q8_pairs(lo)
+    h2, h3 = q8_pairs(hi)
+    return h0, h1, h2, h3
 
 
 @cuda.jit(device=True, inline=True)
 def _q4_words(w: int, d: float, m: float) -> tuple[int, int, int, int]:
-    """One q4 word and its group's step d and offset m -> its 8 weights d q_k + m (float32, as
-    pycalm.model.formats computes them) rounded to fp16, as 4 f16x2 words."""
-    return (
-        pack_f16x2(d * q4_code(w, 0) + m, d * q4_code(w, 1) + m),
-        pack_f16x2(d * q4_code(w, 2) + m, d * q4_code(w, 3) + m),
-        pack_f16x2(d * q4_code(w, 4) + m, d * q4_code(w, 5) + m),
-        pack_f16x2(d * q4_code(w, 6) + m, d * q4_code(w, 7) + m),
-    )
+    """One q4 word and its group's step d and offset m (fp16 values, as float32) -> its 8 weights
+    d q_k + m, each rounded once to fp16, as 4 f16x2 words (common.q4_pair: 2 instructions a
+    weight, and two conversions a word for (d, d) and (m, m))."""
+    dd, mm = pack_f16x2(d, d), pack_f16x2(m, m)
+    return q4_pair(w, 0, dd, mm), q4_pair(w, 1, dd, mm), q4_pair(w, 2, dd, mm), q4_pair(w, 3, dd, mm)
 
 
 @functools.cache

@@ -31,10 +31,10 @@ one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 a prmt and an HADD
 biased byte under the fp16 exponent of 1024, minus 1152: the code, exact), the row scale applied
 to the sums; gf4 a prmt, a LOP3, an HADD2 and an HFMA2 a pair (each code's bits under an
 exponent that makes its lowest bit worth 1, minus that power and 4, times -s/4: GF4_PAIRS),
-exact; q4 a prmt, a LOP3, an HADD2 and two HFMA2 a pair of pairs
-(the nibbles under exponents whose mantissa unit is 1, minus those powers, then d q + m rounded
-once to fp16, d and m being fp16: matmul's fp16(d q + m) but for a float32 double rounding once
-in a great while), with the group's d and m (a unit lies in one group: 32 columns, G = 32 or 64).
+exact; q4 a prmt, a LOP3, an HADD2 and an HFMA2 a pair (the nibbles under exponents whose mantissa unit is 1, minus those powers, then d q + m rounded
+once to fp16, d and m being fp16: matmul's), with the group's d and m (a unit lies in one group:
+32 columns, G = 32 or 64). The pair decoders are pycalm.kernels.common's (q8_pairs, gf4_pair,
+q4_pair), which matmul's and wgmma_matmul's W tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
@@ -74,51 +74,18 @@ from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
-    and_or,
     dependent_start,
     fp16_encode,
-    hfma2,
-    hsub2,
+    gf4_factor,
+    gf4_pair,
     prmt,
+    q4_pair,
+    q8_pairs,
 )
 from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, weight_args
 from pycalm.kernels.tensorcore import ldg128w, mma_16816
 
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
-Q8_BIAS = 0x64806480  # (1152, 1152) as f16x2: 1024 + 128, the exponent and the code's bias
-Q4_BIAS = 0x54006400  # (1024, 64) as f16x2: a low nibble's exponent, a high nibble's
-
-
-def _f16x2(lo: float, hi: float) -> int:
-    """Two fp16 values as the int32 word of an f16x2 (lo in the low half)."""
-    return int(np.array([lo, hi], np.float16).view(np.int32)[0])
-
-
-NEG_ZERO2 = _f16x2(-0.0, -0.0)  # the addend of a product alone: x * y + (-0) keeps the product's sign
-GF4_QUARTER = _f16x2(-0.25, -0.25)  # gf4's weights are (q - 4) (-s / 4)
-# gf4's code pairs (0, 1), (2, 3), (4, 5), (6, 7) of a word (code k at bits 8 + 3k, the scale in
-# bits 0-7) as two fp16 halves: a byte permute puts the byte(s) holding the pair's codes into each
-# half, a LOP3 keeps each code's 3 bits and ORs an exponent under which the code's lowest bit is
-# worth 1 (code bit b of a half: exponent 10 - b), then the subtraction of that power of two and
-# of 4 leaves q - 4 exactly: (prmt selector, mask, exponents, subtrahends) a pair
-GF4_PAIRS = (
-    (0x4141, 0x00380007, _f16x2(1024.0, 128.0), _f16x2(1028.0, 132.0)),  # byte 1 in both: bits 0-2, 3-5
-    (0x4221, 0x000E01C0, _f16x2(16.0, 512.0), _f16x2(20.0, 516.0)),  # bytes 1-2 | byte 2: bits 6-8, 1-3
-    (0x3222, 0x03800070, _f16x2(64.0, 8.0), _f16x2(68.0, 12.0)),  # byte 2 | bytes 2-3: bits 4-6, 7-9
-    (0x4343, 0x00E0001C, _f16x2(256.0, 32.0), _f16x2(260.0, 36.0)),  # byte 3 in both: bits 2-4, 5-7
-)
-
-
-@cuda.jit(device=True, inline=True)
-def gf4_pair(v: int, p: int, f: int) -> int:
-    """Code pair p (a constant after unrolling) of the gf4 word v as an f16x2 word of weights:
-    (q - 4) of each code exact (GF4_PAIRS), times f = (-s/4, -s/4), exact (the -0 addend keeps a
-    zero's sign)."""
-    sel, mask, exponents, subtrahends = GF4_PAIRS[p]
-    q = hsub2(and_or(prmt(v, int32(0), int32(sel)), int32(mask), int32(exponents)), int32(subtrahends))
-    return hfma2(q, f, int32(NEG_ZERO2))
-
-
 UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
 # elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
 # (two halves), gf4 and q4 are uint32 words of 8 weights
@@ -239,30 +206,14 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         if fp8:
             v = w[4 * i + j]  # bytes 4j..4j+3: each the top byte of an fp16
             return prmt(v, int32(0), int32(0x1404)), prmt(v, int32(0), int32(0x3424))
-        if q8:  # codes 4j..4j+3, biased to unsigned, under the fp16 exponent of 1024, minus 1152
-            u = int32(w[4 * i + j] ^ int32(0x80808080 - (1 << 32)))
-            magic = int32(0x64646464)
-            return (
-                hsub2(prmt(u, magic, int32(0x5140)), int32(Q8_BIAS)),
-                hsub2(prmt(u, magic, int32(0x5342)), int32(Q8_BIAS)),
-            )
+        if q8:  # codes 4j..4j+3
+            return q8_pairs(w[4 * i + j])
         v = w[4 * i + j // 2]  # a word of 8: k-tile j takes codes 4 (j % 2) .. (bytes 2 (j % 2), + 1)
         if gf4:  # codes 4h .. 4h + 3 (h = j % 2) as pairs 2h and 2h + 1, each q - 4 times -s/4
-            f = hfma2(prmt(v, int32(0), int32(0x0404)), int32(GF4_QUARTER), int32(NEG_ZERO2))  # (-s/4, -s/4)
+            f = gf4_factor(v)
             return gf4_pair(v, 2 * (j % 2), f), gf4_pair(v, 2 * (j % 2) + 1, f)
-        # q4: byte b (codes 2b, 2b + 1) into bytes 0 and 2, its low nibble under the exponent of
-        # 1024 and its high one under that of 64 (one LOP3), minus (1024, 64): the two codes,
-        # exact; then d q + m rounded once to fp16 (HFMA2), d and m being fp16 (d = (d, d), m = (m, m))
-        b = 2 * (j % 2)
-        lo = hsub2(
-            and_or(prmt(v, int32(0), int32(0x4040 + 0x0101 * b)), int32(0x00F0000F), int32(Q4_BIAS)),
-            int32(Q4_BIAS),
-        )
-        hi = hsub2(
-            and_or(prmt(v, int32(0), int32(0x4141 + 0x0101 * b)), int32(0x00F0000F), int32(Q4_BIAS)),
-            int32(Q4_BIAS),
-        )
-        return hfma2(lo, d, m), hfma2(hi, d, m)
+        # q4: bytes 2h and 2h + 1 (codes 4h .. 4h + 3), d q + m, d = (d, d) and m = (m, m)
+        return q4_pair(v, 2 * (j % 2), d, m), q4_pair(v, 2 * (j % 2) + 1, d, m)
 
     @cuda.jit(device=True, inline=True)
     def load_unit(w, s, row, col, ok, words, i, dm, r, g_shift):  # noqa: ANN001, ANN202
