@@ -399,17 +399,20 @@ def _decoder_kernels(checks: _Checks) -> None:
     def enc(x, out):  # noqa: ANN001, ANN202
         out[0] = c.fp8_encode(x)
 
-    def q8q4(w, out):  # noqa: ANN001, ANN202
-        g0, g1, g2, g3 = c.q8x4(w)
-        out[0] = g0 + g1 + g2 + g3
-        out[1] = c.q4_code(w, 1) + c.q4_code(w, 6)
+    def q4(w, out):  # noqa: ANN001, ANN202
+        out[0] = c.q4_code(w, 1) + c.q4_code(w, 6)
+
+    def pairs(w, out):  # noqa: ANN001, ANN202  (the W tiles' f16x2 decoders)
+        h0, h1 = c.q8_pairs(w)
+        out[0] = h0 ^ h1 ^ c.gf4_pair(w, 1, c.gf4_factor(w)) ^ c.q4_pair(w, 3, w, h0)
 
     for fn, sig in (
         (fp, "void(int32, float32[::1])"),
         (fp8, "void(int32, float32[::1])"),
         (gf4, "void(int32, float32, float32[::1])"),
         (enc, "void(float32, int32[::1])"),
-        (q8q4, "void(int32, float32[::1])"),
+        (q4, "void(int32, float32[::1])"),
+        (pairs, "void(int32, int32[::1])"),
     ):
         ptx = checks.ptx_of(fn, sig, f"decoder kernel {fn.__name__}")
         if ptx is not None and checks.INT64.search(ptx):
@@ -499,5 +502,5 @@ def test_every_launched_kernel_compiles_without_f64_spills_or_64bit_decoders():
     kernels = results[0]["kernels"]
     assert all(r["kernels"] == kernels and r["modules"] == results[0]["modules"] for r in results)  # one walk
     assert FAMILIES <= set(results[0]["modules"]), sorted(FAMILIES - set(results[0]["modules"]))
-    assert sum(r["n"] for r in results) == kernels + 5  # + the 5 decoder kernels
+    assert sum(r["n"] for r in results) == kernels + 6  # + the 6 decoder kernels
     assert sum(r["sass"] for r in results) == kernels  # every launched kernel through ptxas

@@ -522,21 +522,6 @@ def gf4_dot8_raw(
 
 
 @cuda.jit(device=True, inline=True)
-def q8x4(w: int) -> tuple[float, float, float, float]:
-    """Four q8 codes (the int8 bytes of the int32 w, byte 0 first) -> four exact float32: each
-    byte, biased by 128 (one XOR a word), is placed under the exponent of 2**23 by one prmt
-    (0x4B0000xx reads as 2**23 + xx) and one float subtraction of 2**23 + 128 leaves the code."""
-    u = int32(int32(w) ^ int32(0x80808080 - (1 << 32)))  # signed byte b -> unsigned b + 128
-    magic = int32(0x4B000000)  # prmt's second operand: bytes 4..7 are 00 00 00 4B
-    return (
-        as_f32(prmt(u, magic, int32(0x7540))) - float32(8388736.0),
-        as_f32(prmt(u, magic, int32(0x7541))) - float32(8388736.0),
-        as_f32(prmt(u, magic, int32(0x7542))) - float32(8388736.0),
-        as_f32(prmt(u, magic, int32(0x7543))) - float32(8388736.0),
-    )
-
-
-@cuda.jit(device=True, inline=True)
 def q4_code(w: int, k: int) -> float:
     """Code q_k (0..15) of a q4 word, nibble k (k a constant after inlining), as an exact float32:
     the nibble is masked in place and given the exponent that makes its mantissa unit 1 (one
@@ -572,28 +557,14 @@ GF4_QUARTER = f16x2_const(-0.25, -0.25)  # gf4's weights are (q - 4) (-s / 4)
 # half, a LOP3 keeps each code's 3 bits and ORs an exponent under which the code's lowest bit is
 # worth 1 (code bit b of a half: exponent 10 - b), then the subtraction of that power of two and
 # of 4 leaves q - 4 exactly: (prmt selector, mask, exponents, subtrahends) a pair
-GF4_PAIRS = (
-    (
-        0x4141,
-        0x00380007,
-        f16x2_const(1024.0, 128.0),
-        f16x2_const(1028.0, 132.0),
-    ),  # byte 1 in both: bits 0-2, 3-5
-    (
-        0x4221,
-        0x000E01C0,
-        f16x2_const(16.0, 512.0),
-        f16x2_const(20.0, 516.0),
-    ),  # bytes 1-2 | byte 2: bits 6-8, 1-3
-    (
-        0x3222,
-        0x03800070,
-        f16x2_const(64.0, 8.0),
-        f16x2_const(68.0, 12.0),
-    ),  # byte 2 | bytes 2-3: bits 4-6, 7-9
-    (0x4343, 0x00E0001C, f16x2_const(256.0, 32.0), f16x2_const(260.0, 36.0)),  # byte 3 in both: bits 2-4, 5-7
-)
-GF4_PAIR0, GF4_PAIR1, GF4_PAIR2, GF4_PAIR3 = GF4_PAIRS
+# byte 1 in both halves: bits 0-2, 3-5
+GF4_PAIR0 = (0x4141, 0x00380007, f16x2_const(1024.0, 128.0), f16x2_const(1028.0, 132.0))
+# bytes 1-2 | byte 2: bits 6-8, 1-3
+GF4_PAIR1 = (0x4221, 0x000E01C0, f16x2_const(16.0, 512.0), f16x2_const(20.0, 516.0))
+# byte 2 | bytes 2-3: bits 4-6, 7-9
+GF4_PAIR2 = (0x3222, 0x03800070, f16x2_const(64.0, 8.0), f16x2_const(68.0, 12.0))
+# byte 3 in both halves: bits 2-4, 5-7
+GF4_PAIR3 = (0x4343, 0x00E0001C, f16x2_const(256.0, 32.0), f16x2_const(260.0, 36.0))
 
 
 @cuda.jit(device=True, inline=True)
@@ -606,10 +577,10 @@ def gf4_factor(v: int) -> int:
 @cuda.jit(device=True, inline=True)
 def gf4_pair(v: int, p: int, f: int) -> int:
     """Code pair p (a constant after unrolling) of the gf4 word v as an f16x2 word of weights:
-    (q - 4) of each code exact (GF4_PAIRS), times f = gf4_factor(v), exact (the -0 addend keeps a
+    (q - 4) of each code exact (GF4_PAIR0 .. GF4_PAIR3), times f = gf4_factor(v), exact (the -0 addend keeps a
     zero's sign). A prmt, a LOP3, an HADD2 and an HFMA2."""
-    # (a chain of constant tuples, not GF4_PAIRS[p]: numba compiles a tuple index by a literal
-    # as a device function of its own, which a compile without a GPU cannot)
+    # (a chain of constant tuples, not a tuple of them indexed by p: numba compiles a tuple index
+    # by a literal as a device function of its own, which a compile without a GPU cannot)
     if p == 0:
         sel, mask, exponents, subtrahends = GF4_PAIR0
     elif p == 1:

@@ -30,11 +30,12 @@ Decoding into A fragments (f16x2 words, the same values as matmul's fetch): fp16
 one prmt a pair (an e5m2 byte is the top byte of an fp16); q8 a prmt and an HADD2 a pair (the
 biased byte under the fp16 exponent of 1024, minus 1152: the code, exact), the row scale applied
 to the sums; gf4 a prmt, a LOP3, an HADD2 and an HFMA2 a pair (each code's bits under an
-exponent that makes its lowest bit worth 1, minus that power and 4, times -s/4: GF4_PAIRS),
-exact; q4 a prmt, a LOP3, an HADD2 and an HFMA2 a pair (the nibbles under exponents whose mantissa unit is 1, minus those powers, then d q + m rounded
-once to fp16, d and m being fp16: matmul's), with the group's d and m (a unit lies in one group:
-32 columns, G = 32 or 64). The pair decoders are pycalm.kernels.common's (q8_pairs, gf4_pair,
-q4_pair), which matmul's and wgmma_matmul's W tiles take too.
+exponent that makes its lowest bit worth 1, minus that power and 4, times -s/4), exact; q4 a
+prmt, a LOP3, an HADD2 and an HFMA2 a pair (the nibbles under exponents whose mantissa unit is
+1, minus those powers, then d q + m rounded once to fp16, d and m being fp16), with the group's
+d and m (a unit lies in one group: 32 columns, G = 32 or 64). The pair decoders are
+pycalm.kernels.common's (q8_pairs, gf4_pair, q4_pair), which matmul's and wgmma_matmul's W
+tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
@@ -48,8 +49,8 @@ without checks (a row past N reads the last row, a token past T the last token's
 are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The
 warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
 warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one
-thread an output, which then applies the epilogue (the q8 row scale, the residual add or the gate). Grid: ceil(N / (16 row_tiles))
-blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
+thread an output, which then applies the epilogue (the q8 row scale, the residual add or the
+gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
 compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows);
 the tokens past T are columns of B and C whose sums are never stored (load_x).
 
