@@ -272,7 +272,8 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
 
 
 @pytest.mark.parametrize(
-    "dtype,mode,t_rows", [("fp16", "residual", 13), ("q8", "gate", 41), ("q4", "plain", 9)]
+    "dtype,mode,t_rows",
+    [("fp16", "residual", 13), ("q8", "gate", 41), ("q4", "plain", 9), ("gf4", "gate", 27)],
 )
 def test_skinny_row_tiles(dtype, mode, t_rows):
     """Warps of 2 and 3 A tiles (a partial last block at N = 37, gate 21 outputs: past its
