@@ -5,11 +5,11 @@
 #                           [cache-out]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
-# The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of pycalm/kernels/) do not
+# The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
 # outlive the machine, and a fresh one spends most of a step compiling: `cache-out` packs this
-# tree's folder into $OUT as parts of at most 15 MiB (kernels.tar.xz.00, .01, ...); copied into
+# tree's folders into $OUT as parts of at most 15 MiB (kernels.tar.xz.00, .01, ...); copied into
 # .kcache/ here and carried with the next call, they are unpacked first, so that call compiles
-# only what changed (a kernel module edited gives a new folder: the old parts are then unused).
+# only what changed (a kernel module edited gives it and its importers new folders).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -124,9 +124,10 @@ while [ $i -lt ${#steps[@]} ]; do
     sweep)   dtypes=${steps[$i]}; i=$((i + 1))  # the matvec R x U x warps sweep, e.g. q4,gf4
              python3 scripts/kernels/matvec.py --sweep "$dtypes" 2>&1 | tee "$out/sweep.log" | tail -20 ;;
     cache-out)  # this tree's compiled kernels, for .kcache/ (see the header)
-             key=$(python3 -c "from pycalm.gpu import kernel_cache; print(kernel_cache.folder().name)") || exit 1
-             tar -C "$kernels_root" -cf - "$key" | xz -T0 -6 | split -b 15m -d - "$out/kernels.tar.xz."
-             echo "kernel cache $key: $(find "$kernels_root/$key" -name '*.nbc' | wc -l) kernels in" \
+             names=$(python3 -c "from pycalm.gpu import kernel_cache as c; print(*(f.name for f in c.folders() if f.is_dir()))") || exit 1
+             # shellcheck disable=SC2086  # the folder names: one word each
+             tar -C "$kernels_root" -cf - $names | xz -T0 -6 | split -b 15m -d - "$out/kernels.tar.xz."
+             echo "kernel cache: $(cd "$kernels_root" && find $names -name '*.nbc' | wc -l) kernels in" \
                "$(du -ch "$out"/kernels.tar.xz.* | tail -1 | cut -f1) ($(ls "$out"/kernels.tar.xz.* | wc -l) parts)" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -9,10 +9,17 @@ entry), the signature, the CUDA runtime version, the compute capability and the 
 version. It does not cover the device functions and intrinsics a kernel calls from another
 module: a change in common.py alone would leave every stale kernel in place.
 
-So pycalm chooses the folder: CACHE_ROOT/kernels/KEY, where KEY hashes the text of every
-pycalm/kernels/**/*.py (the simple tier's subfolder included) and the numba-cuda version (`kernels_key`), and CACHE_ROOT is pycalm's cache
-folder (pycalm.paths.cache_dir: --cache-dir, else $XDG_CACHE_HOME/pycalm). Any edit to any kernel
-module gives a new, empty folder; nothing in an old folder is ever read again.
+So pycalm chooses the folder, one a kernel module: CACHE_ROOT/kernels/NAME-KEY (`module_folder`),
+where NAME is the module's name below pycalm.kernels (`skinny`, `simple.matvec`) and KEY hashes
+the numba-cuda version and the text of the module and of every pycalm.kernels module it imports,
+directly or through another (`module_key`; the imports are read from the source, at any depth
+of it), and CACHE_ROOT is pycalm's cache folder (pycalm.paths.cache_dir: --cache-dir, else
+$XDG_CACHE_HOME/pycalm). An edit to common.py gives every module that imports it a new, empty
+folder; an edit to skinny.py only skinny's and its importers'. Nothing in an old folder is ever
+read again. A device function a kernel gets from a module it does not import (a factory's
+argument) is in the kernel's own key: closure_digest adds that module's KEY.
+CACHE_ROOT/kernels/KEY (`folder`, KEY of every pycalm/kernels/**/*.py: `kernels_key`) holds
+pycalm.gpu.precompile's marker files, which stand for the whole tree's kernels.
 
 How (numba-cuda 0.30.4 internals, all set by `install()`, all confined to pycalm's kernels, so
 the caching of anyone else's numba code in the same process is left as it was):
@@ -48,6 +55,7 @@ Under the CUDA simulator nothing compiles and nothing is cached.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -92,18 +100,84 @@ def _key() -> str:
     return kernels_key()
 
 
-def folder() -> Path:
-    """Where this process's kernels are cached: ROOT/kernels/KEY."""
+def _kernels_root() -> Path:
     from pycalm.paths import cache_dir
 
-    return (_root or cache_dir()) / "kernels" / _key()
+    return (_root or cache_dir()) / "kernels"
+
+
+def folder() -> Path:
+    """The folder of this tree's precompile markers: ROOT/kernels/KEY (KEY: every kernel module)."""
+    return _kernels_root() / _key()
+
+
+def _imports(path: Path, top: Path) -> set[Path]:
+    """The files of the pycalm.kernels modules (package `top`) that the module at `path` imports,
+    from any statement in it (a function's lazy import too)."""
+    package = ["pycalm", "kernels", *path.parent.relative_to(top).parts]
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = [*base, *(node.module.split(".") if node.module else [])]
+            names = [".".join(module)] + [".".join([*module, alias.name]) for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[:2] != ["pycalm", "kernels"]:
+                continue
+            rel = top.joinpath(*parts[2:])
+            for candidate in (rel.with_suffix(".py"), rel / "__init__.py"):
+                if candidate.is_file():
+                    found.add(candidate)
+    return found
+
+
+def module_key(path: Path, top: Path = KERNELS_DIR) -> str:
+    """A hex digest of the numba-cuda version and the text of the kernel module at `path` and of
+    every module of package `top` (pycalm/kernels/) it imports, directly or through another."""
+    import numba_cuda
+
+    seen, todo = set(), [path.resolve()]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(_imports(module, top) - seen)
+    h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
+    for module in sorted(seen):
+        text = module.read_bytes()
+        h.update(f"{module.relative_to(top).as_posix()} {len(text)}\n".encode())
+        h.update(text)
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _module_key(py_file: str) -> str:
+    return module_key(Path(py_file).resolve())
+
+
+def module_folder(py_file: str | os.PathLike[str]) -> Path:
+    """Where the kernels of the module at py_file (in pycalm/kernels/) are cached: ROOT/kernels/
+    NAME-KEY."""
+    path = Path(py_file).resolve()
+    name = ".".join(path.relative_to(KERNELS_DIR).with_suffix("").parts)
+    return _kernels_root() / f"{name}-{_module_key(str(path))}"
+
+
+def folders() -> list[Path]:
+    """This tree's folders: folder() (the markers), then every kernel module's."""
+    modules = sorted(p for p in KERNELS_DIR.rglob("*.py") if "__pycache__" not in p.parts)
+    return [folder(), *(module_folder(p) for p in modules)]
 
 
 def cached_kernels() -> int:
-    """How many compiled (kernel, signature) entries the folder holds: the difference over a run
-    is the number of kernels that run compiled (0: everything came from the cache)."""
-    f = folder()
-    return sum(1 for _ in f.glob("*.nbc")) if f.is_dir() else 0
+    """How many compiled (kernel, signature) entries this tree's folders hold: the difference over
+    a run is the number of kernels that run compiled (0: everything came from the cache)."""
+    return sum(sum(1 for _ in f.glob("*.nbc")) for f in folders() if f.is_dir())
 
 
 def install() -> None:
@@ -113,20 +187,22 @@ def install() -> None:
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 
     class KernelsLocator(_SourceFileBackedLocatorMixin, _CacheLocator):
-        """numba's locator protocol for the functions of pycalm/kernels/**/*.py: folder() as the
-        place, the kernels' key as the source stamp (numba drops an index whose stamp differs;
-        the folder's name already carries the key, so a touched file costs nothing)."""
+        """numba's locator protocol for the functions of pycalm/kernels/**/*.py: the module's
+        folder (module_folder) as the place, its key as the source stamp (numba drops an index
+        whose stamp differs; the folder's name already carries the key, so a touched file costs
+        nothing)."""
 
         def __init__(self, py_func: object, py_file: str) -> None:
             self._py_file = py_file
             self._lineno = py_func.__code__.co_firstlineno
-            self._cache_path = str(folder())
+            self._cache_path = str(module_folder(py_file))
+            self._stamp = _module_key(str(Path(py_file).resolve()))
 
         def get_cache_path(self) -> str:
             return self._cache_path
 
         def get_source_stamp(self) -> str:
-            return _key()
+            return self._stamp
 
         @classmethod
         def from_function(cls, py_func: object, py_file: str) -> KernelsLocator | None:
@@ -139,7 +215,7 @@ def install() -> None:
                 except OSError:
                     # an unwritable cache folder: a fresh temporary one, never numba's __pycache__
                     # beside the source (whose key would miss a change in another kernel module)
-                    self._cache_path = _temporary_folder()
+                    self._cache_path = str(Path(_temporary_folder()) / Path(self._cache_path).name)
             _folders.add(self._cache_path)
             return self
 
@@ -198,13 +274,17 @@ def _locked(path: Path) -> Iterator[None]:
 def closure_digest(fn: object) -> str:
     """A digest of a kernel function's bytecode and closure cells that is the same in every
     process: plain values by type and repr, device functions (numba dispatchers) by their own
-    bytecode and cells. What the code refers to by name is in the folder's key (the sources)."""
+    bytecode and cells and, for a pycalm kernel module's, that module's key (module_key: what its
+    code refers to by name). What the kernel's own code refers to by name is in its folder's key."""
     h = hashlib.sha256(fn.__code__.co_code)
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         value = cell.cell_contents
         inner = getattr(value, "py_func", None)
         if inner is not None:
             text = f"{inner.__qualname__} {closure_digest(inner)} {sorted(value.targetoptions.items())!r}"
+            source = Path(inner.__code__.co_filename).resolve()
+            if source.is_relative_to(KERNELS_DIR) and source.is_file():
+                text += f" {_module_key(str(source))}"
         else:
             text = f"{type(value).__qualname__} {value!r}"
             if " at 0x" in text:  # a repr with an address: the same in no two processes
