@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
-#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
+#                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
@@ -65,6 +65,17 @@ while [ $i -lt ${#steps[@]} ]; do
                2>&1 | tee -a "$out/bench_rows.log" | tail -4  # issue 29's third shape
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,q4 \
                --tokens 64 2>&1 | tee -a "$out/bench_rows.log" | tail -4 ;;
+    rows-leads)  # issue 29 at 32 and 64 rows in the 4-bit and 8-bit formats, where the pass is 2.8-4.6x
+             # the token step (H100, 2026-12-05): skinny's two-tile warps with registers for two blocks
+             # an SM (128; gf4 and q4 take 132 and 156, one block) against one; the split tile's shape
+             # (MID_TILE 64 x 64 against wider W tiles: more weight bytes in flight a step); the pass
+             python3 scripts/kernels/rows_matmul.py --dtypes gf4,q4,q8 --rows 32 --row-tiles "0,0,2;0,2,2" \
+               2>&1 | tee "$out/kernels_rows_leads.log" | tail -14
+             python3 scripts/kernels/rows_matmul.py --dtypes gf4,q4,q8,fp8 --rows 32,64 \
+               --tiles "64,64,2,2,4,4;64,128,2,4,4,2;32,128,1,4,4,4;64,128,2,2,4,2;32,128,2,2,4,4" 2>&1 \
+               | tee -a "$out/kernels_rows_leads.log" | tail -34
+             python3 scripts/bench.py --rows 8,32,64 --shapes llama3-8b --dtypes gf4,q4,fp8,q8 2>&1 \
+               | tee "$out/bench_rows_leads.log" | tail -8 ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))

@@ -17,6 +17,7 @@ the engine compiles it (numba to PTX for sm_90a, with its launch bounds), then:
     python3 scripts/kernels/sass_loops.py attention --tiles 4,8 --stages 4,3
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 8,64
     python3 scripts/kernels/sass_loops.py skinny --ops      # and each loop's opcode counts
+    python3 scripts/kernels/sass_loops.py skinny --dtypes q4 --rows 32 --min-blocks 2
 
 ptxas is the nvidia-cuda-nvcc wheel's (numba's NVVM comes with it) or one on PATH; cuobjdump and
 the nvdisasm it runs come from wheels (`python3 -m pip install nvidia-cuda-cuobjdump
@@ -146,7 +147,7 @@ def report_skinny(args: argparse.Namespace) -> None:
                 n_tiles = skinny.n_tiles_for(rows)
                 row_tiles = skinny.row_tiles_for(dtype, n_tiles)
                 kernel = skinny.make_skinny_kernel(
-                    dtype, MODES[mode], n_tiles, args.warps, skinny.UNROLL, 0, row_tiles
+                    dtype, MODES[mode], n_tiles, args.warps, skinny.UNROLL, args.min_blocks, row_tiles
                 )
                 out = types.float16[:, ::1] if mode == "gate" else types.float32[:, ::1]
                 weights = {
@@ -181,6 +182,12 @@ def main() -> None:
     ap.add_argument("--modes", default="plain", help="skinny: plain, residual, gate")
     ap.add_argument("--rows", default="8,64", help="skinny: rows a pass (its n-tile count and A tiles)")
     ap.add_argument("--warps", type=int, default=skinny.WARPS, help="skinny: warps a block")
+    ap.add_argument(
+        "--min-blocks",
+        type=int,
+        default=0,
+        help="skinny: blocks an SM the registers must allow (launch bounds)",
+    )
     ap.add_argument("--ops", action="store_true", help="also each loop's opcode counts")
     args = ap.parse_args()
     if args.kernel == "attention":
