@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out]
+#                           [cache-out] [warm DTYPES]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -65,6 +65,9 @@ while [ $i -lt ${#steps[@]} ]; do
                2>&1 | tee -a "$out/bench_rows.log" | tail -4  # issue 29's third shape
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b,tinyllama-1.1b --dtypes fp16,q4 \
                --tokens 64 2>&1 | tee -a "$out/bench_rows.log" | tail -4 ;;
+    warm)    dtypes=${steps[$i]}; i=$((i + 1))  # the 8B shape's kernels in these formats, every format's
+             # compile workers at once (a fresh machine; the later steps then load them), e.g. q4,q8,gf4
+             python3 scripts/warm_kernels.py --shapes llama3-8b --dtypes "$dtypes" 2>&1 | tee "$out/warm.log" | tail -8 ;;
     rows-leads)  # issue 29 at 32 and 64 rows in the 4-bit and 8-bit formats, where the pass is 2.8-4.6x
              # the token step (H100, 2026-12-05): skinny's two-tile warps with registers for two blocks
              # an SM (128; gf4 and q4 take 132 and 156, one block) against one; the split tile's shape

@@ -4,6 +4,7 @@ and on a GPU (PYCALM_TEST_GPU=1) a cold run whose workers leave a cache from whi
 a second process compile nothing, with the same tokens.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -174,6 +175,47 @@ def test_the_engine_waits_only_for_the_groups_it_launches(tmp_path):
     report = workers.finish()
     assert sorted(report.compiled) == [("k0", 0.25), ("k1", 1.0)] and report.failures == []
     assert report.slowest == ("k1", 1.0) and report.wait_s == workers.wait_s > 0
+
+
+_MEETING_WORKER = """
+import json, sys, time
+from pathlib import Path
+spec = json.load(open(sys.argv[1]))
+here, other = Path(spec["claims"]).parent.parent / spec["name"], spec["other"]
+here.touch()  # this cell's worker is running; it ends once the other cell's is too (10 s at most)
+deadline = time.monotonic() + 10
+while not (Path(spec["claims"]).parent.parent / other).exists():
+    if time.monotonic() > deadline:
+        sys.exit(4)
+    time.sleep(0.02)
+print(json.dumps(dict(worker=0, key=spec["name"], s=0.5)), flush=True)
+"""
+
+
+def test_warm_kernels_starts_every_cell_before_waiting(tmp_path, monkeypatch):
+    """scripts/warm_kernels.py: each cell's workers (its engine's spec, the workers it is given)
+    start before any is waited for: two cells whose workers each end only once the other's has
+    started both finish, where waiting cell by cell would leave the first one's to fail."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import warm_kernels
+
+    monkeypatch.setattr(precompile.tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def start(cfg, seq_len, kv_dtype, options):
+        seen.append((cfg.weight_dtype, seq_len, kv_dtype, options.parallel_compile))
+        name, other = ("a", "b") if len(seen) == 1 else ("b", "a")
+        spec = {**precompile.engine_spec(cfg, seq_len, kv_dtype, options), "name": name, "other": other}
+        markers = _markers(tmp_path / name)
+        return Precompile(spec, markers, 1, command=[sys.executable, "-c", _MEETING_WORKER])
+
+    def config(shape, dtype):
+        return dataclasses.replace(_config(), weight_dtype=dtype)
+
+    reports = warm_kernels.warm([("s", "fp16", "fp16"), ("s", "q8", "fp8")], config, 64, 3, start=start)
+    assert seen == [("fp16", 64, "fp16", 3), ("q8", 64, "fp8", 3)]
+    assert [cell for cell, _ in reports] == [("s", "fp16", "fp16"), ("s", "q8", "fp8")]
+    assert [(r.compiled, r.failures) for _, r in reports] == [([("a", 0.5)], []), ([("b", 0.5)], [])]
 
 
 def test_marker_names_everything_that_shapes_the_kernels(tmp_path):
