@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import re
@@ -81,6 +82,12 @@ MODELS = {
     "tiny": (dict(arch="llama", dim=48, hidden_dim=72, head_dim=16, n_heads=3, n_kv_heads=1, vocab_size=64),
              ("fp16", "fp8", "gf4", "q8")),
 }  # fmt: skip
+# kernels allowed to spill, each measured faster than its spill-free neighbours: the arguments of
+# their factory and the bytes ptxas may spill (any other spill, or more, fails). skinny's gf4 w2
+# at 17 to 32 rows (K > LONG_K: blocks of 16 warps, 128 registers a thread) with two A tiles: 20
+# bytes, outside the step loop (66 instructions per 8 mma, as at 132 registers in blocks of 8);
+# on an H100 (2026-12-05) 32.8 us against 59.1 with one tile and 43.4 with two in blocks of 8
+KNOWN_SPILLS = [(("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2), 20)]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",
             "moe_rows", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
@@ -333,8 +340,9 @@ class _Checks:
             self.out["problems"].append(f"{label}: local-memory spill in PTX")
         return ptx
 
-    def sass(self, ptx: str, label: str, max_regs: int | None) -> None:
-        """ptxas -v on the PTX: spills, and registers against max_regs (None: no limit)."""
+    def sass(self, ptx: str, label: str, max_regs: int | None, spill: int = 0) -> None:
+        """ptxas -v on the PTX: spills past `spill` bytes, and registers against max_regs (None:
+        no limit)."""
         if self.ptxas is None:
             self.out["problems"].append("no ptxas (the nvidia-cuda-nvcc wheel's bin/ptxas, or on PATH)")
             return
@@ -353,7 +361,7 @@ class _Checks:
             self.out["problems"].append(f"{label}: ptxas failed: {r.stderr[-300:]}")
             return
         self.out["sass"] += 1
-        if any(spills):
+        if spills and max(spills) > spill:
             self.out["problems"].append(f"{label}: ptxas spills {max(spills)} bytes to local memory")
         if max_regs is not None and max(regs) > max_regs:
             self.out["problems"].append(f"{label}: {max(regs)} registers a thread, above {max_regs}")
@@ -462,6 +470,9 @@ def worker(index: int, n_workers: int) -> None:
     share_inline_copies()
     items, threads = launched_kernels()
     checks = _Checks()
+    allowed = {}  # the py_func of each KNOWN_SPILLS kernel -> the bytes it may spill
+    for (module, factory), args, nbytes in KNOWN_SPILLS:
+        allowed[getattr(importlib.import_module(module), factory)(*args).py_func] = nbytes
     for item in items[index::n_workers]:
         fn = getattr(item.kernel, "py_func", item.kernel)
         label = item.key
@@ -469,7 +480,7 @@ def worker(index: int, n_workers: int) -> None:
         ptx = checks.ptx_of(fn, item.argtypes, label, bounds)
         if ptx is None:
             continue
-        checks.sass(ptx, label, register_limit(item.kernel, threads.get(fn, 0)))
+        checks.sass(ptx, label, register_limit(item.kernel, threads.get(fn, 0)), allowed.get(fn, 0))
         # every kernel of the token step may be a programmatic dependent (pycalm.gpu.graph)
         for inst in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
             if inst not in ptx:

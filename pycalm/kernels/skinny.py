@@ -39,7 +39,7 @@ tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
-two in passes of 17 to 64 rows, one below) and its warps (WARPS, or LONG_WARPS for
+two in passes of 17 to 64 rows (gf4 to 32), one below) and its warps (WARPS, or LONG_WARPS for
 rows longer than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so
 one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is 4
 (fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
@@ -106,7 +106,9 @@ UNROLL = 1
 # products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
 # H200): 32 rows fp16 289 -> 206, fp8 136 -> 106, q8 135 -> 111, q4 174 -> 137; 64 rows fp16
 # 450 -> 297, fp8 327 -> 221, q8 343 -> 235, q4 360 -> 260; gf4 (H100, its fp16 decode) 195 -> 167
-# at 32 rows, 675 -> 430 at 64. Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060). (The
+# at 32 rows (w2, in blocks of 16 warps, spills 20 bytes outside its step loop: 59.1 -> 32.8 us),
+# 675 -> 430 at 64 (but w2 spills 144 bytes there, and its step loop grows from 49 to 80
+# instructions per 8 mma: one tile). Four tiles spill or lose occupancy (fp8 at 64 rows: 1,060). (The
 # 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of LONG_WARPS, fp8 and
 # q8; ptxas now gives q4 233 registers, one block of 8 warps an SM, and those 124, no spill.
 # Those run slower: on an H100 fp8's qkv takes 56.3 us at 64 rows against 12.3 at 32, and the
@@ -114,7 +116,7 @@ UNROLL = 1
 ROW_TILES: dict[str, dict[int, int]] = {
     "fp16": {4: 2, 8: 2},
     "fp8": {4: 2, 8: 2},
-    "gf4": {4: 2, 8: 2},
+    "gf4": {4: 2},
     "q8": {4: 2, 8: 2},
     "q4": {4: 2, 8: 2},
 }
