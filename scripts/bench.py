@@ -557,12 +557,15 @@ def bench_prefill(
     return dict(shape=shape + layers, dtype=dtype, chunk=chunk, cells=cells, ttft=ttft, roles=roles, cfg=cfg)
 
 
-def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
-    """tok/s of generate with EngineOptions.batch_invariant (every token step the multi-token
-    forward's one-row pass and the classifier, captured, the token drawn on the device) after a
-    16-token prompt, warm; the prompt's pass and the host's loop counted in."""
+def bench_invariant(shape: str, dtype: str, tokens: int, programmatic: bool | None = None) -> dict:
+    """Decoding with EngineOptions.batch_invariant (every token step the multi-token forward's
+    one-row pass and the classifier, captured, the token drawn on the device): tok/s of generate
+    after a 16-token prompt, warm, the prompt's pass and the host's loop counted in; and the ms of
+    its step alone (the captured step replayed at positions 128.., as the token step's cells), so
+    that what generate adds and what the graph's edges cost (programmatic: pycalm.gpu.graph's, as
+    EngineOptions.programmatic) show apart."""
     cfg = fit_layers(config_for(shape, dtype, 4096), 16, 4096)
-    options = EngineOptions(batch_invariant=True, prefill_chunk=16)
+    options = EngineOptions(batch_invariant=True, prefill_chunk=16, programmatic=programmatic)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, 16)]
     greedy = SamplingParams(temperature=0.0)
@@ -570,10 +573,14 @@ def bench_invariant(shape: str, dtype: str, tokens: int) -> float:
     t0 = time.perf_counter()
     n = len(list(engine.generate(ids, 0, tokens, greedy)))
     seconds = time.perf_counter() - t0
+    step = functools.partial(engine.graph, greedy)
+    time_replays(engine, step, 128, 8)  # warm-up
+    replay = time_replays(engine, step, 128, 32)
+    edges = "programmatic" if engine.programmatic else "plain"
     del engine
     gc.collect()
     cuda.current_context().deallocations.clear()
-    return n / seconds
+    return {"tok_s": n / seconds, "step_s": replay, "edges": edges}
 
 
 def bench_depths(
@@ -791,11 +798,17 @@ def main() -> None:
     if args.invariant_decode:
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
-                rate = bench_invariant(shape, dtype, args.tokens)
-                print(
-                    f"batch-invariant decode {shape} {dtype}: {rate:.0f} tok/s ({args.tokens} tokens)",
-                    flush=True,
+                # the engine's edges, then plain ones beside them where those were programmatic
+                r = bench_invariant(shape, dtype, args.tokens, False if args.plain else None)
+                runs = (
+                    [r] if r["edges"] == "plain" else [r, bench_invariant(shape, dtype, args.tokens, False)]
                 )
+                for r in runs:
+                    print(
+                        f"batch-invariant decode {shape} {dtype}: {r['tok_s']:.0f} tok/s ({args.tokens} tokens);"
+                        f" its step alone {1e3 * r['step_s']:.2f} ms ({r['edges']} edges)",
+                        flush=True,
+                    )
         return
     if args.prefill:
         lengths = [int(n) for n in args.lengths.split(",")]
