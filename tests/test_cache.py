@@ -73,6 +73,31 @@ def test_module_key_follows_the_module_and_what_it_imports(tmp_path):
     assert edit("common.py") == set(before)  # every one of them, through some import
 
 
+def test_imports_read_from_the_statements_are_the_whole_modules():
+    """For every kernel module, the pycalm.kernels names its import statements give (what the key
+    reads, statement by statement) are those of an ast of the whole module."""
+    import ast
+
+    top = cache.KERNELS_DIR
+    for path in sorted(top.rglob("*.py")):
+        package = ("pycalm", "kernels", *path.parent.relative_to(top).parts)
+        whole = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                dotted = [alias.name.split(".") for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = list(package[: len(package) - node.level + 1]) if node.level else []
+                module = [*base, *(node.module.split(".") if node.module else [])]
+                dotted = [module] + [[*module, alias.name] for alias in node.names]
+            else:
+                continue
+            whole.update(tuple(d[2:]) for d in dotted if d[:2] == ["pycalm", "kernels"])
+        assert set(cache._imported_names(path.read_text(), package)) == whole, path.name
+    assert cache._imported_names(
+        "from pycalm.kernels.common import (\n    a,\n    b,\n)\n", ("pycalm", "kernels")
+    ) == (("common",), ("common", "a"), ("common", "b"))
+
+
 def test_folders_are_under_the_root_and_the_keys(tmp_path, monkeypatch):
     monkeypatch.setattr(cache, "_root", None)
     cache.set_root(tmp_path)
