@@ -81,18 +81,8 @@ def test_imports_read_from_the_statements_are_the_whole_modules():
     top = cache.KERNELS_DIR
     for path in sorted(top.rglob("*.py")):
         package = ("pycalm", "kernels", *path.parent.relative_to(top).parts)
-        whole = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                dotted = [alias.name.split(".") for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = list(package[: len(package) - node.level + 1]) if node.level else []
-                module = [*base, *(node.module.split(".") if node.module else [])]
-                dotted = [module] + [[*module, alias.name] for alias in node.names]
-            else:
-                continue
-            whole.update(tuple(d[2:]) for d in dotted if d[:2] == ["pycalm", "kernels"])
-        assert set(cache._imported_names(path.read_text(), package)) == whole, path.name
+        whole = cache._names_of(ast.walk(ast.parse(path.read_text())), package)
+        assert cache._imported_names(path.read_text(), package) == whole, path.name
     assert cache._imported_names(
         "from pycalm.kernels.common import (\n    a,\n    b,\n)\n", ("pycalm", "kernels")
     ) == (("common",), ("common", "a"), ("common", "b"))

@@ -63,7 +63,7 @@ import os
 import re
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 KERNELS_DIR = (
@@ -140,11 +140,17 @@ def _imported_names(text: str, package: tuple[str, ...]) -> tuple[tuple[str, ...
     it, each as its parts after "pycalm.kernels"; a `from M import N` gives M and M.N (N may be
     a module). package: the module's package, for relative imports. A line that only looks like
     an import (in a docstring) and does not parse is skipped; one that parses only adds a key."""
-    names: set[tuple[str, ...]] = set()
     nodes = []
     for statement in _import_statements(text):
         with contextlib.suppress(SyntaxError):
             nodes.extend(ast.parse(statement).body)
+    return _names_of(nodes, package)
+
+
+def _names_of(nodes: Iterable[ast.AST], package: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """The names below pycalm.kernels that the import statements among `nodes` import (as
+    _imported_names gives them)."""
+    names: set[tuple[str, ...]] = set()
     for node in nodes:
         if isinstance(node, ast.Import):
             dotted = [alias.name.split(".") for alias in node.names]
