@@ -83,18 +83,22 @@ def set_root(root: str | os.PathLike[str]) -> None:
     _root = Path(root)
 
 
+def _digest(texts: dict[str, bytes]) -> str:
+    """A hex digest of the numba-cuda version and source files (relative path -> text)."""
+    import numba_cuda
+
+    h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
+    for rel in sorted(texts):
+        h.update(f"{rel} {len(texts[rel])}\n".encode())
+        h.update(texts[rel])
+    return h.hexdigest()[:16]
+
+
 def kernels_key(folder: Path = KERNELS_DIR) -> str:
     """A hex digest of every *.py file in `folder` and the folders below it (path and text) and
     the numba-cuda version: it changes whenever any kernel module, or a helper it imports from
     its neighbours, changes."""
-    import numba_cuda
-
-    h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
-    for path in sorted(folder.rglob("*.py")):
-        text = path.read_bytes()
-        h.update(f"{path.relative_to(folder).as_posix()} {len(text)}\n".encode())
-        h.update(text)
-    return h.hexdigest()[:16]
+    return _digest({path.relative_to(folder).as_posix(): path.read_bytes() for path in folder.rglob("*.py")})
 
 
 @functools.cache
@@ -164,10 +168,11 @@ def _names_of(nodes: Iterable[ast.AST], package: tuple[str, ...]) -> tuple[tuple
     return tuple(sorted(names))
 
 
-def _imports(path: Path, top: Path) -> frozenset[Path]:
-    """The files of the pycalm.kernels modules (package `top`) that the module at `path` imports."""
+def _imports(path: Path, text: bytes, top: Path) -> frozenset[Path]:
+    """The files of the pycalm.kernels modules (package `top`) that the module at `path`, of source
+    `text`, imports."""
     return _files(
-        _imported_names(path.read_text(), ("pycalm", "kernels", *path.parent.relative_to(top).parts)), top
+        _imported_names(text.decode(), ("pycalm", "kernels", *path.parent.relative_to(top).parts)), top
     )
 
 
@@ -186,20 +191,15 @@ def _files(names: tuple[tuple[str, ...], ...], top: Path) -> frozenset[Path]:
 def module_key(path: Path, top: Path = KERNELS_DIR) -> str:
     """A hex digest of the numba-cuda version and the text of the kernel module at `path` and of
     every module of package `top` (pycalm/kernels/) it imports, directly or through another."""
-    import numba_cuda
-
-    seen, todo = set(), [path.resolve()]
+    texts: dict[str, bytes] = {}  # relative path -> text of each module reached
+    todo = [path.resolve()]
     while todo:
         module = todo.pop()
-        if module not in seen:
-            seen.add(module)
-            todo.extend(_imports(module, top) - seen)
-    h = hashlib.sha256(f"numba-cuda {numba_cuda.__version__}\n".encode())
-    for module in sorted(seen):
-        text = module.read_bytes()
-        h.update(f"{module.relative_to(top).as_posix()} {len(text)}\n".encode())
-        h.update(text)
-    return h.hexdigest()[:16]
+        rel = module.relative_to(top).as_posix()
+        if rel not in texts:
+            texts[rel] = module.read_bytes()
+            todo.extend(_imports(module, texts[rel], top))
+    return _digest(texts)
 
 
 @functools.cache
@@ -217,8 +217,7 @@ def module_folder(py_file: str | os.PathLike[str]) -> Path:
 
 def folders() -> list[Path]:
     """This tree's folders: folder() (the markers), then every kernel module's."""
-    modules = sorted(p for p in KERNELS_DIR.rglob("*.py") if "__pycache__" not in p.parts)
-    return [folder(), *(module_folder(p) for p in modules)]
+    return [folder(), *(module_folder(p) for p in sorted(KERNELS_DIR.rglob("*.py")))]
 
 
 def cached_kernels() -> int:
