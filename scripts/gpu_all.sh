@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out] [warm DTYPES]
+#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -79,6 +79,25 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee -a "$out/kernels_rows_leads.log" | tail -34
              python3 scripts/bench.py --rows 8,32,64 --shapes llama3-8b --dtypes gf4,q4,fp8,q8 2>&1 \
                | tee "$out/bench_rows_leads.log" | tail -8 ;;
+    rows-ncu)  # issue 29: why the split tile runs a 64-row layer at 120 TFLOP/s whatever the format (fp16
+             # and gf4 alike, weight loads fetched 4 steps ahead no faster): the first layer's four
+             # products of a 64-row pass, gf4 and q4, stalls and issue; then the prefill attention of a
+             # 32-row pass (50 us a layer under ncu, 4x the token step's)
+             for d in gf4 q4; do
+               ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+                 --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis_Tables -k regex:matmul_kernel \
+                 --launch-count 4 python3 scripts/kernels/rows_pass_profile.py $d 64 2>&1 | tee "$out/ncu_rows_$d.log" \
+                 | grep -E "Duration|Throughput|Achieved Occupancy|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued|Registers|Block Limit" | head -60
+             done
+             ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+               -k regex:prefill_attention --launch-count 1 python3 scripts/kernels/rows_pass_profile.py gf4 32 2>&1 \
+               | tee "$out/ncu_rows_attention.log" | grep -E "Duration|Throughput|Achieved Occupancy|Issued Ipc|Stall|Warp Cycles" | head -20 ;;
+    rows-attention)  # issue 29: the prefill attention's block shapes for rows passes of 32 and 64 rows, at
+             # positions 128 and 4,000 (a block a kv head and 16 positions now: 16-32 blocks on the 8B shape)
+             for p0 in 128 4000; do
+               python3 scripts/kernels/prefill_attention.py --variants shipped,w2,k32,w2k32,w1,w1k32,w1k16 \
+                 --rows 32,64 --pos0 $p0 2>&1 | tee -a "$out/kernels_rows_attention.log" | grep -A30 "=== summary"
+             done ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))

@@ -10,7 +10,9 @@ on the GPU (llm.c dev/cuda style).
 Versions:
   shipped   the package's kernel: flash-attention 2 on mma.sync, q and p as two fp16 parts each
             (hi + lo), K and V staged key-major (V read by ldmatrix .trans), 4 warps (64 rows) a
-            block, tiles of 64 keys; w2 / k32: 2 warps, or tiles of 32 keys
+            block, tiles of 64 keys; w2 / k32: 2 warps, or tiles of 32 keys; w1, w1k32, w1k16,
+            w2k32: a warp (16 rows) or two a block, tiles of 64, 32 or 16 keys (a rows pass of
+            32 or 64 rows has 16-32 blocks of 4 warps on the 8B shape's 8 kv heads)
   simt      the kernel it replaced, kept here for comparison: fp32 SIMT, a block of ROWS (position,
             head) rows in row groups of LANES threads, a thread 4 rows x 2 keys of a tile of 2 LANES
             keys for the scores and 4 rows x head_dim / LANES dims for P V, q, K and V tiles and p
@@ -25,8 +27,9 @@ Versions:
             wgmma of one warpgroup a block; the same sums to float32 precision; wg2: two buffers of
             K and V, the next tile staged while this one's S wgmma run
 
-Timing: one launch over a whole prompt of T tokens at positions 0 .. T - 1 (the K/V rows already
-in the cache), captured in a CUDA graph and replayed (median); the cache holds random finite
+Timing: one launch over T tokens at positions pos0 .. pos0 + T - 1 (--pos0, 0: a whole prompt;
+a rows pass of drafts or a chat turn: 128, 4000, ...; the K/V rows already in the cache),
+captured in a CUDA graph and replayed (median); the cache holds random finite
 fp16 / e5m2 bit patterns made on the GPU. TFLOP/s counts 4 head_dim per (query head, attended
 key) pair (prefill_attention_flops; the shipped kernel's mma work is twice that). The check runs
 each variant at T = 200 after pos0 = 60 (a later chunk of a prompt) against the reference on the
@@ -943,6 +946,10 @@ VARIANTS = {
     "shipped": lambda hd: {},
     "w2": lambda hd: {"warps": 2},
     "k32": lambda hd: {"keys": 32},
+    "w1": lambda hd: {"warps": 1},  # a block per 16 (position, head) rows: a rows pass's 8-32 blocks x 4
+    "w1k32": lambda hd: {"warps": 1, "keys": 32},
+    "w1k16": lambda hd: {"warps": 1, "keys": 16},
+    "w2k32": lambda hd: {"warps": 2, "keys": 32},
     "tc16": lambda hd: {"tc": False},
     "copy": lambda hd: {"tc": True},
     "wg": lambda hd: {"wg": True},
@@ -1052,6 +1059,9 @@ def main() -> None:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="'all' or names: " + ",".join(VARIANTS))
     ap.add_argument("--tiny", action="store_true", help="check only, at a tiny shape (simulator)")
     ap.add_argument("--rows", default=",".join(map(str, N_ROWS)), help="prompt lengths T to time")
+    ap.add_argument(
+        "--pos0", type=int, default=0, help="the timed rows' first position (a rows pass: 128, 4000, ...)"
+    )
     args = ap.parse_args()
     tiny = args.tiny or numba_config.ENABLE_CUDASIM
     table = TINY_VARIANTS if tiny else VARIANTS
@@ -1097,17 +1107,17 @@ def main() -> None:
                         )
                     )
                     out = cuda.device_array((n_rows, cfg.q_dim), np.float16)
-                    state = state_at(0)
+                    state = state_at(args.pos0)
                     launch = launcher(q, cache, state, out, cfg, spec, stream)
                     seconds = graph_seconds(stream, launch, REPLAYS)
-                    tflops = prefill_attention_flops(n_rows, 0, cfg) / seconds / 1e12
-                    gbs = prefill_attention_bytes(n_rows, 0, cfg, kv_dtype) / seconds / 1e9
+                    tflops = prefill_attention_flops(n_rows, args.pos0, cfg) / seconds / 1e12
+                    gbs = prefill_attention_bytes(n_rows, args.pos0, cfg, kv_dtype) / seconds / 1e9
                     results.append((shape, kv_dtype, name, n_rows, seconds * 1e3, tflops, gbs))
                     print(f"{shape:11s} {kv_dtype:5s} {name:11s} T {n_rows:5d}: {seconds * 1e3:8.3f} ms "
                           f"{tflops:6.2f} TFLOP/s ({100 * tflops / peak:4.1f}% of fp32) {gbs:7.1f} GB/s",
                           flush=True)  # fmt: skip
     if results:
-        print(f"\n=== summary: one layer's prefill attention over T tokens at positions 0..T-1 "
+        print(f"\n=== summary: one layer's prefill attention over T tokens at positions {args.pos0}.."
               f"(fp32 FMA peak {peak:.1f} TFLOP/s) ===")  # fmt: skip
         print(f"{'model':11s} {'kv':5s} {'variant':11s} {'T':>5s} {'ms':>8s} "
               f"{'TFLOP/s':>8s} {'% fp32':>7s} {'GB/s':>7s}")  # fmt: skip
