@@ -368,15 +368,16 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             else:
                 lo = int32(0)
                 if ok:
-                    lo = int32(src[row, col // UNIT])
+                    lo = int32(src[row, col >> 3])  # col // UNIT: col >= 0, a shift
                 wregs[2 * i] = lo
         cp_async_commit()
 
     @cuda.jit(device=True, inline=True)
-    def fetch_codes(w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, k_cols):  # noqa: ANN001, ANN202
+    def fetch_codes(w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, k_cols, g_shift1, g_shift3):  # noqa: ANN001, ANN202
         """q8 / q4 (else a no-op): this thread's w_units consecutive units of a W tile row at
         column k0 into wregs, by 16-byte loads (8 / 4 where it has fewer bytes), and q4's group
-        step and offset into wscale; zeros past N and K (K a multiple of a load's columns)."""
+        step and offset into wscale (group col >> g_shift1 / g_shift3: G = 32 or 64 columns, W1's
+        and W3's apart); zeros past N and K (K a multiple of a load's columns)."""
         if quantized:
             u = cuda.threadIdx.x * w_units
             which, row = w_source_row(u // CHUNKS, n0)
@@ -387,7 +388,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             for p in range(pieces):
                 c = col + p * piece_cols
                 if row < w_rows and c < k_cols:
-                    e = c if q8 else c // UNIT  # the piece's first element: a code / a word of 8
+                    e = c if q8 else c >> 3  # the piece's first element: a code / a word of 8
                     if load_words == 4:
                         j = 4 * p
                         wregs[j], wregs[j + 1], wregs[j + 2], wregs[j + 3] = ldg128w(src, w_row0 + row, e)
@@ -397,7 +398,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                         wregs[p] = int32(src[w_row0 + row, e])
             if q4:  # the group's step d and offset m (one group: G is a multiple of BK)
                 scales = s3 if which else s1
-                group, ok = col // (k_cols // scales.shape[1]), row < w_rows and col < k_cols
+                group, ok = col >> (g_shift3 if which else g_shift1), row < w_rows and col < k_cols
                 wscale[0] = float32(scales[w_row0 + row, group, 0]) if ok else float32(0.0)
                 wscale[1] = float32(scales[w_row0 + row, group, 1]) if ok else float32(0.0)
 
@@ -453,6 +454,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         wm, wn = warp // warps_n, warp % warps_n
         n0 = cuda.blockIdx.y * out_n
         steps = (x.shape[1] + BK - 1) // BK
+        # q4: log2 of W1's and W3's group columns (32 or 64: formats.Q4_GROUPS, each its own), so
+        # that a step's group is a shift, not a division (scales (N, groups, 2); read for q4 alone)
+        g_shift1 = 5 if x.shape[1] == 16 * (s1.size // s1.shape[0]) else 6
+        g_shift3 = 5 if x.shape[1] == 16 * (s3.size // s3.shape[0]) else 6
         s0 = 0  # the block's first step
         if split:  # split z of gridDim.z takes the z-th run of ceil(steps / splits) steps
             per = (steps + cuda.gridDim.z - 1) // cuda.gridDim.z
@@ -494,7 +499,21 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         for s in range(stages - 1):  # the first stages - 1 steps in flight
             if s < steps:
                 fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, s, (s0 + s) * BK, n0, w_row0, w_rows)
-                fetch_codes(w1, s1, w3, s3, wregs, wscale, (s0 + s) * BK, n0, w_row0, w_rows, x.shape[1])
+                fetch_codes(
+                    w1,
+                    s1,
+                    w3,
+                    s3,
+                    wregs,
+                    wscale,
+                    (s0 + s) * BK,
+                    n0,
+                    w_row0,
+                    w_rows,
+                    x.shape[1],
+                    g_shift1,
+                    g_shift3,
+                )
                 put_w(smem_w, wregs, wscale, s)
             else:
                 cp_async_commit()  # an empty group keeps the count of groups in flight
@@ -508,7 +527,9 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             if ahead < steps:  # its copies and loads fly during this step's mma
                 k0 = (s0 + ahead) * BK
                 fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead % stages, k0, n0, w_row0, w_rows)
-                fetch_codes(w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, x.shape[1])
+                fetch_codes(
+                    w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, x.shape[1], g_shift1, g_shift3
+                )
             else:
                 cp_async_commit()  # an empty group
             xs = stage * x_stage + a_row

@@ -1,5 +1,6 @@
 """Instructions a lane issues in one turn of a kernel's hot loop, read from its machine code (no
-GPU needed): the decode attention's stream loop (a warp tile) and the skinny matmul's step loop.
+GPU needed): the decode attention's stream loop (a warp tile), the skinny matmul's step loop and
+the tiled matmul's (pycalm.kernels.matmul: a step of BK = 32 columns).
 
 Where a kernel is bound by issue rather than by bytes, its time follows these counts: the decode
 attention at 32k positions keeps about 16 warps an SM, each streaming 2 KB warp tiles (Llama-3-8B,
@@ -18,6 +19,8 @@ the engine compiles it (numba to PTX for sm_90a, with its launch bounds), then:
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 8,64
     python3 scripts/kernels/sass_loops.py skinny --ops      # and each loop's opcode counts
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4 --rows 32 --min-blocks 2
+    python3 scripts/kernels/sass_loops.py matmul --dtypes gf4,fp16 --modes residual,gate
+    python3 scripts/kernels/sass_loops.py matmul --matmul-tiles "64,64,1,2,4,4;64,128,1,4,4,2"
 
 ptxas is the nvidia-cuda-nvcc wheel's (numba's NVVM comes with it) or one on PATH; cuobjdump and
 the nvdisasm it runs come from wheels (`python3 -m pip install nvidia-cuda-cuobjdump
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from numba import cuda, types  # noqa: E402
 
-from pycalm.kernels import attention, skinny  # noqa: E402
+from pycalm.kernels import attention, matmul, skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES  # noqa: E402
 
 ATTENTION_SHAPES = {"Llama-3-8B": (128, 4), "TinyLlama": (64, 8)}  # head_dim, query heads a kv head
@@ -73,12 +76,16 @@ NVDISASM = tool("nvdisasm", ("nvidia.cu13", "nvidia.cuda_nvdisasm"))  # cuobjdum
 def machine_code(kernel: object, sig: tuple) -> tuple[str, list[tuple[int, str]]]:
     """ptxas's resource line and the SASS (address, instruction) of one compiled kernel (no
     code, and ptxas's complaint, where it refuses the kernel: too much shared memory, say)."""
-    bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")
+    options = getattr(kernel, "targetoptions", {})
+    bounds, cap = options.get("launch_bounds"), options.get("max_registers")
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"), launch_bounds=bounds)
     with tempfile.TemporaryDirectory() as d:
         src, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         Path(src).write_text(ptx)
-        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", src, "-o", obj], capture_output=True, text=True)
+        limit = [f"-maxrregcount={cap}"] if cap else []  # matmul's register cap (cuda.jit's max_registers)
+        r = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", *limit, src, "-o", obj], capture_output=True, text=True
+        )
         if r.returncode:
             lines = r.stderr.strip().splitlines()
             return "ptxas: " + next((x for x in lines if "error" in x), lines[-1])[-90:], []
@@ -168,9 +175,49 @@ def report_skinny(args: argparse.Namespace) -> None:
                     print(f"  {opcodes(body)}")
 
 
+def report_matmul(args: argparse.Namespace) -> None:
+    u2, f16_2 = types.uint32[:, ::1], types.float16[:, ::1]
+    print("tiled matmul (pycalm.kernels.matmul): instructions a lane a step of K (BK = 32) in the step loop")
+    print(
+        "| weights | mode | tile (BM, BN, WM, WN, stages, blocks) | split | registers | a step | HMMA | per mma |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    named = {
+        "MID_TILE": (matmul.MID_TILE, True),
+        "TILE": (matmul.TILE, False),
+        "ROW_TILE": (matmul.ROW_TILE, True),
+    }
+    tiles = [
+        named[spec] if spec in named else (matmul.Tile(*(int(v) for v in spec.split(","))), True)
+        for spec in args.matmul_tiles.split(";")
+    ]
+    for dtype in args.dtypes.split(","):
+        for mode in args.modes.split(","):
+            for tile, split in tiles:
+                kernel = matmul.make_matmul_kernel(dtype, matmul.MODES[mode], tile, split=split)
+                weights = {
+                    "fp16": (f16_2, f16_2),
+                    "fp8": (types.uint8[:, ::1], types.uint8[:, ::1]),
+                    "gf4": (u2, u2),
+                    "q8": (types.int8[:, ::1], types.float32[::1], types.int8[:, ::1], types.float32[::1]),
+                    "q4": (u2, types.float16[:, :, ::1], u2, types.float16[:, :, ::1]),
+                }[dtype]
+                out = f16_2 if mode == "gate" else types.float32[:, ::1]
+                sig = (f16_2, *weights, out, *((types.float32[::1], types.int32[::1]) if split else ()))
+                info, code = machine_code(kernel, sig)
+                body = max((b for b in loops(code) if any("HMMA" in t for t in b)), key=len, default=[])
+                mma = sum("HMMA" in t for t in body)
+                per = f"{len(body) / mma:.1f}" if mma else "-"
+                print(
+                    f"| {dtype} | {mode} | {tuple(tile)[:6]} | {split} | {info} | {len(body)} | {mma} | {per} |"
+                )
+                if args.ops:
+                    print(f"  {opcodes(body)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("attention", "skinny"))
+    ap.add_argument("kernel", choices=("attention", "skinny", "matmul"))
     ap.add_argument(
         "--shapes", default="Llama-3-8B,TinyLlama", help="attention: " + ",".join(ATTENTION_SHAPES)
     )
@@ -178,8 +225,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=attention.THREADS, help="attention: threads a block")
     ap.add_argument("--tiles", default=str(attention.TILE), help="attention: positions a warp tile")
     ap.add_argument("--stages", default=str(attention.STAGES), help="attention: stages of a warp's ring")
-    ap.add_argument("--dtypes", default="fp16,fp8,gf4,q8,q4", help="skinny: weight formats")
-    ap.add_argument("--modes", default="plain", help="skinny: plain, residual, gate")
+    ap.add_argument("--dtypes", default="fp16,fp8,gf4,q8,q4", help="skinny, matmul: weight formats")
+    ap.add_argument("--modes", default="plain", help="skinny, matmul: plain, residual, gate")
+    ap.add_argument(
+        "--matmul-tiles",
+        default="MID_TILE;TILE",
+        help="matmul: MID_TILE (split), TILE, ROW_TILE (split) or BM,BN,WM,WN,stages,blocks (split); ...",
+    )
     ap.add_argument("--rows", default="8,64", help="skinny: rows a pass (its n-tile count and A tiles)")
     ap.add_argument("--warps", type=int, default=skinny.WARPS, help="skinny: warps a block")
     ap.add_argument(
@@ -192,6 +244,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernel == "attention":
         report_attention(args)
+    elif args.kernel == "matmul":
+        report_matmul(args)
     else:
         report_skinny(args)
 
