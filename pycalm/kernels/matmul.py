@@ -518,15 +518,16 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             else:
                 cp_async_commit()  # an empty group keeps the count of groups in flight
 
+        stage = 0  # step % stages, counted (a modulo of the 64-bit step costs a dozen instructions a step)
         for step in range(steps):
-            stage = step % stages
+            ahead_stage = stage - 1 if stage > 0 else stages - 1  # (step + stages - 1) % stages
             wait_oldest()  # this thread's copies of this step have landed
             cuda.syncthreads()  # everyone's copies and stores of this step are visible, and
             # every warp is done reading the stage that the fetch below overwrites
             ahead = step + stages - 1
             if ahead < steps:  # its copies and loads fly during this step's mma
                 k0 = (s0 + ahead) * BK
-                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead % stages, k0, n0, w_row0, w_rows)
+                fetch(x, w1, w3, smem_x, smem_w, wregs, x_rows, ahead_stage, k0, n0, w_row0, w_rows)
                 fetch_codes(
                     w1, s1, w3, s3, wregs, wscale, k0, n0, w_row0, w_rows, x.shape[1], g_shift1, g_shift3
                 )
@@ -553,7 +554,8 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                             acc[c], acc[c + 1], acc[c + 2], acc[c + 3],
                         )  # fmt: skip
             if ahead < steps:
-                put_w(smem_w, wregs, wscale, ahead % stages)  # read at step `ahead`, after its barrier
+                put_w(smem_w, wregs, wscale, ahead_stage)  # read at step `ahead`, after its barrier
+            stage = stage + 1 if stage < stages - 1 else 0
 
         if split:  # the tile's splits meet: the last to finish adds them up in split order
             n_splits = cuda.gridDim.z
