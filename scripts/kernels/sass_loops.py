@@ -8,7 +8,7 @@ fp16 KV), and at 4 schedulers an SM issuing one instruction a cycle a tile of N 
 costs at least 16 N / 4 cycles an SM for 32 KB, so N above about 440 caps the cache stream below
 the copy ceiling at any issue efficiency. The skinny matmul's 8-row q4 step moves 1,280 bytes of
 codes and scales a warp, the same reasoning for its 234 instructions. Each kernel is compiled as
-the engine compiles it (numba to PTX for sm_90a, with its launch bounds), then:
+the engine compiles it (numba to PTX for sm_90a, with its launch bounds or register cap), then:
   - ptxas -v: registers and spill bytes;
   - cuobjdump --dump-sass: the backward branches are the loops; a loop's turn is its instruction count
     (skinny: per 8 mma, since the compiler may unroll the step loop; its chunks wholly in K take
