@@ -2,10 +2,16 @@
 the warp-wide gather behind the tensor-core intrinsics' simulator twins.
 
 The simulator runs every thread of a block as a Python thread. A shuffle here is a rendezvous
-of the lanes of one warp: each lane posts its value in the warp's slot table, waits at a
-per-warp barrier until all lanes have posted, reads the source lane's slot, and waits again so
-that no lane overwrites a slot before everyone has read it. Like the hardware with a full mask,
-it expects every lane of the warp to take part (a partial last warp counts only its lanes).
+of the lanes of one warp: each lane posts its value in one of the warp's two slot tables (they
+alternate from one shuffle to the next), waits at a per-warp barrier until all lanes have
+posted, and reads the source lane's slot. One barrier a shuffle suffices: a lane can post in a
+table again only two shuffles later, after the next barrier, which every lane reaches only once
+it has read this one. Like the hardware with a full mask, it expects every lane of the warp to
+take part (a partial last warp counts only its lanes).
+
+The block's barrier (cuda.syncthreads) is _BlockBarrier, a gate a thread that the last to
+arrive opens, in place of the simulator's loop that polls every thread until all are blocked;
+with the one-barrier shuffles, a simulated kernel runs about twice as fast.
 
 The shim also replaces the simulator's cuda.shared.array (numba-cuda 0.30.4), which looks a
 call site's array up and, on a miss, allocates and stores it without a lock: two threads of a
@@ -19,7 +25,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import numpy as np
 from numba.cuda import types
@@ -28,11 +33,49 @@ from numba.cuda.np import numpy_support
 _WARP = 32
 
 
+class _LaneBarrier:
+    """A cyclic barrier of a warp's lanes on raw locks, a gate a lane: each lane but the last to
+    arrive blocks on its own gate, and the last opens the gates of those waiting. (threading.Barrier
+    wakes its waiters through one condition, whose lock each then takes again in turn: about half
+    the time a simulated kernel spends in its shuffles.) A lane's gate is closed whenever the lane
+    is not between a barrier's last arrival and its own wake-up, so a gate is opened once a wait."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self.lock = threading.Lock()
+        self.waiting: list[int] = []  # the lanes blocked at this barrier
+        self.gates = [threading.Lock() for _ in range(lanes)]
+        for gate in self.gates:
+            gate.acquire()  # closed
+
+    def wait(self, lane: int) -> None:
+        with self.lock:
+            if len(self.waiting) + 1 < self.lanes:
+                self.waiting.append(lane)
+                last = False
+            else:
+                for other in self.waiting:
+                    self.gates[other].release()  # open
+                self.waiting.clear()
+                last = True
+        if not last:
+            self.gates[lane].acquire()  # blocks until the last lane opens it, and closes it
+
+
 class _WarpExchange:
     def __init__(self, lanes: int) -> None:
         self.lanes = lanes
-        self.slots: list[object] = [None] * _WARP
-        self.barrier = threading.Barrier(lanes)
+        self.slots: tuple[list[object], list[object]] = ([None] * _WARP, [None] * _WARP)
+        self.turn = [0] * _WARP  # each lane's next table: 0, 1, 0, ...
+        self.barrier = _LaneBarrier(lanes)
+
+    def post(self, lane: int, value: object) -> list[object]:
+        """Post a lane's value, wait for every lane's, and return the table that holds them."""
+        slots = self.slots[self.turn[lane]]
+        self.turn[lane] ^= 1
+        slots[lane] = value
+        self.barrier.wait(lane)  # every lane has posted its value
+        return slots
 
 
 def _exchange_for(thread: threading.Thread) -> tuple[_WarpExchange, int]:
@@ -54,12 +97,9 @@ def _exchange_for(thread: threading.Thread) -> tuple[_WarpExchange, int]:
 def _shuffle(value: object, src_of_lane) -> object:  # noqa: ANN001
     thread = threading.current_thread()
     ex, lane = _exchange_for(thread)
-    ex.slots[lane] = value
-    ex.barrier.wait()  # every lane has posted its value
+    slots = ex.post(lane, value)
     src = src_of_lane(lane)
-    out = ex.slots[src] if 0 <= src < ex.lanes else value
-    ex.barrier.wait()  # every lane has read before any lane posts again
-    return out
+    return slots[src] if 0 <= src < ex.lanes else value
 
 
 def warp_gather(value: object) -> list[object]:
@@ -68,11 +108,7 @@ def warp_gather(value: object) -> list[object]:
     Like the hardware's .sync.aligned instructions, the whole warp must call it together."""
     thread = threading.current_thread()
     ex, lane = _exchange_for(thread)
-    ex.slots[lane] = value
-    ex.barrier.wait()  # every lane has posted its value
-    out = list(ex.slots[: ex.lanes])
-    ex.barrier.wait()  # every lane has copied the table before any lane posts again
-    return out
+    return ex.post(lane, value)[: ex.lanes]
 
 
 def shfl_sync(self, mask: int, value: object, src_lane: int) -> object:  # noqa: ANN001
@@ -121,23 +157,104 @@ def _shared_array(self, shape, dtype, alignment=None):  # noqa: ANN001, ANN202
     return res
 
 
-def _yielding_is_alive(self: threading.Thread) -> bool:
-    """The simulator's block loop polls every thread's is_alive() without pause, holding the
-    GIL against the very threads it waits for; a zero sleep hands the GIL over at each poll
-    (measured: a 64x32 matvec of 16 blocks went from 17 s to a fraction of that)."""
-    time.sleep(0)
-    return threading.Thread.is_alive(self)
+class _BlockBarrier:
+    """syncthreads for one block's threads without the simulator's polling loop (which checks
+    every thread's state over and over, holding the GIL against the threads it waits for): each
+    thread but the last to arrive blocks on its own gate, and the last opens them all. A thread
+    that returns leaves the count, as on the hardware, where exited threads do not hold a
+    barrier. A thread that raises aborts the others: those at the barrier wake and raise the
+    simulator's "abort flag set" (those inside a warp shuffle stay blocked, daemons, as in the
+    simulator), and the block reports the first exception."""
+
+    def __init__(self, threads: list) -> None:
+        self.lock = threading.Lock()
+        self.threads = threads
+        self.alive = len(threads)  # threads that have not returned
+        self.waiting: list = []  # the threads blocked at the barrier
+        self.done = threading.Event()  # every thread has returned, or one has raised
+        self.failed: threading.Thread | None = None  # the first thread that raised
+        for t in threads:
+            t._pycalm_gate = threading.Lock()
+            t._pycalm_gate.acquire()  # closed
+
+    def _open(self) -> None:
+        for t in self.waiting:
+            t._pycalm_gate.release()
+        self.waiting.clear()
+
+    def arrive(self, thread: threading.Thread) -> None:
+        with self.lock:
+            last = len(self.waiting) + 1 >= self.alive
+            if last:
+                self._open()
+            else:
+                self.waiting.append(thread)
+        if not last:
+            thread._pycalm_gate.acquire()  # blocks until the last thread opens it, and closes it
+
+    def leave(self, thread: threading.Thread, raised: bool) -> None:
+        with self.lock:
+            self.alive -= 1
+            if raised and self.failed is None:
+                self.failed = thread
+                for t in self.threads:
+                    t.abort = True
+                self._open()
+                self.done.set()
+            elif self.waiting and len(self.waiting) >= self.alive:
+                self._open()  # the threads still running all wait: the returned ones do not count
+            if self.alive == 0:
+                self.done.set()
+
+
+def _syncthreads(self: threading.Thread) -> None:
+    """The simulator's BlockThread.syncthreads on the block's _BlockBarrier."""
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    self._manager._pycalm_barrier.arrive(self)
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _run_block(self, grid_point, *args: object) -> None:  # noqa: ANN001
+    """The simulator's BlockManager.run: a thread a CUDA thread of the block, started together,
+    synchronised by a _BlockBarrier; returns when every thread has, or raises the first
+    thread's exception."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    threads = []
+    for block_point in np.ndindex(*self._block_dim):
+
+        def target() -> None:
+            me = threading.current_thread()
+            try:
+                self._f(*args)
+            except BaseException:
+                barrier.leave(me, raised=True)
+                raise
+            barrier.leave(me, raised=False)
+
+        threads.append(BlockThread(target, self, grid_point, block_point, self._debug))
+    barrier = self._pycalm_barrier = _BlockBarrier(threads)
+    for t in threads:
+        t.start()
+    barrier.done.wait()
+    if barrier.failed is not None:
+        barrier.failed.join()  # BlockThread.run records the exception as the thread ends
+        exc, tb = barrier.failed.exception
+        raise exc.with_traceback(tb)
 
 
 def install() -> None:
-    """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent), make the
-    simulator's block loop yield the GIL while it polls, and its shared arrays race-free."""
+    """Add the warp intrinsics to the simulator's fake `cuda` module (idempotent), run its blocks
+    on _BlockBarrier instead of its polling loop, and make its shared arrays race-free."""
     global _sim_shared_array
     from numba.cuda import libdevice
-    from numba.cuda.simulator.kernel import BlockThread
+    from numba.cuda.simulator.kernel import BlockManager, BlockThread
     from numba.cuda.simulator.kernelapi import FakeCUDAModule, FakeCUDAShared
 
-    BlockThread.is_alive = _yielding_is_alive
+    BlockManager.run = _run_block
+    BlockThread.syncthreads = _syncthreads
     if FakeCUDAShared.array is not _shared_array:
         _sim_shared_array = FakeCUDAShared.array
         FakeCUDAShared.array = _shared_array
