@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 from numba.cuda import types
@@ -67,15 +68,20 @@ class _WarpExchange:
         self.lanes = lanes
         self.slots: tuple[list[object], list[object]] = ([None] * _WARP, [None] * _WARP)
         self.turn = [0] * _WARP  # each lane's next table: 0, 1, 0, ...
+        self.rounds = [0] * _WARP  # each lane's rendezvous so far
+        self.memo: list[tuple[int, object] | None] = [None, None]  # a table's (round, warp_once result)
         self.barrier = _LaneBarrier(lanes)
 
-    def post(self, lane: int, value: object) -> list[object]:
-        """Post a lane's value, wait for every lane's, and return the table that holds them."""
-        slots = self.slots[self.turn[lane]]
+    def post(self, lane: int, value: object) -> tuple[list[object], int, int]:
+        """Post a lane's value and wait for every lane's: the table that holds them, its index
+        and the rendezvous' number."""
+        turn, n = self.turn[lane], self.rounds[lane]
+        slots = self.slots[turn]
         self.turn[lane] ^= 1
+        self.rounds[lane] = n + 1
         slots[lane] = value
         self.barrier.wait(lane)  # every lane has posted its value
-        return slots
+        return slots, turn, n
 
 
 def _exchange_for(thread: threading.Thread) -> tuple[_WarpExchange, int]:
@@ -97,7 +103,7 @@ def _exchange_for(thread: threading.Thread) -> tuple[_WarpExchange, int]:
 def _shuffle(value: object, src_of_lane) -> object:  # noqa: ANN001
     thread = threading.current_thread()
     ex, lane = _exchange_for(thread)
-    slots = ex.post(lane, value)
+    slots, _, _ = ex.post(lane, value)
     src = src_of_lane(lane)
     return slots[src] if 0 <= src < ex.lanes else value
 
@@ -108,7 +114,25 @@ def warp_gather(value: object) -> list[object]:
     Like the hardware's .sync.aligned instructions, the whole warp must call it together."""
     thread = threading.current_thread()
     ex, lane = _exchange_for(thread)
-    return ex.post(lane, value)[: ex.lanes]
+    slots, _, _ = ex.post(lane, value)
+    return slots[: ex.lanes]
+
+
+def warp_once(value: object, compute: Callable[[list[object]], object]) -> tuple[object, int]:
+    """compute(every lane's `value`, indexed by lane), computed by one lane of the warp for all
+    (the others take its result), and this lane's index: a warp-wide instruction's twin
+    (pycalm.kernels.tensorcore) builds its matrices once a warp, not once a lane. The result
+    of a rendezvous is kept beside its slot table until that table's next use, which no lane
+    reaches before every lane has read this one (the next rendezvous' barrier stands between)."""
+    thread = threading.current_thread()
+    ex, lane = _exchange_for(thread)
+    slots, turn, n = ex.post(lane, value)
+    memo = ex.memo[turn]
+    if memo is not None and memo[0] == n:
+        return memo[1], lane
+    result = compute(slots[: ex.lanes])  # (two lanes may both compute it: the same result)
+    ex.memo[turn] = (n, result)
+    return result, lane
 
 
 def shfl_sync(self, mask: int, value: object, src_lane: int) -> object:  # noqa: ANN001

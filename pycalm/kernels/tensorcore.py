@@ -48,47 +48,53 @@ import numpy as np
 from numba import config as _numba_config
 
 if _numba_config.ENABLE_CUDASIM:
-    from pycalm.kernels._cudasim import warp_gather
+    from pycalm.kernels._cudasim import warp_once
 
-    def _halves(word: int) -> np.ndarray:
-        """An int32 word -> its two fp16 halves (low first) as float32."""
-        return np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32).view(np.float16).astype(np.float32)
+    _G = np.arange(32) >> 2  # (32,) a lane's group g
+    _T2 = 2 * (np.arange(32) & 3)[:, None] + np.arange(2)  # (32, 2) its columns 2t, 2t + 1
+
+    def _halves(words: list) -> np.ndarray:
+        """int32 words -> their fp16 halves (low first) as float32, (..., 2)."""
+        w = np.array(words, dtype=np.int64).astype(np.uint32)
+        return w.view(np.float16).reshape(*w.shape, 2).astype(np.float32)
+
+    def _mma_warp(frags: list) -> np.ndarray:
+        """The warp's D = A B + C (16 x 8 float32) from every lane's (a0..a3, b0, b1, c0..c3)."""
+        h = _halves([f[:6] for f in frags])  # (32, 6, 2): a0..a3, b0, b1 as pairs
+        cf = np.array([f[6:] for f in frags], np.float32)  # (32, 4)
+        a = np.zeros((16, 16), np.float32)
+        b = np.zeros((16, 8), np.float32)
+        c = np.zeros((16, 8), np.float32)
+        g = _G[:, None]
+        a[g, _T2], a[g + 8, _T2], a[g, _T2 + 8], a[g + 8, _T2 + 8] = h[:, 0], h[:, 1], h[:, 2], h[:, 3]
+        b[_T2, g], b[_T2 + 8, g] = h[:, 4], h[:, 5]
+        c[g, _T2], c[g + 8, _T2] = cf[:, 0:2], cf[:, 2:4]
+        return (a @ b + c).astype(np.float32)
 
     def mma_16816(
         a0: int, a1: int, a2: int, a3: int, b0: int, b1: int, c0: float, c1: float, c2: float, c3: float
     ) -> tuple[np.float32, np.float32, np.float32, np.float32]:
         """D = A B + C over the warp (simulator: every lane's fragments gathered, the 16 x 8
-        product in float32, this lane's four D elements returned)."""
-        frags = warp_gather((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
-        a = np.zeros((16, 16), np.float32)
-        b = np.zeros((16, 8), np.float32)
-        c = np.zeros((16, 8), np.float32)
-        for lane, f in enumerate(frags):
-            g, t = lane >> 2, lane & 3
-            a[g, 2 * t : 2 * t + 2] = _halves(f[0])
-            a[g + 8, 2 * t : 2 * t + 2] = _halves(f[1])
-            a[g, 2 * t + 8 : 2 * t + 10] = _halves(f[2])
-            a[g + 8, 2 * t + 8 : 2 * t + 10] = _halves(f[3])
-            b[2 * t : 2 * t + 2, g] = _halves(f[4])
-            b[2 * t + 8 : 2 * t + 10, g] = _halves(f[5])
-            c[g, 2 * t : 2 * t + 2] = f[6], f[7]
-            c[g + 8, 2 * t : 2 * t + 2] = f[8], f[9]
-        d = (a @ b + c).astype(np.float32)
-        lane = _lane()
+        product in float32 once a warp, this lane's four D elements returned)."""
+        d, lane = warp_once((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), _mma_warp)
         g, t = lane >> 2, lane & 3
         return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
 
+    def _ldmatrix_warp(rows: list) -> np.ndarray:
+        """The four 8 x 8 matrices of an ldmatrix_x4, (4, 8, 8) fp16: matrix i's row r the 4
+        words at the address lane 8 i + r gave."""
+        m = np.array([arr[base : base + 4] for arr, base in rows], np.int32)  # (32, 4) words
+        return m.view(np.float16).reshape(4, 8, 8)
+
     def _ldmatrix(smem: np.ndarray, word: int, trans: bool) -> tuple[np.int32, np.int32, np.int32, np.int32]:
         """ldmatrix_x4 (trans: its .trans form) over the warp: the row addresses gathered, the
-        four 8 x 8 matrices rebuilt, this lane's register of each returned."""
-        rows = warp_gather((smem, int(word)))
+        four 8 x 8 matrices rebuilt once a warp, this lane's register of each returned."""
+        mats, lane = warp_once((smem, int(word)), _ldmatrix_warp)
         _aligned16(word)  # after the gather: a lane that raised before it would hang the warp
-        lane = _lane()
         g, t = lane >> 2, lane & 3
         out = []
         for i in range(4):
-            m = np.array([arr[base : base + 4] for arr, base in rows[8 * i : 8 * i + 8]], np.int32)
-            m = m.view(np.float16)  # (8, 8) halves, row r the row lane 8 i + r addressed
+            m = mats[i]
             pair = m[g, 2 * t : 2 * t + 2] if not trans else m[2 * t : 2 * t + 2, g]
             out.append(np.ascontiguousarray(pair).view(np.int32)[0])
         return out[0], out[1], out[2], out[3]
@@ -172,11 +178,6 @@ if _numba_config.ENABLE_CUDASIM:
         boundary; so does the twin (shared arrays start 16-byte aligned)."""
         if int(word) % 4:
             raise ValueError(f"shared word {word} is not 16-byte aligned")
-
-    def _lane() -> int:
-        import threading
-
-        return threading.current_thread().thread_id % 32
 
 else:
     from llvmlite import ir
