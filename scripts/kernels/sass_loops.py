@@ -19,6 +19,7 @@ the engine compiles it (numba to PTX for sm_90a, with its launch bounds or regis
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 8,64
     python3 scripts/kernels/sass_loops.py skinny --ops      # and each loop's opcode counts
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4 --rows 32 --min-blocks 2
+    python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 32 --row-tiles 4
     python3 scripts/kernels/sass_loops.py matmul --dtypes gf4,fp16 --modes residual,gate
     python3 scripts/kernels/sass_loops.py matmul --matmul-tiles "64,64,1,2,4,4;64,128,1,4,4,2"
 
@@ -152,7 +153,7 @@ def report_skinny(args: argparse.Namespace) -> None:
         for mode in args.modes.split(","):
             for rows in map(int, args.rows.split(",")):
                 n_tiles = skinny.n_tiles_for(rows)
-                row_tiles = skinny.row_tiles_for(dtype, n_tiles)
+                row_tiles = args.row_tiles or skinny.row_tiles_for(dtype, n_tiles)
                 kernel = skinny.make_skinny_kernel(
                     dtype, MODES[mode], n_tiles, args.warps, skinny.UNROLL, args.min_blocks, row_tiles
                 )
@@ -239,6 +240,9 @@ def main() -> None:
         type=int,
         default=0,
         help="skinny: blocks an SM the registers must allow (launch bounds)",
+    )
+    ap.add_argument(
+        "--row-tiles", type=int, default=0, help="skinny: A tiles a warp (0: the package's, row_tiles_for)"
     )
     ap.add_argument("--ops", action="store_true", help="also each loop's opcode counts")
     args = ap.parse_args()
