@@ -1,6 +1,6 @@
 """The simulator's barriers (pycalm.kernels._cudasim): syncthreads with threads that have returned,
-many warp shuffles in a row (the two slot tables in turn), partial warps, and a thread that
-raises. With PYCALM_TEST_GPU=1 the kernels run on the GPU, but the raising one."""
+many warp shuffles in a row (the two slot tables in turn), and a thread that raises. With
+PYCALM_TEST_GPU=1 the kernels run on the GPU, but the raising one."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Warp intrinsics (and libdevice's fast_expf) for numba's CUDA simulator, which lacks them, and
-the warp-wide gather behind the tensor-core intrinsics' simulator twins.
+the warp-wide rendezvous behind the tensor-core intrinsics' simulator twins (warp_once).
 
 The simulator runs every thread of a block as a Python thread. A shuffle here is a rendezvous
 of the lanes of one warp: each lane posts its value in one of the warp's two slot tables (they
@@ -9,9 +9,9 @@ table again only two shuffles later, after the next barrier, which every lane re
 it has read this one. Like the hardware with a full mask, it expects every lane of the warp to
 take part (a partial last warp counts only its lanes).
 
-The block's barrier (cuda.syncthreads) is _BlockBarrier, a gate a thread that the last to
-arrive opens, in place of the simulator's loop that polls every thread until all are blocked;
-with the one-barrier shuffles, a simulated kernel runs about twice as fast.
+The warp's barrier and the block's (cuda.syncthreads, in place of the simulator's loop that
+polls every thread until all are blocked) are _GateBarrier: a gate a thread that the last to
+arrive opens. With the one-barrier shuffles, a simulated kernel runs about twice as fast.
 
 The shim also replaces the simulator's cuda.shared.array (numba-cuda 0.30.4), which looks a
 call site's array up and, on a miss, allocates and stores it without a lock: two threads of a
@@ -34,33 +34,43 @@ from numba.cuda.np import numpy_support
 _WARP = 32
 
 
-class _LaneBarrier:
-    """A cyclic barrier of a warp's lanes on raw locks, a gate a lane: each lane but the last to
-    arrive blocks on its own gate, and the last opens the gates of those waiting. (threading.Barrier
-    wakes its waiters through one condition, whose lock each then takes again in turn: about half
-    the time a simulated kernel spends in its shuffles.) A lane's gate is closed whenever the lane
-    is not between a barrier's last arrival and its own wake-up, so a gate is opened once a wait."""
+class _GateBarrier:
+    """A cyclic barrier of n threads on raw locks, a gate a thread (indexed 0 .. n - 1): each
+    thread but the last to arrive blocks on its own gate, and the last opens the gates of those
+    waiting. (threading.Barrier wakes its waiters through one condition, whose lock each then
+    takes again in turn: about half the time a simulated kernel spent in its shuffles.) A gate is
+    closed whenever its thread is not between a barrier's last arrival and its own wake-up, so a
+    gate is opened once a wait. A thread that leaves (returns) no longer counts, as on the
+    hardware, where exited threads do not hold a barrier."""
 
-    def __init__(self, lanes: int) -> None:
-        self.lanes = lanes
+    def __init__(self, n: int) -> None:
         self.lock = threading.Lock()
-        self.waiting: list[int] = []  # the lanes blocked at this barrier
-        self.gates = [threading.Lock() for _ in range(lanes)]
+        self.alive = n  # the threads that count (have not left)
+        self.waiting: list[int] = []  # the threads blocked at the barrier
+        self.gates = [threading.Lock() for _ in range(n)]
         for gate in self.gates:
             gate.acquire()  # closed
 
-    def wait(self, lane: int) -> None:
+    def _open(self) -> None:
+        for i in self.waiting:
+            self.gates[i].release()
+        self.waiting.clear()
+
+    def wait(self, i: int) -> None:
         with self.lock:
-            if len(self.waiting) + 1 < self.lanes:
-                self.waiting.append(lane)
-                last = False
+            last = len(self.waiting) + 1 >= self.alive
+            if last:
+                self._open()
             else:
-                for other in self.waiting:
-                    self.gates[other].release()  # open
-                self.waiting.clear()
-                last = True
+                self.waiting.append(i)
         if not last:
-            self.gates[lane].acquire()  # blocks until the last lane opens it, and closes it
+            self.gates[i].acquire()  # blocks until the last thread opens it, and closes it
+
+    def leave(self) -> None:
+        with self.lock:
+            self.alive -= 1
+            if self.waiting and len(self.waiting) >= self.alive:
+                self._open()  # the threads still counted all wait
 
 
 class _WarpExchange:
@@ -70,7 +80,7 @@ class _WarpExchange:
         self.turn = [0] * _WARP  # each lane's next table: 0, 1, 0, ...
         self.rounds = [0] * _WARP  # each lane's rendezvous so far
         self.memo: list[tuple[int, object] | None] = [None, None]  # a table's (round, warp_once result)
-        self.barrier = _LaneBarrier(lanes)
+        self.barrier = _GateBarrier(lanes)
 
     def post(self, lane: int, value: object) -> tuple[list[object], int, int]:
         """Post a lane's value and wait for every lane's: the table that holds them, its index
@@ -106,16 +116,6 @@ def _shuffle(value: object, src_of_lane) -> object:  # noqa: ANN001
     slots, _, _ = ex.post(lane, value)
     src = src_of_lane(lane)
     return slots[src] if 0 <= src < ex.lanes else value
-
-
-def warp_gather(value: object) -> list[object]:
-    """Every lane's `value`, indexed by lane: the rendezvous behind the warp-wide tensor-core
-    twins (pycalm.kernels.tensorcore), which rebuild a whole matrix from the lanes' fragments.
-    Like the hardware's .sync.aligned instructions, the whole warp must call it together."""
-    thread = threading.current_thread()
-    ex, lane = _exchange_for(thread)
-    slots, _, _ = ex.post(lane, value)
-    return slots[: ex.lanes]
 
 
 def warp_once(value: object, compute: Callable[[list[object]], object]) -> tuple[object, int]:
@@ -181,61 +181,38 @@ def _shared_array(self, shape, dtype, alignment=None):  # noqa: ANN001, ANN202
     return res
 
 
-class _BlockBarrier:
-    """syncthreads for one block's threads without the simulator's polling loop (which checks
-    every thread's state over and over, holding the GIL against the threads it waits for): each
-    thread but the last to arrive blocks on its own gate, and the last opens them all. A thread
-    that returns leaves the count, as on the hardware, where exited threads do not hold a
-    barrier. A thread that raises aborts the others: those at the barrier wake and raise the
-    simulator's "abort flag set" (those inside a warp shuffle stay blocked, daemons, as in the
-    simulator), and the block reports the first exception."""
+class _BlockBarrier(_GateBarrier):
+    """syncthreads for one block's threads (a gate a thread_id), without the simulator's polling
+    loop, which checks every thread's state over and over, holding the GIL against the threads
+    it waits for. A thread that raises aborts the others: those at the barrier wake and raise
+    the simulator's "abort flag set" (those inside a warp shuffle stay blocked, daemons, as in
+    the simulator), and the block reports the first exception."""
 
     def __init__(self, threads: list) -> None:
-        self.lock = threading.Lock()
+        super().__init__(len(threads))
         self.threads = threads
-        self.alive = len(threads)  # threads that have not returned
-        self.waiting: list = []  # the threads blocked at the barrier
-        self.done = threading.Event()  # every thread has returned, or one has raised
+        self.done = threading.Event()  # every thread has ended, or one has raised
         self.failed: threading.Thread | None = None  # the first thread that raised
-        for t in threads:
-            t._pycalm_gate = threading.Lock()
-            t._pycalm_gate.acquire()  # closed
 
-    def _open(self) -> None:
-        for t in self.waiting:
-            t._pycalm_gate.release()
-        self.waiting.clear()
-
-    def arrive(self, thread: threading.Thread) -> None:
+    def end(self, thread: threading.Thread, raised: bool) -> None:
+        """A thread's kernel has returned, or raised."""
         with self.lock:
-            last = len(self.waiting) + 1 >= self.alive
-            if last:
-                self._open()
-            else:
-                self.waiting.append(thread)
-        if not last:
-            thread._pycalm_gate.acquire()  # blocks until the last thread opens it, and closes it
-
-    def leave(self, thread: threading.Thread, raised: bool) -> None:
-        with self.lock:
-            self.alive -= 1
             if raised and self.failed is None:
                 self.failed = thread
                 for t in self.threads:
                     t.abort = True
                 self._open()
                 self.done.set()
-            elif self.waiting and len(self.waiting) >= self.alive:
-                self._open()  # the threads still running all wait: the returned ones do not count
-            if self.alive == 0:
-                self.done.set()
+        self.leave()
+        if self.alive == 0:  # (only falls: any thread that reads 0 may say so)
+            self.done.set()
 
 
 def _syncthreads(self: threading.Thread) -> None:
     """The simulator's BlockThread.syncthreads on the block's _BlockBarrier."""
     if self.abort:
         raise RuntimeError("abort flag set on syncthreads call")
-    self._manager._pycalm_barrier.arrive(self)
+    self._manager._pycalm_barrier.wait(self.thread_id)
     if self.abort:
         raise RuntimeError("abort flag set on syncthreads clear")
 
@@ -254,9 +231,9 @@ def _run_block(self, grid_point, *args: object) -> None:  # noqa: ANN001
             try:
                 self._f(*args)
             except BaseException:
-                barrier.leave(me, raised=True)
+                barrier.end(me, raised=True)
                 raise
-            barrier.leave(me, raised=False)
+            barrier.end(me, raised=False)
 
         threads.append(BlockThread(target, self, grid_point, block_point, self._debug))
     barrier = self._pycalm_barrier = _BlockBarrier(threads)
