@@ -298,6 +298,39 @@ def test_skinny_row_tiles(dtype, mode, t_rows):
     assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
 
 
+@pytest.mark.parametrize(
+    "dtype,mode,t_rows,row_tiles",
+    [("fp16", "gate", 13, 1), ("q4", "residual", 27, 2), ("gf4", "plain", 41, 1), ("q8", "gate", 9, 2)],
+)
+def test_skinny_groups_of_warps(dtype, mode, t_rows, row_tiles):
+    """Blocks of 2 and 3 groups of WARPS warps, each group its own A tiles (a partial last block:
+    N = 37, gate 21 outputs), give the bits of blocks of one group: a group splits K as such a
+    block does, and its sums meet apart from the other groups'."""
+    from pycalm.kernels import skinny
+
+    rng = np.random.default_rng(11)
+    n, k = (21 if mode == "gate" else 37), SKINNY_K[dtype] * 3
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    _, w3 = _inputs(rng, t_rows, n, k, dtype)
+    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
+    x_words = cuda.to_device(x).view(np.uint32)
+    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
+    outs = []
+    for groups in (1, 2, 3):
+        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows),
+                                           groups * skinny.WARPS, skinny.UNROLL, 0, row_tiles, groups)  # fmt: skip
+        out = cuda.to_device(r0)
+        kernel[skinny.blocks_for(n, mode, row_tiles, groups), 32 * groups * skinny.WARPS](x_words, *args, out)
+        outs.append(out.copy_to_host())
+    if mode == "gate":
+        _check_gate(outs[0], x, w, w3, dtype)
+    else:
+        wt, dt = _decoded(w, dtype)  # what the tensor cores multiply
+        ref = matmul_residual_ref(x, wt, dt, r0) if mode == "residual" else matmul_ref(x, wt, dt)
+        _check(outs[0], ref, _sum_scale(x, w, dtype) + (np.abs(r0) if mode == "residual" else 0))
+    assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
+
+
 @pytest.mark.parametrize("mode", ["residual", "gate"])
 def test_skinny_adds_the_warps_sums_in_parts(mode):
     """Blocks of 16 warps at 8 n-tiles (the 8B shape's w2, K > LONG_K, in passes of 33 to 64
