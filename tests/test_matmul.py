@@ -300,7 +300,7 @@ def test_skinny_row_tiles(dtype, mode, t_rows):
 
 @pytest.mark.parametrize(
     "dtype,mode,t_rows,row_tiles",
-    [("fp16", "gate", 13, 1), ("q4", "residual", 27, 2), ("gf4", "plain", 41, 1), ("q8", "gate", 9, 2)],
+    [("fp16", "gate", 13, 1), ("q4", "residual", 27, 2), ("gf4", "plain", 19, 1), ("q8", "gate", 41, 2)],
 )
 def test_skinny_groups_of_warps(dtype, mode, t_rows, row_tiles):
     """Blocks of 2 and 3 groups of WARPS warps, each group its own A tiles (a partial last block:
