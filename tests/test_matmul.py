@@ -271,29 +271,6 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
             assert np.array_equal(part, full[rows]), (mode, rows)
 
 
-def _skinny_shapes(dtype: str, mode: str, t_rows: int, k: int, seed: int, shapes: list) -> tuple:
-    """skinny's outputs for block shapes (row_tiles, groups of WARPS warps) on one random problem
-    (N = 37, gate 21 outputs: partial last blocks), each from the same out; and the inputs."""
-    from pycalm.kernels import skinny
-
-    rng = np.random.default_rng(seed)
-    n = 21 if mode == "gate" else 37
-    x, w = _inputs(rng, t_rows, n, k, dtype)
-    _, w3 = _inputs(rng, t_rows, n, k, dtype)
-    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
-    x_words = cuda.to_device(x).view(np.uint32)
-    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
-    outs = []
-    for row_tiles, groups in shapes:
-        warps = groups * skinny.WARPS
-        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), warps,
-                                           skinny.UNROLL, 0, row_tiles, groups)  # fmt: skip
-        out = cuda.to_device(r0)
-        kernel[skinny.blocks_for(n, mode, row_tiles, groups), 32 * warps](x_words, *args, out)
-        outs.append(out.copy_to_host())
-    return outs, x, w, w3, r0
-
-
 @pytest.mark.parametrize(
     "dtype,mode,t_rows",
     [("fp16", "residual", 13), ("q8", "gate", 41), ("q4", "plain", 9), ("gf4", "gate", 27)],
@@ -301,27 +278,23 @@ def _skinny_shapes(dtype: str, mode: str, t_rows: int, k: int, seed: int, shapes
 def test_skinny_row_tiles(dtype, mode, t_rows):
     """Warps of 2 and 3 A tiles (a partial last block at N = 37, gate 21 outputs: past its
     third of 8) give one A tile's bits: each output's sum takes the same steps in the same order."""
-    outs, _, _, _, r0 = _skinny_shapes(dtype, mode, t_rows, SKINNY_K[dtype] * 2, 9, [(1, 1), (2, 1), (3, 1)])
+    from pycalm.kernels import skinny
+
+    rng = np.random.default_rng(9)
+    n, k = (21 if mode == "gate" else 37), SKINNY_K[dtype] * 2
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    _, w3 = _inputs(rng, t_rows, n, k, dtype)
+    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
+    x_words = cuda.to_device(x).view(np.uint32)
+    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
+    outs = []
+    for row_tiles in (1, 2, 3):
+        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), skinny.WARPS,
+                                           skinny.UNROLL, 0, row_tiles)  # fmt: skip
+        out = cuda.to_device(r0)
+        kernel[skinny.blocks_for(n, mode, row_tiles), 32 * skinny.WARPS](x_words, *args, out)
+        outs.append(out.copy_to_host())
     assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], r0)
-    assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
-
-
-@pytest.mark.parametrize(
-    "dtype,mode,t_rows,row_tiles",
-    [("fp16", "gate", 13, 1), ("q4", "residual", 27, 2), ("gf4", "plain", 19, 1), ("q8", "gate", 41, 2)],
-)
-def test_skinny_groups_of_warps(dtype, mode, t_rows, row_tiles):
-    """Blocks of 2 and 3 groups of WARPS warps, each group its own A tiles, give the bits of blocks
-    of one group: a group splits K as such a block does, and its sums meet apart from the other
-    groups'. Those are the reference's values."""
-    shapes = [(row_tiles, 1), (row_tiles, 2), (row_tiles, 3)]
-    outs, x, w, w3, r0 = _skinny_shapes(dtype, mode, t_rows, SKINNY_K[dtype] * 3, 11, shapes)
-    if mode == "gate":
-        _check_gate(outs[0], x, w, w3, dtype)
-    else:
-        wt, dt = _decoded(w, dtype)  # what the tensor cores multiply
-        ref = matmul_residual_ref(x, wt, dt, r0) if mode == "residual" else matmul_ref(x, wt, dt)
-        _check(outs[0], ref, _sum_scale(x, w, dtype) + (np.abs(r0) if mode == "residual" else 0))
     assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
 
 

@@ -50,10 +50,7 @@ are never stored); only the last chunk, past K in part, checks its loads (zeros 
 warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
 warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one
 thread an output, which then applies the epilogue (the q8 row scale, the residual add or the
-gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). A block may
-instead hold n_groups groups of warps, each group its own row_tiles A tiles with K split over its
-warps, so that n_groups warps read each chunk's X, the second and later from L1 (make_skinny_kernel's
-n_groups; the engine's blocks are one group). n_tiles = ceil(T / 8) mma tiles along the tokens, a
+gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
 compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows);
 the tokens past T are columns of B and C whose sums are never stored (load_x).
 
@@ -147,9 +144,9 @@ def row_tiles_for(dtype: str, n_tiles: int) -> int:
     return ROW_TILES.get(dtype, {}).get(n_tiles, 1)
 
 
-def blocks_for(n_cols: int, mode: str, row_tiles: int, n_groups: int = 1) -> int:
-    """The grid: blocks of n_groups groups of row_tiles A tiles over out's n_cols columns."""
-    outputs = (8 if mode == "gate" else 16) * row_tiles * n_groups
+def blocks_for(n_cols: int, mode: str, row_tiles: int) -> int:
+    """The grid: blocks of row_tiles A tiles over out's n_cols columns."""
+    outputs = (8 if mode == "gate" else 16) * row_tiles
     return (n_cols + outputs - 1) // outputs
 
 
@@ -168,18 +165,10 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     unroll: int = UNROLL,
     min_blocks: int = 0,
     row_tiles: int = 1,
-    n_groups: int = 1,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
-    a block, steps a load, 16-row tiles of W a warp, groups of warps a block), one compile each;
-    min_blocks > 0: compiled to fit that many blocks an SM (launch bounds: the registers a thread
-    may take). n_groups > 1: the warps form n_groups groups, each its own row_tiles A tiles with K
-    split over its warps // n_groups warps, so that the groups' warps of the same K chunk read the
-    same X (from L1, once a block for n_groups row_tiles tiles); a row's sums then follow that
-    split of K."""
-    if warps % n_groups:
-        raise PycalmError(f"{warps} warps do not form {n_groups} groups")
-    KW = warps // n_groups  # warps a group: they split K
+    a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
+    to fit that many blocks an SM (launch bounds: the registers a thread may take)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -338,25 +327,24 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         g, t = lane >> 2, lane & 3
         n_rows = w1.shape[0]
         t_rows, k_cols = x.shape[0], x.shape[1] * 2  # x: (T, K / 2) words
-        grp, wk = warp // KW, warp % KW  # the warp's group and its place in the group's split of K
-        tile0 = (cuda.blockIdx.x * n_groups + grp) * MT  # the group's first A tile
+        tile0 = cuda.blockIdx.x * MT  # the block's first A tile
         n_steps = (k_cols + STEP - 1) // STEP
         # q4: a group's columns G = K / groups, 32 or 64 (pycalm.model.formats.Q4_GROUPS), as a
         # shift: the group of a column is then a shift, not a 64-bit division in the loop
         g_shift = 5 if s1.shape[s1.ndim - 1] * 32 == k_cols else 6  # (read by q4 only)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
-        chunk = wk
+        chunk = warp
         if PEEL:
             full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
             while chunk < full:  # warp-uniform
                 chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
                               wg, wh, dm, a, xb, acc)  # fmt: skip
-                chunk += KW
+                chunk += warps
         while chunk * unroll < n_steps:  # the rest (PEEL: the last chunk, past K in part), loads checked
             chunk_product(x, w1, s1, w3, s3, chunk, True, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
                           wg, wh, dm, a, xb, acc)  # fmt: skip
-            chunk += KW
+            chunk += warps
 
         n_cols = out.shape[1]
         for part in range(MT * RED_PARTS):  # each A tile's sums, a part at a time: the warps' meet in red
@@ -366,23 +354,20 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             for i in range(RED_ACC):
                 red[warp, i, lane] = acc[m * ACC1 + first + i]
             cuda.syncthreads()  # every warp's partial sums of this part are in red
-            # (group, accumulator i, lane l) of the part, in order
-            for e in range(tid, n_groups * RED_ACC * 32, threads):
-                eg, j, ln = e // (RED_ACC * 32), (e // 32) % RED_ACC, e % 32
-                v0 = eg * KW  # the group's first warp
-                s = red[v0, j, ln]
-                for v in range(v0 + 1, v0 + KW):  # the group's warps' parts in a fixed order
+            for e in range(tid, RED_ACC * 32, threads):  # (accumulator i, lane l) of the part, in order
+                j, ln = e // 32, e % 32
+                s = red[0, j, ln]
+                for v in range(1, warps):  # the warps' parts in a fixed order
                     s += red[v, j, ln]
                 i = first + j  # the accumulator in the tile
-                tile = (cuda.blockIdx.x * n_groups + eg) * MT + m
                 # accumulator i = 4 p + r of lane ln: A row (ln >> 2) + 8 (r >> 1), token 8 p + 2 (ln & 3) + (r & 1)
                 p, r = i // 4, i % 4
                 token = 8 * p + 2 * (ln & 3) + (r & 1)
                 if gate:
                     if r < 2:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + (ln >> 2)
-                        col = tile * 8 + (ln >> 2)
-                        h3 = red[v0, j + 2, ln]
-                        for v in range(v0 + 1, v0 + KW):
+                        col = (tile0 + m) * 8 + (ln >> 2)
+                        h3 = red[0, j + 2, ln]
+                        for v in range(1, warps):
                             h3 += red[v, j + 2, ln]
                         if token < t_rows and col < n_cols:
                             if q8:
@@ -390,7 +375,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                                 h3 *= s3[col]
                             out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
                 else:
-                    col = tile * 16 + (ln >> 2) + 8 * (r >> 1)
+                    col = (tile0 + m) * 16 + (ln >> 2) + 8 * (r >> 1)
                     if token < t_rows and col < n_cols:
                         if q8:
                             s *= s1[col]
