@@ -271,6 +271,29 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
             assert np.array_equal(part, full[rows]), (mode, rows)
 
 
+def _skinny_shapes(dtype: str, mode: str, t_rows: int, k: int, seed: int, shapes: list) -> tuple:
+    """skinny's outputs for block shapes (row_tiles, x_words) on one random problem (N = 37, gate
+    21 outputs: partial last blocks), each from the same out; and that out."""
+    from pycalm.kernels import skinny
+
+    rng = np.random.default_rng(seed)
+    n = 21 if mode == "gate" else 37
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    _, w3 = _inputs(rng, t_rows, n, k, dtype)
+    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
+    x_words = cuda.to_device(x).view(np.uint32)
+    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
+    outs = []
+    for row_tiles, ahead in shapes:
+        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), skinny.WARPS,
+                                           skinny.UNROLL, 0, row_tiles, ahead)  # fmt: skip
+        out = cuda.to_device(r0)
+        kernel[skinny.blocks_for(n, mode, row_tiles), 32 * skinny.WARPS](x_words, *args, out)
+        outs.append(out.copy_to_host())
+    assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], r0)
+    return outs, r0
+
+
 @pytest.mark.parametrize(
     "dtype,mode,t_rows",
     [("fp16", "residual", 13), ("q8", "gate", 41), ("q4", "plain", 9), ("gf4", "gate", 27)],
@@ -278,24 +301,17 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
 def test_skinny_row_tiles(dtype, mode, t_rows):
     """Warps of 2 and 3 A tiles (a partial last block at N = 37, gate 21 outputs: past its
     third of 8) give one A tile's bits: each output's sum takes the same steps in the same order."""
-    from pycalm.kernels import skinny
-
-    rng = np.random.default_rng(9)
-    n, k = (21 if mode == "gate" else 37), SKINNY_K[dtype] * 2
-    x, w = _inputs(rng, t_rows, n, k, dtype)
-    _, w3 = _inputs(rng, t_rows, n, k, dtype)
-    args = skinny.stored_args(to_device(w), to_device(w3) if mode == "gate" else None, dtype, k)
-    x_words = cuda.to_device(x).view(np.uint32)
-    r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
-    outs = []
-    for row_tiles in (1, 2, 3):
-        kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), skinny.WARPS,
-                                           skinny.UNROLL, 0, row_tiles)  # fmt: skip
-        out = cuda.to_device(r0)
-        kernel[skinny.blocks_for(n, mode, row_tiles), 32 * skinny.WARPS](x_words, *args, out)
-        outs.append(out.copy_to_host())
-    assert np.all(np.isfinite(outs[0])) and not np.array_equal(outs[0], r0)
+    outs, _ = _skinny_shapes(dtype, mode, t_rows, SKINNY_K[dtype] * 2, 9, [(1, 0), (2, 0), (3, 0)])
     assert np.array_equal(outs[1], outs[0]) and np.array_equal(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("dtype,mode,t_rows", [("q4", "gate", 27), ("gf4", "residual", 19)])
+def test_skinny_x_loaded_ahead(dtype, mode, t_rows):
+    """X loaded with a chunk's weights (x_words 64: all four n-tiles' 16 words a lane, which
+    X_WORDS_AHEAD loads where they are used) gives the same bits: only the loads move, and the
+    tail chunk's checked loads still give zeros past K (K = 4.5 steps)."""
+    outs, _ = _skinny_shapes(dtype, mode, t_rows, SKINNY_K[dtype] * 6, 12, [(2, 0), (2, 64)])
+    assert np.array_equal(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("mode", ["residual", "gate"])

@@ -43,7 +43,7 @@ two in passes of 17 to 64 rows (gf4 to 32), one below) and its warps (WARPS, or 
 rows longer than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so
 one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is 4
 (fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
-steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit 32 registers,
+steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers,
 are issued together, then decoded and multiplied). The chunks whose columns all lie in K load
 without checks (a row past N reads the last row, a token past T the last token's X: their sums
 are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The
@@ -101,6 +101,9 @@ WARPS, LONG_WARPS, LONG_K = (2, 2, 0) if SIM else (8, 16, 8192)
 # than more loads a warp: fp16 gate at 8 rows, 4 steps 92.0 us at 60 registers, 1 step 61.4 at
 # 44), and each extra step multiplies the registers the decode and mma loops unroll into
 UNROLL = 1
+# words of X a lane may load with a chunk's weights (all its n-tiles, before the decode and the
+# mma); past that each 16 bytes of an n-tile's X is loaded where it is used, a wait on L2 each
+X_WORDS_AHEAD = 32
 # A tiles a warp, by format and n-tile count (else one): a warp's X loads serve them all, so the
 # reads of X (from L2, once a block) fall by this factor against the weights'. A layer's four
 # products on the 8B shape, us, one A tile -> two (`scripts/kernels/rows_matmul.py --row-tiles`,
@@ -165,10 +168,12 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     unroll: int = UNROLL,
     min_blocks: int = 0,
     row_tiles: int = 1,
+    x_words: int = 0,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
     a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
-    to fit that many blocks an SM (launch bounds: the registers a thread may take)."""
+    to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
+    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -186,9 +191,10 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
     W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
-    # X of a whole chunk in registers, loaded with its weights, where it takes at most 32 words
-    # (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where they are used
-    PREFETCH_X = n_tiles * unroll * XW <= 32
+    # X of a whole chunk in registers, loaded with its weights, where it takes at most
+    # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
+    # they are used
+    PREFETCH_X = n_tiles * unroll * XW <= (x_words or X_WORDS_AHEAD)
     X_WORDS = n_tiles * unroll * XW if PREFETCH_X else 4
     threads = 32 * warps
     # the chunks wholly in K take unchecked loads (about a third fewer instructions a step), but

@@ -104,14 +104,14 @@ def shape_arrays(n: int, k: int, dtype: str, mode: str) -> tuple:
     return w, w3, x, out
 
 
-def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0):  # noqa: ANN001, ANN201
+def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0, x_words=0):  # noqa: ANN001, ANN201, E501
     """A skinny launch with a chosen block shape (0: the package's warps_for, UNROLL,
-    row_tiles_for)."""
+    row_tiles_for, X_WORDS_AHEAD)."""
     warps = warps or skinny.warps_for(x.shape[1], dtype)
     n_tiles = skinny.n_tiles_for(x.shape[0])
     row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles)
     kernel = skinny.make_skinny_kernel(
-        dtype, MODES[mode], n_tiles, warps, unroll or skinny.UNROLL, min_blocks, row_tiles
+        dtype, MODES[mode], n_tiles, warps, unroll or skinny.UNROLL, min_blocks, row_tiles, x_words
     )
     args = skinny.stored_args(w, w3, dtype, x.shape[1])
     grid = skinny.blocks_for(out.shape[1], mode, row_tiles)
@@ -210,26 +210,45 @@ def row_tiles_sweep(dtypes: list[str], rows: list[int], variants: list[tuple[int
     """skinny's A tiles a warp (with warps a block, min blocks an SM), beside the split tiles: each
     shape's us and a layer's four products."""
     scratch = matmul_split_scratch(STREAM)
+    bad = 0
     for dtype in dtypes:
         totals: dict[tuple, float] = {}
         for name, n, k, mode in SHAPES:
             w, w3, x, out = shape_arrays(n, k, dtype, mode)
             for t in rows:
+                ref = once(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch), out[:t])
                 sp = time_launches(tile_launch(x[:t], w, w3, out[:t], dtype, mode, scratch))
                 totals[("split", t)] = totals.get(("split", t), 0.0) + sp
                 cells = [f"split {sp * 1e6:6.1f}"]
                 for v in variants:
-                    warps, min_blocks, row_tiles = v
-                    sk = time_launches(
-                        skinny_launch(x[:t], w, w3, out[:t], dtype, mode, warps, 1, min_blocks, row_tiles)
+                    warps, min_blocks, row_tiles, x_words = (*v, 0)[:4]
+                    launch = skinny_launch(
+                        x[:t], w, w3, out[:t], dtype, mode, warps, 1, min_blocks, row_tiles, x_words
                     )
+                    err = float(np.abs(once(launch, out[:t]) - ref).max() / np.abs(ref).max())
+                    bad += err > 1e-2  # the split tile's sums against skinny's: a few fp16 roundings apart
+                    sk = time_launches(launch)
                     totals[(v, t)] = totals.get((v, t), 0.0) + sk
-                    cells.append(f"{warps}w/{min_blocks}b/{row_tiles}t {sk * 1e6:6.1f}")
+                    cells.append(f"{label(v)} {sk * 1e6:6.1f}" + ("" if err <= 1e-2 else f" WRONG {err:.1e}"))
                 print(f"{dtype:4s} {name:4s} T={t:2d}  " + "  ".join(cells), flush=True)
         for t in rows:
             cells = [f"split {totals[('split', t)] * 1e6:5.0f}"]
-            cells += [f"{v[0]}w/{v[1]}b/{v[2]}t {totals[(v, t)] * 1e6:5.0f}" for v in variants]
+            cells += [f"{label(v)} {totals[(v, t)] * 1e6:5.0f}" for v in variants]
             print(f"{dtype:4s} layer T={t:2d}  " + "  ".join(cells), flush=True)
+    print(f"check: {'every variant matches the split tile' if not bad else f'{bad} cells WRONG'}")
+
+
+def label(v: tuple[int, ...]) -> str:
+    """A --row-tiles variant's name: warps / min blocks / A tiles (/ words of X a lane loads ahead)."""
+    return f"{v[0]}w/{v[1]}b/{v[2]}t" + (f"/{v[3]}x" if len(v) > 3 else "")
+
+
+def once(launch: object, out: object) -> np.ndarray:
+    """out after one launch from zeros (a residual launch adds to it), on the host as float32."""
+    out.copy_to_device(np.zeros(out.shape, out.dtype), stream=STREAM)
+    launch()
+    STREAM.synchronize()
+    return out.copy_to_host().astype(np.float32)
 
 
 def tile_sweep(dtypes: list[str], rows: list[int], tiles: list[Tile]) -> None:
@@ -304,7 +323,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--row-tiles",
-        help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles;... (0 warps: warps_for)",
+        help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles[,x_words];... (0: the package's)",
     )
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     ap.add_argument("--wgmma", help="time matmul.py's wgmma rows versions, e.g. r1,r2,r3")

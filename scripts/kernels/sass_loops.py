@@ -155,7 +155,14 @@ def report_skinny(args: argparse.Namespace) -> None:
                 n_tiles = skinny.n_tiles_for(rows)
                 row_tiles = args.row_tiles or skinny.row_tiles_for(dtype, n_tiles)
                 kernel = skinny.make_skinny_kernel(
-                    dtype, MODES[mode], n_tiles, args.warps, skinny.UNROLL, args.min_blocks, row_tiles
+                    dtype,
+                    MODES[mode],
+                    n_tiles,
+                    args.warps,
+                    skinny.UNROLL,
+                    args.min_blocks,
+                    row_tiles,
+                    args.x_words,
                 )
                 out = types.float16[:, ::1] if mode == "gate" else types.float32[:, ::1]
                 weights = {
@@ -243,6 +250,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--row-tiles", type=int, default=0, help="skinny: A tiles a warp (0: the package's, row_tiles_for)"
+    )
+    ap.add_argument(
+        "--x-words",
+        type=int,
+        default=0,
+        help="skinny: words of X a lane loads with its weights (0: X_WORDS_AHEAD)",
     )
     ap.add_argument("--ops", action="store_true", help="also each loop's opcode counts")
     args = ap.parse_args()
