@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention]
+#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -47,7 +47,7 @@ while [ $i -lt ${#steps[@]} ]; do
                | grep -A30 "=== summary" ;;
     attention-ncu)  # issue 32: where the decode attention's time goes at 4k and 32k positions (8B, fp16 KV):
              # issue stalls, occupancy and DRAM throughput of two launches at each length
-             for n in 4000 32000; do
+             for n in 4000 8000 32000; do  # (8,000: where fp16 decode misses issue 32's bar, 184 of 190 tok/s)
                ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
                  --section MemoryWorkloadAnalysis -k regex:attention_kernel --launch-skip 40 --launch-count 2 \
                  python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos $n 2>&1 \
@@ -92,6 +92,10 @@ while [ $i -lt ${#steps[@]} ]; do
              ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
                -k regex:prefill_attention --launch-count 1 python3 scripts/kernels/rows_pass_profile.py gf4 32 2>&1 \
                | tee "$out/ncu_rows_attention.log" | grep -E "Duration|Throughput|Achieved Occupancy|Issued Ipc|Stall|Warp Cycles" | head -20 ;;
+    rows-x)  # issue 29 at 32 rows: q4's and gf4's X for four n-tiles loaded with the chunk's weights
+             # (x_words 64) against 16 bytes where used (the package's 32), two and four A tiles
+             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2;0,0,2,64;0,0,4,64" \
+               2>&1 | tee "$out/kernels_rows_x.log" | grep -E "layer|check|WRONG" ;;
     rows-attention)  # issue 29: the prefill attention's block shapes for rows passes of 32 and 64 rows, at
              # positions 128 and 4,000 (a block a kv head and 16 positions now: 16-32 blocks on the 8B shape)
              for p0 in 128 4000; do
