@@ -115,9 +115,14 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
 
 
 # threads of an RMSNorm block: a row's loads are a chain of dim / threads dependent round trips
-# to L2 (x was just written), so a few-row pass wants wide blocks (H200, 8B, 8 rows: 12 us a
-# launch with 256 threads)
+# to L2 (x was just written), so a pass of up to NORM_WIDE_ROWS rows takes wide blocks (H200, 8B,
+# 8 rows: 12 us a launch with 256 threads). A prompt pass has blocks enough to hide that chain,
+# and wide blocks pay for their barriers: the 8B fp16 prefill's 64 RMSNorms of 2,048 rows took
+# 2.6 ms in blocks of 256 threads (2026-12-02) and 6.4 in blocks of 1,024 (2026-12-06, H200,
+# bench.py's per-role split). A row's bits follow the block's width: passes of up to 64 rows
+# (every batch-invariant pass) all take NORM_THREADS.
 NORM_THREADS = 32 if SIM else 1024
+NORM_WIDE_ROWS = 64
 
 
 def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
@@ -125,7 +130,8 @@ def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: objec
     Reference: pycalm.cpu.reference.rmsnorm_rows_ref."""
     if out.shape != x.shape:
         raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
-    rmsnorm_rows_kernel[x.shape[0], NORM_THREADS, stream](x, w, float32(eps), out)
+    threads = NORM_THREADS if x.shape[0] <= NORM_WIDE_ROWS else THREADS
+    rmsnorm_rows_kernel[x.shape[0], threads, stream](x, w, float32(eps), out)
 
 
 # ---------------------------------------------------------------------------------------------
