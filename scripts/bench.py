@@ -725,6 +725,12 @@ def main() -> None:
         "--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count"
     )
     ap.add_argument(
+        "--attention-blocks",
+        type=int,
+        help="the decode attention's blocks a launch at most (pycalm.kernels.attention.TARGET_BLOCKS; at most"
+        " the engine's 512): fewer, longer splits, and a shorter merge",
+    )
+    ap.add_argument(
         "--split-attention-rows",
         type=int,
         help="with --rows: passes of up to N rows take the split-K attention (the engine's:"
@@ -765,6 +771,12 @@ def main() -> None:
 
         wgmma = pycalm.kernels.wgmma_matmul
         wgmma.WGMMA_MIN_ROWS = dict.fromkeys(wgmma.WGMMA_MIN_ROWS, 1 << 30)  # no pass is that long
+    if args.attention_blocks:
+        import pycalm.kernels.attention
+
+        pycalm.kernels.attention.TARGET_BLOCKS = min(
+            args.attention_blocks, pycalm.kernels.attention.TARGET_BLOCKS
+        )
     if args.split_attention_rows is not None:
         import pycalm.gpu.prefill
 

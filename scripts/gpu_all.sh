@@ -42,6 +42,9 @@ while [ $i -lt ${#steps[@]} ]; do
                --dtypes fp16,fp8,gf4,q8,q4 --json "$out/bench_prefill.json" 2>&1 | tee "$out/bench_prefill.log" | tail -60 ;;
     depths)  python3 scripts/bench.py --depths 0,4000,8000,16000,32000 --shapes llama3-8b --dtypes fp16,q4 \
                --kv fp16,fp8 2>&1 | tee "$out/bench_depths.log" | tail -8
+             # issue 32 at 8,000 (fp16 184 of 190 tok/s): at most 256 blocks a launch, half the splits to merge
+             python3 scripts/bench.py --depths 0,8000,16000,32000 --shapes llama3-8b --dtypes fp16 --kv fp16 \
+               --attention-blocks 256 2>&1 | tee -a "$out/bench_depths.log" | tail -3
              python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
                --variants default,s_t8st2,s_st3,s_tg256 --check 2>&1 | tee "$out/kernels_attention_long.log" \
                | grep -A30 "=== summary" ;;

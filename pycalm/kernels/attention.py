@@ -183,9 +183,11 @@ def attention_chunk_len(head_dim: int, kv_dtype: str) -> int:
     return CHUNK
 
 
-def split_len(span: int, chunk: int, n_kv_heads: int, target: int = TARGET_BLOCKS) -> int:
+def split_len(span: int, chunk: int, n_kv_heads: int, target: int = 0) -> int:
     """Positions a block takes in a launch over `span` positions: chunk times the smallest power
-    of two that keeps the grid (n_kv_heads x splits) within `target` blocks, or the whole span."""
+    of two that keeps the grid (n_kv_heads x splits) within `target` blocks (0: TARGET_BLOCKS,
+    read at the call), or the whole span."""
+    target = target or TARGET_BLOCKS
     split = chunk
     while split < span and n_kv_heads * -(-span // split) > target:
         split *= 2
