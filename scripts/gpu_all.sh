@@ -96,8 +96,8 @@ while [ $i -lt ${#steps[@]} ]; do
                -k regex:prefill_attention --launch-count 1 python3 scripts/kernels/rows_pass_profile.py gf4 32 2>&1 \
                | tee "$out/ncu_rows_attention.log" | grep -E "Duration|Throughput|Achieved Occupancy|Issued Ipc|Stall|Warp Cycles" | head -20 ;;
     rows-x)  # issue 29 at 32 rows: q4's and gf4's X for four n-tiles loaded with the chunk's weights
-             # (x_words 64) against 16 bytes where used (the package's 32), two and four A tiles
-             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2;0,0,2,64;0,0,4,64" \
+             # (the package's, skinny.X_AHEAD: 64 words) against 16 bytes where used (x_words 32)
+             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2,32;0,0,2" \
                2>&1 | tee "$out/kernels_rows_x.log" | grep -E "layer|check|WRONG" ;;
     rows-attention)  # issue 29: the prefill attention's block shapes for rows passes of 32 and 64 rows, at
              # positions 128 and 4,000 (a block a kv head and 16 positions now: 16-32 blocks on the 8B shape)

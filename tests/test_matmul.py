@@ -232,10 +232,11 @@ def test_matmul_rejects_bad_shapes():
 # ---------------------------------------------------------------------------------------------
 # the skinny kernel (pycalm.kernels.skinny): the same products for T <= 64, against the same
 # references at the same tolerances. (T, N, K) per dtype: K a multiple of its 16-byte unit (fp16
-# 8, fp8 / q8 16, gf4 / q4 32 columns) and not of a step (4 units); T = 1, T in the second and in
-# the eighth n-tile; N odd (a partial tile of 16, or of 8 for the gate)
+# 8, fp8 / q8 16, gf4 / q4 32 columns) and not of a step (4 units); T = 1, T in the second, the
+# fourth (two A tiles, and q4's and gf4's X loaded ahead: skinny.X_AHEAD) and the eighth n-tile;
+# N odd (a partial tile of 16, or of 8 for the gate)
 SKINNY_K = {"fp16": 40, "fp8": 48, "gf4": 96, "q8": 48, "q4": 96}
-SKINNY_SHAPES = [(1, 21), (13, 37), (41, 19)]
+SKINNY_SHAPES = [(1, 21), (13, 37), (27, 21), (41, 19)]
 if GPU:
     SKINNY_SHAPES += [(8, 4099), (64, 1000), (29, 333)]
 

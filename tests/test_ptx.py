@@ -84,10 +84,11 @@ MODELS = {
 }  # fmt: skip
 # kernels allowed to spill, each measured faster than its spill-free neighbours: the arguments of
 # their factory and the bytes ptxas may spill (any other spill, or more, fails). skinny's gf4 w2
-# at 17 to 32 rows (K > LONG_K: blocks of 16 warps, 128 registers a thread) with two A tiles: 20
-# bytes, outside the step loop (66 instructions per 8 mma, as at 132 registers in blocks of 8);
-# on an H100 (2026-12-05) 32.8 us against 59.1 with one tile and 43.4 with two in blocks of 8
-KNOWN_SPILLS = [(("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2), 20)]
+# at 17 to 32 rows (K > LONG_K: blocks of 16 warps, 128 registers a thread) with two A tiles and
+# X loaded ahead (skinny.X_AHEAD): 52 bytes, its step loop 56 instructions per 8 mma (66 with 20
+# bytes spilled and X loaded where used); on an H100 (2026-12-05) two tiles took 32.8 us against
+# 59.1 with one tile and 43.4 in blocks of 8, and X ahead cut the layer's products 166 -> 120 us
+KNOWN_SPILLS = [(("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64), 52)]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",
             "moe_rows", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip

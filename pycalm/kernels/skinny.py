@@ -44,7 +44,7 @@ rows longer than LONG_K) split K. Each warp holds the A fragments of all the blo
 one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is 4
 (fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
 steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers,
-are issued together, then decoded and multiplied). The chunks whose columns all lie in K load
+or X_AHEAD's for the format and rows, are issued together, then decoded and multiplied). The chunks whose columns all lie in K load
 without checks (a row past N reads the last row, a token past T the last token's X: their sums
 are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The
 warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
@@ -123,6 +123,15 @@ ROW_TILES: dict[str, dict[int, int]] = {
     "q8": {4: 2, 8: 2},
     "q4": {4: 2, 8: 2},
 }
+# words of X a lane loads with a chunk's weights, by format and n-tile count, where X_WORDS_AHEAD
+# is too few: q4 and gf4 at 32 rows (4 n-tiles of 16 words a step), whose steps otherwise wait on
+# L2 for each n-tile's X in the middle of the decode and the mma. A layer's four products on the 8B
+# shape, two A tiles, us (`scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles
+# "0,0,2;0,0,2,64"`, H100, 2026-12-06): q4 194 -> 135, gf4 166 -> 120. ptxas (scripts/kernels/sass_loops.py
+# skinny --x-words 64): q4 142-146 registers, gf4 138-140, one block of 8 warps an SM as before;
+# gf4's w2, in blocks of 16 warps, spills 52 bytes against 20, and its step loop issues 56
+# instructions per 8 mma against 66
+X_AHEAD: dict[str, dict[int, int]] = {"gf4": {4: 64}, "q4": {4: 64}}
 
 
 def warps_for(k_cols: int, dtype: str = "fp16") -> int:
@@ -145,6 +154,12 @@ def row_tiles_for(dtype: str, n_tiles: int) -> int:
     """A tiles (16 rows of W, GATE 8 outputs) a warp takes for a pass of n_tiles n-tiles (a
     row's sums are the same bits for any count: batch invariance holds across the buckets)."""
     return ROW_TILES.get(dtype, {}).get(n_tiles, 1)
+
+
+def x_words_for(dtype: str, n_tiles: int) -> int:
+    """Words of X a lane loads with a chunk's weights for a pass of n_tiles n-tiles (0:
+    X_WORDS_AHEAD); when X is loaded changes no sum's bits."""
+    return X_AHEAD.get(dtype, {}).get(n_tiles, 0)
 
 
 def blocks_for(n_cols: int, mode: str, row_tiles: int) -> int:
@@ -446,7 +461,8 @@ def skinny_matmul(
     warps = warps_for(k_cols, dtype)
     n_tiles = n_tiles_for(t_rows)
     row_tiles = row_tiles_for(dtype, n_tiles)
-    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles)
+    x_words = x_words_for(dtype, n_tiles)
+    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles, x_words)
     args = stored_args(w, w3, dtype, k_cols)
     grid = blocks_for(out.shape[1], mode, row_tiles)
     kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)

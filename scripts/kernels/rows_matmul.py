@@ -106,10 +106,11 @@ def shape_arrays(n: int, k: int, dtype: str, mode: str) -> tuple:
 
 def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0, x_words=0):  # noqa: ANN001, ANN201, E501
     """A skinny launch with a chosen block shape (0: the package's warps_for, UNROLL,
-    row_tiles_for, X_WORDS_AHEAD)."""
+    row_tiles_for, x_words_for)."""
     warps = warps or skinny.warps_for(x.shape[1], dtype)
     n_tiles = skinny.n_tiles_for(x.shape[0])
     row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles)
+    x_words = x_words or skinny.x_words_for(dtype, n_tiles)
     kernel = skinny.make_skinny_kernel(
         dtype, MODES[mode], n_tiles, warps, unroll or skinny.UNROLL, min_blocks, row_tiles, x_words
     )

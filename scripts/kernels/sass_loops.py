@@ -162,7 +162,7 @@ def report_skinny(args: argparse.Namespace) -> None:
                     skinny.UNROLL,
                     args.min_blocks,
                     row_tiles,
-                    args.x_words,
+                    args.x_words or skinny.x_words_for(dtype, n_tiles),
                 )
                 out = types.float16[:, ::1] if mode == "gate" else types.float32[:, ::1]
                 weights = {
@@ -255,7 +255,7 @@ def main() -> None:
         "--x-words",
         type=int,
         default=0,
-        help="skinny: words of X a lane loads with its weights (0: X_WORDS_AHEAD)",
+        help="skinny: words of X a lane loads with its weights (0: the package's, x_words_for)",
     )
     ap.add_argument("--ops", action="store_true", help="also each loop's opcode counts")
     args = ap.parse_args()
