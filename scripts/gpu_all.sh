@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x]
+#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -48,6 +48,11 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
                --variants default,s_t8st2,s_st3,s_tg256 --check 2>&1 | tee "$out/kernels_attention_long.log" \
                | grep -A30 "=== summary" ;;
+    attention-fixed)  # issue 32: the ~25 us a layer that does not grow with the context: the merge
+             # (probes without it), two blocks an SM (pad2) and 256 blocks, alone at 4k, 8k and 32k
+             python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 4000,8000,32000 --check \
+               --variants default,s_nomerge,s_pad2,s_tg256,s_tg256_nomerge,s_tg256_pad2 2>&1 \
+               | tee "$out/kernels_attention_fixed.log" | grep -A30 "=== summary" ;;
     attention-ncu)  # issue 32: where the decode attention's time goes at 4k and 32k positions (8B, fp16 KV):
              # issue stalls, occupancy and DRAM throughput of two launches at each length
              for n in 4000 8000 32000; do  # (8,000: where fp16 decode misses issue 32's bar, 184 of 190 tok/s)

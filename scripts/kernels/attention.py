@@ -12,6 +12,12 @@ streaming warp tiles through cp.async rings; `SplitTuning` sizes it):
   s_st3     rings of 3 stages; s_st6: 6
   s_c16, s_c64  the shortest split 16 / 64 positions
   s_tg256, s_tg1024  splits sized for 256 / 1024 blocks
+  s_pad2, s_tg256_pad2  the default / s_tg256 with 48 KiB of dynamic shared memory a block
+            reserved, so an SM holds two blocks (the token step launches the kernel behind qkv's,
+            and the scheduler may crowd a small grid onto the few SMs free then)
+  s_nomerge, s_tg256_nomerge  probes, not versions: the default / s_tg256 with every kv head's
+            counter started at -2**30, so no block merges the splits (outputs unchecked); against
+            their version they time the merge
 The earlier kernel (a block per QUERY head and chunk of positions, every K and V load of the
 chunk issued at once into registers, the last block of a head combining the chunks;
 `tuned_kernel` below, its sizes a Tuning):
@@ -88,6 +94,7 @@ from pycalm.kernels.common import (  # noqa: E402
     warp_reduce_max,
     warp_reduce_sum,
 )
+from pycalm.kernels.warpgroup import launch_dynamic  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 from pycalm.model.config import ModelConfig  # noqa: E402
 
@@ -414,6 +421,8 @@ class SplitTuning:
     stages: int = 4
     target: int = 512
     chunk: int = 32
+    pad: int = 0  # dynamic shared bytes a launch reserves beyond the kernel's own (fewer blocks an SM)
+    merge: bool = True  # False: the counters start at -2**30, so no block is a kv head's last (a probe)
 
 
 @dataclass(frozen=True)
@@ -430,7 +439,7 @@ def split_scratch(n_heads: int, n_kv_heads: int, head_dim: int, seq_len: int, tu
                   stream: object) -> SplitScratch:  # fmt: skip
     padded = -(-(head_dim + 2) // _LINE) * _LINE
     part = cuda.device_array((n_heads, tuning.target, padded), np.float32, stream=stream)
-    count = cuda.to_device(np.zeros(n_kv_heads, np.int32), stream=stream)
+    count = cuda.to_device(np.full(n_kv_heads, 0 if tuning.merge else -(1 << 30), np.int32), stream=stream)
     return SplitScratch(part, count, tuning.chunk, tuning)
 
 
@@ -462,6 +471,10 @@ VARIANTS = {
     "s_c64": SplitTuning(chunk=64),
     "s_tg256": SplitTuning(target=256),
     "s_tg1024": SplitTuning(target=1024),
+    "s_pad2": SplitTuning(pad=48 * 1024),
+    "s_tg256_pad2": SplitTuning(target=256, pad=48 * 1024),
+    "s_nomerge": SplitTuning(merge=False),
+    "s_tg256_nomerge": SplitTuning(target=256, merge=False),
 }
 
 
@@ -471,7 +484,7 @@ def for_simulator(tuning: Tuning | None) -> Tuning | None:
     if tuning is None:
         return None
     if isinstance(tuning, SplitTuning):
-        return dataclasses.replace(tuning, threads=64, chunk=8, target=min(tuning.target, 16))
+        return dataclasses.replace(tuning, threads=64, chunk=8, target=min(tuning.target, 16), pad=0)
     return dataclasses.replace(tuning, threads=min(tuning.threads, 64), max_chunk=min(tuning.max_chunk, 16))
 
 
@@ -488,10 +501,15 @@ def split_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
     count = scratch.count
     if q.ndim == 1:  # the token step's one row, as the kernel takes rows
         q, out = q.reshape(1, q.shape[0]), out.reshape(1, out.shape[0])
-    kernel[(cfg.n_kv_heads, -(-span // split)), t.threads, stream](
+    grid = (cfg.n_kv_heads, -(-span // split))
+    args = (
         q, k16, v16, state, scratch.part, count, out, int32(cfg.sliding_window), int32(split),
         state, state, count.reshape(1, count.shape[0]), int32(0),  # unpaged: the pages' arguments, unread
     )  # fmt: skip
+    if t.pad:
+        launch_dynamic(kernel, grid, t.threads, stream, t.pad, args)
+    else:
+        kernel[grid, t.threads, stream](*args)
 
 
 def launcher(scratch: object):  # noqa: ANN201
@@ -606,9 +624,10 @@ def main() -> None:
                     scratch = tuned_scratch(n_heads, head_dim, kv_dtype, seq_len, tuning, stream)
                 for n_pos in (*positions, min(scratch.chunk + 1, seq_len)):  # past one chunk where it fits
                     span = attention_span(n_pos - 1, scratch.chunk, seq_len)  # the engine's grid
+                    probe = isinstance(tuning, SplitTuning) and not tuning.merge  # its outputs are partial
                     err = (
                         check(q_host, caches[0], cfg, scratch, n_pos, span)
-                        if args.check or tiny
+                        if (args.check or tiny) and not probe
                         else float("nan")
                     )
                     if err > TOLERANCE:
