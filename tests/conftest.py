@@ -34,6 +34,11 @@ if not GPU:
 elif os.environ.get("PYCALM_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
     _gpus = os.environ["PYCALM_TEST_GPUS"].split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_gpus)]
+if GPU:
+    # the engine's compile set-up, before any test file imports a kernel module: numba_patch (about
+    # half of a large kernel's compile time) and the disk cache of compiled kernels, so that a
+    # second run, one cut short and run again, or the sanitizer's after the tests, loads them
+    import pycalm.gpu  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------
