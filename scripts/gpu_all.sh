@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed]
+#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -110,6 +110,10 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/kernels/prefill_attention.py --variants shipped,w2,k32,w2k32,w1,w1k32,w1k16 \
                  --rows 32,64 --pos0 $p0 2>&1 | tee -a "$out/kernels_rows_attention.log" | grep -A30 "=== summary"
              done ;;
+    mixtral-prefill)  # issue 34's "no shape slower": Mixtral-8x7B's prompt pass at 2,048 tokens in every
+             # format, beside docs/BENCHMARKS.md's 2026-12-05 H200 row (fp16's 94 GB fit an H200 only)
+             python3 scripts/bench.py --prefill --no-decode --shapes mixtral-8x7b --dtypes fp16,fp8,gf4,q8,q4 \
+               --lengths 2048 --split none 2>&1 | tee "$out/bench_prefill_mixtral.log" | tail -12 ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))
