@@ -2,7 +2,7 @@
 # One call on the GPU machine: install, check every kernel and the engine on the GPU, benchmark.
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
-#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill]
+#                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -104,6 +104,11 @@ while [ $i -lt ${#steps[@]} ]; do
              # (the package's, skinny.X_AHEAD: 64 words) against 16 bytes where used (x_words 32)
              python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2,32;0,0,2" \
                2>&1 | tee "$out/kernels_rows_x.log" | grep -E "layer|check|WRONG" ;;
+    rows-small)  # issue 29 at 8 and 16 rows, where q4's pass is 1.45x / 1.93x the token step: one A tile
+             # a warp (the package's there) against two and four; at 8 rows a 4-bit format's X, read
+             # from L2 once a block per A tile, is about twice its weight bytes
+             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4,q8,fp8 --rows 8,16 --row-tiles "0,0,1;0,0,2;0,0,4" \
+               2>&1 | tee "$out/kernels_rows_small.log" | grep -E "layer|check|WRONG" ;;
     rows-attention)  # issue 29: the prefill attention's block shapes for rows passes of 32 and 64 rows, at
              # positions 128 and 4,000 (a block a kv head and 16 positions now: 16-32 blocks on the 8B shape)
              for p0 in 128 4000; do
