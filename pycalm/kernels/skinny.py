@@ -38,21 +38,23 @@ pycalm.kernels.common's (q8_pairs, gf4_pair, q4_pair), which matmul's and wgmma_
 tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
-Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES:
-two in passes of 17 to 64 rows (gf4 to 32), one below) and its warps (WARPS, or LONG_WARPS for
-rows longer than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so
-one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is 4
-(fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
-steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers,
-or X_AHEAD's for the format and rows, are issued together, then decoded and multiplied). The chunks whose columns all lie in K load
-without checks (a row past N reads the last row, a token past T the last token's X: their sums
-are never stored); only the last chunk, past K in part, checks its loads (zeros past K). The
-warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
-warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one
-thread an output, which then applies the epilogue (the q8 row scale, the residual add or the
-gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles along the tokens, a
-compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32 and 64 rows);
-the tokens past T are columns of B and C whose sums are never stored (load_x).
+Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES: two in
+passes of 17 to 64 rows (gf4 to 32), one below) and its warps (WARPS, or LONG_WARPS for rows longer
+than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so one load of X
+serves them all: X is read from L2 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit)
+times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ...
+(a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers, or X_AHEAD's for
+the format and rows, are issued together, then decoded and multiplied; with `pipeline`, a variant
+make_skinny_kernel compiles for scripts/kernels/rows_matmul.py, the next chunk's weights are issued
+into a second set of registers before the current chunk's products). The chunks whose columns all
+lie in K load without checks (a row past N reads the last row, a token past T the last token's X:
+their sums are never stored); only the last chunk, past K in part, checks its loads (zeros past K).
+The warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
+warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one thread
+an output, which then applies the epilogue (the q8 row scale, the residual add or the gate). Grid:
+ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles
+along the tokens, a compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32
+and 64 rows); the tokens past T are columns of B and C whose sums are never stored (load_x).
 
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
@@ -184,11 +186,14 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     min_blocks: int = 0,
     row_tiles: int = 1,
     x_words: int = 0,
+    pipeline: bool = False,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
     a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
     to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
-    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD)."""
+    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); pipeline: a warp
+    loads its next chunk's weights into a second set of registers before it multiplies the
+    current one (the chunks wholly in K; the same sums, bit for bit)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -205,6 +210,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     RED_ACC = ACC1 // RED_PARTS
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
     W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
+    PIPELINE = pipeline
+    W_WORDS2 = W_WORDS if pipeline else 1  # the second set's (unused without the pipeline)
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     # X of a whole chunk in registers, loaded with its weights, where it takes at most
     # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
@@ -279,10 +286,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 xb[at + e] = int32(0)
 
     @cuda.jit(device=True, inline=True)
-    def chunk_product(
-        x, w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, t_rows, k_cols, g_shift, wg, wh, dm, a, xb, acc
-    ):  # noqa: ANN001, ANN202, E501
-        """acc += the products of chunk `chunk` (UNROLL steps) of the lane's A tiles and n-tiles.
+    def chunk_loads(w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm):  # noqa: ANN001, ANN202
+        """wg, wh, dm = the weights of chunk `chunk` (UNROLL steps) of the lane's A tiles.
         tail: the chunk reaches past K, and loads past it give zeros; else no load is checked."""
         for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
             col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
@@ -297,7 +302,12 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 v = u * MT + m
                 load_unit(w1, s1, min(row_g, n_rows - 1), col, ok_g, wg, v, dm, 2 * v, g_shift)
                 load_unit(w3, s3, min(row_h, n_rows - 1), col, ok_h, wh, v, dm, 2 * v + 1, g_shift)
-        if PREFETCH_X:  # ... and its X, all n-tiles, beside them
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc):  # noqa: ANN001, ANN202
+        """acc += the products of chunk `chunk` of the lane's A tiles (their weights in wg, wh, dm)
+        and n-tiles."""
+        if PREFETCH_X:  # its X, all n-tiles, beside the weights in flight
             for u in range(unroll):
                 col = ((chunk * unroll + u) * 4 + t) * E
                 for p in range(n_tiles):
@@ -328,6 +338,15 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                             )  # fmt: skip
 
     @cuda.jit(device=True, inline=True)
+    def chunk_product(
+        x, w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, t_rows, k_cols, g_shift, wg, wh, dm, a, xb, acc
+    ):  # noqa: ANN001, ANN202, E501
+        """acc += the products of chunk `chunk` (UNROLL steps) of the lane's A tiles and n-tiles:
+        its weights loaded, then multiplied."""
+        chunk_loads(w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
+        chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
+
+    @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
@@ -336,6 +355,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
+        wg2 = cuda.local.array(W_WORDS2, int32)  # pipeline: the next chunk's wg, wh and dm
+        wh2 = cuda.local.array(W_WORDS2, int32)
+        dm2 = cuda.local.array(W_WORDS2, int32)
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, a0..a3 a k-tile, each A tile
         xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or 16 bytes of an n-tile's
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
@@ -356,7 +378,28 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
         chunk = warp
-        if PEEL:
+        if PEEL and PIPELINE:  # the chunks wholly in K two a turn, each loaded a chunk ahead
+            full = k_cols // (unroll * STEP)
+            if chunk < full:
+                chunk_loads(w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
+            while chunk < full:  # warp-uniform
+                ahead = chunk + warps
+                if ahead < full:
+                    chunk_loads(
+                        w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, wg2, wh2, dm2
+                    )
+                chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
+                chunk = ahead
+                if chunk >= full:
+                    break
+                ahead = chunk + warps
+                if ahead < full:
+                    chunk_loads(
+                        w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm
+                    )
+                chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg2, wh2, dm2, a, xb, acc)
+                chunk = ahead
+        elif PEEL:
             full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
             while chunk < full:  # warp-uniform
                 chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
