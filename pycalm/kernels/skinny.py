@@ -347,6 +347,18 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
 
     @cuda.jit(device=True, inline=True)
+    def pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
+                        wg, wh, dm, ng, nh, ndm, a, xb, acc):  # noqa: ANN001, ANN202  # fmt: skip
+        """acc += the products of chunk `chunk` (wholly in K), its weights already in wg, wh, dm,
+        after the loads of the warp's next chunk into ng, nh, ndm where it is wholly in K too;
+        returns that next chunk."""
+        ahead = chunk + warps
+        if ahead < full:
+            chunk_loads(w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, ng, nh, ndm)
+        chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
+        return ahead
+
+    @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
@@ -382,23 +394,13 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             full = k_cols // (unroll * STEP)
             if chunk < full:
                 chunk_loads(w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
-            while chunk < full:  # warp-uniform
-                ahead = chunk + warps
-                if ahead < full:
-                    chunk_loads(
-                        w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, wg2, wh2, dm2
-                    )
-                chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
-                chunk = ahead
+            while chunk < full:  # warp-uniform; the two sets of registers take turns
+                chunk = pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols,
+                                        g_shift, wg, wh, dm, wg2, wh2, dm2, a, xb, acc)  # fmt: skip
                 if chunk >= full:
                     break
-                ahead = chunk + warps
-                if ahead < full:
-                    chunk_loads(
-                        w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm
-                    )
-                chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg2, wh2, dm2, a, xb, acc)
-                chunk = ahead
+                chunk = pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols,
+                                        g_shift, wg2, wh2, dm2, wg, wh, dm, a, xb, acc)  # fmt: skip
         elif PEEL:
             full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
             while chunk < full:  # warp-uniform
