@@ -144,7 +144,8 @@ def prefill_attention_kernel(
     docstring. The sizes are compile-time constants: the fragments are fixed-size local arrays
     indexed by unrolled loops, so they live in registers. paged: the cache is a paged pool read
     through one sequence's block table (two more arguments, table and page_log2), and the live
-    rows are state[STATE_ROWS] (a batched pass's padding rows past them compute nothing)."""
+    rows are state[STATE_ROWS] (a batched pass's padding rows past them attend to nothing, and
+    come out zero)."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
     THREADS = 32 * warps
@@ -368,14 +369,19 @@ def prefill_attention_kernel(
         l1 += cuda.shfl_xor_sync(FULL, l1, 2)
         for half in range(2):
             ok = ok0 if half == 0 else ok1
-            if ok:
-                r = r0 if half == 0 else r1
-                inv = float32(1.0) / (l0 if half == 0 else l1)
-                t = t0 + r // group
+            r = r0 if half == 0 else r1
+            t = t0 + r // group
+            # paged: a padding row of the bucket comes out zero, so the products after it read
+            # finite values (no row reads another's)
+            pad = paged and r < USED and n_rows <= t < q.shape[0]
+            if ok or pad:
+                inv = float32(1.0) / (l0 if half == 0 else l1) if ok else float32(0.0)
                 col = (g * group + r % group) * D + 2 * quad
                 for n in range(O_TILES):
-                    out[t, col + 8 * n] = fp16_encode(o[4 * n + 2 * half] * inv)
-                    out[t, col + 8 * n + 1] = fp16_encode(o[4 * n + 2 * half + 1] * inv)
+                    lo = o[4 * n + 2 * half] * inv if ok else float32(0.0)
+                    hi = o[4 * n + 2 * half + 1] * inv if ok else float32(0.0)
+                    out[t, col + 8 * n] = fp16_encode(lo)
+                    out[t, col + 8 * n + 1] = fp16_encode(hi)
 
     bounds = _launch_bounds(THREADS, min_blocks(head_dim))
     if paged:
@@ -416,8 +422,9 @@ def prefill_attention(
     power of two), the cache is a paged pool (pycalm.batch.blocks' layout: position j at pool
     row table[j // page_size] * page_size + j % page_size; pycalm.kernels.rows.qkv_pages writes
     the block's own), and only the first state[STATE_ROWS] rows are live (a batched pass of one
-    sequence's prompt chunk, padded to its bucket: pycalm.gpu.batched); the others' out is not
-    written. Same sums as the contiguous cache's, in the same order.
+    sequence's prompt chunk, padded to its bucket: pycalm.gpu.batched); the others' out is zero,
+    so that the products after it read finite values there. Same sums as the contiguous cache's,
+    in the same order.
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
