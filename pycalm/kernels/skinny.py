@@ -390,8 +390,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
         chunk = warp
-        if PEEL and PIPELINE:  # the chunks wholly in K two a turn, each loaded a chunk ahead
-            full = k_cols // (unroll * STEP)
+        full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
+        if PEEL and PIPELINE:  # those chunks two a turn, each loaded a chunk ahead
             if chunk < full:
                 chunk_loads(w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
             while chunk < full:  # warp-uniform; the two sets of registers take turns
@@ -402,7 +402,6 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 chunk = pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols,
                                         g_shift, wg2, wh2, dm2, wg, wh, dm, a, xb, acc)  # fmt: skip
         elif PEEL:
-            full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
             while chunk < full:  # warp-uniform
                 chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
                               wg, wh, dm, a, xb, acc)  # fmt: skip
