@@ -103,7 +103,7 @@ while [ $i -lt ${#steps[@]} ]; do
     rows-x)  # issue 29 at 32 rows: q4's and gf4's X for four n-tiles loaded with the chunk's weights
              # (the package's, skinny.X_AHEAD: 64 words) against 16 bytes where used (x_words 32), and
              # the package's compiled for two blocks an SM (ptxas: 128 registers, 52-92 bytes spilled),
-             # and with each chunk's weights loaded a chunk ahead (pipeline: 176-180 registers)
+             # and with each chunk's weights loaded a chunk ahead (pipeline: 146-180 registers, no spill)
              python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2,32;0,0,2;0,2,2;0,0,2,0,1" \
                2>&1 | tee "$out/kernels_rows_x.log" | grep -E "layer|check|WRONG" ;;
     rows-small)  # issue 29 at 8 and 16 rows, where q4's pass is 1.45x / 1.93x the token step: one A tile
