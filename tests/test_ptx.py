@@ -36,9 +36,9 @@ instructions) while the simulator, with NumPy's int32 rules, passes.
 Compiling is the cost (a few seconds a kernel): the walk takes seconds, and every worker walks
 the same configs in the same order, then compiles every n-th kernel of the list (largest
 estimated cost first, pycalm.gpu.precompile.schedule), n the number of workers (the cores).
-Most of a compile is numba's Python front end, and most of that was its inliner copying the
-IR of every `inline=True` device function at every call site (share_inline_copies: the
-workers copy it once a call site, with the same PTX).
+Most of a compile is numba's Python front end (pycalm.gpu.numba_patch, which the engine's
+import installs, takes about two thirds off the largest kernels'; test_numba_patch_changes_no_ptx
+compiles kernels with and without it and compares their PTX).
 """
 
 from __future__ import annotations
@@ -429,46 +429,9 @@ def _decoder_kernels(checks: _Checks) -> None:
             checks.out["problems"].append(f"decoder kernel {fn.__name__}: 64-bit integer ops {ops} in PTX")
 
 
-def share_inline_copies() -> bool:
-    """Make numba's inliner copy a callee's IR in one pass instead of a pass a block; False
-    (nothing changed) where its inliner is not the one this was written for.
-
-    InlineWorker.inline_ir copies the callee's IR (numba-cuda 0.30: `copy.deepcopy(block)` for
-    each block, NVIDIA/numba-cuda#688), and a Var's deep copy copies its Scope, every variable
-    of the function: each block's copy copies the whole function again. The skinny matmul
-    kernel inlines about 15 device functions of dozens of blocks, and the copies were half of
-    its compile time. Here the blocks of one copy share one memo, so the scope and its
-    variables are copied once and shared by the copied blocks, as by the original's blocks. A
-    block seen again (inline_ir copies its own copy once more) or another function's block
-    starts a fresh memo. The PTX of every kernel of the walk is the same bytes either way
-    (checked for all 171 kernels at numba-cuda 0.30.4); the compile takes about 35% less."""
-    import copy
-    import inspect
-    import types
-
-    from numba.cuda.core import inline_closurecall, ir
-
-    if inline_closurecall.copy is not copy or "copy.deepcopy(block)" not in inspect.getsource(
-        inline_closurecall.InlineWorker.inline_ir
-    ):
-        return False
-    last: dict = {"scope": None, "memo": {}}  # the copy under way: the source scope, its memo
-
-    def deepcopy(x: object, memo: dict | None = None) -> object:
-        if memo is None and isinstance(x, ir.Block):
-            if last["scope"] is not x.scope or id(x) in last["memo"]:
-                last["scope"], last["memo"] = x.scope, {}
-            return copy.deepcopy(x, last["memo"])
-        return copy.deepcopy(x, memo)
-
-    inline_closurecall.copy = types.SimpleNamespace(**{**vars(copy), "deepcopy": deepcopy})
-    return True
-
-
 def worker(index: int, n_workers: int) -> None:
     """Walk, compile kernels index, index + n_workers, ... of the list (worker 0 also the
     decoder kernels), print RESULT and the findings as JSON."""
-    share_inline_copies()
     items, threads = launched_kernels()
     checks = _Checks()
     allowed = {}  # the py_func of each KNOWN_SPILLS kernel -> the bytes it may spill
@@ -492,13 +455,45 @@ def worker(index: int, n_workers: int) -> None:
     print("RESULT" + json.dumps({**checks.out, "kernels": len(items), "modules": modules}))
 
 
+def same_ptx_worker(patched: bool, per_function: int) -> None:
+    """Compile the first `per_function` kernels of each kernel function in the walk's list (0:
+    every kernel) in order, with numba_patch's inliner copies or (patched False) numba's own, and
+    print RESULT: each kernel's PTX digest and the seconds of the compiles. Two workers, one
+    each way, name their kernels alike (numba numbers its symbols by the compiles before, in the
+    process), so their digests compare."""
+    import copy
+    import hashlib
+    import time
+
+    from numba import cuda
+    from numba.cuda.core import inline_closurecall
+
+    items, _ = launched_kernels()
+    if per_function:  # the list is largest first: each function's largest specialisations
+        taken: dict = {}
+        for item in items:
+            taken.setdefault(item.key.split(" ")[0], []).append(item)
+        items = [item for group in taken.values() for item in group[:per_function]]
+    assert inline_closurecall.copy is not copy, "numba_patch.share_inline_copies did not install"
+    if not patched:
+        inline_closurecall.copy = copy
+    digests, start = {}, time.perf_counter()
+    for item in items:
+        fn = getattr(item.kernel, "py_func", item.kernel)
+        bounds = getattr(item.kernel, "targetoptions", {}).get("launch_bounds")
+        ptx, _ = cuda.compile_ptx(fn, item.argtypes, cc=(9, 0, "a"), launch_bounds=bounds)
+        digests[item.key] = hashlib.sha256(ptx.encode()).hexdigest()
+    print("RESULT" + json.dumps({"ptx": digests, "seconds": time.perf_counter() - start}))
+
+
 # ---------------------------------------------------------------------------------------------
-# the test
+# the tests
 
 
-def _run(index: int, n_workers: int) -> dict:
+def _run(index: int, n_workers: int, call: str = "worker({index}, {n_workers})") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_ptx; test_ptx.worker({index}, {n_workers})"
+    call = call.format(index=index, n_workers=n_workers)
+    code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import test_ptx; test_ptx.{call}"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=1500)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert p.returncode == 0 and lines, f"compile worker crashed:\n{p.stderr[-3000:]}"
@@ -516,3 +511,18 @@ def test_every_launched_kernel_compiles_without_f64_spills_or_64bit_decoders():
     assert FAMILIES <= set(results[0]["modules"]), sorted(FAMILIES - set(results[0]["modules"]))
     assert sum(r["n"] for r in results) == kernels + 6  # + the 6 decoder kernels
     assert sum(r["sass"] for r in results) == kernels  # every launched kernel through ptxas
+
+
+def test_numba_patch_changes_no_ptx():
+    """numba_patch's inliner copies (share_inline_copies) give the same PTX bytes as numba's
+    own, for the largest specialisation of each kernel function the engine launches."""
+    calls = ["same_ptx_worker(True, 1)", "same_ptx_worker(False, 1)"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        patched, plain = pool.map(_run, [0, 0], [1, 1], calls)
+    assert len(patched["ptx"]) >= len(FAMILIES) and patched["ptx"].keys() == plain["ptx"].keys()
+    differ = [key for key, digest in patched["ptx"].items() if plain["ptx"][key] != digest]
+    assert not differ, differ
+    print(
+        f"{len(differ)} of {len(patched['ptx'])} kernels' PTX differs; compiled in {patched['seconds']:.0f} s with"
+        f" numba_patch's inliner copies, {plain['seconds']:.0f} s without"
+    )
