@@ -34,6 +34,7 @@ leading dims on every array, codes and scales alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -49,6 +50,7 @@ Q4_NIBBLES = 8  # q4 codes in one uint32 word
 # extra steps over a group's min..max (negative: codes clip at the ends, positive: finer steps)
 Q8_CANDIDATES = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
 Q4_CANDIDATES = (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
+ENCODE_BLOCK_ELEMS = 1 << 18  # values q8 / q4's searches take at a time (1 MB of float32: about an L2)
 
 STORAGE_DTYPE = {"fp16": np.dtype(np.float16), "fp8": np.dtype(np.uint8), "gf4": np.dtype(np.uint32)}
 STORAGE_DTYPE.update(q8=np.dtype(np.int8), q4=np.dtype(np.uint32))  # the codes array
@@ -196,6 +198,24 @@ def gf4_decode(w: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# the quantized formats' searches, a block of rows at a time
+
+
+def _in_blocks(search: Callable[[np.ndarray], Quantized], x: np.ndarray) -> Quantized:
+    """search(rows) over x (..., cols) float32 in blocks of about ENCODE_BLOCK_ELEMS values (whole
+    rows), joined: the searches' dozens of passes over a block stay in the CPU's caches (a
+    matrix of 10M weights: q4 1.8x and q8 4x faster than in one piece; the converter's chunks of
+    2M values 1.2-1.5x), and the bits are the same (each row's, or each group's, search is its
+    own)."""
+    cols, lead = x.shape[-1], x.shape[:-1]
+    rows = x.reshape(-1, cols)
+    step = max(1, ENCODE_BLOCK_ELEMS // max(cols, 1))
+    parts = [search(rows[r : r + step]) for r in range(0, rows.shape[0], step)] or [search(rows)]
+    codes, scales = (np.concatenate([getattr(p, name) for p in parts]) for name in ("codes", "scales"))
+    return Quantized(codes.reshape(*lead, *codes.shape[1:]), scales.reshape(*lead, *scales.shape[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
 # q8
 
 
@@ -204,9 +224,14 @@ def q8_encode(x: np.ndarray) -> Quantized:
 
     Each row's scale is the one of Q8_CANDIDATES x absmax / 127 whose nearest codes give the
     smallest squared error, refined once by least squares (sum q x / sum q^2 for those codes);
-    absmax / 127 itself is a candidate, so the search never does worse than it.
+    absmax / 127 itself is a candidate, so the search never does worse than it. The rows are
+    searched a block at a time (_in_blocks).
     """
-    x = np.asarray(x, dtype=np.float32)
+    return _in_blocks(_q8_search, np.asarray(x, dtype=np.float32))
+
+
+def _q8_search(x: np.ndarray) -> Quantized:
+    """q8_encode's search over every row of x (rows, cols) at once."""
     absmax = (np.abs(x).max(axis=-1) / np.float32(Q8_MAX)).astype(np.float32)
     best, best_err = absmax, np.full(absmax.shape, np.inf, np.float32)
     for factor in Q8_CANDIDATES:
@@ -217,9 +242,9 @@ def q8_encode(x: np.ndarray) -> Quantized:
             better = err < best_err
             best, best_err = np.where(better, scale, best), np.where(better, err, best_err)
             q = codes.astype(np.float32)
-            qq = np.einsum("...c,...c->...", q, q)
+            qq = _row_dot(q, q)
             with np.errstate(divide="ignore", invalid="ignore"):
-                scale = np.where(qq > 0, np.einsum("...c,...c->...", q, x) / qq, 0).astype(np.float32)
+                scale = np.where(qq > 0, _row_dot(q, x) / qq, 0).astype(np.float32)
     return Quantized(q8_codes(x, best), best.astype(np.float32))
 
 
@@ -233,7 +258,14 @@ def q8_encode_absmax(x: np.ndarray) -> Quantized:
 def _sq_error(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Squared error of each row (the last axis summed), float32."""
     d = y - x
-    return np.einsum("...c,...c->...", d, d)
+    return _row_dot(d, d)
+
+
+def _row_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The dot product of each row (the last axis), float32: NumPy's pairwise sum along the row,
+    which gives a row the same bits whatever the rows beside it (np.einsum takes another path for
+    calls of fewer than 5 rows)."""
+    return (a * b).sum(axis=-1)
 
 
 def q8_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -277,10 +309,17 @@ def q4_encode(x: np.ndarray, group: int = 32) -> Quantized:
     least-squares d and m for those codes; every candidate is rounded to fp16 and scored with
     its own nearest codes, and the best is kept. The plain min..max range (q4_encode_minmax) is
     the first candidate, so the search never does worse than it.
+
+    The groups are searched a block of rows at a time (_in_blocks).
     """
     x = np.asarray(x, dtype=np.float32)
+    scales_shape(1, x.shape[-1], "q4", group)
+    return _in_blocks(lambda rows: _q4_search(rows, group), x)
+
+
+def _q4_search(x: np.ndarray, group: int) -> Quantized:
+    """q4_encode's search over every group of x (rows, cols) at once."""
     cols = x.shape[-1]
-    scales_shape(1, cols, "q4", group)
     g = x.reshape(*x.shape[:-1], cols // group, group)  # (..., groups, group)
     lo, hi = g.min(axis=-1), g.max(axis=-1)
     span = hi - lo
