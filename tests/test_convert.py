@@ -466,12 +466,14 @@ def test_yarn_matches_transformers(scaling):
     np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
 
 
-def test_chunked_streaming_same_bytes(tmp_path, monkeypatch):
-    """Row chunks (here 2 rows) give the same file as whole tensors, across expert boundaries."""
+@pytest.mark.parametrize("dtype", ["gf4", "q8"])
+def test_chunked_streaming_same_bytes(tmp_path, monkeypatch, dtype):
+    """Row chunks (here 2 rows), encoded on 3 threads, give the same file as whole tensors on one,
+    across expert boundaries."""
     tiny = make_hf_llama(tmp_path, arch="mixtral", dtype="bfloat16")
-    a = convert(tiny.path, tmp_path / "a.safetensors", "gf4", progress=False).read_bytes()
+    a = convert(tiny.path, tmp_path / "a.safetensors", dtype, progress=False, threads=1).read_bytes()
     monkeypatch.setattr(convert_mod, "CHUNK_ELEMS", 100)
-    b = convert(tiny.path, tmp_path / "b.safetensors", "gf4", progress=False).read_bytes()
+    b = convert(tiny.path, tmp_path / "b.safetensors", dtype, progress=False, threads=3).read_bytes()
     assert a == b
 
 
@@ -652,7 +654,11 @@ def test_missing_hf_tensor(tmp_path):
         convert(tiny.path, tmp_path / "m.safetensors", "fp16")
 
 
-def test_nan_weights_leave_no_file(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_nan_weights_leave_no_file(tmp_path, monkeypatch, threads):
+    """A bad chunk stops the conversion with one error naming the tensor, whether it was encoded
+    here or on one of the threads (chunks of 2 rows: others are under way beside it)."""
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMS", 100)
     tiny = make_hf_llama(tmp_path)
     from tiny_models import write_safetensors
 
@@ -662,7 +668,7 @@ def test_nan_weights_leave_no_file(tmp_path):
     write_safetensors(tiny.path / "model.safetensors", {k: ("F32", v) for k, v in weights.items()})
     out = tmp_path / "m.safetensors"
     with pytest.raises(PycalmError, match="model.layers.1.mlp.down_proj.weight: weights contain NaN"):
-        convert(tiny.path, out, "fp16", progress=False)
+        convert(tiny.path, out, "fp16", progress=False, threads=threads)
     assert not out.exists() and not (tmp_path / "m.safetensors.tmp").exists()
 
 
@@ -705,3 +711,12 @@ def test_cli(tmp_path, capsys):
     assert main([str(tmp_path / "missing"), str(out)]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"error: source not found: {tmp_path / 'missing'}"
+
+
+def test_threads_must_not_be_negative(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), str(tmp_path / "m.safetensors"), "--threads", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --threads must be 0 or more, got -1 (see python -m pycalm.convert --help)"
+    ]

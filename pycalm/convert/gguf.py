@@ -16,6 +16,7 @@ rotary pairs; those of qwen2 files are permuted (pycalm.convert.common.make_plan
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class GGUFSource(Source):
         super().__init__(label, rows, cols)
         self.data = data.reshape(rows, -1)  # quantized: (rows, bytes per row); float: (rows, cols)
         self.qtype = qtype
+        self._count = threading.Lock()  # rounded_groups: the converter encodes chunks on threads
 
     def take(self, idx: np.ndarray) -> np.ndarray:
         from gguf.quants import dequantize
@@ -115,7 +117,8 @@ class GGUFSource(Source):
         if dtype != "q4" or group != Q4_BLOCK or not self.on_q4_grid:
             return super().encode_rows(idx, dtype, group)
         out, rounded = q4_from_gguf(self.data[idx], self.kind, self.cols)
-        self.rounded_groups += rounded
+        with self._count:
+            self.rounded_groups += rounded
         return out
 
     rounded_groups = 0  # Q4_K sub-blocks whose d or m was rounded to fp16 on transcoding

@@ -15,16 +15,22 @@ the source rows it is made of (`make_plan`; `Source`: read, permuted, concatenat
 readers feed them: pycalm.convert.hf (Hugging Face folders) and pycalm.convert.gguf (GGUF files).
 Then the plan streams: each output tensor is read from the source (dequantized, for GGUF), encoded
 (pycalm.model.formats) and written in row chunks of at most CHUNK_ELEMS values, so memory stays bounded
-whatever the model size. The file appears under its final name only when complete.
+whatever the model size. Up to `threads` chunks are read and encoded at once, on threads (NumPy
+lets go of the GIL in its array loops), and written in order. The file appears under its final
+name only when complete.
 
 Shapes: a source matrix is (rows, cols) = (out_features, in_features) in both HF and GGUF.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +77,46 @@ class Progress:
             sys.stderr.write("\n")
 
 
+MAX_THREADS = 8  # the default of convert's threads: the cores, at most this many
+
+
+def default_threads() -> int:
+    """The encoding threads a conversion takes by default: the cores, at most MAX_THREADS."""
+    return max(1, min(MAX_THREADS, os.cpu_count() or 1))
+
+
+def _in_order(fn: Callable, items: Iterable, pool: Executor | None, ahead: int) -> Iterator:
+    """fn(item) for each item, in order: on the pool, at most `ahead` of them under way at once
+    (so memory stays bounded), else one after another here. An exception is raised where its
+    result is due; the calls still queued then are cancelled."""
+    if pool is None:
+        yield from map(fn, items)
+        return
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
 def _write_matrix(
-    w: ModelWriter, spec: TensorSpec, src: Source, config: ModelConfig, progress: Progress
+    w: ModelWriter,
+    spec: TensorSpec,
+    src: Source,
+    config: ModelConfig,
+    progress: Progress,
+    pool: Executor | None = None,
+    ahead: int = 1,
 ) -> str:
     """Encode and write matrix spec.name from `src` in row chunks (q8 / q4: the codes, then
-    `<name>.scales`); returns how it was made (Source.origin)."""
+    `<name>.scales`), up to `ahead` chunks encoded at once on the pool; returns how it was made
+    (Source.origin)."""
     dtype, group = config.dtype_of(spec.name), config.group_of(spec.name)
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64))
     packed = formats.GF4_GROUP if dtype == "gf4" else formats.Q4_NIBBLES if dtype == "q4" else 1
@@ -85,13 +126,17 @@ def _write_matrix(
             f"{src.label}: shape ({src.rows}, {src.cols}) does not make {spec.name} ({rows}, {cols})"
         )
     step = max(1, CHUNK_ELEMS // cols)
-    scales = []  # q8 / q4: each chunk's scales, written after the codes
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
+
+    def encode(r0: int) -> np.ndarray | formats.Quantized:
         try:
-            data = src.encode_rows(np.arange(r0, r1), dtype, group)
+            return src.encode_rows(np.arange(r0, min(rows, r0 + step)), dtype, group)
         except ValueError as e:
             raise PycalmError(f"{src.label}: {e}") from None
+
+    scales = []  # q8 / q4: each chunk's scales, written after the codes
+    starts = range(0, rows, step)
+    for r0, data in zip(starts, _in_order(encode, starts, pool, ahead), strict=True):
+        r1 = min(rows, r0 + step)
         if isinstance(data, formats.Quantized):
             scales.append(data.scales)
             data = data.codes
@@ -105,8 +150,10 @@ def _write_matrix(
     return src.origin(dtype, group)
 
 
-def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
-    """Stream every planned tensor into the model file at `out`."""
+def write_converted(conv: Converted, out: Path, progress: bool = True, threads: int = 0) -> Path:
+    """Stream every planned tensor into the model file at `out`, encoding up to `threads` row
+    chunks at once (0: default_threads())."""
+    threads = threads or default_threads()
     try:
         w = ModelWriter(out, conv.config, conv.tokenizer_kind, conv.tokenizer_blob, conv.chat_template)
     except ValueError as e:
@@ -116,13 +163,14 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
         why = f"cannot make the folder {out.parent}: a file is in the way" if in_the_way else e.strerror
         raise PycalmError(f"cannot write {out}: {why}") from None
     bar = Progress(len([s for s in w.specs if not s.name.endswith(".scales")]), w.total_bytes, progress)
-    with w:
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="pycalm-convert") if threads > 1 else None
+    with w, pool or _no_pool():
         for spec in w.pending():
             if spec.name.endswith(".scales"):
                 continue  # written with its matrix
             item = conv.plan[spec.name]
             if isinstance(item, Source):
-                origin = _write_matrix(w, spec, item, conv.config, bar)
+                origin = _write_matrix(w, spec, item, conv.config, bar, pool, threads)
                 conv.origins[origin] = conv.origins.get(origin, 0) + 1
                 continue
             vec = np.asarray(item(), dtype=np.float32)
@@ -137,6 +185,11 @@ def write_converted(conv: Converted, out: Path, progress: bool = True) -> Path:
     bar.update(len(conv.tokenizer_blob), tensor_done=True)
     bar.finish()
     return out
+
+
+@contextlib.contextmanager
+def _no_pool() -> Iterator[None]:
+    yield
 
 
 def source_kind(path: Path) -> str | None:
@@ -190,8 +243,10 @@ def convert(
     bits: float = DEFAULT_BITS,
     calibrate: str | Path | None = None,
     log: Callable[[str], None] | None = None,
+    threads: int = 0,
 ) -> Path:
-    """Convert an HF folder or a GGUF file at `src` into a pycalm model file at `out`.
+    """Convert an HF folder or a GGUF file at `src` into a pycalm model file at `out`, encoding
+    on `threads` threads (0: default_threads()).
 
     q4 takes the mixed-precision policy unless `policy` is off (then every matrix is q4 in
     groups of 32): each matrix's format within `bits` a weight (pycalm.convert.quantize.plan_dtypes),
@@ -211,7 +266,7 @@ def convert(
         conv.config = plan_dtypes(conv.config, on_grid, bits, steps)
     elif calibrate is not None:
         raise PycalmError("--calibrate ranks the matrices of a q4 model: use it with --dtype q4")
-    path = write_converted(conv, Path(out), progress)
+    path = write_converted(conv, Path(out), progress, threads)
     if log is not None:
         for origin, count in conv.origins.items():
             log(f"{count} matrices: {origin}")
@@ -256,7 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-policy", action="store_true", help="q4: every matrix in q4, groups of 32 (no q8 matrices)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"row chunks read and encoded at once (default: the cores, at most {MAX_THREADS})",
+    )
     args = parser.parse_args(argv)
+    if args.threads < 0:
+        parser.error(f"--threads must be 0 or more, got {args.threads}")
     start = time.perf_counter()
     try:
         path = convert(
@@ -268,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             bits=args.bits,
             calibrate=args.calibrate,
             log=lambda line: print(line, file=sys.stderr),
+            threads=args.threads,
         )
     except (PycalmError, OSError) as e:  # OSError: the OS's own message names the path
         print(f"error: {e}", file=sys.stderr)
