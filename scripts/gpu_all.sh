@@ -3,6 +3,7 @@
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
+#                           [matmul-tests] [sanitize-matmul]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -123,6 +124,22 @@ while [ $i -lt ${#steps[@]} ]; do
              # format, beside docs/BENCHMARKS.md's 2026-12-05 H200 row (fp16's 94 GB fit an H200 only)
              python3 scripts/bench.py --prefill --no-decode --shapes mixtral-8x7b --dtypes fp16,fp8,gf4,q8,q4 \
                --lengths 2048 --split none 2>&1 | tee "$out/bench_prefill_mixtral.log" | tail -12 ;;
+    matmul-tests)  # issue 34: the tile's, skinny's and the experts' GPU tests (248), every core a worker;
+             # -rf names any failure even where the call's time runs out first
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider tests/test_matmul.py \
+               tests/test_moe_rows.py 2>&1 | tee "$out/tests_matmul.log" | tail -12 ;;
+    sanitize-matmul)  # issue 34: test_matmul under the four tools, the tile's tests and skinny's side by
+             # side (eight lanes on one GPU; run matmul-tests first, so that the kernels load from the cache)
+             for tool in memcheck racecheck synccheck initcheck; do
+               for slice in tile skinny; do
+                 args="-k 'not skinny and not wgmma'"; [ $slice = skinny ] && args="-k skinny"
+                 mkdir -p "$out/$tool-$slice"
+                 OUT="$out/$tool-$slice" SANITIZE_PYTEST_ARGS="$args" bash scripts/sanitize.sh $tool tests test_matmul \
+                   > "$out/$tool-$slice/summary.txt" 2>&1 &
+               done
+             done
+             wait
+             for f in "$out"/*-*/summary.txt; do echo "== $f"; tail -3 "$f"; done ;;
     mixtral) python3 scripts/bench.py --shapes mixtral-8x7b --dtypes fp8,gf4 --json "$out/bench_mixtral.json" 2>&1 | tee "$out/bench_mixtral.log" | tail -8 ;;
     verify)  python3 scripts/verify_transformers.py --engine gpu 2>&1 | tee "$out/verify.log" | tail -15 ;;
     cli)     gguf=${steps[$i]}; i=$((i + 1))
