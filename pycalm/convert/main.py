@@ -164,7 +164,7 @@ def write_converted(conv: Converted, out: Path, progress: bool = True, threads: 
         raise PycalmError(f"cannot write {out}: {why}") from None
     bar = Progress(len([s for s in w.specs if not s.name.endswith(".scales")]), w.total_bytes, progress)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="pycalm-convert") if threads > 1 else None
-    with w, pool or _no_pool():
+    with w, pool or contextlib.nullcontext():  # the pool's exit waits for its chunks under way
         for spec in w.pending():
             if spec.name.endswith(".scales"):
                 continue  # written with its matrix
@@ -185,11 +185,6 @@ def write_converted(conv: Converted, out: Path, progress: bool = True, threads: 
     bar.update(len(conv.tokenizer_blob), tensor_done=True)
     bar.finish()
     return out
-
-
-@contextlib.contextmanager
-def _no_pool() -> Iterator[None]:
-    yield
 
 
 def source_kind(path: Path) -> str | None:
