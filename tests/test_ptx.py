@@ -36,9 +36,9 @@ instructions) while the simulator, with NumPy's int32 rules, passes.
 Compiling is the cost (a few seconds a kernel): the walk takes seconds, and every worker walks
 the same configs in the same order, then compiles every n-th kernel of the list (largest
 estimated cost first, pycalm.gpu.precompile.schedule), n the number of workers (the cores).
-Most of a compile is numba's Python front end (pycalm.gpu.numba_patch, which the engine's
-import installs, takes about two thirds off the largest kernels'; test_numba_patch_changes_no_ptx
-compiles kernels with and without it and compares their PTX).
+Most of a compile is numba's Python front end, which pycalm.gpu.numba_patch (installed by the
+engine's import) makes about twice as fast; test_numba_patch_changes_no_ptx compiles kernels
+with and without its inliner copies and compares their PTX.
 """
 
 from __future__ import annotations
