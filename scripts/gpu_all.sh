@@ -103,17 +103,14 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee "$out/ncu_rows_attention.log" | grep -E "Duration|Throughput|Achieved Occupancy|Issued Ipc|Stall|Warp Cycles" | head -20 ;;
     rows-x)  # issue 29 at 32 rows: q4's and gf4's X for four n-tiles loaded with the chunk's weights
              # (the package's, skinny.X_AHEAD: 64 words) against 16 bytes where used (x_words 32), and
-             # the package's compiled for two blocks an SM (ptxas: 128 registers, 52-92 bytes spilled),
-             # and with each chunk's weights loaded a chunk ahead (pipeline: 146-180 registers, no spill)
-             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2,32;0,0,2;0,2,2;0,0,2,0,1" \
+             # the package's compiled for two blocks an SM (ptxas: 128 registers, 52-92 bytes spilled)
+             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4 --rows 32 --row-tiles "0,0,2,32;0,0,2;0,2,2" \
                2>&1 | tee "$out/kernels_rows_x.log" | grep -E "layer|check|WRONG" ;;
-    rows-small)  # issue 29 at 8 and 16 rows, where q4's pass is 1.45x / 1.93x the token step: one A tile
-             # a warp (the package's there) against two and four; at 8 rows a 4-bit format's X, read
-             # from L2 once a block per A tile, is about twice its weight bytes; and one and two A tiles
-             # with each chunk's weights loaded a chunk ahead (pipeline)
-             python3 scripts/kernels/rows_matmul.py --dtypes q4,gf4,q8,fp8 --rows 8,16 \
-               --row-tiles "0,0,1;0,0,2;0,0,4;0,0,1,0,1;0,0,2,0,1" \
-               2>&1 | tee "$out/kernels_rows_small.log" | grep -E "layer|check|WRONG" ;;
+    rows-small)  # issue 29 at 8 and 16 rows: one A tile a warp against two and four (skinny.ROW_TILES:
+             # at 8 rows a 4-bit format's X, read from L2 once a block per A tile, is about twice its
+             # weight bytes), fp16 and fp8 first (the 2026-12-06 run timed q4, gf4 and q8)
+             python3 scripts/kernels/rows_matmul.py --dtypes fp16,fp8,q4,gf4,q8 --rows 8,16 \
+               --row-tiles "0,0,1;0,0,2;0,0,4" 2>&1 | tee "$out/kernels_rows_small.log" | grep -E "layer|check|WRONG" ;;
     rows-attention)  # issue 29: the prefill attention's block shapes for rows passes of 32 and 64 rows, at
              # positions 128 and 4,000 (a block a kv head and 16 positions now: 16-32 blocks on the 8B shape)
              for p0 in 128 4000; do

@@ -273,7 +273,7 @@ def test_skinny_rows_do_not_depend_on_the_pass(dtype, group):
 
 
 def _skinny_shapes(dtype: str, mode: str, t_rows: int, k: int, seed: int, shapes: list) -> tuple:
-    """skinny's outputs for block shapes (row_tiles, x_words[, pipeline]) on one random problem (N =
+    """skinny's outputs for block shapes (row_tiles, x_words) on one random problem (N =
     37, gate 21 outputs: partial last blocks), each from the same out; and that out."""
     from pycalm.kernels import skinny
 
@@ -285,9 +285,9 @@ def _skinny_shapes(dtype: str, mode: str, t_rows: int, k: int, seed: int, shapes
     x_words = cuda.to_device(x).view(np.uint32)
     r0 = rng.standard_normal((t_rows, n)).astype(np.float16 if mode == "gate" else np.float32)
     outs = []
-    for row_tiles, ahead, *pipeline in shapes:
+    for row_tiles, ahead in shapes:
         kernel = skinny.make_skinny_kernel(dtype, skinny.MODES[mode], skinny.n_tiles_for(t_rows), skinny.WARPS,
-                                           skinny.UNROLL, 0, row_tiles, ahead, *pipeline)  # fmt: skip
+                                           skinny.UNROLL, 0, row_tiles, ahead)  # fmt: skip
         out = cuda.to_device(r0)
         kernel[skinny.blocks_for(n, mode, row_tiles), 32 * skinny.WARPS](x_words, *args, out)
         outs.append(out.copy_to_host())
@@ -312,28 +312,6 @@ def test_skinny_x_loaded_ahead(dtype, mode, t_rows):
     X_WORDS_AHEAD loads where they are used) gives the same bits: only the loads move, and the
     tail chunk's checked loads still give zeros past K (K = 4.5 steps)."""
     outs, _ = _skinny_shapes(dtype, mode, t_rows, SKINNY_K[dtype] * 6, 12, [(2, 0), (2, 64)])
-    assert np.array_equal(outs[1], outs[0])
-
-
-@pytest.mark.parametrize(
-    "dtype,mode,t_rows",
-    [
-        ("fp16", "gate", 27),
-        ("fp8", "plain", 41),
-        ("gf4", "residual", 9),
-        ("q8", "residual", 13),
-        ("q4", "gate", 27),
-    ],
-)
-def test_skinny_pipeline(dtype, mode, t_rows):
-    """Each chunk's weights loaded a chunk ahead, into a second set of registers (pipeline) give
-    the same bits: K = 7.5 steps, so each of the 2 warps (simulator) takes 3 or 4 whole chunks,
-    its last one with nothing left to load ahead, then the checked tail."""
-    from pycalm.kernels import skinny
-
-    row_tiles = 2 if t_rows > 16 else 1
-    shapes = [(row_tiles, 0), (row_tiles, 0, True)]
-    outs, _ = _skinny_shapes(dtype, mode, t_rows, 30 * skinny.UNIT[dtype], 14, shapes)  # 30 units: 7.5 steps
     assert np.array_equal(outs[1], outs[0])
 
 

@@ -44,9 +44,7 @@ than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, 
 serves them all: X is read from L2 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit)
 times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ...
 (a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers, or X_AHEAD's for
-the format and rows, are issued together, then decoded and multiplied; with `pipeline`, a variant
-make_skinny_kernel compiles for scripts/kernels/rows_matmul.py, the next chunk's weights are issued
-into a second set of registers before the current chunk's products). The chunks whose columns all
+the format and rows, are issued together, then decoded and multiplied). The chunks whose columns all
 lie in K load without checks (a row past N reads the last row, a token past T the last token's X:
 their sums are never stored); only the last chunk, past K in part, checks its loads (zeros past K).
 The warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
@@ -186,14 +184,11 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     min_blocks: int = 0,
     row_tiles: int = 1,
     x_words: int = 0,
-    pipeline: bool = False,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
     a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
     to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
-    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); pipeline: a warp
-    loads its next chunk's weights into a second set of registers before it multiplies the
-    current one (the chunks wholly in K; the same sums, bit for bit)."""
+    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -210,8 +205,6 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     RED_ACC = ACC1 // RED_PARTS
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
     W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
-    PIPELINE = pipeline
-    W_WORDS2 = W_WORDS if pipeline else 1  # the second set's (unused without the pipeline)
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     # X of a whole chunk in registers, loaded with its weights, where it takes at most
     # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
@@ -347,18 +340,6 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
 
     @cuda.jit(device=True, inline=True)
-    def pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
-                        wg, wh, dm, ng, nh, ndm, a, xb, acc):  # noqa: ANN001, ANN202  # fmt: skip
-        """acc += the products of chunk `chunk` (wholly in K), its weights already in wg, wh, dm,
-        after the loads of the warp's next chunk into ng, nh, ndm where it is wholly in K too;
-        returns that next chunk."""
-        ahead = chunk + warps
-        if ahead < full:
-            chunk_loads(w1, s1, w3, s3, ahead, False, tile0, g, t, n_rows, k_cols, g_shift, ng, nh, ndm)
-        chunk_math(x, chunk, False, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
-        return ahead
-
-    @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
@@ -367,9 +348,6 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
-        wg2 = cuda.local.array(W_WORDS2, int32)  # pipeline: the next chunk's wg, wh and dm
-        wh2 = cuda.local.array(W_WORDS2, int32)
-        dm2 = cuda.local.array(W_WORDS2, int32)
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, a0..a3 a k-tile, each A tile
         xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or 16 bytes of an n-tile's
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
@@ -391,17 +369,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
 
         chunk = warp
         full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
-        if PEEL and PIPELINE:  # those chunks two a turn, each loaded a chunk ahead
-            if chunk < full:
-                chunk_loads(w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
-            while chunk < full:  # warp-uniform; the two sets of registers take turns
-                chunk = pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols,
-                                        g_shift, wg, wh, dm, wg2, wh2, dm2, a, xb, acc)  # fmt: skip
-                if chunk >= full:
-                    break
-                chunk = pipelined_chunk(x, w1, s1, w3, s3, chunk, full, tile0, g, t, n_rows, t_rows, k_cols,
-                                        g_shift, wg2, wh2, dm2, wg, wh, dm, a, xb, acc)  # fmt: skip
-        elif PEEL:
+        if PEEL:
             while chunk < full:  # warp-uniform
                 chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
                               wg, wh, dm, a, xb, acc)  # fmt: skip

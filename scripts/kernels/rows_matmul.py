@@ -104,11 +104,9 @@ def shape_arrays(n: int, k: int, dtype: str, mode: str) -> tuple:
     return w, w3, x, out
 
 
-def skinny_launch(
-    x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0, x_words=0, pipeline=0
-):  # noqa: ANN001, ANN201, E501
+def skinny_launch(x, w, w3, out, dtype, mode, warps, unroll, min_blocks=0, row_tiles=0, x_words=0):  # noqa: ANN001, ANN201
     """A skinny launch with a chosen block shape (0: the package's warps_for, UNROLL,
-    row_tiles_for, x_words_for; pipeline 1: each chunk's weights loaded a chunk ahead)."""
+    row_tiles_for, x_words_for)."""
     warps = warps or skinny.warps_for(x.shape[1], dtype)
     n_tiles = skinny.n_tiles_for(x.shape[0])
     row_tiles = row_tiles or skinny.row_tiles_for(dtype, n_tiles)
@@ -122,7 +120,6 @@ def skinny_launch(
         min_blocks,
         row_tiles,
         x_words,
-        bool(pipeline),
     )
     args = skinny.stored_args(w, w3, dtype, x.shape[1])
     grid = skinny.blocks_for(out.shape[1], mode, row_tiles)
@@ -233,9 +230,9 @@ def row_tiles_sweep(dtypes: list[str], rows: list[int], variants: list[tuple[int
                 totals[("split", t)] = totals.get(("split", t), 0.0) + sp
                 cells = [f"split {sp * 1e6:6.1f}"]
                 for v in variants:
-                    warps, min_blocks, row_tiles, x_words, pipeline = (*v, 0, 0)[:5]
+                    warps, min_blocks, row_tiles, x_words = (*v, 0)[:4]
                     launch = skinny_launch(
-                        x[:t], w, w3, out[:t], dtype, mode, warps, 1, min_blocks, row_tiles, x_words, pipeline
+                        x[:t], w, w3, out[:t], dtype, mode, warps, 1, min_blocks, row_tiles, x_words
                     )
                     err = float(np.abs(once(launch, out[:t]) - ref).max() / np.abs(ref).max())
                     # the split tile's sums against skinny's: a few fp16 roundings apart (a NaN fails)
@@ -342,8 +339,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--row-tiles",
-        help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles[,x_words[,pipeline]];..."
-        " (0: the package's; pipeline 1: weights loaded a chunk ahead)",
+        help="skinny's A tiles a warp: variants warps,min_blocks,row_tiles[,x_words];... (0: the package's)",
     )
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     ap.add_argument("--wgmma", help="time matmul.py's wgmma rows versions, e.g. r1,r2,r3")

@@ -20,7 +20,6 @@ the engine compiles it (numba to PTX for sm_90a, with its launch bounds or regis
     python3 scripts/kernels/sass_loops.py skinny --ops      # and each loop's opcode counts
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4 --rows 32 --min-blocks 2
     python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 32 --row-tiles 4
-    python3 scripts/kernels/sass_loops.py skinny --dtypes q4,gf4 --rows 8,32 --pipeline
     python3 scripts/kernels/sass_loops.py matmul --dtypes gf4,fp16 --modes residual,gate
     python3 scripts/kernels/sass_loops.py matmul --matmul-tiles "64,64,1,2,4,4;64,128,1,4,4,2"
 
@@ -164,7 +163,6 @@ def report_skinny(args: argparse.Namespace) -> None:
                     args.min_blocks,
                     row_tiles,
                     args.x_words or skinny.x_words_for(dtype, n_tiles),
-                    args.pipeline,
                 )
                 out = types.float16[:, ::1] if mode == "gate" else types.float32[:, ::1]
                 weights = {
@@ -258,9 +256,6 @@ def main() -> None:
         type=int,
         default=0,
         help="skinny: words of X a lane loads with its weights (0: the package's, x_words_for)",
-    )
-    ap.add_argument(
-        "--pipeline", action="store_true", help="skinny: each chunk's weights loaded a chunk ahead"
     )
     ap.add_argument("--ops", action="store_true", help="also each loop's opcode counts")
     args = ap.parse_args()
