@@ -39,7 +39,7 @@ tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES: two in
-passes of 17 to 64 rows (gf4 to 32), one below) and its warps (WARPS, or LONG_WARPS for rows longer
+passes of 17 to 64 rows (gf4 to 32; q4 and gf4 from 9), one below) and its warps (WARPS, or LONG_WARPS for rows longer
 than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so one load of X
 serves them all: X is read from L2 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit)
 times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ...
@@ -115,13 +115,16 @@ X_WORDS_AHEAD = 32
 # 64-row figures of two tiles ran a load_x that spilled q4 and, in blocks of LONG_WARPS, fp8 and
 # q8; ptxas now gives q4 233 registers, one block of 8 warps an SM, and those 124, no spill.
 # Those run slower: on an H100 fp8's qkv takes 56.3 us at 64 rows against 12.3 at 32, and the
-# rows pass takes matmul's split tile at 64 rows, prefill.SKINNY_ROWS.)
+# rows pass takes matmul's split tile at 64 rows, prefill.SKINNY_ROWS.) At 16 rows the 4-bit
+# formats take two as well (H100, 2026-12-06, `--rows 8,16 --row-tiles "0,0,1;0,0,2;0,0,4"`): q4
+# 97 -> 86, gf4 91 -> 71 (their X is about twice their weight bytes a tile); q8 94 -> 97 does not;
+# at 8 rows one is best or even (q4 65 against 71, gf4 59 against 57, q8 82 against 83).
 ROW_TILES: dict[str, dict[int, int]] = {
     "fp16": {4: 2, 8: 2},
     "fp8": {4: 2, 8: 2},
-    "gf4": {4: 2},
+    "gf4": {2: 2, 4: 2},
     "q8": {4: 2, 8: 2},
-    "q4": {4: 2, 8: 2},
+    "q4": {2: 2, 4: 2, 8: 2},
 }
 # words of X a lane loads with a chunk's weights, by format and n-tile count, where X_WORDS_AHEAD
 # is too few: q4 and gf4 at 32 rows (4 n-tiles of 16 words a step), whose steps otherwise wait on
