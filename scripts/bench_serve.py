@@ -5,7 +5,8 @@ uvicorn, the --parallel N worker) on a model of a shape with random weights
 on the GPU (bench.py's RandomDeviceModel, no EOS, a tokenizer of made-up words; the server a
 process of its own, as a deployment's, the clients asyncio tasks here), every stream a
 closed loop of --requests streamed /v1/completions requests: a prompt of --prompt distinct
-random token ids, exactly --new tokens out (sampled, temperature 0.8). Each row: aggregate
+random token ids, exactly --new tokens out (sampled at --temperature, 0.8; 0: greedy, as the
+token step's tok/s and vLLM's benchmark). Each row: aggregate
 output tok/s (completion tokens / the wall time from the first request to the last answer),
 time to first token and time per output token after it (p50 and p99 over the requests, client
 side), the server's steps, the share of the wall time outside the engine's pass (scheduler,
@@ -311,7 +312,7 @@ async def load(url: str, streams: int, args: argparse.Namespace, vocab: int, see
                 "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt)],
                 "max_tokens": args.new,
                 "ignore_eos": True,  # exactly max_tokens out, as vLLM's benchmark asks
-                "temperature": 0.8,
+                "temperature": args.temperature,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -416,7 +417,8 @@ def streams_main(args: argparse.Namespace) -> None:
             else f"--parallel {max(counts)}" + (f" --batch-size {args.batch_size}" if args.batch_size else "")
         )
         print(f"{args.shape} {args.dtype}, the server a process of its own with {served_by}, "
-              f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream")  # fmt: skip
+              f"prompts of {args.prompt} tokens, {args.new} out, {args.requests} requests a stream, "
+              f"temperature {args.temperature:g}")  # fmt: skip
         print(
             "| streams | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | steps, ms each | outside the pass | GPU idle |"
         )
@@ -467,6 +469,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens a request (--streams)")
     ap.add_argument("--new", type=int, default=256, help="output tokens a request (--streams)")
     ap.add_argument("--requests", type=int, default=3, help="requests a stream (--streams)")
+    ap.add_argument(
+        "--temperature", type=float, default=0.8, help="the requests' temperature, 0: greedy (--streams)"
+    )
     ap.add_argument("--vocab", type=int, default=128256, help="the shape's vocabulary (--streams)")
     ap.add_argument(
         "--stand-in",
