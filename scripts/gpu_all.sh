@@ -3,7 +3,7 @@
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
-#                           [matmul-tests] [sanitize-matmul]
+#                           [matmul-tests] [sanitize-matmul] [serve-musts]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -177,6 +177,19 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/bench_serve.py --streams 1 --prompt 2000 --new 128 --context 4096 $how \
                  --shape llama3-8b --dtype fp16 2>&1 | tee -a "$out/bench_serve.log" | tail -2
              done ;;
+    serve-musts)  # issue 31's acceptance rows alone (about 250 s on an H100): fp16 at 1 to 128 streams,
+             # one greedy stream (the token step's tok/s is greedy), q8 and q4 at 32 and 64, and
+             # fp16 with 1,000-token prompts at 32 and 64
+             python3 scripts/bench_serve.py --streams 1,8,32,64,128 --shape llama3-8b --dtype fp16 2>&1 \
+               | tee "$out/bench_serve.log" | tail -7
+             python3 scripts/bench_serve.py --streams 1 --temperature 0 --shape llama3-8b --dtype fp16 2>&1 \
+               | tee -a "$out/bench_serve.log" | tail -1
+             for dtype in q8 q4; do
+               python3 scripts/bench_serve.py --streams 32,64 --shape llama3-8b --dtype $dtype 2>&1 \
+                 | tee -a "$out/bench_serve.log" | tail -2
+             done
+             python3 scripts/bench_serve.py --streams 32,64 --prompt 1000 --shape llama3-8b --dtype fp16 2>&1 \
+               | tee -a "$out/bench_serve.log" | tail -2 ;;
     wgmma)   # Hopper's warpgroup intrinsics on the GPU (first the descriptor model, byte by byte), then the
              # wgmma matmul versions against the shipped tile and cuBLAS
              python3 scripts/kernels/wgmma_probe.py 2>&1 | tee "$out/wgmma_probe.log" | tail -16
