@@ -4,9 +4,10 @@ The reference is pycalm.cpu.reference.sample_ref at temperature 0 (numpy's argma
 maximum). With scratch (what the engine launches): pass 1, ARGMAX_BLOCKS blocks each take a
 grid-stride share of the logits and write their best (value, id) pair to scratch; pass 2, one
 block picks the best pair (largest value, then lowest id). One block alone (the fallback
-without scratch) is latency-bound; the two passes spread the loads over the SMs.
-block_argmax, the one-block pass as a device function, is also the greedy row of
-pycalm.kernels.sample.sample_rows_kernel (a block a row).
+without scratch) issues a thread's loads BATCH at a time (load_batch: one L2 round trip a batch,
+not one a logit), and is still bound by those round trips; the two passes spread the loads over
+the SMs. block_argmax, the one-block pass as a device function, is also the greedy row of
+pycalm.kernels.sample.sample_rows_kernel (a block a row), whose passes take load_batch too.
 
 Bytes moved: vocab_size * 4 (the logits), the blocks' pairs written and read, the token.
 """
@@ -22,6 +23,18 @@ from pycalm.kernels.common import STATE_TOKEN, as_f32, as_i32, dependent_start
 THREADS = 1024  # the one-block argmax, and at most the final pass
 ARGMAX_BLOCKS = 128  # pass-1 blocks: ~1 per SM, each ~1000 logits with 512 threads
 ARGMAX_THREADS = 512
+BATCH = 8  # logits a thread loads at once where one block walks a row (one L2 round trip a batch)
+
+
+@cuda.jit(device=True, inline=True)
+def load_batch(logits, i0, step, xs):  # noqa: ANN001, ANN202
+    """xs[u] = logits[i0 + u * step] for u < BATCH (past the end: the last logit, which the
+    caller skips): a thread's BATCH loads issued together, so a walk over the row costs one L2
+    round trip per BATCH elements of a thread instead of one per element (the loops that use them
+    compare or hold atomics, past which the compiler does not move the next element's load)."""
+    last = logits.shape[0] - 1
+    for u in range(BATCH):
+        xs[u] = logits[min(i0 + u * step, last)]
 
 
 @cuda.jit(device=True, inline=True)
@@ -64,13 +77,17 @@ def block_argmax(logits, warp_v, warp_i):  # noqa: ANN001, ANN202
     nothing is above -inf, or all NaN), valid in warp 0. warp_v / warp_i: float32 / int32
     shared arrays of 32. Also the greedy rows of pycalm.kernels.sample.sample_rows_kernel."""
     n = logits.shape[0]
+    step = cuda.blockDim.x
+    xs = cuda.local.array(BATCH, float32)  # a batch of this thread's logits
     best_v = float32(-math.inf)
     best_i = int32(n)
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):  # ascending ids: strict > keeps the first
-        v = logits[i]
-        if v > best_v:
-            best_v = v
-            best_i = int32(i)
+    for i0 in range(cuda.threadIdx.x, n, step * BATCH):
+        load_batch(logits, i0, step, xs)
+        for u in range(BATCH):  # ascending ids: strict > keeps the first
+            i = i0 + u * step
+            if i < n and xs[u] > best_v:
+                best_v = xs[u]
+                best_i = int32(i)
     best_v, best_i = _block_best(best_v, best_i, warp_v, warp_i, n)
     return best_i if best_i < n else int32(0)  # all -inf / NaN: token 0
 

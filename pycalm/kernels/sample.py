@@ -43,7 +43,7 @@ one block):
     before its crossing bin and in it) and hands them to the same sorted walk, its top-p share
     taken of the whole vocabulary's mass.
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
-    loads its logits BATCH at a time (_batch), so a pass waits for one L2 round trip per BATCH
+    loads its logits BATCH at a time (argmax.load_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
     on the few bins most logits share: each warp adds into a histogram of its own, and the
     warps' histograms are summed after the pass (_merge). (Timings: docs/BENCHMARKS.md.)
@@ -67,7 +67,7 @@ from numba import cuda, float32, int32, uint32
 from pycalm.cpu.reference import check_sampling
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.kernels.argmax import argmax, block_argmax
+from pycalm.kernels.argmax import BATCH, argmax, block_argmax, load_batch
 from pycalm.kernels.common import (
     STATE_POS,
     STATE_TOKEN,
@@ -86,7 +86,6 @@ HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (sum
 # the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
 # passes (_walk_kept); fewer under the simulator, so that the tests cover both ways
 KEPT = 32 if _numba_config.ENABLE_CUDASIM else 512
-BATCH = 8  # logits a thread loads at once in the sample kernel's passes (one L2 round trip)
 MODE_COUNT = 0  # first element where the running count >= n
 MODE_MASS_GE = 1  # first element where the running mass >= target (top-p)
 MODE_MASS_GT = 2  # first element where the running mass > target (the coin walk)
@@ -186,17 +185,6 @@ def _scan_bins(hist_n, hist_mass, mode, target_n, target_mass, base_c, base_s, a
 
 
 @cuda.jit(device=True, inline=True)
-def _batch(logits, i0, step, xs):  # noqa: ANN001, ANN202
-    """xs[u] = logits[i0 + u * step] for u < BATCH (past the end: the last logit, which the
-    caller skips): a thread's BATCH loads of a pass issued together, so a pass costs one L2 round
-    trip per BATCH elements of a thread instead of one per element (the loops that use them hold
-    atomics, past which the compiler does not move the next element's load)."""
-    last = logits.shape[0] - 1
-    for u in range(BATCH):
-        xs[u] = logits[min(i0 + u * step, last)]
-
-
-@cuda.jit(device=True, inline=True)
 def _clear(hist_n, hist_mass):  # noqa: ANN001, ANN202
     for b in range(cuda.threadIdx.x, (cuda.blockDim.x // 32) * BINS, cuda.blockDim.x):
         hist_n[b] = int32(0)
@@ -246,7 +234,7 @@ def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cr
         run_n = int32(0)
         run_mass = float32(0.0)
         for i0 in range(tid, n, n_threads * BATCH):
-            _batch(logits, i0, n_threads, xs)
+            load_batch(logits, i0, n_threads, xs)
             for u in range(BATCH):
                 x = xs[u]
                 k = _ukey(x)
@@ -303,7 +291,7 @@ def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cr
             best[0] = n
         cuda.syncthreads()  # best is reset before the atomic min
         for i0 in range(tid, n, n_threads * BATCH):
-            _batch(logits, i0, n_threads, xs)
+            load_batch(logits, i0, n_threads, xs)
             for u in range(BATCH):
                 if i0 + u * n_threads < n and _ukey(xs[u]) == prefix:
                     cuda.atomic.min(best, 0, int32(i0 + u * n_threads))
@@ -398,7 +386,7 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
     cuda.syncthreads()  # the slot counter is zero before anyone takes a slot
     xs = cuda.local.array(BATCH, float32)
     for i0 in range(tid, n, n_threads * BATCH):
-        _batch(logits, i0, n_threads, xs)
+        load_batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
             i = i0 + u * n_threads
             k = uint32(_ukey(xs[u]))
@@ -449,7 +437,7 @@ def _sample_row(
     xs = cuda.local.array(BATCH, float32)  # a batch of this thread's logits
     m_thread = float32(-math.inf)
     for i0 in range(tid, n, n_threads * BATCH):
-        _batch(logits, i0, n_threads, xs)
+        load_batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
             m_thread = max(m_thread, xs[u])  # (past the end: the last logit again, harmless here)
     m = block_reduce_max(m_thread, scratch)
@@ -457,7 +445,7 @@ def _sample_row(
     total = float32(0.0)
     n_min_p = float32(0.0)
     for i0 in range(tid, n, n_threads * BATCH):
-        _batch(logits, i0, n_threads, xs)
+        load_batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
             if i0 + u * n_threads < n:
                 p = math.exp((xs[u] - m) * inv_t)
