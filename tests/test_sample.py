@@ -78,12 +78,14 @@ def test_sample_matches_ref(temperature, top_k, top_p, min_p, vocab):
         assert int(state.copy_to_host()[0]) == want, (step, float(coins[step]))
 
 
-def test_sample_orders_equal_logits_by_id():
-    # ten equal top logits: the walk takes them in id order, so coin c picks the floor(10c)-th
+@pytest.mark.parametrize("equal", [10, 40])
+def test_sample_orders_equal_logits_by_id(equal):
+    # equal top logits: the walk takes them in id order, so coin c picks the floor(equal c)-th;
+    # ten fit KEPT (32 here: the crossing bin is sorted), forty take the radix passes over the ids
     logits = np.full(300, -5.0, np.float32)
-    ids = np.array([250, 3, 77, 120, 9, 199, 44, 160, 281, 60])
+    ids = np.random.default_rng(equal).permutation(300)[:equal]
     logits[ids] = 20.0
-    coins = np.array([0.05, 0.35, 0.95], np.float32)
+    coins = np.array([0.0125, 0.3375, 0.9625], np.float32)  # halfway between tenths and fortieths
     d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
     stream = cuda.stream()
     for step, coin in enumerate(coins):
@@ -91,7 +93,7 @@ def test_sample_orders_equal_logits_by_id():
         sample(d_logits, state, d_coins, SamplingParams(1.0), stream=stream, threads=THREADS)
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 1.0, coin=float(coin))
-        assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * 10)]
+        assert int(state.copy_to_host()[0]) == np.sort(ids)[int(coin * equal)]
 
 
 @pytest.mark.parametrize("top_k", [5, 12])

@@ -32,7 +32,7 @@ one block):
     them by an atomic min (j == 0, the usual case) or 3 more radix passes over the id bits.
   * A row: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
     (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
-    the walk (a mass select): 7 to 17 passes over the logits. The three selects share one
+    the walk (a mass select): up to 17 passes over the logits (temperature alone: 4 or 5). The three selects share one
     call site in a loop over stages (the select is compiled once: half the PTX).
   * Once a cut leaves at most KEPT tokens (top-k, min-p or top-p keep a few dozen of a real
     model's vocabulary), one more pass gathers them into shared memory, each finds its rank by
@@ -41,7 +41,11 @@ one block):
     remaining selects' radix passes are skipped. A top-p select with nothing cut before it
     (the CLI's default) stops as soon as a pass leaves at most KEPT candidates (the elements
     before its crossing bin and in it) and hands them to the same sorted walk, its top-p share
-    taken of the whole vocabulary's mass.
+    taken of the whole vocabulary's mass. The coin walk over many tokens stops as soon as the
+    bin it crosses in holds at most KEPT (after one or two passes on a 128k vocabulary: a bin of
+    16 key bits holds about a hundred logits), gathers that bin alone, sorts it and walks on
+    from the mass before it (_walk_bin): one pass in place of the last radix passes and the
+    tie pass.
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
     loads its logits BATCH at a time (argmax.load_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
@@ -80,7 +84,7 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 
-SAMPLE_THREADS = 512  # the sample kernels need ~107 registers a thread: 1024 would not launch
+SAMPLE_THREADS = 512  # the sample kernels need 80-114 registers a thread: 1024 would not launch
 BINS = 256
 HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (summed into the first)
 # the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
@@ -205,12 +209,18 @@ def _merge(hist_n, hist_mass):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few):  # noqa: ANN001, ANN202
+def _select(
+    logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few, in_bin
+):  # noqa: ANN001, ANN202, E501
     """All threads of the block. The element of the walk order where the running count reaches
     target_n (MODE_COUNT) or the running mass reaches / exceeds target_mass -> (its rank, its token id, the
-    running mass through it, 0). Or, as soon as a pass leaves at most `few` candidates (the
+    running mass through it, 0, 0). Or, as soon as a pass leaves at most `few` candidates (the
     elements before the crossing bin and in it: a prefix of the walk order, every key at least
-    the bin's lowest), -> (their count, -1, 0, that lowest key) for the caller to sort them."""
+    the bin's lowest), -> (their count, -1, 0, that lowest key, 0) for the caller to sort them.
+    Or (in_bin) as soon as the crossing bin holds at most KEPT elements -> (the elements before
+    it, -2, their mass, the bin's key bits, their mask) for the caller to sort the bin's
+    elements and walk on from that mass (_walk_bin): the coin walk's last passes and its tie
+    pass become one gathering pass."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
@@ -275,7 +285,9 @@ def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cr
         mass_above += cross_mass[0]
         ties = cross[2]
         if cnt_above + ties <= few and prefix != int32(0):
-            return cnt_above + ties, int32(-1), float32(0.0), prefix  # block-uniform (cross)
+            return cnt_above + ties, int32(-1), float32(0.0), prefix, int32(0)  # block-uniform (cross)
+        if in_bin and ties <= int32(KEPT):
+            return cnt_above, int32(-2), mass_above, prefix, prefix_mask  # block-uniform (cross)
     # equal keys are equal logits: the crossing is at the j-th of them in id order
     p_tie = math.exp((_key_value(prefix) - m) * inv_t)
     if mode == MODE_COUNT:
@@ -327,7 +339,7 @@ def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cr
             id_mask = int32(id_mask | (int32(255) << shift))
             below += cross[1]
     cuda.syncthreads()  # everyone has read cross / best before a later select rewrites them
-    return cnt_above + j, idx, mass_above + float32(j + 1) * p_tie, int32(0)
+    return cnt_above + j, idx, mass_above + float32(j + 1) * p_tie, int32(0), int32(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -368,16 +380,12 @@ def _warp_total(p, k):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
-    """All threads of the block. The top-p cut (top_p < 1) and the coin walk over a few
-    candidates (at most KEPT): a prefix of the walk order, every token whose key (unsigned) is
-    above edge_key, or equal to it with an id up to edge_id. Either the kept tokens themselves
-    (edge_key: the last kept token's key, edge_id: its id; denom 0: the top-p share is of their
-    own total) or a top-p select's candidates (edge_key: one below their lowest key, edge_id -1;
-    denom: the total mass the share is of). One pass gathers them into hist_mass / hist_n [0, K);
-    each finds its rank in the walk order by comparing with all the others (K^2 shared loads,
-    broadcast) and puts its p there in hist_mass / hist_n [KEPT, KEPT + K); warp 0 finds the
-    top-p cut and the coin's crossing in rank order. -> the token id."""
+def _gather_sorted(logits, m, inv_t, edge_key, edge_id, mask, bits, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. Gathers at most KEPT tokens, those whose key (unsigned) is above
+    edge_key, or equal to it with an id up to edge_id, and whose key bits under mask are `bits`
+    (mask 0: any key), into hist_mass / hist_n [0, K) in one pass; each finds its rank in the walk
+    order by comparing with all the others (K^2 shared loads, broadcast) and puts its p there in
+    hist_mass / hist_n [KEPT, KEPT + K). -> K, the count gathered."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
@@ -389,13 +397,14 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
         load_batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
             i = i0 + u * n_threads
-            k = uint32(_ukey(xs[u]))
-            if i < n and (k > edge_key or (k == edge_key and i <= edge_id)):
+            key = _ukey(xs[u])
+            k = uint32(key)
+            if i < n and (key & mask) == bits and (k > edge_key or (k == edge_key and i <= edge_id)):
                 slot = cuda.atomic.add(best, 0, int32(1))
                 if slot < KEPT:
                     hist_mass[slot] = xs[u]
                     hist_n[slot] = int32(i)
-    cuda.syncthreads()  # every kept token is in its slot
+    cuda.syncthreads()  # every gathered token is in its slot
     n_kept = min(best[0], int32(KEPT))
     cuda.syncthreads()  # everyone has read the count before best is reused
     for e in range(tid, n_kept, n_threads):
@@ -409,18 +418,50 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
                 r += int32(1)
         hist_mass[KEPT + r] = math.exp((xe - m) * inv_t)
         hist_n[KEPT + r] = ie
-    cuda.syncthreads()  # the kept tokens are in walk order
-    if tid < 32:
+    cuda.syncthreads()  # the gathered tokens are in walk order
+    return n_kept
+
+
+@cuda.jit(device=True, inline=True)
+def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The top-p cut (top_p < 1) and the coin walk over a few
+    candidates (at most KEPT): a prefix of the walk order, every token whose key (unsigned) is
+    above edge_key, or equal to it with an id up to edge_id. Either the kept tokens themselves
+    (edge_key: the last kept token's key, edge_id: its id; denom 0: the top-p share is of their
+    own total) or a top-p select's candidates (edge_key: one below their lowest key, edge_id -1;
+    denom: the total mass the share is of). _gather_sorted puts them in walk order; warp 0 finds
+    the top-p cut and the coin's crossing in rank order. -> the token id."""
+    n_kept = _gather_sorted(logits, m, inv_t, edge_key, edge_id, int32(0), int32(0), hist_n, hist_mass, best)
+    if cuda.threadIdx.x < 32:
         p = hist_mass[KEPT:]
         keep = n_kept
         if top_p < float32(1.0):  # the first prefix whose share reaches top_p
             total = denom if denom > float32(0.0) else _warp_total(p, n_kept)
             keep = _warp_first(p, n_kept, top_p * total, MODE_MASS_GE) + int32(1)
         r = _warp_first(p, keep, coin * _warp_total(p, keep), MODE_MASS_GT)
-        if tid == 0:
+        if cuda.threadIdx.x == 0:
             best[0] = r
     cuda.syncthreads()  # best holds the rank
     return hist_n[KEPT + best[0]]
+
+
+@cuda.jit(device=True, inline=True)
+def _walk_bin(logits, m, inv_t, bits, mask, above, target, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
+    """All threads of the block. The coin walk inside the bin where it crosses (the tokens whose
+    key bits under mask are `bits`, at most KEPT), the running mass starting at `above` (the mass
+    of the tokens before the bin): _gather_sorted puts the bin in walk order and warp 0 finds
+    the first rank where the running mass exceeds target (the bin's last if rounding leaves none).
+    -> (that rank in the bin, the token id)."""
+    n_kept = _gather_sorted(
+        logits, m, inv_t, uint32(0), int32(logits.shape[0]), mask, bits, hist_n, hist_mass, best
+    )
+    if cuda.threadIdx.x < 32:
+        r = _warp_first(hist_mass[KEPT:], n_kept, target - above, MODE_MASS_GT)
+        if cuda.threadIdx.x == 0:
+            best[0] = r
+    cuda.syncthreads()  # best holds the rank
+    rank = best[0]
+    return rank, hist_n[KEPT + rank]
 
 
 @cuda.jit(device=True, inline=True)
@@ -498,12 +539,19 @@ def _sample_row(
             r = int32(0)
             mass_through = mass
         else:
-            # top-p with nothing cut before it: stop the select once a pass leaves few candidates
+            # top-p with nothing cut before it: stop the select once a pass leaves few candidates;
+            # the coin walk: once the bin it crosses in holds few tokens
             few = int32(KEPT) if stage == int32(1) and cut == int32(n) else int32(0)
-            r, idx, mass_through, low = _select(
-                logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few
-            )
-            if idx < int32(0):  # they hold the top-p cut: sort them, cut and walk
+            r, idx, mass_through, low, low_mask = _select(
+                logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few,
+                stage == int32(2),
+            )  # fmt: skip
+            if idx == int32(-2):  # the coin walk's bin: sort it and walk on from the mass before it
+                rank, idx = _walk_bin(
+                    logits, m, inv_t, low, low_mask, mass_through, target_mass, hist_n, hist_mass, best
+                )
+                r += rank
+            elif idx < int32(0):  # they hold the top-p cut: sort them, cut and walk
                 edge_key = uint32(low) - uint32(1)  # keys >= low (low is never 0)
                 idx = _walk_kept(
                     logits, m, inv_t, coin, top_p, mass, edge_key, int32(-1), hist_n, hist_mass, best
