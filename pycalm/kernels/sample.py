@@ -30,10 +30,11 @@ one block):
     (shared-memory atomics), and one warp scans the 256 bins (shuffle prefix sums) for the
     crossing bin. Equal keys (equal logits) are then ordered by id: the j-th smallest id among
     them by an atomic min (j == 0, the usual case) or 3 more radix passes over the id bits.
-  * A row: max (1 pass), total mass and the min-p count (1 pass), the top-k / min-p cut
-    (a count select, only when it cuts), the top-p cut (a mass select, only when top_p < 1),
-    the walk (a mass select): up to 17 passes over the logits (temperature alone: 4 or 5). The three selects share one
-    call site in a loop over stages (the select is compiled once: half the PTX).
+  * A row: max and total mass (1 pass: each thread rescales its sum when its max grows), the
+    min-p count (1 pass, only with min-p), the top-k / min-p cut (a count select, only when it
+    cuts), the top-p cut (a mass select, only when top_p < 1), the walk (a mass select): up to
+    17 passes over the logits (temperature alone: 3 or 4). The three selects share one call
+    site in a loop over stages (the select is compiled once: half the PTX).
   * Once a cut leaves at most KEPT tokens (top-k, min-p or top-p keep a few dozen of a real
     model's vocabulary), one more pass gathers them into shared memory, each finds its rank by
     comparing with the others, and warp 0 finds the top-p cut (if not yet made) and the coin's
@@ -84,7 +85,7 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 
-SAMPLE_THREADS = 512  # the sample kernels need 80-114 registers a thread: 1024 would not launch
+SAMPLE_THREADS = 512  # the sample kernels need about 96 registers a thread: 1024 would not launch
 BINS = 256
 HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (summed into the first)
 # the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
@@ -476,25 +477,32 @@ def _sample_row(
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
     xs = cuda.local.array(BATCH, float32)  # a batch of this thread's logits
+    # the largest logit and the total mass (p relative to the largest, which is 1) in one pass:
+    # each thread sums p relative to its own largest so far, rescaling its sum when that grows
     m_thread = float32(-math.inf)
+    s_thread = float32(0.0)
     for i0 in range(tid, n, n_threads * BATCH):
         load_batch(logits, i0, n_threads, xs)
         for u in range(BATCH):
-            m_thread = max(m_thread, xs[u])  # (past the end: the last logit again, harmless here)
+            x = xs[u]
+            if i0 + u * n_threads < n and x > float32(-math.inf):
+                if x > m_thread:
+                    s_thread *= math.exp((m_thread - x) * inv_t)
+                    m_thread = x
+                s_thread += math.exp((x - m_thread) * inv_t)
     m = block_reduce_max(m_thread, scratch)
-    # p relative to the largest (which is 1): total mass and the min-p count in one pass
-    total = float32(0.0)
-    n_min_p = float32(0.0)
-    for i0 in range(tid, n, n_threads * BATCH):
-        load_batch(logits, i0, n_threads, xs)
-        for u in range(BATCH):
-            if i0 + u * n_threads < n:
-                p = math.exp((xs[u] - m) * inv_t)
-                total += p
-                if p >= min_p:
+    if s_thread > float32(0.0):
+        s_thread *= math.exp((m_thread - m) * inv_t)
+    total = block_reduce_sum(s_thread, scratch)
+    n_min_p = float32(n)
+    if min_p > float32(0.0):  # the min-p count needs the largest first: a pass of its own
+        n_min_p = float32(0.0)
+        for i0 in range(tid, n, n_threads * BATCH):
+            load_batch(logits, i0, n_threads, xs)
+            for u in range(BATCH):
+                if i0 + u * n_threads < n and math.exp((xs[u] - m) * inv_t) >= min_p:
                     n_min_p += float32(1.0)
-    total = block_reduce_sum(total, scratch)
-    n_min_p = block_reduce_sum(n_min_p, scratch)  # exact: counts below 2^24
+        n_min_p = block_reduce_sum(n_min_p, scratch)  # exact: counts below 2^24
     n_keep = int32(n)
     if top_k > 0:
         n_keep = min(n_keep, top_k)
