@@ -33,8 +33,9 @@ one block):
   * A row: max and total mass (1 pass: each thread rescales its sum when its max grows), the
     min-p count (1 pass, only with min-p), the top-k / min-p cut (a count select, only when it
     cuts), the top-p cut (a mass select, only when top_p < 1), the walk (a mass select): up to
-    17 passes over the logits (temperature alone: 3 or 4). The three selects share one call
-    site in a loop over stages (the select is compiled once: half the PTX).
+    17 passes over the logits, most often 3 to 8 (temperature alone: 3 or 4). The three
+    selects share one call site in a loop over stages (the select is compiled once: half the
+    PTX).
   * Once a cut leaves at most KEPT tokens (top-k, min-p or top-p keep a few dozen of a real
     model's vocabulary), one more pass gathers them into shared memory, each finds its rank by
     comparing with the others, and warp 0 finds the top-p cut (if not yet made) and the coin's
@@ -42,11 +43,11 @@ one block):
     remaining selects' radix passes are skipped. A top-p select with nothing cut before it
     (the CLI's default) stops as soon as a pass leaves at most KEPT candidates (the elements
     before its crossing bin and in it) and hands them to the same sorted walk, its top-p share
-    taken of the whole vocabulary's mass. The coin walk over many tokens stops as soon as the
-    bin it crosses in holds at most KEPT (after one or two passes on a 128k vocabulary: a bin of
-    16 key bits holds about a hundred logits), gathers that bin alone, sorts it and walks on
-    from the mass before it (_walk_bin): one pass in place of the last radix passes and the
-    tie pass.
+    taken of the whole vocabulary's mass. Every other select (the top-k / min-p count, the
+    top-p cut, the coin walk) stops as soon as the bin it crosses in holds at most KEPT (after
+    one or two passes on a 128k vocabulary: a bin of 16 key bits holds about a hundred logits),
+    gathers that bin alone, sorts it and walks on from the tokens before it (_walk_bin): one
+    pass in place of the last radix passes and the tie pass.
   * Every pass is latency-bound (16 warps on one SM, ~250 logits a thread over 128k): a thread
     loads its logits BATCH at a time (argmax.load_batch), so a pass waits for one L2 round trip per BATCH
     elements instead of one per element. The histogram passes' shared-memory atomics queue
@@ -210,18 +211,16 @@ def _merge(hist_n, hist_mass):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _select(
-    logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few, in_bin
-):  # noqa: ANN001, ANN202, E501
+def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few):  # noqa: ANN001, ANN202, E501
     """All threads of the block. The element of the walk order where the running count reaches
     target_n (MODE_COUNT) or the running mass reaches / exceeds target_mass -> (its rank, its token id, the
     running mass through it, 0, 0). Or, as soon as a pass leaves at most `few` candidates (the
     elements before the crossing bin and in it: a prefix of the walk order, every key at least
     the bin's lowest), -> (their count, -1, 0, that lowest key, 0) for the caller to sort them.
-    Or (in_bin) as soon as the crossing bin holds at most KEPT elements -> (the elements before
-    it, -2, their mass, the bin's key bits, their mask) for the caller to sort the bin's
-    elements and walk on from that mass (_walk_bin): the coin walk's last passes and its tie
-    pass become one gathering pass."""
+    Or as soon as the crossing bin holds at most KEPT elements -> (the elements before it, -2,
+    their mass, the bin's key bits, their mask) for the caller to sort the bin's elements and
+    walk on from there (_walk_bin): the select's last radix passes and its tie pass become one
+    gathering pass."""
     n = logits.shape[0]
     tid = cuda.threadIdx.x
     n_threads = cuda.blockDim.x
@@ -287,7 +286,7 @@ def _select(
         ties = cross[2]
         if cnt_above + ties <= few and prefix != int32(0):
             return cnt_above + ties, int32(-1), float32(0.0), prefix, int32(0)  # block-uniform (cross)
-        if in_bin and ties <= int32(KEPT):
+        if ties <= int32(KEPT):
             return cnt_above, int32(-2), mass_above, prefix, prefix_mask  # block-uniform (cross)
     # equal keys are equal logits: the crossing is at the j-th of them in id order
     p_tie = math.exp((_key_value(prefix) - m) * inv_t)
@@ -447,22 +446,47 @@ def _walk_kept(logits, m, inv_t, coin, top_p, denom, edge_key, edge_id, hist_n, 
 
 
 @cuda.jit(device=True, inline=True)
-def _walk_bin(logits, m, inv_t, bits, mask, above, target, hist_n, hist_mass, best):  # noqa: ANN001, ANN202
-    """All threads of the block. The coin walk inside the bin where it crosses (the tokens whose
-    key bits under mask are `bits`, at most KEPT), the running mass starting at `above` (the mass
-    of the tokens before the bin): _gather_sorted puts the bin in walk order and warp 0 finds
-    the first rank where the running mass exceeds target (the bin's last if rounding leaves none).
-    -> (that rank in the bin, the token id)."""
+def _walk_bin(
+    logits,
+    m,
+    inv_t,
+    bits,
+    mask,
+    mode,
+    target_n,
+    target_mass,
+    above_n,
+    above_mass,
+    hist_n,
+    hist_mass,
+    cross_mass,
+    best,
+):  # noqa: ANN001, ANN202, E501
+    """All threads of the block. A select's crossing inside the bin where it crosses (the tokens
+    whose key bits under mask are `bits`, at most KEPT), after above_n tokens of mass above_mass
+    before the bin: _gather_sorted puts the bin in walk order, and warp 0 finds the first rank
+    where the running count reaches target_n (MODE_COUNT) or the running mass, from above_mass,
+    reaches / exceeds target_mass (the bin's last if rounding leaves none), and the bin's mass
+    through it. -> (that rank in the bin, its token id, that mass)."""
     n_kept = _gather_sorted(
         logits, m, inv_t, uint32(0), int32(logits.shape[0]), mask, bits, hist_n, hist_mass, best
     )
     if cuda.threadIdx.x < 32:
-        r = _warp_first(hist_mass[KEPT:], n_kept, target - above, MODE_MASS_GT)
+        p = hist_mass[KEPT:]
+        if mode == MODE_COUNT:
+            r = max(int32(0), min(target_n - above_n - int32(1), n_kept - int32(1)))
+        else:
+            r = _warp_first(p, n_kept, target_mass - above_mass, mode)
+        through = _warp_total(p, r + int32(1))
         if cuda.threadIdx.x == 0:
             best[0] = r
-    cuda.syncthreads()  # best holds the rank
+            cross_mass[1] = through
+    cuda.syncthreads()  # best holds the rank, cross_mass[1] the mass through it
     rank = best[0]
-    return rank, hist_n[KEPT + rank]
+    idx = hist_n[KEPT + rank]
+    through = cross_mass[1]
+    cuda.syncthreads()  # everyone has read them before a later select rewrites them
+    return rank, idx, through
 
 
 @cuda.jit(device=True, inline=True)
@@ -548,17 +572,16 @@ def _sample_row(
             mass_through = mass
         else:
             # top-p with nothing cut before it: stop the select once a pass leaves few candidates;
-            # the coin walk: once the bin it crosses in holds few tokens
+            # any select: once the bin it crosses in holds at most KEPT tokens
             few = int32(KEPT) if stage == int32(1) and cut == int32(n) else int32(0)
             r, idx, mass_through, low, low_mask = _select(
-                logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few,
-                stage == int32(2),
+                logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cross, cross_mass, best, few
             )  # fmt: skip
-            if idx == int32(-2):  # the coin walk's bin: sort it and walk on from the mass before it
-                rank, idx = _walk_bin(
-                    logits, m, inv_t, low, low_mask, mass_through, target_mass, hist_n, hist_mass, best
-                )
+            if idx == int32(-2):  # the crossing bin: sort it and walk on from the tokens before it
+                rank, idx, through = _walk_bin(logits, m, inv_t, low, low_mask, mode, target_n, target_mass, r,
+                                               mass_through, hist_n, hist_mass, cross_mass, best)  # fmt: skip
                 r += rank
+                mass_through += through
             elif idx < int32(0):  # they hold the top-p cut: sort them, cut and walk
                 edge_key = uint32(low) - uint32(1)  # keys >= low (low is never 0)
                 idx = _walk_kept(
