@@ -3,7 +3,7 @@
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
-#                           [matmul-tests] [sanitize-matmul] [serve-musts]
+#                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -177,6 +177,15 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/bench_serve.py --streams 1 --prompt 2000 --new 128 --context 4096 $how \
                  --shape llama3-8b --dtype fp16 2>&1 | tee -a "$out/bench_serve.log" | tail -2
              done ;;
+    sample)  # the sampler's passes (the selects' bin walk, max and mass in one pass, the batched
+             # one-block argmax): its GPU tests, its kernel table beside docs/BENCHMARKS.md's
+             # (temperature alone 0.38 ms, top-p 0.34, top-k + top-p 0.44 over 128,256 logits), and
+             # its tests under racecheck and memcheck (the stages share shared memory)
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/test_sample.py tests/test_sample_rows.py \
+               2>&1 | tee "$out/tests_sample.log" | tail -4
+             python3 scripts/kernels/sample.py 2>&1 | tee "$out/kernels_sample.log" | tail -14
+             SANITIZE_GPUS=0,0 bash scripts/sanitize.sh racecheck,memcheck tests test_sample test_sample_rows 2>&1 \
+               | tail -6 ;;
     serve-musts)  # issue 31's acceptance rows alone (about 250 s on an H100): fp16 at 1 to 128 streams,
              # one greedy stream (the token step's tok/s is greedy), q8 and q4 at 32 and 64, and
              # fp16 with 1,000-token prompts at 32 and 64
