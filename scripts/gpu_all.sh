@@ -3,7 +3,7 @@
 #   bash scripts/gpu_all.sh [tests] [kernels] [bench] [plain] [attention] [prefill] [mixtral] [verify] [real GGUF GOLDEN] [cli GGUF] [sanitize TOOL tests|steps ITEMS] [long]
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
-#                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample]
+#                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -186,6 +186,14 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/sample.py 2>&1 | tee "$out/kernels_sample.log" | tail -14
              SANITIZE_GPUS=0,0 bash scripts/sanitize.sh racecheck,memcheck tests test_sample test_sample_rows 2>&1 \
                | tail -6 ;;
+    prompt-eager)  # a short prompt's pass as generate runs it (engine.prefill: plain launches from
+             # Python, wall clock to the stream's end) beside the captured rows pass of the same rows
+             # (graph replays), q4 and fp16: what the launches add to a chat turn's first token and to
+             # bench.py --invariant-decode's figure from the call (its 15-row prompt)
+             python3 scripts/bench.py --prefill --no-decode --lengths 8,16,64 --shapes llama3-8b --dtypes q4,fp16 \
+               --split none 2>&1 | tee "$out/bench_prompt_eager.log" | tail -6
+             python3 scripts/bench.py --rows 8,16,64 --shapes llama3-8b --dtypes q4,fp16 2>&1 \
+               | tee -a "$out/bench_prompt_eager.log" | tail -4 ;;
     serve-musts)  # issue 31's acceptance rows alone (about 250 s on an H100): fp16 at 1 to 128 streams,
              # one greedy stream (the token step's tok/s is greedy), q8 and q4 at 32 and 64, and
              # fp16 with 1,000-token prompts at 32 and 64
