@@ -78,6 +78,23 @@ def test_sample_matches_ref(temperature, top_k, top_p, min_p, vocab):
         assert int(state.copy_to_host()[0]) == want, (step, float(coins[step]))
 
 
+def test_sample_rising_logits():
+    # logits rising with the id: every logit a thread loads is its largest so far, so the pass
+    # that finds the largest and the total mass together rescales its running sum at every one
+    vocab = 1237
+    logits = np.linspace(-12.0, 9.0, vocab).astype(np.float32)
+    coins = np.array([0.0, 0.1, 0.37, 0.62, 0.9, 0.999], np.float32)
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for settings in (SamplingParams(0.7), SamplingParams(1.5, top_p=0.8)):
+        for step, coin in enumerate(coins):
+            state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+            sample(d_logits, state, d_coins, settings, stream=stream, threads=THREADS)
+            stream.synchronize()
+            want = sample_ref(logits, settings.temperature, 0, settings.top_p, 0.0, float(coin))
+            assert int(state.copy_to_host()[0]) == want, (settings, float(coin))
+
+
 @pytest.mark.parametrize("equal", [10, 40])
 def test_sample_orders_equal_logits_by_id(equal):
     # equal top logits: the walk takes them in id order, so coin c picks the floor(equal c)-th;
