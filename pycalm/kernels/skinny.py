@@ -39,20 +39,21 @@ tiles take too.
 A unit's weights are decoded once for all the n-tiles.
 
 Blocks and warps. A block takes row_tiles 16-row tiles of W (GATE: 8 outputs each; ROW_TILES: two in
-passes of 17 to 64 rows (gf4 to 32; q4 and gf4 from 9), one below) and its warps (WARPS, or LONG_WARPS for rows longer
-than LONG_K) split K. Each warp holds the A fragments of all the block's tiles, so one load of X
-serves them all: X is read from L2 once a block, and at 64 rows that read is 4 (fp16) to 16 (4-bit)
-times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive steps w, w + warps, ...
-(a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD registers, or X_AHEAD's for
-the format and rows, are issued together, then decoded and multiplied). The chunks whose columns all
-lie in K load without checks (a row past N reads the last row, a token past T the last token's X:
-their sums are never stored); only the last chunk, past K in part, checks its loads (zeros past K).
-The warps' partial sums meet in shared memory, a tile at a time (in parts of whole n-tiles where 16
-warps' sums would pass the 48 KiB of static shared memory), and are added in warp order, one thread
-an output, which then applies the epilogue (the q8 row scale, the residual add or the gate). Grid:
-ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles = ceil(T / 8) mma tiles
-along the tokens, a compile-time size: the kernel is compiled for 1, 2, 4 and 8 (passes of 8, 16, 32
-and 64 rows); the tokens past T are columns of B and C whose sums are never stored (load_x).
+passes of 17 to 64 rows (gf4 to 32; q4 and gf4 from 9), one below) and its warps (WARPS, or
+LONG_WARPS for rows longer than LONG_K) split K. Each warp holds the A fragments of all the block's
+tiles, so one load of X serves them all: X is read from L2 once a block, and at 64 rows that read is
+4 (fp16) to 16 (4-bit) times a tile's weight bytes. Warp w takes the chunks of UNROLL consecutive
+steps w, w + warps, ... (a chunk's weight loads, and its X loads where they fit X_WORDS_AHEAD
+registers, or X_AHEAD's for the format and rows, are issued together, then decoded and multiplied).
+The chunks whose columns all lie in K load without checks (a row past N reads the last row, a token
+past T the last token's X: their sums are never stored); only the last chunk, past K in part, checks
+its loads (zeros past K). The warps' partial sums meet in shared memory, a tile at a time (in parts
+of whole n-tiles where 16 warps' sums would pass the 48 KiB of static shared memory), and are added
+in warp order, one thread an output, which then applies the epilogue (the q8 row scale, the residual
+add or the gate). Grid: ceil(N / (16 row_tiles)) blocks (GATE: ceil(N / (8 row_tiles))). n_tiles =
+ceil(T / 8) mma tiles along the tokens, a compile-time size: the kernel is compiled for 1, 2, 4 and
+8 (passes of 8, 16, 32 and 64 rows); the tokens past T are columns of B and C whose sums are never
+stored (load_x).
 
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
@@ -282,8 +283,10 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 xb[at + e] = int32(0)
 
     @cuda.jit(device=True, inline=True)
-    def chunk_loads(w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm):  # noqa: ANN001, ANN202
-        """wg, wh, dm = the weights of chunk `chunk` (UNROLL steps) of the lane's A tiles.
+    def chunk_product(
+        x, w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, t_rows, k_cols, g_shift, wg, wh, dm, a, xb, acc
+    ):  # noqa: ANN001, ANN202, E501
+        """acc += the products of chunk `chunk` (UNROLL steps) of the lane's A tiles and n-tiles.
         tail: the chunk reaches past K, and loads past it give zeros; else no load is checked."""
         for u in range(unroll):  # the chunk's weight loads, all in flight before the first use
             col = ((chunk * unroll + u) * 4 + t) * E  # the lane's first column
@@ -298,12 +301,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 v = u * MT + m
                 load_unit(w1, s1, min(row_g, n_rows - 1), col, ok_g, wg, v, dm, 2 * v, g_shift)
                 load_unit(w3, s3, min(row_h, n_rows - 1), col, ok_h, wh, v, dm, 2 * v + 1, g_shift)
-
-    @cuda.jit(device=True, inline=True)
-    def chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc):  # noqa: ANN001, ANN202
-        """acc += the products of chunk `chunk` of the lane's A tiles (their weights in wg, wh, dm)
-        and n-tiles."""
-        if PREFETCH_X:  # its X, all n-tiles, beside the weights in flight
+        if PREFETCH_X:  # ... and its X, all n-tiles, beside them
             for u in range(unroll):
                 col = ((chunk * unroll + u) * 4 + t) * E
                 for p in range(n_tiles):
@@ -334,15 +332,6 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                             )  # fmt: skip
 
     @cuda.jit(device=True, inline=True)
-    def chunk_product(
-        x, w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, t_rows, k_cols, g_shift, wg, wh, dm, a, xb, acc
-    ):  # noqa: ANN001, ANN202, E501
-        """acc += the products of chunk `chunk` (UNROLL steps) of the lane's A tiles and n-tiles:
-        its weights loaded, then multiplied."""
-        chunk_loads(w1, s1, w3, s3, chunk, tail, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
-        chunk_math(x, chunk, tail, g, t, t_rows, k_cols, wg, wh, dm, a, xb, acc)
-
-    @cuda.jit(device=True, inline=True)
     def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise)."""
@@ -371,8 +360,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
 
         chunk = warp
-        full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
         if PEEL:
+            full = k_cols // (unroll * STEP)  # the chunks whose columns all lie in K
             while chunk < full:  # warp-uniform
                 chunk_product(x, w1, s1, w3, s3, chunk, False, tile0, g, t, n_rows, t_rows, k_cols, g_shift,
                               wg, wh, dm, a, xb, acc)  # fmt: skip
