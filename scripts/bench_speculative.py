@@ -13,7 +13,8 @@ gives, per model, task, drafter and k:
   * tok/fwd: tokens per forward of the target (passes and plain token steps): the speed-up
     where a pass of k + 1 rows costs a token step;
   * plain and spec tok/s, end to end but for the prompt's prefill (the prompt but its last
-    token is prefilled first, untimed);
+    token is prefilled first, untimed); on the GPU, after every span's token step and the rows
+    pass's buckets of 2 to 16 rows are compiled and captured (their costs printed first);
   * same: prompts whose speculative tokens are plain decoding's (a near tie between the rows
     pass's logits and the token step's can part them without --batch-invariant; each such
     prompt is listed).
@@ -115,8 +116,13 @@ def main() -> int:
         (d, k) for d in drafters for k in k_values(args.draft_k if d == "draft" and args.draft_k else args.k)
     ]
     costs: dict[str, object] = {}
+    if args.device == "gpu":  # compile and capture before any timing: every span's token step
+        engine.prepare(SamplingParams(), range(args.context))
+        if draft_engine is not None:
+            draft_engine.prepare(SamplingParams(), range(args.context))
     for d in drafters:
-        if any(c == (d, None) for c in configs):
+        # the costs also warm the rows pass's buckets up to 16 rows (GPU: compiled and captured)
+        if args.device == "gpu" or any(c == (d, None) for c in configs):
             costs[d] = c = measure_costs(engine, 0, make_drafter(d, engine, draft_engine))
             rows = ", ".join(f"{n} rows {s / c.step:.2f}" for n, s in c.rows)
             print(f"costs ({d}): token step {c.step * 1e3:.2f} ms; passes in steps: {rows}; "
