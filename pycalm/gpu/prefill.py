@@ -232,13 +232,20 @@ class Prefill:
         from pycalm.kernels.sample import RowSampling
 
         most = ROW_BUCKETS[-1]
-        self.rows_tokens = cuda.to_device(
-            np.zeros(most, np.int32), stream=engine.stream
-        )  # (64,) the pass's ids
-        # each row's sampling options, uniform draw and sampled token (pycalm.kernels.sample.sample_rows)
-        self.row_sampling = RowSampling.allocate(most, stream=engine.stream)  # (64,) each field
-        self.row_coins = cuda.to_device(np.zeros(most, np.float32), stream=engine.stream)  # (64,)
+        # a rows pass's inputs in one int32 block that one copy a pass fills from its pinned twin
+        # (numba's copies of array slices cost tens of us of Python each: a pass of a small model
+        # takes about a millisecond): (6, 64) the ids, then each row's sampling options
+        # (temperature, top_k, top_p, min_p) and its uniform draw (float32 bits but top_k), for
+        # pycalm.kernels.sample.sample_rows
+        self._inputs_host = cuda.pinned_array((6, most), np.int32)  # (6, 64)
+        self._inputs_host[:] = 0  # (pinned memory comes uninitialised; zero options are greedy rows)
+        self._inputs = cuda.to_device(self._inputs_host, stream=engine.stream)  # (6, 64)
+        floats = self._inputs.view(np.float32)  # (6, 64) the same words as float32
+        self.rows_tokens = self._inputs[0]  # (64,) the pass's ids
+        self.row_sampling = RowSampling(floats[1], self._inputs[2], floats[3], floats[4])  # (64,) each field
+        self.row_coins = floats[5]  # (64,)
         self.row_sampled = cuda.to_device(np.zeros(most, np.int32), stream=engine.stream)  # (64,)
+        self._sampled_host = cuda.pinned_array(most, np.int32)  # (64,) row_sampled's twin
         self._rows_graphs: dict[tuple[int, bool], GraphStep] = {}  # (bucket, sampled) -> its pass
         # under the simulator (a Python thread a GPU thread) sample_rows takes blocks of 64
         self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
@@ -431,14 +438,19 @@ class Prefill:
         bucket = next(b for b in ROW_BUCKETS if b >= n)
         if not e.use_graph or pos0 + bucket > e.seq_len:
             bucket = n
-        tokens = np.zeros(bucket, np.int32)
-        tokens[:n] = ids
-        self.rows_tokens[:bucket].copy_to_device(tokens, stream=e.stream)
+        host = self._inputs_host  # (6, 64); the last pass's copy is done (rows ends in a sync)
+        host[0, :n] = ids
+        host[0, n:bucket] = 0  # padding rows feed token 0
         if samplings is not None:
+            from pycalm.kernels.sample import host_rows
+
             if len(samplings) != n or coins is None or len(coins) != n:
                 raise PycalmError(f"a rows pass of {n} tokens samples with {n} settings and {n} coins")
-            self.row_sampling.set_rows(samplings, stream=e.stream)
-            self.row_coins[:n].copy_to_device(np.asarray(coins, np.float32), stream=e.stream)
+            floats = host.view(np.float32)
+            for i, field in enumerate(host_rows(samplings)):
+                (floats if field.dtype == np.float32 else host)[1 + i, :n] = field
+            floats[5, :n] = coins
+        self._inputs.copy_to_device(host, stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
         sampled = samplings is not None
@@ -460,8 +472,14 @@ class Prefill:
         else:
             record()  # compiles the kernels; also this pass's result
             if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
-                self._rows_graphs[(bucket, sampled)] = GraphStep(e.stream, record)
-        out = (self.row_sampled if sampled else self.buffers.logits)[:n].copy_to_host(stream=e.stream)
+                self._rows_graphs[(bucket, sampled)] = GraphStep(
+                    e.stream, record, programmatic=e.programmatic
+                )
+        if sampled:
+            self.row_sampled.copy_to_host(self._sampled_host, stream=e.stream)
+            e.stream.synchronize()
+            return self._sampled_host[:n].copy()
+        out = self.buffers.logits[:n].copy_to_host(stream=e.stream)
         e.stream.synchronize()
         return out
 
