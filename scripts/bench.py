@@ -621,12 +621,14 @@ def bench_depths(
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def bench_rows(shape: str, dtype: str, rows: list[int], both: bool) -> dict:
+def bench_rows(shape: str, dtype: str, rows: list[int], both: bool, programmatic: bool | None = None) -> dict:
     """ms of a rows pass (GpuEngine.forward_rows: its captured graph replayed at position 128)
     for each row count, beside the token step's ms at the same position, in one engine; with
-    `both`, every row count also with the tiled matmul (skinny's crossover)."""
+    `both`, every row count also with the tiled matmul (skinny's crossover); programmatic as
+    EngineOptions.programmatic (both graphs' edges)."""
     cfg = fit_layers(config_for(shape, dtype, 4096), max(rows), 4096)
-    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions())
+    options = EngineOptions(programmatic=programmatic)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
     step = functools.partial(engine.graph, SamplingParams())
     step(0)
     time_replays(engine, step, 0, 16)  # warm-up
@@ -792,7 +794,7 @@ def main() -> None:
         found = []
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
-                r = bench_rows(shape, dtype, counts, args.rows_both)
+                r = bench_rows(shape, dtype, counts, args.rows_both, False if args.plain else None)
                 found.append(r)
                 print_rows([r], counts)
         print_rows(found, counts)
