@@ -780,8 +780,10 @@ class GpuEngine:
             masked = self.masked_sample_step(sampling, logprobs is not None)
         if first > start_pos:
             self.prefill(ids[:-1], start_pos)
-        feed = np.asarray(ids, np.int32)
-        self.feed[start_pos:end].copy_to_device(feed, stream=self.stream)
+        if end - 1 > first:  # the steps after the first take positions first + 1 .. end - 1 from feed
+            self.feed[first + 1 : end].copy_to_device(
+                np.asarray(ids[first + 1 - start_pos :], np.int32), stream=self.stream
+            )
         if sampling.temperature > 0:
             # the i-th sampled token uses the i-th draw of the seeded generator, as the CPU
             # Sampler does; the step at position p reads coins[p]
