@@ -18,6 +18,7 @@ from gpu import gpu_only
 from tiny_models import make_hf_llama
 
 from pycalm.app.speculative import (
+    PRIOR,
     AdaptiveK,
     Draft,
     NgramDrafter,
@@ -164,6 +165,16 @@ def test_k_grows_when_drafts_are_kept_and_stops_when_they_are_not():
     assert a.plan("other", 117) == 3  # each source apart
 
 
+def test_a_source_starts_from_its_drafters_prior():
+    """At passes of 1.7 token steps a source seen for the first time drafts where its prior
+    acceptance pays: n-gram lookup's 3-token matches (0.7: 3.1 tokens a pass of up to 9 rows)
+    but not its 1-token ones (0.3: at most 1.43 tokens)."""
+    drafter, a = NgramDrafter(), AdaptiveK(PassCosts.ratio(1.7))
+    assert drafter.prior(1) < PRIOR < drafter.prior(3)
+    assert a.plan(1, 0, drafter.prior(1)) == 0 and a.off_until(1) == 16
+    assert a.plan(3, 0, drafter.prior(3)) == 8
+
+
 def test_fixed_k_and_bad_options():
     assert AdaptiveK(None, fixed_k=5).plan("s", 0) == 5
     with pytest.raises(PycalmError):
@@ -263,6 +274,41 @@ def test_drafting_turns_itself_off_where_nothing_is_kept(model):
     assert stats.kept == 0
     assert stats.passes <= 10
     assert stats.plain_tokens >= 90
+
+
+class NothingDrafter:
+    """Finds no source: drafts nothing."""
+
+    name = "nothing"
+
+    def source(self, context: list[int]) -> None:
+        return None
+
+
+@pytest.mark.parametrize("found", [False, True], ids=["no-source", "source-off"])
+def test_plain_stretches(model, found):
+    """Where lookups find no source at all, the plain stretches (engine.generate calls) grow
+    from PLAIN_RUN (8) to PLAIN_MOST (16); a source found, even one turned off, keeps them at
+    PLAIN_RUN, so that it (or a longer match) is looked at again soon. The output is plain
+    decoding's."""
+    plain = list(engine(model).generate(PROMPT, 0, 60, GREEDY))
+    assert len(plain) == 60
+    target = engine(model)
+    runs: list[int] = []  # each engine.generate call's max_new
+    generate = target.generate
+
+    def counted(ids: list[int], pos: int, n: int, sampling: SamplingParams, *args: object) -> object:
+        runs.append(n)
+        return generate(ids, pos, n, sampling, *args)
+
+    target.generate = counted
+    options = SpeculationOptions(costs=PassCosts.ratio(1.5))
+    drafter = ScriptDrafter(PROMPT, plain, set(range(60)), 64) if found else NothingDrafter()
+    assert list(SpeculativeEngine(target, drafter, options).generate(PROMPT, 0, 60, GREEDY)) == plain
+    if not found:
+        assert options.stats.passes == 0 and runs == [8, 16, 16, 16, 4]
+    else:  # a few passes keep nothing, then the source is off and probed now and then
+        assert 2 <= options.stats.passes <= 5 and options.stats.kept == 0 and max(runs) == 8
 
 
 def test_ngram_loop_is_plain_decoding(model):
