@@ -49,18 +49,21 @@ def test_batched_gpu_rows_are_the_sequences_alone(tmp_path, arch, dtype, kv):
     for r in requests:
         sched.submit(r)
     logits: dict[int, list[np.ndarray]] = {r.id: [] for r in requests}
+    by_step: dict[int, list[bool]] = {r.id: [] for r in requests}  # each logits row: a one-row step's?
     tables: dict[int, list[int]] = {}  # each sequence's blocks, from its last plan
     mixed = 0  # steps that held a decode row and a prompt chunk
     lone: set[tuple[int, int]] = set()  # (sequence, position) of the steps of one sampled row
     while not sched.idle():
         plan = sched.schedule()
         a = plan.arrays()
-        if len(a["tokens"]) == 1 and len(a["sample_rows"]) == 1:  # the token step's kernels
+        one = len(a["tokens"]) == 1 and len(a["sample_rows"]) == 1  # the token step's kernels
+        if one:
             lone.add((plan.chunks[0].seq, int(a["positions"][0])))
         out = gpu.step(a["tokens"], a["positions"], a["seq_of_row"], a["block_table"], a["sample_rows"])
         sampling = [c for c in plan.chunks if c.sample]
         for c, row in zip(sampling, out, strict=True):
             logits[c.seq].append(row)
+            by_step[c.seq].append(one)
         for c in plan.chunks:
             tables[c.seq] = list(c.table)
         mixed += any(not c.prompt for c in plan.chunks) and any(c.prompt for c in plan.chunks)
@@ -75,7 +78,17 @@ def test_batched_gpu_rows_are_the_sequences_alone(tmp_path, arch, dtype, kv):
         ]  # the rows that sampled
         got = np.stack(logits[r.id])
         assert got.shape == want.shape and np.all(np.isfinite(got))
-        assert rel_l2(got, want) < 1e-3, (r.id, rel_l2(got, want))
+        # a rows pass's logits are the prefill's but for the order of its sums; a one-row step's
+        # are the token step's (q8: X rounded to int8 for dp4a), held to test_prefill's bound
+        # for the token step against the prefill
+        one = np.array(by_step[r.id])
+        for rows_of, bound in ((~one, 1e-3), (one, 2e-3)):
+            if rows_of.any():
+                assert rel_l2(got[rows_of], want[rows_of]) < bound, (
+                    r.id,
+                    bound,
+                    rel_l2(got[rows_of], want[rows_of]),
+                )
         rows = [tables[r.id][t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(len(ids))]
         mine = alone.kv_caches[0].k.copy_to_host()[: len(ids)]
         # the rows pass's keys are the same bits; those of a one-row step are the token step's
