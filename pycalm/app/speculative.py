@@ -32,10 +32,12 @@ on the engine, or given); a draft token costs d (a draft model's step; 0 for n-g
 each draft kept with probability a (AdaptiveK: an average of the recent passes' kept / checked,
 the last few counting most, so a stretch of copied text turns it on and free text off), k drafts give E(k) = 1 + a + ... + a^k tokens a pass, so speculation runs
 E(k) s / (c(k + 1) + k d) times plain decoding's speed. AdaptiveK takes the k that maximises it;
-where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for a
-stretch of plain token steps (16 tokens, doubling to 256 while it keeps failing), then one pass
-probes it again. Tokens where no draft is proposed go through engine.generate, the plain token
-steps, a stretch of PLAIN_RUN at a time.
+where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for
+16 tokens (doubling to 256 while it keeps failing), then one pass probes it again. A source not
+seen yet starts from its drafter's prior. Tokens where no draft is proposed go through
+engine.generate, the plain token steps, PLAIN_RUN (4) at a time, so that a source that comes up
+(a longer match, or one whose stretch off is over) is taken soon; where the lookups find no
+source at all the stretches double up to PLAIN_MOST (16).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from pycalm.errors import PycalmError
 
 ROWS_MOST = 64  # rows a pass takes at most (the GPU's largest captured row bucket)
 K_MOST = 8  # drafts a pass checks at most, by default
-PLAIN_RUN = 8  # plain tokens generated where no draft is proposed, before looking again
+PLAIN_RUN = 4  # plain tokens generated where no draft is proposed, before looking again
 PLAIN_MOST = 16  # a stretch doubles up to this while the lookups find no source at all
 RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is probed again
 DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3 passes count)
@@ -439,10 +441,9 @@ class SpeculativeEngine:
                 k = min(k, room - produced - 1, ROWS_MOST - 1)
                 if k <= 0:  # plain token steps, the j-th token with the j-th coin
                     # each stretch is a call of engine.generate, whose start and end leave the GPU
-                    # idle a moment (H100, Qwen2.5-0.5B: about half a token step): where lookups
-                    # keep finding no source at all, the stretches grow; a source found (on or
-                    # off) takes them back to PLAIN_RUN, so that a source turned off is looked at
-                    # again after PLAIN_RUN tokens, as is a longer match that comes up meanwhile
+                    # idle a moment (H100, Qwen2.5-0.5B: 0.1-0.2 ms, a fifth of a token step):
+                    # where lookups keep finding no source at all the stretches grow; a source
+                    # found (on or off) takes them back to PLAIN_RUN
                     run = min(stretch, room - produced)
                     stretch = PLAIN_RUN if key is not None else min(2 * stretch, PLAIN_MOST)
                     out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
