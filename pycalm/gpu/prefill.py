@@ -446,10 +446,8 @@ class Prefill:
 
             if len(samplings) != n or coins is None or len(coins) != n:
                 raise PycalmError(f"a rows pass of {n} tokens samples with {n} settings and {n} coins")
-            floats = host.view(np.float32)
-            for i, field in enumerate(host_rows(samplings)):
-                (floats if field.dtype == np.float32 else host)[1 + i, :n] = field
-            floats[5, :n] = coins
+            for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
+                host[1 + i, :n] = field.view(np.int32)  # (float32 fields as their bits)
         self._inputs.copy_to_device(host, stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
