@@ -2,6 +2,7 @@
 
     python scripts/bench_speculative.py MODEL [--device cpu|gpu] [--drafter ngram|draft|ngram,draft]
         [--draft-model MODEL] [--k 4,adaptive] [--draft-k 4,6] [--new 64] [--prompts 2]
+        [--dtype fp16] [--draft-dtype q4]
         [--tasks grounded,chat,code]
 
 The prompts are tests/data/speculative_prompts.json, three tasks: grounded (edit, refactor or
@@ -78,6 +79,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="fp16")
+    ap.add_argument("--draft-dtype", help="the draft model's weight format (default: --dtype)")
     ap.add_argument("--batch-invariant", action="store_true")
     args = ap.parse_args()
     drafters = args.drafter.split(",")
@@ -100,7 +102,7 @@ def main() -> int:
         draft = pycalm.load(
             args.draft_model,
             device=args.device,
-            dtype=args.dtype,
+            dtype=args.draft_dtype or args.dtype,
             context=args.context,
             threads=args.threads,
             batch_invariant=args.batch_invariant,

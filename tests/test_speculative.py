@@ -401,6 +401,47 @@ def test_draft_model_keeps_its_cache_in_step(model, tmp_path, same):
         assert options.stats.kept < options.stats.drafted
 
 
+class CountingEngine:
+    """An engine that records how its cache is fed outside token steps: prefills, rows passes."""
+
+    def __init__(self, engine: CpuEngine) -> None:
+        self.engine, self.prefills, self.rows = engine, [], 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+    def prefill(self, ids: list[int], start_pos: int) -> None:
+        self.prefills.append((list(ids), start_pos))
+        self.engine.prefill(ids, start_pos)
+
+    def forward_rows(self, *args: object) -> object:
+        self.rows += 1
+        return self.engine.forward_rows(*args)
+
+
+def test_draft_model_takes_the_prompt_with_the_target_and_steps_after_a_kept_pass(model):
+    """The prompt goes into the draft model's cache with the target's prefill (SpeculativeEngine
+    .prefill, and generate's own), not by its first drafting; after a pass that kept every draft,
+    the last draft goes in by one more token step (no rows pass). Drafting for itself, k = 3."""
+    from pycalm.app.speculative import ModelDrafter
+
+    draft = CountingEngine(engine(model))
+    options = SpeculationOptions(k=3)
+    spec = SpeculativeEngine(engine(model), ModelDrafter(draft, model.config), options)
+    spec.prefill(PROMPT[:-1], 0)
+    assert draft.prefills == [(PROMPT[:-1], 0)]
+    out = list(spec.generate(PROMPT[-1:], len(PROMPT) - 1, 12, GREEDY))
+    assert out == list(engine(model).generate(PROMPT, 0, 12, GREEDY))
+    assert draft.prefills == [(PROMPT[:-1], 0)] and draft.rows == 0
+    # 3 passes of 4 tokens, every draft kept (the drafts right: the catch-up went in at its place)
+    assert options.stats.passes == 3 and options.stats.kept == options.stats.drafted == 9
+    spec2 = SpeculativeEngine(
+        engine(model), ModelDrafter(draft := CountingEngine(engine(model)), model.config)
+    )
+    list(spec2.generate(PROMPT, 0, 4, GREEDY))
+    assert draft.prefills == [(PROMPT[:-1], 0)]
+
+
 def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
     from pycalm.app.speculative import ModelDrafter
 

@@ -280,6 +280,13 @@ class ModelDrafter:
     def forget(self) -> None:
         self._cached = []
 
+    def prefill(self, ids: list[int], start_pos: int) -> None:
+        """ids into its cache at start_pos.., beside the target's prefill (the prompt's pass
+        takes the draft model's share of it, not the first pass's draft steps)."""
+        if start_pos <= len(self._cached) and ids:
+            self.engine.prefill(ids, start_pos)
+            self._cached = self._cached[:start_pos] + list(ids)
+
     def source(self, context: list[int]) -> str | None:
         return "model" if len(context) < self.engine.seq_len else None
 
@@ -289,13 +296,16 @@ class ModelDrafter:
         most = min(len(self._cached), len(context) - 1)  # the last token is fed by the first draft step
         while common < most and self._cached[common] == context[common]:
             common += 1
-        catch_up = context[common:-1]  # fed without drafting
-        if 0 < len(catch_up) <= ROWS_MOST:  # one pass, tokens back, not logits
+        catch_up = context[common:-1]  # the text its cache lacks, but the last token
+        fed = context[-1:]  # fed by the token steps that draft
+        if len(catch_up) == 1:  # after a pass that kept every draft: one more token step, not a pass
+            fed = catch_up + fed
+        elif 1 < len(catch_up) <= ROWS_MOST:  # one pass, tokens back, not logits
             e.forward_rows(catch_up, common, [GREEDY] * len(catch_up), np.zeros(len(catch_up)))
         elif catch_up:
             e.prefill(catch_up, common)
         k = min(k, e.seq_len - len(context) + 1)
-        drafts = list(e.generate(context[-1:], len(context) - 1, k, GREEDY)) if k > 0 else []
+        drafts = list(e.generate(fed, len(context) - len(fed), k, GREEDY)) if k > 0 else []
         self._cached = context + drafts[:-1]
         return Draft(drafts)
 
@@ -356,7 +366,13 @@ class SpeculativeEngine:
 
     def prefill(self, ids: list[int], start_pos: int) -> None:
         self.engine.prefill(ids, start_pos)
+        self._draft_prefill(ids, start_pos)
         self._fed(ids, start_pos)
+
+    def _draft_prefill(self, ids: list[int], start_pos: int) -> None:
+        """A drafter with a cache of its own (ModelDrafter) takes the prompt with the target."""
+        if hasattr(self.drafter, "prefill"):
+            self.drafter.prefill(ids, start_pos)
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         self._fed([], start_pos)  # (the history resumes once every block is out)
@@ -427,6 +443,7 @@ class SpeculativeEngine:
         self._history = []  # until this call leaves the cache known
         if len(ids) > 1:
             e.prefill(ids[:-1], start_pos)
+            self._draft_prefill(ids[:-1], start_pos)
         last, pos = ids[-1], end - 1  # the next token to feed, and its position
         room = min(max_new, e.seq_len - pos)  # the tokens this call may give
         coins = np.random.default_rng(sampling.seed).random(room)  # the j-th token's coin
