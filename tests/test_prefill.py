@@ -332,6 +332,43 @@ def test_generate_greedy_identical(tmp_path):
     assert got == want and len(got) == 1
 
 
+def test_one_token_before_the_last_goes_by_a_token_step(tmp_path):
+    """generate with two tokens (a draft model's catch-up after a pass that kept every draft):
+    the first goes in by a token step, not the multi-token forward, and the tokens are the
+    reference's; three tokens take the forward for the first two."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    ids = tokens(7, seed=11)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    cpu = CpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    want = list(cpu.generate(ids, 0, 2, GREEDY))
+    assert list(gpu.generate(ids[:4], 0, 0, GREEDY)) == []  # positions 0..2 in the cache
+    fed = []
+    prefill = gpu.prefill
+    gpu.prefill = lambda part, pos: (fed.append((list(part), pos)), prefill(part, pos))
+    assert list(gpu.generate(ids[3:5], 3, 0, GREEDY)) == [] and fed == []  # position 3 by a step
+    assert list(gpu.generate(ids[4:], 4, 2, GREEDY)) == want and fed == [(ids[4:6], 4)]
+
+
+@gpu_only("graphs: the captured rows pass")
+def test_short_prompt_goes_by_the_captured_rows_pass(tmp_path):
+    """prefill of up to 64 tokens replays the rows pass's graph (one call of forward_rows): the
+    KV cache rows are the reference's and generate after it gives the reference's tokens; a
+    longer prompt takes the multi-token forward's chunks."""
+    model = tiny_model(tmp_path, "qwen2", "q8", n_layers=1)
+    ids = tokens(70, seed=12)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    passes = []
+    rows = gpu.forward_rows
+    gpu.forward_rows = lambda *a: (passes.append(len(a[0])), rows(*a))[1]
+    gpu.prefill(ids[:9], 0)
+    assert passes == [9]
+    want, cpu = token_path(model, "fp16", ids[:9])
+    check_caches(gpu, cpu, "fp16", 9)
+    assert list(gpu.generate(ids[9:12], 9, 3, GREEDY)) == list(cpu.generate(ids[9:12], 9, 3, GREEDY))
+    gpu.prefill(ids[:66], 0)
+    assert passes[1:] == []
+
+
 def test_perplexity_matches_reference(tmp_path):
     """generate.mean_nll (the -x mode): the GPU engine's logits of every position from the
     multi-token forward, the reference's token by token; perplexities within 0.5%."""
