@@ -356,7 +356,7 @@ def test_short_prompt_goes_by_the_captured_rows_pass(tmp_path):
     longer prompt takes the multi-token forward's chunks."""
     model = tiny_model(tmp_path, "qwen2", "q8", n_layers=1)
     ids = tokens(70, seed=12)
-    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    gpu = GpuEngine(model, seq_len=128, kv_dtype="fp16")
     passes = []
     rows = gpu.forward_rows
     gpu.forward_rows = lambda *a: (passes.append(len(a[0])), rows(*a))[1]

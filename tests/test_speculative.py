@@ -442,6 +442,34 @@ def test_draft_model_takes_the_prompt_with_the_target_and_steps_after_a_kept_pas
     assert draft.prefills == [(PROMPT[:-1], 0)]
 
 
+def test_a_draft_models_pass_costs_its_call_and_the_catch_up_step():
+    """speedup with a draft model: k drafts cost k steps, the call's fixed cost, and (where all
+    k are kept, rate^k) the step that feeds the last draft before the next pass."""
+    costs = PassCosts(1.0, ((8, 1.4),), draft_step=0.3, draft_call=0.2)
+    rate, k = 0.8, 5
+    expected = sum(rate**i for i in range(k + 1))
+    assert costs.speedup(k, rate) == pytest.approx(expected / (1.4 + (k + rate**k) * 0.3 + 0.2))
+    assert PassCosts(1.0, ((8, 1.4),), draft_call=0.2).speedup(k, rate) == pytest.approx(expected / 1.4)
+
+
+def test_draft_model_catches_up_by_passes_of_64_rows(model, monkeypatch):
+    """Text the draft model did not draft for (the plain stretches of a source turned off) goes
+    into its cache by rows passes of up to 64 rows, up to CATCH_UP_PASSES of them; more by one
+    prefill."""
+    from pycalm.app import speculative
+    from pycalm.app.speculative import ModelDrafter
+
+    text = [int(t) for t in np.random.default_rng(3).integers(0, 64, 200)]
+    draft = CountingEngine(CpuEngine(model, seq_len=256))
+    drafter = ModelDrafter(draft, model.config)
+    drafts = drafter.propose(text[:150], 2).tokens  # 149 tokens fed: passes of 64, 64, 21
+    assert draft.rows == 3 and draft.prefills == []
+    monkeypatch.setattr(speculative, "CATCH_UP_PASSES", 2)
+    draft = CountingEngine(CpuEngine(model, seq_len=256))
+    assert ModelDrafter(draft, model.config).propose(text[:150], 2).tokens == drafts
+    assert draft.rows == 0 and draft.prefills == [(text[:149], 0)]
+
+
 def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
     from pycalm.app.speculative import ModelDrafter
 

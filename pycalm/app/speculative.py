@@ -61,6 +61,7 @@ DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
 GREEDY = SamplingParams()
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
+CATCH_UP_PASSES = 4  # a draft model's catch-up of up to this many passes goes by passes, not prefill
 SPECULATE = ("off", "ngram", "draft")  # the --speculate choices
 
 
@@ -71,6 +72,7 @@ class PassCosts:
     step: float  # a token of plain decoding (engine.generate, graph replays in flight)
     rows: tuple[tuple[int, float], ...]  # (n, seconds of a pass of n rows), n ascending
     draft_step: float = 0.0  # a drafted token (a draft model's step; 0 for n-gram lookup)
+    draft_call: float = 0.0  # a draft model's call of k steps, beyond its k steps (its start and end)
 
     @classmethod
     def ratio(cls, pass_cost: float, draft_cost: float = 0.0) -> PassCosts:
@@ -84,9 +86,12 @@ class PassCosts:
 
     def speedup(self, k: int, rate: float) -> float:
         """Plain decoding's time over speculation's, for k drafts a pass each kept with
-        probability `rate`: E(k) s / (c(k + 1) + k d), E(k) = 1 + rate + ... + rate^k."""
+        probability `rate`: E(k) s / (c(k + 1) + (k + rate^k) d + d0), E(k) = 1 + rate + ...
+        + rate^k; a draft model's pass takes its call's d0, and where every draft was kept
+        (rate^k) one more step, that feeds the last draft."""
         expected = sum(rate**i for i in range(k + 1))
-        return expected * self.step / (self.pass_cost(k + 1) + k * self.draft_step)
+        drafting = (k + rate**k) * self.draft_step + self.draft_call if self.draft_step else 0.0
+        return expected * self.step / (self.pass_cost(k + 1) + drafting)
 
 
 def measure_costs(
@@ -109,17 +114,23 @@ def measure_costs(
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    def plain(e: object) -> float:
+    def plain(e: object, n: int = n) -> float:
         return best(lambda: list(e.generate([0], pos, n, GREEDY))) / n
 
-    passes = []
-    for m in rows:
-        if pos + m <= engine.seq_len:
-            passes.append((m, best(lambda m=m: engine.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))))
-    draft_step = plain(drafter.engine) if isinstance(drafter, ModelDrafter) else 0.0
+    def rows_pass(e: object, m: int) -> float:
+        return best(lambda: e.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))
+
+    passes = [(m, rows_pass(engine, m)) for m in rows if pos + m <= engine.seq_len]
+    draft_step = draft_call = 0.0
     if isinstance(drafter, ModelDrafter):
+        d = drafter.engine
+        draft_step = plain(d)
+        draft_call = max(plain(d, 1) - draft_step, 0.0)  # a call of one step, beyond the step
+        for m in (2**i for i in range(ROWS_MOST.bit_length())):  # the row buckets of its catch-ups,
+            if pos + m <= d.seq_len:  # compiled and captured before they count
+                d.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m))
         drafter.forget()  # its cache rows past pos were scribbled on
-    return PassCosts(plain(engine), tuple(passes), draft_step)
+    return PassCosts(plain(engine), tuple(passes), draft_step, draft_call)
 
 
 # -------------------------------------------------------------------------------------------
@@ -300,8 +311,12 @@ class ModelDrafter:
         fed = context[-1:]  # fed by the token steps that draft
         if len(catch_up) == 1:  # after a pass that kept every draft: one more token step, not a pass
             fed = catch_up + fed
-        elif 1 < len(catch_up) <= ROWS_MOST:  # one pass, tokens back, not logits
-            e.forward_rows(catch_up, common, [GREEDY] * len(catch_up), np.zeros(len(catch_up)))
+        elif catch_up and len(catch_up) <= CATCH_UP_PASSES * ROWS_MOST:
+            # the text of a stretch it did not draft for: passes of up to ROWS_MOST rows (on the
+            # GPU, replays of captured passes; the multi-token forward launches from Python)
+            for at in range(0, len(catch_up), ROWS_MOST):
+                part = catch_up[at : at + ROWS_MOST]
+                e.forward_rows(part, common + at, [GREEDY] * len(part), np.zeros(len(part)))
         elif catch_up:
             e.prefill(catch_up, common)
         k = min(k, e.seq_len - len(context) + 1)
