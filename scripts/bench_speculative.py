@@ -8,8 +8,10 @@
 The prompts are tests/data/speculative_prompts.json, three tasks: grounded (edit, refactor or
 summarise a text given in the prompt), chat (open questions) and code (completion of a code
 prefix, no chat template). Each prompt decodes `--new` tokens greedily, plainly (once) and then
-speculatively for each k, on the same engine (a fresh call from position 0 each time). The table
-gives, per model, task, drafter and k:
+speculatively for each k, on the same engine (a fresh call from position 0 each time; a row's
+speculative engine serves the task's prompts in turn, as a server's serves its requests, so its
+acceptance estimates carry from one prompt to the next). The table gives, per model, task,
+drafter and k:
   * accept: the acceptance length, tokens a verification pass gives (1 to k + 1);
   * tok/fwd: tokens per forward of the target (passes and plain token steps): the speed-up
     where a pass of k + 1 rows costs a token step;
@@ -139,13 +141,19 @@ def main() -> int:
         # per (drafter, k): spec seconds, spec tokens, target forwards, prompts equal to plain, partings
         rows_k: list[list] = [[0.0, 0, 0, 0, []] for _ in configs]
         options_k = [SpeculationOptions(k=k, costs=costs.get(d)) for d, k in configs]
+        # one speculative engine a row for the task's prompts, as a server keeps one: AdaptiveK's
+        # acceptance and a draft model's cache carry from one prompt to the next
+        spec_k = [
+            SpeculativeEngine(
+                engine, NgramDrafter() if d == "ngram" else make_drafter(d, engine, draft_engine), o
+            )
+            for (d, _), o in zip(configs, options_k, strict=True)
+        ]
         for i, prompt in enumerate(chosen):
             ids = prompt_ids(llm, prompt)
             plain, s = timed(engine, ids, args.new)  # once a prompt, against every (drafter, k)
             plain_s, plain_n = plain_s + s, plain_n + len(plain)
-            for (d, _), row, options in zip(configs, rows_k, options_k, strict=True):
-                drafter = NgramDrafter() if d == "ngram" else make_drafter("draft", engine, draft_engine)
-                spec_engine = SpeculativeEngine(engine, drafter, options)
+            for (d, _), row, options, spec_engine in zip(configs, rows_k, options_k, spec_k, strict=True):
                 before = options.stats.passes + options.stats.plain_tokens
                 spec, s = timed(spec_engine, ids, args.new)
                 row[0] += s

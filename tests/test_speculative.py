@@ -285,11 +285,12 @@ class NothingDrafter:
         return None
 
 
-@pytest.mark.parametrize("found", [False, True], ids=["no-source", "source-off"])
+@pytest.mark.parametrize("found", [False, True, "one"], ids=["no-source", "source-off", "one-source-off"])
 def test_plain_stretches(model, found):
     """Where lookups find no source at all, the plain stretches (engine.generate calls) grow
     from PLAIN_RUN (4) to PLAIN_MOST (16); a source found, even one turned off, keeps them at
-    PLAIN_RUN, so that it (or a longer match) is looked at again soon. The output is plain
+    PLAIN_RUN, so that it (or a longer match) is looked at again soon; the one source of a
+    drafter (a draft model) takes each stretch off in one call. The output is plain
     decoding's."""
     plain = list(engine(model).generate(PROMPT, 0, 60, GREEDY))
     assert len(plain) == 60
@@ -304,11 +305,14 @@ def test_plain_stretches(model, found):
     target.generate = counted
     options = SpeculationOptions(costs=PassCosts.ratio(1.5))
     drafter = ScriptDrafter(PROMPT, plain, set(range(60)), 64) if found else NothingDrafter()
+    drafter.one_source = found == "one"
     assert list(SpeculativeEngine(target, drafter, options).generate(PROMPT, 0, 60, GREEDY)) == plain
     if not found:
         assert options.stats.passes == 0 and runs == [4, 8, 16, 16, 16]
-    else:  # a few passes keep nothing, then the source is off and probed now and then
+    elif found is True:  # a few passes keep nothing, then the source is off and probed now and then
         assert 2 <= options.stats.passes <= 5 and options.stats.kept == 0 and max(runs) == 4
+    else:  # passes that keep nothing, off for 16 tokens, a probe, off for 32, a probe, the rest
+        assert options.stats.passes == 4 and options.stats.kept == 0 and runs == [16, 32, 8]
 
 
 def test_ngram_loop_is_plain_decoding(model):

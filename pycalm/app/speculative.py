@@ -37,7 +37,8 @@ where no k reaches 1, drafting from that source (an n-gram length, the draft mod
 seen yet starts from its drafter's prior. Tokens where no draft is proposed go through
 engine.generate, the plain token steps, PLAIN_RUN (4) at a time, so that a source that comes up
 (a longer match, or one whose stretch off is over) is taken soon; where the lookups find no
-source at all the stretches double up to PLAIN_MOST (16).
+source at all the stretches double up to PLAIN_MOST (16). A draft model, the one source of its
+drafter, takes its stretch off in one call.
 """
 
 from __future__ import annotations
@@ -277,6 +278,7 @@ class ModelDrafter:
     fed, and its cache holds the text and the drafts but the last after."""
 
     name = "draft"
+    one_source = True  # the same source at every token: a stretch off goes in one call
 
     def __init__(self, engine: object, target_config: object) -> None:
         cfg = engine.config
@@ -476,7 +478,11 @@ class SpeculativeEngine:
                     # idle a moment (H100, Qwen2.5-0.5B: 0.1-0.2 ms, a fifth of a token step):
                     # where lookups keep finding no source at all the stretches grow; a source
                     # found (on or off) takes them back to PLAIN_RUN
-                    run = min(stretch, room - produced)
+                    run = stretch
+                    if key is not None and getattr(self.drafter, "one_source", False):
+                        # a draft model: nothing comes up before its stretch off is over
+                        run = max(adaptive.off_until(key) - self._clock, 1)
+                    run = min(run, room - produced)
                     stretch = PLAIN_RUN if key is not None else min(2 * stretch, PLAIN_MOST)
                     out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
                 else:
