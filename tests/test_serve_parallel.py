@@ -197,6 +197,14 @@ def test_parallel_options():
     with pytest.raises(SystemExit):
         parse_args(["m", "-b", "0"])
     assert parse_args(["m", "-np", "8", "-b", "512"]).batch_size == 512
+    # speculation: auto (n-gram on the GPU) for one request at a time; batching does not speculate
+    assert parse_args(["m", "--parallel", "1"]).speculate == "auto"
+    assert (
+        parse_args(["m"]).speculate == "off"
+        and parse_args(["m", "-np", "4", "--speculate", "auto"]).speculate == "off"
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["m", "-np", "4", "--speculate", "ngram"])
 
 
 def test_batch_size_caps_a_step(llm):

@@ -325,6 +325,42 @@ def test_ngram_loop_is_plain_decoding(model):
     assert options.stats.kept > 0 and options.stats.passes > 0
 
 
+class GpuLike:
+    """The attributes speculation_default reads of a GPU engine, over a CPU engine."""
+
+    def __init__(self, engine: CpuEngine, use_graph: bool = True, simple: bool = False) -> None:
+        self.engine, self.device, self.use_graph, self.simple = engine, "gpu", use_graph, simple
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+def test_speculation_is_on_by_default_where_it_pays(model, tmp_path):
+    """--speculate auto: n-gram lookup on the GPU engine's captured passes, for greedy calls
+    only (a sampled call decodes plainly, its tokens plain sampling's); off on the CPU engine,
+    without graphs (the simulator) and with the simple kernels."""
+    from pycalm.app.models import make_speculative
+    from pycalm.app.speculative import speculation_default
+
+    cpu = engine(model)
+    assert speculation_default(cpu) == "off"
+    assert speculation_default(GpuLike(cpu)) == "ngram"
+    assert speculation_default(GpuLike(cpu, use_graph=False)) == "off"
+    assert speculation_default(GpuLike(cpu, simple=True)) == "off"
+    kw = dict(draft_model=None, draft_k=None, dtype="fp16", cache=tmp_path, kv="fp16", log=print)
+    assert make_speculative(cpu, "auto", **kw) is cpu
+    spec = make_speculative(GpuLike(engine(model)), "auto", **kw)
+    assert isinstance(spec, SpeculativeEngine) and isinstance(spec.drafter, NgramDrafter)
+    spec.options.costs = PassCosts.ratio(1.2)
+    sampled = SamplingParams(1.0, seed=3)
+    assert list(spec.generate(PROMPT, 0, 40, sampled)) == list(engine(model).generate(PROMPT, 0, 40, sampled))
+    assert spec.stats.passes == 0
+    assert list(spec.generate(PROMPT, 0, 100, GREEDY)) == list(engine(model).generate(PROMPT, 0, 100, GREEDY))
+    assert spec.stats.passes > 0 and spec.stats.kept > 0  # (a random model falls into loops)
+    explicit = make_speculative(GpuLike(engine(model)), "ngram", **kw)
+    assert explicit.options.greedy_only is False
+
+
 class SamplingDrafter:
     """Drafts 3 tokens, each drawn from a fixed distribution q of its own (not one-hot)."""
 

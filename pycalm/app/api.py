@@ -64,7 +64,7 @@ def load(
     batch_invariant: bool = False,
     kernels: str = "fast",
     threads: int | None = None,
-    speculate: str = "off",
+    speculate: str = "auto",
     draft_model: str | Path | None = None,
     draft_k: int | None = None,
 ) -> LLM:
@@ -81,10 +81,11 @@ def load(
     kernels: on the GPU, "fast" or "simple" (the plain kernels of pycalm/kernels/simple/: the
     same tokens, slower).
     threads: the CPU engine's BLAS threads (default 1; pycalm.cpu.engine says why).
-    speculate: speculative decoding, "off", "ngram" (drafts looked up in the prompt and the text so
-    far) or "draft" (drafts from draft_model, a small model with the same vocabulary, MODEL's
-    forms); the output is plain decoding's (pycalm.app.speculative). draft_k: drafts a pass
-    (None: adapts to how many are kept).
+    speculate: speculative decoding, "auto" (n-gram lookup for greedy calls on the GPU, where it
+    measured to pay; off on the CPU: pycalm.app.speculative.speculation_default), "off", "ngram"
+    (drafts looked up in the prompt and the text so far) or "draft" (drafts from draft_model, a
+    small model with the same vocabulary, MODEL's forms); the output is plain decoding's
+    (pycalm.app.speculative). draft_k: drafts a pass (None: adapts to how many are kept).
     Raises PycalmError with a one-line message for anything the caller can fix.
     """
     from pycalm.app.models import make_engine, make_speculative, resolve_model

@@ -494,11 +494,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--speculate",
-        choices=("off", "ngram", "draft"),
+        choices=("auto", "off", "ngram", "draft"),
         default=None,
         help="speculative decoding: drafts checked several tokens a pass (ngram: looked up in the prompt"
         " and the text so far; draft: a small model with the same vocabulary, --draft-model); the output is"
-        " plain decoding's (default off; draft when --draft-model is given)",
+        " plain decoding's (default auto: ngram for greedy decoding on the GPU, off on the CPU; draft when"
+        " --draft-model is given)",
     )
     ap.add_argument(
         "--draft-model", metavar="MODEL", help="the draft model of --speculate draft (MODEL's forms)"
@@ -515,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("give MODEL once (as an argument or with --model)")
     args.model = args.model or args.model_option
     if args.speculate is None:
-        args.speculate = "draft" if args.draft_model else "off"
+        args.speculate = "draft" if args.draft_model else "auto"
     if args.draft_model and args.speculate != "draft":
         ap.error(f"--draft-model drafts for --speculate draft, not {args.speculate}")
     if args.speculate == "draft" and not args.draft_model:

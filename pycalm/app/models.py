@@ -94,14 +94,24 @@ def make_speculative(
 ) -> object:
     """engine itself for speculate "off", else a pycalm.app.speculative.SpeculativeEngine around
     it: "ngram" (prompt lookup), "draft" (draft_model, opened as MODEL is and run on the same
-    device with its own KV cache of as many positions; its vocabulary must be the target's).
+    device with its own KV cache of as many positions; its vocabulary must be the target's),
+    "auto" (speculation_default: n-gram lookup for greedy calls on the GPU, else off).
     draft_k: drafts a pass (None: adaptive)."""
-    from pycalm.app.speculative import SPECULATE, SpeculationOptions, SpeculativeEngine, make_drafter
+    from pycalm.app.speculative import (
+        SPECULATE,
+        SpeculationOptions,
+        SpeculativeEngine,
+        make_drafter,
+        speculation_default,
+    )
 
     if speculate not in SPECULATE:
         raise PycalmError(f"speculate must be one of {', '.join(SPECULATE)}, not {speculate!r}")
     if draft_k is not None and not 1 <= draft_k <= 63:
         raise PycalmError(f"draft k must be 1 to 63, not {draft_k}")
+    greedy_only = speculate == "auto"
+    if speculate == "auto":
+        speculate = speculation_default(engine)
     if speculate == "off":
         return engine
     draft_engine = None
@@ -113,5 +123,5 @@ def make_speculative(
         draft_file = open_model(resolve_model(draft_model, dtype, cache, log))
         draft_engine = make_engine(draft_file, engine.device, engine.seq_len, kv, log, threads=threads,
                                    batch_invariant=getattr(engine, "batch_invariant", False))  # fmt: skip
-    options = SpeculationOptions(k=draft_k)
+    options = SpeculationOptions(k=draft_k, greedy_only=greedy_only)
     return SpeculativeEngine(engine, make_drafter(speculate, engine, draft_engine), options)

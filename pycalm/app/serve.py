@@ -1379,10 +1379,11 @@ def parse_args(argv: list[str] | None) -> Any:
     )
     ap.add_argument(
         "--speculate",
-        choices=("off", "ngram", "draft"),
+        choices=("auto", "off", "ngram", "draft"),
         default=None,
         help="speculative decoding (ngram: drafts looked up in the prompt and the reply so far; draft: from"
-        " --draft-model); the replies are plain decoding's (default off; draft when --draft-model is given)",
+        " --draft-model); the replies are plain decoding's (default: with --parallel 1, auto, ngram for"
+        " greedy requests on the GPU; else off; draft when --draft-model is given)",
     )
     ap.add_argument("--draft-model", metavar="MODEL", help="the draft model of --speculate draft")
     ap.add_argument(
@@ -1412,7 +1413,7 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error("give MODEL once (as an argument or with --model)")
     args.model = args.model or args.model_option
     if args.speculate is None:
-        args.speculate = "draft" if args.draft_model else "off"
+        args.speculate = "draft" if args.draft_model else "auto"
     if (args.speculate == "draft") != bool(args.draft_model):
         ap.error("--speculate draft and --draft-model go together")
     if args.draft_k is not None and not 1 <= args.draft_k <= 63:
@@ -1433,8 +1434,10 @@ def parse_args(argv: list[str] | None) -> Any:
         ap.error("--parallel > 1 with --batch-invariant runs on the CPU engine only (--device cpu)")
     elif args.parallel > 1 and args.device == "gpu" and args.kernels == "simple":
         ap.error("--parallel > 1 on the GPU needs the fast kernels (not --kernels simple)")
-    elif args.parallel > 1 and args.speculate != "off":
+    elif args.parallel > 1 and args.speculate in ("ngram", "draft"):
         ap.error("--parallel > 1 does not go with --speculate yet")
+    if args.speculate == "auto" and args.parallel != 1:  # continuous batching does not speculate yet
+        args.speculate = "off"
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads {args.threads}: must be 1 or more")
     return args
