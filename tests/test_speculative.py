@@ -325,6 +325,18 @@ def test_ngram_loop_is_plain_decoding(model):
     assert options.stats.kept > 0 and options.stats.passes > 0
 
 
+def test_first_call_measures_the_passes_k_picks_between(model):
+    """Without given costs, a speculative engine's first call times a pass of 2, 8 and 16 rows
+    (once each after a warm-up: the call's first token waits for them) and plain token steps,
+    then keeps those costs; the output is plain decoding's."""
+    spec = SpeculativeEngine(engine(model), NgramDrafter())
+    assert list(spec.generate(PROMPT, 0, 30, GREEDY)) == list(engine(model).generate(PROMPT, 0, 30, GREEDY))
+    costs = spec._adaptive.costs
+    assert [n for n, _ in costs.rows] == [2, 8, 16] and costs.step > 0 and all(c > 0 for _, c in costs.rows)
+    list(spec.generate(PROMPT, 0, 5, GREEDY))
+    assert spec._adaptive.costs is costs
+
+
 class GpuLike:
     """The attributes speculation_default reads of a GPU engine, over a CPU engine."""
 

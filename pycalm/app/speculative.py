@@ -62,6 +62,7 @@ DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
 GREEDY = SamplingParams()
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
+FIRST_CALL_ROWS = (2, 8, 16)  # ... where a call's first token waits for them (k 1 / 2-7 / 8-15)
 CATCH_UP_PASSES = 4  # a draft model's catch-up of up to this many passes goes by passes, not prefill
 SPECULATE = ("auto", "off", "ngram", "draft")  # the --speculate choices (auto: speculation_default)
 
@@ -96,20 +97,25 @@ class PassCosts:
 
 
 def measure_costs(
-    engine: object, pos: int, drafter: object = None, rows: tuple[int, ...] = MEASURE_ROWS
+    engine: object,
+    pos: int,
+    drafter: object = None,
+    rows: tuple[int, ...] = MEASURE_ROWS,
+    repeats: int = 3,
+    tokens: int = 8,
 ) -> PassCosts:
-    """PassCosts of `engine` at position pos (the best of three timings each, after a warm-up
-    that compiles and captures): 8 plain tokens through engine.generate, and a pass of each
-    row count in `rows`; with a ModelDrafter, its engine's plain token too. Writes cache rows
-    pos .. pos + max(8, rows): call it where those hold nothing yet."""
-    n = min(8, engine.seq_len - pos - 1)
+    """PassCosts of `engine` at position pos (the best of `repeats` timings each, after a
+    warm-up that compiles and captures): `tokens` plain tokens through engine.generate, and a
+    pass of each row count in `rows`; with a ModelDrafter, its engine's plain token too. Writes
+    cache rows pos .. pos + max(tokens, rows): call it where those hold nothing yet."""
+    n = min(tokens, engine.seq_len - pos - 1)
     if n < 1:
         raise PycalmError(f"no room to time a pass at position {pos} of {engine.seq_len}")
 
     def best(run: object) -> float:
         run()  # warm-up: compiles, captures
         times = []
-        for _ in range(3):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
@@ -426,9 +432,10 @@ class SpeculativeEngine:
         if self._adaptive is None:
             costs = self.options.costs
             if costs is None and self.options.k is None:
-                if pos + MEASURE_ROWS[-1] > self.engine.seq_len:
+                if pos + FIRST_CALL_ROWS[-1] > self.engine.seq_len:
                     return AdaptiveK(PassCosts.ratio(float("inf")), self.options.k_most)
-                costs = measure_costs(self.engine, pos, self.drafter, MEASURE_ROWS)
+                # before the call's first token: one timing each, of the passes k picks between
+                costs = measure_costs(self.engine, pos, self.drafter, FIRST_CALL_ROWS, repeats=1)
             self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k)
         return self._adaptive
 
