@@ -634,11 +634,12 @@ class GpuEngine:
             for step in steps:
                 step.launch()
             return
-        if self.use_graph and not self.simple and len(ids) <= ROW_BUCKETS[-1]:
+        if self.use_graph and not self.simple and not self.config.n_experts and len(ids) <= ROW_BUCKETS[-1]:
             # a short prompt (a chat turn, a draft model's catch-up): one replay of the captured
             # rows pass, whose kernels are the multi-token forward's; from Python, the forward's
             # 200-odd plain launches took 38 ms for one token on the H100 (Qwen2.5-0.5B), 40x
-            # the pass (its logits are sampled greedily on the device: n tokens come back)
+            # the pass (its logits are sampled greedily on the device: n tokens come back).
+            # Mixtral's rows pass is not captured (its expert groups): it keeps the forward
             self.forward_rows(ids, start_pos, [SamplingParams()] * len(ids), np.zeros(len(ids)))
             return
         for _ in self._prefill_step().run(ids, start_pos):
