@@ -12,6 +12,8 @@ the loop with a drafter that samples its drafts from its own q.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from gpu import gpu_only
@@ -359,6 +361,9 @@ def test_speculation_is_on_by_default_where_it_pays(model, tmp_path):
     assert speculation_default(GpuLike(cpu)) == "ngram"
     assert speculation_default(GpuLike(cpu, use_graph=False)) == "off"
     assert speculation_default(GpuLike(cpu, simple=True)) == "off"
+    moe = GpuLike(cpu)
+    moe.config = replace(cpu.config, n_experts=8, n_experts_active=2)
+    assert speculation_default(moe) == "off"
     kw = dict(draft_model=None, draft_k=None, dtype="fp16", cache=tmp_path, kv="fp16", log=print)
     assert make_speculative(cpu, "auto", **kw) is cpu
     spec = make_speculative(GpuLike(engine(model)), "auto", **kw)

@@ -367,11 +367,12 @@ def speculation_default(engine: object) -> str:
     engine's captured passes; off elsewhere. Measured end to end on an H100 (docs/BENCHMARKS.md,
     adaptive k): 1.1-1.8x on input-grounded prompts (Qwen2.5-Coder-1.5B and 0.5B), 0.98x on open
     chat and code completion, where the drafts mostly miss. The CPU engine's rows pass costs
-    about 3 token steps (it does not pay there), the simulator and the simple kernels have no
-    captured pass, and sampled calls were not measured."""
+    about 3 token steps (it does not pay there), the simulator, the simple kernels and Mixtral
+    have no captured pass, and sampled calls were not measured."""
     gpu = getattr(engine, "device", None) == "gpu" and getattr(engine, "use_graph", False)
     fast = hasattr(engine, "forward_rows") and not getattr(engine, "simple", False)
-    return "ngram" if gpu and fast else "off"
+    captured = not engine.config.n_experts  # Mixtral's rows pass is not captured (its expert groups)
+    return "ngram" if gpu and fast and captured else "off"
 
 
 class SpeculativeEngine:
