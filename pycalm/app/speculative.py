@@ -311,8 +311,8 @@ class ModelDrafter:
 
     def propose(self, context: list[int], k: int) -> Draft:
         e = self.engine
-        common = 0
         most = min(len(self._cached), len(context) - 1)  # the last token is fed by the first draft step
+        common = most if context[:most] == self._cached[:most] else 0  # (the usual case, at C speed)
         while common < most and self._cached[common] == context[common]:
             common += 1
         catch_up = context[common:-1]  # the text its cache lacks, but the last token
