@@ -624,8 +624,10 @@ class GpuEngine:
     # ---------------------------------------------------------------------------------------
     def prefill(self, ids: list[int], start_pos: int) -> None:
         """Feed ids at positions start_pos.. through the multi-token forward (pycalm.gpu.prefill),
-        caching their keys and values; where it does not take the model (odd head sizes:
-        pycalm.gpu.prefill.unsupported), through the token step, one token at a time. The state is left for the caller to set."""
+        caching their keys and values: up to 64 of them (a dense model, graphs on) in one replay
+        of its captured rows pass (forward_rows), more in its chunks; where it does not take the
+        model (odd head sizes: pycalm.gpu.prefill.unsupported), through the token step, one token
+        at a time. The state is left for the caller to set."""
         if not self.multi_token:  # token steps (greedy, the sampled tokens unused), tokens from feed
             end = start_pos + len(ids)
             steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
