@@ -39,7 +39,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pycalm.app.speculative import (  # noqa: E402
-    NgramDrafter,
     SpeculationOptions,
     SpeculativeEngine,
     make_drafter,
@@ -144,9 +143,7 @@ def main() -> int:
         # one speculative engine a row for the task's prompts, as a server keeps one: AdaptiveK's
         # acceptance and a draft model's cache carry from one prompt to the next
         spec_k = [
-            SpeculativeEngine(
-                engine, NgramDrafter() if d == "ngram" else make_drafter(d, engine, draft_engine), o
-            )
+            SpeculativeEngine(engine, make_drafter(d, engine, draft_engine), o)
             for (d, _), o in zip(configs, options_k, strict=True)
         ]
         for i, prompt in enumerate(chosen):
