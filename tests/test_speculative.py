@@ -511,16 +511,16 @@ def test_a_draft_models_pass_costs_its_call_and_the_catch_up_step():
 
 def test_draft_model_catches_up_by_passes_of_64_rows(model, monkeypatch):
     """Text the draft model did not draft for (the plain stretches of a source turned off) goes
-    into its cache by rows passes of up to 64 rows, up to CATCH_UP_PASSES of them; more by one
-    prefill."""
+    into its cache in prompts of up to 64 tokens (one rows pass each on the GPU), up to
+    CATCH_UP_PASSES of them; more in one prompt."""
     from pycalm.app import speculative
     from pycalm.app.speculative import ModelDrafter
 
     text = [int(t) for t in np.random.default_rng(3).integers(0, 64, 200)]
     draft = CountingEngine(CpuEngine(model, seq_len=256))
     drafter = ModelDrafter(draft, model.config)
-    drafts = drafter.propose(text[:150], 2).tokens  # 149 tokens fed: passes of 64, 64, 21
-    assert draft.rows == 3 and draft.prefills == []
+    drafts = drafter.propose(text[:150], 2).tokens  # 149 tokens fed: prompts of 64, 64, 21
+    assert draft.prefills == [(text[:64], 0), (text[64:128], 64), (text[128:149], 128)] and draft.rows == 0
     monkeypatch.setattr(speculative, "CATCH_UP_PASSES", 2)
     draft = CountingEngine(CpuEngine(model, seq_len=256))
     assert ModelDrafter(draft, model.config).propose(text[:150], 2).tokens == drafts

@@ -63,7 +63,7 @@ PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may g
 GREEDY = SamplingParams()
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
 FIRST_CALL_ROWS = (2, 8, 16)  # ... where a call's first token waits for them (k 1 / 2-7 / 8-15)
-CATCH_UP_PASSES = 4  # a draft model's catch-up of up to this many passes goes by passes, not prefill
+CATCH_UP_PASSES = 4  # a draft model's catch-up of up to this many rows passes goes in pieces that fit one
 SPECULATE = ("auto", "off", "ngram", "draft")  # the --speculate choices (auto: speculation_default)
 
 
@@ -319,13 +319,12 @@ class ModelDrafter:
         fed = context[-1:]  # fed by the token steps that draft
         if len(catch_up) == 1:  # after a pass that kept every draft: one more token step, not a pass
             fed = catch_up + fed
-        elif catch_up and len(catch_up) <= CATCH_UP_PASSES * ROWS_MOST:
-            # the text of a stretch it did not draft for: passes of up to ROWS_MOST rows (on the
-            # GPU, replays of captured passes; the multi-token forward launches from Python)
+        elif len(catch_up) <= CATCH_UP_PASSES * ROWS_MOST:
+            # the text of a stretch it did not draft for, in prompts of up to ROWS_MOST tokens (on
+            # the GPU each a replay of the captured rows pass: GpuEngine.prefill)
             for at in range(0, len(catch_up), ROWS_MOST):
-                part = catch_up[at : at + ROWS_MOST]
-                e.forward_rows(part, common + at, [GREEDY] * len(part), np.zeros(len(part)))
-        elif catch_up:
+                e.prefill(catch_up[at : at + ROWS_MOST], common + at)
+        else:
             e.prefill(catch_up, common)
         k = min(k, e.seq_len - len(context) + 1)
         drafts = list(e.generate(fed, len(context) - len(fed), k, GREEDY)) if k > 0 else []
