@@ -342,8 +342,11 @@ def test_first_call_measures_the_passes_k_picks_between(model):
 class GpuLike:
     """The attributes speculation_default reads of a GPU engine, over a CPU engine."""
 
-    def __init__(self, engine: CpuEngine, use_graph: bool = True, simple: bool = False) -> None:
+    def __init__(
+        self, engine: CpuEngine, use_graph: bool = True, simple: bool = False, multi_token: bool = True
+    ) -> None:
         self.engine, self.device, self.use_graph, self.simple = engine, "gpu", use_graph, simple
+        self.multi_token = multi_token
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.engine, name)
@@ -352,7 +355,8 @@ class GpuLike:
 def test_speculation_is_on_by_default_where_it_pays(model, tmp_path):
     """--speculate auto: n-gram lookup on the GPU engine's captured passes, for greedy calls
     only (a sampled call decodes plainly, its tokens plain sampling's); off on the CPU engine,
-    without graphs (the simulator) and with the simple kernels."""
+    without graphs (the simulator), with the simple kernels and where the multi-token forward
+    does not take the model (head_dim 8 here: no rows pass; an explicit choice is refused)."""
     from pycalm.app.models import make_speculative
     from pycalm.app.speculative import speculation_default
 
@@ -361,6 +365,10 @@ def test_speculation_is_on_by_default_where_it_pays(model, tmp_path):
     assert speculation_default(GpuLike(cpu)) == "ngram"
     assert speculation_default(GpuLike(cpu, use_graph=False)) == "off"
     assert speculation_default(GpuLike(cpu, simple=True)) == "off"
+    assert cpu.config.head_dim % 16  # (what the GPU's multi-token forward does not take)
+    assert speculation_default(GpuLike(cpu, multi_token=False)) == "off"
+    with pytest.raises(PycalmError, match="multi-token forward does not take head_dim"):
+        SpeculativeEngine(GpuLike(cpu, multi_token=False), NgramDrafter())
     moe = GpuLike(cpu)
     moe.config = replace(cpu.config, n_experts=8, n_experts_active=2)
     assert speculation_default(moe) == "off"

@@ -367,11 +367,25 @@ def speculation_default(engine: object) -> str:
     adaptive k): 1.1-1.8x on input-grounded prompts (Qwen2.5-Coder-1.5B and 0.5B), 0.98x on open
     chat and code completion, where the drafts mostly miss. The CPU engine's rows pass costs
     about 3 token steps (it does not pay there), the simulator, the simple kernels and Mixtral
-    have no captured pass, and sampled calls were not measured."""
+    have no captured pass, a model the multi-token forward does not take (rows_refusal) has no
+    rows pass, and sampled calls were not measured."""
     gpu = getattr(engine, "device", None) == "gpu" and getattr(engine, "use_graph", False)
-    fast = hasattr(engine, "forward_rows") and not getattr(engine, "simple", False)
+    fast = hasattr(engine, "forward_rows") and rows_refusal(engine) is None
     captured = not engine.config.n_experts  # Mixtral's rows pass is not captured (its expert groups)
     return "ngram" if gpu and fast and captured else "off"
+
+
+def rows_refusal(engine: object) -> str | None:
+    """Why `engine` has no rows pass to verify drafts with (one line), or None where it has."""
+    if not hasattr(engine, "forward_rows"):
+        return "speculative decoding needs an engine with a rows pass (forward_rows)"
+    if getattr(engine, "simple", False):
+        return "speculative decoding runs the fast kernels' rows pass (not --kernels simple)"
+    if not getattr(engine, "multi_token", True):  # (a GpuEngine; the CPU engine takes every model)
+        from pycalm.gpu.prefill import unsupported
+
+        return f"speculative decoding needs the rows pass, and the multi-token forward does not take {unsupported(engine.config)}"
+    return None
 
 
 class SpeculativeEngine:
@@ -380,10 +394,8 @@ class SpeculativeEngine:
     state as plain decoding does)."""
 
     def __init__(self, engine: object, drafter: object, options: SpeculationOptions | None = None) -> None:
-        if not hasattr(engine, "forward_rows"):
-            raise PycalmError("speculative decoding needs an engine with a rows pass (forward_rows)")
-        if getattr(engine, "simple", False):
-            raise PycalmError("speculative decoding runs the fast kernels' rows pass (not --kernels simple)")
+        if why := rows_refusal(engine):
+            raise PycalmError(why)
         self.engine, self.drafter = engine, drafter
         self.options = options or SpeculationOptions()
         self.stats = self.options.stats
