@@ -473,6 +473,25 @@ def test_rows_pass(tmp_path):
         gpu.forward_rows(ids, SEQ_LEN - 4)
 
 
+def test_draft_tokens_go_into_the_rows_pass_on_the_device(tmp_path):
+    """greedy_tokens: generate's greedy tokens, left on the device (and in their pinned copy once
+    the event has passed); a rows pass with them as its tail gives the logits of a pass given the
+    same ids on the host, and writes the same cache rows."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    ids = tokens(2, seed=12)
+    draft, plain, target, host = (GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16") for _ in range(4))
+    want = list(plain.generate(ids, 0, 2, SamplingParams(ignore_eos=True)))  # (no EOS stops greedy_tokens)
+    drafted = draft.greedy_tokens(ids, 0, 2)
+    got = target.forward_rows(ids, 0, tail=drafted)  # (4, vocab_size)
+    assert list(drafted.host) == want  # (its event passed before the pass began)
+    assert np.array_equal(got, host.forward_rows([*ids, *want], 0))
+    for a, b in zip(target.kv_caches, host.kv_caches, strict=True):
+        assert np.array_equal(a.k.copy_to_host()[:4], b.k.copy_to_host()[:4])
+        assert np.array_equal(a.v.copy_to_host()[:4], b.v.copy_to_host()[:4])
+    with pytest.raises(PycalmError, match="greedy_tokens feeds"):
+        draft.greedy_tokens(ids[:1], SEQ_LEN - 2, 4)
+
+
 def test_rows_pass_samples_every_row(tmp_path):
     """forward_rows with a SamplingParams and a coin a row: each row's token is sample_ref's over
     that row's logits (the same pass's, read back), greedy rows and sampled ones in one pass."""

@@ -552,10 +552,11 @@ def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
     """On the GPU engine: with batch_invariant, greedy and sampled speculation (drafts kept and
-    replaced, and n-gram lookup with measured costs) give plain decoding's tokens, and leave the
+    replaced, n-gram lookup with measured costs, and greedy: the model drafting for itself, its
+    drafts going into the pass on the device) give plain decoding's tokens, and leave the
     token step's state at the last token and its position; without it, the tokens part from
     plain decoding's at most at a near tie (counted, and the first must follow one)."""
-    from pycalm.app.speculative import measure_costs
+    from pycalm.app.speculative import ModelDrafter, measure_costs
     from pycalm.gpu.engine import EngineOptions, GpuEngine
     from pycalm.kernels.common import STATE_POS, STATE_TOKEN
 
@@ -568,12 +569,17 @@ def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 512, 40)]
     for sampling in (GREEDY, SamplingParams(0.8, top_p=0.9, seed=11)):
         plain = list(plain_engine.generate(prompt, 0, 48, sampling))
-        for drafter, k in ((ScriptDrafter(prompt, plain, {2, 5, 6, 20}, 512), 4), (NgramDrafter(), None)):
+        drafters = [(ScriptDrafter(prompt, plain, {2, 5, 6, 20}, 512), 4), (NgramDrafter(), None)]
+        if sampling == GREEDY:  # the model drafting for itself on the GPU: its drafts stay there
+            drafters.append((ModelDrafter(GpuEngine(gpu_model, seq_len=256, options=options), e.config), 5))
+        for drafter, k in drafters:
             costs = measure_costs(e, 0) if k is None else None
             spec = SpeculativeEngine(e, drafter, SpeculationOptions(k=k, costs=costs))
             out = list(spec.generate(prompt, 0, 48, sampling))
             if batch_invariant:
                 assert out == plain
+                if isinstance(drafter, ModelDrafter):  # every draft kept, but past the last token
+                    assert spec.stats.kept >= spec.stats.drafted - k
                 state = e.state.copy_to_host()
                 assert (state[STATE_TOKEN], state[STATE_POS]) == (out[-1], len(prompt) + len(out) - 1)
             elif out != plain and sampling == GREEDY:

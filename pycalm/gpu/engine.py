@@ -180,6 +180,17 @@ class EngineOptions:
     kernels: str = "fast"
 
 
+@dataclass
+class DeviceTokens:
+    """Tokens that a GpuEngine's enqueued steps write (greedy_tokens): `device` (n,) int32 on the
+    GPU and `host` (n,) its pinned copy hold them once `event` has passed; valid until the
+    engine's next greedy_tokens."""
+
+    device: object
+    host: np.ndarray
+    event: object
+
+
 class EagerStep:
     """The token step as plain launches (the CUDA simulator's stand-in for a graph)."""
 
@@ -371,6 +382,11 @@ class GpuEngine:
 
         self.logprobs_out = zeros(OUT_SIZE, np.int32)  # (OUT_SIZE,)
         self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
+        # greedy_tokens' tokens (a draft model's), on the device for another engine's rows pass to
+        # copy, and their pinned copy for the host to read once the event has passed
+        self._drafted = zeros(ROW_BUCKETS[-1], np.int32)  # (64,)
+        self._drafted_host = cuda.pinned_array(ROW_BUCKETS[-1], np.int32)  # (64,)
+        self._drafted_event = cuda.event()
         # constrained decoding (pycalm.app.constrain): the allowed ids of the next token, a bit an
         # id, computed on the host into the pinned buffer while the GPU runs the step's forward,
         # then copied to the device for the step's masked sampling (pycalm.kernels.mask)
@@ -653,16 +669,19 @@ class GpuEngine:
         pos: int,
         samplings: list[SamplingParams] | None = None,
         coins: np.ndarray | None = None,
+        tail: DeviceTokens | None = None,
     ) -> np.ndarray:
-        """The n = len(ids) tokens (1 to 64) at positions pos .. pos + n - 1 in one pass (each
-        weight read once), their keys and values cached: the captured rows pass of
-        pycalm.gpu.prefill (a graph for each row bucket). Returns every row's logits (n,
+        """The n tokens (1 to 64) ids, then tail's, at positions pos .. pos + n - 1 in one pass
+        (each weight read once), their keys and values cached: the captured rows pass of
+        pycalm.gpu.prefill (a graph for each row bucket). tail: tokens another engine's steps
+        write on the GPU (greedy_tokens: a draft model's), copied into the pass's inputs there
+        once they are written (the host never waits for them). Returns every row's logits (n,
         vocab_size) float32, or with samplings (a SamplingParams a row) and coins (a uniform
         draw a row) the (n,) int32 tokens each row samples on the GPU. The state is left for the
         caller to set."""
         if self.simple:
             raise PycalmError("forward_rows runs the fast kernels (not --kernels simple)")
-        return self._prefill_step().rows(ids, pos, samplings, coins)
+        return self._prefill_step().rows(ids, pos, samplings, coins, tail)
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order
@@ -816,6 +835,34 @@ class GpuEngine:
         # the sampling steps, positions end - 1 .., each yielding the token it samples
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end, eos, logprobs)
+
+    def greedy_tokens(self, ids: list[int], start_pos: int, n: int) -> DeviceTokens:
+        """Enqueue generate(ids, start_pos, n, SamplingParams())'s token steps (ids fed at
+        start_pos.., then n greedy tokens, 1 to 64), without its host round trips: each sampling
+        step's token is copied on the device into the next slot of _drafted, then all n into
+        their pinned copy, and an event is recorded. Nothing waits for them: a draft model's
+        tokens go into the target's rows pass on the GPU (forward_rows' tail). No EOS stops
+        them. The state is left for the caller to set."""
+        end = start_pos + len(ids)
+        if not ids or not 1 <= n <= ROW_BUCKETS[-1] or start_pos < 0 or end - 1 + n > self.seq_len:
+            raise PycalmError(
+                f"greedy_tokens feeds 1 or more tokens and samples 1 to {ROW_BUCKETS[-1]} inside the "
+                f"context of {self.seq_len}; got {len(ids)} at position {start_pos}, {n} to sample"
+            )
+        s, greedy = self.stream, SamplingParams()
+        steps = [self.graph(greedy, p) for p in range(start_pos, end - 1 + n)]  # captured first
+        if len(ids) > 1:  # the steps after the first take positions start_pos + 1 .. end - 1 from feed
+            self.feed[start_pos + 1 : end].copy_to_device(np.asarray(ids[1:], np.int32), stream=s)
+        self._set_state(int(ids[0]), start_pos, end)
+        token = self.state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,) the token a step sampled
+        for i, step in enumerate(steps):
+            step.launch()
+            j = i - (len(ids) - 1)  # (a sampling step from the last fed token on)
+            if j >= 0:
+                self._drafted[j : j + 1].copy_to_device(token, stream=s)
+        self._drafted[:n].copy_to_host(self._drafted_host[:n], stream=s)
+        self._drafted_event.record(s)
+        return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event)
 
     def _decode_constrained(
         self,

@@ -419,9 +419,15 @@ class Prefill:
                 yield out
 
     def rows(
-        self, ids: list[int], pos0: int, samplings: list | None = None, coins: np.ndarray | None = None
+        self,
+        ids: list[int],
+        pos0: int,
+        samplings: list | None = None,
+        coins: np.ndarray | None = None,
+        tail: object = None,
     ) -> np.ndarray:
-        """The n = len(ids) <= 64 tokens ids at positions pos0.., their keys and values cached, in
+        """The n <= 64 tokens ids, then tail's (GpuEngine.forward_rows), at positions pos0.., their
+        keys and values cached, in
         one replay of the captured pass of the smallest row bucket that holds n (the first pass
         of a bucket runs eagerly, compiling its kernels, and captures it; without graphs (the
         simulator), or where the bucket's padding rows would pass the end of the cache, plain
@@ -429,7 +435,8 @@ class Prefill:
         `samplings` (a SamplingParams a row) and `coins` (n uniform draws) the (n,) int32 tokens
         each row samples on the GPU (sample_rows: the logits stay there)."""
         e = self.engine
-        n = len(ids)
+        given = len(ids)  # the rows whose ids the host has; tail's follow them
+        n = given + (0 if tail is None else len(tail.host))
         if not 1 <= n <= ROW_BUCKETS[-1] or pos0 < 0 or pos0 + n > e.seq_len:
             raise PycalmError(
                 f"a rows pass takes 1 to {ROW_BUCKETS[-1]} tokens inside the context of {e.seq_len}; "
@@ -439,8 +446,8 @@ class Prefill:
         if not e.use_graph or pos0 + bucket > e.seq_len:
             bucket = n
         host = self._inputs_host  # (6, 64); the last pass's copy is done (rows ends in a sync)
-        host[0, :n] = ids
-        host[0, n:bucket] = 0  # padding rows feed token 0
+        host[0, :given] = ids
+        host[0, given:bucket] = 0  # padding rows feed token 0 (tail's rows: theirs, copied below)
         if samplings is not None:
             from pycalm.kernels.sample import host_rows
 
@@ -449,6 +456,9 @@ class Prefill:
             for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
                 host[1 + i, :n] = field.view(np.int32)  # (float32 fields as their bits)
         self._inputs.copy_to_device(host, stream=e.stream)
+        if tail is not None:  # tail's ids, device to device once the steps that write them are done
+            tail.event.wait(e.stream)
+            self.rows_tokens[given:n].copy_to_device(tail.device, stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
         sampled = samplings is not None
