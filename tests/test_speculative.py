@@ -27,6 +27,7 @@ from pycalm.app.speculative import (
     PassCosts,
     SpeculationOptions,
     SpeculativeEngine,
+    measure_costs,
 )
 from pycalm.convert.main import convert
 from pycalm.cpu.engine import CpuEngine
@@ -517,6 +518,25 @@ def test_a_draft_models_pass_costs_its_call_and_the_catch_up_step():
     assert PassCosts(1.0, ((8, 1.4),), draft_call=0.2).speedup(k, rate) == pytest.approx(expected / 1.4)
 
 
+def test_a_draft_model_starts_on_and_its_pass_is_timed_whole(model):
+    """A draft model's source starts from its own prior (0.8: drafting pays from the first pass
+    at costs like the GPU's, where PRIOR's 0.5 turns it off before any pass), and measure_costs
+    times one whole pass of drafts (k = 7 for rows up to 8), draft_call being what it takes
+    beyond its draft steps and its rows pass."""
+    from pycalm.app.speculative import ModelDrafter
+
+    adaptive = AdaptiveK(PassCosts(1.0, ((16, 1.4),), draft_step=0.25, draft_call=0.1))
+    assert adaptive.plan("model", 0, ModelDrafter.PRIOR) == 5
+    assert adaptive.plan("other", 0, PRIOR) == 0
+    drafter = ModelDrafter(engine(model), model.config)
+    timed = []
+    whole = drafter.draft
+    drafter.draft = lambda fed, pos, k: (timed.append(k), whole(fed, pos, k))[1]
+    costs = measure_costs(engine(model), 0, drafter, rows=(2, 8), repeats=1)
+    assert set(timed) == {7} and costs.draft_step > 0 and costs.draft_call >= 0
+    assert [n for n, _ in costs.rows] == [2, 8]
+
+
 def test_draft_model_catches_up_by_passes_of_64_rows(model, monkeypatch):
     """Text the draft model did not draft for (the plain stretches of a source turned off) goes
     into its cache in prompts of up to 64 tokens (one rows pass each on the GPU), up to
@@ -556,7 +576,7 @@ def test_gpu_speculative_output_is_plain_decodings(tmp_path, batch_invariant):
     drafts going into the pass on the device) give plain decoding's tokens, and leave the
     token step's state at the last token and its position; without it, the tokens part from
     plain decoding's at most at a near tie (counted, and the first must follow one)."""
-    from pycalm.app.speculative import ModelDrafter, measure_costs
+    from pycalm.app.speculative import ModelDrafter
     from pycalm.gpu.engine import EngineOptions, GpuEngine
     from pycalm.kernels.common import STATE_POS, STATE_TOKEN
 

@@ -74,7 +74,9 @@ class PassCosts:
     step: float  # a token of plain decoding (engine.generate, graph replays in flight)
     rows: tuple[tuple[int, float], ...]  # (n, seconds of a pass of n rows), n ascending
     draft_step: float = 0.0  # a drafted token (a draft model's step; 0 for n-gram lookup)
-    draft_call: float = 0.0  # a draft model's call of k steps, beyond its k steps (its start and end)
+    # a draft model's pass beyond its k steps and its rows pass: the two engines' calls and the
+    # host between them (measure_costs: a whole pass of drafts, less its parts)
+    draft_call: float = 0.0
 
     @classmethod
     def ratio(cls, pass_cost: float, draft_cost: float = 0.0) -> PassCosts:
@@ -106,7 +108,9 @@ def measure_costs(
 ) -> PassCosts:
     """PassCosts of `engine` at position pos (the best of `repeats` timings each, after a
     warm-up that compiles and captures): `tokens` plain tokens through engine.generate, and a
-    pass of each row count in `rows`; with a ModelDrafter, its engine's plain token too. Writes
+    pass of each row count in `rows`; with a ModelDrafter, its engine's plain token, and a whole
+    pass of k drafts (k + 1 the largest of `rows` up to K_MOST + 1: drafting and checking them as
+    the loop does), whose time beyond its draft steps and its rows pass is draft_call. Writes
     cache rows pos .. pos + max(tokens, rows): call it where those hold nothing yet."""
     n = min(tokens, engine.seq_len - pos - 1)
     if n < 1:
@@ -127,17 +131,27 @@ def measure_costs(
     def rows_pass(e: object, m: int) -> float:
         return best(lambda: e.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))
 
-    passes = [(m, rows_pass(engine, m)) for m in rows if pos + m <= engine.seq_len]
-    draft_step = draft_call = 0.0
+    costs = PassCosts(
+        plain(engine), tuple((m, rows_pass(engine, m)) for m in rows if pos + m <= engine.seq_len)
+    )
     if isinstance(drafter, ModelDrafter):
         d = drafter.engine
         draft_step = plain(d)
-        draft_call = max(plain(d, 1) - draft_step, 0.0)  # a call of one step, beyond the step
+        k = (
+            max((m for m in rows if m <= K_MOST + 1 and pos + m <= min(engine.seq_len, d.seq_len)), default=2)
+            - 1
+        )
+        whole = best(
+            lambda: check_drafts(engine, 0, pos, drafter.draft([0], pos, k), GREEDY, np.zeros(k + 1))
+        )
+        costs = replace(
+            costs, draft_step=draft_step, draft_call=max(whole - costs.pass_cost(k + 1) - k * draft_step, 0.0)
+        )
         for m in (2**i for i in range(ROWS_MOST.bit_length())):  # the row buckets of its catch-ups,
             if pos + m <= d.seq_len:  # compiled and captured before they count
                 d.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m))
         drafter.forget()  # its cache rows past pos were scribbled on
-    return PassCosts(plain(engine), tuple(passes), draft_step, draft_call)
+    return costs
 
 
 # -------------------------------------------------------------------------------------------
@@ -294,6 +308,13 @@ class ModelDrafter:
 
     name = "draft"
     one_source = True  # the same source at every token: a stretch off goes in one call
+    # a draft's chance to be kept before any pass is seen: Qwen2.5-Coder-0.5B drafting for the
+    # 1.5B kept about 0.7 (chat), 0.83 (grounded) and 0.9 (code) of its drafts (E at k = 4 and 6,
+    # docs/BENCHMARKS.md). From PRIOR (0.5) no k paid, so it turned itself off before its first pass.
+    PRIOR = 0.8
+
+    def prior(self, key: object) -> float:
+        return self.PRIOR
 
     def __init__(self, engine: object, target_config: object) -> None:
         cfg = engine.config
@@ -346,13 +367,23 @@ class ModelDrafter:
         else:
             e.prefill(catch_up, common)
         k = min(k, e.seq_len - len(context) + 1)
-        if k > 0 and hasattr(e, "greedy_tokens"):  # on the GPU: enqueued, the tokens left there
-            self._cached = list(context)
-            self._pending = Draft([], device=e.greedy_tokens(fed, len(context) - len(fed), k))
-            return self._pending
-        drafts = list(e.generate(fed, len(context) - len(fed), k, GREEDY)) if k > 0 else []
-        self._cached = context + drafts[:-1]
-        return Draft(drafts)
+        if k <= 0:
+            self._cached = context[: len(context) - len(fed)]
+            return Draft([])
+        draft = self.draft(fed, len(context) - len(fed), k)
+        if draft.device is None:
+            self._cached = context + draft.tokens[:-1]
+        else:  # (its tokens join _cached once they are read)
+            self._cached, self._pending = list(context), draft
+        return draft
+
+    def draft(self, fed: list[int], pos: int, k: int) -> Draft:
+        """k greedy tokens of its engine after it is fed `fed` at pos..: on the GPU left there
+        (engine.greedy_tokens: Draft.device), elsewhere read back step by step (engine.generate)."""
+        e = self.engine
+        if hasattr(e, "greedy_tokens"):
+            return Draft([], device=e.greedy_tokens(fed, pos, k))
+        return Draft(list(e.generate(fed, pos, k, GREEDY)))
 
 
 # -------------------------------------------------------------------------------------------
@@ -581,23 +612,14 @@ class SpeculativeEngine:
     ) -> list[int]:
         """One pass over [last] + the drafts at pos: the drafts kept and the target's token after
         them (the module docstring)."""
-        n = len(draft) + 1  # the rows
-        # drafts on the GPU go into this pass's inputs there: the host waits once, for the pass
-        chained = draft.device is not None and draft.q is None and hasattr(self.engine, "greedy_tokens")
-        if chained:
-            sampled = self.engine.forward_rows([last], pos, [sampling] * n, coins, tail=draft.device)
-        if draft.device is not None:
-            draft.device.event.synchronize()  # (passed already where the pass took them)
-            draft.tokens = [int(t) for t in draft.device.host]
-        rows = [last, *draft.tokens]
         if draft.q is None:  # one-hot drafts: each row samples on the device with its own coin
-            if not chained:
-                sampled = self.engine.forward_rows(rows, pos, [sampling] * n, coins)
+            sampled = check_drafts(self.engine, last, pos, draft, sampling, coins)
             kept = 0
             while kept < len(draft.tokens) and sampled[kept] == draft.tokens[kept]:
                 kept += 1
             out = [*draft.tokens[:kept], int(sampled[kept])]
         else:  # the rejection rule on the host, on the target's logits
+            rows = [last, *draft.tokens]
             logits = self.engine.forward_rows(rows, pos)  # (k + 1, vocab_size)
             s = sampling
             p = np.stack(
@@ -607,6 +629,25 @@ class SpeculativeEngine:
             pair[:, 0] = coins
             out = verify_ref(p, draft.q, draft.tokens, pair)
         return out
+
+
+def check_drafts(
+    engine: object, last: int, pos: int, draft: Draft, sampling: SamplingParams, coins: np.ndarray
+) -> np.ndarray:
+    """The (n,) tokens that one pass of engine's rows over [last] + the n - 1 one-hot drafts at
+    pos samples, each row with its own coin. Drafts still on the GPU (Draft.device) go into the
+    pass there (forward_rows' tail), so the host waits once, for the pass; draft.tokens is
+    filled."""
+    n = len(draft) + 1  # the rows
+    on_gpu = draft.device is not None and hasattr(engine, "greedy_tokens")
+    if on_gpu:
+        sampled = engine.forward_rows([last], pos, [sampling] * n, coins, tail=draft.device)
+    if draft.device is not None:
+        draft.device.event.synchronize()  # (passed already where the pass took them)
+        draft.tokens = [int(t) for t in draft.device.host]
+    if not on_gpu:
+        sampled = engine.forward_rows([last, *draft.tokens], pos, [sampling] * n, coins)
+    return sampled
 
 
 def make_drafter(kind: str, target: object, draft_engine: object = None) -> object | None:
