@@ -129,7 +129,8 @@ def main() -> int:
             costs[d] = c = measure_costs(engine, 0, make_drafter(d, engine, draft_engine))
             rows = ", ".join(f"{n} rows {s / c.step:.2f}" for n, s in c.rows)
             print(f"costs ({d}): token step {c.step * 1e3:.2f} ms; passes in steps: {rows}; "
-                  f"draft step {c.draft_step / c.step:.2f}", flush=True)  # fmt: skip
+                  f"draft step {c.draft_step / c.step:.2f}, a pass's draft call {c.draft_call / c.step:.2f}",
+                  flush=True)  # fmt: skip
     name = Path(args.model).stem
     print("| model | task | drafter | k | accept | tok/fwd | plain tok/s | spec tok/s | same |")
     print("|---|---|---|---|---|---|---|---|---|")
