@@ -61,6 +61,7 @@ RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is pro
 DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3 passes count)
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
 GREEDY = SamplingParams()
+NO_EOS = SamplingParams(ignore_eos=True)  # greedy, every token asked for (the token steps are GREEDY's)
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
 FIRST_CALL_ROWS = (2, 8, 16)  # ... where a call's first token waits for them (k 1 / 2-7 / 8-15)
 CATCH_UP_PASSES = 4  # a draft model's catch-up of up to this many rows passes goes in pieces that fit one
@@ -125,8 +126,8 @@ def measure_costs(
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    def plain(e: object, n: int = n) -> float:
-        return best(lambda: list(e.generate([0], pos, n, GREEDY))) / n
+    def plain(e: object, n: int = n) -> float:  # (n tokens: an EOS does not end the call early)
+        return best(lambda: list(e.generate([0], pos, n, NO_EOS))) / n
 
     def rows_pass(e: object, m: int) -> float:
         return best(lambda: e.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))
