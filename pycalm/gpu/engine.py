@@ -385,6 +385,7 @@ class GpuEngine:
         # greedy_tokens' tokens (a draft model's), on the device for another engine's rows pass to
         # copy, and their pinned copy for the host to read once the event has passed
         self._drafted = zeros(ROW_BUCKETS[-1], np.int32)  # (64,)
+        self._drafted_slots = [self._drafted[j : j + 1] for j in range(ROW_BUCKETS[-1])]  # 64 x (1,)
         self._drafted_host = cuda.pinned_array(ROW_BUCKETS[-1], np.int32)  # (64,)
         self._drafted_event = cuda.event()
         # constrained decoding (pycalm.app.constrain): the allowed ids of the next token, a bit an
@@ -849,8 +850,13 @@ class GpuEngine:
                 f"greedy_tokens feeds 1 or more tokens and samples 1 to {ROW_BUCKETS[-1]} inside the "
                 f"context of {self.seq_len}; got {len(ids)} at position {start_pos}, {n} to sample"
             )
-        s, greedy = self.stream, SamplingParams()
-        steps = [self.graph(greedy, p) for p in range(start_pos, end - 1 + n)]  # captured first
+        s, greedy, by_span = self.stream, SamplingParams(), {}
+        steps = []  # every step's graph, captured before the state is set (a span's looked up once)
+        for p in range(start_pos, end - 1 + n):
+            span = self.span(p)
+            if span not in by_span:
+                by_span[span] = self.graph(greedy, p)
+            steps.append(by_span[span])
         if len(ids) > 1:  # the steps after the first take positions start_pos + 1 .. end - 1 from feed
             self.feed[start_pos + 1 : end].copy_to_device(np.asarray(ids[1:], np.int32), stream=s)
         self._set_state(int(ids[0]), start_pos, end)
@@ -859,7 +865,7 @@ class GpuEngine:
             step.launch()
             j = i - (len(ids) - 1)  # (a sampling step from the last fed token on)
             if j >= 0:
-                self._drafted[j : j + 1].copy_to_device(token, stream=s)
+                self._drafted_slots[j].copy_to_device(token, stream=s)
         self._drafted[:n].copy_to_host(self._drafted_host[:n], stream=s)
         self._drafted_event.record(s)
         return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event)
