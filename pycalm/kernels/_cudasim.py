@@ -167,8 +167,10 @@ _sim_shared_array = None  # the simulator's own FakeCUDAShared.array (install() 
 def _shared_array(self, shape, dtype, alignment=None):  # noqa: ANN001, ANN202
     """The simulator's FakeCUDAShared.array with its look-up and first allocation under a lock:
     one array a call site (file, line) a launch, keyed as the simulator keys them, the same for
-    every thread (the blocks run one after another, each on the arrays the last one left)."""
-    if shape == 0 or alignment is not None:  # dynamic shared memory (no allocation); alignment: an error
+    every thread (the blocks run one after another, each on the arrays the last one left).
+    alignment places an array on the GPU (where its start falls in shared memory); the
+    simulator's arrays are NumPy's, and it is ignored."""
+    if shape == 0:  # dynamic shared memory (no allocation)
         return _sim_shared_array(self, shape, dtype, alignment)
     caller = sys._getframe(1)
     key = (caller.f_code.co_filename, caller.f_lineno)

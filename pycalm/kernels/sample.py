@@ -92,6 +92,11 @@ HIST = SAMPLE_THREADS // 32 * BINS  # the histograms of a block: one a warp (sum
 # the coin walk over at most KEPT kept tokens sorts them in shared memory instead of its radix
 # passes (_walk_kept); fewer under the simulator, so that the tests cover both ways
 KEPT = 32 if _numba_config.ENABLE_CUDASIM else 512
+# every shared array of the sample kernels starts a 16-byte line of its own: ptxas merges the
+# select's reads of cross[0..2] into one 16-byte load, which, where `best` shared cross's line,
+# read best's word after a barrier that did not keep thread 0 from rewriting it (the value was
+# not used; compute-sanitizer racecheck reported it as the kernels' only hazards)
+SHARED_ALIGN = 16
 MODE_COUNT = 0  # first element where the running count >= n
 MODE_MASS_GE = 1  # first element where the running mass >= target (top-p)
 MODE_MASS_GT = 2  # first element where the running mass > target (the coin walk)
@@ -610,12 +615,12 @@ def _sample_row(
 def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: ANN001, ANN201
     """One block. state[STATE_TOKEN] <- the token sample_ref picks for coin coins[state[STATE_POS]]."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    scratch = cuda.shared.array(32, float32)
-    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
-    hist_mass = cuda.shared.array(HIST, float32)
-    cross = cuda.shared.array(4, int32)
-    cross_mass = cuda.shared.array(2, float32)
-    best = cuda.shared.array(1, int32)
+    scratch = cuda.shared.array(32, float32, alignment=SHARED_ALIGN)
+    hist_n = cuda.shared.array(HIST, int32, alignment=SHARED_ALIGN)  # a histogram a warp (see _select)
+    hist_mass = cuda.shared.array(HIST, float32, alignment=SHARED_ALIGN)
+    cross = cuda.shared.array(4, int32, alignment=SHARED_ALIGN)
+    cross_mass = cuda.shared.array(2, float32, alignment=SHARED_ALIGN)
+    best = cuda.shared.array(1, int32, alignment=SHARED_ALIGN)
     coin = coins[state[STATE_POS]]
     token = _sample_row(
         logits, inv_t, top_k, top_p, min_p, coin, scratch, hist_n, hist_mass, cross, cross_mass, best
@@ -629,13 +634,15 @@ def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens):
     """Block r (grid M): tokens[r] <- sample_ref(logits[r], temperature[r], top_k[r], top_p[r],
     min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties)."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    scratch = cuda.shared.array(32, float32)  # block reductions; the argmax's warp values
-    warp_i = cuda.shared.array(32, int32)  # the argmax's warp ids
-    hist_n = cuda.shared.array(HIST, int32)  # a histogram a warp (see _select)
-    hist_mass = cuda.shared.array(HIST, float32)
-    cross = cuda.shared.array(4, int32)
-    cross_mass = cuda.shared.array(2, float32)
-    best = cuda.shared.array(1, int32)
+    scratch = cuda.shared.array(
+        32, float32, alignment=SHARED_ALIGN
+    )  # block reductions; the argmax's warp values
+    warp_i = cuda.shared.array(32, int32, alignment=SHARED_ALIGN)  # the argmax's warp ids
+    hist_n = cuda.shared.array(HIST, int32, alignment=SHARED_ALIGN)  # a histogram a warp (see _select)
+    hist_mass = cuda.shared.array(HIST, float32, alignment=SHARED_ALIGN)
+    cross = cuda.shared.array(4, int32, alignment=SHARED_ALIGN)
+    cross_mass = cuda.shared.array(2, float32, alignment=SHARED_ALIGN)
+    best = cuda.shared.array(1, int32, alignment=SHARED_ALIGN)
     r = cuda.blockIdx.x
     row = logits[r]  # (vocab_size,)
     t = temperature[r]
