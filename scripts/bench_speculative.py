@@ -89,6 +89,9 @@ def main() -> int:
 
     import pycalm
 
+    # plain engines (speculate="off"): the baseline, and what each row's SpeculativeEngine wraps.
+    # pycalm.load's default (auto) is n-gram speculation on the GPU: the baseline would speculate,
+    # its first call would time the passes, and measure_costs would time n-gram passes as steps
     llm = pycalm.load(
         args.model,
         device=args.device,
@@ -96,6 +99,7 @@ def main() -> int:
         context=args.context,
         threads=args.threads,
         batch_invariant=args.batch_invariant,
+        speculate="off",
     )
     engine = llm.engine
     draft_engine = None
@@ -107,6 +111,7 @@ def main() -> int:
             context=args.context,
             threads=args.threads,
             batch_invariant=args.batch_invariant,
+            speculate="off",
         )
         draft_engine = draft.engine
     prompts = json.loads(PROMPTS.read_text())
