@@ -536,14 +536,14 @@ def test_a_draft_models_pass_costs_its_call_and_the_catch_up_step():
 
 
 def test_a_draft_model_starts_on_and_its_pass_is_timed_whole(model):
-    """A draft model's source starts from its own prior (0.8: drafting pays from the first pass
+    """A draft model's source starts from its own prior (0.9: drafting pays from the first pass
     at costs like the GPU's, where PRIOR's 0.5 turns it off before any pass), and measure_costs
     times one whole pass of drafts (k = 7 for rows up to 8), draft_call being what it takes
     beyond its draft steps and its rows pass."""
     from pycalm.app.speculative import ModelDrafter
 
     adaptive = AdaptiveK(PassCosts(1.0, ((16, 1.4),), draft_step=0.25, draft_call=0.1))
-    assert adaptive.plan("model", 0, ModelDrafter.PRIOR) == 5
+    assert adaptive.plan("model", 0, ModelDrafter.PRIOR) == 8
     assert adaptive.plan("other", 0, PRIOR) == 0
     drafter = ModelDrafter(engine(model), model.config)
     timed = []

@@ -311,8 +311,12 @@ class ModelDrafter:
     one_source = True  # the same source at every token: a stretch off goes in one call
     # a draft's chance to be kept before any pass is seen: Qwen2.5-Coder-0.5B drafting for the
     # 1.5B kept about 0.7 (chat), 0.83 (grounded) and 0.9 (code) of its drafts (E at k = 4 and 6,
-    # docs/BENCHMARKS.md). From PRIOR (0.5) no k paid, so it turned itself off before its first pass.
-    PRIOR = 0.8
+    # docs/BENCHMARKS.md). At the H100's costs (a token step 1.74-1.86 ms, the 8-row pass 2.47, a
+    # draft step about 0.8) drafting pays from about 0.8: from 0.9 it starts on, and a text it
+    # drafts worse for turns it off within a pass or two (from PRIOR's 0.5, or 0.8, it turned
+    # itself off before its first pass, and its probes, each moving the estimate 0.3 of the way,
+    # did not bring it back within a reply).
+    PRIOR = 0.9
 
     def prior(self, key: object) -> float:
         return self.PRIOR
