@@ -426,14 +426,14 @@ class Prefill:
         coins: np.ndarray | None = None,
         tail: object = None,
     ) -> np.ndarray:
-        """The n <= 64 tokens ids, then tail's (GpuEngine.forward_rows), at positions pos0.., their
-        keys and values cached, in
-        one replay of the captured pass of the smallest row bucket that holds n (the first pass
-        of a bucket runs eagerly, compiling its kernels, and captures it; without graphs (the
-        simulator), or where the bucket's padding rows would pass the end of the cache, plain
-        launches of exactly n rows). Returns the logits (n, vocab_size) float32, or with
-        `samplings` (a SamplingParams a row) and `coins` (n uniform draws) the (n,) int32 tokens
-        each row samples on the GPU (sample_rows: the logits stay there)."""
+        """The n <= 64 tokens ids, then tail's (GpuEngine.forward_rows), at positions pos0..,
+        their keys and values cached, in one replay of the captured pass of the smallest row
+        bucket that holds n (the first pass of a bucket runs eagerly, compiling its kernels, and
+        captures it; without graphs (the simulator), or where the bucket's padding rows would
+        pass the end of the cache, plain launches of exactly n rows). Returns the logits (n,
+        vocab_size) float32, or with `samplings` (a SamplingParams a row) and `coins` (n uniform
+        draws) the (n,) int32 tokens each row samples on the GPU (sample_rows: the logits stay
+        there)."""
         e = self.engine
         given = len(ids)  # the rows whose ids the host has; tail's follow them
         n = given + (0 if tail is None else len(tail.host))
