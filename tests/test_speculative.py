@@ -554,6 +554,27 @@ def test_a_draft_model_starts_on_and_its_pass_is_timed_whole(model):
     assert [n for n, _ in costs.rows] == [2, 8]
 
 
+def test_drafts_on_the_gpu_reach_a_target_without_its_rows_pass_by_the_host(model):
+    """check_drafts with drafts still on the GPU (Draft.device) and a target that has no device
+    path (the CPU engine): it waits for their event, reads their pinned copy and checks them as
+    host drafts, each row sampling what a pass given the same ids samples."""
+    from pycalm.app.speculative import check_drafts
+    from pycalm.gpu.engine import DeviceTokens
+
+    class Event:
+        waited = False
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    drafts, coins = [9, 11, 5], np.array([0.1, 0.6, 0.3, 0.9])
+    event = Event()
+    draft = Draft([], device=DeviceTokens(None, np.array(drafts, np.int32), event))
+    sampled = check_drafts(engine(model), PROMPT[-1], len(PROMPT) - 1, draft, GREEDY, coins)
+    want = engine(model).forward_rows([PROMPT[-1], *drafts], len(PROMPT) - 1, [GREEDY] * 4, coins)
+    assert event.waited and draft.tokens == drafts and list(sampled) == list(want)
+
+
 def test_draft_model_catches_up_by_passes_of_64_rows(model, monkeypatch):
     """Text the draft model did not draft for (the plain stretches of a source turned off) goes
     into its cache in prompts of up to 64 tokens (one rows pass each on the GPU), up to
