@@ -107,6 +107,31 @@ SHAPES = {
         vocab_size=49152,
         rope_theta=100000.0,
     ),
+    # issue 30's pair: Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B
+    "qwen2.5-0.5b": dict(
+        arch="qwen2",
+        qkv_bias=True,
+        dim=896,
+        hidden_dim=4864,
+        head_dim=64,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
+    "qwen2.5-1.5b": dict(
+        arch="qwen2",
+        qkv_bias=True,
+        dim=1536,
+        hidden_dim=8960,
+        head_dim=128,
+        n_layers=28,
+        n_heads=12,
+        n_kv_heads=2,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
 }
 # Mixtral-8x7B: Mistral-7B's attention and widths, 8 experts of the FFN, 2 active a token
 SHAPES["mixtral-8x7b"] = dict(

@@ -197,7 +197,8 @@ while [ $i -lt ${#steps[@]} ]; do
     speculative)  # issue 30 on the GPU: Qwen2.5-Coder-0.5B and 1.5B joined from the pieces that
              # `scripts/ship.sh put` left in /tmp/ship (one call a piece, 26 in all, the machine kept
              # warm), checked against KNOWN_MODELS' sha256; the pair and n-gram rows (the costs line
-             # first); the drafts-on-the-device A/B on random weights; the speculative GPU tests
+             # first); the drafts-on-the-device A/B on random weights; the two shapes' token steps
+             # kernel by kernel (what bounds the draft); the speculative GPU tests
              for key in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
                read -r name sha < <(python3 -c "from pycalm.app.fetch import KNOWN_MODELS as K; m = K['$key']; print(m.name, m.sha256)")
                bash scripts/ship.sh join "$name" "$sha" "/tmp/$name" || exit 1
@@ -206,6 +207,8 @@ while [ $i -lt ${#steps[@]} ]; do
                --draft-model /tmp/Qwen2.5-Coder-0.5B-Instruct.gguf --drafter ngram,draft --draft-dtype q8 \
                --k adaptive --draft-k 7,8,adaptive --prompts 3 --new 64 2>&1 | tee "$out/bench_speculative.log" | grep -v "^  "
              python3 scripts/speculative_chain.py 2>&1 | tee "$out/speculative_chain.log" | tail -9
+             python3 scripts/bench.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --dtypes q8,fp16 --tokens 64 2>&1 \
+               | tee "$out/bench_qwen.log" | tail -30
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_speculative.py tests/test_prefill.py \
                tests/test_eos_options.py -k "not real_model" 2>&1 | tee "$out/tests_speculative.log" | tail -4 ;;
     serve-musts)  # issue 31's acceptance rows alone (about 250 s on an H100): fp16 at 1 to 128 streams,

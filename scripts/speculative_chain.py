@@ -3,7 +3,7 @@
     python3 scripts/speculative_chain.py [--draft-dtype q8] [--k 8,4] [--tokens 96]
 
 Random weights of the Qwen2.5-Coder-1.5B (target, fp16) and 0.5B (draft) shapes
-(bench.RandomDeviceModel), k fixed: every draft is rejected, so each pass gives one token and the
+(bench.RandomDeviceModel, bench.SHAPES' qwen2.5-1.5b and qwen2.5-0.5b), k fixed: every draft is rejected, so each pass gives one token and the
 launches are a real pass's (k draft steps, a pass of k + 1 rows). "device": the drafts stay on
 the GPU (GpuEngine.greedy_tokens) and the pass copies them into its inputs after an event;
 "host": the same draft engine without greedy_tokens, so ModelDrafter reads each draft back
@@ -13,9 +13,7 @@ the GPU (GpuEngine.greedy_tokens) and the pass copies them into its inputs after
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,11 +26,6 @@ from bench import RandomDeviceModel, config_for  # noqa: E402
 from pycalm.app.speculative import ModelDrafter, SpeculationOptions, SpeculativeEngine, measure_costs  # noqa: E402
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.gpu.engine import GpuEngine  # noqa: E402
-
-
-def qwen_shape(dim: int, hidden: int, layers: int, heads: int, head_dim: int) -> dict:
-    return dict(hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=2, vocab_size=151936, head_dim=head_dim, rope_theta=1e6)  # fmt: skip
 
 
 class ThroughTheHost:
@@ -53,14 +46,8 @@ def main() -> None:
     ap.add_argument("--k", default="8,4")
     ap.add_argument("--tokens", type=int, default=96)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp())
-    shapes = {"target": qwen_shape(1536, 8960, 28, 12, 128), "draft": qwen_shape(896, 4864, 24, 14, 64)}
-    for name, spec in shapes.items():
-        (tmp / f"{name}.json").write_text(json.dumps(spec))
-    target = GpuEngine(RandomDeviceModel(config_for(str(tmp / "target.json"), "fp16", 1024)), seq_len=1024)
-    draft = GpuEngine(
-        RandomDeviceModel(config_for(str(tmp / "draft.json"), args.draft_dtype, 1024)), seq_len=1024
-    )
+    target = GpuEngine(RandomDeviceModel(config_for("qwen2.5-1.5b", "fp16", 1024)), seq_len=1024)
+    draft = GpuEngine(RandomDeviceModel(config_for("qwen2.5-0.5b", args.draft_dtype, 1024)), seq_len=1024)
     greedy = SamplingParams()
     for e in (target, draft):
         e.prepare(greedy, range(1024))
