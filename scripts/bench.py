@@ -120,19 +120,10 @@ SHAPES = {
         vocab_size=151936,
         rope_theta=1000000.0,
     ),
-    "qwen2.5-1.5b": dict(
-        arch="qwen2",
-        qkv_bias=True,
-        dim=1536,
-        hidden_dim=8960,
-        head_dim=128,
-        n_layers=28,
-        n_heads=12,
-        n_kv_heads=2,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-    ),
 }
+SHAPES["qwen2.5-1.5b"] = dict(
+    SHAPES["qwen2.5-0.5b"], dim=1536, hidden_dim=8960, head_dim=128, n_layers=28, n_heads=12
+)
 # Mixtral-8x7B: Mistral-7B's attention and widths, 8 experts of the FFN, 2 active a token
 SHAPES["mixtral-8x7b"] = dict(
     SHAPES["llama3-8b"], arch="mixtral", vocab_size=32000, rope_theta=1e6, n_experts=8, n_experts_active=2
