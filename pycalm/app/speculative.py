@@ -233,6 +233,14 @@ class Draft:
     def __len__(self) -> int:
         return len(self.tokens) if self.device is None else len(self.device.host)
 
+    def take(self) -> list[int]:
+        """The tokens, read from the GPU's pinned copy once its event has passed where they
+        were still there."""
+        if self.device is not None and not self.tokens:
+            self.device.event.synchronize()
+            self.tokens = [int(t) for t in self.device.host]
+        return self.tokens
+
 
 class NgramDrafter:
     """Prompt lookup: the last n tokens (n from n_most down to n_least) matched against their
@@ -338,9 +346,8 @@ class ModelDrafter:
     def _settle(self) -> None:
         """The drafts of the last propose on the GPU into _cached (but the last: not fed)."""
         if self._pending is not None:
-            drafted, self._pending = self._pending.device, None
-            drafted.event.synchronize()  # (long passed where the target's pass took them)
-            self._cached = self._cached + [int(t) for t in drafted.host[:-1]]
+            drafted, self._pending = self._pending, None
+            self._cached = self._cached + drafted.take()[:-1]
 
     def prefill(self, ids: list[int], start_pos: int) -> None:
         """ids into its cache at start_pos.., beside the target's prefill (the prompt's pass
@@ -429,7 +436,7 @@ def speculation_default(engine: object) -> str:
     have no captured pass, a model the multi-token forward does not take (rows_refusal) has no
     rows pass, and sampled calls were not measured."""
     gpu = getattr(engine, "device", None) == "gpu" and getattr(engine, "use_graph", False)
-    fast = hasattr(engine, "forward_rows") and rows_refusal(engine) is None
+    fast = rows_refusal(engine) is None
     captured = not engine.config.n_experts  # Mixtral's rows pass is not captured (its expert groups)
     return "ngram" if gpu and fast and captured else "off"
 
@@ -644,15 +651,11 @@ def check_drafts(
     pass there (forward_rows' tail), so the host waits once, for the pass; draft.tokens is
     filled."""
     n = len(draft) + 1  # the rows
-    on_gpu = draft.device is not None and hasattr(engine, "greedy_tokens")
-    if on_gpu:
+    if draft.device is not None and hasattr(engine, "greedy_tokens"):
         sampled = engine.forward_rows([last], pos, [sampling] * n, coins, tail=draft.device)
-    if draft.device is not None:
-        draft.device.event.synchronize()  # (passed already where the pass took them)
-        draft.tokens = [int(t) for t in draft.device.host]
-    if not on_gpu:
-        sampled = engine.forward_rows([last, *draft.tokens], pos, [sampling] * n, coins)
-    return sampled
+        draft.take()  # (their event passed before the pass began)
+        return sampled
+    return engine.forward_rows([last, *draft.take()], pos, [sampling] * n, coins)
 
 
 def make_drafter(kind: str, target: object, draft_engine: object = None) -> object | None:

@@ -646,11 +646,7 @@ class GpuEngine:
         model (odd head sizes: pycalm.gpu.prefill.unsupported), through the token step, one token
         at a time. The state is left for the caller to set."""
         if not self.multi_token:  # token steps (greedy, the sampled tokens unused), tokens from feed
-            end = start_pos + len(ids)
-            steps = [self.graph(SamplingParams(), p) for p in range(start_pos, end)]
-            self.feed[start_pos:end].copy_to_device(np.asarray(ids, np.int32), stream=self.stream)
-            self._set_state(int(ids[0]), start_pos, end)
-            for step in steps:
+            for step in self._greedy_steps(ids, start_pos, start_pos + len(ids) - 1):
                 step.launch()
             return
         if self.use_graph and not self.simple and not self.config.n_experts and len(ids) <= ROW_BUCKETS[-1]:
@@ -850,18 +846,9 @@ class GpuEngine:
                 f"greedy_tokens feeds 1 or more tokens and samples 1 to {ROW_BUCKETS[-1]} inside the "
                 f"context of {self.seq_len}; got {len(ids)} at position {start_pos}, {n} to sample"
             )
-        s, greedy, by_span = self.stream, SamplingParams(), {}
-        steps = []  # every step's graph, captured before the state is set (a span's looked up once)
-        for p in range(start_pos, end - 1 + n):
-            span = self.span(p)
-            if span not in by_span:
-                by_span[span] = self.graph(greedy, p)
-            steps.append(by_span[span])
-        if len(ids) > 1:  # the steps after the first take positions start_pos + 1 .. end - 1 from feed
-            self.feed[start_pos + 1 : end].copy_to_device(np.asarray(ids[1:], np.int32), stream=s)
-        self._set_state(int(ids[0]), start_pos, end)
+        s = self.stream
         token = self.state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,) the token a step sampled
-        for i, step in enumerate(steps):
+        for i, step in enumerate(self._greedy_steps(ids, start_pos, end - 2 + n)):
             step.launch()
             j = i - (len(ids) - 1)  # (a sampling step from the last fed token on)
             if j >= 0:
@@ -869,6 +856,22 @@ class GpuEngine:
         self._drafted[:n].copy_to_host(self._drafted_host[:n], stream=s)
         self._drafted_event.record(s)
         return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event)
+
+    def _greedy_steps(self, ids: list[int], start_pos: int, last: int) -> list[GraphStep | EagerStep]:
+        """The greedy token steps of positions start_pos .. last, captured first (a span's graph
+        looked up once), with ids fed: the steps before position start_pos + len(ids) - 1 take
+        the next token from feed, and the state is set to the first. The caller launches them."""
+        greedy, by_span, steps = SamplingParams(), {}, []
+        for p in range(start_pos, last + 1):
+            span = self.span(p)
+            if span not in by_span:
+                by_span[span] = self.graph(greedy, p)
+            steps.append(by_span[span])
+        end = start_pos + len(ids)
+        if len(ids) > 1:  # positions start_pos + 1 .. end - 1 from feed
+            self.feed[start_pos + 1 : end].copy_to_device(np.asarray(ids[1:], np.int32), stream=self.stream)
+        self._set_state(int(ids[0]), start_pos, end)
+        return steps
 
     def _decode_constrained(
         self,
