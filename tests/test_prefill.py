@@ -492,6 +492,24 @@ def test_draft_tokens_go_into_the_rows_pass_on_the_device(tmp_path):
         draft.greedy_tokens(ids[:1], SEQ_LEN - 2, 4)
 
 
+def test_draft_tokens_feed_their_last_after_the_event(tmp_path):
+    """greedy_tokens(feed_last=True): the same tokens, and one more step caches the last one's
+    keys and values, as generate's step that feeds it does; at the end of the context there is
+    no room for it (fed_last False)."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    ids = tokens(2, seed=12)
+    draft, plain = (GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16") for _ in range(2))
+    want = list(plain.generate(ids, 0, 3, SamplingParams(ignore_eos=True)))  # rows 0..3 fed
+    drafted = draft.greedy_tokens(ids, 0, 2, feed_last=True)
+    drafted.event.synchronize()
+    assert drafted.fed_last and list(drafted.host) == want[:2]
+    draft.stream.synchronize()
+    for a, b in zip(draft.kv_caches, plain.kv_caches, strict=True):
+        assert np.array_equal(a.k.copy_to_host()[:4], b.k.copy_to_host()[:4])
+        assert np.array_equal(a.v.copy_to_host()[:4], b.v.copy_to_host()[:4])
+    assert not draft.greedy_tokens(ids[:1], SEQ_LEN - 2, 2, feed_last=True).fed_last
+
+
 def test_rows_pass_samples_every_row(tmp_path):
     """forward_rows with a SamplingParams and a coin a row: each row's token is sample_ref's over
     that row's logits (the same pass's, read back), greedy rows and sampled ones in one pass."""

@@ -29,9 +29,11 @@ ties. A drafter that gives its q (Draft.q) is checked on the host by verify_ref 
 
 When it pays. A pass of n rows costs c(n) against a plain token step s (PassCosts: measured once
 on the engine, or given); a draft token costs d (a draft model's step; 0 for n-gram lookup). With
-each draft kept with probability a (AdaptiveK: an average of the recent passes' kept / checked,
-the last few counting most, so a stretch of copied text turns it on and free text off), k drafts give E(k) = 1 + a + ... + a^k tokens a pass, so speculation runs
-E(k) s / (c(k + 1) + k d) times plain decoding's speed. AdaptiveK takes the k that maximises it;
+each draft kept with probability a (AdaptiveK: the drafts kept over the drafts checked, up to
+and with the first one replaced, summed over the recent passes, the last few counting most, so
+a stretch of copied text turns it on and free text off; a pass's own ratio, averaged, would
+underrate a: at a = 0.9 and k = 7 its mean is 0.78), k drafts give E(k) = 1 + a + ... + a^k
+tokens a pass, so speculation runs E(k) s / (c(k + 1) + k d) times plain decoding's speed. AdaptiveK takes the k that maximises it;
 where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for
 16 tokens (doubling to 256 while it keeps failing), then one pass probes it again. A source not
 seen yet starts from its drafter's prior. Tokens where no draft is proposed go through
@@ -58,8 +60,9 @@ K_MOST = 8  # drafts a pass checks at most, by default
 PLAIN_RUN = 4  # plain tokens generated where no draft is proposed, before looking again
 PLAIN_MOST = 16  # a stretch doubles up to this while the lookups find no source at all
 RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is probed again
-DECAY = 0.7  # the weight of the acceptance seen before a pass (about the last 3 passes count)
+DECAY = 0.7  # the weight of the drafts seen before a pass (about the last 3 passes count)
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
+PRIOR_DRAFTS = 4  # the drafts' worth of evidence that a prior counts for
 GREEDY = SamplingParams()
 NO_EOS = SamplingParams(ignore_eos=True)  # greedy, every token asked for (the token steps are GREEDY's)
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
@@ -78,6 +81,10 @@ class PassCosts:
     # a draft model's pass beyond its k steps and its rows pass: the two engines' calls and the
     # host between them (measure_costs: a whole pass of drafts, less its parts)
     draft_call: float = 0.0
+    # the step that feeds the last draft after a pass that kept them all: None, a draft step
+    # before the next pass's drafts; 0.0 where it runs beside the pass (a draft model on the GPU,
+    # ModelDrafter.draft: then what it slows the pass by is in draft_call)
+    feed_last: float | None = None
 
     @classmethod
     def ratio(cls, pass_cost: float, draft_cost: float = 0.0) -> PassCosts:
@@ -91,11 +98,12 @@ class PassCosts:
 
     def speedup(self, k: int, rate: float) -> float:
         """Plain decoding's time over speculation's, for k drafts a pass each kept with
-        probability `rate`: E(k) s / (c(k + 1) + (k + rate^k) d + d0), E(k) = 1 + rate + ...
+        probability `rate`: E(k) s / (c(k + 1) + k d + rate^k f + d0), E(k) = 1 + rate + ...
         + rate^k; a draft model's pass takes its call's d0, and where every draft was kept
-        (rate^k) one more step, that feeds the last draft."""
+        (rate^k) the step f that feeds the last draft (feed_last; d where it is not given)."""
         expected = sum(rate**i for i in range(k + 1))
-        drafting = (k + rate**k) * self.draft_step + self.draft_call if self.draft_step else 0.0
+        feed_last = self.draft_step if self.feed_last is None else self.feed_last
+        drafting = k * self.draft_step + rate**k * feed_last + self.draft_call if self.draft_step else 0.0
         return expected * self.step / (self.pass_cost(k + 1) + drafting)
 
 
@@ -145,8 +153,12 @@ def measure_costs(
         whole = best(
             lambda: check_drafts(engine, 0, pos, drafter.draft([0], pos, k), GREEDY, np.zeros(k + 1))
         )
+        beside = hasattr(d, "greedy_tokens")  # its step that feeds the last draft runs beside the pass
         costs = replace(
-            costs, draft_step=draft_step, draft_call=max(whole - costs.pass_cost(k + 1) - k * draft_step, 0.0)
+            costs,
+            draft_step=draft_step,
+            draft_call=max(whole - costs.pass_cost(k + 1) - k * draft_step, 0.0),
+            feed_last=0.0 if beside else None,
         )
         for m in (2**i for i in range(ROWS_MOST.bit_length())):  # the row buckets of its catch-ups,
             if pos + m <= d.seq_len:  # compiled and captured before they count
@@ -163,10 +175,22 @@ def measure_costs(
 class Source:
     """The recent acceptance of one source of drafts, and when it is tried next."""
 
-    rate: float = PRIOR  # the chance that a draft is kept: an average of recent passes' kept / checked
+    # the drafts kept and checked (up to and with the first replaced), each pass's weighing DECAY
+    # once a pass is seen after it; at first the prior's PRIOR_DRAFTS drafts
+    kept: float = PRIOR * PRIOR_DRAFTS
+    checked: float = PRIOR_DRAFTS
     off_until: int = 0  # tokens of the call before which this source drafts nothing
     backoff: int = RETRY_FIRST  # the next stretch it stays off for
     probing: bool = False  # off and past off_until: the next pass is a probe
+
+    @classmethod
+    def from_prior(cls, prior: float) -> Source:
+        return cls(kept=prior * PRIOR_DRAFTS)
+
+    @property
+    def rate(self) -> float:
+        """The chance that a draft is kept: kept / checked."""
+        return self.kept / self.checked
 
 
 class AdaptiveK:
@@ -191,7 +215,7 @@ class AdaptiveK:
         source not seen yet."""
         if self.fixed_k is not None:
             return self.fixed_k
-        s = self.sources.setdefault(key, Source(rate=prior))
+        s = self.sources.setdefault(key, Source.from_prior(prior))
         if produced < s.off_until:
             return 0
         k, gain = self.best(s.rate)
@@ -204,13 +228,14 @@ class AdaptiveK:
     def off_until(self, key: object) -> int:
         return self.sources[key].off_until if key in self.sources else 0
 
-    def update(self, key: object, drafted: int, kept: int) -> None:
-        """After a pass that kept `kept` of `drafted` drafts from source `key`."""
+    def update(self, key: object, drafted: int, kept: int, decay: float = DECAY) -> None:
+        """After a pass that kept `kept` of `drafted` drafts from source `key`; decay: the weight
+        of the passes before it (a drafter's DECAY)."""
         if self.fixed_k is not None:
             return
         s = self.sources.setdefault(key, Source())
-        checked = kept + (kept < drafted)  # the drafts up to the first one replaced
-        s.rate = DECAY * s.rate + (1 - DECAY) * kept / checked
+        s.kept = decay * s.kept + kept
+        s.checked = decay * s.checked + kept + (kept < drafted)  # the drafts up to the first one replaced
         if self.best(s.rate)[1] >= 1.0:
             s.backoff = RETRY_FIRST
 
@@ -313,7 +338,9 @@ class ModelDrafter:
     fed, and its cache holds the text and the drafts but the last after. On the GPU the drafts
     stay there (engine.greedy_tokens): the target's pass copies them into its inputs once they
     are written, so the host waits once a pass, for the pass (H100, Qwen2.5-Coder 0.5B for
-    1.5B shapes: it waited 0.23 ms for the drafts before launching the pass, of 9.1)."""
+    1.5B shapes: it waited 0.23 ms for the drafts before launching the pass, of 9.1); and one
+    more step, beside the pass, feeds the last draft, so a pass that keeps them all is followed
+    by k draft steps, not k + 1 (on code, about half the passes at k = 7)."""
 
     name = "draft"
     one_source = True  # the same source at every token: a stretch off goes in one call
@@ -325,6 +352,11 @@ class ModelDrafter:
     # itself off before its first pass, and its probes, each moving the estimate 0.3 of the way,
     # did not bring it back within a reply).
     PRIOR = 0.9
+    # its acceptance changes slowly along a text (n-gram lookup's comes and goes with the copied
+    # stretches): about the last 10 passes count. At 0.7 (3 passes) a draft kept 0.85-0.9 of the
+    # time turned itself off on runs of early rejections: simulated at the H100's costs, 1.05x /
+    # 1.26x against the best fixed k's 1.21x / 1.35x (0.9: 1.14x / 1.33x)
+    DECAY = 0.9
 
     def prior(self, key: object) -> float:
         return self.PRIOR
@@ -344,10 +376,12 @@ class ModelDrafter:
         self._cached, self._pending = [], None
 
     def _settle(self) -> None:
-        """The drafts of the last propose on the GPU into _cached (but the last: not fed)."""
+        """The drafts of the last propose on the GPU into _cached (but the last, unless a step
+        beside the target's pass fed it: DeviceTokens.fed_last)."""
         if self._pending is not None:
             drafted, self._pending = self._pending, None
-            self._cached = self._cached + drafted.take()[:-1]
+            tokens = drafted.take()
+            self._cached = self._cached + (tokens if drafted.device.fed_last else tokens[:-1])
 
     def prefill(self, ids: list[int], start_pos: int) -> None:
         """ids into its cache at start_pos.., beside the target's prefill (the prompt's pass
@@ -391,10 +425,11 @@ class ModelDrafter:
 
     def draft(self, fed: list[int], pos: int, k: int) -> Draft:
         """k greedy tokens of its engine after it is fed `fed` at pos..: on the GPU left there
-        (engine.greedy_tokens: Draft.device), elsewhere read back step by step (engine.generate)."""
+        (engine.greedy_tokens: Draft.device), and the last fed by one more step that runs beside
+        the target's pass; elsewhere read back step by step (engine.generate)."""
         e = self.engine
         if hasattr(e, "greedy_tokens"):
-            return Draft([], device=e.greedy_tokens(fed, pos, k))
+            return Draft([], device=e.greedy_tokens(fed, pos, k, feed_last=True))
         return Draft(list(e.generate(fed, pos, k, GREEDY)))
 
 
@@ -589,7 +624,9 @@ class SpeculativeEngine:
                     out = self._verify(
                         last, pos, draft, sampling, coins[produced : produced + len(draft) + 1]
                     )
-                    adaptive.update(key, len(draft.tokens), len(out) - 1)
+                    adaptive.update(
+                        key, len(draft.tokens), len(out) - 1, getattr(self.drafter, "DECAY", DECAY)
+                    )
                     given = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
                     given = min(given, room - produced)  # the tokens of the pass that go out
                     self.stats.passes += 1

@@ -184,11 +184,13 @@ class EngineOptions:
 class DeviceTokens:
     """Tokens that a GpuEngine's enqueued steps write (greedy_tokens): `device` (n,) int32 on the
     GPU and `host` (n,) its pinned copy hold them once `event` has passed; valid until the
-    engine's next greedy_tokens."""
+    engine's next greedy_tokens. fed_last: a step after them caches the last one's keys and
+    values too."""
 
     device: object
     host: np.ndarray
     event: object
+    fed_last: bool = False
 
 
 class EagerStep:
@@ -833,13 +835,16 @@ class GpuEngine:
         sampled = steps[end - 1 - first : end - 1 - first + min(max_new, self.seq_len - end + 1)]
         yield from self._decode(sampled, end - 1, end, eos, logprobs)
 
-    def greedy_tokens(self, ids: list[int], start_pos: int, n: int) -> DeviceTokens:
+    def greedy_tokens(self, ids: list[int], start_pos: int, n: int, feed_last: bool = False) -> DeviceTokens:
         """Enqueue generate(ids, start_pos, n, SamplingParams())'s token steps (ids fed at
         start_pos.., then n greedy tokens, 1 to 64), without its host round trips: each sampling
         step's token is copied on the device into the next slot of _drafted, then all n into
         their pinned copy, and an event is recorded. Nothing waits for them: a draft model's
         tokens go into the target's rows pass on the GPU (forward_rows' tail). No EOS stops
-        them. The state is left for the caller to set."""
+        them. feed_last (where the context has room): one more step, after the event, feeds
+        the n-th token, so that its keys and values are cached while what waits for the event
+        runs (the target's pass: a draft model whose drafts are all kept then drafts on at
+        once). The state is left for the caller to set."""
         end = start_pos + len(ids)
         if not ids or not 1 <= n <= ROW_BUCKETS[-1] or start_pos < 0 or end - 1 + n > self.seq_len:
             raise PycalmError(
@@ -848,14 +853,18 @@ class GpuEngine:
             )
         s = self.stream
         token = self.state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,) the token a step sampled
-        for i, step in enumerate(self._greedy_steps(ids, start_pos, end - 2 + n)):
+        feed_last = feed_last and end - 1 + n < self.seq_len
+        steps = self._greedy_steps(ids, start_pos, end - 2 + n + feed_last)
+        for i, step in enumerate(steps[: len(steps) - feed_last]):
             step.launch()
             j = i - (len(ids) - 1)  # (a sampling step from the last fed token on)
             if j >= 0:
                 self._drafted_slots[j].copy_to_device(token, stream=s)
         self._drafted[:n].copy_to_host(self._drafted_host[:n], stream=s)
         self._drafted_event.record(s)
-        return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event)
+        if feed_last:  # token n at position end - 1 + n: its keys and values (its own token unused)
+            steps[-1].launch()
+        return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event, feed_last)
 
     def _greedy_steps(self, ids: list[int], start_pos: int, last: int) -> list[GraphStep | EagerStep]:
         """The greedy token steps of positions start_pos .. last, captured first (a span's graph
