@@ -1,0 +1,106 @@
+"""Where a draft model's pass goes on the GPU: drafts, the pass, and the host between passes.
+
+    python3 scripts/speculative_profile.py TARGET.gguf DRAFT.gguf [--draft-dtype q8] [--k 7] [--task code]
+
+The real pair (the target in fp16), k fixed, greedy, 64 new tokens after each of the task's 3
+prompts of tests/data/speculative_prompts.json. Around each ModelDrafter.propose a CUDA event
+on the draft engine's stream before (a) and after (b) its steps; around each forward_rows of the
+target an event after it returns (d) and a host mark. Printed a prompt, medians over its passes:
+the wall time from one propose to the next; b - a, the draft steps on the GPU (with the host's
+set-up before the first); d - b, from the drafts' end to the pass's result back on the host;
+the host's time in propose (its launches run ahead of the GPU); and the host's time from a
+pass's result to the next propose (the loop's own work, on the critical path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_speculative
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # pycalm
+
+import numpy as np  # noqa: E402
+from bench_speculative import prompt_ids  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import pycalm  # noqa: E402
+from pycalm.app.speculative import ModelDrafter, SpeculationOptions, SpeculativeEngine, measure_costs  # noqa: E402
+from pycalm.cpu.sampler import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams()
+CONTEXT = 1024
+
+
+def median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target")
+    ap.add_argument("draft")
+    ap.add_argument("--draft-dtype", default="q8")
+    ap.add_argument("--k", default="7", help="comma-separated fixed k values")
+    ap.add_argument("--task", default="code")
+    args = ap.parse_args()
+    options = {"device": "gpu", "context": CONTEXT, "verbose": False, "speculate": "off"}
+    llm = pycalm.load(args.target, dtype="fp16", **options)
+    small = pycalm.load(args.draft, dtype=args.draft_dtype, **options)
+    target, draft = llm.engine, small.engine
+    for e in (target, draft):
+        e.prepare(GREEDY, range(CONTEXT))
+    drafter = ModelDrafter(draft, target.config)
+    costs = measure_costs(target, 0, drafter)
+    rows = ", ".join(f"{n} rows {s * 1e3:.3f}" for n, s in costs.rows)
+    print(f"costs (ms): token step {costs.step * 1e3:.3f}; {rows}; draft step {costs.draft_step * 1e3:.3f}")
+
+    marks: list[dict] = []  # a pass each: its events and host times
+    propose, forward_rows = drafter.propose, target.forward_rows
+
+    def timed_propose(context: list[int], k: int) -> object:
+        a, b = cuda.event(), cuda.event()
+        t = time.perf_counter()
+        a.record(draft.stream)
+        out = propose(context, k)
+        b.record(draft.stream)
+        marks.append({"t": t, "a": a, "b": b, "propose": time.perf_counter() - t})
+        return out
+
+    def timed_rows(*a: object, **k: object) -> object:
+        out = forward_rows(*a, **k)
+        d = cuda.event()
+        d.record(target.stream)
+        d.synchronize()
+        marks[-1].update(d=d, back=time.perf_counter())
+        return out
+
+    drafter.propose, target.forward_rows = timed_propose, timed_rows
+    prompts = json.load(open(Path(__file__).resolve().parent.parent / "tests/data/speculative_prompts.json"))
+    for k in (int(x) for x in args.k.split(",")):
+        spec = SpeculativeEngine(target, drafter, SpeculationOptions(k=k, costs=costs))
+        for prompt in prompts[args.task][:3]:
+            ids = prompt_ids(llm, prompt)
+            spec.prefill(ids[:-1], 0)
+            marks.clear()
+            out = list(spec.generate(ids[-1:], len(ids) - 1, 64, GREEDY))
+            m = [x for x in marks if "d" in x]
+
+            wall = median([(n["t"] - p["t"]) * 1e3 for p, n in zip(m, m[1:], strict=False)])
+            after = median([(n["t"] - p["back"]) * 1e3 for p, n in zip(m, m[1:], strict=False)])
+            drafts = median([cuda.event_elapsed_time(x["a"], x["b"]) for x in m])
+            to_pass = median([cuda.event_elapsed_time(x["b"], x["d"]) for x in m])
+            host = median([x["propose"] * 1e3 for x in m])
+            print(
+                f"k {k}: {len(out)} tokens, {len(m)} passes; ms a pass: wall {wall:.3f} = drafts on the GPU "
+                f"{drafts:.3f} + drafts' end to the result {to_pass:.3f} + the host after it {after:.3f} "
+                f"(propose's host time {host:.3f})",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
