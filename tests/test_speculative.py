@@ -198,6 +198,58 @@ def test_a_source_starts_from_its_drafters_prior():
     assert a.plan(3, 0, drafter.prior(3)) == 8
 
 
+def test_measured_pass_times_correct_the_model_online():
+    """Online (costs measured on the engine), each pass's wall time moves the overhead, the
+    seconds a pass takes beyond the model: passes 30% slower than modelled turn off a source
+    whose acceptance pays at the model's costs (0.85 at the H100's: a pass of 8 rows 1.45 token
+    steps, a draft step 0.41), one slow pass (a graph captured) moves it by at most
+    (1 - OVERHEAD_DECAY) x OVERHEAD_STEP of a pass, and configured costs take no times."""
+    from pycalm.app.speculative import OVERHEAD_DECAY, OVERHEAD_STEP
+
+    costs = PassCosts(1.75e-3, ((2, 2.5e-3), (4, 2.5e-3), (8, 2.54e-3), (16, 2.8e-3)), 0.72e-3, feed_last=0.0)
+    a = AdaptiveK(costs, online=True)
+    k = a.plan("m", 0, 0.85)
+    assert k >= 4 and a.best(0.85)[1] > 1.1
+    modelled = costs.pass_time(k, 0.85)
+    a.update("m", k, 3, seconds=100 * modelled)  # a pass that captured a graph
+    assert a.overhead == pytest.approx((1 - OVERHEAD_DECAY) * OVERHEAD_STEP * modelled)
+    produced = 0
+    for _ in range(20):  # 30% over the model from here on, 0.85 of the drafts kept
+        k = a.plan("m", produced, 0.85)
+        if k == 0:
+            break
+        kept = int(0.85 * k)
+        a.update("m", k, kept, seconds=1.3 * costs.pass_time(k, a.sources["m"].rate))
+        produced += kept + 1
+    rate = a.sources["m"].rate
+    assert k == 0 and max(costs.speedup(j, rate) for j in range(1, 9)) > 1.0  # (the model alone drafts on)
+    configured = AdaptiveK(PassCosts.ratio(1.2))
+    configured.update("s", 4, 2, seconds=100.0)
+    assert configured.overhead == 0.0
+
+
+def test_the_loop_times_each_pass_where_it_measured_the_costs(model, monkeypatch):
+    """SpeculativeEngine gives AdaptiveK each pass's wall time where the costs are measured
+    on its engine (online; the measurement stood in for by costs at which n-gram lookup pays),
+    and AdaptiveK takes none where they are configured."""
+    from pycalm.app import speculative
+
+    monkeypatch.setattr(speculative, "measure_costs", lambda *a, **k: PassCosts.ratio(1.5))
+    seen = []
+    update = AdaptiveK.update
+    monkeypatch.setattr(
+        AdaptiveK, "update", lambda self, *a: (seen.append((self.online, a[-1])), update(self, *a))[1]
+    )
+    for options, online in (
+        (SpeculationOptions(), True),
+        (SpeculationOptions(costs=PassCosts.ratio(1.5)), False),
+    ):
+        seen.clear()
+        spec = SpeculativeEngine(engine(model), NgramDrafter(), options)
+        list(spec.generate(PROMPT, 0, 8, GREEDY))
+        assert seen and all(o == online and seconds > 0 for o, seconds in seen)
+
+
 def test_fixed_k_and_bad_options():
     assert AdaptiveK(None, fixed_k=5).plan("s", 0) == 5
     with pytest.raises(PycalmError):

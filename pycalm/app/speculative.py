@@ -63,6 +63,8 @@ RETRY_FIRST, RETRY_MOST = 16, 256  # plain tokens before a failing source is pro
 DECAY = 0.7  # the weight of the drafts seen before a pass (about the last 3 passes count)
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
 PRIOR_DRAFTS = 4  # the drafts' worth of evidence that a prior counts for
+OVERHEAD_DECAY = 0.7  # the weight of the overhead measured before a pass (AdaptiveK online)
+OVERHEAD_STEP = 0.25  # a pass's excess counts at most this much of its modelled time above the average
 GREEDY = SamplingParams()
 NO_EOS = SamplingParams(ignore_eos=True)  # greedy, every token asked for (the token steps are GREEDY's)
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
@@ -96,15 +98,20 @@ class PassCosts:
         """Seconds of a pass of n rows: the measured pass of the fewest rows >= n."""
         return next((s for m, s in self.rows if m >= n), self.rows[-1][1])
 
-    def speedup(self, k: int, rate: float) -> float:
-        """Plain decoding's time over speculation's, for k drafts a pass each kept with
-        probability `rate`: E(k) s / (c(k + 1) + k d + rate^k f + d0), E(k) = 1 + rate + ...
-        + rate^k; a draft model's pass takes its call's d0, and where every draft was kept
+    def pass_time(self, k: int, rate: float) -> float:
+        """Seconds of a pass of k drafts, each kept with probability `rate`: c(k + 1) + k d +
+        rate^k f + d0; a draft model's pass takes its call's d0, and where every draft was kept
         (rate^k) the step f that feeds the last draft (feed_last; d where it is not given)."""
-        expected = sum(rate**i for i in range(k + 1))
         feed_last = self.draft_step if self.feed_last is None else self.feed_last
         drafting = k * self.draft_step + rate**k * feed_last + self.draft_call if self.draft_step else 0.0
-        return expected * self.step / (self.pass_cost(k + 1) + drafting)
+        return self.pass_cost(k + 1) + drafting
+
+    def speedup(self, k: int, rate: float, overhead: float = 0.0) -> float:
+        """Plain decoding's time over speculation's: E(k) s / (pass_time(k, rate) + overhead),
+        E(k) = 1 + rate + ... + rate^k; overhead: seconds a pass takes beyond the model
+        (AdaptiveK's, measured on the passes of the calls)."""
+        expected = sum(rate**i for i in range(k + 1))
+        return expected * self.step / (self.pass_time(k, rate) + overhead)
 
 
 def measure_costs(
@@ -195,19 +202,31 @@ class Source:
 
 class AdaptiveK:
     """The drafts a pass checks, from each source's recent acceptance and the pass costs (the
-    module docstring). fixed_k: always that many (no adaptation, no switching off)."""
+    module docstring). fixed_k: always that many (no adaptation, no switching off).
 
-    def __init__(self, costs: PassCosts | None, k_most: int = K_MOST, fixed_k: int | None = None) -> None:
+    online (costs measured in seconds on this engine): each pass's wall time, given to update,
+    corrects the model by `overhead`, the seconds a pass takes beyond pass_time (the host
+    between the engines' calls, a draft step beside the pass slowing it): an average of the
+    recent passes' excess, each counted at most OVERHEAD_STEP of its modelled time above the
+    average so far, so that a pass that captured a graph (tens of ms, once) moves it little."""
+
+    def __init__(
+        self, costs: PassCosts | None, k_most: int = K_MOST, fixed_k: int | None = None, online: bool = False
+    ) -> None:
         if fixed_k is None and costs is None:
             raise PycalmError("adaptive k needs the pass costs (measured or configured)")
         if not 1 <= (fixed_k or k_most) < ROWS_MOST:
             raise PycalmError(f"k must be 1 to {ROWS_MOST - 1}, not {fixed_k or k_most}")
-        self.costs, self.k_most, self.fixed_k = costs, k_most, fixed_k
+        self.costs, self.k_most, self.fixed_k, self.online = costs, k_most, fixed_k, online
         self.sources: dict[object, Source] = {}
+        self.overhead = 0.0  # seconds a pass beyond costs.pass_time (online)
 
     def best(self, rate: float) -> tuple[int, float]:
         """(k, its speedup) of the k in 1 .. k_most that maximises the speedup at `rate`."""
-        return max(((k, self.costs.speedup(k, rate)) for k in range(1, self.k_most + 1)), key=lambda t: t[1])
+        return max(
+            ((k, self.costs.speedup(k, rate, self.overhead)) for k in range(1, self.k_most + 1)),
+            key=lambda t: t[1],
+        )
 
     def plan(self, key: object, produced: int, prior: float = PRIOR) -> int:
         """The drafts to take from source `key` now, `produced` tokens generated so far (over
@@ -228,12 +247,18 @@ class AdaptiveK:
     def off_until(self, key: object) -> int:
         return self.sources[key].off_until if key in self.sources else 0
 
-    def update(self, key: object, drafted: int, kept: int, decay: float = DECAY) -> None:
+    def update(
+        self, key: object, drafted: int, kept: int, decay: float = DECAY, seconds: float | None = None
+    ) -> None:
         """After a pass that kept `kept` of `drafted` drafts from source `key`; decay: the weight
-        of the passes before it (a drafter's DECAY)."""
+        of the passes before it (a drafter's DECAY); seconds: its wall time (online)."""
         if self.fixed_k is not None:
             return
         s = self.sources.setdefault(key, Source())
+        if self.online and seconds is not None and drafted:
+            modelled = self.costs.pass_time(drafted, s.rate)
+            excess = min(seconds - modelled, self.overhead + OVERHEAD_STEP * modelled)
+            self.overhead = OVERHEAD_DECAY * self.overhead + (1 - OVERHEAD_DECAY) * excess
         s.kept = decay * s.kept + kept
         s.checked = decay * s.checked + kept + (kept < drafted)  # the drafts up to the first one replaced
         if self.best(s.rate)[1] >= 1.0:
@@ -254,6 +279,7 @@ class Draft:
     tokens: list[int]
     q: np.ndarray | None = None
     device: object = None
+    setup: float = 0.0  # seconds the drafter fed text its cache lacked, before drafting (not a pass's own)
 
     def __len__(self) -> int:
         return len(self.tokens) if self.device is None else len(self.device.host)
@@ -403,6 +429,7 @@ class ModelDrafter:
             common += 1
         catch_up = context[common:-1]  # the text its cache lacks, but the last token
         fed = context[-1:]  # fed by the token steps that draft
+        t0 = time.perf_counter()
         if len(catch_up) == 1:  # after a pass that kept every draft: one more token step, not a pass
             fed = catch_up + fed
         elif len(catch_up) <= CATCH_UP_PASSES * ROWS_MOST:
@@ -412,11 +439,13 @@ class ModelDrafter:
                 e.prefill(catch_up[at : at + ROWS_MOST], common + at)
         else:
             e.prefill(catch_up, common)
+        setup = time.perf_counter() - t0 if len(catch_up) > 1 else 0.0
         k = min(k, e.seq_len - len(context) + 1)
         if k <= 0:
             self._cached = context[: len(context) - len(fed)]
             return Draft([])
         draft = self.draft(fed, len(context) - len(fed), k)
+        draft.setup = setup
         if draft.device is None:
             self._cached = context + draft.tokens[:-1]
         else:  # (its tokens join _cached once they are read)
@@ -549,7 +578,9 @@ class SpeculativeEngine:
                     return AdaptiveK(PassCosts.ratio(float("inf")), self.options.k_most)
                 # before the call's first token: one timing each, of the passes k picks between
                 costs = measure_costs(self.engine, pos, self.drafter, FIRST_CALL_ROWS, repeats=1)
-            self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k)
+            # costs measured here are seconds of this engine: each pass's wall time corrects them
+            online = self.options.costs is None
+            self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k, online=online)
         return self._adaptive
 
     def generate(
@@ -620,13 +651,14 @@ class SpeculativeEngine:
                     stretch = PLAIN_RUN if key is not None else min(2 * stretch, PLAIN_MOST)
                     out = plain = e.generate([last], pos, run, replace(sampling, first_coin=produced))
                 else:
+                    t0 = time.perf_counter()
                     draft = self.drafter.propose(history, k)
                     out = self._verify(
                         last, pos, draft, sampling, coins[produced : produced + len(draft) + 1]
                     )
-                    adaptive.update(
-                        key, len(draft.tokens), len(out) - 1, getattr(self.drafter, "DECAY", DECAY)
-                    )
+                    seconds = time.perf_counter() - t0 - draft.setup  # the pass's wall time
+                    decay = getattr(self.drafter, "DECAY", DECAY)
+                    adaptive.update(key, len(draft.tokens), len(out) - 1, decay, seconds)
                     given = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
                     given = min(given, room - produced)  # the tokens of the pass that go out
                     self.stats.passes += 1
