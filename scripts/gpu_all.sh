@@ -215,8 +215,9 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee "$out/bench_qwen.log" | tail -30
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_speculative.py tests/test_prefill.py \
                tests/test_eos_options.py -k "not real_model and not server" 2>&1 | tee "$out/tests_speculative.log" | tail -4 ;;
-    pair)    # issue 30's acceptance rows alone (about 110 s on a fresh H100 after the 26 ship.sh puts):
-             # the pair at k = 7 and adaptive on every task, then n-gram lookup (adaptive) on the 0.5B
+    pair)    # issue 30's acceptance rows alone (the first, about 110 s on a fresh H100 after the 26
+             # ship.sh puts): the pair at k = 7 and adaptive on every task, then n-gram lookup
+             # (adaptive) on the 0.5B, then the pass profile
              for key in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
                read -r name sha < <(python3 -c "from pycalm.app.fetch import KNOWN_MODELS as K; m = K['$key']; print(m.name, m.sha256)")
                bash scripts/ship.sh join "$name" "$sha" "/tmp/$name" || exit 1
@@ -226,8 +227,9 @@ while [ $i -lt ${#steps[@]} ]; do
                --tasks code,chat,grounded --prompts 3 --new 64 2>&1 | tee "$out/bench_pair.log" | grep -v "^  "
              python3 scripts/bench_speculative.py /tmp/Qwen2.5-Coder-0.5B-Instruct.gguf --device gpu --drafter ngram \
                --k adaptive --tasks grounded,chat,code --prompts 3 --new 64 2>&1 | tee -a "$out/bench_pair.log" | grep -v "^  "
+             # the pass profile with and without the draft step beside the pass (does it slow the pass?)
              python3 scripts/speculative_profile.py /tmp/Qwen2.5-Coder-1.5B-Instruct.gguf \
-               /tmp/Qwen2.5-Coder-0.5B-Instruct.gguf 2>&1 | tee "$out/speculative_profile.log" | grep -v "arn" ;;
+               /tmp/Qwen2.5-Coder-0.5B-Instruct.gguf --beside on,off 2>&1 | tee "$out/speculative_profile.log" | grep -v "arn" ;;
     serve-musts)  # issue 31's acceptance rows alone (about 250 s on an H100): fp16 at 1 to 128 streams,
              # one greedy stream (the token step's tok/s is greedy), q8 and q4 at 32 and 64, and
              # fp16 with 1,000-token prompts at 32 and 64

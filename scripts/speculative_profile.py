@@ -3,13 +3,16 @@
     python3 scripts/speculative_profile.py TARGET.gguf DRAFT.gguf [--draft-dtype q8] [--k 7] [--task code]
 
 The real pair (the target in fp16), k fixed, greedy, 64 new tokens after each of the task's 3
-prompts of tests/data/speculative_prompts.json. Around each ModelDrafter.propose a CUDA event
-on the draft engine's stream before (a) and after (b) its steps; around each forward_rows of the
-target an event after it returns (d) and a host mark. Printed a prompt, medians over its passes:
-the wall time from one propose to the next; b - a, the draft steps on the GPU (with the host's
-set-up before the first); d - b, from the drafts' end to the pass's result back on the host;
-the host's time in propose (its launches run ahead of the GPU); and the host's time from a
-pass's result to the next propose (the loop's own work, on the critical path).
+prompts of tests/data/speculative_prompts.json. A CUDA event on the draft engine's stream as
+ModelDrafter.propose starts (a), the drafts' own event (b: GpuEngine.greedy_tokens records it
+after the k drafts, before the step beside the pass), an event after each forward_rows of the
+target returns (d), and host marks. Printed a prompt, medians over its passes: the wall time
+from one propose to the next; b - a, the draft steps on the GPU (with the host's set-up before
+the first); d - b, from the drafts' end to the pass's result back on the host (the pass, and
+the step beside it where it slows the pass); the host's time in propose (its launches run ahead
+of the GPU); and the host's time from a pass's result to the next propose (the loop's own
+work, on the critical path). --beside on,off: with and without the step that feeds the last
+draft beside the pass (off: that step runs before the next drafts, as on the CPU engine).
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ from bench_speculative import prompt_ids  # noqa: E402
 from numba import cuda  # noqa: E402
 
 import pycalm  # noqa: E402
-from pycalm.app.speculative import ModelDrafter, SpeculationOptions, SpeculativeEngine, measure_costs  # noqa: E402
+from pycalm.app.speculative import (  # noqa: E402
+    Draft,
+    ModelDrafter,
+    SpeculationOptions,
+    SpeculativeEngine,
+    measure_costs,
+)
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams()
@@ -46,6 +55,7 @@ def main() -> None:
     ap.add_argument("--draft-dtype", default="q8")
     ap.add_argument("--k", default="7", help="comma-separated fixed k values")
     ap.add_argument("--task", default="code")
+    ap.add_argument("--beside", default="on", help="on, off or on,off: the step beside the pass")
     args = ap.parse_args()
     options = {"device": "gpu", "context": CONTEXT, "verbose": False, "speculate": "off"}
     llm = pycalm.load(args.target, dtype="fp16", **options)
@@ -62,40 +72,53 @@ def main() -> None:
     propose, forward_rows = drafter.propose, target.forward_rows
 
     def timed_propose(context: list[int], k: int) -> object:
-        a, b = cuda.event(), cuda.event()
+        a = cuda.event()
         t = time.perf_counter()
         a.record(draft.stream)
         out = propose(context, k)
-        b.record(draft.stream)
-        marks.append({"t": t, "a": a, "b": b, "propose": time.perf_counter() - t})
+        marks.append({"t": t, "a": a, "draft": out, "propose": time.perf_counter() - t})
         return out
 
     def timed_rows(*a: object, **k: object) -> object:
         out = forward_rows(*a, **k)
+        if not marks or "back" in marks[-1]:  # (a prompt's prefill, not a pass)
+            return out
         d = cuda.event()
         d.record(target.stream)
         d.synchronize()
-        marks[-1].update(d=d, back=time.perf_counter())
+        m = marks[-1]
+        b = m["draft"].device.event  # (reused by the next drafts: read now)
+        m.update(drafts=cuda.event_elapsed_time(m["a"], b), to_pass=cuda.event_elapsed_time(b, d))
+        m["back"] = time.perf_counter()
         return out
 
-    drafter.propose, target.forward_rows = timed_propose, timed_rows
+    beside = True
+    whole = drafter.draft
+
+    def draft_call(fed: list[int], pos: int, k: int) -> object:
+        if beside:
+            return whole(fed, pos, k)
+        return Draft([], device=draft.greedy_tokens(fed, pos, k))  # (fed_last False: settled as on the CPU)
+
+    drafter.propose, target.forward_rows, drafter.draft = timed_propose, timed_rows, draft_call
     prompts = json.load(open(Path(__file__).resolve().parent.parent / "tests/data/speculative_prompts.json"))
-    for k in (int(x) for x in args.k.split(",")):
+    for k, beside in ((int(x), b == "on") for x in args.k.split(",") for b in args.beside.split(",")):
         spec = SpeculativeEngine(target, drafter, SpeculationOptions(k=k, costs=costs))
+        drafter.forget()
         for prompt in prompts[args.task][:3]:
             ids = prompt_ids(llm, prompt)
             spec.prefill(ids[:-1], 0)
             marks.clear()
             out = list(spec.generate(ids[-1:], len(ids) - 1, 64, GREEDY))
-            m = [x for x in marks if "d" in x]
+            m = [x for x in marks if "back" in x]
 
             wall = median([(n["t"] - p["t"]) * 1e3 for p, n in zip(m, m[1:], strict=False)])
             after = median([(n["t"] - p["back"]) * 1e3 for p, n in zip(m, m[1:], strict=False)])
-            drafts = median([cuda.event_elapsed_time(x["a"], x["b"]) for x in m])
-            to_pass = median([cuda.event_elapsed_time(x["b"], x["d"]) for x in m])
+            drafts = median([x["drafts"] for x in m])
+            to_pass = median([x["to_pass"] for x in m])
             host = median([x["propose"] * 1e3 for x in m])
             print(
-                f"k {k}: {len(out)} tokens, {len(m)} passes; ms a pass: wall {wall:.3f} = drafts on the GPU "
+                f"k {k}, beside {'on' if beside else 'off'}: {len(out)} tokens, {len(m)} passes; ms a pass: wall {wall:.3f} = drafts on the GPU "
                 f"{drafts:.3f} + drafts' end to the result {to_pass:.3f} + the host after it {after:.3f} "
                 f"(propose's host time {host:.3f})",
                 flush=True,
