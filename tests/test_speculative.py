@@ -230,11 +230,13 @@ def test_measured_pass_times_correct_the_model_online():
 
 def test_the_loop_times_each_pass_where_it_measured_the_costs(model, monkeypatch):
     """SpeculativeEngine gives AdaptiveK each pass's wall time where the costs are measured
-    on its engine (online; the measurement stood in for by costs at which n-gram lookup pays),
-    and AdaptiveK takes none where they are configured."""
+    on its engine (online: at the first call, or measured and given; the measurement stood in
+    for by costs at which n-gram lookup pays), and AdaptiveK takes none where they are
+    configured."""
     from pycalm.app import speculative
 
-    monkeypatch.setattr(speculative, "measure_costs", lambda *a, **k: PassCosts.ratio(1.5))
+    measured = replace(PassCosts.ratio(1.5), measured=True)
+    monkeypatch.setattr(speculative, "measure_costs", lambda *a, **k: measured)
     seen = []
     update = AdaptiveK.update
     monkeypatch.setattr(
@@ -242,6 +244,7 @@ def test_the_loop_times_each_pass_where_it_measured_the_costs(model, monkeypatch
     )
     for options, online in (
         (SpeculationOptions(), True),
+        (SpeculationOptions(costs=measured), True),
         (SpeculationOptions(costs=PassCosts.ratio(1.5)), False),
     ):
         seen.clear()
@@ -647,6 +650,7 @@ def test_a_draft_model_starts_on_and_its_pass_is_timed_whole(model):
     costs = measure_costs(engine(model), 0, drafter, rows=(2, 8), repeats=1)
     assert set(timed) == {7} and costs.draft_step > 0 and costs.draft_call >= 0
     assert costs.feed_last is None  # (a CPU draft engine feeds its last draft by a step of its own)
+    assert costs.measured and not PassCosts.ratio(1.2).measured  # (seconds of the engine: AdaptiveK online)
     assert [n for n, _ in costs.rows] == [2, 8]
 
 

@@ -87,6 +87,7 @@ class PassCosts:
     # before the next pass's drafts; 0.0 where it runs beside the pass (a draft model on the GPU,
     # ModelDrafter.draft: then what it slows the pass by is in draft_call)
     feed_last: float | None = None
+    measured: bool = False  # seconds of this engine (measure_costs), not configured ratios
 
     @classmethod
     def ratio(cls, pass_cost: float, draft_cost: float = 0.0) -> PassCosts:
@@ -148,7 +149,9 @@ def measure_costs(
         return best(lambda: e.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m)))
 
     costs = PassCosts(
-        plain(engine), tuple((m, rows_pass(engine, m)) for m in rows if pos + m <= engine.seq_len)
+        plain(engine),
+        tuple((m, rows_pass(engine, m)) for m in rows if pos + m <= engine.seq_len),
+        measured=True,
     )
     if isinstance(drafter, ModelDrafter):
         d = drafter.engine
@@ -204,11 +207,12 @@ class AdaptiveK:
     """The drafts a pass checks, from each source's recent acceptance and the pass costs (the
     module docstring). fixed_k: always that many (no adaptation, no switching off).
 
-    online (costs measured in seconds on this engine): each pass's wall time, given to update,
-    corrects the model by `overhead`, the seconds a pass takes beyond pass_time (the host
-    between the engines' calls, a draft step beside the pass slowing it): an average of the
-    recent passes' excess, each counted at most OVERHEAD_STEP of its modelled time above the
-    average so far, so that a pass that captured a graph (tens of ms, once) moves it little."""
+    online (costs measured in seconds on this engine, PassCosts.measured): each pass's wall
+    time, given to update, corrects the model by `overhead`, the seconds a pass takes beyond
+    pass_time (the host between the engines' calls, a draft step beside the pass slowing it):
+    an average of the recent passes' excess, each counted at most OVERHEAD_STEP of its
+    modelled time above the average so far, so that a pass that captured a graph (tens of ms,
+    once) moves it little."""
 
     def __init__(
         self, costs: PassCosts | None, k_most: int = K_MOST, fixed_k: int | None = None, online: bool = False
@@ -578,8 +582,8 @@ class SpeculativeEngine:
                     return AdaptiveK(PassCosts.ratio(float("inf")), self.options.k_most)
                 # before the call's first token: one timing each, of the passes k picks between
                 costs = measure_costs(self.engine, pos, self.drafter, FIRST_CALL_ROWS, repeats=1)
-            # costs measured here are seconds of this engine: each pass's wall time corrects them
-            online = self.options.costs is None
+            # measured costs are seconds of this engine: each pass's wall time corrects them
+            online = costs is not None and costs.measured
             self._adaptive = AdaptiveK(costs, self.options.k_most, self.options.k, online=online)
         return self._adaptive
 
