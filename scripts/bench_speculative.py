@@ -57,8 +57,13 @@ def prompt_ids(llm: object, prompt: dict) -> list[int]:
 
 def timed(engine: object, ids: list[int], new: int) -> tuple[list[int], float]:
     """The greedy tokens after `ids` and the seconds of the call that makes them, the prompt but
-    its last token prefilled before (untimed: the same for both)."""
+    its last token prefilled before (untimed: the same for both; on the GPU the prefill is
+    enqueued, so its engines' streams are waited for first)."""
     engine.prefill(ids[:-1], 0)
+    drafter = getattr(engine, "drafter", None)
+    for e in (getattr(engine, "engine", engine), getattr(drafter, "engine", None)):
+        if hasattr(e, "stream"):
+            e.stream.synchronize()
     t0 = time.perf_counter()
     out = list(engine.generate(ids[-1:], len(ids) - 1, new, SamplingParams()))
     return out, time.perf_counter() - t0

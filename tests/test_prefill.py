@@ -351,8 +351,9 @@ def test_one_token_before_the_last_goes_by_a_token_step(tmp_path):
 
 @gpu_only("graphs: the captured rows pass")
 def test_short_prompt_goes_by_the_captured_rows_pass(tmp_path):
-    """prefill of up to 64 tokens replays the rows pass's graph (one call of forward_rows): the
-    KV cache rows are the reference's and generate after it gives the reference's tokens; a
+    """prefill of up to 64 tokens replays the rows pass's graph (one call of forward_rows, its
+    keys and values alone): the KV cache rows are the reference's and generate after it gives
+    the reference's tokens; a
     longer prompt, and Mixtral's (whose rows pass is not captured), take the multi-token
     forward."""
     model = tiny_model(tmp_path, "qwen2", "q8", n_layers=1)
@@ -360,7 +361,7 @@ def test_short_prompt_goes_by_the_captured_rows_pass(tmp_path):
     gpu = GpuEngine(model, seq_len=128, kv_dtype="fp16")
     passes = []
     rows = gpu.forward_rows
-    gpu.forward_rows = lambda *a: (passes.append(len(a[0])), rows(*a))[1]
+    gpu.forward_rows = lambda *a, **k: (passes.append(len(a[0])), rows(*a, **k))[1]
     gpu.prefill(ids[:9], 0)
     assert passes == [9]
     want, cpu = token_path(model, "fp16", ids[:9])
@@ -370,7 +371,9 @@ def test_short_prompt_goes_by_the_captured_rows_pass(tmp_path):
     gpu.prefill(ids[:66], 0)
     assert passes == [9, 2]
     moe = GpuEngine(tiny_model(tmp_path, "mixtral", "fp8", n_layers=1), seq_len=128, kv_dtype="fp16")
-    moe.forward_rows = lambda *a: pytest.fail("Mixtral's rows pass is not captured: the forward takes it")
+    moe.forward_rows = lambda *a, **k: pytest.fail(
+        "Mixtral's rows pass is not captured: the forward takes it"
+    )
     moe.prefill(ids[:9], 0)
 
 
@@ -490,6 +493,20 @@ def test_draft_tokens_go_into_the_rows_pass_on_the_device(tmp_path):
         assert np.array_equal(a.v.copy_to_host()[:4], b.v.copy_to_host()[:4])
     with pytest.raises(PycalmError, match="greedy_tokens feeds"):
         draft.greedy_tokens(ids[:1], SEQ_LEN - 2, 4)
+
+
+def test_cache_only_rows_pass_writes_the_same_keys_and_values(tmp_path):
+    """forward_rows(cache_only=True) (GpuEngine.prefill's pass of a short prompt): the keys and
+    values of a pass that computes logits, bit for bit, and nothing back."""
+    model = tiny_model(tmp_path, "qwen2", "q8", n_layers=1)
+    ids = tokens(3, seed=5)
+    fed, full = (GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16") for _ in range(2))
+    assert fed.forward_rows(ids, 2, cache_only=True) is None
+    full.forward_rows(ids, 2)
+    for a, b in zip(fed.kv_caches, full.kv_caches, strict=True):
+        assert np.array_equal(a.k.copy_to_host()[2:5], b.k.copy_to_host()[2:5])
+        assert np.array_equal(a.v.copy_to_host()[2:5], b.v.copy_to_host()[2:5])
+        assert np.any(a.k.copy_to_host()[2:5] != 0)
 
 
 def test_draft_tokens_feed_their_last_after_the_event(tmp_path):

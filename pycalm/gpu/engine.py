@@ -655,9 +655,10 @@ class GpuEngine:
             # a short prompt (a chat turn, a draft model's catch-up): one replay of the captured
             # rows pass, whose kernels are the multi-token forward's; from Python, the forward's
             # 200-odd plain launches took 38 ms for one token on the H100 (Qwen2.5-0.5B), 40x
-            # the pass (its logits are sampled greedily on the device: n tokens come back).
-            # Mixtral's rows pass is not captured (its expert groups): it keeps the forward
-            self.forward_rows(ids, start_pos, [SamplingParams()] * len(ids), np.zeros(len(ids)))
+            # the pass. Its keys and values alone: no classifier, and the host goes on (what
+            # follows on the stream waits for it). Mixtral's rows pass is not captured (its
+            # expert groups): it keeps the forward
+            self.forward_rows(ids, start_pos, cache_only=True)
             return
         for _ in self._prefill_step().run(ids, start_pos):
             pass
@@ -669,18 +670,20 @@ class GpuEngine:
         samplings: list[SamplingParams] | None = None,
         coins: np.ndarray | None = None,
         tail: DeviceTokens | None = None,
-    ) -> np.ndarray:
+        cache_only: bool = False,
+    ) -> np.ndarray | None:
         """The n tokens (1 to 64) ids, then tail's, at positions pos .. pos + n - 1 in one pass
         (each weight read once), their keys and values cached: the captured rows pass of
         pycalm.gpu.prefill (a graph for each row bucket). tail: tokens another engine's steps
         write on the GPU (greedy_tokens: a draft model's), copied into the pass's inputs there
         once they are written (the host never waits for them). Returns every row's logits (n,
         vocab_size) float32, or with samplings (a SamplingParams a row) and coins (a uniform
-        draw a row) the (n,) int32 tokens each row samples on the GPU. The state is left for the
-        caller to set."""
+        draw a row) the (n,) int32 tokens each row samples on the GPU; cache_only: the keys and
+        values alone, enqueued (no classifier, nothing back, the host does not wait), None.
+        The state is left for the caller to set."""
         if self.simple:
             raise PycalmError("forward_rows runs the fast kernels (not --kernels simple)")
-        return self._prefill_step().rows(ids, pos, samplings, coins, tail)
+        return self._prefill_step().rows(ids, pos, samplings, coins, tail, cache_only)
 
     def prefill_logits(self, ids: list[int], start_pos: int) -> Iterator[np.ndarray]:
         """prefill, yielding the logits of every row as (rows, vocab_size) float32 blocks in order

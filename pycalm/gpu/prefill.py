@@ -246,7 +246,9 @@ class Prefill:
         self.row_coins = floats[5]  # (64,)
         self.row_sampled = cuda.to_device(np.zeros(most, np.int32), stream=engine.stream)  # (64,)
         self._sampled_host = cuda.pinned_array(most, np.int32)  # (64,) row_sampled's twin
-        self._rows_graphs: dict[tuple[int, bool], GraphStep] = {}  # (bucket, sampled) -> its pass
+        # (bucket, what the pass gives: "logits", "tokens" or "cache") -> its pass
+        self._rows_graphs: dict[tuple[int, str], GraphStep] = {}
+        self._inputs_copied = cuda.event()  # the last pass's inputs are on the GPU
         # under the simulator (a Python thread a GPU thread) sample_rows takes blocks of 64
         self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
 
@@ -425,7 +427,8 @@ class Prefill:
         samplings: list | None = None,
         coins: np.ndarray | None = None,
         tail: object = None,
-    ) -> np.ndarray:
+        cache_only: bool = False,
+    ) -> np.ndarray | None:
         """The n <= 64 tokens ids, then tail's (GpuEngine.forward_rows), at positions pos0..,
         their keys and values cached, in one replay of the captured pass of the smallest row
         bucket that holds n (the first pass of a bucket runs eagerly, compiling its kernels, and
@@ -433,7 +436,8 @@ class Prefill:
         pass the end of the cache, plain launches of exactly n rows). Returns the logits (n,
         vocab_size) float32, or with `samplings` (a SamplingParams a row) and `coins` (n uniform
         draws) the (n,) int32 tokens each row samples on the GPU (sample_rows: the logits stay
-        there)."""
+        there). cache_only: the keys and values alone (a prompt's, a draft model's catch-up): no
+        classifier, nothing back, and the host does not wait for the pass; returns None."""
         e = self.engine
         given = len(ids)  # the rows whose ids the host has; tail's follow them
         n = given + (0 if tail is None else len(tail.host))
@@ -445,7 +449,8 @@ class Prefill:
         bucket = next(b for b in ROW_BUCKETS if b >= n)
         if not e.use_graph or pos0 + bucket > e.seq_len:
             bucket = n
-        host = self._inputs_host  # (6, 64); the last pass's copy is done (rows ends in a sync)
+        host = self._inputs_host  # (6, 64)
+        self._inputs_copied.synchronize()  # the last pass's copy of it is done (cache_only passes end unwaited)
         host[0, :given] = ids
         host[0, given:bucket] = 0  # padding rows feed token 0 (tail's rows: theirs, copied below)
         if samplings is not None:
@@ -456,17 +461,21 @@ class Prefill:
             for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
                 host[1 + i, :n] = field.view(np.int32)  # (float32 fields as their bits)
         self._inputs.copy_to_device(host, stream=e.stream)
+        self._inputs_copied.record(e.stream)
         if tail is not None:  # tail's ids, device to device once the steps that write them are done
             tail.event.wait(e.stream)
             self.rows_tokens[given:n].copy_to_device(tail.device, stream=e.stream)
         e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
 
-        sampled = samplings is not None
+        gives = "cache" if cache_only else "logits" if samplings is None else "tokens"
+        sampled = gives == "tokens"
 
         def record() -> None:
             from pycalm.kernels.sample import RowSampling, sample_rows
 
             self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket])  # (pos0 only names the rows)
+            if gives == "cache":
+                return
             self.classify_rows(0, bucket)
             if sampled:
                 # sampled[r] = row r's token, drawn with its own options and coin (padding rows: whatever)
@@ -474,15 +483,15 @@ class Prefill:
                 sample_rows(self.buffers.logits[:bucket], params, self.row_coins[:bucket], self.row_sampled[:bucket],
                             stream=e.stream, **self.sample_options)  # fmt: skip
 
-        graph = self._rows_graphs.get((bucket, sampled))
+        graph = self._rows_graphs.get((bucket, gives))
         if graph is not None:
             graph.launch()
         else:
             record()  # compiles the kernels; also this pass's result
             if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
-                self._rows_graphs[(bucket, sampled)] = GraphStep(
-                    e.stream, record, programmatic=e.programmatic
-                )
+                self._rows_graphs[(bucket, gives)] = GraphStep(e.stream, record, programmatic=e.programmatic)
+        if cache_only:
+            return None
         if sampled:
             self.row_sampled.copy_to_host(self._sampled_host, stream=e.stream)
             e.stream.synchronize()
