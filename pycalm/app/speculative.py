@@ -170,9 +170,10 @@ def measure_costs(
             draft_call=max(whole - costs.pass_cost(k + 1) - k * draft_step, 0.0),
             feed_last=0.0 if beside else None,
         )
-        for m in (2**i for i in range(ROWS_MOST.bit_length())):  # the row buckets of its catch-ups,
-            if pos + m <= d.seq_len:  # compiled and captured before they count
-                d.forward_rows([0] * m, pos, [GREEDY] * m, np.zeros(m))
+        if beside:  # on the GPU: the row buckets of its catch-ups (prefill's cache_only passes),
+            for m in (2**i for i in range(ROWS_MOST.bit_length())):  # compiled and captured before they count
+                if pos + m <= d.seq_len:
+                    d.forward_rows([0] * m, pos, cache_only=True)
         drafter.forget()  # its cache rows past pos were scribbled on
     return costs
 
