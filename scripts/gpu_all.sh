@@ -216,8 +216,11 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_speculative.py tests/test_prefill.py \
                tests/test_eos_options.py -k "not real_model and not server" 2>&1 | tee "$out/tests_speculative.log" | tail -4 ;;
     pair)    # issue 30's acceptance rows alone (the first, about 110 s on a fresh H100 after the 26
-             # ship.sh puts): the pair at k = 7 and adaptive on every task, then n-gram lookup
-             # (adaptive) on the 0.5B, then the pass profile
+             # ship.sh puts): the GPU tests of what they run (short prompts' cache-only passes,
+             # drafts on the device, the loop), the pair at k = 7 and adaptive on every task, then
+             # n-gram lookup (adaptive) on the 0.5B, then the pass profile
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_prefill.py tests/test_speculative.py \
+               -k "short_prompt or draft_tokens or cache_only or gpu_speculative" 2>&1 | tee "$out/tests_pair.log" | tail -3
              for key in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
                read -r name sha < <(python3 -c "from pycalm.app.fetch import KNOWN_MODELS as K; m = K['$key']; print(m.name, m.sha256)")
                bash scripts/ship.sh join "$name" "$sha" "/tmp/$name" || exit 1
