@@ -226,6 +226,18 @@ def test_measured_pass_times_correct_the_model_online():
     configured = AdaptiveK(PassCosts.ratio(1.2))
     configured.update("s", 4, 2, seconds=100.0)
     assert configured.overhead == 0.0
+    # passes far faster than modelled (costs timed on a GPU still warming up): the overhead falls
+    # a step at a time, and never makes a pass cost less than half its model
+    fast = AdaptiveK(costs, online=True)
+    fast.update("m", 7, 5, seconds=0.0)
+    assert fast.overhead == pytest.approx(-(1 - OVERHEAD_DECAY) * OVERHEAD_STEP * costs.pass_time(7, PRIOR))
+    for _ in range(100):
+        fast.update("m", 7, 5, seconds=0.0)
+    for j in range(1, 9):
+        half = 0.5 * costs.pass_time(j, 0.9)
+        assert costs.speedup(j, 0.9, fast.overhead) == pytest.approx(
+            sum(0.9**i for i in range(j + 1)) * costs.step / half
+        )
 
 
 def test_the_loop_times_each_pass_where_it_measured_the_costs(model, monkeypatch):

@@ -110,9 +110,11 @@ class PassCosts:
     def speedup(self, k: int, rate: float, overhead: float = 0.0) -> float:
         """Plain decoding's time over speculation's: E(k) s / (pass_time(k, rate) + overhead),
         E(k) = 1 + rate + ... + rate^k; overhead: seconds a pass takes beyond the model
-        (AdaptiveK's, measured on the passes of the calls)."""
+        (AdaptiveK's, measured on the passes of the calls), which never makes a pass cost less
+        than half its model."""
         expected = sum(rate**i for i in range(k + 1))
-        return expected * self.step / (self.pass_time(k, rate) + overhead)
+        modelled = self.pass_time(k, rate)
+        return expected * self.step / max(modelled + overhead, 0.5 * modelled)
 
 
 def measure_costs(
@@ -212,7 +214,7 @@ class AdaptiveK:
     time, given to update, corrects the model by `overhead`, the seconds a pass takes beyond
     pass_time (the host between the engines' calls, a draft step beside the pass slowing it):
     an average of the recent passes' excess, each counted at most OVERHEAD_STEP of its
-    modelled time above the average so far, so that a pass that captured a graph (tens of ms,
+    modelled time from the average so far, so that a pass that captured a graph (tens of ms,
     once) moves it little."""
 
     def __init__(
@@ -262,7 +264,8 @@ class AdaptiveK:
         s = self.sources.setdefault(key, Source())
         if self.online and seconds is not None and drafted:
             modelled = self.costs.pass_time(drafted, s.rate)
-            excess = min(seconds - modelled, self.overhead + OVERHEAD_STEP * modelled)
+            step = OVERHEAD_STEP * modelled  # (the most one pass moves it, either way)
+            excess = min(max(seconds - modelled, self.overhead - step), self.overhead + step)
             self.overhead = OVERHEAD_DECAY * self.overhead + (1 - OVERHEAD_DECAY) * excess
         s.kept = decay * s.kept + kept
         s.checked = decay * s.checked + kept + (kept < drafted)  # the drafts up to the first one replaced
