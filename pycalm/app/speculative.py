@@ -33,8 +33,9 @@ each draft kept with probability a (AdaptiveK: the drafts kept over the drafts c
 and with the first one replaced, summed over the recent passes, the last few counting most, so
 a stretch of copied text turns it on and free text off; a pass's own ratio, averaged, would
 underrate a: at a = 0.9 and k = 7 its mean is 0.78), k drafts give E(k) = 1 + a + ... + a^k
-tokens a pass, so speculation runs E(k) s / (c(k + 1) + k d) times plain decoding's speed. AdaptiveK takes the k that maximises it;
-where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for
+tokens a pass, so speculation runs E(k) s / (c(k + 1) + k d) times plain decoding's speed
+(PassCosts.speedup, with what the measured passes add: AdaptiveK online). AdaptiveK takes the
+k that maximises it; where no k reaches 1, drafting from that source (an n-gram length, the draft model) stops for
 16 tokens (doubling to 256 while it keeps failing), then one pass probes it again. A source not
 seen yet starts from its drafter's prior. Tokens where no draft is proposed go through
 engine.generate, the plain token steps, PLAIN_RUN (4) at a time, so that a source that comes up
@@ -64,7 +65,7 @@ DECAY = 0.7  # the weight of the drafts seen before a pass (about the last 3 pas
 PRIOR = 0.5  # a new source's acceptance, until passes are seen (a drafter may give its own)
 PRIOR_DRAFTS = 4  # the drafts' worth of evidence that a prior counts for
 OVERHEAD_DECAY = 0.7  # the weight of the overhead measured before a pass (AdaptiveK online)
-OVERHEAD_STEP = 0.25  # a pass's excess counts at most this much of its modelled time above the average
+OVERHEAD_STEP = 0.25  # a pass's excess counts at most this much of its modelled time from the average
 GREEDY = SamplingParams()
 NO_EOS = SamplingParams(ignore_eos=True)  # greedy, every token asked for (the token steps are GREEDY's)
 MEASURE_ROWS = (2, 4, 8, 16)  # the passes measure_costs times (k up to 15)
@@ -165,7 +166,7 @@ def measure_costs(
         whole = best(
             lambda: check_drafts(engine, 0, pos, drafter.draft([0], pos, k), GREEDY, np.zeros(k + 1))
         )
-        beside = hasattr(d, "greedy_tokens")  # its step that feeds the last draft runs beside the pass
+        beside = drafter.on_device  # its step that feeds the last draft runs beside the pass
         costs = replace(
             costs,
             draft_step=draft_step,
@@ -380,11 +381,10 @@ class ModelDrafter:
     one_source = True  # the same source at every token: a stretch off goes in one call
     # a draft's chance to be kept before any pass is seen: Qwen2.5-Coder-0.5B drafting for the
     # 1.5B kept about 0.7 (chat), 0.83 (grounded) and 0.9 (code) of its drafts (E at k = 4 and 6,
-    # docs/BENCHMARKS.md). At the H100's costs (a token step 1.74-1.86 ms, the 8-row pass 2.47, a
-    # draft step about 0.8) drafting pays from about 0.8: from 0.9 it starts on, and a text it
-    # drafts worse for turns it off within a pass or two (from PRIOR's 0.5, or 0.8, it turned
-    # itself off before its first pass, and its probes, each moving the estimate 0.3 of the way,
-    # did not bring it back within a reply).
+    # docs/BENCHMARKS.md). At the H100's costs (a token step 1.75 ms, the 8-row pass 1.43-1.53
+    # steps, a draft step 0.41) drafting pays from about 0.75-0.8: from 0.9 it starts on, and a
+    # text it drafts worse for turns it off after a few passes (PRIOR_DRAFTS: the prior counts
+    # for 4 drafts).
     PRIOR = 0.9
     # its acceptance changes slowly along a text (n-gram lookup's comes and goes with the copied
     # stretches): about the last 10 passes count. At 0.7 (3 passes) a draft kept 0.85-0.9 of the
@@ -394,6 +394,11 @@ class ModelDrafter:
 
     def prior(self, key: object) -> float:
         return self.PRIOR
+
+    @property
+    def on_device(self) -> bool:
+        """Its engine leaves drafts on the GPU (GpuEngine.greedy_tokens)."""
+        return hasattr(self.engine, "greedy_tokens")
 
     def __init__(self, engine: object, target_config: object) -> None:
         cfg = engine.config
@@ -465,7 +470,7 @@ class ModelDrafter:
         (engine.greedy_tokens: Draft.device), and the last fed by one more step that runs beside
         the target's pass; elsewhere read back step by step (engine.generate)."""
         e = self.engine
-        if hasattr(e, "greedy_tokens"):
+        if self.on_device:
             return Draft([], device=e.greedy_tokens(fed, pos, k, feed_last=True))
         return Draft(list(e.generate(fed, pos, k, GREEDY)))
 

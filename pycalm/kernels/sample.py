@@ -634,9 +634,8 @@ def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens):
     """Block r (grid M): tokens[r] <- sample_ref(logits[r], temperature[r], top_k[r], top_p[r],
     min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties)."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
-    scratch = cuda.shared.array(
-        32, float32, alignment=SHARED_ALIGN
-    )  # block reductions; the argmax's warp values
+    # block reductions; the argmax's warp values
+    scratch = cuda.shared.array(32, float32, alignment=SHARED_ALIGN)
     warp_i = cuda.shared.array(32, int32, alignment=SHARED_ALIGN)  # the argmax's warp ids
     hist_n = cuda.shared.array(HIST, int32, alignment=SHARED_ALIGN)  # a histogram a warp (see _select)
     hist_mass = cuda.shared.array(HIST, float32, alignment=SHARED_ALIGN)
