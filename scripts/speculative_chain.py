@@ -3,8 +3,9 @@
     python3 scripts/speculative_chain.py [--draft-dtype q8] [--k 8,4] [--tokens 96]
 
 Random weights of the Qwen2.5-Coder-1.5B (target, fp16) and 0.5B (draft) shapes
-(bench.RandomDeviceModel, bench.SHAPES' qwen2.5-1.5b and qwen2.5-0.5b), k fixed: every draft is rejected, so each pass gives one token and the
-launches are a real pass's (k draft steps, a pass of k + 1 rows). "device": the drafts stay on
+(bench.RandomDeviceModel, bench.SHAPES' qwen2.5-1.5b and qwen2.5-0.5b), k fixed: every draft is
+rejected, so each pass gives one token and the launches are a real pass's (k draft steps, a
+pass of k + 1 rows). "device": the drafts stay on
 the GPU (GpuEngine.greedy_tokens) and the pass copies them into its inputs after an event;
 "host": the same draft engine without greedy_tokens, so ModelDrafter reads each draft back
 (engine.generate) and the pass takes them from the host. Two runs each, interleaved.
