@@ -46,6 +46,7 @@ drafter, takes its stretch off in one call.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -98,7 +99,15 @@ class PassCosts:
 
     def pass_cost(self, n: int) -> float:
         """Seconds of a pass of n rows: the measured pass of the fewest rows >= n."""
-        return next((s for m, s in self.rows if m >= n), self.rows[-1][1])
+        costs = self._pass_costs
+        return costs[n] if n < len(costs) else self.rows[-1][1]
+
+    @functools.cached_property
+    def _pass_costs(self) -> tuple[float, ...]:
+        """pass_cost(n) for n = 0 .. ROWS_MOST, looked up (it is asked k_most times a plan)."""
+        return tuple(
+            next((s for m, s in self.rows if m >= n), self.rows[-1][1]) for n in range(ROWS_MOST + 1)
+        )
 
     def pass_time(self, k: int, rate: float) -> float:
         """Seconds of a pass of k drafts, each kept with probability `rate`: c(k + 1) + k d +
@@ -113,9 +122,17 @@ class PassCosts:
         E(k) = 1 + rate + ... + rate^k; overhead: seconds a pass takes beyond the model
         (AdaptiveK's, measured on the passes of the calls), which never makes a pass cost less
         than half its model."""
-        expected = sum(rate**i for i in range(k + 1))
-        modelled = self.pass_time(k, rate)
-        return expected * self.step / max(modelled + overhead, 0.5 * modelled)
+        return self.speedups(k, rate, overhead)[-1]
+
+    def speedups(self, k_most: int, rate: float, overhead: float = 0.0) -> list[float]:
+        """speedup(k, rate, overhead) for k = 1 .. k_most, in one walk (AdaptiveK asks for them
+        all twice a pass, between the pass's result and the next drafts' launch)."""
+        out, expected = [], 1.0
+        for k in range(1, k_most + 1):
+            expected += rate**k  # E(k), added in the order of sum(rate**i for i in range(k + 1))
+            modelled = self.pass_time(k, rate)
+            out.append(expected * self.step / max(modelled + overhead, 0.5 * modelled))
+        return out
 
 
 def measure_costs(
@@ -228,13 +245,16 @@ class AdaptiveK:
         self.costs, self.k_most, self.fixed_k, self.online = costs, k_most, fixed_k, online
         self.sources: dict[object, Source] = {}
         self.overhead = 0.0  # seconds a pass beyond costs.pass_time (online)
+        self._best: tuple = (None, None)  # ((rate, overhead), best's answer) of the last call
 
     def best(self, rate: float) -> tuple[int, float]:
-        """(k, its speedup) of the k in 1 .. k_most that maximises the speedup at `rate`."""
-        return max(
-            ((k, self.costs.speedup(k, rate, self.overhead)) for k in range(1, self.k_most + 1)),
-            key=lambda t: t[1],
-        )
+        """(k, its speedup) of the k in 1 .. k_most that maximises the speedup at `rate` (the
+        smallest such k on ties)."""
+        if self._best[0] != (rate, self.overhead):  # (update asks, then the next plan, at one rate)
+            gains = self.costs.speedups(self.k_most, rate, self.overhead)
+            gain = max(gains)
+            self._best = ((rate, self.overhead), (gains.index(gain) + 1, gain))
+        return self._best[1]
 
     def plan(self, key: object, produced: int, prior: float = PRIOR) -> int:
         """The drafts to take from source `key` now, `produced` tokens generated so far (over
