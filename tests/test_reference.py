@@ -60,3 +60,6 @@ def test_advance_ref_feeds_the_prompt_then_the_pick() -> None:
     # from the prompt's last position on, the sampled token goes in
     assert advance_ref(token=42, pos=2, feed_end=3, feed=feed) == (42, 3)
     assert advance_ref(token=5, pos=3, feed_end=3, feed=feed) == (5, 4)
+    # ... and is written at its position: feed holds every position's token
+    assert feed.tolist() == [7, 8, 9, 42, 5]
+    assert advance_ref(token=6, pos=4, feed_end=3, feed=feed) == (6, 5)  # the last position: no room

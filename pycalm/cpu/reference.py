@@ -755,9 +755,14 @@ def logprobs_ref(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:
 def advance_ref(token: int, pos: int, feed_end: int, feed: np.ndarray) -> tuple[int, int]:
     """The end of a token step: (the token the next step embeds, its position). `token` is what
     the sampler just picked at `pos`; positions below `feed_end` take theirs from `feed` (the
-    prompt), so a prompt is prefilled by the same step as generation."""
+    prompt), so a prompt is prefilled by the same step as generation; past it the pick is
+    written into feed at its position (feed: every position's token)."""
     nxt = pos + 1
-    return (int(feed[nxt]) if nxt < feed_end else token), nxt
+    if nxt < feed_end:
+        return int(feed[nxt]), nxt
+    if nxt < len(feed):  # (the context's last step has no next position)
+        feed[nxt] = token
+    return token, nxt
 
 
 def feed_tokens_ref(tokens: np.ndarray, prev: np.ndarray, chosen: np.ndarray) -> np.ndarray:

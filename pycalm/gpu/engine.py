@@ -183,8 +183,8 @@ class EngineOptions:
 @dataclass
 class DeviceTokens:
     """Tokens that a GpuEngine's enqueued steps write (greedy_tokens): `device` (n,) int32 on the
-    GPU and `host` (n,) its pinned copy hold them once `event` has passed; valid until the
-    engine's next greedy_tokens. fed_last: a step after them caches the last one's keys and
+    GPU (a slice of the engine's feed) and `host` (n,) its pinned copy hold them once `event`
+    has passed; valid until the engine's steps or prompts reach those positions again. fed_last: a step after them caches the last one's keys and
     values too."""
 
     device: object
@@ -366,7 +366,9 @@ class GpuEngine:
         }
         # per-token values on the device (pycalm.kernels.common: STATE_TOKEN, STATE_POS, STATE_FEED_END)
         self.state = zeros(STATE_SIZE, np.int32)  # (STATE_SIZE,) token, pos, feed end
-        self.feed = zeros(self.seq_len, np.int32)  # (seq_len,) the prompt's token at each position
+        # (seq_len + 1,) the token at each position: the prompt's, then each step's pick (advance;
+        # the last step's pick, after the context, in the extra slot)
+        self.feed = zeros(self.seq_len + 1, np.int32)
         self.coins = zeros(self.seq_len)  # (seq_len,) the uniform draw the step at each position uses
         # a request's penalties and logit bias: the generated tokens' counts, the prompt's flags,
         # the bias, the values and the penalized logits (pycalm.kernels.penalty; 17 bytes a token
@@ -386,8 +388,6 @@ class GpuEngine:
         self._logprobs_host = cuda.pinned_array((options.decode_lookahead, OUT_SIZE), np.int32)
         # greedy_tokens' tokens (a draft model's), on the device for another engine's rows pass to
         # copy, and their pinned copy for the host to read once the event has passed
-        self._drafted = zeros(ROW_BUCKETS[-1], np.int32)  # (64,)
-        self._drafted_slots = [self._drafted[j : j + 1] for j in range(ROW_BUCKETS[-1])]  # 64 x (1,)
         self._drafted_host = cuda.pinned_array(ROW_BUCKETS[-1], np.int32)  # (64,)
         self._drafted_event = cuda.event()
         # constrained decoding (pycalm.app.constrain): the allowed ids of the next token, a bit an
@@ -841,8 +841,8 @@ class GpuEngine:
     def greedy_tokens(self, ids: list[int], start_pos: int, n: int, feed_last: bool = False) -> DeviceTokens:
         """Enqueue generate(ids, start_pos, n, SamplingParams())'s token steps (ids fed at
         start_pos.., then n greedy tokens, 1 to 64), without its host round trips: each sampling
-        step's token is copied on the device into the next slot of _drafted, then all n into
-        their pinned copy, and an event is recorded. Nothing waits for them: a draft model's
+        step's advance writes its token into feed at its position, so the n tokens are a slice
+        of feed, copied into their pinned copy after the last step, and an event is recorded. Nothing waits for them: a draft model's
         tokens go into the target's rows pass on the GPU (forward_rows' tail). No EOS stops
         them. feed_last (where the context has room): one more step, after the event, feeds
         the n-th token, so that its keys and values are cached while what waits for the event
@@ -855,19 +855,16 @@ class GpuEngine:
                 f"context of {self.seq_len}; got {len(ids)} at position {start_pos}, {n} to sample"
             )
         s = self.stream
-        token = self.state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,) the token a step sampled
         feed_last = feed_last and end - 1 + n < self.seq_len
         steps = self._greedy_steps(ids, start_pos, end - 2 + n + feed_last)
-        for i, step in enumerate(steps[: len(steps) - feed_last]):
+        for step in steps[: len(steps) - feed_last]:
             step.launch()
-            j = i - (len(ids) - 1)  # (a sampling step from the last fed token on)
-            if j >= 0:
-                self._drafted_slots[j].copy_to_device(token, stream=s)
-        self._drafted[:n].copy_to_host(self._drafted_host[:n], stream=s)
+        drafted = self.feed[end : end + n]  # (n,) the tokens of positions end .. end + n - 1
+        drafted.copy_to_host(self._drafted_host[:n], stream=s)
         self._drafted_event.record(s)
         if feed_last:  # token n at position end - 1 + n: its keys and values (its own token unused)
             steps[-1].launch()
-        return DeviceTokens(self._drafted[:n], self._drafted_host[:n], self._drafted_event, feed_last)
+        return DeviceTokens(drafted, self._drafted_host[:n], self._drafted_event, feed_last)
 
     def _greedy_steps(self, ids: list[int], start_pos: int, last: int) -> list[GraphStep | EagerStep]:
         """The greedy token steps of positions start_pos .. last, captured first (a span's graph
