@@ -131,6 +131,37 @@ def test_attention_over_a_span(n_pos, span):
     _run(3, 1, 32, 64, n_pos, "fp8", 0, seed=n_pos + span, span=span)
 
 
+def test_a_fixed_split_gives_the_same_bits_at_every_span():
+    # split given (the batch-invariant rows pass: split_len of the whole cache): the grid covers a
+    # span's splits of that length, and a row's output is the same bits whatever the span; the
+    # default split of each span (16 or 32 positions here) is another sum
+    rng = np.random.default_rng(4)
+    n_heads, n_kv_heads, head_dim, seq_len, pos = 3, 1, 32, 64, 20
+    q = rng.standard_normal(n_heads * head_dim).astype(np.float32)
+    k = rng.uniform(-1, 1, (seq_len, n_kv_heads * head_dim)).astype(np.float16)
+    v = rng.uniform(-1, 1, (seq_len, n_kv_heads * head_dim)).astype(np.float16)
+    stream = cuda.stream()
+    scratch = attention_scratch(n_heads, n_kv_heads, head_dim, "fp16", seq_len, chunk=SPLIT, stream=stream)
+    cache = KVCache(cuda.to_device(k), cuda.to_device(v), "fp16")
+    d_q, d_state = cuda.to_device(q), cuda.to_device(np.array([0, pos, 0, 0], np.int32))
+    cfg = config(n_heads, n_kv_heads, head_dim, 0)
+    want = attention_ref(
+        q, k.astype(np.float32), v.astype(np.float32), pos + 1, n_heads, n_kv_heads, head_dim
+    )
+
+    def run(span: int, split: int | None) -> np.ndarray:
+        d_out = cuda.to_device(np.full(n_heads * head_dim, np.nan, np.float32))
+        attention(d_q, cache, d_state, d_out, cfg, scratch, stream=stream, span=span, split=split)
+        stream.synchronize()
+        return d_out.copy_to_host()
+
+    fixed = [run(span, 2 * SPLIT) for span in (32, 64)]
+    assert np.array_equal(fixed[0], fixed[1])
+    for out in (*fixed, run(32, None)):
+        np.testing.assert_allclose(out, want, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(scratch.count.copy_to_host(), 0)
+
+
 def test_attention_span_covers_the_position():
     # chunk times the smallest power of two past pos, at most seq_len
     assert [attention_span(p, 16, 100) for p in (0, 15, 16, 31, 32, 63, 64, 99)] == [

@@ -476,6 +476,28 @@ def test_rows_pass(tmp_path):
         gpu.forward_rows(ids, SEQ_LEN - 4)
 
 
+def test_rows_pass_attention_covers_its_span(tmp_path):
+    """A rows pass's split attention covers the span of its last row's position (as the token
+    step's), a captured pass a (bucket, span): its logits match the reference in a pass whose
+    rows reach past the first span; under batch_invariant the splits are fixed for the cache, so
+    a row gives the same bits in a pass within the first span and in one reaching past it."""
+    from pycalm.kernels.attention import attention_span
+
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    ids = tokens(20, seed=3)
+    gpu = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16")
+    chunk = gpu.att_scratch.chunk
+    spans = (gpu._prefill_step().span_of(12, 4), gpu._prefill_step().span_of(12, 8))
+    assert spans == (attention_span(15, chunk, SEQ_LEN), attention_span(19, chunk, SEQ_LEN))
+    got = np.concatenate([gpu.forward_rows(ids[:12], 0), gpu.forward_rows(ids[12:], 12)])
+    assert rel_l2(got, prefill_ref(model, "fp16", ids)[0]) < 2e-3
+    inv = GpuEngine(model, seq_len=SEQ_LEN, kv_dtype="fp16", options=EngineOptions(batch_invariant=True))
+    inv.forward_rows(ids[:12], 0)
+    wide = inv.forward_rows(ids[12:], 12)  # rows 12..19
+    assert np.array_equal(wide[:4], inv.forward_rows(ids[12:16], 12))  # rows 12..15
+    assert np.array_equal(wide[4:], inv.forward_rows(ids[16:], 16))
+
+
 def test_draft_tokens_go_into_the_rows_pass_on_the_device(tmp_path):
     """greedy_tokens: generate's greedy tokens, left on the device (and in their pinned copy once
     the event has passed); a rows pass with them as its tail gives the logits of a pass given the

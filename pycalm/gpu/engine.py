@@ -454,7 +454,7 @@ class GpuEngine:
         if self.batch_invariant:
             # logits = the one-row pass of the multi-token forward (pycalm.gpu.prefill): the
             # same bits as any rows pass gives the token at this position
-            self._prefill_step().token_logits()
+            self._prefill_step().token_logits(span)
         else:
             self.layers_step(span)
         if self.finite_flag is not None:
@@ -540,7 +540,7 @@ class GpuEngine:
     def span(self, pos: int) -> int:
         """The attention span of the step at pos: its grid holds the live chunks at most twice
         (the simple kernels: the whole cache, one graph)."""
-        if self.simple or self.batch_invariant:  # (the rows pass's attention reads every position)
+        if self.simple:  # (its attention reads every position)
             return self.seq_len
         return attention_span(pos, self.att_scratch.chunk, self.seq_len)
 

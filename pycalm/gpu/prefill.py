@@ -228,6 +228,14 @@ class Prefill:
                     cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv, engine.seq_len,
                     chunk=chunk, rows=self.split_rows, stream=engine.stream,
                 )  # fmt: skip
+        # the split attention's positions a block: per span (attention_span of the pass's last
+        # row, as the token step's), or fixed for the cache where a row's bits must not depend
+        # on its pass (batch-invariant: every span then takes the same splits, fewer of them)
+        self.fixed_split = None
+        if self.split_rows and self.invariant:
+            from pycalm.kernels.attention import split_len
+
+            self.fixed_split = split_len(engine.seq_len, engine.att_scratch.chunk, cfg.n_kv_heads)
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
         from pycalm.kernels.sample import RowSampling
 
@@ -246,8 +254,8 @@ class Prefill:
         self.row_coins = floats[5]  # (64,)
         self.row_sampled = cuda.to_device(np.zeros(most, np.int32), stream=engine.stream)  # (64,)
         self._sampled_host = cuda.pinned_array(most, np.int32)  # (64,) row_sampled's twin
-        # (bucket, what the pass gives: "logits", "tokens" or "cache") -> its pass
-        self._rows_graphs: dict[tuple[int, str], GraphStep] = {}
+        # (bucket, what the pass gives: "logits", "tokens" or "cache", attention span) -> its pass
+        self._rows_graphs: dict[tuple[int, str, int | None], GraphStep] = {}
         self._inputs_copied = cuda.event()  # the last pass's inputs are on the GPU
         # under the simulator (a Python thread a GPU thread) sample_rows takes blocks of 64
         self.sample_options = {"threads": 64} if numba_config.ENABLE_CUDASIM else {}
@@ -284,14 +292,17 @@ class Prefill:
         tokens: object = None,
         pages: Pages | None = None,
         pools: list | None = None,
+        span: int | None = None,
     ) -> None:
         """Enqueue the layers for the n_rows tokens feed[pos0 .. pos0 + n_rows - 1] (or the
         device array `tokens` of n_rows ids: a captured pass reads its token from a fixed place);
         the kernels read pos0 from state[STATE_POS], which must hold it (run sets it). The KV
         cache rows pos0.. are written, and x holds each row's residual stream after the last
-        layer (classify_rows takes it from there). With pages (pycalm.kernels.rows.Pages) and
-        pools (a paged KVCache a layer): rows of many sequences, each at its own position in its
-        own pages (batched serving, pycalm.gpu.batched), pos0 unread."""
+        layer (classify_rows takes it from there). span: the split attention's grid covers
+        positions below it (attention; default the whole cache): right while the last row's
+        position is below it (span_of). With pages (pycalm.kernels.rows.Pages) and pools (a
+        paged KVCache a layer): rows of many sequences, each at its own position in its own
+        pages (batched serving, pycalm.gpu.batched), pos0 unread."""
         from pycalm.kernels.attention import attention
         from pycalm.kernels.moe_rows import expert_matmul, moe_combine_rows
         from pycalm.kernels.prefill_attention import prefill_attention
@@ -333,7 +344,8 @@ class Prefill:
                 qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
                 # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
                 if n_rows <= self.split_rows:  # split over the keys, every row its own splits
-                    attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s)
+                    attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s, span=span,
+                              split=self.fixed_split)  # fmt: skip
                 else:  # a block a kv head and 64 rows, on the tensor cores
                     prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
             # x += att Wo^T
@@ -358,14 +370,27 @@ class Prefill:
                 # x += h W2^T
                 matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual")
 
-    def token_logits(self) -> object:
+    def span_of(self, pos0: int, n_rows: int) -> int | None:
+        """The attention span of a pass of n_rows rows from pos0 (that of its last row's position,
+        as the token step's: pycalm.kernels.attention.attention_span); None where the pass takes
+        the prefill attention's tiles (no span) or has no split attention."""
+        from pycalm.kernels.attention import attention_span
+
+        if not getattr(self, "split_rows", 0) or n_rows > self.split_rows:
+            return None
+        e = self.engine
+        return attention_span(pos0 + n_rows - 1, e.att_scratch.chunk, e.seq_len)
+
+    def token_logits(self, span: int | None = None) -> object:
         """Enqueue the one-row pass of the token state[STATE_TOKEN] at position state[STATE_POS]
         (a batch-invariant engine's token step: its logits are the bits every rows pass gives
-        that token there), returning its logits, a (vocab_size,) float32 device view."""
+        that token there; span: the step's), returning its logits, a (vocab_size,) float32
+        device view."""
         from pycalm.kernels.common import STATE_TOKEN
 
         state = self.engine.state
-        self.forward_rows(0, 1, tokens=state[STATE_TOKEN : STATE_TOKEN + 1])  # (the token read from state)
+        # (the token read from state)
+        self.forward_rows(0, 1, tokens=state[STATE_TOKEN : STATE_TOKEN + 1], span=span)
         self.classify_rows(0, 1)
         return self.buffers.logits[0]
 
@@ -401,7 +426,7 @@ class Prefill:
         for pos0 in range(start_pos, end, self.max_chunk):
             n = min(self.max_chunk, end - pos0)
             e._set_state(token=0, pos=pos0, feed_end=0)  # the kernels read pos0 from state
-            self.forward_rows(pos0, n)
+            self.forward_rows(pos0, n, span=self.span_of(pos0, n))
             if logits == "residual":  # x[:n], the chunk's rows after the last layer
                 out = self.buffers.x[:n].copy_to_host(stream=e.stream)
                 e.stream.synchronize()
@@ -469,11 +494,13 @@ class Prefill:
 
         gives = "cache" if cache_only else "logits" if samplings is None else "tokens"
         sampled = gives == "tokens"
+        span = self.span_of(pos0, bucket)  # (a graph a bucket, result and span)
 
         def record() -> None:
             from pycalm.kernels.sample import RowSampling, sample_rows
 
-            self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket])  # (pos0 only names the rows)
+            # (pos0 only names the rows)
+            self.forward_rows(pos0, bucket, tokens=self.rows_tokens[:bucket], span=span)
             if gives == "cache":
                 return
             self.classify_rows(0, bucket)
@@ -483,13 +510,15 @@ class Prefill:
                 sample_rows(self.buffers.logits[:bucket], params, self.row_coins[:bucket], self.row_sampled[:bucket],
                             stream=e.stream, **self.sample_options)  # fmt: skip
 
-        graph = self._rows_graphs.get((bucket, gives))
+        graph = self._rows_graphs.get((bucket, gives, span))
         if graph is not None:
             graph.launch()
         else:
             record()  # compiles the kernels; also this pass's result
             if e.use_graph and bucket in ROW_BUCKETS and not e.config.n_experts:
-                self._rows_graphs[(bucket, gives)] = GraphStep(e.stream, record, programmatic=e.programmatic)
+                self._rows_graphs[(bucket, gives, span)] = GraphStep(
+                    e.stream, record, programmatic=e.programmatic
+                )
         if cache_only:
             return None
         if sampled:

@@ -161,9 +161,10 @@ class SimplePrefill(Prefill):
                 cfg, self.max_chunk, engine.seq_len, self.logit_rows, engine.stream
             )
 
-    def forward_rows(self, pos0: int, n_rows: int, tokens: object = None) -> None:
+    def forward_rows(self, pos0: int, n_rows: int, tokens: object = None, span: int | None = None) -> None:
         """Enqueue the layers for the tokens feed[pos0 .. pos0 + n_rows - 1] (or the device
-        array `tokens`); pos0 is read from state[STATE_POS]. Writes the cache rows and x."""
+        array `tokens`); pos0 is read from state[STATE_POS]. Writes the cache rows and x. (span:
+        unread; the simple attention reads every position up to each row's.)"""
         from pycalm.kernels.simple.attention import attention
         from pycalm.kernels.simple.elementwise import residual_add, silu_gate
         from pycalm.kernels.simple.embed import embed

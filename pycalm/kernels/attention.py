@@ -691,6 +691,7 @@ def attention(
     stream: object,
     span: int | None = None,
     pages: object = None,
+    split: int | None = None,
 ) -> None:
     """out = attention of q over the positions [start, pos] of one layer's cache (see the module
     docstring): q (n_heads * head_dim,) f32 at pos = state[STATE_POS] (the token step), out the
@@ -703,7 +704,10 @@ def attention(
     span: the grid covers positions 0..span-1 (split_len(span) positions a block; default the
     whole cache): the launch is right only while the last row's position is below span. A graph
     captured at seq_len 32768 would otherwise launch splits of 512 positions where a short
-    context wants 32 (attention_span: the spans an engine captures).
+    context wants 32 (attention_span: the spans an engine captures). split: the positions a
+    block takes (default split_len(span)); a split fixed for the cache (split_len(seq_len): the
+    batch-invariant passes) gives a row the same bits at every span, the grid covering the
+    span's splits of it.
 
     pages (pycalm.kernels.rows.Pages): the rows of many sequences over a paged pool (the cache):
     row r at position pages.positions[r] of sequence pages.seq_of_row[r] (< 0: padding, out
@@ -722,8 +726,8 @@ def attention(
     if q.ndim == 1:  # the token step: one row
         q, out = q.reshape(1, q.shape[0]), out.reshape(1, out.shape[0])
     rows = q.shape[0]
-    # paged: the rows' blocks fill the GPU, so each row takes fewer, longer splits
-    split = split_len(span, scratch.chunk, n_kv_heads * (1 if pages is None else rows))
+    if split is None:  # paged: the rows' blocks fill the GPU, so each row takes fewer, longer splits
+        split = split_len(span, scratch.chunk, n_kv_heads * (1 if pages is None else rows))
     n_splits = -(-span // split)
     part = scratch.part
     if pages is not None and part.size >= rows * n_heads * n_splits * part.shape[2]:
