@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pycalm.app.speculative import (  # noqa: E402
+    MEASURE_ROWS,
     SpeculationOptions,
     SpeculativeEngine,
     make_drafter,
@@ -129,10 +130,11 @@ def main() -> int:
         (d, k) for d in drafters for k in k_values(args.draft_k if d == "draft" and args.draft_k else args.k)
     ]
     costs: dict[str, object] = {}
-    if args.device == "gpu":  # compile and capture before any timing: every span's token step
-        engine.prepare(SamplingParams(), range(args.context))
+    if args.device == "gpu":  # compile and capture before any timing: every span's token step and
+        # rows passes of up to 16 rows (checks, catch-ups)
+        engine.prepare(SamplingParams(), range(args.context), rows=MEASURE_ROWS)
         if draft_engine is not None:
-            draft_engine.prepare(SamplingParams(), range(args.context))
+            draft_engine.prepare(SamplingParams(), range(args.context), rows=MEASURE_ROWS)
     for d in drafters:
         # the costs also warm the rows pass's buckets up to 16 rows (GPU: compiled and captured)
         if args.device == "gpu" or any(c == (d, None) for c in configs):

@@ -220,7 +220,7 @@ while [ $i -lt ${#steps[@]} ]; do
              # drafts on the device, the loop), the pair at k = 7 and adaptive on every task, then
              # n-gram lookup (adaptive) on the 0.5B, then the pass profile
              PYCALM_TEST_GPU=1 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_prefill.py tests/test_speculative.py \
-               -k "short_prompt or draft_tokens or cache_only or gpu_speculative" 2>&1 | tee "$out/tests_pair.log" | tail -3
+               -k "short_prompt or draft_tokens or cache_only or gpu_speculative or span or prepare_captures" 2>&1 | tee "$out/tests_pair.log" | tail -3
              for key in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
                read -r name sha < <(python3 -c "from pycalm.app.fetch import KNOWN_MODELS as K; m = K['$key']; print(m.name, m.sha256)")
                bash scripts/ship.sh join "$name" "$sha" "/tmp/$name" || exit 1

@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # pycalm
 import numpy as np  # noqa: E402
 from bench import RandomDeviceModel, config_for  # noqa: E402
 
-from pycalm.app.speculative import ModelDrafter, SpeculationOptions, SpeculativeEngine, measure_costs  # noqa: E402
+from pycalm.app.speculative import (  # noqa: E402
+    MEASURE_ROWS,
+    ModelDrafter,
+    SpeculationOptions,
+    SpeculativeEngine,
+    measure_costs,
+)
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.gpu.engine import GpuEngine  # noqa: E402
 
@@ -51,7 +57,7 @@ def main() -> None:
     draft = GpuEngine(RandomDeviceModel(config_for("qwen2.5-0.5b", args.draft_dtype, 1024)), seq_len=1024)
     greedy = SamplingParams()
     for e in (target, draft):
-        e.prepare(greedy, range(1024))
+        e.prepare(greedy, range(1024), rows=MEASURE_ROWS)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 30000, 40)]
     costs = measure_costs(target, 100, ModelDrafter(draft, target.config))
     print(f"token step {costs.step * 1e3:.3f} ms, draft step {costs.draft_step * 1e3:.3f} ms, passes "

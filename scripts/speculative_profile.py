@@ -32,6 +32,7 @@ from numba import cuda  # noqa: E402
 
 import pycalm  # noqa: E402
 from pycalm.app.speculative import (  # noqa: E402
+    MEASURE_ROWS,
     Draft,
     ModelDrafter,
     SpeculationOptions,
@@ -62,7 +63,7 @@ def main() -> None:
     small = pycalm.load(args.draft, dtype=args.draft_dtype, **options)
     target, draft = llm.engine, small.engine
     for e in (target, draft):
-        e.prepare(GREEDY, range(CONTEXT))
+        e.prepare(GREEDY, range(CONTEXT), rows=MEASURE_ROWS)
     drafter = ModelDrafter(draft, target.config)
     costs = measure_costs(target, 0, drafter)
     rows = ", ".join(f"{n} rows {s * 1e3:.3f}" for n, s in costs.rows)

@@ -498,6 +498,28 @@ def test_rows_pass_attention_covers_its_span(tmp_path):
     assert np.array_equal(wide[4:], inv.forward_rows(ids[16:], 16))
 
 
+@gpu_only("graphs: the captured rows passes")
+def test_prepare_captures_the_rows_passes_of_every_span(tmp_path):
+    """prepare(rows=...): a sampled and a keys-and-values-only pass of each bucket at each span
+    the positions reach are captured before any call; a pass then captures nothing new and
+    gives the same tokens as an engine that captured it on the spot."""
+    model = tiny_model(tmp_path, "llama", "fp16", n_layers=1)
+    seq_len = 256
+    ready, cold = (GpuEngine(model, seq_len=seq_len, kv_dtype="fp16") for _ in range(2))
+    ready.prepare(GREEDY, range(seq_len), rows=(2, 3))
+    graphs = ready._prefill_step()._rows_graphs
+    spans = {ready._prefill_step().span_of(p, n) for n in (2, 4) for p in range(seq_len - n + 1)}
+    want = {(n, gives, ready._prefill_step().span_of(p, n)) for n in (2, 4) for gives in ("tokens", "cache")
+            for p in range(seq_len - n + 1)}  # fmt: skip
+    assert len(spans) > 1 and set(graphs) == want
+    ids = tokens(40, seed=2)
+    for e in (ready, cold):
+        e.prefill(ids[:37], 0)
+    got = ready.forward_rows(ids[37:], 37, [GREEDY] * 3, np.zeros(3))
+    assert {key for key in graphs if key[0] in (2, 4)} == want  # (the prompt's pass: bucket 64)
+    assert np.array_equal(got, cold.forward_rows(ids[37:], 37, [GREEDY] * 3, np.zeros(3)))
+
+
 def test_draft_tokens_go_into_the_rows_pass_on_the_device(tmp_path):
     """greedy_tokens: generate's greedy tokens, left on the device (and in their pinned copy once
     the event has passed); a rows pass with them as its tail gives the logits of a pass given the

@@ -614,15 +614,30 @@ class GpuEngine:
 
         return self._captured((("masked", params, logprobs, penalties), 0), record, 0, groups)
 
-    def prepare(self, sampling: SamplingParams, positions: range) -> None:
+    def prepare(self, sampling: SamplingParams, positions: range, rows: tuple[int, ...] = ()) -> None:
         """Compile (or load from the kernel cache, pycalm.gpu.kernel_cache) and capture the token
         steps of these positions now rather than in generate's first call, so a caller can tell
         the two costs apart (and, where worker processes fill the kernel cache, waits for the
-        multi-token forward's kernels too). Changes no state but what graph() does."""
+        multi-token forward's kernels too). Changes no state but what graph() does. rows: also
+        the rows passes (forward_rows) of these row counts at every attention span the positions
+        reach, greedy-sampled and keys-and-values-only (a speculative engine's checks, a draft
+        model's catch-ups); those write cache rows, so call it before a prompt."""
         for pos in sorted({self.span(p) - 1 for p in positions}):  # one position a span
             self.graph(sampling, pos)
         if self.multi_token:
             self._await_kernels("prefill")
+        if not rows or not self.multi_token or self.simple or not self.use_graph or self.config.n_experts:
+            return
+        prefill, seen = self._prefill_step(), set()
+        greedy = SamplingParams()
+        for n in sorted({next(b for b in ROW_BUCKETS if b >= m) for m in rows}):
+            for pos in positions:
+                key = (n, prefill.span_of(pos, n))
+                if key in seen or pos + n > self.seq_len:
+                    continue
+                seen.add(key)
+                self.forward_rows([0] * n, pos, [greedy] * n, np.zeros(n))  # captures the pass
+                self.forward_rows([0] * n, pos, cache_only=True)
 
     def _await_kernels(self, *groups: str) -> None:
         """Where worker processes compile this engine's kernels (pycalm.gpu.precompile): wait until
