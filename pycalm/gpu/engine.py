@@ -632,8 +632,10 @@ class GpuEngine:
         greedy = SamplingParams()
         for n in sorted({next(b for b in ROW_BUCKETS if b >= m) for m in rows}):
             for pos in positions:
+                if pos + n > self.seq_len:
+                    continue
                 key = (n, prefill.span_of(pos, n))
-                if key in seen or pos + n > self.seq_len:
+                if key in seen:
                     continue
                 seen.add(key)
                 self.forward_rows([0] * n, pos, [greedy] * n, np.zeros(n))  # captures the pass
