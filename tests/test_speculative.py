@@ -612,6 +612,28 @@ def test_draft_model_takes_the_prompt_with_the_target_and_steps_after_a_kept_pas
     assert draft.prefills == [(PROMPT[:-1], 0)]
 
 
+def test_a_pass_after_a_draft_models_catch_up_does_not_time_the_model(model, monkeypatch):
+    """A draft model whose cache lacks text before drafting (a probe after a stretch off) feeds it
+    first (Draft.caught_up); on the GPU that catch-up is enqueued and its time falls in the
+    pass's, so the loop gives AdaptiveK no wall time for that pass, and every other pass's."""
+    from pycalm.app.speculative import ModelDrafter
+
+    drafter = ModelDrafter(engine(model), model.config)
+    first = drafter.propose(PROMPT, 3)  # its cache empty: the prompt but the last token caught up
+    assert first.caught_up
+    kept = first.tokens[:1]
+    assert not drafter.propose([*PROMPT, *kept], 3).caught_up  # fed by its own steps
+    measured = replace(PassCosts.ratio(1.5, 0.1), measured=True)
+    spec = SpeculativeEngine(engine(model), drafter, SpeculationOptions(costs=measured))
+    seen = []
+    update = AdaptiveK.update
+    monkeypatch.setattr(AdaptiveK, "update", lambda self, *a: (seen.append(a[-1]), update(self, *a))[1])
+    spec.prefill(PROMPT[:-1], 0)
+    drafter.forget()  # its cache lost: the call's first pass catches up
+    list(spec.generate(PROMPT[-1:], len(PROMPT) - 1, 12, GREEDY))
+    assert len(seen) > 1 and seen[0] is None and all(t is not None and t > 0 for t in seen[1:])
+
+
 def test_a_draft_model_on_the_gpu_feeds_its_last_draft_beside_the_pass(model):
     """A draft model on the GPU (the simulator here) drafting for a target of its own weights:
     its step that feeds the last draft runs after the drafts' event (beside the pass), so after

@@ -308,7 +308,9 @@ class Draft:
     tokens: list[int]
     q: np.ndarray | None = None
     device: object = None
-    setup: float = 0.0  # seconds the drafter fed text its cache lacked, before drafting (not a pass's own)
+    # the drafter fed text its cache lacked before drafting (a draft model after a stretch off):
+    # on the GPU that catch-up is enqueued, not waited for, so its time falls in the pass's
+    caught_up: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens) if self.device is None else len(self.device.host)
@@ -462,7 +464,6 @@ class ModelDrafter:
             common += 1
         catch_up = context[common:-1]  # the text its cache lacks, but the last token
         fed = context[-1:]  # fed by the token steps that draft
-        t0 = time.perf_counter()
         if len(catch_up) == 1:  # after a pass that kept every draft: one more token step, not a pass
             fed = catch_up + fed
         elif len(catch_up) <= CATCH_UP_PASSES * ROWS_MOST:
@@ -472,13 +473,12 @@ class ModelDrafter:
                 e.prefill(catch_up[at : at + ROWS_MOST], common + at)
         else:
             e.prefill(catch_up, common)
-        setup = time.perf_counter() - t0 if len(catch_up) > 1 else 0.0
         k = min(k, e.seq_len - len(context) + 1)
         if k <= 0:
             self._cached = context[: len(context) - len(fed)]
             return Draft([])
         draft = self.draft(fed, len(context) - len(fed), k)
-        draft.setup = setup
+        draft.caught_up = len(catch_up) > 1
         if draft.device is None:
             self._cached = context + draft.tokens[:-1]
         else:  # (its tokens join _cached once they are read)
@@ -689,7 +689,9 @@ class SpeculativeEngine:
                     out = self._verify(
                         last, pos, draft, sampling, coins[produced : produced + len(draft) + 1]
                     )
-                    seconds = time.perf_counter() - t0 - draft.setup  # the pass's wall time
+                    # the pass's wall time; not one that holds a draft model's catch-up (a probe
+                    # after a stretch off): the costs model the passes between
+                    seconds = None if draft.caught_up else time.perf_counter() - t0
                     decay = getattr(self.drafter, "DECAY", DECAY)
                     adaptive.update(key, len(draft.tokens), len(out) - 1, decay, seconds)
                     given = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
