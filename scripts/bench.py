@@ -662,7 +662,7 @@ def bench_rows(shape: str, dtype: str, rows: list[int], both: bool, programmatic
             engine.forward_rows(ids, 128)  # compiles and captures the bucket's pass
             engine.forward_rows(ids, 128)
             bucket = next(b for b in ROWS if b >= n)
-            graph = prefill._rows_graphs[(bucket, False)]  # the logits-only pass
+            graph = prefill._rows_graphs[(bucket, "logits", prefill.span_of(128, bucket))]  # the logits pass
             s, e = cuda.event(timing=True), cuda.event(timing=True)
             s.record(engine.stream)
             for _ in range(20):
