@@ -103,7 +103,10 @@ def test_embed_rows_rejects_bad_input():
         embed_rows(x, cuda.to_device(np.zeros(2, np.int32)), x, "fp16", stream=0)
 
 
-@pytest.mark.parametrize("n_rows,dim", [(1, 40), (6, 100), (2, 300)] + ([(37, 4096), (3, 2048), (8, 1536), (2, 8200)] if GPU else []))
+@pytest.mark.parametrize(
+    "n_rows,dim",
+    [(1, 40), (6, 100), (2, 300)] + ([(37, 4096), (3, 2048), (8, 1536), (2, 8200)] if GPU else []),
+)
 def test_rmsnorm_rows(n_rows, dim):
     rng = np.random.default_rng(dim)
     x = (3 * rng.standard_normal((n_rows, dim))).astype(np.float32)
