@@ -100,39 +100,18 @@ def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: 
 @cuda.jit(cache=True)
 def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
     """Block t: out[t] = fp16(x[t] * rsqrt(mean(x[t]^2) + eps) * w). x (T, dim) float32, w (dim,)
-    float32, out (T, dim) float16. Thread i takes columns i, i + threads, ... NORM_UNROLL at a
-    time, their loads issued together (a round trip to L2 for NORM_UNROLL columns, not one a
-    column); its sum of squares adds them in column order. w's first columns are loaded before
-    the wait (weights are never written)."""
+    float32, out (T, dim) float16."""
+    dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(WARP, float32)  # block reduction
-    vals = cuda.local.array(NORM_UNROLL, float32)  # x's columns of one round
-    weights = cuda.local.array(NORM_UNROLL, float32)  # w's columns of the first round
-    t, tid, threads = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    t = cuda.blockIdx.x
     n = x.shape[1]
-    for j in range(NORM_UNROLL):
-        i = j * threads + tid
-        weights[j] = w[i] if i < n else float32(0.0)
-    dependent_start()  # in a programmatic graph: wait for the earlier kernels (x)
     ss = float32(0.0)
-    for c in range(0, n, NORM_UNROLL * threads):
-        for j in range(NORM_UNROLL):  # the round's loads, all in flight ...
-            i = c + j * threads + tid
-            vals[j] = x[t, i] if i < n else float32(0.0)
-        for j in range(NORM_UNROLL):  # ... then their squares, in column order
-            ss += vals[j] * vals[j]
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        ss += x[t, i] * x[t, i]
     ss = block_reduce_sum(ss, scratch)  # every thread gets the total (the call has barriers)
     r = float32(1.0) / math.sqrt(ss / float32(n) + eps)
-    for c in range(0, n, NORM_UNROLL * threads):
-        for j in range(NORM_UNROLL):
-            i = c + j * threads + tid
-            if i < n:
-                vals[j] = x[t, i]  # (from L1: this thread read it above)
-                if c > 0:
-                    weights[j] = w[i]
-        for j in range(NORM_UNROLL):
-            i = c + j * threads + tid
-            if i < n:
-                out[t, i] = fp16_encode(vals[j] * r * weights[j])
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        out[t, i] = fp16_encode(x[t, i] * r * w[i])
 
 
 # threads of an RMSNorm block: a row's loads are a chain of dim / threads dependent round trips
@@ -144,7 +123,6 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
 # (every batch-invariant pass) all take NORM_THREADS.
 NORM_THREADS = 32 if SIM else 1024
 NORM_WIDE_ROWS = 64
-NORM_UNROLL = 4  # columns a thread loads at once (1,024 threads: a row of 4,096 in one round)
 
 
 def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
