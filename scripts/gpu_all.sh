@@ -4,6 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
+#                           [prefill-musts]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -117,6 +118,12 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/kernels/prefill_attention.py --variants shipped,w2,k32,w2k32,w1,w1k32,w1k16 \
                  --rows 32,64 --pos0 $p0 2>&1 | tee -a "$out/kernels_rows_attention.log" | grep -A30 "=== summary"
              done ;;
+    prefill-musts)  # issue 34's Musts on the H200 (8B fp16 >= 26,000, q8 >= 16,000, q4 >= 13,000 tok/s
+             # at 2,048 tokens), then Mixtral fp16, the cell only an H200 holds
+             python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \
+               --split none 2>&1 | tee "$out/bench_prefill_musts.log" | tail -6
+             python3 scripts/bench.py --prefill --no-decode --shapes mixtral-8x7b --dtypes fp16 --lengths 2048 \
+               --split none 2>&1 | tee -a "$out/bench_prefill_musts.log" | tail -4 ;;
     mixtral-prefill)  # issue 34's "no shape slower": Mixtral-8x7B's prompt pass at 2,048 tokens in every
              # format, beside docs/BENCHMARKS.md's 2026-12-05 H200 row (fp16's 94 GB fit an H200 only)
              python3 scripts/bench.py --prefill --no-decode --shapes mixtral-8x7b --dtypes fp16,fp8,gf4,q8,q4 \
