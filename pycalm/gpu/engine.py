@@ -184,8 +184,8 @@ class EngineOptions:
 class DeviceTokens:
     """Tokens that a GpuEngine's enqueued steps write (greedy_tokens): `device` (n,) int32 on the
     GPU (a slice of the engine's feed) and `host` (n,) its pinned copy hold them once `event`
-    has passed; valid until the engine's steps or prompts reach those positions again. fed_last: a step after them caches the last one's keys and
-    values too."""
+    has passed; valid until the engine's steps or prompts reach those positions again.
+    fed_last: a step after them caches the last one's keys and values too."""
 
     device: object
     host: np.ndarray
@@ -859,8 +859,8 @@ class GpuEngine:
         """Enqueue generate(ids, start_pos, n, SamplingParams())'s token steps (ids fed at
         start_pos.., then n greedy tokens, 1 to 64), without its host round trips: each sampling
         step's advance writes its token into feed at its position, so the n tokens are a slice
-        of feed, copied into their pinned copy after the last step, and an event is recorded. Nothing waits for them: a draft model's
-        tokens go into the target's rows pass on the GPU (forward_rows' tail). No EOS stops
+        of feed, copied into their pinned copy after the last step, and an event is recorded.
+        Nothing waits for them: a draft model's tokens go into the target's rows pass on the GPU (forward_rows' tail). No EOS stops
         them. feed_last (where the context has room): one more step, after the event, feeds
         the n-th token, so that its keys and values are cached while what waits for the event
         runs (the target's pass: a draft model whose drafts are all kept then drafts on at

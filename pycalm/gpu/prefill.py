@@ -376,7 +376,7 @@ class Prefill:
         the prefill attention's tiles (no span) or has no split attention."""
         from pycalm.kernels.attention import attention_span
 
-        if not getattr(self, "split_rows", 0) or n_rows > self.split_rows:
+        if not self.split_rows or n_rows > self.split_rows:
             return None
         e = self.engine
         return attention_span(pos0 + n_rows - 1, e.att_scratch.chunk, e.seq_len)

@@ -147,6 +147,8 @@ class SimplePrefill(Prefill):
     a matmul (pycalm.kernels.simple.matmul) for each matvec; the rows' activations are rounded to
     fp16 where a matmul reads them. Prefill.run cuts the prompt into chunks and reads logits."""
 
+    split_rows = 0  # no split attention (span_of: no span): the simple attention reads every position
+
     def __init__(self, engine: object, max_chunk: int) -> None:
         cfg: ModelConfig = engine.config
         self.engine = engine
