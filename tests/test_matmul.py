@@ -112,14 +112,16 @@ def _test(mode, dtype, t_rows, n, k, tile=None, seed=0, group=32, scratch=None):
         _check_gate(got, x, w, w3, dtype)
 
 
-def _check_gate(got: np.ndarray, x: np.ndarray, w: object, w3: object, dtype: str) -> None:
-    """got, fp16 silu(X W^T) * (X W3^T), against matmul_gate_ref on the decoded weights."""
+def _check_gate(got: np.ndarray, x: np.ndarray, w: object, w3: object, dtype: str, scale=None) -> None:
+    """got, fp16 silu(X W^T) * (X W3^T), against matmul_gate_ref on the decoded weights (with
+    each row's scale, where given)."""
     wt, dt = _decoded(w, dtype)
     w3t, _ = _decoded(w3, dtype)
-    want = matmul_gate_ref(x, wt, w3t, dt)
+    want = matmul_gate_ref(x, wt, w3t, dt, scale=scale)
     assert got.dtype == np.float16 and np.all(np.isfinite(got))
-    a, b = matmul_ref(x, wt, dt), matmul_ref(x, w3t, dt)
-    da, db = RTOL * _sum_scale(x, w, dtype), RTOL * _sum_scale(x, w3, dtype)
+    a, b = matmul_ref(x, wt, dt, scale), matmul_ref(x, w3t, dt, scale)
+    s = 1.0 if scale is None else np.abs(scale)[:, None]
+    da, db = RTOL * _sum_scale(x, w, dtype) * s, RTOL * _sum_scale(x, w3, dtype) * s
     # one fp16 rounding of the result each side, and the sums' float32 error through the gate
     # (|silu'| <= 1.1, |silu(a)| <= |a| + 0.28), plus fp16's smallest subnormal
     tol = 2.0**-10 * np.abs(want) + 1.1 * np.abs(b) * da + (np.abs(a) + 0.28) * db + 2.0**-24
@@ -337,6 +339,95 @@ def test_skinny_adds_the_warps_sums_in_parts(mode):
         _check(got, matmul_residual_ref(x, w, "fp16", r0), _sum_scale(x, w, "fp16") + np.abs(r0))
     else:
         _check_gate(got, x, w, w3, "fp16")
+
+
+# the next RMSNorm folded into the residual products of a rows pass (skinny.NormFold), and the
+# products after it scaled: (dtype, T, N, K), N the next product's K (a whole number of its
+# units: fp16's 40 ends in half a 16-column tile), T in the first, second, fourth and eighth
+# n-tile, 2 or 3 blocks (the last one adds the slots)
+FOLD_CASES = [("fp16", 1, 40, 40), ("q8", 13, 48, 48), ("q4", 27, 96, 96), ("gf4", 41, 32, 96)]
+if GPU:
+    FOLD_CASES += [("fp16", 8, 4096, 4096), ("q4", 64, 1536, 8960)]
+
+
+def _fold(x, w, dtype, r0, norm_w, rho, eps=1e-5):
+    """skinny's residual launch with the next norm folded in: (out, xb, rms, scale), host copies."""
+    from pycalm.kernels.skinny import NormFold, slot_count
+
+    t_rows, n = r0.shape
+    d = {
+        name: cuda.to_device(np.full(shape, np.nan, np.float32))
+        for name, shape in (("rms", t_rows), ("scale", t_rows))
+    }
+    fold = NormFold(
+        w=cuda.to_device(norm_w), rho=cuda.to_device(rho), xb=cuda.to_device(np.full((t_rows, n), np.nan, np.float16)),
+        slots=cuda.to_device(np.full((t_rows, slot_count(n)), np.nan, np.float32)),
+        counter=cuda.to_device(np.zeros(1, np.int32)), rms=d["rms"], scale=d["scale"], eps=eps,
+    )  # fmt: skip
+    out = cuda.to_device(r0)
+    stream = cuda.default_stream()
+    skinny_matmul(cuda.to_device(x), to_device(w), out, dtype, stream=stream, mode="residual", fold=fold)
+    stream.synchronize()
+    assert fold.counter.copy_to_host()[0] == 0, "the last block resets the counter"
+    return out.copy_to_host(), fold.xb.copy_to_host(), fold.rms.copy_to_host(), fold.scale.copy_to_host()
+
+
+@pytest.mark.parametrize("dtype,t_rows,n,k", FOLD_CASES)
+def test_skinny_folds_the_next_norm(dtype, t_rows, n, k):
+    """The residual product with the next RMSNorm folded in: out as matmul_residual_ref's; xb
+    is fp16(out w rho) of that out, bit for bit; rms and scale = rms / rho as
+    matmul_residual_fold_ref's; a second launch gives the same bits (the counter is reset). Then
+    the next products, plain and gate, scaled by each row's scale: within the fp16 rounding of
+    xb of the products of rmsnorm(out) w, the unfolded pass's input."""
+    from pycalm.cpu.reference import matmul_residual_fold_ref, rmsnorm_rows_ref
+
+    rng = np.random.default_rng(11)
+    x, w = _inputs(rng, t_rows, n, k, dtype)
+    wt, dt = _decoded(w, dtype)
+    r0 = (rng.standard_normal((t_rows, n)) * np.exp(rng.uniform(-4, 4, (t_rows, 1)))).astype(np.float32)
+    norm_w = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    rho = np.exp(rng.uniform(-3, 3, t_rows)).astype(np.float32)  # (T,) the last norm's rms
+    out, xb, rms, scale = _fold(x, w, dtype, r0, norm_w, rho)
+    _check(out, matmul_residual_ref(x, wt, dt, r0), _sum_scale(x, w, dtype) + np.abs(r0))
+    assert np.array_equal(xb, formats.fp16_encode(out * norm_w * rho[:, None]))
+    _, _, want_rms, want_scale = matmul_residual_fold_ref(x, wt, dt, r0, norm_w, rho, 1e-5)
+    np.testing.assert_allclose(rms, want_rms, rtol=2e-5)
+    np.testing.assert_allclose(scale, want_scale, rtol=2e-5)
+    again = _fold(x, w, dtype, r0, norm_w, rho)
+    assert all(np.array_equal(a, b) for a, b in zip(again, (out, xb, rms, scale), strict=True))
+    # the next products of xb, scaled, against those of the unfolded input rmsnorm(out) w
+    k2 = SKINNY_K[dtype]
+    _, w2 = _inputs(rng, t_rows, k2, n, dtype)
+    _, w3 = _inputs(rng, t_rows, k2, n, dtype)
+    d_scale = cuda.to_device(scale)
+    stream = cuda.default_stream()
+    plain = cuda.to_device(np.full((t_rows, k2), np.nan, np.float32))
+    skinny_matmul(cuda.to_device(xb), to_device(w2), plain, dtype, stream=stream, scale=d_scale)
+    gate = cuda.to_device(np.full((t_rows, k2), np.nan, np.float16))
+    skinny_matmul(cuda.to_device(xb), to_device(w2), gate, dtype, stream=stream, mode="gate", w3=to_device(w3),
+                  scale=d_scale)  # fmt: skip
+    w2t, _ = _decoded(w2, dtype)
+    _check(plain.copy_to_host(), matmul_ref(xb, w2t, dt, scale), _sum_scale(xb, w2, dtype) * scale[:, None])
+    _check_gate(gate.copy_to_host(), xb, w2, w3, dtype, scale)
+    unfolded = matmul_ref(rmsnorm_rows_ref(out, norm_w, 1e-5), w2t, dt)  # xb's fp16 rounding apart
+    # both inputs' fp16 roundings (relative 2**-11 each; 2**-25 absolute where subnormal)
+    tiny = _sum_scale(np.full_like(xb, 2.0**-24), w2, dtype)
+    bound = ((2.0**-10 + 1e-5) * _sum_scale(xb, w2, dtype) + tiny) * scale[:, None]
+    assert np.all(np.abs(plain.copy_to_host() - unfolded) <= bound)
+
+
+def test_skinny_fold_rows_do_not_depend_on_the_pass():
+    """A row's folded outputs (out, xb, rms, scale) are the same bits alone and in a pass of 40:
+    its sums of squares take the same tiles and lanes in the same order."""
+    rng = np.random.default_rng(12)
+    x, w = _inputs(rng, 40, 37, 40, "fp16")
+    r0 = rng.standard_normal((40, 37)).astype(np.float32)  # (N = 37: a partial third tile)
+    norm_w = rng.uniform(0.5, 2.0, 37).astype(np.float32)
+    rho = np.exp(rng.uniform(-1, 1, 40)).astype(np.float32)
+    full = _fold(x, w, "fp16", r0, norm_w, rho)
+    for rows in (slice(3, 4), slice(27, 40)):
+        part = _fold(x[rows], w, "fp16", r0[rows], norm_w, rho[rows])
+        assert all(np.array_equal(p, f[rows]) for p, f in zip(part, full, strict=True)), rows
 
 
 def test_skinny_rejects_bad_shapes():

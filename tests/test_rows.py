@@ -123,6 +123,14 @@ def test_rmsnorm_rows(n_rows, dim):
     assert np.mean(got == want) > 0.95
     rows = np.stack([rmsnorm_ref(row, w, 1e-5) for row in x])
     np.testing.assert_allclose(want, rows, rtol=2.0**-11, atol=2.0**-24)  # the fp16 rounding only
+    # with rms: each row's rsqrt(mean(x^2) + eps) too (a folded norm's scale), and the same out
+    rms = cuda.to_device(np.full(n_rows, np.nan, np.float32))
+    out2 = cuda.to_device(np.full((n_rows, dim), np.nan, np.float16))
+    rmsnorm_rows(cuda.to_device(x), cuda.to_device(w), 1e-5, out2, stream=stream, rms=rms)
+    stream.synchronize()
+    assert np.array_equal(out2.copy_to_host().astype(np.float32), got)
+    want_rms = 1 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1) + 1e-5)
+    np.testing.assert_allclose(rms.copy_to_host(), want_rms, rtol=1e-5)
 
 
 QKV_CASES = [

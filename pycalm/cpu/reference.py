@@ -135,10 +135,11 @@ def ffn_gate_ref(w1: np.ndarray, w3: np.ndarray, x: np.ndarray, dtype: str) -> n
 # matrix products for T tokens (the multi-token forward; pycalm.kernels.matmul on the GPU)
 
 
-def matmul_ref(x: np.ndarray, w: np.ndarray, dtype: str) -> np.ndarray:
+def matmul_ref(x: np.ndarray, w: np.ndarray, dtype: str, scale: np.ndarray | None = None) -> np.ndarray:
     """Y = X W^T; x: (T, K) float16 (or float32) activations, w: stored (N, K) in `dtype` -> (T,
-    N) float32."""
-    return (x.astype(np.float32, copy=False) @ formats.decode(w, dtype).T).astype(np.float32, copy=False)
+    N) float32; scale (T,): row t of Y times scale[t] (X written by matmul_residual_fold_ref)."""
+    y = (x.astype(np.float32, copy=False) @ formats.decode(w, dtype).T).astype(np.float32, copy=False)
+    return y if scale is None else (y * scale[:, None].astype(np.float32)).astype(np.float32)
 
 
 def matmul_residual_ref(x: np.ndarray, w: np.ndarray, dtype: str, residual: np.ndarray) -> np.ndarray:
@@ -146,12 +147,39 @@ def matmul_residual_ref(x: np.ndarray, w: np.ndarray, dtype: str, residual: np.n
     return (residual + matmul_ref(x, w, dtype)).astype(np.float32)
 
 
+def matmul_residual_fold_ref(
+    x: np.ndarray,
+    w: np.ndarray,
+    dtype: str,
+    residual: np.ndarray,
+    norm_w: np.ndarray,
+    rho: np.ndarray,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """matmul_residual_ref with the next RMSNorm folded in (the rows pass's wo and w2): y =
+    residual + X W^T (T, N) float32; rms (T,) = rsqrt(mean(y^2) + eps); xb = fp16(y norm_w rho)
+    (T, N), y at the scale rho (T,) of the last norm; scale = rms / rho (T,). The next product's
+    matmul_ref(xb, W', scale) is matmul_ref(rmsnorm_rows_ref(y, norm_w), W') up to the fp16
+    rounding of xb. -> (y, xb, rms, scale)."""
+    y = matmul_residual_ref(x, w, dtype, residual)
+    ms = np.mean(y.astype(np.float64) ** 2, axis=1)  # (T,)
+    rms = (1.0 / np.sqrt(ms + eps)).astype(np.float32)
+    rho = rho.astype(np.float32)
+    xb = formats.fp16_encode(y * norm_w.astype(np.float32) * rho[:, None])
+    return y, xb, rms, (rms / rho).astype(np.float32)
+
+
 def matmul_gate_ref(
-    x: np.ndarray, w1: np.ndarray, w3: np.ndarray, dtype: str, fp16: bool = True
+    x: np.ndarray,
+    w1: np.ndarray,
+    w3: np.ndarray,
+    dtype: str,
+    fp16: bool = True,
+    scale: np.ndarray | None = None,
 ) -> np.ndarray:
     """silu(X W1^T) * (X W3^T) -> (T, hidden_dim) float16 (w2's activations), saturating;
-    fp16=False: float32 (the CPU engine's)."""
-    h = silu_ref(matmul_ref(x, w1, dtype)) * matmul_ref(x, w3, dtype)  # (T, hidden_dim) float32
+    fp16=False: float32 (the CPU engine's); scale as matmul_ref's, on both products."""
+    h = silu_ref(matmul_ref(x, w1, dtype, scale)) * matmul_ref(x, w3, dtype, scale)  # (T, hidden_dim) float32
     return formats.fp16_encode(h) if fp16 else h
 
 

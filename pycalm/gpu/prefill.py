@@ -17,10 +17,14 @@ A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, 
 batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
 replayed: the token ids come from a device buffer and the position from state, so nothing in
 the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
-SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel (pycalm.kernels.attention)
-up to SPLIT_ATTENTION_ROWS rows. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are padding
-(token 0) that write cache rows past the last real one, which the next pass rewrites before any
-row reads them (a row attends only to positions up to its own).
+SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel
+(pycalm.kernels.attention) up to SPLIT_ATTENTION_ROWS rows. Where skinny's products take every
+matrix, a pass folds each RMSNorm but its first into the residual product before it
+(skinny.NormFold: wo writes the FFN norm's input, w2 the next layer's attention norm's, and the
+product after each scales its rows' sums): a layer is then six launches, the token step's five
+and the QKV epilogue. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are
+padding (token 0) that write cache rows past the last real one, which the next pass rewrites
+before any row reads them (a row attends only to positions up to its own).
 
 The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs are written in
 fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
@@ -49,6 +53,7 @@ from pycalm.errors import PycalmError
 from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.rows import ExpertRows, Pages, RowRoutes
+from pycalm.kernels.skinny import NormFold, slot_count
 from pycalm.model.config import ModelConfig
 
 LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at most this much
@@ -67,6 +72,8 @@ SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
 SPLIT_ATTENTION_ROWS = 16
 # the row counts a rows pass is captured for: a pass of n rows replays the smallest that holds n
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# the most rows whose RMSNorms fold into skinny's residual products (Prefill.folds)
+FOLD_ROWS = ROW_BUCKETS[-1]
 
 
 def unsupported(cfg: ModelConfig) -> str | None:
@@ -94,6 +101,11 @@ class RowBuffers:
     h: object  # (rows, hidden_dim) float16, silu(W1 xb) * (W3 xb): w2's input; MoE: (rows k,
     # hidden_dim), slot t k + j for row t's j-th expert (k = n_experts_active)
     logits: object  # (logit_rows, vocab_size) float32, a block of rows of logits
+    # the RMSNorms folded into the residual products of a pass of up to 64 rows (Prefill.folds):
+    rms: object  # (2, 64) float32, each row's rsqrt(mean(x^2) + eps) at the attention norm, the FFN norm
+    scale: object  # (64,) float32, the factor of each row's sums in the product after a fold
+    slots: object  # (64, ceil(dim / 16)) float32, the folds' sums of squares a 16-column tile
+    counter: object  # (1,) int32, the folds' count of blocks done (zero between launches)
     # MoE only (None otherwise):
     routes: RowRoutes | None = None  # .ids, .weights (rows, k): each row's experts
     group_count: object = None  # (n_experts,) int32: rows an expert got
@@ -118,6 +130,7 @@ class RowBuffers:
                 group_w=empty(cfg.n_experts * rows, np.float32),
                 y=empty((rows * slots, cfg.dim), np.float32),
             )
+        fold_rows = min(rows, FOLD_ROWS)
         return cls(
             x=empty((rows, cfg.dim), np.float32),
             xb=empty((rows, cfg.dim), np.float16),
@@ -126,6 +139,10 @@ class RowBuffers:
             att=empty((rows, cfg.q_dim), np.float16),
             h=empty((rows * slots, cfg.hidden_dim), np.float16),
             logits=empty((logit_rows, cfg.vocab_size), np.float32),
+            rms=empty((2, fold_rows), np.float32),
+            scale=empty(fold_rows, np.float32),
+            slots=empty((fold_rows, slot_count(cfg.dim)), np.float32),
+            counter=cuda.to_device(np.zeros(1, np.int32), stream=stream),
             **moe,
         )
 
@@ -141,7 +158,8 @@ class RowBuffers:
         if cfg.n_experts:  # routes, group counts, rows and weights, the experts' outputs
             moe = rows * slots * (i32 + f32) + cfg.n_experts * i32 + cfg.n_experts * rows * (i32 + f32)
             moe += rows * slots * cfg.dim * f32
-        return rows * per_row + logit_rows * cfg.vocab_size * f32 + moe
+        fold = min(rows, FOLD_ROWS) * (3 + slot_count(cfg.dim)) * f32 + i32  # rms, scale, slots; counter
+        return rows * per_row + logit_rows * cfg.vocab_size * f32 + fold + moe
 
     def first(self, n: int) -> RowBuffers:
         """Views of the first n rows (the logits block stays whole)."""
@@ -158,8 +176,17 @@ class RowBuffers:
             )
         return RowBuffers(
             self.x[:n], self.xb[:n], self.qkv[:n], self.q[:n], self.att[:n], self.h[: n * slots], self.logits,
-            **moe,
+            self.rms[:, :n], self.scale[:n], self.slots[:n], self.counter, **moe,
         )  # fmt: skip
+
+    def fold(self, w: object, after: int, eps: float) -> NormFold:
+        """The next RMSNorm (weights w) folded into a residual product: the norm `after` (0 the
+        attention's, 1 the FFN's) gives the scale xb is written at, the other's rms is written."""
+        from pycalm.kernels.skinny import NormFold
+
+        return NormFold(
+            w, self.rms[after], self.xb, self.slots, self.counter, self.rms[1 - after], self.scale, eps
+        )
 
     @property
     def experts(self) -> ExpertRows:
@@ -268,6 +295,7 @@ class Prefill:
         from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 
         def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
+            kwargs = {k: v for k, v in kwargs.items() if v is not None}  # (scale, fold: skinny's alone)
             if n_rows <= self.skinny_rows[dtype]:
                 launch = skinny_matmul
             elif not self.invariant and takes(n_rows, x.shape[1], dtype):
@@ -277,6 +305,17 @@ class Prefill:
             launch(x, w, out, dtype, **kwargs)
 
         return product
+
+    def folds(self, n_rows: int) -> bool:
+        """Whether a pass of n_rows folds each RMSNorm but the first into the residual product
+        before it (skinny.NormFold; the product after it scaled): where skinny's products take
+        every matrix of the pass, and the FFN is dense."""
+        e = self.engine
+        return (
+            n_rows <= FOLD_ROWS
+            and not e.config.n_experts
+            and all(n_rows <= self.skinny_rows[dt] for L in e.layers for dt in L.dtypes.values())
+        )
 
     def tiled(self, *args: object, **kwargs: object) -> None:
         """pycalm.kernels.matmul.matmul, K split over blocks where its tiles leave SMs idle."""
@@ -318,16 +357,22 @@ class Prefill:
         e, b = self.engine, self._rows(n_rows)
         cfg, eps, s = e.config, e.config.norm_eps, e.stream
         matmul = self.products(n_rows)  # skinny_matmul for a few rows, else the tiled one
+        fold = self.folds(n_rows)  # each RMSNorm but the first folded into the residual product before it
         experts = b.experts if cfg.n_experts else None  # MoE: the group lists of n_rows rows
         ids = e.feed[pos0 : pos0 + n_rows] if tokens is None else tokens
         # x[t] = the embedding row of the token at position pos0 + t
         embed_rows(e.tok_embeddings, ids, b.x, e.embed_dtype, stream=s)
-        for L, cache in zip(e.layers, e.kv_caches if pools is None else pools, strict=True):
+        caches = e.kv_caches if pools is None else pools
+        for i, (L, cache) in enumerate(zip(e.layers, caches, strict=True)):
             dt = L.dtypes  # each matrix's format
-            # xb = rmsnorm(x) * attn_norm, fp16
-            rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s)
-            # qkv = xb Wqkv^T
-            matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s)
+            after = (
+                e.layers[i + 1] if i + 1 < len(e.layers) else None
+            )  # (the classifier's norm: classify_rows)
+            if not fold or i == 0:
+                # xb = rmsnorm(x) * attn_norm, fp16 (folding: rms[0] = each row's rsqrt, the scale wo writes at)
+                rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s, rms=b.rms[0] if fold else None)
+            # qkv = xb Wqkv^T (past a fold: times each row's scale, xb = x attn_norm at the FFN norm's rms)
+            matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s, scale=b.scale if fold and i else None)
             if pages is not None:  # rows of many sequences, each in its own pages
                 # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
                 qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
@@ -348,10 +393,19 @@ class Prefill:
                               split=self.fixed_split)  # fmt: skip
                 else:  # a block a kv head and 64 rows, on the tensor cores
                     prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
-            # x += att Wo^T
-            matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual")
-            # xb = rmsnorm(x) * ffn_norm, fp16
-            rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
+            # x += att Wo^T (folding: xb = x ffn_norm at the attention norm's rms, rms[1], scale)
+            matmul(
+                b.att,
+                L.wo,
+                b.x,
+                dt["wo"],
+                stream=s,
+                mode="residual",
+                fold=b.fold(L.ffn_norm, 0, eps) if fold else None,
+            )
+            if not fold:
+                # xb = rmsnorm(x) * ffn_norm, fp16
+                rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
             if cfg.n_experts:
                 # routes = each row's top n_experts_active experts of Wg rmsnorm(x) * ffn_norm,
                 # and the softmax of their logits
@@ -365,10 +419,13 @@ class Prefill:
                 # x[t] += sum over j of weights[t, j] y[t k + j]
                 moe_combine_rows(b.y, b.routes, b.x, stream=s)
             else:
-                # h = silu(xb W1^T) * (xb W3^T), fp16
-                matmul(b.xb, L.w1, b.h, dt["w1"], stream=s, mode="gate", w3=L.w3)
-                # x += h W2^T
-                matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual")
+                # h = silu(xb W1^T) * (xb W3^T), fp16 (folded: each row's sums times its scale)
+                matmul(
+                    b.xb, L.w1, b.h, dt["w1"], stream=s, mode="gate", w3=L.w3, scale=b.scale if fold else None
+                )
+                # x += h W2^T (folding: xb = x attn_norm of the next layer at the FFN norm's rms, rms[0], scale)
+                next_norm = b.fold(after.attn_norm, 1, eps) if fold and after else None
+                matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual", fold=next_norm)
 
     def span_of(self, pos0: int, n_rows: int) -> int | None:
         """The attention span of a pass of n_rows rows from pos0 (that of its last row's position,

@@ -98,9 +98,9 @@ def embed_rows(table: object, tokens: object, x: object, dtype: str, *, stream: 
 
 
 @cuda.jit(cache=True)
-def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
+def rmsnorm_rows_kernel(x, w, eps, out, rms, write_rms):  # noqa: ANN001, ANN201
     """Block t: out[t] = fp16(x[t] * rsqrt(mean(x[t]^2) + eps) * w). x (T, dim) float32, w (dim,)
-    float32, out (T, dim) float16."""
+    float32, out (T, dim) float16; where write_rms, rms[t] = that rsqrt (rms (T,) float32)."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     scratch = cuda.shared.array(WARP, float32)  # block reduction
     t = cuda.blockIdx.x
@@ -110,6 +110,8 @@ def rmsnorm_rows_kernel(x, w, eps, out):  # noqa: ANN001, ANN201
         ss += x[t, i] * x[t, i]
     ss = block_reduce_sum(ss, scratch)  # every thread gets the total (the call has barriers)
     r = float32(1.0) / math.sqrt(ss / float32(n) + eps)
+    if write_rms and cuda.threadIdx.x == 0:
+        rms[t] = r
     for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
         out[t, i] = fp16_encode(x[t, i] * r * w[i])
 
@@ -125,13 +127,19 @@ NORM_THREADS = 32 if SIM else 1024
 NORM_WIDE_ROWS = 64
 
 
-def rmsnorm_rows(x: object, w: object, eps: float, out: object, *, stream: object) -> None:
-    """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32.
-    Reference: pycalm.cpu.reference.rmsnorm_rows_ref."""
+def rmsnorm_rows(
+    x: object, w: object, eps: float, out: object, *, stream: object, rms: object = None
+) -> None:
+    """out (T, dim) float16 = rmsnorm of each row of x (T, dim) float32, times w (dim,) float32;
+    rms (T,) float32, where given: each row's rsqrt(mean(x^2) + eps) (the scale a folded norm
+    after it takes: pycalm.kernels.skinny.NormFold). Reference: pycalm.cpu.reference.rmsnorm_rows_ref."""
     if out.shape != x.shape:
         raise PycalmError(f"rmsnorm_rows: out {out.shape} is not x's {x.shape}")
     threads = NORM_THREADS if x.shape[0] <= NORM_WIDE_ROWS else THREADS
-    rmsnorm_rows_kernel[x.shape[0], threads, stream](x, w, float32(eps), out)
+    write_rms = rms is not None
+    rmsnorm_rows_kernel[x.shape[0], threads, stream](
+        x, w, float32(eps), out, rms if write_rms else w, write_rms
+    )
 
 
 # ---------------------------------------------------------------------------------------------

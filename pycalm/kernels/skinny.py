@@ -55,6 +55,22 @@ ceil(T / 8) mma tiles along the tokens, a compile-time size: the kernel is compi
 8 (passes of 8, 16, 32 and 64 rows); the tokens past T are columns of B and C whose sums are never
 stored (load_x).
 
+The RMSNorm folded in (a rows pass of up to 64 rows: pycalm.gpu.prefill's Prefill.folds). The
+norm before qkv and before the gate, xb = fp16(x rsqrt(mean(x^2) + eps) w), needs each row's
+whole x, which the residual product before it (wo, w2) writes a 16-column tile a block. FOLD
+(RESIDUAL): besides out = y = x + X W^T, the epilogue writes xb = fp16(y w rho), the next norm's
+input at the scale rho (T,) of the norm before it (y's rms moves little from one norm to the
+next, so the values stay as far from fp16's limits as rmsnorm's), and each row's sum of y^2 over
+each of its 16-column tiles, in column order, into slots (T, ceil(N / 16)). The block that
+finishes last (an atomic counter, reset by it; its threadfence orders the slots before the
+count) adds each row's slots, a warp a row (lane l slots l, l + 32, ... in order, then the xor
+butterfly), into rms = rsqrt(sum / N + eps) and scale = rms / rho. SCALED (PLAIN, GATE): each
+row's sums times scale[row] before the epilogue, so the next product gives (xb W^T) scale, the
+unfolded pass's rmsnorm(y) w W^T up to xb's fp16 rounding. A pass thus runs no RMSNorm launch
+but its first; the slots cost T N / 4 bytes written and read, the last block's adds T N / 16.
+References: pycalm.cpu.reference.matmul_residual_fold_ref, and matmul_ref's and
+matmul_gate_ref's scale.
+
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
 pass, so a row's outputs are the same bits in every pass of up to 64 rows. They are not matmul's
@@ -69,6 +85,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
@@ -83,11 +100,13 @@ from pycalm.kernels.common import (
     prmt,
     q4_pair,
     q8_pairs,
+    warp_reduce_sum,
 )
 from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, weight_args
 from pycalm.kernels.tensorcore import ldg128w, mma_16816
 
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
+NO_NORM, SCALED, FOLD = 0, 1, 2  # a kernel's RMSNorm part: none, its rows' scale, the next norm folded in
 UNIT = {"fp16": 8, "fp8": 16, "q8": 16, "gf4": 32, "q4": 32}  # E: weights in a lane's 16-byte load
 # elements of the stored array a unit's start moves by a column: fp16 is read as uint32 words
 # (two halves), gf4 and q4 are uint32 words of 8 weights
@@ -188,11 +207,14 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     min_blocks: int = 0,
     row_tiles: int = 1,
     x_words: int = 0,
+    norm: int = NO_NORM,
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
     a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
     to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
-    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD)."""
+    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); norm: NO_NORM,
+    SCALED (PLAIN, GATE: the sums times a row's scale) or FOLD (RESIDUAL: the next RMSNorm's
+    input, sums of squares and scale, see the module docstring)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -203,8 +225,11 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     # the warps' sums of an A tile meet in shared memory in RED_PARTS parts of RED_ACC accumulators
     # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
     # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
+    scaled, fold = norm == SCALED, norm == FOLD
+    T_MAX = 8 * n_tiles  # tokens a pass of n_tiles holds
+    SQ_WORDS = MT * T_MAX * 16 if fold else 1  # FOLD: the squares of the block's outputs
     RED_PARTS = 1
-    while warps * (ACC1 // RED_PARTS) * 32 * 4 > 48 * 1024:
+    while warps * (ACC1 // RED_PARTS) * 32 * 4 + 4 * SQ_WORDS > 48 * 1024:
         RED_PARTS *= 2
     RED_ACC = ACC1 // RED_PARTS
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
@@ -332,11 +357,51 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                             )  # fmt: skip
 
     @cuda.jit(device=True, inline=True)
-    def block_product(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202, C901
+    def fold_norm(sq, last, tile0, t_rows, n_cols, rho, slots, counter, rms, scale, eps):  # noqa: ANN001, ANN202
+        """FOLD's end: each row's sum of squares over each of the block's 16-column tiles, in
+        column order, into its slot; the block that finishes last adds each row's slots (a lane
+        slots lane, lane + 32, ... in order, then the butterfly) into rms = rsqrt(mean(y^2) +
+        eps) and scale = rms / rho, and resets the counter."""
+        tid = cuda.threadIdx.x
+        cuda.syncthreads()  # every output's square is in sq
+        for e in range(tid, MT * T_MAX, 32 * warps):  # (A tile, row)
+            tile, token = tile0 + e // T_MAX, e % T_MAX
+            if token < t_rows and tile < slots.shape[1]:
+                total = float32(0.0)
+                for c in range(16):
+                    total += sq[e * 16 + c]
+                slots[token, tile] = total
+        cuda.threadfence()  # this thread's slots reach L2 before the count says so
+        cuda.syncthreads()  # every thread's slots are fenced before thread 0 counts the block
+        if tid == 0:
+            last[0] = cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1
+        cuda.syncthreads()  # last[0] is visible to the block
+        if last[0] == 0:
+            return  # block-uniform, after the last barrier
+        cuda.threadfence()  # the other blocks' slots are read after their count
+        warp, lane = tid // 32, tid % 32
+        for token in range(warp, t_rows, warps):  # a warp a row
+            total = float32(0.0)
+            for i in range(lane, slots.shape[1], 32):
+                total += slots[token, i]
+            total = warp_reduce_sum(total)
+            if lane == 0:
+                r = float32(1.0) / math.sqrt(total / float32(n_cols) + eps)
+                rms[token] = r
+                scale[token] = r / rho[token]
+        if tid == 0:
+            counter[0] = 0  # for the next launch
+
+    @cuda.jit(device=True, inline=True)
+    def block_product(x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps):  # noqa: ANN001, ANN202, C901
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
-        scales of W1 and W3 (unread otherwise)."""
+        scales of W1 and W3 (unread otherwise). SCALED: scale (T,), each row's factor; FOLD: nw
+        (N,) the next norm's weights, rho (T,), and x_next (T, N) fp16, slots (T, ceil(N / 16)),
+        rms (T,) and scale written (counter (1,) int32: zero between launches)."""
         # (warps, RED_ACC, 32) each warp's sums of a part of an A tile, lane-major
         red = cuda.shared.array((warps, RED_ACC, 32), float32)
+        sq = cuda.shared.array(SQ_WORDS, float32)  # FOLD: (MT, T_MAX, 16) the outputs' squares
+        last = cuda.shared.array(1, int32)  # FOLD: 1 in the block that counts itself last
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
@@ -349,6 +414,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             xb[i] = int32(0)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
+        if fold:
+            for i in range(tid, SQ_WORDS, 32 * warps):  # (a square past N or T stays zero)
+                sq[i] = float32(0.0)
         g, t = lane >> 2, lane & 3
         n_rows = w1.shape[0]
         t_rows, k_cols = x.shape[0], x.shape[1] * 2  # x: (T, K / 2) words
@@ -398,16 +466,28 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                             if q8:
                                 s *= s1[col]
                                 h3 *= s3[col]
+                            if scaled:
+                                s *= scale[token]
+                                h3 *= scale[token]
                             out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
                 else:
-                    col = (tile0 + m) * 16 + (ln >> 2) + 8 * (r >> 1)
+                    c16 = (ln >> 2) + 8 * (r >> 1)  # the column in the tile
+                    col = (tile0 + m) * 16 + c16
                     if token < t_rows and col < n_cols:
                         if q8:
                             s *= s1[col]
+                        if scaled:
+                            s *= scale[token]
                         if residual:
-                            out[token, col] += s
+                            y = out[token, col] + s
+                            out[token, col] = y
+                            if fold:  # the next norm's input at the last one's scale, and y^2
+                                x_next[token, col] = fp16_encode(y * nw[col] * rho[token])
+                                sq[(m * T_MAX + token) * 16 + c16] = y * y
                         else:
                             out[token, col] = s
+        if fold:
+            fold_norm(sq, last, tile0, t_rows, n_cols, rho, slots, counter, rms, scale, eps)
 
     # blocks of 16 warps take launch bounds: the compiler then keeps a thread within the 128
     # registers such a block may have of an SM's 65,536 (q4 at 32 rows: 105, against 134 unbounded,
@@ -419,12 +499,31 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         bounds = {"launch_bounds": (threads,)} if threads > 256 else {}
     jit = cuda.jit if SIM else cuda.jit(cache=True, **bounds)
 
-    if q8 or q4:
+    # the norm's arrays of a kernel that takes none are never read (its branches are pruned at
+    # compile time): out stands in for them
+    if fold:
+
+        @jit
+        def skinny_kernel(x, w1, s1, w3, s3, out, nw, rho, x_next, slots, counter, rms, scale, eps):  # noqa: ANN001, ANN202
+            """RESIDUAL with the next RMSNorm folded in: out += X W^T; x_next = fp16(out nw rho);
+            rms, scale = rms / rho (pycalm.cpu.reference.matmul_residual_fold_ref). s1, s3: q8 /
+            q4 scales (else W1, W3 again: unread)."""
+            block_product(x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps)
+
+    elif scaled:
+
+        @jit
+        def skinny_kernel(x, w1, s1, w3, s3, out, scale):  # noqa: ANN001, ANN202
+            """PLAIN or GATE with each row's sums times scale[row] (matmul_ref's and
+            matmul_gate_ref's scale). s1, s3 as above."""
+            block_product(x, w1, s1, w3, s3, out, scale, out, out, out, out, out, out, float32(0.0))
+
+    elif q8 or q4:
 
         @jit
         def skinny_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
             """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
-            block_product(x, w1, s1, w3, s3, out)
+            block_product(x, w1, s1, w3, s3, out, out, out, out, out, out, out, out, float32(0.0))
 
     else:
 
@@ -433,7 +532,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             """out (T, N) (=, +=, gate) X (T, K) fp16 (as (T, K / 2) words) times W (N, K)^T
             stored; see the module docstring. Must match pycalm.cpu.reference.matmul_ref /
             matmul_residual_ref / matmul_gate_ref."""
-            block_product(x, w1, w1, w3, w3, out)  # no scales: unread
+            block_product(
+                x, w1, w1, w3, w3, out, out, out, out, out, out, out, out, float32(0.0)
+            )  # no scales
 
     return skinny_kernel
 
@@ -450,23 +551,67 @@ def stored_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:
     return args
 
 
+@dataclass(frozen=True)
+class NormFold:
+    """The next RMSNorm folded into a RESIDUAL launch (FOLD): its weights, and the arrays the
+    launch reads and writes (pycalm.gpu.prefill.RowBuffers holds them)."""
+
+    w: object  # (N,) float32, the next norm's weights
+    rho: object  # (T,) float32, read: the scale xb is written at (the last norm's rms)
+    xb: object  # (T, N) float16, written: fp16(out * w * rho), the next product's X
+    slots: object  # (T, ceil(N / 16)) float32 scratch: each 16-column tile's sum of squares
+    counter: object  # (1,) int32, zero between launches
+    rms: object  # (T,) float32, written: rsqrt(mean(out^2) + eps)
+    scale: object  # (T,) float32, written: rms / rho, the next product's factor (skinny_matmul's scale)
+    eps: float
+
+
+def slot_count(n_cols: int) -> int:
+    """NormFold.slots' columns for a residual stream of n_cols columns: a 16-column tile each."""
+    return (n_cols + 15) // 16
+
+
 def skinny_matmul(
-    x: object, w: object, out: object, dtype: str, *, stream: object, mode: str = "plain", w3: object = None
+    x: object,
+    w: object,
+    out: object,
+    dtype: str,
+    *,
+    stream: object,
+    mode: str = "plain",
+    w3: object = None,
+    scale: object = None,
+    fold: NormFold | None = None,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= MAX_ROWS and K a
-    multiple of UNIT[dtype] (fits)."""
+    multiple of UNIT[dtype] (fits). scale (T,) float32 ("plain", "gate"): each row's sums times
+    it; fold ("residual"): the next RMSNorm folded in (NormFold)."""
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if not fits(dtype, k_cols):
         raise PycalmError(
             f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
+    if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
+        raise PycalmError(
+            f"the skinny matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
+        )
+    norm = FOLD if fold is not None else SCALED if scale is not None else NO_NORM
     warps = warps_for(k_cols, dtype)
     n_tiles = n_tiles_for(t_rows)
     row_tiles = row_tiles_for(dtype, n_tiles)
     x_words = x_words_for(dtype, n_tiles)
-    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles, x_words)
+    kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm)
     args = stored_args(w, w3, dtype, k_cols)
+    if norm != NO_NORM and len(args) == 2:  # the norm kernels take scales' places in every format
+        args = (args[0], args[0], args[1], args[1])
     grid = blocks_for(out.shape[1], mode, row_tiles)
-    kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)
+    if fold is not None:
+        f = fold
+        norm_args = (f.w, f.rho, f.xb, f.slots, f.counter, f.rms, f.scale, np.float32(f.eps))
+        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out, *norm_args)
+    elif scale is not None:
+        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out, scale)
+    else:
+        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)
