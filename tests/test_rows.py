@@ -284,6 +284,57 @@ def test_rope_rows_ref_is_rope_ref_row_by_row():
     np.testing.assert_array_equal(got, np.stack([rope_ref(x[t], 9 + t, freqs, 8) for t in range(4)]))
 
 
+# (weights, KV dtype, bias, rows, scaled): 3 query heads and 1 kv head of 12 (qkv 60 columns: a
+# partial last 16-row tile of Wqkv, rotary pairs 0..3 of each head's 6), K = 96
+SKINNY_QKV_CASES = [
+    ("fp16", "fp16", True, 3, False),
+    ("q8", "fp8", False, 13, True),
+    ("q4", "fp16", True, 27, True),
+]
+if GPU:
+    SKINNY_QKV_CASES += [("fp16", "fp8", True, 8, True), ("q4", "fp16", False, 64, True)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,bias,n_rows,scaled", SKINNY_QKV_CASES)
+def test_skinny_qkv_is_skinny_then_qkv_rows(dtype, kv_dtype, bias, n_rows, scaled):
+    """skinny_qkv (the QKV product with qkv_rows's epilogue in its own) writes q and the cache
+    rows bit for bit as skinny_matmul into qkv, then qkv_rows, do: the same sums, the same pair
+    arithmetic."""
+    from device_weights import to_device
+
+    from pycalm.kernels.skinny import skinny_matmul, skinny_qkv
+
+    n_heads, n_kv_heads, head_dim, dim, pos0 = 3, 1, 12, 96, 5
+    cfg = config(n_heads, n_kv_heads, head_dim)
+    q_dim, kv_dim, cols = cfg.q_dim, cfg.kv_dim, cfg.qkv_dim
+    rng = np.random.default_rng(n_rows)
+    x = formats.fp16_encode(rng.standard_normal((n_rows, dim)) * 0.5)
+    w = to_device(formats.encode(rng.standard_normal((cols, dim)).astype(np.float32), dtype))
+    layer = Layer(bqkv=cuda.to_device(rng.standard_normal(cols).astype(np.float32)) if bias else None)
+    freqs = cuda.to_device((1.0 / 10000.0 ** (np.arange(4) / 4)).astype(np.float32))
+    scale = cuda.to_device(np.exp(rng.uniform(-1, 1, n_rows)).astype(np.float32)) if scaled else None
+    seq_len = pos0 + n_rows + 2
+    sentinel = np.float16(1.0) if kv_dtype == "fp16" else np.uint8(0x55)
+    stream = cuda.stream()
+    outs = []
+    for fused in (False, True):
+        q = cuda.to_device(np.full((n_rows, q_dim), np.nan, np.float32))
+        cache = KVCache(*(cuda.to_device(np.full((seq_len, kv_dim), sentinel)) for _ in range(2)), kv_dtype)
+        if fused:
+            skinny_qkv(cuda.to_device(x), w, dtype, layer, freqs, _state(pos0), q, cache, cfg, stream=stream,
+                       scale=scale)  # fmt: skip
+        else:
+            qkv = cuda.to_device(np.full((n_rows, cols), np.nan, np.float32))
+            skinny_matmul(cuda.to_device(x), w, qkv, dtype, stream=stream, scale=scale)
+            qkv_rows(qkv, layer, freqs, _state(pos0), q, cache, cfg, stream=stream)
+        stream.synchronize()
+        outs.append([q.copy_to_host().view(np.uint32), cache.k.copy_to_host().view(np.uint8),
+                     cache.v.copy_to_host().view(np.uint8)])  # fmt: skip
+    assert np.all(np.isfinite(outs[0][0].view(np.float32)))
+    for got, want, name in zip(outs[1], outs[0], ("q", "k", "v"), strict=True):
+        assert np.array_equal(got, want), name
+
+
 def test_qkv_rows_rejects_bad_shapes():
     qkv = cuda.to_device(np.zeros((2, 30), np.float32))
     q = cuda.to_device(np.zeros((2, 16), np.float32))

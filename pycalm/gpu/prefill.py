@@ -353,6 +353,7 @@ class Prefill:
             qkv_rows,
             rmsnorm_rows,
         )
+        from pycalm.kernels.skinny import skinny_qkv
 
         e, b = self.engine, self._rows(n_rows)
         cfg, eps, s = e.config, e.config.norm_eps, e.stream
@@ -365,44 +366,41 @@ class Prefill:
         caches = e.kv_caches if pools is None else pools
         for i, (L, cache) in enumerate(zip(e.layers, caches, strict=True)):
             dt = L.dtypes  # each matrix's format
-            after = (
-                e.layers[i + 1] if i + 1 < len(e.layers) else None
-            )  # (the classifier's norm: classify_rows)
+            scale = b.scale if fold and i else None  # past a fold: xb is x attn_norm at the FFN norm's rms
             if not fold or i == 0:
                 # xb = rmsnorm(x) * attn_norm, fp16 (folding: rms[0] = each row's rsqrt, the scale wo writes at)
                 rmsnorm_rows(b.x, L.attn_norm, eps, b.xb, stream=s, rms=b.rms[0] if fold else None)
-            # qkv = xb Wqkv^T (past a fold: times each row's scale, xb = x attn_norm at the FFN norm's rms)
-            matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s, scale=b.scale if fold and i else None)
-            if pages is not None:  # rows of many sequences, each in its own pages
-                # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
-                qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
-                # att = softmax(q k^T / sqrt(head_dim)) v, each row over its sequence's positions up to its own
-                if pages.state is not None and n_rows > self.split_rows:  # one sequence's chunk: tiles
-                    prefill_attention(b.q, cache, pages.state, b.att, cfg, stream=s, table=pages.table[0],
-                                      page_size=pages.page_size)  # fmt: skip
-                else:
-                    attention(
-                        b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
-                    )
+            if pages is None and n_rows <= self.skinny_rows[dt["wqkv"]]:
+                # q = rope(xb Wqkv^T + bq); cache rows pos0 + t = rope(k + bk), v + bv: the product's epilogue
+                skinny_qkv(
+                    b.xb, L.wqkv, dt["wqkv"], L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s, scale=scale
+                )
             else:
-                # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
-                qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
-                # att = softmax(q k^T / sqrt(head_dim)) v, row t over positions 0 .. pos0 + t (or the window)
-                if n_rows <= self.split_rows:  # split over the keys, every row its own splits
-                    attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s, span=span,
-                              split=self.fixed_split)  # fmt: skip
-                else:  # a block a kv head and 64 rows, on the tensor cores
-                    prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
-            # x += att Wo^T (folding: xb = x ffn_norm at the attention norm's rms, rms[1], scale)
-            matmul(
-                b.att,
-                L.wo,
-                b.x,
-                dt["wo"],
-                stream=s,
-                mode="residual",
-                fold=b.fold(L.ffn_norm, 0, eps) if fold else None,
-            )
+                # qkv = xb Wqkv^T
+                matmul(b.xb, L.wqkv, b.qkv, dt["wqkv"], stream=s, scale=scale)
+                if pages is None:
+                    # q = rope(q + bq); cache rows pos0 + t = rope(k + bk), v + bv
+                    qkv_rows(b.qkv, L, e.rope_freqs, e.state, b.q, cache, cfg, stream=s)
+                else:  # rows of many sequences, each in its own pages
+                    # q = rope(q + bq) at each row's position; its pool row = rope(k + bk), v + bv
+                    qkv_pages(b.qkv, L, e.rope_freqs, pages, b.q, cache, cfg, stream=s)
+            # att = softmax(q k^T / sqrt(head_dim)) v, each row over the positions up to its own (or the window)
+            if pages is not None and pages.state is not None and n_rows > self.split_rows:
+                # one sequence's chunk over its pages: the tiles
+                prefill_attention(b.q, cache, pages.state, b.att, cfg, stream=s, table=pages.table[0],
+                                  page_size=pages.page_size)  # fmt: skip
+            elif pages is not None:  # each row over its own sequence's pages, split over the keys
+                attention(
+                    b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
+                )
+            elif n_rows <= self.split_rows:  # split over the keys, every row its own splits
+                attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s, span=span,
+                          split=self.fixed_split)  # fmt: skip
+            else:  # a block a kv head and 64 rows, on the tensor cores
+                prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
+            # x += att Wo^T (folding: xb = x ffn_norm at the attention norm's rms, rms[1] and scale)
+            ffn_fold = b.fold(L.ffn_norm, 0, eps) if fold else None
+            matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual", fold=ffn_fold)
             if not fold:
                 # xb = rmsnorm(x) * ffn_norm, fp16
                 rmsnorm_rows(b.x, L.ffn_norm, eps, b.xb, stream=s)
@@ -423,9 +421,12 @@ class Prefill:
                 matmul(
                     b.xb, L.w1, b.h, dt["w1"], stream=s, mode="gate", w3=L.w3, scale=b.scale if fold else None
                 )
-                # x += h W2^T (folding: xb = x attn_norm of the next layer at the FFN norm's rms, rms[0], scale)
-                next_norm = b.fold(after.attn_norm, 1, eps) if fold and after else None
-                matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual", fold=next_norm)
+                # x += h W2^T (folding: xb = x attn_norm of the next layer at the FFN norm's rms, rms[0] and
+                # scale; the last layer's next norm is the classifier's, classify_rows's)
+                attn_fold = (
+                    b.fold(e.layers[i + 1].attn_norm, 1, eps) if fold and i + 1 < len(e.layers) else None
+                )
+                matmul(b.h, L.w2, b.x, dt["w2"], stream=s, mode="residual", fold=attn_fold)
 
     def span_of(self, pos0: int, n_rows: int) -> int | None:
         """The attention span of a pass of n_rows rows from pos0 (that of its last row's position,

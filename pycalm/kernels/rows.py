@@ -223,7 +223,7 @@ def qkv_pages(
     written), its k and v encoded into the pool row its block table gives (pool: a KVCache of
     (n_pages * page_size, kv_dim) rows). Reference: pycalm.cpu.reference.qkv_rows_ref a
     sequence's run of rows, kv_round into the pool rows."""
-    n_rows, cols = _check_qkv("qkv_pages", qkv, q, pool, cfg)
+    n_rows, cols = check_qkv("qkv_pages", qkv.shape, q, pool, cfg)
     if pages.positions.shape[0] < n_rows or pages.seq_of_row.shape[0] < n_rows:
         raise PycalmError(f"qkv_pages: {n_rows} rows, positions for {pages.positions.shape[0]}")
     bias = layer.bqkv
@@ -301,14 +301,16 @@ def feed_tokens(tokens: object, prev: object, chosen: object, state: object, *, 
     feed_tokens_kernel[-(-n // THREADS), THREADS, stream](tokens, prev, chosen, state)
 
 
-def _check_qkv(name: str, qkv: object, q: object, cache: KVCache, cfg: ModelConfig) -> tuple[int, int]:
-    """qkv's (rows, columns), or a PycalmError where the arrays or the cache do not fit cfg."""
+def check_qkv(
+    name: str, shape: tuple[int, int], q: object, cache: KVCache, cfg: ModelConfig
+) -> tuple[int, int]:
+    """qkv's (rows, columns) `shape`, or a PycalmError where it, q or the cache do not fit cfg."""
     if cache.dtype not in ("fp16", "fp8"):
         raise PycalmError(f"unsupported KV-cache dtype {cache.dtype!r} (fp16 or fp8)")
-    n_rows, cols = qkv.shape
+    n_rows, cols = shape
     if cols != cfg.qkv_dim or cfg.head_dim % 2 or q.shape != (n_rows, cfg.q_dim):
         raise PycalmError(
-            f"{name}: qkv {qkv.shape} and q {q.shape} do not fit {cfg.n_heads} / {cfg.n_kv_heads}"
+            f"{name}: qkv {tuple(shape)} and q {q.shape} do not fit {cfg.n_heads} / {cfg.n_kv_heads}"
             f" heads of {cfg.head_dim}"
         )
     return n_rows, cols
@@ -333,7 +335,7 @@ def qkv_rows(
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim. Reference: pycalm.cpu.reference.qkv_rows_ref, then
     kv_round for the cache rows."""
-    n_rows, cols = _check_qkv("qkv_rows", qkv, q, cache, cfg)
+    n_rows, cols = check_qkv("qkv_rows", qkv.shape, q, cache, cfg)
     bias = layer.bqkv
     has_bias = bias is not None
     pairs = cols // 2

@@ -93,6 +93,7 @@ from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
+    STATE_POS,
     dependent_start,
     fp16_encode,
     gf4_factor,
@@ -103,6 +104,8 @@ from pycalm.kernels.common import (
     warp_reduce_sum,
 )
 from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, weight_args
+from pycalm.kernels.qkv import rope_store_pair
+from pycalm.kernels.rows import check_qkv
 from pycalm.kernels.tensorcore import ldg128w, mma_16816
 
 MAX_ROWS = 64  # rows of X a launch takes: 8 n-tiles of 8
@@ -208,13 +211,15 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     row_tiles: int = 1,
     x_words: int = 0,
     norm: int = NO_NORM,
+    rope: str = "",
 ):
     """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
     a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
     to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
     the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); norm: NO_NORM,
     SCALED (PLAIN, GATE: the sums times a row's scale) or FOLD (RESIDUAL: the next RMSNorm's
-    input, sums of squares and scale, see the module docstring)."""
+    input, sums of squares and scale, see the module docstring); rope (PLAIN): the KV-cache
+    dtype of the QKV epilogue in place of out (qkv_rows's, pycalm.kernels.qkv.rope_store_pair)."""
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step (the 4 lanes of a quad)
     XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
@@ -226,6 +231,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
     # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
     scaled, fold = norm == SCALED, norm == FOLD
+    store_pair = rope_store_pair(rope or "fp16")  # (called only where rope)
     T_MAX = 8 * n_tiles  # tokens a pass of n_tiles holds
     SQ_WORDS = MT * T_MAX * 16 if fold else 1  # FOLD: the squares of the block's outputs
     RED_PARTS = 1
@@ -393,11 +399,15 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             counter[0] = 0  # for the next launch
 
     @cuda.jit(device=True, inline=True)
-    def block_product(x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps):  # noqa: ANN001, ANN202, C901
+    def block_product(  # noqa: ANN202, C901
+        x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps,
+        bias, has_bias, freqs, state, k_cache, v_cache, q_dim, kv_dim, head_dim,
+    ):  # noqa: ANN001  # fmt: skip
         """The block's tiles of out (=, +=, gate) X fp16 times W^T stored; s1, s3: q8 / q4
         scales of W1 and W3 (unread otherwise). SCALED: scale (T,), each row's factor; FOLD: nw
         (N,) the next norm's weights, rho (T,), and x_next (T, N) fp16, slots (T, ceil(N / 16)),
-        rms (T,) and scale written (counter (1,) int32: zero between launches)."""
+        rms (T,) and scale written (counter (1,) int32: zero between launches). rope: out is q
+        (T, q_dim), and the rest of the QKV epilogue's arguments are qkv_rows's."""
         # (warps, RED_ACC, 32) each warp's sums of a part of an A tile, lane-major
         red = cuda.shared.array((warps, RED_ACC, 32), float32)
         sq = cuda.shared.array(SQ_WORDS, float32)  # FOLD: (MT, T_MAX, 16) the outputs' squares
@@ -439,7 +449,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                           wg, wh, dm, a, xb, acc)  # fmt: skip
             chunk += warps
 
-        n_cols = out.shape[1]
+        n_cols = n_rows if rope else out.shape[1]  # (rope: out is q, a part of the outputs)
         for part in range(MT * RED_PARTS):  # each A tile's sums, a part at a time: the warps' meet in red
             m, first = part // RED_PARTS, (part % RED_PARTS) * RED_ACC  # the tile, its first accumulator here
             if part > 0:
@@ -470,6 +480,23 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                                 s *= scale[token]
                                 h3 *= scale[token]
                             out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+                elif rope:
+                    # a rotary pair: columns 2c, 2c + 1 are lanes ln and ln + 4 (A rows g, g + 1),
+                    # the same accumulator; the lane of the even row finishes both
+                    col = (tile0 + m) * 16 + (ln >> 2) + 8 * (r >> 1)
+                    if (ln >> 2) % 2 == 0 and token < t_rows and col < n_cols:
+                        b = red[0, j, ln + 4]
+                        for v in range(1, warps):
+                            b += red[v, j, ln + 4]
+                        if q8:
+                            s *= s1[col]
+                            b *= s1[col + 1]
+                        if scaled:
+                            s *= scale[token]
+                            b *= scale[token]
+                        pos = state[STATE_POS] + token
+                        store_pair(s, b, col, bias, has_bias, freqs, pos, pos, out[token], k_cache, v_cache,
+                                   q_dim, kv_dim, head_dim)  # fmt: skip
                 else:
                     c16 = (ln >> 2) + 8 * (r >> 1)  # the column in the tile
                     col = (tile0 + m) * 16 + c16
@@ -501,14 +528,28 @@ def make_skinny_kernel(  # noqa: ANN201, C901
 
     # the norm's arrays of a kernel that takes none are never read (its branches are pruned at
     # compile time): out stands in for them
-    if fold:
+    zero, i0 = float32(0.0), int32(0)  # (the arguments a kernel does not read)
+    if rope:
+
+        @jit
+        def skinny_kernel(  # noqa: ANN202
+            x, w1, s1, q, scale, bias, has_bias, freqs, state, k_cache, v_cache, q_dim, kv_dim, head_dim
+        ):  # noqa: ANN001
+            """PLAIN into the QKV epilogue: q (T, q_dim) = rope(X Wqkv^T + bq), the cache rows
+            pos0 + t = rope(k + bk), v + bv (pycalm.kernels.rows.qkv_rows's bits); scale as
+            SCALED's where scaled. s1: q8 / q4 scales (else W1 again: unread)."""
+            block_product(x, w1, s1, w1, s1, q, scale, q, q, q, q, q, q, zero,
+                          bias, has_bias, freqs, state, k_cache, v_cache, q_dim, kv_dim, head_dim)  # fmt: skip
+
+    elif fold:
 
         @jit
         def skinny_kernel(x, w1, s1, w3, s3, out, nw, rho, x_next, slots, counter, rms, scale, eps):  # noqa: ANN001, ANN202
             """RESIDUAL with the next RMSNorm folded in: out += X W^T; x_next = fp16(out nw rho);
             rms, scale = rms / rho (pycalm.cpu.reference.matmul_residual_fold_ref). s1, s3: q8 /
             q4 scales (else W1, W3 again: unread)."""
-            block_product(x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps)
+            block_product(x, w1, s1, w3, s3, out, scale, nw, rho, x_next, slots, counter, rms, eps,
+                          out, i0, out, out, out, out, i0, i0, i0)  # fmt: skip
 
     elif scaled:
 
@@ -516,14 +557,16 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         def skinny_kernel(x, w1, s1, w3, s3, out, scale):  # noqa: ANN001, ANN202
             """PLAIN or GATE with each row's sums times scale[row] (matmul_ref's and
             matmul_gate_ref's scale). s1, s3 as above."""
-            block_product(x, w1, s1, w3, s3, out, scale, out, out, out, out, out, out, float32(0.0))
+            block_product(x, w1, s1, w3, s3, out, scale, out, out, out, out, out, out, zero,
+                          out, i0, out, out, out, out, i0, i0, i0)  # fmt: skip
 
     elif q8 or q4:
 
         @jit
         def skinny_kernel(x, w1, s1, w3, s3, out):  # noqa: ANN001, ANN202
             """The kernel below for q8 / q4: codes w and scales s (q8 (N,), q4 (N, groups, 2))."""
-            block_product(x, w1, s1, w3, s3, out, out, out, out, out, out, out, out, float32(0.0))
+            block_product(x, w1, s1, w3, s3, out, out, out, out, out, out, out, out, zero,
+                          out, i0, out, out, out, out, i0, i0, i0)  # fmt: skip
 
     else:
 
@@ -532,9 +575,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             """out (T, N) (=, +=, gate) X (T, K) fp16 (as (T, K / 2) words) times W (N, K)^T
             stored; see the module docstring. Must match pycalm.cpu.reference.matmul_ref /
             matmul_residual_ref / matmul_gate_ref."""
-            block_product(
-                x, w1, w1, w3, w3, out, out, out, out, out, out, out, out, float32(0.0)
-            )  # no scales
+            block_product(x, w1, w1, w3, w3, out, out, out, out, out, out, out, out, zero,
+                          out, i0, out, out, out, out, i0, i0, i0)  # no scales  # fmt: skip
 
     return skinny_kernel
 
@@ -549,6 +591,52 @@ def stored_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:
         c1, s1, c3, s3 = args
         return c1, s1.view(np.uint32).reshape(s1.shape[:2]), c3, s3.view(np.uint32).reshape(s3.shape[:2])
     return args
+
+
+def skinny_qkv(
+    x: object,
+    w: object,
+    dtype: str,
+    layer: object,
+    rope_freqs: object,
+    state: object,
+    q: object,
+    cache: object,
+    cfg: object,
+    *,
+    stream: object,
+    scale: object = None,
+) -> None:
+    """The QKV product of T <= MAX_ROWS rows with qkv_rows's epilogue in its own: q (T, q_dim) =
+    rope(X Wqkv^T + bq), cache rows pos0 + t (pos0 = state[STATE_POS]) = rope(k + bk), v + bv,
+    the bits of skinny_matmul then pycalm.kernels.rows.qkv_rows (whose arguments these are: layer
+    .bqkv, cache a KVCache, cfg the sizes); scale as skinny_matmul's."""
+    t_rows, k_cols = x.shape
+    check_qkv("skinny_qkv", (t_rows, w_rows(w)), q, cache, cfg)
+    if not fits(dtype, k_cols):
+        raise PycalmError(
+            f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
+        )
+    warps = warps_for(k_cols, dtype)
+    n_tiles = n_tiles_for(t_rows)
+    row_tiles = row_tiles_for(dtype, n_tiles)
+    x_words = x_words_for(dtype, n_tiles)
+    norm = NO_NORM if scale is None else SCALED
+    kernel = make_skinny_kernel(
+        dtype, MODES["plain"], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm, cache.dtype
+    )
+    args = stored_args(w, None, dtype, k_cols)
+    w1, s1 = (args[0], args[1]) if len(args) == 4 else (args[0], args[0])  # (W1 again: unread)
+    bias = layer.bqkv
+    kernel[blocks_for(cfg.qkv_dim, "plain", row_tiles), 32 * warps, stream](
+        x.view(np.uint32), w1, s1, q, rope_freqs if scale is None else scale, rope_freqs if bias is None else bias,
+        np.int32(bias is not None), rope_freqs, state, cache.k, cache.v, cfg.q_dim, cfg.kv_dim, cfg.head_dim,
+    )  # fmt: skip
+
+
+def w_rows(w: object) -> int:
+    """The rows of a stored matrix (a Quantized pair's codes' rows)."""
+    return (w.codes if hasattr(w, "codes") else w).shape[0]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """What the rows pass's launches beside the weight products cost: the captured pass of a few rows
-timed as shipped (its RMSNorms folded into the residual products, pycalm.kernels.skinny.NormFold),
-unfolded (an RMSNorm launch before qkv and before the gate, as longer passes run), and unfolded
-with its RMSNorm launches, its QKV epilogue (qkv_rows), or both, replaced by nothing (those
-outputs are wrong: timing only). The last ones bound what folding a launch away can save.
+timed as shipped (its RMSNorms folded into the residual products, pycalm.kernels.skinny.NormFold,
+and the QKV epilogue in the QKV product's, skinny_qkv), with the epilogue a launch of its own
+(qkv_rows), with neither (an RMSNorm launch before qkv and before the gate, as longer passes run),
+and that with its RMSNorm launches replaced by nothing (its outputs are wrong: timing only), which
+bounds what folding them away can save.
 
     python scripts/kernels/rows_launches.py [--shapes llama3-8b,qwen2.5-1.5b] [--dtypes fp16,q4] [--rows 1,8]
 """
@@ -23,35 +24,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import ROWS, RandomDeviceModel, config_for, fit_layers  # noqa: E402
 
 import pycalm.kernels.rows as rows_module  # noqa: E402
+import pycalm.kernels.skinny as skinny_module  # noqa: E402
 from pycalm.gpu.engine import EngineOptions, GpuEngine  # noqa: E402
 from pycalm.gpu.prefill import Prefill  # noqa: E402
 
-SHIPPED = {name: getattr(rows_module, name) for name in ("rmsnorm_rows", "qkv_rows")}
-FOLDS = Prefill.folds
-# variant -> (folded, the launches left out)
-VARIANTS = {
-    "shipped (folded)": (True, ()),
-    "unfolded": (False, ()),
-    "unfolded, no norm": (False, ("rmsnorm_rows",)),
-    "folded, no qkv_rows": (True, ("qkv_rows",)),
-}
+SHIPPED = {"rmsnorm": rows_module.rmsnorm_rows, "qkv": skinny_module.skinny_qkv, "folds": Prefill.folds}
+QKV: list = []  # qkv_apart's (64, qkv_dim) float32 buffer, allocated before the passes are captured
+
+
+def qkv_apart(x, w, dtype, layer, freqs, state, q, cache, cfg, *, stream, scale=None) -> None:  # noqa: ANN001
+    """skinny_qkv as two launches: the product into qkv, then qkv_rows."""
+    qkv = QKV[0][: x.shape[0]]
+    skinny_module.skinny_matmul(x, w, qkv, dtype, stream=stream, scale=scale)
+    rows_module.qkv_rows(qkv, layer, freqs, state, q, cache, cfg, stream=stream)
 
 
 def skip(*args: object, **kwargs: object) -> None:
     """A launch left out."""
 
 
-def time_pass(
-    shape: str, dtype: str, rows: list[int], folded: bool, left_out: tuple[str, ...]
-) -> dict[int, float]:
-    """ms of the captured logits pass of each row count at position 128, folded or not, with
-    `left_out` launches replaced by nothing while it is captured (the classifier's RMSNorm too)."""
-    for name, fn in SHIPPED.items():
-        setattr(rows_module, name, skip if name in left_out else fn)
-    Prefill.folds = FOLDS if folded else (lambda self, n_rows: False)
+# variant -> (folded, QKV epilogue fused, RMSNorm launches kept)
+VARIANTS = {
+    "shipped": (True, True, True),
+    "qkv_rows apart": (True, False, True),
+    "unfolded, qkv_rows apart": (False, False, True),
+    "unfolded, no RMSNorm launch": (False, False, False),
+}
+
+
+def time_pass(shape: str, dtype: str, rows: list[int], variant: tuple[bool, bool, bool]) -> dict[int, float]:
+    """ms of the captured logits pass of each row count at position 128 in this variant."""
+    folded, fused, norms = variant
+    Prefill.folds = SHIPPED["folds"] if folded else (lambda self, n_rows: False)
+    skinny_module.skinny_qkv = SHIPPED["qkv"] if fused else qkv_apart
+    rows_module.rmsnorm_rows = SHIPPED["rmsnorm"] if norms else skip
     cfg = fit_layers(config_for(shape, dtype, 4096), max(rows), 4096)
     engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=EngineOptions())
     prefill = engine._prefill_step()
+    QKV[:] = [cuda.device_array((64, cfg.qkv_dim), np.float32)]
     rng = np.random.default_rng(0)
     out = {}
     for n in rows:
@@ -72,9 +82,9 @@ def time_pass(
     del engine, prefill
     gc.collect()
     cuda.current_context().deallocations.clear()
-    for name, fn in SHIPPED.items():
-        setattr(rows_module, name, fn)
-    Prefill.folds = FOLDS
+    Prefill.folds, skinny_module.skinny_qkv, rows_module.rmsnorm_rows = (
+        SHIPPED["folds"], SHIPPED["qkv"], SHIPPED["rmsnorm"],
+    )  # fmt: skip
     return out
 
 
@@ -85,14 +95,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     args = ap.parse_args()
     rows = [int(n) for n in args.rows.split(",")]
-    print(f"| shape | weights | launches | {' | '.join(f'{n} rows, ms' for n in rows)} |")
+    print(f"| shape | weights | pass | {' | '.join(f'{n} rows, ms' for n in rows)} |")
     print("|---|---|---|" + "---|" * len(rows))
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
-            for variant, (folded, left_out) in VARIANTS.items():
-                cells = time_pass(shape, dtype, rows, folded, left_out)
+            for name, variant in VARIANTS.items():
+                cells = time_pass(shape, dtype, rows, variant)
                 body = " | ".join(f"{cells[n]:.3f}" for n in rows)
-                print(f"| {shape} | {dtype} | {variant} | {body} |", flush=True)
+                print(f"| {shape} | {dtype} | {name} | {body} |", flush=True)
 
 
 if __name__ == "__main__":
