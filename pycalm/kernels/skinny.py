@@ -71,6 +71,12 @@ but its first; the slots cost T N / 4 bytes written and read, the last block's a
 References: pycalm.cpu.reference.matmul_residual_fold_ref, and matmul_ref's and
 matmul_gate_ref's scale.
 
+The QKV epilogue (skinny_qkv, PLAIN into q and the KV cache): in place of storing qkv, the
+epilogue runs pycalm.kernels.rows.qkv_rows's (the bias, RoPE of a rotary pair, q or the cache
+rows at position pos0 + t). A rotary pair, columns 2c and 2c + 1, is A rows g and g + 1 of one
+accumulator index, lanes l and l + 4: the thread of the even row adds both sums and finishes the
+pair, the odd row's thread none, so the bits are those of the product and qkv_rows apart.
+
 Batch invariance: a row's sums depend only on its own X row, the fixed split of K (warps_for,
 UNROLL) and the fixed order of the adds, not on T, n_tiles, row_tiles or the row's place in the
 pass, so a row's outputs are the same bits in every pass of up to 64 rows. They are not matmul's
