@@ -599,6 +599,17 @@ def stored_args(w: object, w3: object, dtype: str, k_cols: int) -> tuple:
     return args
 
 
+def block_shape(dtype: str, t_rows: int, k_cols: int) -> tuple[int, int, int, int]:
+    """(warps, n_tiles, row_tiles, x_words) of a launch over T rows and K columns of a dtype, or
+    a PycalmError where K does not fit (fits)."""
+    if not fits(dtype, k_cols):
+        raise PycalmError(
+            f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
+        )
+    n_tiles = n_tiles_for(t_rows)
+    return warps_for(k_cols, dtype), n_tiles, row_tiles_for(dtype, n_tiles), x_words_for(dtype, n_tiles)
+
+
 def skinny_qkv(
     x: object,
     w: object,
@@ -619,14 +630,7 @@ def skinny_qkv(
     .bqkv, cache a KVCache, cfg the sizes); scale as skinny_matmul's."""
     t_rows, k_cols = x.shape
     check_qkv("skinny_qkv", (t_rows, w_rows(w)), q, cache, cfg)
-    if not fits(dtype, k_cols):
-        raise PycalmError(
-            f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
-        )
-    warps = warps_for(k_cols, dtype)
-    n_tiles = n_tiles_for(t_rows)
-    row_tiles = row_tiles_for(dtype, n_tiles)
-    x_words = x_words_for(dtype, n_tiles)
+    warps, n_tiles, row_tiles, x_words = block_shape(dtype, t_rows, k_cols)
     norm = NO_NORM if scale is None else SCALED
     kernel = make_skinny_kernel(
         dtype, MODES["plain"], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm, cache.dtype
@@ -683,19 +687,12 @@ def skinny_matmul(
     it; fold ("residual"): the next RMSNorm folded in (NormFold)."""
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
-    if not fits(dtype, k_cols):
-        raise PycalmError(
-            f"the skinny matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
-        )
+    warps, n_tiles, row_tiles, x_words = block_shape(dtype, t_rows, k_cols)
     if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
         raise PycalmError(
             f"the skinny matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
         )
     norm = FOLD if fold is not None else SCALED if scale is not None else NO_NORM
-    warps = warps_for(k_cols, dtype)
-    n_tiles = n_tiles_for(t_rows)
-    row_tiles = row_tiles_for(dtype, n_tiles)
-    x_words = x_words_for(dtype, n_tiles)
     kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm)
     args = stored_args(w, w3, dtype, k_cols)
     if norm != NO_NORM and len(args) == 2:  # the norm kernels take scales' places in every format
