@@ -61,7 +61,7 @@ def test_module_key_follows_the_module_and_what_it_imports(tmp_path):
         before.update(after)
         return changed
 
-    assert edit("attention.py") == {"attention"}  # no other module imports it
+    assert edit("attention.py") == {"attention", "skinny"}  # skinny through rows and qkv
     assert edit("matmul.py") == {"matmul", "skinny"}  # skinny imports matmul
     assert edit("tensorcore.py") == {"matmul", "skinny", "attention"}  # through matmul too
     assert edit("simple/decode.py") == {
