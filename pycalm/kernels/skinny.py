@@ -237,7 +237,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
     # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
     scaled, fold = norm == SCALED, norm == FOLD
-    store_pair = rope_store_pair(rope or "fp16")  # (called only where rope)
+    qkv_out = rope != ""  # (a bool: numba types the truth of a str through a compiled overload)
+    store_pair = rope_store_pair(rope or "fp16")  # (called only where qkv_out)
     T_MAX = 8 * n_tiles  # tokens a pass of n_tiles holds
     SQ_WORDS = MT * T_MAX * 16 if fold else 1  # FOLD: the squares of the block's outputs
     RED_PARTS = 1
@@ -455,7 +456,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                           wg, wh, dm, a, xb, acc)  # fmt: skip
             chunk += warps
 
-        n_cols = n_rows if rope else out.shape[1]  # (rope: out is q, a part of the outputs)
+        n_cols = n_rows if qkv_out else out.shape[1]  # (qkv_out: out is q, a part of the outputs)
         for part in range(MT * RED_PARTS):  # each A tile's sums, a part at a time: the warps' meet in red
             m, first = part // RED_PARTS, (part % RED_PARTS) * RED_ACC  # the tile, its first accumulator here
             if part > 0:
@@ -486,7 +487,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                                 s *= scale[token]
                                 h3 *= scale[token]
                             out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
-                elif rope:
+                elif qkv_out:
                     # a rotary pair: columns 2c, 2c + 1 are lanes ln and ln + 4 (A rows g, g + 1),
                     # the same accumulator; the lane of the even row finishes both
                     col = (tile0 + m) * 16 + (ln >> 2) + 8 * (r >> 1)
