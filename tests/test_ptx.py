@@ -88,10 +88,10 @@ MODELS = {
 # X loaded ahead (skinny.X_AHEAD): 52 bytes, its step loop 56 instructions per 8 mma (66 with 20
 # bytes spilled and X loaded where used); on an H100 (2026-12-05) two tiles took 32.8 us against
 # 59.1 with one tile and 43.4 in blocks of 8, and X ahead cut the layer's products 166 -> 120 us
-# Its FOLD form (the rows pass's w2 with the next RMSNorm folded in, skinny.NormFold) spills 56
-# (ptxas, 2026-12-06), 4 bytes more than the plain residual form; not yet timed.
+# Its FOLD form (the rows pass's w2 with the next RMSNorm folded in, skinny.NormFold; the plain
+# form, NO_NORM, is the last layer's) spills 56 (ptxas, 2026-12-06), 4 bytes more; not yet timed.
 KNOWN_SPILLS = [
-    (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64), 52),
+    (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 0), 52),
     (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 2), 56),
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
