@@ -21,8 +21,8 @@ SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel
 (pycalm.kernels.attention) up to SPLIT_ATTENTION_ROWS rows. Where skinny's products take every
 matrix, a pass folds each RMSNorm but its first into the residual product before it
 (skinny.NormFold: wo writes the FFN norm's input, w2 the next layer's attention norm's, and the
-product after each scales its rows' sums): a layer is then six launches, the token step's five
-and the QKV epilogue. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are
+product after each scales its rows' sums), and the QKV epilogue runs in the QKV product's
+(skinny_qkv): a layer is then five launches, as the token step's. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are
 padding (token 0) that write cache rows past the last real one, which the next pass rewrites
 before any row reads them (a row attends only to positions up to its own).
 
@@ -182,8 +182,6 @@ class RowBuffers:
     def fold(self, w: object, after: int, eps: float) -> NormFold:
         """The next RMSNorm (weights w) folded into a residual product: the norm `after` (0 the
         attention's, 1 the FFN's) gives the scale xb is written at, the other's rms is written."""
-        from pycalm.kernels.skinny import NormFold
-
         return NormFold(
             w, self.rms[after], self.xb, self.slots, self.counter, self.rms[1 - after], self.scale, eps
         )

@@ -630,24 +630,19 @@ def skinny_qkv(
     the bits of skinny_matmul then pycalm.kernels.rows.qkv_rows (whose arguments these are: layer
     .bqkv, cache a KVCache, cfg the sizes); scale as skinny_matmul's."""
     t_rows, k_cols = x.shape
-    check_qkv("skinny_qkv", (t_rows, w_rows(w)), q, cache, cfg)
+    args = stored_args(w, None, dtype, k_cols)  # (the first: W's stored rows, one a qkv column)
+    check_qkv("skinny_qkv", (t_rows, args[0].shape[0]), q, cache, cfg)
     warps, n_tiles, row_tiles, x_words = block_shape(dtype, t_rows, k_cols)
     norm = NO_NORM if scale is None else SCALED
     kernel = make_skinny_kernel(
         dtype, MODES["plain"], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm, cache.dtype
     )
-    args = stored_args(w, None, dtype, k_cols)
     w1, s1 = (args[0], args[1]) if len(args) == 4 else (args[0], args[0])  # (W1 again: unread)
     bias = layer.bqkv
     kernel[blocks_for(cfg.qkv_dim, "plain", row_tiles), 32 * warps, stream](
         x.view(np.uint32), w1, s1, q, rope_freqs if scale is None else scale, rope_freqs if bias is None else bias,
         np.int32(bias is not None), rope_freqs, state, cache.k, cache.v, cfg.q_dim, cfg.kv_dim, cfg.head_dim,
     )  # fmt: skip
-
-
-def w_rows(w: object) -> int:
-    """The rows of a stored matrix (a Quantized pair's codes' rows)."""
-    return (w.codes if hasattr(w, "codes") else w).shape[0]
 
 
 @dataclass(frozen=True)
