@@ -35,6 +35,9 @@ def test_schedule_puts_the_costly_kernels_first_in_a_fixed_order():
     order = [i.key for i in schedule(items)]
     assert order == ["a", "a2", "c", "b"]
     assert [i.key for i in schedule(list(reversed(items)))] == order  # the same in every worker
+    # the batch group's kernels (a server's alone) after all the others, however costly
+    served = [Item("s", 20.0, None, (), "batch"), Item("t", 0.5, None, (), "batch")]
+    assert [i.key for i in schedule(served + items)] == [*order, "s", "t"]
     # a kernel's module sets its cost; a quantized format in its closure makes it dearer
     plain, gf4 = _factory("fp16"), _factory("gf4")
     plain.__module__ = gf4.__module__ = "pycalm.kernels.matmul"
@@ -237,14 +240,78 @@ def test_a_group_is_marked_once_every_kernel_in_it_is_done(tmp_path):
     items = [Item(k, 1.0, None, (), g) for k, g in [("a", "step"), ("b", "step"), ("c", "sample")]]
     markers = _markers(tmp_path)
     precompile.mark_groups(items, tmp_path, markers)
-    assert [g for g, m in markers.items() if m.exists()] == ["prefill"]  # no kernels: done
+    assert [g for g, m in markers.items() if m.exists()] == ["prefill", "batch"]  # no kernels: done
     (tmp_path / f"{items[0].file}.done").touch()
     (tmp_path / f"{items[2].file}.done").touch()
     precompile.mark_groups(items, tmp_path, markers)
-    assert [g for g, m in markers.items() if m.exists()] == ["sample", "prefill"]
+    assert [g for g, m in markers.items() if m.exists()] == ["sample", "prefill", "batch"]
     (tmp_path / f"{items[1].file}.done").touch()
     precompile.mark_groups(items, tmp_path, markers)
     assert all(m.exists() for m in markers.values())
+
+
+def batched_steps_worker() -> None:
+    """(A process with the simulator off.) A BatchedGpuEngine's steps driven through its calls
+    (one row sampled on the device, a prompt chunk of one sequence, decode rows of several
+    sequences fed ahead from the step before, a mixed step keeping some logits), recorded as
+    the precompile's Walk records, on test_ptx's stand-in device: prints RESULT with the keys
+    they launch that the precompile's walk of the same engine does not, and the walk's count
+    of batch-group kernels."""
+    import numpy as np
+    from numba.cuda.dispatcher import CUDADispatcher
+    from test_ptx import no_device
+
+    from pycalm.cpu.sampler import SamplingParams
+    from pycalm.gpu.batched import BatchedGpuEngine
+    from pycalm.gpu.engine import GpuEngine
+    from pycalm.gpu.precompile_worker import StandInModel, walk_engine
+
+    cfg, walked, launched = _config(), Walk(), Walk()
+    with walked.installed(CUDADispatcher), no_device():
+        walk_engine(_spec(), walked)
+    with launched.installed(CUDADispatcher), no_device():
+        # (plain launches: a graph replays the same kernels)
+        engine = GpuEngine(
+            StandInModel(cfg), 64, "fp16", options=EngineOptions(use_graph=False, parallel_compile=0)
+        )
+        b = BatchedGpuEngine(engine, n_blocks=16, block_size=16)
+        table = np.arange(16, dtype=np.int32).reshape(4, 4)  # (4 sequences, 4 blocks)
+        greedy, hot = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)
+        # one sequence decoding alone: the one-row step, sampled on the device
+        b.collect(b.enqueue_tokens([5], [3], [0], table[:1], [0], [hot], [0.5]))
+        # one sequence's prompt chunk of 40 rows: the prefill attention over its pages
+        b.step(np.arange(40) % 60, np.arange(40), np.zeros(40, np.int32), table[1:2], [39])
+        # three sequences' decode rows, then the same fed ahead from that step's tokens
+        ticket = b.enqueue_tokens(
+            [1, 2, 3], [9, 20, 30], [0, 1, 2], table[:3], [0, 1, 2], [greedy] * 3, [0.1] * 3
+        )
+        ahead = b.enqueue_tokens([0, 0, 0], [10, 21, 31], [0, 1, 2], table[:3], [0, 1, 2], [hot] * 3, [0.2] * 3,
+                                 prev=np.array([0, 1, 2]))  # fmt: skip
+        b.collect(ticket), b.collect(ahead)
+        # a mixed step: two decode rows and a 12-row chunk, sampled, one row's logits kept
+        rows = 14
+        seq = np.array([0, 1] + [2] * 12, np.int32)
+        pos = np.array([11, 22] + list(range(12)), np.int32)
+        b.step_tokens(
+            np.ones(rows, np.int32), pos, seq, table[:3], [0, 1, 13], [hot] * 3, [0.3] * 3, keep=[2]
+        )
+    missing = sorted({i.key for i in launched.items} - {i.key for i in walked.items})
+    batch = sum(i.group == "batch" for i in walked.items)
+    print("RESULT" + json.dumps(dict(missing=missing, batch=batch, launched=len(launched.items))))
+
+
+def test_the_walk_reaches_every_kernel_a_batched_step_launches():
+    """serve --parallel's steps launch only kernels the precompile's walk visits (so its workers
+    compile them before a server says it is ready), some of them in the walk's batch group."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    tests = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path[:0] = [{tests!r}, {str(REPO)!r}]; import test_precompile as t; t.batched_steps_worker()"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT") :])
+    assert result["missing"] == [], result["missing"]
+    assert result["batch"] > 0 and result["launched"] > result["batch"], result
 
 
 @pytest.mark.skipif(GPU, reason="the simulator's case")

@@ -1,11 +1,11 @@
 """Real compilation of every kernel the GPU engine launches (sm_90), without a GPU.
 
 Which kernels, with which numba signatures, is not written down here: it is what GpuEngine
-launches (and walk_unwired, what it is about to). Worker subprocesses (the simulator must be off before numba is imported) build the
+launches. Worker subprocesses (the simulator must be off before numba is imported) build the
 engine of each config of MODELS, in each weight format and KV format, on stand-in weights, and
 walk everything a run launches (pycalm.gpu.precompile_worker.walk_engine: the token step for
-every attention span, greedy and sampled, and the multi-token forward; and walk_unwired: the
-kernels only serve --parallel's batched pass launches), recording each distinct
+every attention span, greedy and sampled, the multi-token forward, and serve --parallel's
+batched steps over a paged pool), recording each distinct
 (kernel, argument types) as pycalm.gpu.precompile.Walk does for the precompile workers. There is
 no GPU here, so the walk runs in `no_device()`: a stand-in CUDA context whose arrays are never
 allocated and whose copies do nothing (numba types an array argument by its dtype, rank and
@@ -136,6 +136,9 @@ def no_device() -> Iterator[None]:
         def query(self) -> bool:
             return True
 
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
     class Context:
         device = Device()
 
@@ -217,54 +220,6 @@ def walk_configs() -> Iterator[tuple[object, str, str]]:
                 yield cfg, weight_dtype, kv_dtype
 
 
-def walk_unwired(cfg: object, kv_dtype: str) -> None:
-    """Launch, at cfg's shapes on stand-in arrays, the kernels the engine's walk does not reach,
-    so that they compile here too: those of serve --parallel's batched pass on the GPU
-    (pycalm.gpu.batched, compiled at its first step, not by the precompile): qkv_pages,
-    pycalm.kernels.attention over a paged cache, the prefill attention over one sequence's pages,
-    take_rows, feed_tokens (a step run ahead), and its one-row step (the token step's layers over
-    the pool: qkv_rope and the attention paged)."""
-    from types import SimpleNamespace
-
-    import numpy as np
-    from numba import cuda
-
-    from pycalm.kernels.attention import KVCache, attention, attention_scratch
-    from pycalm.kernels.prefill_attention import prefill_attention
-    from pycalm.kernels.rows import Pages, feed_tokens, qkv_pages, take_rows
-
-    n_rows, page_size, n_pages, n_seqs = 8, 16, 32, 4
-    s = cuda.stream()
-    pool = cuda.device_array((n_pages * page_size, cfg.kv_dim), np.uint8 if kv_dtype == "fp8" else np.float16)
-    qkv = cuda.device_array((n_rows, cfg.qkv_dim), np.float32)  # (M, q_dim + 2 kv_dim)
-    q = cuda.device_array((n_rows, cfg.q_dim), np.float32)  # (M, q_dim)
-    out = cuda.device_array((n_rows, cfg.q_dim), np.float16)  # (M, q_dim)
-    x = cuda.device_array((n_rows, cfg.dim), np.float32)  # (M, dim)
-    table = cuda.device_array((n_seqs, n_pages), np.int32)  # (n_seqs, max_pages)
-    rows = cuda.device_array(n_rows, np.int32)  # (M,): seq_of_row and positions
-    freqs = cuda.device_array(max(1, cfg.rotary_dim // 2), np.float32)
-    layer = SimpleNamespace(bqkv=cuda.device_array(cfg.qkv_dim, np.float32) if cfg.qkv_bias else None)
-    cache = KVCache(pool, pool, kv_dtype)
-    qkv_pages(qkv, layer, freqs, Pages(rows, rows, table, page_size), q, cache, cfg, stream=s)
-    seq_len = n_pages * page_size
-    scratch = attention_scratch(
-        cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, kv_dtype, seq_len, rows=n_rows, paged=True
-    )
-    pages = Pages(rows, rows, table, page_size, seq_len, scratch)
-    state = cuda.device_array(8, np.int32)  # (unread over pages)
-    attention(q, cache, state, out, cfg, scratch, stream=s, span=seq_len, pages=pages)
-    # one sequence's prompt chunk: the prefill attention's tiles over its pages
-    prefill_attention(q, cache, state, out, cfg, stream=s, table=table[0], page_size=page_size)
-    take_rows(x, rows, x, stream=s)
-    feed_tokens(rows, rows, rows, state, stream=s)
-    from pycalm.gpu.engine import EngineOptions, GpuEngine
-    from pycalm.gpu.precompile_worker import StandInModel
-
-    engine = GpuEngine(StandInModel(cfg), SEQ_LEN, kv_dtype, options=EngineOptions(parallel_compile=0))
-    one = Pages(rows[:1], rows[:1], table, page_size, seq_len, scratch)
-    engine.layers_step(seq_len, state=state, caches=[cache] * cfg.n_layers, pages=one)
-
-
 def launched_kernels() -> tuple[list, dict]:
     """Every distinct (kernel, argument types) the engines of walk_configs() launch (precompile
     Items, in schedule order), and for each kernel function whose blocks have a fixed size the
@@ -298,7 +253,6 @@ def launched_kernels() -> tuple[list, dict]:
         try:
             for cfg, _, kv_dtype in walk_configs():
                 walk_engine(engine_spec(cfg, SEQ_LEN, kv_dtype, options), walk)
-                walk_unwired(cfg, kv_dtype)
         finally:
             CUDADispatcher.call, CUDADispatcher.compile = recording
     return schedule(walk.items), {fn: t for fn, t in threads.items() if fn not in sized}

@@ -173,6 +173,10 @@ class BatchedGpuEngine:
                 )
                 for _ in range(cfg.n_layers)
             ]
+        # where worker processes compile the engine's kernels (pycalm.gpu.precompile), the
+        # batched steps' too, last: wait for them here, so that a server says it is ready with
+        # them in the cache, and its first requests compile nothing
+        engine._await_kernels("batch")
 
     def bucket(self, n: int) -> int:
         """The rows a step of n rows runs: the power of two at or above n (padding rows are
@@ -456,6 +460,25 @@ class BatchedGpuEngine:
         if sampled:
             # chosen[first + i] = sample_ref(logits[i], the row's options, coins[first + i])
             self._sample(b.logits[:k], first)
+
+    def walk(self) -> None:
+        """Enqueue every kind of work a step can launch, once each, on whatever the step's
+        arrays hold: the pass of each row bucket, over many sequences and over one sequence's
+        chunk, fed from the step before; the one-row step; the classifier and the sampler of
+        each bucket of sampled rows. For pycalm.gpu.precompile's walk, which records the launches
+        (the kernels and their argument types) and runs none, so that its workers compile what
+        serving launches before the first request, not at it."""
+        e, logits_rows = self.engine, self.prefill.buffers.logits.shape[0]
+        self.span = attention_span(e.seq_len - 1, self.chunk, e.seq_len)
+        buckets = [1 << i for i in range(self.max_rows.bit_length()) if 1 << i <= self.max_rows]
+        for rows in buckets:
+            for self.one_sequence in (False, True) if rows > 1 else (False,):
+                self._pass(rows)
+        self._feed(self.max_rows)
+        for sampled in (False, True):
+            self._token(sampled)
+            for k in (b for b in buckets if b <= logits_rows):
+                self._classify(0, k, sampled)
 
     def _sample(self, logits: object, first: int) -> None:
         """Enqueue chosen[first + i] = sample_ref(logits[i], sampled row first + i's options, its

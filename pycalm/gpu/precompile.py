@@ -18,13 +18,18 @@ never allocated or copied (`virtual_memory`: one small real allocation stands be
 array; copies to the device do nothing, copies to the host read zeros), and with numba's launch
 replaced by a record of (kernel, argument types) (`Walk`). It then runs what a real run runs:
 the token step for every attention span graph() captures, greedy and sampled, and the
-multi-token forward (pycalm.gpu.prefill) at its chunk sizes and row buckets, with the logits rows. That visits
-every launch site, and each worker records the same list in the same order. Each kernel belongs
-to the group whose walk reached it first: "step" (the greedy token step), "sample" (what a
-sampled step adds: the sampling kernel) and "prefill" (the multi-token forward's kernels).
+multi-token forward (pycalm.gpu.prefill) at its chunk sizes and row buckets, with the logits
+rows, and serve --parallel's batched step over a paged pool (pycalm.gpu.batched.BatchedGpuEngine
+.walk). That visits every launch site, and each worker records the same list in the same order.
+Each kernel belongs to the group whose walk reached it first: "step" (the greedy token step),
+"sample" (what a sampled step adds: the sampling kernel), "prefill" (the multi-token forward's
+kernels) and "batch" (what the batched step adds: the paged QKV epilogue and attention, the
+gathers, the row buckets above the prefill's).
 
 Then the workers share the list out: it is ordered by an estimated compile cost, largest first
-(`estimated_cost`: the tensor-core matmuls, then the attention kernels, ...), and each worker
+(`estimated_cost`: the tensor-core matmuls, then the attention kernels, ...), the batch group's
+after all the others (a server waits for them before it says it is ready: its first requests
+then compile nothing; a CLI run never waits for them), and each worker
 walks it and compiles the kernels it claims, a claim being a file created with O_EXCL in a
 folder of this run: a worker that is done with a large kernel takes the next unclaimed one, so
 the kernels spread as a longest-first schedule would spread them. Compiling writes the cache
@@ -36,8 +41,8 @@ The engine waits only for the groups it is about to launch: a greedy run starts 
 still compiles the sampling kernel (the slowest, docs/BENCHMARKS.md). Workers still running
 when the engine's process ends are stopped (what they finished stays in the cache), so a run
 leaves nothing behind that could compile into the cache during the next one. The next run
-starts workers again only where the step's or the multi-token forward's kernels are missing;
-a sampling kernel missing alone is compiled where it is first launched, as without workers. A
+starts workers again only where the step's, the multi-token forward's or the batched step's
+kernels are missing; a sampling kernel missing alone is compiled where it is first launched, as without workers. A
 worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
 workers, and says so in one line on stderr. Under the CUDA simulator (no compiler, no cache)
 nothing starts; EngineOptions.parallel_compile = 0 turns it off.
@@ -60,13 +65,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-WALK_VERSION = "3"  # in the marker's digest: a change in what the walk visits refills the cache
+WALK_VERSION = "4"  # in the marker's digest: a change in what the walk visits refills the cache
 MAX_WORKERS = 8
 # the EngineOptions that choose which kernels an engine launches (the others change no kernel)
 KERNEL_OPTIONS = ("attention_chunk", "prefill_chunk", "check_finite")
 WORKER_TIMEOUT_S = 900  # the engine waits no longer for a group; it compiles what is missing
 POLL_S = 0.02  # how often the engine looks for a group's marker
-GROUPS = ("step", "sample", "prefill")  # in the order the walk visits them
+GROUPS = ("step", "sample", "prefill", "batch")  # in the order the walk visits them
 
 # the compile cost of a kernel by its module, in seconds, roughly as measured with 8 workers
 # compiling at once on the H200's machine (docs/BENCHMARKS.md at b282afd): the sampling kernel is the
@@ -135,8 +140,9 @@ def estimated_cost(fn: object) -> float:
 
 
 def schedule(items: list[Item]) -> list[Item]:
-    """The order every worker walks the list in: largest estimated cost first, then by key."""
-    return sorted(items, key=lambda i: (-i.cost, i.key))
+    """The order every worker walks the list in: largest estimated cost first, then by key; the
+    batch group's kernels after all the others (only a server waits for them)."""
+    return sorted(items, key=lambda i: (i.group == "batch", -i.cost, i.key))
 
 
 def claim(folder: Path, name: str) -> bool:
@@ -431,8 +437,8 @@ def marker_path(folder: Path, spec: dict, group: str) -> Path:
 def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompile | None:
     """Workers compiling this engine's kernels into the kernel cache, or None: under the CUDA
     simulator, with options.parallel_compile == 0, when the cache folder cannot be written, or
-    when its markers say that the step's and the multi-token forward's kernels are there (the
-    sampling kernel, if missing, then compiles on first use)."""
+    when its markers say that the step's, the multi-token forward's and the batched step's
+    kernels are there (the sampling kernel, if missing, then compiles on first use)."""
     from numba import config
 
     if config.ENABLE_CUDASIM or options.parallel_compile == 0:
@@ -442,7 +448,7 @@ def start(cfg: object, seq_len: int, kv_dtype: str, options: object) -> Precompi
     folder = cache.folder()
     spec = engine_spec(cfg, seq_len, kv_dtype, options)
     markers = {g: marker_path(folder, spec, g) for g in GROUPS}
-    if markers["step"].exists() and markers["prefill"].exists():
+    if all(markers[g].exists() for g in ("step", "prefill", "batch")):
         return None
     try:
         folder.mkdir(parents=True, exist_ok=True)

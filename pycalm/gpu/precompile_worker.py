@@ -32,7 +32,7 @@ class StandInModel:
 
 def walk_engine(spec: dict, walk: Walk) -> None:
     """Build the engine of `spec` (engine_spec's) on stand-in weights and enqueue every token
-    step variant and the multi-token forward, each under its group (the caller has installed
+    step variant, the multi-token forward and the batched step, each under its group (the caller has installed
     `walk`, which records the launches, and on a GPU virtual_memory)."""
     from pycalm.cpu.sampler import SamplingParams
     from pycalm.gpu.engine import EngineOptions, GpuEngine
@@ -64,6 +64,13 @@ def walk_engine(spec: dict, walk: Walk) -> None:
         params = RowSampling(*(a[:1] for a in prefill.row_sampling))
         sample_rows(prefill.buffers.logits[:1], params, prefill.row_coins[:1], prefill.row_sampled[:1],
                     stream=engine.stream, **prefill.sample_options)  # fmt: skip
+        # serve --parallel's batched steps over a paged pool of one context (stand-in memory:
+        # its size is no argument type), where the engine batches
+        from pycalm.gpu.batched import BatchedGpuEngine
+
+        if BatchedGpuEngine.refusal(engine) is None:
+            walk.group = "batch"
+            BatchedGpuEngine(engine, n_blocks=-(-engine.seq_len // 16), block_size=16).walk()
 
 
 def worker_main(spec_path: str, worker: int) -> int:
