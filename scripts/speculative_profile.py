@@ -10,8 +10,9 @@ target returns (d), and host marks. Printed a prompt, medians over its passes: t
 from one propose to the next; b - a, the draft steps on the GPU (with the host's set-up before
 the first); d - b, from the drafts' end to the pass's result back on the host (the pass, and
 the step beside it where it slows the pass); the host's time in propose (its launches run ahead
-of the GPU); and the host's time from a pass's result to the next propose (the loop's own
-work, on the critical path). --beside on,off: with and without the step that feeds the last
+of the GPU), and how much of it passes before the first draft step's launch (the GPU idle); and
+the host's time from a pass's result to the next propose (the loop's own work, on the critical
+path). The costs are measured at positions 0 and 256 (the prompts run at about 100 to 300). --beside on,off: with and without the step that feeds the last
 draft beside the pass (off: that step runs before the next drafts, as on the CPU engine).
 """
 
@@ -65,9 +66,11 @@ def main() -> None:
     for e in (target, draft):
         e.prepare(GREEDY, range(CONTEXT), rows=MEASURE_ROWS)
     drafter = ModelDrafter(draft, target.config)
-    costs = measure_costs(target, 0, drafter)
-    rows = ", ".join(f"{n} rows {s * 1e3:.3f}" for n, s in costs.rows)
-    print(f"costs (ms): token step {costs.step * 1e3:.3f}; {rows}; draft step {costs.draft_step * 1e3:.3f}")
+    for pos in (0, 256):  # (the prompts' text runs at positions of about 100 to 300)
+        costs = measure_costs(target, pos, drafter)
+        rows = ", ".join(f"{n} rows {s * 1e3:.3f}" for n, s in costs.rows)
+        print(f"costs at position {pos} (ms): token step {costs.step * 1e3:.3f}; {rows}; draft step "
+              f"{costs.draft_step * 1e3:.3f}")  # fmt: skip
 
     marks: list[dict] = []  # a pass each: its events and host times
     propose, forward_rows = drafter.propose, target.forward_rows
@@ -76,9 +79,19 @@ def main() -> None:
         a = cuda.event()
         t = time.perf_counter()
         a.record(draft.stream)
-        out = propose(context, k)
-        marks.append({"t": t, "a": a, "draft": out, "propose": time.perf_counter() - t})
-        return out
+        mark = {"t": t, "a": a}
+        marks.append(mark)
+        mark["draft"] = propose(context, k)
+        mark["propose"] = time.perf_counter() - t
+        return mark["draft"]
+
+    greedy_steps = draft._greedy_steps
+
+    def timed_steps(*a: object, **k: object) -> object:
+        steps = greedy_steps(*a, **k)  # (launched as soon as this returns)
+        if marks and "first" not in marks[-1]:
+            marks[-1]["first"] = time.perf_counter()
+        return steps
 
     def timed_rows(*a: object, **k: object) -> object:
         out = forward_rows(*a, **k)
@@ -102,6 +115,7 @@ def main() -> None:
         return Draft([], device=draft.greedy_tokens(fed, pos, k))  # (fed_last False: settled as on the CPU)
 
     drafter.propose, target.forward_rows, drafter.draft = timed_propose, timed_rows, draft_call
+    draft._greedy_steps = timed_steps
     prompts = json.load(open(Path(__file__).resolve().parent.parent / "tests/data/speculative_prompts.json"))
     for k, beside in ((int(x), b == "on") for x in args.k.split(",") for b in args.beside.split(",")):
         spec = SpeculativeEngine(target, drafter, SpeculationOptions(k=k, costs=costs))
@@ -118,10 +132,11 @@ def main() -> None:
             drafts = median([x["drafts"] for x in m])
             to_pass = median([x["to_pass"] for x in m])
             host = median([x["propose"] * 1e3 for x in m])
+            before = median([(x["first"] - x["t"]) * 1e3 for x in m if "first" in x])
             print(
                 f"k {k}, beside {'on' if beside else 'off'}: {len(out)} tokens, {len(m)} passes; ms a pass: wall {wall:.3f} = drafts on the GPU "
                 f"{drafts:.3f} + drafts' end to the result {to_pass:.3f} + the host after it {after:.3f} "
-                f"(propose's host time {host:.3f})",
+                f"(propose's host time {host:.3f}, {before:.3f} of it before the first draft step's launch)",
                 flush=True,
             )
 
