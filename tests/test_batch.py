@@ -192,6 +192,9 @@ def run_plan(
     the engine sampled for that request in its last pass (`device`: request id -> token), as the
     GPU's rows read theirs."""
     a = plan.arrays()
+    assert a["block_table"].tolist() == [  # (the scheduler's TableRows: each table, padded with 0)
+        c.table + [0] * (a["block_table"].shape[1] - len(c.table)) for c in plan.chunks
+    ]
     for r in np.flatnonzero(a["tokens"] == PENDING):
         a["tokens"][r] = device[plan.chunks[a["seq_of_row"][r]].seq]
     bs, log2 = m.block_size, m.block_size.bit_length() - 1
@@ -310,6 +313,30 @@ def test_scheduler_simulated_run(seed, bs, ahead):
     assert (
         metrics["kv_blocks_used"] == 0 and metrics["kv_blocks_free"] + metrics["kv_blocks_cached"] == n_blocks
     )
+
+
+def test_table_rows_follow_growing_and_new_tables():
+    """TableRows (the plans' block tables kept from step to step) gives each chunk's table padded
+    with 0, as the tables grow, are replaced by new lists (a preemption's recompute), and come and
+    go (more sequences than its rows, its rows freed and doubled)."""
+    from pycalm.batch.scheduler import Chunk, TableRows
+
+    rng = random.Random(3)
+    rows = TableRows()
+    tables: dict[int, list[int]] = {}
+    for _ in range(300):
+        for seq in rng.sample(range(60), rng.randrange(1, 40)):  # some of the sequences
+            t = tables.setdefault(seq, [])
+            if rng.random() < 0.05:  # a new list, as an allocation makes
+                t = tables[seq] = [rng.randrange(1000) for _ in range(rng.randrange(1, 5))]
+            t += [rng.randrange(1000) for _ in range(rng.randrange(0, 3) if t else 1)]
+        planned = [seq for seq in tables if rng.random() < 0.6]
+        chunks = [Chunk(seq, 0, [1], True, tables[seq]) for seq in planned]
+        width = max((len(c.table) for c in chunks), default=0) + rng.randrange(0, 3)
+        got = rows.block_table(chunks, width)
+        assert got.dtype == np.int32 and got.shape == (len(chunks), width)
+        assert got.tolist() == [c.table + [0] * (width - len(c.table)) for c in chunks]
+    assert len(rows.rows) > 16 and rows.rows.shape[1] > 16  # (it grew both ways)
 
 
 def test_scheduler_budget_and_chunked_prefill():

@@ -272,12 +272,17 @@ class BatchRunner:
         """The pass of a plan, its tokens sampled and handed out (or, run ahead, assumed: the
         module docstring)."""
         a = plan.arrays()
-        rows = [self.streams[c.seq] for c in plan.chunks if c.sample]  # a stream a sampled row
+        seqs = [c.seq for c in plan.chunks if c.sample]  # a sampled row's request id
+        rows = [self.streams[q] for q in seqs]  # a stream a sampled row
         if self.device_sampling:  # the GPU draws the plain rows' tokens; the host the rest
-            on_host = [s.constraint is not None or s.sampler.penalties is not None for s in rows]
-            keep = [i for i, s in enumerate(rows) if on_host[i] or s.logprobs is not None]
-            options = [GREEDY if h else s.options for s, h in zip(rows, on_host, strict=True)]
-            coins = [0.0 if h else s.sampler.next_coin() for s, h in zip(rows, on_host, strict=True)]
+            on_host, keep, options, coins = [], [], [], []  # (n_sampled,) each but keep
+            for i, s in enumerate(rows):
+                h = s.constraint is not None or s.sampler.penalties is not None
+                on_host.append(h)
+                if h or s.logprobs is not None:
+                    keep.append(i)
+                options.append(GREEDY if h else s.options)
+                coins.append(0.0 if h else s.sampler.next_coin())
             prev = self._prev(plan, a)
             t0, handed = time.perf_counter(), self.hand_out_s
             step = (
@@ -294,7 +299,7 @@ class BatchRunner:
                 self.engine_s += time.perf_counter() - t0
                 self._collect()  # the step before: its tokens read (resolve) ...
                 slots, _ = self.scheduler.assume(plan)  # ... before this one's positions are computed
-                order = {c.seq: j for j, c in enumerate(c for c in plan.chunks if c.sample)}
+                order = {q: j for j, q in enumerate(seqs)}
                 self.inflight = InFlight(ticket, slots, [order[r.id] for r, _ in slots], rows, order)
                 self.hand_out()  # (while this step runs)
                 return
@@ -340,8 +345,8 @@ class BatchRunner:
         if not len(ahead):
             return None
         prev = np.full(len(a["tokens"]), -1, np.int32)  # (R,)
-        for r in ahead:
-            prev[r] = self.inflight.order[plan.chunks[a["seq_of_row"][r]].seq]
+        order, chunks = self.inflight.order, plan.chunks
+        prev[ahead] = [order[chunks[i].seq] for i in a["seq_of_row"][ahead].tolist()]
         return prev
 
     def _collect(self) -> None:
@@ -354,12 +359,12 @@ class BatchRunner:
         chosen = self.engine.collect(f.ticket)
         now = time.perf_counter()
         self.engine_s += now - t0
-        tokens = [int(chosen[j]) for j in f.rows_of_slots]
+        tokens = chosen[f.rows_of_slots].tolist()  # (a slot's token: ints)
         self.scheduler.resolve(f.slots, tokens)
         made = []
-        for (r, i), token in zip(f.slots, tokens, strict=True):
+        for (r, i), j, token in zip(f.slots, f.rows_of_slots, tokens, strict=True):
             end = r.finish_reason if r.state == FINISHED and i == len(r.output) - 1 else None
-            made.append((f.streams[f.order[r.id]], token, None, now, end))
+            made.append((f.streams[j], token, None, now, end))
         self.pending += made
 
     def _collect_and_hand_out(self) -> None:
@@ -402,7 +407,11 @@ class BatchRunner:
             gen.logprobs.append(item)
             s.emit("logprobs", (s.index, [item]))
         if piece := s.text.push("" if token in self.eos else s.decoder.push(token)):
-            self._text(s, piece)
+            if s.tool_parser is None:  # (_text's own, without its generator)
+                gen.text += piece
+                s.emit("text", (s.index, piece))
+            else:
+                self._text(s, piece)
         if s.text.stopped or (s.constraint is not None and s.constraint.finished):
             self._finish(s, "stop")
         elif ended is not None:

@@ -106,6 +106,9 @@ class StopText:
         self.stopped = False
 
     def push(self, piece: str) -> str:
+        if not self.stops:  # (nothing to cut or hold back: pending stays "")
+            self.pushed += 1
+            return piece
         self.pending += piece
         self.pushed += 1
         if self.pushed < self.min_tokens:  # no stop string ends in the text so far

@@ -110,13 +110,63 @@ class Chunk:
         return len(self.tokens) > 1 or not self.sample
 
 
+class TableRows:
+    """The block tables of a scheduler's plans as rows of one array kept from step to step, from
+    which Plan.arrays gathers a plan's block_table. A chunk's table is the manager's own list: it
+    only grows while its sequence holds its blocks, and an allocation makes a new one. So a row
+    is written whole for a table it has not seen (a new list) and extended for a longer one: a
+    step copies the blocks added since the step before, not every table."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((16, 16), np.int32)  # (slots, widest table so far): past a table, 0
+        self.slots: dict[int, tuple[int, list[int], int]] = {}  # seq -> (its row, its table, blocks written)
+        self.free = list(range(len(self.rows)))  # rows no sequence has
+
+    def block_table(self, chunks: list[Chunk], width: int) -> np.ndarray:
+        """(len(chunks), width) int32: chunk i's table, padded with block 0."""
+        most = max(width, max((len(c.table) for c in chunks), default=0))
+        if most > (wide := self.rows.shape[1]):  # a wider table: every row widened with 0s
+            self.rows = np.pad(self.rows, ((0, 0), (0, max(most, 2 * wide) - wide)))
+        slots, index = self.slots, []  # (S,) each chunk's row
+        for c in chunks:
+            n, e = len(c.table), slots.get(c.seq)
+            if e is not None and e[1] is c.table and e[2] == n:  # (most steps: nothing new)
+                index.append(e[0])
+                continue
+            if e is not None and e[1] is c.table and e[2] < n:  # grown: the new blocks
+                self.rows[e[0], e[2] : n] = c.table[e[2] :]
+                row = e[0]
+            else:  # a table not seen: the whole row
+                row = e[0] if e is not None else self._row(chunks)
+                self.rows[row] = 0
+                self.rows[row, :n] = c.table
+            slots[c.seq] = (row, c.table, n)
+            index.append(row)
+        return self.rows[index, :width]  # (S, width) (a copy)
+
+    def _row(self, chunks: list[Chunk]) -> int:
+        """A row for a new sequence: a free one, else the rows of sequences not in `chunks` (they
+        ended, or wait) freed, else twice the rows."""
+        if not self.free:
+            planned = {c.seq for c in chunks}
+            for seq in [q for q in self.slots if q not in planned]:
+                self.free.append(self.slots.pop(seq)[0])
+        if not self.free:
+            n = len(self.rows)
+            self.rows = np.concatenate([self.rows, np.zeros_like(self.rows)])
+            self.free = list(range(n, 2 * n))
+        return self.free.pop()
+
+
 @dataclass
 class Plan:
     """One step: decode chunks (one row each) first, then prompt chunks; `finished` lists the
-    requests that ended while planning (cancelled)."""
+    requests that ended while planning (cancelled). `table_rows`: where the scheduler keeps its
+    tables' rows (TableRows), else None."""
 
     chunks: list[Chunk]
     finished: list[Request] = field(default_factory=list)
+    table_rows: TableRows | None = None
 
     @property
     def n_rows(self) -> int:
@@ -136,9 +186,12 @@ class Plan:
         seq_of_row = np.repeat(np.arange(n_seqs, dtype=np.int32), lens)
         starts = np.fromiter((c.start for c in chunks), np.int32, n_seqs)  # (S,)
         positions = np.arange(n_rows, dtype=np.int32) + np.repeat(starts - (last + 1 - lens), lens)
-        block_table = np.zeros((n_seqs, width), np.int32)  # (S, max_blocks)
-        for i, c in enumerate(chunks):
-            block_table[i, : len(c.table)] = c.table
+        if self.table_rows is not None:
+            block_table = self.table_rows.block_table(chunks, width)  # (S, max_blocks)
+        else:
+            block_table = np.zeros((n_seqs, width), np.int32)  # (S, max_blocks)
+            for i, c in enumerate(chunks):
+                block_table[i, : len(c.table)] = c.table
         sample_rows = last[np.fromiter((c.sample for c in chunks), bool, n_seqs)]
         return {
             "tokens": tokens,
@@ -167,6 +220,7 @@ class Scheduler:
         self.preemptions = 0
         self.arrivals = 0  # requests submitted so far
         self.cancelled: set[int] = set()  # ids cancel() marked since the last schedule()
+        self.table_rows = TableRows()  # the plans' block tables, kept from step to step
 
     def submit(self, request: Request) -> None:
         """Queue a request. Refuses one that could not fit in the pool even alone."""
@@ -199,7 +253,7 @@ class Scheduler:
 
     def schedule(self) -> Plan:
         """The next step's plan (see the module docstring)."""
-        plan = Plan([])
+        plan = Plan([], table_rows=self.table_rows)
         for r in [self.requests[i] for i in sorted(self.cancelled) if i in self.requests]:  # 1. cancellations
             if r.state == RUNNING:
                 self.running.remove(r)
@@ -211,23 +265,28 @@ class Scheduler:
         self.cancelled.clear()
 
         budget = self.token_budget
+        seqs, chunks = self.blocks.seqs, plan.chunks  # (the manager's SeqBlocks by id; the plan's)
         i = 0
         while i < len(self.running):  # 2. decode rows, oldest first
             r = self.running[i]
-            if r.n_tokens - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
-                if len(self.blocks.seqs[r.id].tokens) < r.n_tokens and not self._grow(r):
+            n = len(r.prompt) + len(r.output)  # (r.n_tokens)
+            if n - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
+                s = seqs[r.id]
+                if len(s.tokens) < n and not self._grow(r):
                     break  # r itself was the newest and is preempted
-                plan.chunks.append(Chunk(r.id, r.computed, [r.last_token], True, self.blocks.table(r.id)))
+                chunks.append(Chunk(r.id, r.computed, [r.last_token], True, s.table))
                 budget -= 1
             i += 1
 
-        if not plan.chunks:  # no sequence waits on this step for a token: the prefill budget
+        if not chunks:  # no sequence waits on this step for a token: the prefill budget
             budget = self.prefill_budget
         for r in self.running:  # 3. prompt chunks of admitted sequences, oldest first
-            todo = r.n_tokens - r.computed
-            if todo > 1 and budget > 0:
-                plan.chunks.append(self._chunk(r, min(todo, budget)))
-                budget -= len(plan.chunks[-1].tokens)
+            if budget <= 0:
+                break
+            todo = len(r.prompt) + len(r.output) - r.computed  # (r.n_tokens - r.computed)
+            if todo > 1:
+                chunks.append(self._chunk(r, min(todo, budget)))
+                budget -= len(chunks[-1].tokens)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:  # admissions, FIFO
             r = self.waiting[0]
             if r.output and r.output[-1] == PENDING:  # preempted with a token not read yet
