@@ -25,9 +25,11 @@ the server's one-at-a-time worker sends: ("start", i), ("logprobs", (i, [TokenLo
 
 That hand-out of a step's tokens runs while the next step's pass runs on the GPU (the engine's
 while_waiting), and then `on_events()` (the server: wake its event loop, which formats and sends
-the text while the GPU works): the host's work and the pass overlap. A stop string seen there
-ends its request one step late: that step's row for it is computed, and its token dropped. A
-step with nothing to run hands out at once.
+the text while the GPU works): the host's work and the pass overlap. With a step run ahead
+(below) in flight, on_events() comes when the host next waits for the GPU (_collect): the event
+loop, which takes the GIL, then runs while the host waits, not while it plans and enqueues the
+next step. A stop string seen there ends its request one step late: that step's row for it is
+computed, and its token dropped. A step with nothing to run hands out at once.
 
 On the GPU a step whose every sampled row is drawn there, with no logits for the host, runs
 ahead: it is enqueued (BatchedGpuEngine.enqueue_tokens), then the step before it is collected,
@@ -355,6 +357,7 @@ class BatchRunner:
         if self.inflight is None:
             return
         f, self.inflight = self.inflight, None
+        self.on_events()  # the last hand-out's events, while the host waits (the module docstring)
         t0 = time.perf_counter()
         chosen = self.engine.collect(f.ticket)
         now = time.perf_counter()
@@ -375,7 +378,8 @@ class BatchRunner:
 
     def hand_out(self) -> None:
         """The last step's tokens to their streams (a stream that finished meanwhile, on a stop
-        string or a cancellation, drops its token), then on_events()."""
+        string or a cancellation, drops its token), then on_events(): at once, or with a step in
+        flight, at the next wait for it (_collect)."""
         t0 = time.perf_counter()
         pending, self.pending = self.pending, []
         for s, token, row, now, ended in pending:
@@ -383,7 +387,8 @@ class BatchRunner:
                 self._hand_out(s, token, row, now, ended)
             elif ended is not None:  # finished here and ended by the scheduler: no cancel pops it
                 self.streams.pop(s.request.id, None)
-        self.on_events()
+        if self.inflight is None:
+            self.on_events()
         self.hand_out_s += time.perf_counter() - t0
 
     def _hand_out(self, s: Stream, token: int, logits: np.ndarray, now: float, ended: str | None) -> None:

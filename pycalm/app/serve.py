@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import math
@@ -460,8 +461,12 @@ class Job:
         self.woken = True
         return True
 
-    async def drain(self) -> list[tuple[str, object]]:  # on the event loop
+    async def drain(self, not_before: float = 0.0) -> list[tuple[str, object]]:  # on the event loop
+        """The events so far, once there is one, and not before the loop's time `not_before`
+        (those made meanwhile come too)."""
         await self.ready.wait()
+        if (wait := not_before - self.loop.time()) > 0:  # (no timer where the time has passed)
+            await asyncio.sleep(wait)
         self.ready.clear()
         self.woken = False  # before taking the events: one appended from here on wakes again
         return [self.events.popleft() for _ in range(len(self.events))]
@@ -470,6 +475,28 @@ class Job:
 def _set_ready(jobs: list[Job]) -> None:  # on the event loop
     for job in jobs:
         job.ready.set()
+
+
+class Waker(threading.Thread):
+    """Wakes the event loop for ParallelWorker's jobs from a thread of its own. The wake-up's
+    system call (call_soon_threadsafe's write) lets go of the GIL, and the event loop, which it
+    wakes, takes it: made on the worker thread right before the worker waits for the GPU, the
+    worker would wait for the loop to hand the GIL back first, often for the loop's whole turn
+    of formatting and sending. The worker hands the jobs over here instead (no system call of
+    its own, the GIL kept) and goes on to wait; this thread makes the call once it has the GIL."""
+
+    def __init__(self) -> None:
+        super().__init__(name="pycalm-waker", daemon=True)
+        self.queue: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while (jobs := self.queue.get()) is not None:
+            while not self.queue.empty():  # those handed over meanwhile, at the same wake-up
+                if (more := self.queue.get()) is None:
+                    return
+                jobs += more
+            with contextlib.suppress(RuntimeError):  # (a loop closed: no one waits on its jobs)
+                jobs[0].loop.call_soon_threadsafe(_set_ready, jobs)
 
 
 @dataclass
@@ -681,8 +708,9 @@ class ParallelWorker(Worker):
     batching (pycalm.app.batching.BatchRunner). Each turn of the loop takes the jobs queued
     meanwhile (a choice of a job is a sequence of the batch; embeddings run between steps), then
     runs one step; it waits on the queue only when nothing runs. The runner hands a step's text
-    out while the GPU runs the next pass, and the event loop is woken right then (the runner's
-    on_events), so that it formats and sends the text while the GPU works. A job ends ("done")
+    out while the GPU runs the next pass, and the event loop is woken as the worker next waits for
+    the GPU (the runner's on_events, through the Waker), so that it formats and sends the text
+    while the worker waits, not while it plans and enqueues the next step. A job ends ("done")
     when its last choice has finished; a cancelled job (a client gone, or the shutdown) leaves
     the batch at the next step with what it has. parallel None (--parallel auto): auto_parallel
     decides at load; where it says 1, the worker serves as Worker does, one job at a time."""
@@ -702,6 +730,7 @@ class ParallelWorker(Worker):
         self.active: dict[int, tuple[Job, list]] = {}  # id(job) -> (job, its Generations by choice)
         self.peak = 0  # the most sequences a step has run
         self.to_wake: list[Job] = []  # jobs with events since the last wake-up
+        self.waker = Waker()  # wakes the loop for the runner's events, while the worker waits
 
     def prepare(self, llm: object) -> None:
         """The batch runner and its KV pool: an engine that cannot batch (--parallel N), or a pool
@@ -722,12 +751,13 @@ class ParallelWorker(Worker):
         from pycalm.app.batching import BatchRunner
 
         runner = BatchRunner(llm, self.parallel, token_budget=self.batch_size)
-        runner.on_events = self.wake
+        runner.on_events = self.wake_waiting
         return runner
 
     def serve(self) -> None:
         if self.runner is None:  # --parallel auto chose one request at a time
             return Worker.serve(self)
+        self.waker.start()
         ending = False  # (self.runner, not a local: a failed step replaces it)
         while not ending or not self.runner.idle():
             try:
@@ -745,7 +775,9 @@ class ParallelWorker(Worker):
                     job = False
             if not self.runner.idle():
                 self.step()
-            self.wake()
+            if self.runner.inflight is None:  # (else the runner wakes it at its wait for that step)
+                self.wake()
+        self.waker.queue.put(None)
 
     def start_job(self, job: Job) -> None:
         """A queued job joins the batch (its choices as sequences), or answers at once."""
@@ -798,6 +830,12 @@ class ParallelWorker(Worker):
         if self.to_wake:
             jobs, self.to_wake = self.to_wake, []
             jobs[0].loop.call_soon_threadsafe(_set_ready, jobs)
+
+    def wake_waiting(self) -> None:
+        """wake(), by the Waker: the runner's on_events, called as the worker is about to wait."""
+        if self.to_wake:
+            jobs, self.to_wake = self.to_wake, []
+            self.waker.queue.put(jobs)
 
     def end_job(self, job: Job, gens: list) -> None:
         """Every choice of the job has finished: its counts, and ("done", gens)."""
@@ -998,9 +1036,10 @@ def make_app(
         [TokenLogprobs], [call])). Leaving early (a client gone) cancels the job, which the
         worker sees at its next token, and says so in a line."""
         ended = False  # the job's last event was taken
+        not_before = 0.0  # the loop's time the next text may go out (STREAM_INTERVAL_S after the last)
         try:
             while True:
-                batch = await job.drain()
+                batch = await job.drain(not_before)
                 merged: list[tuple[str, object]] = []
                 for kind, value in batch:
                     if kind in ("text", "logprobs", "calls"):
@@ -1024,7 +1063,7 @@ def make_app(
                     if ended:
                         return
                 if any(kind == "text" for kind, _ in merged):
-                    await asyncio.sleep(STREAM_INTERVAL_S)
+                    not_before = job.loop.time() + STREAM_INTERVAL_S
         finally:
             if not ended and not job.cancel.is_set():
                 print(f"pycalm: {path}: the client went away; the request stops", file=sys.stderr, flush=True)
