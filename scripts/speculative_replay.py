@@ -197,6 +197,8 @@ def replay(args: argparse.Namespace) -> None:
         feed_last=0.0 if args.beside > 0 else None,
         measured=True,
     )
+    Drafter.DECAY = ModelDrafter.DECAY if args.decay is None else args.decay
+    Drafter.PRIOR = ModelDrafter.PRIOR if args.prior is None else args.prior
     traces = json.loads(Path(args.traces).read_text())
     config = ModelConfig(
         arch="llama", dim=16, hidden_dim=16, head_dim=16, n_layers=1, n_heads=1, n_kv_heads=1,
@@ -261,6 +263,8 @@ def main() -> None:
     r.add_argument("--believed-pass", default="2:2.45,4:2.47,8:2.48,16:2.59")
     r.add_argument("--believed-draft", type=float, default=0.74)
     r.add_argument("--k", default="3,4,5,6,7,8,adaptive")
+    r.add_argument("--decay", type=float, help="the drafter's DECAY (default ModelDrafter's)")
+    r.add_argument("--prior", type=float, help="the drafter's PRIOR (default ModelDrafter's)")
     args = ap.parse_args()
     trace(args) if args.command == "trace" else replay(args)
 
