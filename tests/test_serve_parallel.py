@@ -601,3 +601,49 @@ def test_a_step_that_waits_after_one_run_ahead(llm):
     np.testing.assert_allclose(got[-1]["logprobs"], [x.logprob for x in gen.logprobs], rtol=1e-6)
     assert engine.calls["step_tokens"] > 0 and engine.calls["fed ahead"] > 0
     assert runner.blocks.whole() and runner.inflight is None
+
+
+def test_the_waker_wakes_every_job_handed_over_before_it_ends():
+    """serve.Waker: the jobs handed over between two of its wake-ups are woken together, and
+    those handed over before the None that ends it are woken too (a job left unwoken would
+    leave its client waiting)."""
+    from pycalm.app.serve import Waker
+
+    woken: list[str] = []
+    calls: list[list[str]] = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, jobs):  # noqa: ANN001, ANN202 - asyncio's signature
+            calls.append([j.name for j in jobs])
+            fn(jobs)
+
+    class Ready:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def set(self) -> None:
+            woken.append(self.name)
+
+    class FakeJob:
+        def __init__(self, name: str) -> None:
+            self.name, self.loop, self.ready = name, Loop(), Ready(name)
+
+    waker = Waker()
+    waker.queue.put([FakeJob("a")])  # handed over before it runs: one wake-up for all three
+    waker.queue.put([FakeJob("b"), FakeJob("c")])
+    waker.queue.put(None)
+    waker.start()
+    waker.join(timeout=10)
+    assert not waker.is_alive()
+    assert calls == [["a", "b", "c"]] and woken == ["a", "b", "c"]
+    # running: each hand-over woken as it comes, the last one before the None too
+    waker, woken[:], calls[:] = Waker(), [], []
+    waker.start()
+    waker.queue.put([FakeJob("d")])
+    deadline = time.monotonic() + 10
+    while not woken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waker.queue.put([FakeJob("e")])
+    waker.queue.put(None)
+    waker.join(timeout=10)
+    assert woken == ["d", "e"] and not waker.is_alive()

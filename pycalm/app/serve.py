@@ -490,11 +490,13 @@ class Waker(threading.Thread):
         self.queue: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
 
     def run(self) -> None:
-        while (jobs := self.queue.get()) is not None:
-            while not self.queue.empty():  # those handed over meanwhile, at the same wake-up
-                if (more := self.queue.get()) is None:
-                    return
-                jobs += more
+        ending = False  # the None that ends it came (after every list handed over before it)
+        while not ending and (first := self.queue.get()) is not None:
+            jobs = list(first)
+            while not ending and not self.queue.empty():  # those handed over meanwhile, at one wake-up
+                more = self.queue.get()
+                ending = more is None
+                jobs += more or []
             with contextlib.suppress(RuntimeError):  # (a loop closed: no one waits on its jobs)
                 jobs[0].loop.call_soon_threadsafe(_set_ready, jobs)
 
