@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -118,6 +118,21 @@ while [ $i -lt ${#steps[@]} ]; do
                python3 scripts/kernels/prefill_attention.py --variants shipped,w2,k32,w2k32,w1,w1k32,w1k16 \
                  --rows 32,64 --pos0 $p0 2>&1 | tee -a "$out/kernels_rows_attention.log" | grep -A30 "=== summary"
              done ;;
+    fold-32)  # issue 29: the folded RMSNorms against the unfolded pass at 16 and 32 rows in one run (whether
+             # prefill.FOLD_ROWS stays at 32: on an H100, 2026-12-07, 32 rows gained nothing against another run)
+             python3 scripts/kernels/rows_launches.py --shapes llama3-8b --dtypes fp16,q8,q4 --rows 16,32 2>&1 \
+               | tee "$out/rows_launches_32.log" | tail -12 ;;
+    serve-warm)  # issue 31: the precompile's batch group on the GPU (the cold run's test), then the server's
+             # first rows, which compiled kernels mid-run before it (8 streams: 7.88 s of captures, 2026-12-07)
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider -n 2 tests/test_precompile.py \
+               -k "cold_run or walk_reaches" 2>&1 | tee "$out/tests_precompile.log" | tail -3
+             python3 scripts/bench_serve.py --streams 8,32,64 --shape llama3-8b --dtype fp16 2>&1 \
+               | tee "$out/bench_serve_warm.log" | tail -5 ;;
+    pair-attention)  # issue 30: the speculative pair's decode attention at 1-300 positions (the draft's step
+             # in the loop 0.785 ms on the H200 against 0.69 at position 0), the shortest split 32 to 256
+             python3 scripts/kernels/attention.py --shapes Qwen2.5-0.5B,Qwen2.5-1.5B --n-pos 1,64,160,300 \
+               --variants default,s_c64,s_c128,s_c256,s_nomerge --check 2>&1 | tee "$out/kernels_attention_pair.log" \
+               | grep -A40 "=== summary" ;;
     prefill-musts)  # issue 34's Musts on the H200 (8B fp16 >= 26,000, q8 >= 16,000, q4 >= 13,000 tok/s
              # at 2,048 tokens), then Mixtral fp16, the cell only an H200 holds
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \

@@ -10,7 +10,8 @@ streaming warp tiles through cp.async rings; `SplitTuning` sizes it):
   s_t8st2   warp tiles of 8 positions, 2 stages (about 17% fewer instructions a position than the
             default in the machine code, scripts/kernels/sass_loops.py, but one tile in flight)
   s_st3     rings of 3 stages; s_st6: 6
-  s_c16, s_c64  the shortest split 16 / 64 positions
+  s_c16, s_c64, s_c128, s_c256  the shortest split 16 / 64 / 128 / 256 positions (a short context
+            of few kv heads in fewer splits: less to merge, more tiles a warp)
   s_tg256, s_tg1024  splits sized for 256 / 1024 blocks
   s_pad2, s_tg256_pad2  the default / s_tg256 with 48 KiB of dynamic shared memory a block
             reserved, so an SM holds two blocks (the token step launches the kernel behind qkv's,
@@ -42,6 +43,8 @@ How to run (on the GPU machine, from the repository root):
     python3 scripts/kernels/attention.py --variants all --check
     python3 scripts/kernels/attention.py --shapes Llama-3-8B --n-pos 256,4000,8000,16000,32000 \
         --variants default,copy,s_tg256 --check                 # long contexts
+    python3 scripts/kernels/attention.py --shapes Qwen2.5-0.5B,Qwen2.5-1.5B --n-pos 1,64,160,300 \
+        --variants default,s_c64,s_c128,s_c256,s_nomerge --check  # the speculative pair's
     NUMBA_ENABLE_CUDASIM=1 python3 scripts/kernels/attention.py --variants all --tiny
         # every variant checked at a tiny shape under the simulator (no timing)
 
@@ -98,7 +101,14 @@ from pycalm.kernels.warpgroup import launch_dynamic  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 from pycalm.model.config import ModelConfig  # noqa: E402
 
-SHAPES = {"Llama-3-8B": (32, 8, 128), "TinyLlama": (32, 4, 64)}  # n_heads, n_kv_heads, head_dim
+# n_heads, n_kv_heads, head_dim; the Qwen2.5 shapes are the speculative pair's (the draft's
+# attention at 100-300 positions: about 7 us a layer, docs/BENCHMARKS.md)
+SHAPES = {
+    "Llama-3-8B": (32, 8, 128),
+    "TinyLlama": (32, 4, 64),
+    "Qwen2.5-0.5B": (14, 2, 64),
+    "Qwen2.5-1.5B": (12, 2, 128),
+}
 TINY_SHAPES = {"tiny": (3, 1, 32)}
 N_POS = (64, 256, 4000)
 TINY_N_POS = (5, 37)
@@ -469,6 +479,8 @@ VARIANTS = {
     "s_st6": SplitTuning(stages=6),
     "s_c16": SplitTuning(chunk=16),
     "s_c64": SplitTuning(chunk=64),
+    "s_c128": SplitTuning(chunk=128),
+    "s_c256": SplitTuning(chunk=256),
     "s_tg256": SplitTuning(target=256),
     "s_tg1024": SplitTuning(target=1024),
     "s_pad2": SplitTuning(pad=48 * 1024),
