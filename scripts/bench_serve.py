@@ -71,6 +71,7 @@ from tiny_models import make_gguf  # noqa: E402
 
 from pycalm.convert.main import convert  # noqa: E402
 from pycalm.gpu.batched import BatchedGpuEngine  # noqa: E402  (the stand-in takes its buckets)
+from pycalm.kernels.sample import HostRows  # noqa: E402
 from pycalm.model.loader import ModelWriter, open_model  # noqa: E402
 
 PROMPT = "the cat"
@@ -217,12 +218,11 @@ class StandInBatched:
         self.rng = np.random.default_rng(0)
         self.gpu_s = 0.0  # the steps' "GPU" seconds
         self.busy_until = 0.0  # when the last step enqueued ends
+        self.host_rows = HostRows()  # the engine's encoding of the rows' options
 
     def enqueue_tokens(self, tokens, positions, seq_of_row, block_table, sample_rows, samplings, coins,  # noqa: ANN001, ANN201
                        prev=None):  # fmt: skip
-        from pycalm.kernels.sample import host_rows
-
-        host_rows(samplings)
+        self.host_rows(samplings)  # (the options checked, as the engine's)
         gpu_s = self.cost(len(tokens), self.bucket(len(tokens))) / 1e3
         self.busy_until = max(time.perf_counter(), self.busy_until) + gpu_s
         self.gpu_s += gpu_s

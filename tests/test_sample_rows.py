@@ -13,6 +13,8 @@ kept tokens, the others take the radix passes); with PYCALM_TEST_GPU=1 over 1282
 the launcher's default block.
 """
 
+import re
+
 import numpy as np
 import pytest
 from gpu import GPU
@@ -21,7 +23,7 @@ from numba import cuda
 from pycalm.cpu.reference import filtered_distribution, sample_ref
 from pycalm.cpu.sampler import SamplingParams
 from pycalm.errors import PycalmError
-from pycalm.kernels.sample import RowSampling, sample_rows
+from pycalm.kernels.sample import HostRows, RowSampling, host_rows, sample_rows
 
 THREADS = {} if GPU else {"threads": 64}  # the simulator runs a Python thread per GPU thread
 VOCAB = 128256 if GPU else 1237
@@ -111,6 +113,50 @@ def test_sample_rows_equal_logits_in_id_order():
         assert got == _want(logits, settings, coins), coins.tolist()
         assert got[0] == np.sort(ids[0])[int(coins[0] * 10)]
         assert got[2] == ids[2].min()
+
+
+def test_host_rows_kept_match_host_rows():
+    """HostRows (a batch's steps' options, each object checked and encoded once) gives host_rows's
+    arrays step after step, as requests come and go and share objects, and host_rows's errors for
+    a bad option: the same exception and message, whether the bad row comes first, after kept rows
+    or among new ones, and nothing of a refused step kept."""
+    rng = np.random.default_rng(5)
+    pool = [
+        SamplingParams(float(rng.choice([0.0, 0.7, 1.3])), int(rng.integers(0, 50)), float(rng.uniform(0.1, 1.0)),
+                       float(rng.uniform(0.0, 0.5)), seed=int(rng.integers(9)))
+        for _ in range(40)
+    ]  # fmt: skip
+    rows = HostRows()
+    for _ in range(60):
+        step = [pool[i] for i in rng.integers(0, len(pool), int(rng.integers(0, 20)))]
+        got, want = rows(step), host_rows(step)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape and g.flags.c_contiguous
+            assert g.tobytes() == w.tobytes()
+        assert set(rows.kept) <= {id(s) for s in pool}
+    assert len(rows.kept) <= 20  # (the objects of one step at most)
+    bad = [
+        SamplingParams(0.5, top_p=0.0),
+        SamplingParams(-1.0),
+        SamplingParams(float("nan")),
+        SamplingParams(0.5, min_p=2.0),
+        SamplingParams(0.5, top_k=-1),
+        SamplingParams(0.5, frequency_penalty=0.5),
+        SamplingParams(0.5, top_k=2**40),  # (numpy's OverflowError: after every row's check)
+    ]
+    for b in bad:
+        for step in (
+            [b],
+            [pool[0], b, pool[1]],
+            [SamplingParams(0.9), b],
+            [b, SamplingParams(0.5, top_p=0.0)],
+        ):
+            with pytest.raises(Exception) as want:
+                host_rows(step)
+            kept = dict(rows.kept)
+            with pytest.raises(want.type, match=f"^{re.escape(str(want.value))}$"):
+                rows(step)
+            assert rows.kept == kept
 
 
 def test_row_sampling_rows_and_checks():

@@ -70,7 +70,7 @@ from pycalm.gpu.graph import GraphStep
 from pycalm.gpu.memory import gpu_memory_info, out_of_memory_as_error, require_gpu_memory
 from pycalm.kernels.attention import KVCache, attention_chunk_len, attention_scratch, attention_span
 from pycalm.kernels.common import STATE_POS, STATE_ROWS, STATE_TOKEN
-from pycalm.kernels.sample import RowSampling, host_rows
+from pycalm.kernels.sample import HostRows, RowSampling
 
 # the GPU memory a pool sized to fit leaves free: this share of the GPU's, and at least
 # RESERVE_MIN bytes (the CUDA graphs of the row buckets, kernel modules loaded later)
@@ -132,6 +132,7 @@ class BatchedGpuEngine:
         )
         f32 = [self.blob[i * R : (i + 1) * R].view(np.float32) for i in range(5, 10)]
         self.row_sampling = RowSampling(f32[0], self.blob[6 * R : 7 * R], f32[2], f32[3])
+        self.host_rows = HostRows()  # a step's rows' options, a request's checked at its first step
         self.coins = f32[4]
         self.state = self.blob[10 * R : 10 * R + 4]  # (4,) the one-row step's state, and STATE_ROWS
         self.table = self.blob[self.head :].reshape(R, self.max_blocks)
@@ -284,7 +285,7 @@ class BatchedGpuEngine:
                 f"{m} sampled rows take {m} samplings and coins, got {len(samplings)} and {len(coins)}"
             )
         R, h, turn = self.max_rows, self.hosts[self.turn], self.turn
-        for i, field in enumerate((*host_rows(samplings), np.asarray(coins, np.float32))):
+        for i, field in enumerate((*self.host_rows(samplings), np.asarray(coins, np.float32))):
             h[(5 + i) * R : (5 + i) * R + m] = field.view(np.int32)
             h[(5 + i) * R + m : (6 + i) * R] = 0  # the bucket's padding rows: greedy, coin 0
         s = self.engine.stream

@@ -753,6 +753,30 @@ def host_rows(samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
     )
 
 
+class HostRows:
+    """host_rows for a batch's steps: a running request passes the same SamplingParams object
+    step after step, so each object is checked and encoded at the first step it comes in (by
+    host_rows over that step's new objects: the same errors, for the same row) and its row kept.
+    A step that brings new objects keeps only its own: those of ended requests go."""
+
+    def __init__(self) -> None:
+        # id -> (the object, its row: temperature, top_k, top_p, min_p as float32 / int32 bytes);
+        # an object kept here is alive, so its id names no other object
+        self.kept: dict[int, tuple[SamplingParams, bytes]] = {}
+
+    def __call__(self, samplings: Sequence[SamplingParams]) -> tuple[np.ndarray, ...]:
+        """host_rows(samplings): (temperature, top_k, top_p, min_p), each (M,)."""
+        kept = self.kept
+        if fresh := [s for s in samplings if id(s) not in kept]:
+            t, k, p, m = host_rows(fresh)
+            rows = np.stack([t.view(np.int32), k, p.view(np.int32), m.view(np.int32)], axis=1)  # (n, 4)
+            kept.update({id(s): (s, r.tobytes()) for s, r in zip(fresh, rows, strict=True)})
+            self.kept = kept = {id(s): kept[id(s)] for s in samplings}
+        rows = b"".join([kept[id(s)][1] for s in samplings])  # (M * 16,)
+        fields = np.frombuffer(rows, np.int32).reshape(len(samplings), 4).T.copy()  # (4, M)
+        return fields[0].view(np.float32), fields[1], fields[2].view(np.float32), fields[3].view(np.float32)
+
+
 def sample_rows(
     logits: object,
     params: RowSampling,
