@@ -562,3 +562,58 @@ def test_a_job_abandoned_while_queued_still_ends():
     first, second = asyncio.run(main())
     assert first == [("error", CLIENT_GONE)]
     assert second == [("done", None)] and len(ran) == 1
+
+
+def test_chunks_are_json_dumps_of_the_whole_chunk():
+    """Chunks' events are byte for byte `data: {json.dumps(chunk)}\n\n` of the whole chunk (the
+    request's fields, then choices, then usage), for completions and chat: a piece of text alone
+    spliced into the JSON made once (unicode, quotes, backslashes, newlines and control
+    characters, an empty piece, a lone surrogate), and the chunks of logprobs, tool calls, a
+    finish and the usage through chunk()."""
+    from pycalm.app.serve import Chunks
+
+    head = {"id": "cmpl-0123456789abcdef01234567", "created": 1765000000, "model": 'my "model" é/1'}
+    texts = [
+        "",
+        " Paris",
+        'say "hi"\\n',
+        "a\nb\r\n\tc\x00\x1f\x7f",
+        "héllo 世界 🎉 \u2028",
+        "\ud800",
+        "\ufffd",
+    ]
+    for chat, obj in ((False, "text_completion"), (True, "chat.completion.chunk")):
+        chunks = Chunks(head, obj, chat)
+
+        def whole(choices: list[dict], obj: str = obj, **extra: object) -> str:
+            return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
+
+        for index in (0, 3, 12):
+            for text in texts:
+                if chat:
+                    choice = {"index": index, "delta": {"content": text}, "finish_reason": None}
+                else:
+                    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+                assert chunks.text(index, text) == whole([choice])
+        lps = {
+            "tokens": [" Par", "is"],
+            "token_logprobs": [-0.5, -9999.0],
+            "top_logprobs": [{" Par": -0.5}, {}],
+        }
+        call = {
+            "index": 0,
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "f", "arguments": '{"a": "ü"}'},
+        }
+        others = [
+            [{"index": 1, "text": " Par", "logprobs": lps, "finish_reason": None}],
+            [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}],
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            [{"index": 2, "delta": {}, "finish_reason": "stop"}],
+            [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
+        ]
+        for choices in others:
+            assert chunks.chunk(choices) == whole(choices)
+        usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+        assert chunks.chunk([], usage=usage) == whole([], usage=usage)

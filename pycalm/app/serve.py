@@ -943,6 +943,30 @@ class ParallelWorker(Worker):
         )
 
 
+class Chunks:
+    """A streamed reply's chunks as server-sent events, `data: {JSON}\n\n`, byte for byte those
+    of json.dumps of the whole chunk ({id, created, model, object, choices[, usage]}). A piece of
+    text alone (a choice's text, no logprobs, tool calls or finish: a stream's usual chunk) is the
+    JSON around it, made once for the request, spliced around json.dumps of the text."""
+
+    def __init__(self, head: dict, obj: str, chat: bool) -> None:
+        self.head = {**head, "object": obj}  # the fields fixed for the request
+        before = json.dumps({**self.head, "choices": [{"index": 0}]})  # '{..., "choices": [{"index": 0}]}'
+        self.before = "data: " + before[: -len("0}]}")]  # up to a choice's index
+        self.between = ', "delta": {"content": ' if chat else ', "text": '  # from the index to the text
+        self.after = ("}" if chat else ', "logprobs": null') + ', "finish_reason": null}]}\n\n'
+
+    def chunk(self, choices: list[dict], **extra: object) -> str:
+        """The chunk of these choices, then `extra`'s fields (usage)."""
+        return f"data: {json.dumps({**self.head, 'choices': choices, **extra})}\n\n"
+
+    def text(self, index: int, text: str) -> str:
+        """chunk() of choice `index`'s piece `text` alone: completions' {"index", "text",
+        "logprobs": null, "finish_reason": null}, chat's {"index", "delta": {"content"},
+        "finish_reason": null}."""
+        return f"{self.before}{index}{self.between}{json.dumps(text)}{self.after}"
+
+
 # -------------------------------------------------------------------------------------------
 # the app
 
@@ -1224,11 +1248,8 @@ def make_app(
                 watch.cancel()
 
         async def sse() -> AsyncIterator[str]:
-            obj = "chat.completion.chunk" if chat else "text_completion"
-
-            def chunk(choices: list[dict], **extra: object) -> str:
-                return f"data: {json.dumps({**head, 'object': obj, 'choices': choices, **extra})}\n\n"
-
+            chunks = Chunks(head, "chat.completion.chunk" if chat else "text_completion", chat)
+            chunk = chunks.chunk
             n_calls = [0] * r.n  # each choice's tool calls sent
             async for kind, value in events(job, path):
                 if kind == "start" and chat:  # a choice begins: its role
@@ -1236,6 +1257,9 @@ def make_app(
                     yield chunk([{"index": value, "delta": role, "finish_reason": None}])
                 elif kind == "text":
                     i, text, items, made = value
+                    if r.logprobs is None and not made:  # the text alone (choice()'s, spliced)
+                        yield chunks.text(i, text)
+                        continue
                     calls = list(enumerate(made, n_calls[i]))
                     n_calls[i] += len(made)
                     yield chunk([choice(i, text, None, items, calls)])
