@@ -250,7 +250,7 @@ def test_a_group_is_marked_once_every_kernel_in_it_is_done(tmp_path):
     assert all(m.exists() for m in markers.values())
 
 
-def batched_steps_worker() -> None:
+def batched_steps_worker(prefill_chunk: int) -> None:
     """(A process with the simulator off.) A BatchedGpuEngine's steps driven through its calls
     (one row sampled on the device, a prompt chunk of one sequence, decode rows of several
     sequences fed ahead from the step before, a mixed step keeping some logits), recorded as
@@ -268,11 +268,15 @@ def batched_steps_worker() -> None:
 
     cfg, walked, launched = _config(), Walk(), Walk()
     with walked.installed(CUDADispatcher), no_device():
-        walk_engine(_spec(), walked)
+        options = EngineOptions(prefill_chunk=prefill_chunk)
+        walk_engine(precompile.engine_spec(cfg, 64, "fp16", options), walked)
     with launched.installed(CUDADispatcher), no_device():
         # (plain launches: a graph replays the same kernels)
         engine = GpuEngine(
-            StandInModel(cfg), 64, "fp16", options=EngineOptions(use_graph=False, parallel_compile=0)
+            StandInModel(cfg),
+            64,
+            "fp16",
+            options=dataclasses.replace(options, use_graph=False, parallel_compile=0),
         )
         b = BatchedGpuEngine(engine, n_blocks=16, block_size=16)
         table = np.arange(16, dtype=np.int32).reshape(4, 4)  # (4 sequences, 4 blocks)
@@ -300,12 +304,14 @@ def batched_steps_worker() -> None:
     print("RESULT" + json.dumps(dict(missing=missing, batch=batch, launched=len(launched.items))))
 
 
-def test_the_walk_reaches_every_kernel_a_batched_step_launches():
+@pytest.mark.parametrize("prefill_chunk", [2048, 48])
+def test_the_walk_reaches_every_kernel_a_batched_step_launches(prefill_chunk):
     """serve --parallel's steps launch only kernels the precompile's walk visits (so its workers
-    compile them before a server says it is ready), some of them in the walk's batch group."""
+    compile them before a server says it is ready), some of them in the walk's batch group; also
+    where a step's rows are at most a number that is no power of two (48: its last bucket)."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     tests = str(Path(__file__).resolve().parent)
-    code = f"import sys; sys.path[:0] = [{tests!r}, {str(REPO)!r}]; import test_precompile as t; t.batched_steps_worker()"
+    code = f"import sys; sys.path[:0] = [{tests!r}, {str(REPO)!r}]; import test_precompile as t; t.batched_steps_worker({prefill_chunk})"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]

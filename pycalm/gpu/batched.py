@@ -471,9 +471,12 @@ class BatchedGpuEngine:
         serving launches before the first request, not at it."""
         e, logits_rows = self.engine, self.prefill.buffers.logits.shape[0]
         self.span = attention_span(e.seq_len - 1, self.chunk, e.seq_len)
-        buckets = [1 << i for i in range(self.max_rows.bit_length()) if 1 << i <= self.max_rows]
+        buckets = sorted(
+            {self.bucket(1 << i) for i in range(self.max_rows.bit_length() + 1)}
+        )  # (max_rows the last)
         for rows in buckets:
-            for self.one_sequence in (False, True) if rows > 1 else (False,):
+            for one_sequence in (False, True) if rows > 1 else (False,):
+                self.one_sequence = one_sequence  # (the prefill attention's tiles over one sequence's pages)
                 self._pass(rows)
         self._feed(self.max_rows)
         for sampled in (False, True):
