@@ -412,11 +412,7 @@ class BatchRunner:
             gen.logprobs.append(item)
             s.emit("logprobs", (s.index, [item]))
         if piece := s.text.push("" if token in self.eos else s.decoder.push(token)):
-            if s.tool_parser is None:  # (_text's own, without its generator)
-                gen.text += piece
-                s.emit("text", (s.index, piece))
-            else:
-                self._text(s, piece)
+            self._text(s, piece)
         if s.text.stopped or (s.constraint is not None and s.constraint.finished):
             self._finish(s, "stop")
         elif ended is not None:
@@ -424,6 +420,11 @@ class BatchRunner:
 
     def _text(self, s: Stream, piece: str) -> None:
         """Text on its way out: through the tool parser when there is one."""
+        if s.tool_parser is None:  # (the piece as it is, without _pieces' generator: the usual case)
+            if piece:
+                s.gen.text += piece
+                s.emit("text", (s.index, piece))
+            return
         for out in self._pieces(s, piece):
             if out:
                 s.gen.text += out

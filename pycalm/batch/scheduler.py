@@ -269,10 +269,9 @@ class Scheduler:
         i = 0
         while i < len(self.running):  # 2. decode rows, oldest first
             r = self.running[i]
-            n = len(r.prompt) + len(r.output)  # (r.n_tokens)
-            if n - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
+            if r.n_tokens - r.computed == 1:  # a sampled token, or a prompt's last one, to feed
                 s = seqs[r.id]
-                if len(s.tokens) < n and not self._grow(r):
+                if len(s.tokens) < r.n_tokens and not self._grow(r):
                     break  # r itself was the newest and is preempted
                 chunks.append(Chunk(r.id, r.computed, [r.last_token], True, s.table))
                 budget -= 1
@@ -283,7 +282,7 @@ class Scheduler:
         for r in self.running:  # 3. prompt chunks of admitted sequences, oldest first
             if budget <= 0:
                 break
-            todo = len(r.prompt) + len(r.output) - r.computed  # (r.n_tokens - r.computed)
+            todo = r.n_tokens - r.computed
             if todo > 1:
                 chunks.append(self._chunk(r, min(todo, budget)))
                 budget -= len(chunks[-1].tokens)

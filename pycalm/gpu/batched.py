@@ -471,9 +471,8 @@ class BatchedGpuEngine:
         serving launches before the first request, not at it."""
         e, logits_rows = self.engine, self.prefill.buffers.logits.shape[0]
         self.span = attention_span(e.seq_len - 1, self.chunk, e.seq_len)
-        buckets = sorted(
-            {self.bucket(1 << i) for i in range(self.max_rows.bit_length() + 1)}
-        )  # (max_rows the last)
+        # the row counts bucket() gives: the powers of two below max_rows, and max_rows
+        buckets = sorted({self.bucket(1 << i) for i in range(self.max_rows.bit_length() + 1)})
         for rows in buckets:
             for one_sequence in (False, True) if rows > 1 else (False,):
                 self.one_sequence = one_sequence  # (the prefill attention's tiles over one sequence's pages)

@@ -29,9 +29,9 @@ gathers, the row buckets above the prefill's).
 Then the workers share the list out: it is ordered by an estimated compile cost, largest first
 (`estimated_cost`: the tensor-core matmuls, then the attention kernels, ...), the batch group's
 after all the others (a server waits for them before it says it is ready: its first requests
-then compile nothing; a CLI run never waits for them), and each worker
-walks it and compiles the kernels it claims, a claim being a file created with O_EXCL in a
-folder of this run: a worker that is done with a large kernel takes the next unclaimed one, so
+then compile nothing; a CLI run never waits for them), and each worker walks it and compiles
+the kernels it claims, a claim being a file created with O_EXCL in a folder of this run: a
+worker that is done with a large kernel takes the next unclaimed one, so
 the kernels spread as a longest-first schedule would spread them. Compiling writes the cache
 entry (cache=True); two workers adding entries to one index file take turns (cache.install's
 lock). A worker marks each kernel it compiled done, and whichever worker finds every kernel of
@@ -42,8 +42,8 @@ still compiles the sampling kernel (the slowest, docs/BENCHMARKS.md). Workers st
 when the engine's process ends are stopped (what they finished stays in the cache), so a run
 leaves nothing behind that could compile into the cache during the next one. The next run
 starts workers again only where the step's, the multi-token forward's or the batched step's
-kernels are missing; a sampling kernel missing alone is compiled where it is first launched, as without workers. A
-worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
+kernels are missing; a sampling kernel missing alone is compiled where it is first launched, as
+without workers. A worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
 workers, and says so in one line on stderr. Under the CUDA simulator (no compiler, no cache)
 nothing starts; EngineOptions.parallel_compile = 0 turns it off.
 """

@@ -32,8 +32,8 @@ class StandInModel:
 
 def walk_engine(spec: dict, walk: Walk) -> None:
     """Build the engine of `spec` (engine_spec's) on stand-in weights and enqueue every token
-    step variant, the multi-token forward and the batched step, each under its group (the caller has installed
-    `walk`, which records the launches, and on a GPU virtual_memory)."""
+    step variant, the multi-token forward and the batched step, each under its group (the
+    caller has installed `walk`, which records the launches, and on a GPU virtual_memory)."""
     from pycalm.cpu.sampler import SamplingParams
     from pycalm.gpu.engine import EngineOptions, GpuEngine
     from pycalm.gpu.prefill import ROW_BUCKETS, Prefill
@@ -66,11 +66,12 @@ def walk_engine(spec: dict, walk: Walk) -> None:
                     stream=engine.stream, **prefill.sample_options)  # fmt: skip
         # serve --parallel's batched steps over a paged pool of one context (stand-in memory:
         # its size is no argument type), where the engine batches
+        from pycalm.batch.blocks import BLOCK_SIZE
         from pycalm.gpu.batched import BatchedGpuEngine
 
         if BatchedGpuEngine.refusal(engine) is None:
             walk.group = "batch"
-            BatchedGpuEngine(engine, n_blocks=-(-engine.seq_len // 16), block_size=16).walk()
+            BatchedGpuEngine(engine, n_blocks=-(-engine.seq_len // BLOCK_SIZE), block_size=BLOCK_SIZE).walk()
 
 
 def worker_main(spec_path: str, worker: int) -> int:

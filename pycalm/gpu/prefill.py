@@ -22,9 +22,10 @@ SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel
 matrix, a pass folds each RMSNorm but its first into the residual product before it
 (skinny.NormFold: wo writes the FFN norm's input, w2 the next layer's attention norm's, and the
 product after each scales its rows' sums), and the QKV epilogue runs in the QKV product's
-(skinny_qkv): a layer is then five launches, as the token step's. A pass of n rows replays the bucket of B >= n rows; rows n..B-1 are
-padding (token 0) that write cache rows past the last real one, which the next pass rewrites
-before any row reads them (a row attends only to positions up to its own).
+(skinny_qkv): a layer is then five launches, as the token step's. A pass of n rows replays the
+bucket of B >= n rows; rows n..B-1 are padding (token 0) that write cache rows past the last
+real one, which the next pass rewrites before any row reads them (a row attends only to
+positions up to its own).
 
 The matmuls take fp16 activations (RMSNorm's, attention's and the gate's outputs are written in
 fp16), where the token step's matvecs read float32 ones; the residual stream stays float32. The
