@@ -43,9 +43,9 @@ when the engine's process ends are stopped (what they finished stays in the cach
 leaves nothing behind that could compile into the cache during the next one. The next run
 starts workers again only where the step's, the multi-token forward's or the batched step's
 kernels are missing; a sampling kernel missing alone is compiled where it is first launched, as
-without workers. A worker that fails breaks nothing: the engine compiles whatever is missing itself, as without
-workers, and says so in one line on stderr. Under the CUDA simulator (no compiler, no cache)
-nothing starts; EngineOptions.parallel_compile = 0 turns it off.
+without workers. A worker that fails breaks nothing: the engine compiles whatever is missing
+itself, as without workers, and says so in one line on stderr. Under the CUDA simulator (no
+compiler, no cache) nothing starts; EngineOptions.parallel_compile = 0 turns it off.
 """
 
 from __future__ import annotations

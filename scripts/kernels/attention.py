@@ -102,7 +102,8 @@ from pycalm.model import formats  # noqa: E402
 from pycalm.model.config import ModelConfig  # noqa: E402
 
 # n_heads, n_kv_heads, head_dim; the Qwen2.5 shapes are the speculative pair's (the draft's
-# attention at 100-300 positions: about 7 us a layer, docs/BENCHMARKS.md)
+# attention at 64-300 positions: 8.7-11 us a layer on an H100, 3.6-5.9 of it the merge,
+# docs/BENCHMARKS.md)
 SHAPES = {
     "Llama-3-8B": (32, 8, 128),
     "TinyLlama": (32, 4, 64),

@@ -58,12 +58,11 @@ def launch_split4(
 
 
 def split_w2(n: int):  # noqa: ANN201
-    """split_for giving w2 (the long residual rows the package splits) n warps a group."""
+    """split_for giving the launches the package splits (w2's long residual rows) n warps a group."""
 
     def split_for(dtype: str, mode: int, loads_a_lane: int, slots: bool) -> int:
         shipped = SHIPPED["split_for"](dtype, mode, loads_a_lane, slots)
-        long_rows = mode == matvec_module.RESIDUAL and not slots and loads_a_lane >= matvec_module.SPLIT_LOADS
-        return n if long_rows else shipped
+        return n if shipped > 1 else shipped
 
     return split_for
 
