@@ -106,6 +106,7 @@ from pycalm.kernels.common import (
     fp16_encode,
     grid_dependency_wait,
     h2f2,
+    last_to_arrive,
     launch_dependents,
     prmt,
     warp_reduce_max,
@@ -634,17 +635,12 @@ def attention_kernel(
                         part[head0 + g, split_id, head_dim + 1] = den
         if live == 1:
             return
-        cuda.threadfence()  # this thread's part of the partial is visible device-wide ...
-        cuda.syncthreads()  # ... for every thread, before the split is counted
-        if tid == 0:
-            done = cuda.atomic.add(count, ck, 1)
-            is_last[0] = int32(1) if done == live - 1 else int32(0)
-        cuda.syncthreads()  # is_last is set (and every read of the accumulators is done)
-        if is_last[0] == 0:
+        # the split's partial published, the other splits' acquired (its barriers also end every
+        # read of the accumulators in smem)
+        if not last_to_arrive(count, ck, live, is_last, 0):
             return
 
         # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
-        cuda.threadfence()  # the other splits' partials are read after their count
         for g in range(warp, group, N_WARPS):
             head = head0 + g
             hm = float32(NEG)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import numpy as np
 from numba import config as _numba_config
@@ -144,6 +145,16 @@ if _numba_config.ENABLE_CUDASIM:
         """c + sum_k a_k b_k over the bytes (both signed): dp4a.s32.s32."""
         return _dp4a(a, b, c, True)
 
+    _ARRIVE = threading.Lock()
+
+    def arrive(counter: np.ndarray, i: int) -> np.int32:
+        """counter[i] += 1, returning the old count (simulator: under a lock; the simulator's
+        threads share one memory, so the release and acquire need nothing more)."""
+        with _ARRIVE:
+            old = counter[i]
+            counter[i] = old + 1
+        return np.int32(old)
+
     def _sin_fast(r: float) -> np.float32:
         return np.float32(np.sin(np.float32(r)))
 
@@ -223,6 +234,30 @@ else:
         this one has called this (or exited): its blocks then load their weights while this
         kernel finishes, and wait (grid_dependency_wait) for its results.""",
     )
+
+    @intrinsic
+    def arrive(typingctx: object, counter: object, i: object) -> object:
+        """counter[i] += 1, returning the old count, as one atom.acq_rel.gpu.global.add.s32 on a
+        1-D int32 array: a release of everything the calling thread has observed (after a block
+        barrier, every thread's writes of the block) and an acquire of what the earlier arrivals
+        released. One thread of a block calls it between two barriers (last_to_arrive), in place
+        of every thread's membar.gl (fence.sc.gpu) before the count and after it."""
+        if not (isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int32):
+            return None
+        sig = types.int32(counter, i)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            aty, ity = sig.args
+            ary = context.make_array(aty)(context, builder, value=args[0])
+            iv = context.cast(builder, args[1], ity, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, aty, ary, [iv], wraparound=False)
+            fnty = ir.FunctionType(ir.IntType(32), [ptr.type])
+            asm = ir.InlineAsm(
+                fnty, "atom.acq_rel.gpu.global.add.s32 $0, [$1], 1;", "=r,l,~{memory}", side_effect=True
+            )
+            return builder.call(asm, [ptr])
+
+        return sig, codegen
 
     def _asm_i32(typingctx: object, args: tuple, asm: str, constraints: str) -> object:
         """An int32 -> int32 inline-PTX intrinsic body (every argument cast to int32)."""
@@ -324,6 +359,22 @@ else:
             return builder.bitcast(v, ir.IntType(32))
 
         return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def last_to_arrive(counter: cuda.devicearray, i: int, n: int, flag: cuda.devicearray, slot: int) -> bool:
+    """Whether this block is the last of n to arrive at counter[i] (split-K's "the last block
+    adds the partials"): a barrier, so that every thread's writes (its partials) precede thread
+    0's arrive, whose release publishes them with the block's count and whose acquire, with the
+    barrier after it, gives the block every earlier arrival's writes; flag[slot] (shared int32,
+    free at the call) carries the answer to the block. Every thread of the block calls it; the last block
+    resets the counter for the next launch once it has read it (the caller's job). The pattern
+    of cutlass's GenericBarrier: one acq_rel atomic instead of a membar.gl a thread on each side."""
+    cuda.syncthreads()  # every thread's writes precede thread 0's release
+    if cuda.threadIdx.x == 0 and cuda.threadIdx.y == 0 and cuda.threadIdx.z == 0:
+        flag[slot] = int32(1) if arrive(counter, i) == n - 1 else int32(0)
+    cuda.syncthreads()  # flag[slot] and the earlier arrivals' writes are visible to the block
+    return flag[slot] != 0
 
 
 @cuda.jit(device=True, inline=True)

@@ -109,7 +109,16 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode, gf4_factor, gf4_pair, prmt, q4_pair, q8_pairs
+from pycalm.kernels.common import (
+    dependent_start,
+    fp16_encode,
+    gf4_factor,
+    gf4_pair,
+    last_to_arrive,
+    prmt,
+    q4_pair,
+    q8_pairs,
+)
 from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
@@ -564,14 +573,10 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             mine = base + cuda.blockIdx.z * acc_words * threads
             for i in range(acc_words):
                 part[mine + i * threads] = acc[i]
-            cuda.threadfence()  # this thread's partials reach L2 before the count says so
-            cuda.syncthreads()  # every thread's partials are fenced before thread 0 counts the block
-            if tid == 0:  # smem_x[0]: 1 in the block that finishes the tile (the stages are unused now)
-                smem_x[0] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
-            cuda.syncthreads()  # smem_x[0] is visible to the block
-            if smem_x[0] == 0:
+            # the block's partials published, the other splits' acquired; smem_x[0] carries it
+            # (the stages are unused now)
+            if not last_to_arrive(tiles_done, tile_id, n_splits, smem_x, 0):
                 return  # block-uniform, after the last barrier
-            cuda.threadfence()  # the other splits' partials are read after their count
             for i in range(acc_words):
                 acc[i] = float32(0.0)
             for z in range(n_splits):  # in split order: the same sums whichever block is last

@@ -47,7 +47,7 @@ from numba import config as numba_config
 from numba import cuda, float32, int32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode
+from pycalm.kernels.common import dependent_start, fp16_encode, last_to_arrive
 from pycalm.kernels.matmul import _fp8_words, _gf4_words, _q4_words, _q8_words, check_mode, weight_args
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, ldg128w, sts128
 from pycalm.kernels.tma import SWIZZLE_128B as TMA_SWIZZLE_128B
@@ -375,14 +375,10 @@ def wgmma_kernel(  # noqa: C901
             tile_id = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
             home = tile_id * n_splits * acc_n * threads + tid  # (tiles, splits, acc_n, threads)
             split_sums(acc, part, home + cuda.blockIdx.z * acc_n * threads, 0)
-            cuda.threadfence()  # this thread's partials reach L2 before the count says so
-            cuda.syncthreads()  # every thread's partials fenced (and every wgmma retired) before the count
-            if tid == 0:  # smem[pad]: 1 in the block that finishes the tile (no copy is in flight)
-                smem[pad] = cuda.atomic.add(tiles_done, tile_id, 1) == n_splits - 1
-            cuda.syncthreads()  # smem[pad] is visible to the block
-            if smem[pad] == 0:
+            # the block's partials published (every wgmma retired), the other splits' acquired;
+            # smem[pad] carries it (no copy is in flight)
+            if not last_to_arrive(tiles_done, tile_id, n_splits, smem, pad):
                 return  # block-uniform, after the last barrier
-            cuda.threadfence()  # the other splits' partials are read after their count
             for z in range(n_splits):  # in split order: the same sums whichever block is last
                 split_sums(acc, part, home + z * acc_n * threads, 1 if z > 0 else 2)
             if tid == 0:
