@@ -62,8 +62,8 @@ whole x, which the residual product before it (wo, w2) writes a 16-column tile a
 input at the scale rho (T,) of the norm before it (y's rms moves little from one norm to the
 next, so the values stay as far from fp16's limits as rmsnorm's), and each row's sum of y^2 over
 each of its 16-column tiles, in column order, into slots (T, ceil(N / 16)). The block that
-finishes last (an atomic counter, reset by it; its threadfence orders the slots before the
-count) adds each row's slots, a warp a row (lane l slots l, l + 32, ... in order, then the xor
+finishes last (common.last_to_arrive: an acq_rel atomic counter, reset by it, orders the
+slots before the count) adds each row's slots, a warp a row (lane l slots l, l + 32, ... in order, then the xor
 butterfly), into rms = rsqrt(sum / N + eps) and scale = rms / rho. SCALED (PLAIN, GATE): each
 row's sums times scale[row] before the epilogue, so the next product gives (xb W^T) scale, the
 unfolded pass's rmsnorm(y) w W^T up to xb's fp16 rounding. A pass thus runs no RMSNorm launch
@@ -104,6 +104,7 @@ from pycalm.kernels.common import (
     fp16_encode,
     gf4_factor,
     gf4_pair,
+    last_to_arrive,
     prmt,
     q4_pair,
     q8_pairs,
@@ -207,61 +208,13 @@ def fits(dtype: str, k_cols: int) -> bool:
 
 
 @functools.cache
-def make_skinny_kernel(  # noqa: ANN201, C901
-    dtype: str,
-    mode: int,
-    n_tiles: int,
-    warps: int = WARPS,
-    unroll: int = UNROLL,
-    min_blocks: int = 0,
-    row_tiles: int = 1,
-    x_words: int = 0,
-    norm: int = NO_NORM,
-    rope: str = "",
-):
-    """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
-    a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
-    to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
-    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); norm: NO_NORM,
-    SCALED (PLAIN, GATE: the sums times a row's scale) or FOLD (RESIDUAL: the next RMSNorm's
-    input, sums of squares and scale, see the module docstring); rope (PLAIN): the KV-cache
-    dtype of the QKV epilogue in place of out (qkv_rows's, pycalm.kernels.qkv.rope_store_pair)."""
-    E = UNIT[dtype]  # weights a unit
-    STEP = 4 * E  # columns a step (the 4 lanes of a quad)
-    XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
+def unit_decoders(dtype: str) -> tuple[object, object]:
+    """A lane's weight helpers for a dtype (skinny's, and pycalm.kernels.panel's): load_unit, a
+    16-byte unit of a W row into four words (q4: with its group's d and m), and a_pair, a unit's
+    k-tile as two A words (see the module docstring's mapping and decoding)."""
     EL = COLS_AN_ELEMENT[dtype]
-    MT = row_tiles  # A tiles a warp (16 rows of W each; GATE: 8 outputs)
-    ACC1 = 4 * n_tiles  # accumulators a lane for one A tile
-    ACC = ACC1 * MT
-    # the warps' sums of an A tile meet in shared memory in RED_PARTS parts of RED_ACC accumulators
-    # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
-    # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
-    scaled, fold = norm == SCALED, norm == FOLD
-    qkv_out = rope != ""  # (a bool: numba types the truth of a str through a compiled overload)
-    store_pair = rope_store_pair(rope or "fp16")  # (called only where qkv_out)
-    T_MAX = 8 * n_tiles  # tokens a pass of n_tiles holds
-    SQ_WORDS = MT * T_MAX * 16 if fold else 1  # FOLD: the squares of the block's outputs
-    RED_PARTS = 1
-    while warps * (ACC1 // RED_PARTS) * 32 * 4 + 4 * SQ_WORDS > 48 * 1024:
-        RED_PARTS *= 2
-    RED_ACC = ACC1 // RED_PARTS
-    UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
-    W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
-    A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
-    # X of a whole chunk in registers, loaded with its weights, where it takes at most
-    # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
-    # they are used
-    PREFETCH_X = n_tiles * unroll * XW <= (x_words or X_WORDS_AHEAD)
-    X_WORDS = n_tiles * unroll * XW if PREFETCH_X else 4
-    threads = 32 * warps
-    # the chunks wholly in K take unchecked loads (about a third fewer instructions a step), but
-    # in blocks of 16 warps (128 registers a thread) at 8 n-tiles of two A tiles the unchecked
-    # step spills (ptxas: fp8 84 bytes, q8 68): there every chunk checks its loads, as the last one does
-    PEEL = threads <= 256 or n_tiles * row_tiles < 16
     fp16, fp8, gf4 = dtype == "fp16", dtype == "fp8", dtype == "gf4"
     q8, q4 = dtype == "q8", dtype == "q4"
-    gate, residual = mode == GATE, mode == RESIDUAL
-    tile_rows = 8 if gate else 16  # outputs an A tile makes
 
     @cuda.jit(device=True, inline=True)
     def a_pair(w, i, j, d, m):  # noqa: ANN001, ANN202
@@ -295,6 +248,65 @@ def make_skinny_kernel(  # noqa: ANN201, C901
             pair = int32(s[row, col >> g_shift]) if ok else int32(0)
             dm[2 * r] = prmt(pair, int32(0), int32(0x1010))  # (d, d)
             dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
+
+    return a_pair, load_unit
+
+
+@functools.cache
+def make_skinny_kernel(  # noqa: ANN201, C901
+    dtype: str,
+    mode: int,
+    n_tiles: int,
+    warps: int = WARPS,
+    unroll: int = UNROLL,
+    min_blocks: int = 0,
+    row_tiles: int = 1,
+    x_words: int = 0,
+    norm: int = NO_NORM,
+    rope: str = "",
+):
+    """skinny_kernel for a weight dtype, an epilogue mode, an n-tile count and a block shape (warps
+    a block, steps a load, 16-row tiles of W a warp), one compile each; min_blocks > 0: compiled
+    to fit that many blocks an SM (launch bounds: the registers a thread may take); x_words > 0:
+    the most words of X a lane loads with a chunk's weights (0: X_WORDS_AHEAD); norm: NO_NORM,
+    SCALED (PLAIN, GATE: the sums times a row's scale) or FOLD (RESIDUAL: the next RMSNorm's
+    input, sums of squares and scale, see the module docstring); rope (PLAIN): the KV-cache
+    dtype of the QKV epilogue in place of out (qkv_rows's, pycalm.kernels.qkv.rope_store_pair)."""
+    E = UNIT[dtype]  # weights a unit
+    STEP = 4 * E  # columns a step (the 4 lanes of a quad)
+    XW = E // 2  # words of X a lane reads an n-tile a step (two a k-tile: E / 4 k-tiles a unit)
+    MT = row_tiles  # A tiles a warp (16 rows of W each; GATE: 8 outputs)
+    ACC1 = 4 * n_tiles  # accumulators a lane for one A tile
+    ACC = ACC1 * MT
+    # the warps' sums of an A tile meet in shared memory in RED_PARTS parts of RED_ACC accumulators
+    # (whole n-tiles: a gate's W1 and W3 sums stay together), within the 48 KiB a kernel's static
+    # shared memory may take (16 warps at 8 n-tiles: 64 KiB whole, two parts)
+    scaled, fold = norm == SCALED, norm == FOLD
+    qkv_out = rope != ""  # (a bool: numba types the truth of a str through a compiled overload)
+    store_pair = rope_store_pair(rope or "fp16")  # (called only where qkv_out)
+    T_MAX = 8 * n_tiles  # tokens a pass of n_tiles holds
+    SQ_WORDS = MT * T_MAX * 16 if fold else 1  # FOLD: the squares of the block's outputs
+    RED_PARTS = 1
+    while warps * (ACC1 // RED_PARTS) * 32 * 4 + 4 * SQ_WORDS > 48 * 1024:
+        RED_PARTS *= 2
+    RED_ACC = ACC1 // RED_PARTS
+    UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
+    W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
+    A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
+    # X of a whole chunk in registers, loaded with its weights, where it takes at most
+    # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
+    # they are used
+    PREFETCH_X = n_tiles * unroll * XW <= (x_words or X_WORDS_AHEAD)
+    X_WORDS = n_tiles * unroll * XW if PREFETCH_X else 4
+    threads = 32 * warps
+    # the chunks wholly in K take unchecked loads (about a third fewer instructions a step), but
+    # in blocks of 16 warps (128 registers a thread) at 8 n-tiles of two A tiles the unchecked
+    # step spills (ptxas: fp8 84 bytes, q8 68): there every chunk checks its loads, as the last one does
+    PEEL = threads <= 256 or n_tiles * row_tiles < 16
+    q8, q4 = dtype == "q8", dtype == "q4"
+    gate, residual = mode == GATE, mode == RESIDUAL
+    tile_rows = 8 if gate else 16  # outputs an A tile makes
+    a_pair, load_unit = unit_decoders(dtype)
 
     @cuda.jit(device=True, inline=True)
     def load_x(x, token, col, t_rows, k_cols, xb, at, i, tail):  # noqa: ANN001, ANN202
@@ -384,14 +396,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                 for c in range(16):
                     total += sq[e * 16 + c]
                 slots[token, tile] = total
-        cuda.threadfence()  # this thread's slots reach L2 before the count says so
-        cuda.syncthreads()  # every thread's slots are fenced before thread 0 counts the block
-        if tid == 0:
-            last[0] = cuda.atomic.add(counter, 0, 1) == cuda.gridDim.x - 1
-        cuda.syncthreads()  # last[0] is visible to the block
-        if last[0] == 0:
+        # the block's slots published, the other blocks' acquired
+        if not last_to_arrive(counter, 0, cuda.gridDim.x, last, 0):
             return  # block-uniform, after the last barrier
-        cuda.threadfence()  # the other blocks' slots are read after their count
         warp, lane = tid // 32, tid % 32
         for token in range(warp, t_rows, warps):  # a warp a row
             total = float32(0.0)
