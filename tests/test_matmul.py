@@ -29,6 +29,7 @@ from pycalm.kernels.matmul import (
     matmul_split_scratch,
     splits_for,
 )
+from pycalm.kernels.panel import UNIT, panel_matmul, panel_scratch, rows_a_block, split_count
 from pycalm.kernels.skinny import MAX_ROWS, skinny_matmul
 from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 from pycalm.model import formats
@@ -75,12 +76,17 @@ def _check(got, want, scale):
 
 def _run(mode, x, w, dtype, out, w3=None, tile=None, scratch=None):
     """The kernel's out: matmul with `tile` (K split over blocks with a scratch), or the skinny
-    kernel for tile="skinny", or wgmma_matmul's for tile="wgmma"."""
+    kernel for tile="skinny", the panel kernel for tile="panel" (its scratch), or wgmma_matmul's
+    for tile="wgmma"."""
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
     w3 = None if w3 is None else to_device(w3)
     if tile == "skinny":
         skinny_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
+    elif tile == "panel":
+        panel_matmul(
+            cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3, scratch=scratch
+        )
     elif tile == "wgmma":
         wgmma_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
     else:
@@ -441,6 +447,37 @@ def test_skinny_rejects_bad_shapes():
     with pytest.raises(PycalmError, match="multiple of 32 for gf4"):
         skinny_matmul(cuda.to_device(np.zeros((2, 40), np.float16)), cuda.to_device(np.zeros((4, 5), np.uint32)),
                       out, "gf4", stream=s)  # fmt: skip
+
+
+# panel (the rows pass's products at 17 to 64 rows): (T, N, K in units of 16 bytes a row). Under
+# the simulator (blocks of 32 rows of W, 16 outputs for the gate; 2 "SMs") N past one block, and
+# within one (K split over two blocks), K a step and a quarter (a last step past K in part); on
+# the GPU a partial block, qkv's and w2's widths at the 8B shape (splits of K: 5 and 8)
+PANEL_SHAPES = [(19, 40, 5), (37, 13, 5)]
+if GPU:
+    PANEL_SHAPES += [(64, 1000, 129), (33, 4099, 33), (50, 6144, 128), (64, 4096, 448)]
+
+
+@pytest.mark.parametrize("t_rows,n,units", PANEL_SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "dtype,group", [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 32), ("q4", 64)]
+)
+def test_panel(dtype, group, mode, t_rows, n, units):
+    """The panel kernel against the reference, with and without K split over blocks; in residual
+    mode twice on one scratch (the split counters reset for the next launch)."""
+    k = units * UNIT[dtype]
+    k = -(-k // group) * group if dtype == "q4" else k  # q4: whole groups
+    scratch = panel_scratch()
+    for seed in (5, 6) if mode == "residual" else (5,):
+        _test(mode, dtype, t_rows, n, k, tile="panel", seed=seed, group=group, scratch=scratch)
+
+
+def test_panel_splits_k_where_the_blocks_are_few():
+    """The simulator's shapes above cover one split and several; the GPU's qkv and w2 widths split."""
+    blocks = -(-13 // rows_a_block("gate"))
+    assert split_count(blocks, 5 * UNIT["q4"], "q4") > 1
+    assert split_count(-(-40 // rows_a_block("plain")), 5 * UNIT["fp16"], "fp16") == 1
 
 
 # split K: (dtype, q4 group, T, N, K, tile). Under the simulator one or two tiles of N over 7 to

@@ -66,6 +66,9 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # 16.36 and 16.84 on skinny's, where fp16's split tile takes 11.50; batch-invariant engines take
 # skinny's for every pass
 SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
+# longer passes of at most PANEL_ROWS[format] rows take pycalm.kernels.panel's products (skinny's
+# weight stream, X staged in shared memory, K split over blocks) in place of the split tile
+PANEL_ROWS = {"fp16": 64, "fp8": 64, "gf4": 64, "q8": 64, "q4": 64}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every
@@ -236,9 +239,15 @@ class Prefill:
         with out_of_memory_as_error(what, nbytes):
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
         from pycalm.kernels.matmul import matmul_split_scratch
+        from pycalm.kernels.panel import panel_scratch
 
-        # the tiled matmul's split-K partials and counters (batch-invariant passes never tile)
+        # the tiled matmul's and the panel's split-K partials and counters (batch-invariant passes
+        # take neither)
         self.split_scratch = None if self.invariant else matmul_split_scratch(engine.stream)
+        self.panel_rows = (
+            dict.fromkeys(PANEL_ROWS, 0) if self.invariant or not skinny_ok else dict(PANEL_ROWS)
+        )
+        self.panel_scratch = panel_scratch(engine.stream) if any(self.panel_rows.values()) else None
         self.att_scratch = None  # the split attention's partials and counters, split_rows rows
         if self.split_rows:
             from pycalm.kernels.attention import attention_scratch, part_shape
@@ -288,8 +297,10 @@ class Prefill:
 
     def products(self, n_rows: int) -> object:
         """The weight-product launcher of a pass of n_rows rows (matmul's arguments): for each
-        matrix, skinny_matmul up to skinny_rows of its format; on an H100 / H200 wgmma_matmul
-        from its WGMMA_MIN_ROWS of the format (K a multiple of 64); else the tiled matmul."""
+        matrix, skinny_matmul up to skinny_rows of its format, panel_matmul up to panel_rows; on
+        an H100 / H200 wgmma_matmul from its WGMMA_MIN_ROWS of the format (K a multiple of 64);
+        else the tiled matmul."""
+        from pycalm.kernels.panel import panel_matmul
         from pycalm.kernels.skinny import skinny_matmul
         from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 
@@ -297,6 +308,8 @@ class Prefill:
             kwargs = {k: v for k, v in kwargs.items() if v is not None}  # (scale, fold: skinny's alone)
             if n_rows <= self.skinny_rows[dtype]:
                 launch = skinny_matmul
+            elif n_rows <= self.panel_rows[dtype]:
+                launch, kwargs = panel_matmul, {**kwargs, "scratch": self.panel_scratch}
             elif not self.invariant and takes(n_rows, x.shape[1], dtype):
                 launch = wgmma_matmul
             else:

@@ -8,6 +8,7 @@
                                                  / cp_async_wait_one (wait_group 0 / 1),
                                                  cp_async_wait(n)() (wait_group n)
   sts128(smem, word, w0..w3)                     st.shared.v4.b32
+  lds128(smem, word) -> w0..w3                   ld.shared.v4.b32
   ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes) and
   ldg128w(src, row, col) -> w0..w3               ld.global.nc.v4.b32 (16 bytes) from src[row, col]
                                                  of a uint8 / int8 / uint32 array
@@ -168,6 +169,11 @@ if _numba_config.ENABLE_CUDASIM:
         smem[word + 1] = w1
         smem[word + 2] = w2
         smem[word + 3] = w3
+
+    def lds128(smem: np.ndarray, word: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        """smem[word:word+4] (simulator: four loads)."""
+        _aligned16(word)
+        return smem[word], smem[word + 1], smem[word + 2], smem[word + 3]
 
     def pack_f16x2(lo: float, hi: float) -> np.int32:
         """Two floats rounded to fp16 (to nearest even) in one word, lo in the low half."""
@@ -400,6 +406,28 @@ else:
             )
             builder.call(asm, [addr, *ws])
             return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def lds128(typingctx, smem, word):  # noqa: ANN001, ANN201
+        """Four int32 words smem[word:word+4] in one 16-byte shared load (word a multiple of 4)."""
+        if not _is_word_array(smem):
+            return None
+        sig = types.UniTuple(types.int32, 4)(smem, word)
+
+        def codegen(context: object, builder: object, sig: object, args: object) -> object:
+            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
+            asm = ir.InlineAsm(
+                fnty,
+                "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
+                "=r,=r,=r,=r,r,~{memory}",
+                side_effect=True,  # reads shared memory: keep it between the barriers it sits in
+            )
+            res = builder.call(asm, [addr])
+            parts = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
 
         return sig, codegen
 

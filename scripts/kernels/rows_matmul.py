@@ -10,6 +10,9 @@ Versions:
            pass's launches above skinny's rows)
   skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
            variants of warps a block (splitting K) and steps a warp loads at once
+  panel    pycalm.kernels.panel: skinny's weight stream with X staged in shared memory, K split
+           over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks beside split and skinny,
+           each checked against the split tile's outputs)
   r1..r3   scripts/kernels/matmul.py's wgmma rows versions (--wgmma): a 64 x BN tile on Hopper's
            warpgroup instructions, X staged once a block for BN rows of W, K split over blocks
            (checked against the reference first, as matmul.py --wgmma checks them)
@@ -18,6 +21,7 @@ Versions:
     python scripts/kernels/rows_matmul.py --sweep             # skinny's warps x unroll at T = 8, 64
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
     python scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --rows 16,32,64   # beside skinny, split
+    python scripts/kernels/rows_matmul.py --panel "8,2,3,0;8,1,3,2;4,2,3,0" --rows 32,64
 
 Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
 replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
@@ -41,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (mat
 from gpubench import graph_seconds  # noqa: E402
 from matmul import WGMMA_VERSIONS, check_wgmma, fill_kernel, row_splits, wgmma_matmul  # noqa: E402
 
-from pycalm.kernels import skinny  # noqa: E402
+from pycalm.kernels import panel, skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch  # noqa: E402
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
 from pycalm.model import formats  # noqa: E402
@@ -180,6 +184,59 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
             f"{dtype} a layer's four products: matvec {total['matvec'][0] * 1e6:.0f} us; {per_layer}",
             flush=True,
         )
+
+
+def panel_launch(x, w, w3, out, dtype, mode, warps, row_tiles, stages, scratch):  # noqa: ANN001, ANN201
+    """A panel launch with a chosen block shape (pycalm.kernels.panel.panel_matmul's, unfixed)."""
+    kernel = panel.make_panel_kernel(
+        dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, row_tiles, stages
+    )
+    args = skinny.stored_args(w, w3, dtype, x.shape[1])
+    if len(args) == 2:
+        args = (args[0], args[0], args[1], args[1])
+    blocks = -(-out.shape[1] // panel.rows_a_block(mode, warps, row_tiles))
+    splits = panel.split_count(blocks, x.shape[1], dtype)
+    part, done = scratch
+    return lambda: kernel[(blocks, splits), 32 * warps, STREAM](x, *args, out, part, done)
+
+
+def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, int, int, int]]) -> None:
+    """A layer's products by the split tile, skinny and panel block shapes (warps, row_tiles,
+    stages, min_blocks), each panel output checked against the split tile's (max |diff| / max |split|)."""
+    words = 132 * 64 * 32 * max(w * r for w, r, _, _ in variants)  # a wave's accumulators at 64 rows
+    scratch = (cuda.device_array(words, np.float32), cuda.to_device(np.zeros(1024, np.int32)))
+    for dtype in dtypes:
+        total = {t: [0.0] * (2 + len(variants)) for t in rows}
+        split_scratch = matmul_split_scratch(STREAM)
+        for name, n, k, mode in SHAPES:
+            w, w3, x, out = shape_arrays(n, k, dtype, mode)
+            ref = cuda.device_array_like(out)
+            for t in rows:
+                cells = []
+                for j, launch in enumerate(
+                    [tile_launch(x[:t], w, w3, ref[:t], dtype, mode, split_scratch),
+                     skinny_launch(x[:t], w, w3, out[:t], dtype, mode, 0, 0)]
+                    + [panel_launch(x[:t], w, w3, out[:t], dtype, mode, *v, scratch) for v in variants]
+                ):  # fmt: skip
+                    sec = time_launches(launch)
+                    total[t][j] += sec
+                    cells.append(f"{sec * 1e6:6.1f}")
+                    if j >= 2:  # checked: one more launch (residual: onto a zeroed out, as the split's)
+                        if mode == "residual":
+                            out[:t].copy_to_device(np.zeros(out[:t].shape, out.dtype))
+                            ref[:t].copy_to_device(np.zeros(ref[:t].shape, ref.dtype))
+                            tile_launch(x[:t], w, w3, ref[:t], dtype, mode, split_scratch)()
+                        launch()
+                        STREAM.synchronize()
+                        want = ref[:t].copy_to_host().astype(np.float64)
+                        got = out[:t].copy_to_host().astype(np.float64)
+                        err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30)
+                        cells[-1] += f" ({err:.0e}{' WRONG' if not err < 2e-3 else ''})"
+                print(f"{dtype:4s} {name:4s} T={t}: split / skinny / panel " + " / ".join(cells), flush=True)
+        for t in rows:
+            cells = " / ".join(f"{v * 1e6:.0f}" for v in total[t])
+            names = " / ".join(",".join(map(str, v)) for v in variants)
+            print(f"{dtype} layer T={t}: split / skinny / panel {names}: {cells} us", flush=True)
 
 
 def sweep(dtypes: list[str], rows: list[int]) -> None:
@@ -344,6 +401,9 @@ def main() -> None:
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     ap.add_argument("--wgmma", help="time matmul.py's wgmma rows versions, e.g. r1,r2,r3")
     ap.add_argument(
+        "--panel", help="time pycalm.kernels.panel's block shapes warps,row_tiles,stages,min_blocks;..."
+    )
+    ap.add_argument(
         "--splits", default="", help="with --wgmma: splits of K to time beside the automatic, e.g. 2,4,8"
     )
     args = ap.parse_args()
@@ -351,7 +411,10 @@ def main() -> None:
     STREAM = cuda.stream()
     dtypes = args.dtypes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
-    if args.wgmma:
+    if args.panel:
+        variants = [tuple(int(v) for v in spec.split(",")) for spec in args.panel.split(";")]
+        panel_table(dtypes, rows if args.rows != ap.get_default("rows") else [32, 64], variants)
+    elif args.wgmma:
         splits = [int(z) for z in args.splits.split(",") if z]
         wgmma_table(
             dtypes,
