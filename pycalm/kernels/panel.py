@@ -42,10 +42,9 @@ split order and runs the epilogue: the q8 row scale, the residual add or the gat
 A row's bits depend on the split count, the k order and T's n-tile count, not on the other rows:
 the same bits for a row in any pass of one bucket (batch-invariant passes take skinny instead).
 
-Bytes: the weights once; X from L2 once a block a step, T K 2 bytes a block row (gf4 and q4:
-about T / 64 + ... 3.5x a block's weight bytes at 64 rows and 256 rows a block; fp16 0.5x);
-with splits, 4 T N bytes a split written and read once (L2). FLOPs 2 T N K, done as
-2 (8 n_tiles) N K.
+Bytes: the weights once; X from L2 once a block a step (at 64 rows and 256 rows of W a block,
+0.25x (fp16) to 0.9x (gf4, q4) the block's weight bytes); with splits, 4 T N bytes a split
+written and read once (L2). FLOPs 2 T N K, done as 2 (8 n_tiles) N K.
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ SIM = _numba_config.ENABLE_CUDASIM
 # two tiles share each X load), three stages (48 KiB at 64 rows of gf4 / q4's 128 columns). The
 # simulator runs a Python thread a thread: 2 warps of one tile.
 WARPS, ROW_TILES, STAGES = (2, 1, 3) if SIM else (8, 2, 3)
+AHEAD = 1  # steps whose weights are in flight while a step is multiplied
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
 SIM_SMS = 2  # the simulator's "SMs": tests split K over a few blocks
@@ -123,10 +123,12 @@ def make_panel_kernel(  # noqa: ANN201, C901
     row_tiles: int = ROW_TILES,
     stages: int = STAGES,
     min_blocks: int = 0,
+    ahead: int = AHEAD,
 ):
     """panel_kernel for a weight dtype, an epilogue mode, an n-tile count (passes of up to 8
     n_tiles rows) and a block shape, one compile each; min_blocks > 0: compiled to fit that many
-    blocks an SM (launch bounds: the registers a thread may take). Arguments (x, w1, s1, w3, s3, out, part,
+    blocks an SM (launch bounds: the registers a thread may take); ahead: the steps whose
+    weights are in flight while a step is multiplied. Arguments (x, w1, s1, w3, s3, out, part,
     tiles_done): s1, s3 the q8 / q4 scales (else W1, W3 again, unread); part, tiles_done the
     scratch (read where gridDim.y > 1)."""
     a_pair, load_unit = unit_decoders(dtype)
@@ -146,6 +148,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
     ACC = ACC1 * MT
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     W_WORDS = 4 * MT  # a step's units of row g (and of row g + 8) a lane
+    RING = (ahead + 1) * W_WORDS  # this step's and the next `ahead` steps' units
+    SHIFT = ahead * W_WORDS
     SWZ_ROW = 0 if dtype == "fp16" else 1  # chunk ^= this for odd rows
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, residual = mode == GATE, mode == RESIDUAL
@@ -176,17 +180,18 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 )
 
     @cuda.jit(device=True, inline=True)
-    def load_step(w1, s1, w3, s3, step, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm):  # noqa: ANN001, ANN202
-        """The lane's units of step `step`: rows g (wg) and g + 8 (wh; GATE: W3's row g) of each
-        of its A tiles (a row past N reads the last row: its sums are never stored; a unit past
-        K reads zeros)."""
+    def load_step(w1, s1, w3, s3, step, slot, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm):  # noqa: ANN001, ANN202
+        """The lane's units of step `step` into slot `slot` of the ring: rows g (wg) and g + 8
+        (wh; GATE: W3's row g) of each of its A tiles (a row past N reads the last row: its sums
+        are never stored; a unit past K reads zeros)."""
         col = (step * 4 + t) * E
         for m in range(MT):
             row_g = (tile0 + m) * tile_rows + g
             row_h = row_g if gate else row_g + 8
             ok = col < k_cols
-            load_unit(w1, s1, min(row_g, n_rows - 1), col, ok, wg, m, dm, 2 * m, g_shift)
-            load_unit(w3, s3, min(row_h, n_rows - 1), col, ok, wh, m, dm, 2 * m + 1, g_shift)
+            u = slot * MT + m
+            load_unit(w1, s1, min(row_g, n_rows - 1), col, ok, wg, u, dm, 2 * u, g_shift)
+            load_unit(w3, s3, min(row_h, n_rows - 1), col, ok, wh, u, dm, 2 * u + 1, g_shift)
 
     @cuda.jit(device=True, inline=True)
     def step_product(smem, base, g, t, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
@@ -230,12 +235,10 @@ def make_panel_kernel(  # noqa: ANN201, C901
         docstring. Must match pycalm.cpu.reference.matmul_ref / matmul_residual_ref /
         matmul_gate_ref."""
         smem = cuda.shared.array(SMEM_WORDS, int32)  # (stages, T_MAX, STEP) fp16 X as words, swizzled
-        wg = cuda.local.array(W_WORDS, int32)  # this step's units of row g, an A tile each
-        wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
-        dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
-        ng = cuda.local.array(W_WORDS, int32)  # the next step's, loaded during this one
-        nh = cuda.local.array(W_WORDS, int32)
-        ndm = cuda.local.array(W_WORDS, int32)
+        # (ahead + 1, MT, 4): this step's units (slot 0) and the next steps' in flight
+        wg = cuda.local.array(RING, int32)  # of row g, an A tile each
+        wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
+        dm = cuda.local.array(RING, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, each A tile
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for e in range(ACC):
@@ -253,8 +256,10 @@ def make_panel_kernel(  # noqa: ANN201, C901
         n = min(per, n_steps - first)
         # q4: a group's columns, 32 or 64, as a shift (skinny's g_shift)
         g_shift = 5 if s1.shape[s1.ndim - 1] * 32 == k_cols else 6
-        if live:  # the weights are no earlier kernel's output: the first step's before the wait
-            load_step(w1, s1, w3, s3, first, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
+        if live:  # the weights are no earlier kernel's output: the first steps' before the wait
+            for k in range(ahead):
+                if k < n:
+                    load_step(w1, s1, w3, s3, first + k, k, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
         for i in range(stages - 1):  # the first steps' X in flight, a group each
             if i < n:
@@ -264,18 +269,32 @@ def make_panel_kernel(  # noqa: ANN201, C901
         for i in range(n):
             wait_landed()  # this thread's copies of step i have landed ...
             cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
-            ahead = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
-            if ahead < n:
-                stage_x(x, smem, (ahead % stages) * X_STAGE, first + ahead, t_rows, k_cols, tid)
+            fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
+            if fill < n:
+                stage_x(x, smem, (fill % stages) * X_STAGE, first + fill, t_rows, k_cols, tid)
             cp_async_commit()  # (an empty group near the end)
             if live:
-                if i + 1 < n:
+                if i + ahead < n:
                     load_step(
-                        w1, s1, w3, s3, first + i + 1, tile0, g, t, n_rows, k_cols, g_shift, ng, nh, ndm
+                        w1,
+                        s1,
+                        w3,
+                        s3,
+                        first + i + ahead,
+                        ahead,
+                        tile0,
+                        g,
+                        t,
+                        n_rows,
+                        k_cols,
+                        g_shift,
+                        wg,
+                        wh,
+                        dm,
                     )
                 step_product(smem, stage * X_STAGE, g, t, wg, wh, dm, a, acc)
-                for e in range(W_WORDS):  # the next step's units become this one's
-                    wg[e], wh[e], dm[e] = ng[e], nh[e], ndm[e]
+                for e in range(SHIFT):  # the ring moves a step: slot k + 1's units become slot k's
+                    wg[e], wh[e], dm[e] = wg[e + W_WORDS], wh[e + W_WORDS], dm[e + W_WORDS]
             stage = stage + 1 if stage < stages - 1 else 0
 
         if cuda.gridDim.y > 1:  # the tile's splits meet: the last to finish adds them up in split order

@@ -11,8 +11,8 @@ Versions:
   skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
            variants of warps a block (splitting K) and steps a warp loads at once
   panel    pycalm.kernels.panel: skinny's weight stream with X staged in shared memory, K split
-           over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks beside split and skinny,
-           each checked against the split tile's outputs)
+           over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks,ahead beside split
+           and skinny, each checked against the split tile's outputs)
   r1..r3   scripts/kernels/matmul.py's wgmma rows versions (--wgmma): a 64 x BN tile on Hopper's
            warpgroup instructions, X staged once a block for BN rows of W, K split over blocks
            (checked against the reference first, as matmul.py --wgmma checks them)
@@ -21,7 +21,7 @@ Versions:
     python scripts/kernels/rows_matmul.py --sweep             # skinny's warps x unroll at T = 8, 64
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
     python scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --rows 16,32,64   # beside skinny, split
-    python scripts/kernels/rows_matmul.py --panel "8,2,3,0;8,1,3,2;4,2,3,0" --rows 32,64
+    python scripts/kernels/rows_matmul.py --panel "8,2,3,0,1;8,1,3,2,2;4,2,3,0,2" --rows 32,64
 
 Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
 replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
@@ -186,11 +186,10 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
         )
 
 
-def panel_launch(x, w, w3, out, dtype, mode, warps, row_tiles, stages, scratch):  # noqa: ANN001, ANN201
+def panel_launch(x, w, w3, out, dtype, mode, warps, row_tiles, stages, min_blocks, ahead, scratch):  # noqa: ANN001, ANN201
     """A panel launch with a chosen block shape (pycalm.kernels.panel.panel_matmul's, unfixed)."""
-    kernel = panel.make_panel_kernel(
-        dtype, MODES[mode], skinny.n_tiles_for(x.shape[0]), warps, row_tiles, stages
-    )
+    n_tiles = skinny.n_tiles_for(x.shape[0])
+    kernel = panel.make_panel_kernel(dtype, MODES[mode], n_tiles, warps, row_tiles, stages, min_blocks, ahead)
     args = skinny.stored_args(w, w3, dtype, x.shape[1])
     if len(args) == 2:
         args = (args[0], args[0], args[1], args[1])
@@ -200,10 +199,11 @@ def panel_launch(x, w, w3, out, dtype, mode, warps, row_tiles, stages, scratch):
     return lambda: kernel[(blocks, splits), 32 * warps, STREAM](x, *args, out, part, done)
 
 
-def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, int, int, int]]) -> None:
+def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, ...]]) -> None:
     """A layer's products by the split tile, skinny and panel block shapes (warps, row_tiles,
-    stages, min_blocks), each panel output checked against the split tile's (max |diff| / max |split|)."""
-    words = 132 * 64 * 32 * max(w * r for w, r, _, _ in variants)  # a wave's accumulators at 64 rows
+    stages, min_blocks, ahead), each panel output checked against the split tile's (max |diff|
+    / max |split|)."""
+    words = 132 * 64 * 32 * max(v[0] * v[1] for v in variants)  # a wave's accumulators at 64 rows
     scratch = (cuda.device_array(words, np.float32), cuda.to_device(np.zeros(1024, np.int32)))
     for dtype in dtypes:
         total = {t: [0.0] * (2 + len(variants)) for t in rows}
@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--tiles", help="time the split launches of these tiles (BM,BN,WM,WN,stages,blocks;...)")
     ap.add_argument("--wgmma", help="time matmul.py's wgmma rows versions, e.g. r1,r2,r3")
     ap.add_argument(
-        "--panel", help="time pycalm.kernels.panel's block shapes warps,row_tiles,stages,min_blocks;..."
+        "--panel", help="time pycalm.kernels.panel's block shapes warps,row_tiles,stages,min_blocks,ahead;..."
     )
     ap.add_argument(
         "--splits", default="", help="with --wgmma: splits of K to time beside the automatic, e.g. 2,4,8"
