@@ -350,6 +350,7 @@ def attention_kernel(
     STAGE = 2 * WT * ROW  # int32 words a stage: the warp tile's K rows, then its V rows
     WARP_WORDS = stages * STAGE  # a warp's ring of stages
     MAX_SPLITS = max_splits  # split_len keeps the live splits of a kv head within this
+    SJ = -(-MAX_SPLITS // 32)  # splits a lane takes in the merge's weights
     # shared words: the warps' rings while streaming; then their accumulators; then the merge's weights
     SMEM = max(N_WARPS * WARP_WORDS, N_WARPS * group * head_dim, group * MAX_SPLITS)
     OUTS = group * head_dim  # a block's outputs: its heads' rows
@@ -640,19 +641,31 @@ def attention_kernel(
         if not last_to_arrive(count, ck, live, is_last, 0):
             return
 
-        # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
+        # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head; a
+        # lane loads the (m, l) of its splits lane, lane + 32, ... at once (one wait on L2, not
+        # one a split a lane; a split past `live` reads the last one's, unused)
+        sm = cuda.local.array(SJ, float32)  # the lane's splits' m, then exp(m - M)
+        sl = cuda.local.array(SJ, float32)  # ... and l
         for g in range(warp, group, N_WARPS):
             head = head0 + g
+            for j in range(SJ):
+                s = min(lane + 32 * j, live - 1)
+                sm[j] = part[head, s, head_dim]
+                sl[j] = part[head, s, head_dim + 1]
             hm = float32(NEG)
-            for s in range(lane, live, 32):
-                hm = max(hm, part[head, s, head_dim])
+            for j in range(SJ):
+                if lane + 32 * j < live:
+                    hm = max(hm, sm[j])
             hm = warp_reduce_max(hm)
             den = float32(0.0)
-            for s in range(lane, live, 32):
-                den += _exp(part[head, s, head_dim] - hm) * part[head, s, head_dim + 1]
+            for j in range(SJ):
+                sm[j] = _exp(sm[j] - hm)
+                if lane + 32 * j < live:
+                    den += sm[j] * sl[j]
             den = warp_reduce_sum(den)
-            for s in range(lane, live, 32):
-                smem[g * MAX_SPLITS + s] = as_i32(_exp(part[head, s, head_dim] - hm) / den)
+            for j in range(SJ):
+                if lane + 32 * j < live:
+                    smem[g * MAX_SPLITS + lane + 32 * j] = as_i32(sm[j] / den)
         cuda.syncthreads()  # every split's weight is in smem
         outs = cuda.local.array(OPT, float32)
         for o in range(OPT):
