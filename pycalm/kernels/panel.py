@@ -148,8 +148,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
     ACC = ACC1 * MT
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     W_WORDS = 4 * MT  # a step's units of row g (and of row g + 8) a lane
-    RING = (ahead + 1) * W_WORDS  # this step's and the next `ahead` steps' units
-    SHIFT = ahead * W_WORDS
+    R = ahead + 1  # slots of the weights' register ring: a step's, and the `ahead` in flight
+    RING = R * W_WORDS
     SWZ_ROW = 0 if dtype == "fp16" else 1  # chunk ^= this for odd rows
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, residual = mode == GATE, mode == RESIDUAL
@@ -194,16 +194,18 @@ def make_panel_kernel(  # noqa: ANN201, C901
             load_unit(w3, s3, min(row_h, n_rows - 1), col, ok, wh, u, dm, 2 * u + 1, g_shift)
 
     @cuda.jit(device=True, inline=True)
-    def step_product(smem, base, g, t, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
-        """acc += this step's products: the lane's units decoded once a k-tile pair, then for
-        each n-tile its X from the stage at word `base` and row_tiles x 2 mma."""
+    def step_product(smem, base, slot, g, t, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
+        """acc += this step's products from ring slot `slot`: the lane's units decoded once a
+        k-tile pair, then for each n-tile its X from the stage at word `base` and row_tiles x 2
+        mma."""
         for i in range(PAIRS):  # k-tiles 2 i, 2 i + 1 of the unit
             for m in range(MT):
+                u = slot * MT + m
                 for jj in range(2):
                     j = 2 * i + jj
-                    a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, m, j, dm[4 * m], dm[4 * m + 1])
+                    a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, u, j, dm[4 * u], dm[4 * u + 1])
                     a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
-                        wh, m, j, dm[4 * m + 2], dm[4 * m + 3]
+                        wh, u, j, dm[4 * u + 2], dm[4 * u + 3]
                     )
             for p in range(n_tiles):
                 b0, b1, b2, b3 = lds128(smem, base + chunk_at(8 * p + g, t * PAIRS + i))
@@ -235,7 +237,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
         docstring. Must match pycalm.cpu.reference.matmul_ref / matmul_residual_ref /
         matmul_gate_ref."""
         smem = cuda.shared.array(SMEM_WORDS, int32)  # (stages, T_MAX, STEP) fp16 X as words, swizzled
-        # (ahead + 1, MT, 4): this step's units (slot 0) and the next steps' in flight
+        # (R, MT, 4): the ring of steps' units, step i in slot i % R (the main loop unrolled by R,
+        # so a slot is a constant and the ring stays in registers)
         wg = cuda.local.array(RING, int32)  # of row g, an A tile each
         wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(RING, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
@@ -266,36 +269,24 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
             cp_async_commit()
         stage = 0
-        for i in range(n):
-            wait_landed()  # this thread's copies of step i have landed ...
-            cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
-            fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
-            if fill < n:
-                stage_x(x, smem, (fill % stages) * X_STAGE, first + fill, t_rows, k_cols, tid)
-            cp_async_commit()  # (an empty group near the end)
-            if live:
-                if i + ahead < n:
-                    load_step(
-                        w1,
-                        s1,
-                        w3,
-                        s3,
-                        first + i + ahead,
-                        ahead,
-                        tile0,
-                        g,
-                        t,
-                        n_rows,
-                        k_cols,
-                        g_shift,
-                        wg,
-                        wh,
-                        dm,
-                    )
-                step_product(smem, stage * X_STAGE, g, t, wg, wh, dm, a, acc)
-                for e in range(SHIFT):  # the ring moves a step: slot k + 1's units become slot k's
-                    wg[e], wh[e], dm[e] = wg[e + W_WORDS], wh[e + W_WORDS], dm[e + W_WORDS]
-            stage = stage + 1 if stage < stages - 1 else 0
+        i0 = 0
+        while i0 < n:  # R steps a round, unrolled: step i0 + r multiplies ring slot r
+            for r in range(R):
+                i = i0 + r
+                if i < n:  # block-uniform
+                    wait_landed()  # this thread's copies of step i have landed ...
+                    cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
+                    fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
+                    if fill < n:
+                        stage_x(x, smem, (fill % stages) * X_STAGE, first + fill, t_rows, k_cols, tid)
+                    cp_async_commit()  # (an empty group near the end)
+                    if live:
+                        if i + ahead < n:  # into the slot step i - 1 used
+                            load_step(w1, s1, w3, s3, first + i + ahead, (r + ahead) % R, tile0, g, t, n_rows,
+                                      k_cols, g_shift, wg, wh, dm)  # fmt: skip
+                        step_product(smem, stage * X_STAGE, r, g, t, wg, wh, dm, a, acc)
+                    stage = stage + 1 if stage < stages - 1 else 0
+            i0 += R
 
         if cuda.gridDim.y > 1:  # the tile's splits meet: the last to finish adds them up in split order
             n_splits = cuda.gridDim.y
