@@ -55,7 +55,7 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import dependent_start, fp16_encode, last_to_arrive
@@ -194,10 +194,11 @@ def make_panel_kernel(  # noqa: ANN201, C901
             load_unit(w3, s3, min(row_h, n_rows - 1), col, ok, wh, u, dm, 2 * u + 1, g_shift)
 
     @cuda.jit(device=True, inline=True)
-    def step_product(smem, base, slot, g, t, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
+    def step_product(smem, base, slot, xoff, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
         """acc += this step's products from ring slot `slot`: the lane's units decoded once a
-        k-tile pair, then for each n-tile its X from the stage at word `base` and row_tiles x 2
-        mma."""
+        k-tile pair, then for each n-tile its X from the stage at word `base` (xoff[i]: the
+        lane's word of pair i in row g; row 8 p + g is 8 p rows on, the same chunk) and
+        row_tiles x 2 mma."""
         for i in range(PAIRS):  # k-tiles 2 i, 2 i + 1 of the unit
             for m in range(MT):
                 u = slot * MT + m
@@ -208,7 +209,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
                         wh, u, j, dm[4 * u + 2], dm[4 * u + 3]
                     )
             for p in range(n_tiles):
-                b0, b1, b2, b3 = lds128(smem, base + chunk_at(8 * p + g, t * PAIRS + i))
+                b0, b1, b2, b3 = lds128(smem, base + xoff[i] + 8 * p * ROW_WORDS)
                 for m in range(MT):
                     c = (m * n_tiles + p) * 4
                     q = 8 * m
@@ -243,12 +244,15 @@ def make_panel_kernel(  # noqa: ANN201, C901
         wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(RING, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, each A tile
+        xoff = cuda.local.array(PAIRS, int32)  # the lane's word of each k-tile pair's X in row g
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for e in range(ACC):
             acc[e] = float32(0.0)
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane >> 2, lane & 3
+        for i in range(PAIRS):
+            xoff[i] = int32(chunk_at(g, t * PAIRS + i))
         n_rows = w1.shape[0]
         t_rows, k_cols = x.shape
         tile0 = (cuda.blockIdx.x * warps + warp) * MT  # the warp's first A tile
@@ -284,24 +288,26 @@ def make_panel_kernel(  # noqa: ANN201, C901
                         if i + ahead < n:  # into the slot step i - 1 used
                             load_step(w1, s1, w3, s3, first + i + ahead, (r + ahead) % R, tile0, g, t, n_rows,
                                       k_cols, g_shift, wg, wh, dm)  # fmt: skip
-                        step_product(smem, stage * X_STAGE, r, g, t, wg, wh, dm, a, acc)
+                        step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
                     stage = stage + 1 if stage < stages - 1 else 0
             i0 += R
 
         if cuda.gridDim.y > 1:  # the tile's splits meet: the last to finish adds them up in split order
             n_splits = cuda.gridDim.y
             tile = cuda.blockIdx.x
-            home = tile * n_splits * ACC * threads + tid  # (tiles, splits, ACC, threads)
+            # (tiles, splits, ACC, threads); unsigned, so that the loads take no wraparound test
+            home = uint32(tile * n_splits * ACC * threads + tid)
             for e in range(ACC):
-                part[home + (cuda.blockIdx.y * ACC + e) * threads] = acc[e]
+                part[home + uint32((cuda.blockIdx.y * ACC + e) * threads)] = acc[e]
             wait_all()  # (no copy is in flight: smem[0] carries the answer)
             if not last_to_arrive(tiles_done, tile, n_splits, smem, 0):
                 return  # block-uniform, after the last barrier
             for e in range(ACC):
                 acc[e] = float32(0.0)
             for z in range(n_splits):  # in split order: the same sums whichever block is last
+                at = home + uint32(z * ACC * threads)
                 for e in range(ACC):
-                    acc[e] += part[home + (z * ACC + e) * threads]
+                    acc[e] += part[at + uint32(e * threads)]
             if tid == 0:
                 tiles_done[tile] = 0  # for the next launch
         if not live:
