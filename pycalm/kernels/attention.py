@@ -40,8 +40,8 @@ N_WARPS, ... of the split, and for each:
    dim) outputs are merged by rescaling. One live split (every context up to `split`): out =
    acc / l. Several: the block writes its (unnormalised acc, m, l) to its slot of `part`, and
    the LAST block of the kv head to finish (a per-kv-head atomic counter) merges the splits'
-   partials (each split's weight exp(m_s - M) / sum exp(m_s - M) l_s, then UNROLL independent
-   loads a round) and resets the counter. Each (head, split) slot of `part` is padded to whole
+   partials (each split's weight exp(m_s - M) / sum exp(m_s - M) l_s, then MERGE_LOADS
+   independent loads a round) and resets the counter. Each (head, split) slot of `part` is padded to whole
    128-byte lines, so no line the merging block reads was ever cached in its SM's L1 before
    it was written.
 
@@ -133,7 +133,7 @@ STAGES = 4  # a warp's ring: three warp tiles in flight while one is used
 # at that moment: Llama-3-8B fp16 at D = 32,000 ran 118 tok/s with 256, 143 with 512
 TARGET_BLOCKS = 16 if SIM else 512
 CHUNK = 2 * TILE * THREADS // 32  # the shortest split: two warp tiles a warp
-UNROLL = 16  # independent partial loads in flight per output of the merge
+MERGE_LOADS = 4  # splits a merge round loads at once for each of a thread's outputs (split_terms)
 # registers a thread at most, so that three blocks of 128 threads fit an SM's 64k (tests/test_ptx.py
 # checks it with ptxas); the launch bounds ask for four (16 warps, 48 warp tiles in flight an SM)
 # where a lane's query slices and accumulators are 16 floats or fewer (GQA groups up to 4 at
@@ -350,7 +350,6 @@ def attention_kernel(
     STAGE = 2 * WT * ROW  # int32 words a stage: the warp tile's K rows, then its V rows
     WARP_WORDS = stages * STAGE  # a warp's ring of stages
     MAX_SPLITS = max_splits  # split_len keeps the live splits of a kv head within this
-    SJ = -(-MAX_SPLITS // 32)  # splits a lane takes in the merge's weights
     # shared words: the warps' rings while streaming; then their accumulators; then the merge's weights
     SMEM = max(N_WARPS * WARP_WORDS, N_WARPS * group * head_dim, group * MAX_SPLITS)
     OUTS = group * head_dim  # a block's outputs: its heads' rows
@@ -410,6 +409,22 @@ def attention_kernel(
 
     # four blocks an SM where a lane's slices fit 16 floats; three for larger groups, and paged
     # (the block table's lookups in the copy loop spilled at four: 36 bytes at head_dim 128, fp16)
+    @cuda.jit(device=True, inline=True)
+    def split_terms(part, smem, head, w0, s0, live, d):  # noqa: ANN001, ANN202
+        """sum over splits s0 .. s0 + 3 of weight_s part[head, s, d] (the weights at smem[w0 +
+        s]; splits past `live` count zero and read split live - 1): four loads written out, so
+        that all are in flight at once (a loop over them, which the compiler keeps rolled,
+        waits on L2 once a split)."""
+        h, e, end = uint32(head), uint32(d), uint32(live - 1)  # (unsigned: no wraparound test)
+        s1, s2, s3 = min(uint32(s0 + 1), end), min(uint32(s0 + 2), end), min(uint32(s0 + 3), end)
+        x0, x1, x2, x3 = part[h, uint32(s0), e], part[h, s1, e], part[h, s2, e], part[h, s3, e]
+        zero = float32(0.0)
+        total = as_f32(smem[w0 + s0]) * x0
+        total += as_f32(smem[w0 + s1]) * x1 if s0 + 1 < live else zero
+        total += as_f32(smem[w0 + s2]) * x2 if s0 + 2 < live else zero
+        total += as_f32(smem[w0 + s3]) * x3 if s0 + 3 < live else zero
+        return total
+
     bounds = {} if SIM else {"launch_bounds": (threads, 4 if GLE <= 16 and not PAGED else 3)}
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
@@ -641,44 +656,28 @@ def attention_kernel(
         if not last_to_arrive(count, ck, live, is_last, 0):
             return
 
-        # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head; a
-        # lane loads the (m, l) of its splits lane, lane + 32, ... at once (one wait on L2, not
-        # one a split a lane; a split past `live` reads the last one's, unused)
-        sm = cuda.local.array(SJ, float32)  # the lane's splits' m, then exp(m - M)
-        sl = cuda.local.array(SJ, float32)  # ... and l
+        # the merge: each split's weight exp(m_s - M) / sum_s exp(m_s - M) l_s, a warp a head
         for g in range(warp, group, N_WARPS):
             head = head0 + g
-            for j in range(SJ):
-                s = min(lane + 32 * j, live - 1)
-                sm[j] = part[head, s, head_dim]
-                sl[j] = part[head, s, head_dim + 1]
             hm = float32(NEG)
-            for j in range(SJ):
-                if lane + 32 * j < live:
-                    hm = max(hm, sm[j])
+            for s in range(lane, live, 32):
+                hm = max(hm, part[head, s, head_dim])
             hm = warp_reduce_max(hm)
             den = float32(0.0)
-            for j in range(SJ):
-                sm[j] = _exp(sm[j] - hm)
-                if lane + 32 * j < live:
-                    den += sm[j] * sl[j]
+            for s in range(lane, live, 32):
+                den += _exp(part[head, s, head_dim] - hm) * part[head, s, head_dim + 1]
             den = warp_reduce_sum(den)
-            for j in range(SJ):
-                if lane + 32 * j < live:
-                    smem[g * MAX_SPLITS + lane + 32 * j] = as_i32(sm[j] / den)
+            for s in range(lane, live, 32):
+                smem[g * MAX_SPLITS + s] = as_i32(_exp(part[head, s, head_dim] - hm) / den)
         cuda.syncthreads()  # every split's weight is in smem
         outs = cuda.local.array(OPT, float32)
         for o in range(OPT):
             outs[o] = float32(0.0)
-        for s0 in range(0, live, UNROLL):
-            for u in range(UNROLL):  # independent loads; past-the-end ones read split live - 1
-                s = min(s0 + u, live - 1)
-                for o in range(OPT):
-                    i = min(tid + o * threads, OUTS - 1)
-                    g = i // head_dim
-                    f = as_f32(smem[g * MAX_SPLITS + s])
-                    x = f * part[head0 + g, s, i % head_dim]
-                    outs[o] += x if s0 + u < live else float32(0.0)
+        for s0 in range(0, live, MERGE_LOADS):  # a round: MERGE_LOADS splits of every output
+            for o in range(OPT):
+                i = min(tid + o * threads, OUTS - 1)
+                g = i // head_dim
+                outs[o] += split_terms(part, smem, head0 + g, g * MAX_SPLITS, s0, live, i % head_dim)
         for o in range(OPT):
             i = tid + o * threads
             if i < OUTS:
