@@ -67,8 +67,10 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # skinny's for every pass
 SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
 # longer passes of at most PANEL_ROWS[format] rows take pycalm.kernels.panel's products (skinny's
-# weight stream, X staged in shared memory, K split over blocks) in place of the split tile
-PANEL_ROWS = {"fp16": 64, "fp8": 64, "gf4": 64, "q8": 64, "q4": 64}
+# weight stream, X staged in shared memory, K split over blocks) in place of the split tile: none
+# yet. Its first build against the split tile in the 8B's 64-row pass (H100, 2026-12-07, `bench.py
+# --rows 32,64`): q4 11.53 against 11.31 ms, gf4 9.60 / 9.72, q8 11.97 / 10.31, fp16 15.49 / 11.78
+PANEL_ROWS = {"fp16": 0, "fp8": 0, "gf4": 0, "q8": 0, "q4": 0}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every
