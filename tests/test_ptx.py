@@ -90,13 +90,19 @@ MODELS = {
 # 59.1 with one tile and 43.4 in blocks of 8, and X ahead cut the layer's products 166 -> 120 us
 # Its FOLD form (the rows pass's w2 with the next RMSNorm folded in, skinny.NormFold; the plain
 # form, NO_NORM, is the last layer's) spills 56 (ptxas, 2026-12-06), 4 bytes more; not yet timed.
+# The panel's q4 kernels (64 rows, blocks of 16 warps, 128 registers a thread): 28 bytes plain
+# and residual, 36 the gate; on an H100 (2026-12-07) a layer's four products took 238 us against
+# 279 in blocks of 8 warps of two tiles (254 registers, no spill) and 278 on the split tile.
 KNOWN_SPILLS = [
     (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 0), 52),
     (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 2), 56),
+    (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 0, 8, 16, 1, 3, 1, 1), 28),
+    (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 1, 8, 16, 1, 3, 1, 1), 28),
+    (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 2, 8, 16, 1, 3, 1, 1), 36),
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",
-            "moe_rows", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
+            "moe_rows", "panel", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

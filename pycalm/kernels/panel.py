@@ -64,11 +64,20 @@ from pycalm.kernels.skinny import UNIT, n_tiles_for, stored_args, unit_decoders
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, lds128, mma_16816
 
 SIM = _numba_config.ENABLE_CUDASIM
-# warps a block, A tiles a warp and X stages: 8 warps of two tiles (256 rows of W a block; a warp's
-# two tiles share each X load), three stages (48 KiB at 64 rows of gf4 / q4's 128 columns). The
-# simulator runs a Python thread a thread: 2 warps of one tile.
-WARPS, ROW_TILES, STAGES = (2, 1, 3) if SIM else (8, 2, 3)
-AHEAD = 1  # steps whose weights are in flight while a step is multiplied
+# the block: warps, A tiles a warp, X stages, blocks an SM its registers are capped for (launch
+# bounds), steps whose weights are in flight while a step is multiplied. 16 warps of one tile (256
+# rows of W a block), three stages (48 KiB at 64 rows of gf4 / q4's 128 columns), 128 registers a
+# thread (q4 spills 28-36 bytes). A layer's four products at 64 / 32 rows on the 8B shape, us
+# (`scripts/kernels/rows_matmul.py --panel "8,2,3,0,1;8,2,3,0,2;4,2,3,0,1;16,1,3,1,1;16,1,2,1,2"
+# --rows 32,64`, H100, 2026-12-07; each output within 3e-4 of the split tile's):
+#   q4  64 rows: split tile 278, skinny 448; 8 warps of two tiles 279 (254 registers: 8 warps an
+#       SM), the same two steps ahead 334, 4 warps of two 337, 16 warps of one 238, with two X
+#       stages and two steps ahead 238; 32 rows: split 281, skinny 135, the panels 164-260
+#   q8  64 rows: split 243, skinny 430; the panels 237 / 215 / 246 / 201 / 201
+# so the rows pass takes it at 33 to 64 rows for q4 and q8 (prefill.PANEL_ROWS). The simulator
+# runs a Python thread a thread: 2 warps of one tile.
+WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
+AHEAD = 1
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
 SIM_SMS = 2  # the simulator's "SMs": tests split K over a few blocks
@@ -122,7 +131,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     warps: int = WARPS,
     row_tiles: int = ROW_TILES,
     stages: int = STAGES,
-    min_blocks: int = 0,
+    min_blocks: int = MIN_BLOCKS,
     ahead: int = AHEAD,
 ):
     """panel_kernel for a weight dtype, an epilogue mode, an n-tile count (passes of up to 8
@@ -365,7 +374,7 @@ def panel_matmul(
             f"the panel matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
     n_tiles = n_tiles_for(t_rows)
-    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles)
+    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD)
     args = stored_args(w, w3, dtype, k_cols)
     if len(args) == 2:  # fp16, fp8, gf4: W1, W3 stand in for the scales (unread)
         args = (args[0], args[0], args[1], args[1])
