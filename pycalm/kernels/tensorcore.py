@@ -236,8 +236,9 @@ else:
 
         return sig, codegen
 
-    def _ldmatrix(smem: object, word: object, shape: str) -> object:
-        """The typing and codegen of ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16."""
+    def _shared_load4(smem: object, word: object, text: str) -> object:
+        """The typing and codegen of a 16-byte shared load into four int32 registers: the PTX
+        instruction `text`, its outputs $0..$3 and its address $4."""
         if not _is_word_array(smem):
             return None
         sig = types.UniTuple(types.int32, 4)(smem, word)
@@ -247,7 +248,7 @@ else:
             fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
             asm = ir.InlineAsm(
                 fnty,
-                f"ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+                text,
                 "=r,=r,=r,=r,r,~{memory}",
                 side_effect=True,  # reads shared memory: keep it between the barriers it sits in
             )
@@ -256,6 +257,12 @@ else:
             return context.make_tuple(builder, sig.return_type, parts)
 
         return sig, codegen
+
+    def _ldmatrix(smem: object, word: object, shape: str) -> object:
+        """The typing and codegen of ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16."""
+        return _shared_load4(
+            smem, word, f"ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+        )
 
     @intrinsic
     def ldmatrix_x4(typingctx, smem, word):  # noqa: ANN001, ANN201
@@ -412,24 +419,7 @@ else:
     @intrinsic
     def lds128(typingctx, smem, word):  # noqa: ANN001, ANN201
         """Four int32 words smem[word:word+4] in one 16-byte shared load (word a multiple of 4)."""
-        if not _is_word_array(smem):
-            return None
-        sig = types.UniTuple(types.int32, 4)(smem, word)
-
-        def codegen(context: object, builder: object, sig: object, args: object) -> object:
-            addr = _shared_word_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32])
-            asm = ir.InlineAsm(
-                fnty,
-                "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
-                "=r,=r,=r,=r,r,~{memory}",
-                side_effect=True,  # reads shared memory: keep it between the barriers it sits in
-            )
-            res = builder.call(asm, [addr])
-            parts = [builder.extract_value(res, i) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return sig, codegen
+        return _shared_load4(smem, word, "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];")
 
     @intrinsic
     def pack_f16x2(typingctx, lo, hi):  # noqa: ANN001, ANN201
