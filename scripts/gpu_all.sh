@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -133,6 +133,20 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/attention.py --shapes Qwen2.5-0.5B,Qwen2.5-1.5B --n-pos 1,64,160,300 \
                --variants default,s_c64,s_c128,s_c256,s_nomerge --check 2>&1 | tee "$out/kernels_attention_pair.log" \
                | grep -A40 "=== summary" ;;
+    musts)   # every open issue's H200 rows in one call (about 8 minutes on a fresh machine): the GPU
+             # tests of what changed last (the decode attention's merge, the panel products), issue
+             # 34's prefill Musts, issue 32's depths, issue 29's rows table and batch-invariant decode
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider tests/test_attention.py \
+               tests/test_paged_attention.py tests/test_matmul.py -k "attention or panel or split" 2>&1 \
+               | tee "$out/tests_musts.log" | tail -3
+             python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \
+               --split none 2>&1 | tee "$out/bench_prefill_musts.log" | tail -6
+             python3 scripts/bench.py --depths 0,8000,16000,32000 --shapes llama3-8b --dtypes fp16,q4 --kv fp16 2>&1 \
+               | tee "$out/bench_depths.log" | tail -4
+             python3 scripts/bench.py --rows 1,8,16,32,64 --shapes llama3-8b --dtypes fp16,fp8,gf4,q8,q4 2>&1 \
+               | tee "$out/bench_rows.log" | tail -8
+             python3 scripts/bench.py --invariant-decode --shapes llama3-8b --dtypes fp16,q4 --tokens 64 2>&1 \
+               | tee -a "$out/bench_rows.log" | tail -4 ;;
     prefill-musts)  # issue 34's Musts on the H200 (8B fp16 >= 26,000, q8 >= 16,000, q4 >= 13,000 tok/s
              # at 2,048 tokens), then Mixtral fp16, the cell only an H200 holds
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \
