@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -147,6 +147,10 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee "$out/bench_rows.log" | tail -8
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b --dtypes fp16,q4 --tokens 64 2>&1 \
                | tee -a "$out/bench_rows.log" | tail -4 ;;
+    merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
+             python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
+               --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
+               | grep -A30 "=== summary" ;;
     prefill-musts)  # issue 34's Musts on the H200 (8B fp16 >= 26,000, q8 >= 16,000, q4 >= 13,000 tok/s
              # at 2,048 tokens), then Mixtral fp16, the cell only an H200 holds
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \

@@ -314,12 +314,16 @@ def attention_kernel(
     max_splits: int = TARGET_BLOCKS,
     out_fp16: bool = False,
     paged: bool = False,
+    merge_loads: int = MERGE_LOADS,
 ) -> object:
     """The kernel specialised for a head_dim, group size (query heads a kv head), KV dtype, block,
     warp tile and stages, so the per-lane query slices, partial dots and accumulators are
     fixed-size local arrays that the compiler keeps in registers (all loops over them unroll).
-    paged: rows of many sequences over a paged pool (the module docstring's last part)."""
+    paged: rows of many sequences over a paged pool (the module docstring's last part);
+    merge_loads: the merge's splits a round, 4 or 8 (scripts/kernels/attention.py times 8)."""
     check_head(head_dim, group, kv_dtype)
+    if merge_loads not in (4, 8):
+        raise PycalmError(f"the merge loads 4 or 8 splits a round, not {merge_loads}")
     PAGED = paged
     IS_FP8 = kv_dtype == "fp8"
     EPW = 4 if IS_FP8 else 2  # cache elements an int32 word holds
@@ -416,10 +420,11 @@ def attention_kernel(
         that all are in flight at once (a loop over them, which the compiler keeps rolled,
         waits on L2 once a split)."""
         h, e, end = uint32(head), uint32(d), uint32(live - 1)  # (unsigned: no wraparound test)
-        s1, s2, s3 = min(uint32(s0 + 1), end), min(uint32(s0 + 2), end), min(uint32(s0 + 3), end)
-        x0, x1, x2, x3 = part[h, uint32(s0), e], part[h, s1, e], part[h, s2, e], part[h, s3, e]
+        s_, s1 = min(uint32(s0), end), min(uint32(s0 + 1), end)
+        s2, s3 = min(uint32(s0 + 2), end), min(uint32(s0 + 3), end)
+        x0, x1, x2, x3 = part[h, s_, e], part[h, s1, e], part[h, s2, e], part[h, s3, e]
         zero = float32(0.0)
-        total = as_f32(smem[w0 + s0]) * x0
+        total = as_f32(smem[w0 + s_]) * x0 if s0 < live else zero
         total += as_f32(smem[w0 + s1]) * x1 if s0 + 1 < live else zero
         total += as_f32(smem[w0 + s2]) * x2 if s0 + 2 < live else zero
         total += as_f32(smem[w0 + s3]) * x3 if s0 + 3 < live else zero
@@ -673,11 +678,13 @@ def attention_kernel(
         outs = cuda.local.array(OPT, float32)
         for o in range(OPT):
             outs[o] = float32(0.0)
-        for s0 in range(0, live, MERGE_LOADS):  # a round: MERGE_LOADS splits of every output
+        for s0 in range(0, live, merge_loads):  # a round: merge_loads splits of every output
             for o in range(OPT):
                 i = min(tid + o * threads, OUTS - 1)
                 g = i // head_dim
                 outs[o] += split_terms(part, smem, head0 + g, g * MAX_SPLITS, s0, live, i % head_dim)
+                if merge_loads == 8:
+                    outs[o] += split_terms(part, smem, head0 + g, g * MAX_SPLITS, s0 + 4, live, i % head_dim)
         for o in range(OPT):
             i = tid + o * threads
             if i < OUTS:

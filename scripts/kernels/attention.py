@@ -16,6 +16,8 @@ streaming warp tiles through cp.async rings; `SplitTuning` sizes it):
   s_pad2, s_tg256_pad2  the default / s_tg256 with 48 KiB of dynamic shared memory a block
             reserved, so an SM holds two blocks (the token step launches the kernel behind qkv's,
             and the scheduler may crowd a small grid onto the few SMs free then)
+  s_m8      the merge loading 8 splits a round (the package's 4; 8 spills 28-32 bytes for
+            groups of 6 and 8, none at the 8B's 4)
   s_nomerge, s_tg256_nomerge  probes, not versions: the default / s_tg256 with every kv head's
             counter started at -2**30, so no block merges the splits (outputs unchecked); against
             their version they time the merge
@@ -434,6 +436,7 @@ class SplitTuning:
     chunk: int = 32
     pad: int = 0  # dynamic shared bytes a launch reserves beyond the kernel's own (fewer blocks an SM)
     merge: bool = True  # False: the counters start at -2**30, so no block is a kv head's last (a probe)
+    merge_loads: int = 4  # the merge's splits a round (pycalm.kernels.attention.MERGE_LOADS)
 
 
 @dataclass(frozen=True)
@@ -486,6 +489,7 @@ VARIANTS = {
     "s_tg1024": SplitTuning(target=1024),
     "s_pad2": SplitTuning(pad=48 * 1024),
     "s_tg256_pad2": SplitTuning(target=256, pad=48 * 1024),
+    "s_m8": SplitTuning(merge_loads=8),
     "s_nomerge": SplitTuning(merge=False),
     "s_tg256_nomerge": SplitTuning(target=256, merge=False),
 }
@@ -506,7 +510,14 @@ def split_attention(q: object, cache: KVCache, state: object, out: object, cfg: 
     """pycalm.kernels.attention.attention with a SplitTuning's sizes."""
     t = scratch.tuning
     kernel = attention_kernel(
-        cfg.head_dim, cfg.n_heads // cfg.n_kv_heads, cache.dtype, t.threads, t.tile, t.stages, t.target
+        cfg.head_dim,
+        cfg.n_heads // cfg.n_kv_heads,
+        cache.dtype,
+        t.threads,
+        t.tile,
+        t.stages,
+        t.target,
+        merge_loads=t.merge_loads,
     )
     span = cache.k.shape[0] if span is None else span
     split = split_len(span, scratch.chunk, cfg.n_kv_heads, t.target)
