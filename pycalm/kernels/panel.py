@@ -29,8 +29,9 @@ row_tiles rows of W), and a slice of K's steps: grid (ceil(N / rows a block), sp
 (b, z) taking steps z per .. (z + 1) per - 1, per = ceil(steps / splits). Each step, the block
 copies the step's X (8 n_tiles rows of STEP columns, rows past T and columns past K as zeros)
 into a ring of `stages` stages by cp.async, stages - 1 steps ahead, one barrier a step; each
-warp loads the next step's weights into registers, then decodes this step's (once for every
-n-tile) and runs row_tiles x E / 4 x n_tiles mma. A staged row is STEP / 8 chunks of 16 bytes,
+warp loads the weights of the step `ahead` steps on into a ring of registers (ahead + 1 slots,
+the main loop unrolled by as many so that a slot is a constant), then decodes this step's (once
+for every n-tile) and runs row_tiles x E / 4 x n_tiles mma. A staged row is STEP / 8 chunks of 16 bytes,
 chunk c of row r at c ^ (r & 1) (fp8, q8: 128-byte rows) ^ 2 ((c >> 3) & 1) (gf4, q4: 256-byte
 rows; fp16's 64-byte rows need none): the eight lanes of a quarter warp (rows 2a, 2a + 1,
 chunks t E / 8 + i) then read eight distinct groups of four banks.
