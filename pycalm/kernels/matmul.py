@@ -184,14 +184,14 @@ class SplitScratch(NamedTuple):
 
 
 @functools.cache
-def _sm_count() -> int:
+def sm_count() -> int:
     """The current device's SMs (SIM_SMS under the simulator)."""
     return SIM_SMS if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def split_blocks(tile: Tile) -> int:
     """Blocks a split launch fills: the tile's resident blocks an SM on every SM (one wave)."""
-    return tile.blocks_per_sm * _sm_count()
+    return tile.blocks_per_sm * sm_count()
 
 
 def _acc_words(tile: Tile) -> int:

@@ -60,8 +60,8 @@ from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import dependent_start, fp16_encode, last_to_arrive
-from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode
-from pycalm.kernels.skinny import UNIT, n_tiles_for, stored_args, unit_decoders
+from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, sm_count
+from pycalm.kernels.skinny import UNIT, fits, n_tiles_for, stored_args, unit_decoders
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, lds128, mma_16816
 
 SIM = _numba_config.ENABLE_CUDASIM
@@ -81,8 +81,6 @@ WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
 AHEAD = 1
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
-SIM_SMS = 2  # the simulator's "SMs": tests split K over a few blocks
-MIN_ROWS = 17  # below, skinny's X fits a lane's registers
 
 
 class PanelScratch(NamedTuple):
@@ -90,16 +88,6 @@ class PanelScratch(NamedTuple):
 
     part: object  # (wave * ACC words * threads,) float32: each block's partial sums
     tiles_done: object  # (wave,) int32: a tile's finished splits, zero between launches
-
-
-@functools.cache
-def _sm_count() -> int:
-    return SIM_SMS if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
-
-
-def fits(dtype: str, k_cols: int) -> bool:
-    """Whether the kernel takes K: whole 16-byte units a row (skinny.fits; q4: groups of 32 or more)."""
-    return dtype in UNIT and k_cols % UNIT[dtype] == 0
 
 
 def rows_a_block(mode: str, warps: int = WARPS, row_tiles: int = ROW_TILES) -> int:
@@ -111,7 +99,7 @@ def split_count(blocks: int, k_cols: int, dtype: str) -> int:
     """Splits of K for a launch of `blocks` blocks: as many as fill one block an SM, each of at
     least MIN_SPLIT_STEPS steps; 1 where the blocks fill the SMs alone."""
     steps = -(-k_cols // (4 * UNIT[dtype]))
-    splits = max(1, min(_sm_count() // blocks, steps // MIN_SPLIT_STEPS, MAX_SPLITS))
+    splits = max(1, min(sm_count() // blocks, steps // MIN_SPLIT_STEPS, MAX_SPLITS))
     per = -(-steps // splits)
     return -(-steps // per)  # no split left empty
 
@@ -120,8 +108,8 @@ def panel_scratch(stream: object = 0) -> PanelScratch:
     """The scratch of every split launch: a wave's accumulators (64 rows, the default block)."""
     acc = ROW_TILES * 4 * 8  # a thread's accumulators at 64 rows
     threads = 32 * WARPS
-    part = cuda.device_array(_sm_count() * acc * threads, np.float32, stream=stream)
-    return PanelScratch(part, cuda.to_device(np.zeros(_sm_count(), np.int32), stream=stream))
+    part = cuda.device_array(sm_count() * acc * threads, np.float32, stream=stream)
+    return PanelScratch(part, cuda.to_device(np.zeros(sm_count(), np.int32), stream=stream))
 
 
 @functools.cache
