@@ -449,7 +449,7 @@ def test_skinny_rejects_bad_shapes():
                       out, "gf4", stream=s)  # fmt: skip
 
 
-# panel (the rows pass's products at 17 to 64 rows): (T, N, K in units of 16 bytes a row). Under
+# panel (the rows pass's q4 and q8 products at 33 to 64 rows): (T, N, K in units of 16 bytes a row). Under
 # the simulator (blocks of 32 rows of W, 16 outputs for the gate; 2 "SMs") N past one block, and
 # within one (K split over two blocks), K a step and a quarter (a last step past K in part); on
 # the GPU a partial block, qkv's and w2's widths at the 8B shape (splits of K: 5 and 8)

@@ -46,7 +46,7 @@ from gpubench import graph_seconds  # noqa: E402
 from matmul import WGMMA_VERSIONS, check_wgmma, fill_kernel, row_splits, wgmma_matmul  # noqa: E402
 
 from pycalm.kernels import panel, skinny  # noqa: E402
-from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch  # noqa: E402
+from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch, sm_count  # noqa: E402
 from pycalm.kernels.matvec import ffn_gate, matvec, matvec_residual  # noqa: E402
 from pycalm.model import formats  # noqa: E402
 
@@ -203,8 +203,10 @@ def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, ..
     """A layer's products by the split tile, skinny and panel block shapes (warps, row_tiles,
     stages, min_blocks, ahead), each panel output checked against the split tile's (max |diff|
     / max |split|)."""
-    words = 132 * 64 * 32 * max(v[0] * v[1] for v in variants)  # a wave's accumulators at 64 rows
-    scratch = (cuda.device_array(words, np.float32), cuda.to_device(np.zeros(1024, np.int32)))
+    # a wave's accumulators at 64 rows (32 a thread an A tile; split_count keeps blocks x splits
+    # within the SMs), and a counter a block
+    words = sm_count() * 32 * 32 * max(v[0] * v[1] for v in variants)
+    scratch = (cuda.device_array(words, np.float32), cuda.to_device(np.zeros(sm_count(), np.int32)))
     for dtype in dtypes:
         total = {t: [0.0] * (2 + len(variants)) for t in rows}
         split_scratch = matmul_split_scratch(STREAM)
