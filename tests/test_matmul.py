@@ -474,10 +474,16 @@ def test_panel(dtype, group, mode, t_rows, n, units):
 
 
 def test_panel_splits_k_where_the_blocks_are_few():
-    """The simulator's shapes above cover one split and several; the GPU's qkv and w2 widths split."""
-    blocks = -(-13 // rows_a_block("gate"))
-    assert split_count(blocks, 5 * UNIT["q4"], "q4") > 1
-    assert split_count(-(-40 // rows_a_block("plain")), 5 * UNIT["fp16"], "fp16") == 1
+    """K splits where the blocks leave SMs idle and not where they fill them: under the simulator
+    at its shapes above; on the GPU at the 8B shape's qkv (6,144 outputs of 4,096) and w2 (4,096
+    of 14,336), which split, and its gate pair (2 x 14,336 of 4,096), which fills the SMs."""
+    if GPU:
+        assert split_count(-(-6144 // rows_a_block("plain")), 4096, "q4") > 1
+        assert split_count(-(-4096 // rows_a_block("plain")), 14336, "q8") > 1
+        assert split_count(-(-14336 // rows_a_block("gate")), 4096, "q4") == 1
+    else:
+        assert split_count(-(-13 // rows_a_block("gate")), 5 * UNIT["q4"], "q4") > 1
+        assert split_count(-(-40 // rows_a_block("plain")), 5 * UNIT["fp16"], "fp16") == 1
 
 
 # split K: (dtype, q4 group, T, N, K, tile). Under the simulator one or two tiles of N over 7 to
