@@ -24,10 +24,14 @@ from pycalm.cpu.reference import attention_ref, prefill_attention_ref
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
 from pycalm.kernels.common import STATE_POS, STATE_ROWS
+from pycalm.kernels.matmul import sm_count
 from pycalm.kernels.prefill_attention import (
+    MAX_SPLITS,
     prefill_attention,
     prefill_attention_bytes,
     prefill_attention_flops,
+    prefill_attention_scratch,
+    split_count,
 )
 from pycalm.model import formats
 
@@ -46,17 +50,25 @@ def _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed):
     return q, kq, vq, formats.decode(kq, kv_dtype), formats.decode(vq, kv_dtype)
 
 
-def _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=0, **shape):
+def _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=0, split=False, **shape):
+    """With split, the launch takes a scratch (the keys split over blocks where they are few), and
+    runs twice on it: the merging blocks reset its counters, so the second gives the same bits."""
     q, kq, vq, kd, vd = _case(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed)
     state = np.array([0, 0, 0, 0], np.int32)
     state[STATE_POS] = pos0
-    out = cuda.to_device(np.full((n_rows, n_heads * head_dim), np.nan, np.float16))
     stream = cuda.stream()
     cache = KVCache(cuda.to_device(kq), cuda.to_device(vq), kv_dtype)
     cfg = config(n_heads, n_kv_heads, head_dim, window)
-    prefill_attention(cuda.to_device(q), cache, cuda.to_device(state), out, cfg, stream=stream, **shape)
+    scratch = prefill_attention_scratch(cfg, stream) if split else None
+    outs = []
+    for _ in range(2 if split else 1):
+        out = cuda.to_device(np.full((n_rows, n_heads * head_dim), np.nan, np.float16))
+        prefill_attention(cuda.to_device(q), cache, cuda.to_device(state), out, cfg, stream=stream,
+                          scratch=scratch, **shape)  # fmt: skip
+        outs.append(out.copy_to_host(stream=stream))
     stream.synchronize()
-    got = out.copy_to_host().astype(np.float32)
+    assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs)
+    got = outs[0].astype(np.float32)
     want = prefill_attention_ref(q, kd, vd, pos0, n_heads, n_kv_heads, head_dim, window)
     np.testing.assert_allclose(got, want, rtol=2.0**-11, atol=2e-5)
     # the key property: row t is the decode attention of q[t] at position pos0 + t
@@ -84,14 +96,28 @@ GPU_CASES = [
     (14, 2, 64, "fp16", 37, 50, 0),  # Qwen2.5-0.5B heads: group 7
     (32, 4, 64, "fp8", 130, 33, 50),  # TinyLlama heads (group 8), a window of 50
     (9, 3, 64, "fp16", 1, 300, 0),  # SmolLM2 heads: group 3, T = 1
+    (32, 8, 128, "fp16", 40, 3000, 0),  # a chat turn deep in the context: 40 blocks, 6 splits
 ]
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize(
     "n_heads,n_kv_heads,head_dim,kv_dtype,n_rows,pos0,window", SIM_CASES + (GPU_CASES if GPU else [])
 )
-def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window):
-    _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=n_rows + pos0)
+def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, split):
+    """Unsplit, and with a scratch: then the launches of fewer blocks than a wave split their keys
+    (under the simulator's 2 SMs, the cases of 1 or 2 blocks: 3 to 6 splits of a tile at least,
+    the blocks past the tiles returning at once; on the GPU, splits of 4 tiles at least: the
+    5-row case's 3 splits of its 12 tiles, the 40-row case's 6 of 48)."""
+    _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=n_rows + pos0, split=split)
+
+
+def test_prefill_attention_split_counts():
+    """The launches split where their blocks leave a wave's slots idle, and not where they fill it."""
+    wave = 2 * sm_count()  # head_dim 128: two blocks an SM
+    assert split_count(wave, 128) == 1
+    assert split_count(wave // 2, 128) == 2
+    assert split_count(1, 128) == min(MAX_SPLITS, wave)
 
 
 @pytest.mark.parametrize(

@@ -242,6 +242,7 @@ class Prefill:
             self.buffers = RowBuffers.allocate(cfg, rows, self.logit_rows, engine.stream)
         from pycalm.kernels.matmul import matmul_split_scratch
         from pycalm.kernels.panel import panel_scratch
+        from pycalm.kernels.prefill_attention import prefill_attention_scratch
 
         # the tiled matmul's and the panel's split-K partials and counters (batch-invariant passes
         # take neither)
@@ -250,6 +251,8 @@ class Prefill:
             dict.fromkeys(PANEL_ROWS, 0) if self.invariant or not skinny_ok else dict(PANEL_ROWS)
         )
         self.panel_scratch = panel_scratch(engine.stream) if any(self.panel_rows.values()) else None
+        # the prefill attention's partials where a pass's blocks are few (its keys split over blocks)
+        self.tiles_scratch = prefill_attention_scratch(cfg, engine.stream)
         self.att_scratch = None  # the split attention's partials and counters, split_rows rows
         if self.split_rows:
             from pycalm.kernels.attention import attention_scratch, part_shape
@@ -402,7 +405,7 @@ class Prefill:
             if pages is not None and pages.state is not None and n_rows > self.split_rows:
                 # one sequence's chunk over its pages: the tiles
                 prefill_attention(b.q, cache, pages.state, b.att, cfg, stream=s, table=pages.table[0],
-                                  page_size=pages.page_size)  # fmt: skip
+                                  page_size=pages.page_size, scratch=self.tiles_scratch)  # fmt: skip
             elif pages is not None:  # each row over its own sequence's pages, split over the keys
                 attention(
                     b.q, cache, e.state, b.att, cfg, pages.scratch, stream=s, span=pages.span, pages=pages
@@ -410,8 +413,8 @@ class Prefill:
             elif n_rows <= self.split_rows:  # split over the keys, every row its own splits
                 attention(b.q, cache, e.state, b.att, cfg, self.att_scratch, stream=s, span=span,
                           split=self.fixed_split)  # fmt: skip
-            else:  # a block a kv head and 64 rows, on the tensor cores
-                prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s)
+            else:  # a block a kv head and 64 rows, on the tensor cores (the keys split where blocks are few)
+                prefill_attention(b.q, cache, e.state, b.att, cfg, stream=s, scratch=self.tiles_scratch)
             # x += att Wo^T (folding: xb = x ffn_norm at the attention norm's rms, rms[1] and scale)
             ffn_fold = b.fold(L.ffn_norm, 0, eps) if fold else None
             matmul(b.att, L.wo, b.x, dt["wo"], stream=s, mode="residual", fold=ffn_fold)

@@ -11,7 +11,7 @@ already written (pycalm.kernels.rows.qkv_rows); q is (T, n_heads * head_dim) flo
 (T, n_heads * head_dim) float16, the wo matmul's input.
 
 GPU: flash-attention 2 on mma.sync m16n8k16 (pycalm.kernels.tensorcore: fp16 operands, float32
-accumulators). Grid (n_kv_heads, ceil(T / POSITIONS)), WARPS warps a block. A block takes
+accumulators). Grid (n_kv_heads, ceil(T / POSITIONS), splits), WARPS warps a block. A block takes
 ROWS = 16 WARPS (position, query head) rows of one kv head: row r is position t0 + r // group,
 head g group + r % group (POSITIONS = ROWS // group positions; the rows past POSITIONS group
 are padding), so every K/V tile staged serves all the heads of the group. Warp w owns rows
@@ -20,9 +20,11 @@ columns 2 (lane & 3) and 2 (lane & 3) + 1. The blocks of the last rows (the most
 first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the launch's tail.
 
 1. once: the block's q rows times 1/sqrt(head_dim) into shared memory as fp16 pairs, the high
-   part q_hi = fp16(q) and then the low part q_lo = fp16(q - q_hi); each warp takes the A
-   fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffer then holds
-   the K tiles.
+   part q_hi = fp16(q) in the K buffer and the low part q_lo = fp16(q - q_hi) in the V buffer,
+   a thread's loads all issued before the first is split (a few-row pass's blocks run a tile
+   or two, so this wait on memory is a large part of their time); each warp takes the A
+   fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffers then hold
+   the K and V tiles.
 2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
    of fp16 halves, exact), a thread's 16-byte unit of a K row and of a V row at a time, each by
    16-byte shared stores. K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
@@ -38,6 +40,15 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    memory); the B fragments of V come by ldmatrix .trans. Barrier (the next tile overwrites K,
    V).
 6. l summed over the row's 4 lanes; out = O / l, as fp16.
+7. splits (a launch of fewer blocks than a wave, with a scratch: split_count): the block's key
+   tiles fall in `splits` runs of at least SPLIT_TILES tiles, one a block (blockIdx.z; at most
+   gridDim.z runs, the blocks past them return at once; a last run past the last tile is
+   empty, and its block stages no q). Before step 6 each block writes its lanes' O accumulators, m and
+   partial l to its slot of the scratch, a thread's words THREADS apart; the last block of the
+   splits to finish (common.last_to_arrive) reads every split's, in split order (its lanes hold
+   the same rows and columns in each), scales each by exp(m_split - max m) and goes on to step 6
+   with the sums. Measured on an H100: a rows pass of 32 or 64 rows at 160 keys ran 16-32 blocks
+   of 3 tiles each, every tile a chain of ~1,700 instructions of one warp a scheduler (~4 us).
 
 Numerics: K and V are fp16 (or e5m2, exact in fp16). q and p are not: each is carried as the
 sum of two fp16 halves, hi + lo, which holds it to about 2^-22 relative (below fp16's smallest
@@ -48,7 +59,7 @@ twice as fast and off by up to 2^-11 relative in each score and weight:
 scripts/kernels/prefill_attention.py times both, docs/BENCHMARKS.md has the kernel's figure.)
 
 Shapes (the defaults): WARPS 4 (ROWS 64), KEYS 64, 128 threads; shared memory (ROWS or KEYS) x
-(head_dim + 8) halves for Q / K and KEYS x (head_dim + 8) for V (rows padded by 16 bytes, so
+(head_dim + 8) halves for Q_hi / K and as many for Q_lo / V (rows padded by 16 bytes, so
 the 8 rows of an ldmatrix fall in 8 distinct groups of 4 banks): 35 KB at head_dim 128. The
 launch bounds ask for 3 blocks an SM at head_dim 64 and 2 at 128 (`min_blocks`: ptxas keeps
 the registers under 170 / 255 a thread without spilling). A lane
@@ -65,6 +76,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import config as _numba_config
@@ -73,13 +85,27 @@ from numba.cuda import libdevice
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.attention import KVCache
-from pycalm.kernels.common import STATE_POS, STATE_ROWS, dependent_start, fp16_encode, h2f2, ldg128, prmt
+from pycalm.kernels.common import (
+    STATE_POS,
+    STATE_ROWS,
+    dependent_start,
+    fp16_encode,
+    h2f2,
+    last_to_arrive,
+    ldg128,
+    prmt,
+)
+from pycalm.kernels.matmul import sm_count
 from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128
 from pycalm.model.config import ModelConfig
 
 KV_DTYPES = ("fp16", "fp8")
 SIM = _numba_config.ENABLE_CUDASIM
 WARPS = 1 if SIM else 4  # warps a block: 16 query rows each
+MAX_SPLITS = 16  # splits of a block's keys at most (split_count)
+# key tiles a split takes at least: a merge costs about as much as a few tiles (H100, 2026-12-07:
+# a 64-row pass's attention at 160 keys, 3 tiles, 30 us unsplit and 34-43 in splits of a tile)
+SPLIT_TILES = 1 if SIM else 4
 KEYS = 16 if SIM else 64  # keys a tile (a multiple of 16)
 NEG = -1.0e30  # "no score yet": finite, so NEG - NEG is 0, not NaN
 PAD = 4  # words of padding after each shared row (16 bytes)
@@ -160,7 +186,8 @@ def prefill_attention_kernel(
     OW = 4 * O_TILES  # O accumulators a lane
     ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
-    V_WORDS = keys * ROW
+    V_WORDS = max(ROWS, keys) * ROW  # (it holds q_lo first)
+    QITER = ROWS * (D // 2) // THREADS  # q pairs a thread stages (D / 4)
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
@@ -214,32 +241,43 @@ def prefill_attention_kernel(
             store_words(vs, kr * ROW + u * (E // 2), w2, u)
 
     @cuda.jit(device=True, inline=True)
-    def stage_q(q, qk, t0, g, n_rows, part, tid):  # noqa: ANN001, ANN202
-        """The block's q rows times 1/sqrt(D) as fp16 pairs into qk: part 0 the high halves, 1
-        the low (padding rows and rows past T: zeros)."""
-        for i in range(tid, ROWS * (D // 2), THREADS):
+    def stage_q(q, q_hi, q_lo, t0, g, n_rows, tid, xs, ys):  # noqa: ANN001, ANN202
+        """The block's q rows times 1/sqrt(D) as fp16 pairs: the high halves into q_hi, the low
+        into q_lo (padding rows and rows past T: zeros). A thread's QITER pairs are all loaded
+        before the first is split, so their loads are in flight together (one wait on memory,
+        not one a pair)."""
+        for it in range(QITER):
+            i = tid + it * THREADS
             r, c = i // (D // 2), i % (D // 2)
             t = t0 + r // group
-            word = int32(0)
+            xs[it], ys[it] = float32(0.0), float32(0.0)
             if r < USED and t < n_rows:
                 col = (g * group + r % group) * D + 2 * c
-                hi, lo = _split(q[t, col] * float32(SCALE), q[t, col + 1] * float32(SCALE))
-                word = hi if part == 0 else lo
-            qk[r * ROW + c] = word
+                xs[it], ys[it] = q[t, col], q[t, col + 1]
+        for it in range(QITER):
+            i = tid + it * THREADS
+            r, c = i // (D // 2), i % (D // 2)
+            hi, lo = _split(xs[it] * float32(SCALE), ys[it] * float32(SCALE))
+            q_hi[r * ROW + c] = hi
+            q_lo[r * ROW + c] = lo
 
     @cuda.jit(device=True, inline=True)
-    def attend(q, k_cache, v_cache, state, out, window, table, page_log2):  # noqa: ANN001, ANN202
-        """The kernel's work (see the module docstring); table, page_log2: paged's (unread else)."""
+    def attend(q, k_cache, v_cache, state, out, window, part, count, table, page_log2):  # noqa: ANN001, ANN202
+        """The kernel's work (see the module docstring); part, count: the split launch's scratch
+        (unread with one split); table, page_log2: paged's (unread else)."""
         # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
         # elements; state i32; out (T, n_heads*D) f16
-        qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
-        vs = cuda.shared.array(V_WORDS, int32)  # (keys, D) V halves
+        qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q_hi halves, then (keys, D) K halves
+        vs = cuda.shared.array(V_WORDS, int32)  # (ROWS, D) q_lo halves, then (keys, D) V halves
         q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
         q_lo = cuda.local.array(QF, int32)
         s = cuda.local.array(SW, float32)  # S accumulators, then p
         o = cuda.local.array(OW, float32)  # O accumulators
         w = cuda.local.array(8, int32)  # a unit's fp16 words
         w2 = cuda.local.array(8, int32)  # and a V unit's
+        xs = cuda.local.array(QITER, float32)  # a thread's q pairs, staged at once
+        ys = cuda.local.array(QITER, float32)
+        flag = cuda.shared.array(1, int32)  # "this block merges" (last_to_arrive)
         n_rows = q.shape[0]
         if paged:  # a batched pass's live rows (the bucket's padding rows attend to nothing)
             n_rows = min(n_rows, int32(state[STATE_ROWS]))
@@ -254,21 +292,31 @@ def prefill_attention_kernel(
         if window > 0:
             first_key = max(int32(0), pos0 + t0 + 1 - window)
 
-        # 1. the A fragments of q_hi, then of q_lo. ldmatrix rows: lane & 15 of the warp's 16,
+        # this split's key tiles: the block's tiles (first_key's to last_pos's) in `splits` runs
+        # of `per` (the last shorter or empty: then the block stages no q), as many as give
+        # each SPLIT_TILES tiles at least, at most gridDim.z (the blocks past them return at
+        # once); one run: the unsplit kernel
+        first_tile = first_key // keys
+        n_tiles = last_pos // keys - first_tile + 1
+        splits, z = max(int32(1), min(int32(cuda.gridDim.z), n_tiles // SPLIT_TILES)), int32(cuda.blockIdx.z)
+        if z >= splits:
+            return
+        per = -(-n_tiles // splits)
+        j0 = (first_tile + z * per) * keys
+        j_end = min(last_pos, (first_tile + (z + 1) * per) * keys - 1)
+
+        # 1. the A fragments of q_hi and q_lo. ldmatrix rows: lane & 15 of the warp's 16,
         # 16-byte chunk lane >> 4 of each k-step's two
         a_row = (warp * 16 + (lane & 15)) * ROW + 4 * (lane >> 4)
-        stage_q(q, qk, t0, g, n_rows, 0, tid)
-        cuda.syncthreads()  # q_hi is staged
+        if j0 <= j_end:
+            stage_q(q, qk, vs, t0, g, n_rows, tid, xs, ys)
+        cuda.syncthreads()  # q_hi and q_lo are staged
         for kk in range(KSTEPS):
             q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3] = ldmatrix_x4(
                 qk, a_row + 8 * kk
             )
-        cuda.syncthreads()  # every warp holds its q_hi fragments
-        stage_q(q, qk, t0, g, n_rows, 1, tid)
-        cuda.syncthreads()  # q_lo is staged
-        for kk in range(KSTEPS):
             q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
-                qk, a_row + 8 * kk
+                vs, a_row + 8 * kk
             )
 
         # the lane's two rows: r0 = 16 warp + (lane >> 2) and r0 + 8
@@ -290,8 +338,7 @@ def prefill_attention_kernel(
         v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
         cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
 
-        j0 = (first_key // keys) * keys
-        while j0 <= last_pos:
+        while j0 <= j_end:
             # 2. the K and V tiles, key-major; keys past last_pos: zeros
             stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid, table, page_log2)
             cuda.syncthreads()  # the tile is staged
@@ -362,6 +409,43 @@ def prefill_attention_kernel(
             cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
+        if splits > 1:
+            # 7. the splits' merge: each writes its lanes' (o, m, l) to its slot, thread by
+            # thread; the last to finish reads every split's in split order (its lanes hold the
+            # same rows and columns in each) and takes over the block's rows
+            blk = cuda.blockIdx.y * cuda.gridDim.x + cuda.blockIdx.x
+            slot = (blk * cuda.gridDim.z + z) * (OW + 4) * THREADS + tid
+            for i in range(OW):
+                part[slot + i * THREADS] = o[i]
+            part[slot + OW * THREADS] = m0
+            part[slot + (OW + 1) * THREADS] = m1
+            part[slot + (OW + 2) * THREADS] = l0
+            part[slot + (OW + 3) * THREADS] = l1
+            if not last_to_arrive(count, blk, splits, flag, 0):
+                return
+            if tid == 0:
+                count[blk] = 0  # for the next launch
+            first = blk * cuda.gridDim.z * (OW + 4) * THREADS + tid  # split 0's slot of this thread
+            m0, m1 = float32(NEG), float32(NEG)
+            for k in range(splits):
+                m0 = max(m0, part[first + (k * (OW + 4) + OW) * THREADS])
+                m1 = max(m1, part[first + (k * (OW + 4) + OW + 1) * THREADS])
+            l0, l1 = float32(0.0), float32(0.0)
+            for i in range(OW):
+                o[i] = float32(0.0)
+            for k in range(splits):
+                at = first + k * (OW + 4) * THREADS
+                # a split with no key of a row has m NEG: its factor is 0 (the row has a key)
+                f0 = libdevice.fast_expf(part[at + OW * THREADS] - m0)
+                f1 = libdevice.fast_expf(part[at + (OW + 1) * THREADS] - m1)
+                l0 += part[at + (OW + 2) * THREADS] * f0
+                l1 += part[at + (OW + 3) * THREADS] * f1
+                for n in range(O_TILES):
+                    o[4 * n] += part[at + (4 * n) * THREADS] * f0
+                    o[4 * n + 1] += part[at + (4 * n + 1) * THREADS] * f0
+                    o[4 * n + 2] += part[at + (4 * n + 2) * THREADS] * f1
+                    o[4 * n + 3] += part[at + (4 * n + 3) * THREADS] * f1
+
         # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)
         l0 += cuda.shfl_xor_sync(FULL, l0, 1)
         l0 += cuda.shfl_xor_sync(FULL, l0, 2)
@@ -387,18 +471,50 @@ def prefill_attention_kernel(
     if paged:
 
         @cuda.jit(fastmath=False, cache=True, **bounds)
-        def prefill_attention_paged_kernel(q, k_cache, v_cache, state, out, window, table, page_log2):  # noqa: ANN001, ANN202
+        def prefill_attention_paged_kernel(
+            q, k_cache, v_cache, state, out, window, part, count, table, page_log2
+        ):  # noqa: ANN001, ANN202, E501
             dependent_start()  # in a programmatic graph: wait for the earlier kernels
-            attend(q, k_cache, v_cache, state, out, window, table, page_log2)
+            attend(q, k_cache, v_cache, state, out, window, part, count, table, page_log2)
 
         return prefill_attention_paged_kernel
 
     @cuda.jit(fastmath=False, cache=True, **bounds)
-    def prefill_attention_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
+    def prefill_attention_kernel(q, k_cache, v_cache, state, out, window, part, count):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
-        attend(q, k_cache, v_cache, state, out, window, state, 0)
+        attend(q, k_cache, v_cache, state, out, window, part, count, state, 0)
 
     return prefill_attention_kernel
+
+
+class PrefillScratch(NamedTuple):
+    """The split launches' scratch (prefill_attention_scratch); the launches on one stream share
+    it. part: float32, a slot of THREADS x (head_dim / 2 + 4) words a (block, split): each
+    thread's O accumulators, then the m and l of its two rows; count: int32, the splits of a
+    block finished, zero between launches (the merging block resets it)."""
+
+    part: object
+    count: object
+
+
+def block_warps(cfg: ModelConfig) -> int:
+    """Warps a block by default: WARPS, more where the group needs them (16 rows a warp)."""
+    return max(WARPS, -(-(cfg.n_heads // cfg.n_kv_heads) // 16))
+
+
+def split_count(blocks: int, head_dim: int) -> int:
+    """Splits of the keys for a launch of `blocks` blocks: as many as make one full wave
+    (min_blocks an SM on every SM), at most MAX_SPLITS; 1 where the blocks fill a wave."""
+    return max(1, min(MAX_SPLITS, min_blocks(head_dim) * sm_count() // blocks))
+
+
+def prefill_attention_scratch(cfg: ModelConfig, stream: object = 0) -> PrefillScratch:
+    """The scratch of the split launches of cfg's shape at the default block: a wave's slots
+    (split_count keeps a split launch's blocks times splits within one wave)."""
+    slots = min_blocks(cfg.head_dim) * sm_count()
+    words = slots * 32 * block_warps(cfg) * (cfg.head_dim // 2 + 4)
+    part = cuda.device_array(words, np.float32, stream=stream)
+    return PrefillScratch(part, cuda.to_device(np.zeros(slots, np.int32), stream=stream))
 
 
 def prefill_attention(
@@ -413,6 +529,7 @@ def prefill_attention(
     keys: int | None = None,
     table: object = None,
     page_size: int = 0,
+    scratch: PrefillScratch | None = None,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
@@ -426,13 +543,17 @@ def prefill_attention(
     so that the products after it read finite values there. Same sums as the contiguous cache's,
     in the same order.
 
+    With scratch (prefill_attention_scratch), a launch of fewer blocks than a wave splits each
+    block's keys over split_count blocks, whose partial sums the last of them merges (a pass of
+    a few rows: 16-32 blocks on the 8B shape, each else a chain of tiles over the whole context).
+
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
     the block shape (default WARPS, KEYS; more warps where the group needs them).
     Reference: pycalm.cpu.reference.prefill_attention_ref."""
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads
-    warps = max(WARPS, -(-group // 16)) if warps is None else warps
+    warps = block_warps(cfg) if warps is None else warps
     keys = KEYS if keys is None else keys
     if group > 16 * warps:
         raise PycalmError(f"{16 * warps} query rows a block ({warps} warps): fewer than the group {group}")
@@ -451,9 +572,14 @@ def prefill_attention(
     if paged and (page_size < 1 or page_size & (page_size - 1)):
         raise PycalmError(f"prefill_attention: page size {page_size} is not a power of two")
     kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, paged)
-    grid = (n_kv_heads, -(-q.shape[0] // ((16 * warps) // group)))
+    blocks = n_kv_heads * -(-q.shape[0] // ((16 * warps) // group))
+    splits = 1 if scratch is None else split_count(blocks, head_dim)
+    part, count = (q.reshape(-1), state) if splits == 1 else scratch  # (one split: unread)
+    if splits > 1 and (part.size < blocks * splits * 32 * warps * (head_dim // 2 + 4) or count.size < blocks):
+        raise PycalmError(f"prefill_attention: the scratch holds fewer than {blocks} x {splits} slots")
+    grid = (n_kv_heads, blocks // n_kv_heads, splits)
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
-    args = (q, k64, v64, state, out, int32(cfg.sliding_window))
+    args = (q, k64, v64, state, out, int32(cfg.sliding_window), part, count)
     if paged:
         args += (table, int32(page_size.bit_length() - 1))
     kernel[grid, 32 * warps, stream](*args)

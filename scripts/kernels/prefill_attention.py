@@ -10,7 +10,10 @@ on the GPU (llm.c dev/cuda style).
 Versions:
   shipped   the package's kernel: flash-attention 2 on mma.sync, q and p as two fp16 parts each
             (hi + lo), K and V staged key-major (V read by ldmatrix .trans), 4 warps (64 rows) a
-            block, tiles of 64 keys; w2 / k32: 2 warps, or tiles of 32 keys; w1, w1k32, w1k16,
+            block, tiles of 64 keys, with a scratch: where the blocks are fewer than a wave, each
+            block's keys split over blocks, merged by the last (a rows pass's 16-32 blocks);
+            unsplit: the same without a scratch, a block a kv head's whole key range; the
+            variants below are unsplit. w2 / k32: 2 warps, or tiles of 32 keys; w1, w1k32, w1k16,
             w2k32: a warp (16 rows) or two a block, tiles of 64, 32 or 16 keys (a rows pass of
             32 or 64 rows has 16-32 blocks of 4 warps on the 8B shape's 8 kv heads)
   simt      the kernel it replaced, kept here for comparison: fp32 SIMT, a block of ROWS (position,
@@ -71,6 +74,7 @@ from pycalm.kernels.prefill_attention import (  # noqa: E402
     prefill_attention,
     prefill_attention_bytes,
     prefill_attention_flops,
+    prefill_attention_scratch,
 )
 from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128  # noqa: E402
 from pycalm.kernels.warpgroup import (  # noqa: E402
@@ -263,7 +267,8 @@ def tc_kernel(
     OW = 4 * O_TILES  # O accumulators a lane
     ROW = D // 2 + PAD  # words a Q / K / V row in shared memory
     QK_WORDS = max(ROWS, keys) * ROW
-    V_WORDS = keys * ROW
+    V_WORDS = max(ROWS, keys) * ROW  # (it holds q_lo first)
+    QITER = ROWS * (D // 2) // THREADS  # q pairs a thread stages (D / 4)
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
@@ -314,32 +319,39 @@ def tc_kernel(
             store_words(vs, kr * ROW + u * (E // 2), w2, u)
 
     @cuda.jit(device=True, inline=True)
-    def stage_q(q, qk, t0, g, n_rows, part, tid):  # noqa: ANN001, ANN202
-        """The block's q rows times 1/sqrt(D) as fp16 pairs into qk: part 0 the high halves, 1
-        the low (padding rows and rows past T: zeros)."""
-        for i in range(tid, ROWS * (D // 2), THREADS):
+    def stage_q(q, q_hi, q_lo, t0, g, n_rows, tid, xs, ys):  # noqa: ANN001, ANN202
+        """The block's q rows times 1/sqrt(D) as fp16 pairs: the high halves into q_hi, the low
+        into q_lo (padding rows and rows past T: zeros); every load before the first split."""
+        for it in range(QITER):
+            i = tid + it * THREADS
             r, c = i // (D // 2), i % (D // 2)
             t = t0 + r // group
-            word = int32(0)
+            xs[it], ys[it] = float32(0.0), float32(0.0)
             if r < USED and t < n_rows:
                 col = (g * group + r % group) * D + 2 * c
-                hi, lo = _split(q[t, col] * float32(SCALE), q[t, col + 1] * float32(SCALE))
-                word = hi if part == 0 else lo
-            qk[r * ROW + c] = word
+                xs[it], ys[it] = q[t, col], q[t, col + 1]
+        for it in range(QITER):
+            i = tid + it * THREADS
+            r, c = i // (D // 2), i % (D // 2)
+            hi, lo = _split(xs[it] * float32(SCALE), ys[it] * float32(SCALE))
+            q_hi[r * ROW + c] = hi
+            q_lo[r * ROW + c] = lo
 
     @cuda.jit(fastmath=False, **_tc_bounds(THREADS, head_dim))
     def tc_kernel(q, k_cache, v_cache, state, out, window):  # noqa: ANN001, ANN202
         dependent_start()  # in a programmatic graph: wait for the earlier kernels
         # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
         # elements; state i32; out (T, n_heads*D) f16
-        qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q halves, then (keys, D) K halves
-        vs = cuda.shared.array(V_WORDS, int32)  # (keys, D) V halves
+        qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q_hi halves, then (keys, D) K halves
+        vs = cuda.shared.array(V_WORDS, int32)  # (ROWS, D) q_lo halves, then (keys, D) V halves
         q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
         q_lo = cuda.local.array(QF, int32)
         s = cuda.local.array(SW, float32)  # S accumulators, then p
         o = cuda.local.array(OW, float32)  # O accumulators
         w = cuda.local.array(8, int32)  # a unit's fp16 words
         w2 = cuda.local.array(8, int32)  # and a V unit's
+        xs = cuda.local.array(QITER, float32)  # a thread's q pairs, staged at once
+        ys = cuda.local.array(QITER, float32)
         n_rows = q.shape[0]
         pos0 = int32(state[STATE_POS])
         g = int32(cuda.blockIdx.x)  # kv head
@@ -352,22 +364,18 @@ def tc_kernel(
         if window > 0:
             first_key = max(int32(0), pos0 + t0 + 1 - window)
 
-        # 1. the A fragments of q_hi, then of q_lo. ldmatrix rows: lane & 15 of the warp's 16,
+        # 1. the A fragments of q_hi and q_lo. ldmatrix rows: lane & 15 of the warp's 16,
         # 16-byte chunk lane >> 4 of each k-step's two
         a_row = (warp * 16 + (lane & 15)) * ROW + 4 * (lane >> 4)
-        stage_q(q, qk, t0, g, n_rows, 0, tid)
-        cuda.syncthreads()  # q_hi is staged
+        stage_q(q, qk, vs, t0, g, n_rows, tid, xs, ys)
+        cuda.syncthreads()  # q_hi and q_lo are staged
         for kk in range(KSTEPS):
             q_hi[4 * kk], q_hi[4 * kk + 1], q_hi[4 * kk + 2], q_hi[4 * kk + 3] = ldmatrix_x4(
                 qk, a_row + 8 * kk
             )
-        if SPLIT:
-            cuda.syncthreads()  # every warp holds its q_hi fragments
-            stage_q(q, qk, t0, g, n_rows, 1, tid)
-            cuda.syncthreads()  # q_lo is staged
-            for kk in range(KSTEPS):
+            if SPLIT:
                 q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3] = ldmatrix_x4(
-                    qk, a_row + 8 * kk
+                    vs, a_row + 8 * kk
                 )
 
         # the lane's two rows: r0 = 16 warp + (lane >> 2) and r0 + 8
@@ -943,7 +951,8 @@ def simt_attention(
 # the versions: name -> (launch with the version's shape, or None where the shape does not fit)
 
 VARIANTS = {
-    "shipped": lambda hd: {},
+    "shipped": lambda hd: {"scratch": True},
+    "unsplit": lambda hd: {},
     "w2": lambda hd: {"warps": 2},
     "k32": lambda hd: {"keys": 32},
     "w1": lambda hd: {"warps": 1},  # a block per 16 (position, head) rows: a rows pass's 8-32 blocks x 4
@@ -963,7 +972,8 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = "shipped,wg,wg2,tc16,simt"
 TINY_VARIANTS = {
-    "shipped": {},
+    "shipped": {"scratch": True},
+    "unsplit": {},
     "w2": {"warps": 2, "keys": 32},
     "tc16": {"tc": False},
     "copy": {"tc": True},
@@ -996,6 +1006,8 @@ def launcher(
         )
     if "tc" in shape:
         return functools.partial(tc_attention, q, cache, state, out, cfg, stream=stream, split=shape["tc"])
+    if shape.get("scratch"):
+        shape = {**shape, "scratch": prefill_attention_scratch(cfg, stream)}
     return functools.partial(prefill_attention, q, cache, state, out, cfg, stream=stream, **shape)
 
 
