@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -147,6 +147,18 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee "$out/bench_rows.log" | tail -8
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b --dtypes fp16,q4 --tokens 64 2>&1 \
                | tee -a "$out/bench_rows.log" | tail -4 ;;
+    tiles-split)  # the prefill attention's key splits (a launch of fewer blocks than a wave, 4 tiles a
+             # split at least): its GPU tests, the kernel split and unsplit at 160 and 4,000 keys,
+             # and the rows pass at 32 and 64 rows (H100, 2026-12-07, a tile a split: 4,000 keys
+             # 74-92 us a layer against 411-419, 160 keys 34-43 against 30)
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider \
+               tests/test_prefill_attention.py 2>&1 | tee "$out/tests_tiles_split.log" | tail -3
+             for p0 in 128 4000; do
+               python3 scripts/kernels/prefill_attention.py --variants shipped,unsplit --rows 17,32,64 --pos0 $p0 \
+                 2>&1 | tee -a "$out/kernels_tiles_split.log" | grep -A14 "=== summary"
+             done
+             python3 scripts/bench.py --rows 1,32,64 --shapes llama3-8b --dtypes q4,gf4,fp16 2>&1 \
+               | tee "$out/bench_rows.log" | tail -5 ;;
     merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
              python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
                --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
