@@ -277,7 +277,9 @@ def prefill_attention_kernel(
         w2 = cuda.local.array(8, int32)  # and a V unit's
         xs = cuda.local.array(QITER, float32)  # a thread's q pairs, staged at once
         ys = cuda.local.array(QITER, float32)
-        flag = cuda.shared.array(1, int32)  # "this block merges" (last_to_arrive)
+        # "this block merges" (last_to_arrive), then the splits and this block's split: kept here
+        # across the tile loop, not in registers (the loop holds 250 of a thread's 255)
+        meta = cuda.shared.array(3, int32)
         n_rows = q.shape[0]
         if paged:  # a batched pass's live rows (the bucket's padding rows attend to nothing)
             n_rows = min(n_rows, int32(state[STATE_ROWS]))
@@ -336,7 +338,9 @@ def prefill_attention_kernel(
         # V through .trans (matrices: keys 0-7 | 8-15 of dims 0-7, then of dims 8-15): row
         # (lane & 7) + 8 ((lane >> 3) & 1), chunk lane >> 4
         v_row = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 4 * (lane >> 4)
-        cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles
+        if tid == 0:
+            meta[1], meta[2] = splits, z
+        cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles; meta is set
 
         while j0 <= j_end:
             # 2. the K and V tiles, key-major; keys past last_pos: zeros
@@ -409,6 +413,7 @@ def prefill_attention_kernel(
             cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
+        splits, z = meta[1], meta[2]
         if splits > 1:
             # 7. the splits' merge: each writes its lanes' (o, m, l) to its slot, thread by
             # thread; the last to finish reads every split's in split order (its lanes hold the
@@ -421,7 +426,7 @@ def prefill_attention_kernel(
             part[slot + (OW + 1) * THREADS] = m1
             part[slot + (OW + 2) * THREADS] = l0
             part[slot + (OW + 3) * THREADS] = l1
-            if not last_to_arrive(count, blk, splits, flag, 0):
+            if not last_to_arrive(count, blk, splits, meta, 0):
                 return
             if tid == 0:
                 count[blk] = 0  # for the next launch
