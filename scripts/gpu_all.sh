@@ -133,12 +133,11 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/kernels/attention.py --shapes Qwen2.5-0.5B,Qwen2.5-1.5B --n-pos 1,64,160,300 \
                --variants default,s_c64,s_c128,s_c256,s_nomerge --check 2>&1 | tee "$out/kernels_attention_pair.log" \
                | grep -A40 "=== summary" ;;
-    musts)   # every open issue's H200 rows in one call (about 8 minutes on a fresh machine): the GPU
-             # tests of what changed last (the decode attention's merge, the panel products), issue
-             # 34's prefill Musts, issue 32's depths, issue 29's rows table and batch-invariant decode
-             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider tests/test_attention.py \
-               tests/test_paged_attention.py tests/test_matmul.py -k "attention or panel or split" 2>&1 \
-               | tee "$out/tests_musts.log" | tail -3
+    musts)   # every open issue's H200 rows in one call (about 8 minutes on a fresh machine; the
+             # tests last, so that a call cut by its time limit still has the figures): issue 34's
+             # prefill Musts, issue 32's depths, issue 29's rows table and batch-invariant decode,
+             # then the GPU tests of what changed last (the decode attention's merge, the panel
+             # products, the prefill attention's key splits)
              python3 scripts/bench.py --prefill --no-decode --shapes llama3-8b --dtypes fp16,q8,q4 --lengths 2048 \
                --split none 2>&1 | tee "$out/bench_prefill_musts.log" | tail -6
              python3 scripts/bench.py --depths 0,8000,16000,32000 --shapes llama3-8b --dtypes fp16,q4 --kv fp16 2>&1 \
@@ -146,7 +145,10 @@ while [ $i -lt ${#steps[@]} ]; do
              python3 scripts/bench.py --rows 1,8,16,32,64 --shapes llama3-8b --dtypes fp16,fp8,gf4,q8,q4 2>&1 \
                | tee "$out/bench_rows.log" | tail -8
              python3 scripts/bench.py --invariant-decode --shapes llama3-8b --dtypes fp16,q4 --tokens 64 2>&1 \
-               | tee -a "$out/bench_rows.log" | tail -4 ;;
+               | tee -a "$out/bench_rows.log" | tail -4
+             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider tests/test_attention.py \
+               tests/test_paged_attention.py tests/test_prefill_attention.py tests/test_matmul.py \
+               -k "attention or panel or split" 2>&1 | tee "$out/tests_musts.log" | tail -3 ;;
     tiles-split)  # the prefill attention's key splits (a launch of fewer blocks than a wave, 4 tiles a
              # split at least): its GPU tests, the kernel split and unsplit at 160 and 4,000 keys,
              # and the rows pass at 32 and 64 rows (H100, 2026-12-07, a tile a split: 4,000 keys
