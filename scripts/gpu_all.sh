@@ -156,7 +156,7 @@ while [ $i -lt ${#steps[@]} ]; do
              PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider \
                tests/test_prefill_attention.py 2>&1 | tee "$out/tests_tiles_split.log" | tail -3
              for p0 in 128 4000; do
-               python3 scripts/kernels/prefill_attention.py --variants shipped,unsplit --rows 17,32,64 --pos0 $p0 \
+               python3 scripts/kernels/prefill_attention.py --variants shipped,unsplit,s1,s2 --rows 17,32,64 --pos0 $p0 \
                  2>&1 | tee -a "$out/kernels_tiles_split.log" | grep -A14 "=== summary"
              done
              python3 scripts/bench.py --rows 1,32,64 --shapes llama3-8b --dtypes q4,gf4,fp16 2>&1 \

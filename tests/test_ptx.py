@@ -103,7 +103,7 @@ KNOWN_SPILLS = [
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 0, 8, 16, 1, 3, 1, 1), 28),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 1, 8, 16, 1, 3, 1, 1), 28),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 2, 8, 16, 1, 3, 1, 1), 36),
-    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False), 24),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 4), 24),
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",

@@ -165,6 +165,7 @@ def prefill_attention_kernel(
     warps: int,
     keys: int,
     paged: bool = False,
+    split_tiles: int = SPLIT_TILES,
 ) -> object:
     """The kernel for a head_dim (a multiple of 16), group size (query heads a kv head, at most
     16 warps), KV dtype, warps a block and keys a tile (a multiple of 16); see the module
@@ -172,7 +173,7 @@ def prefill_attention_kernel(
     indexed by unrolled loops, so they live in registers. paged: the cache is a paged pool read
     through one sequence's block table (two more arguments, table and page_log2), and the live
     rows are state[STATE_ROWS] (a batched pass's padding rows past them attend to nothing, and
-    come out zero)."""
+    come out zero). split_tiles: the key tiles a split takes at least (step 7)."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
     THREADS = 32 * warps
@@ -297,11 +298,11 @@ def prefill_attention_kernel(
 
         # this split's key tiles: the block's tiles (first_key's to last_pos's) in `splits` runs
         # of `per` (the last shorter or empty: then the block stages no q), as many as give
-        # each SPLIT_TILES tiles at least, at most gridDim.z (the blocks past them return at
+        # each split_tiles tiles at least, at most gridDim.z (the blocks past them return at
         # once); one run: the unsplit kernel
         first_tile = first_key // keys
         n_tiles = last_pos // keys - first_tile + 1
-        splits, z = max(int32(1), min(int32(cuda.gridDim.z), n_tiles // SPLIT_TILES)), int32(cuda.blockIdx.z)
+        splits, z = max(int32(1), min(int32(cuda.gridDim.z), n_tiles // split_tiles)), int32(cuda.blockIdx.z)
         if z >= splits:
             return
         per = -(-n_tiles // splits)
@@ -536,6 +537,7 @@ def prefill_attention(
     table: object = None,
     page_size: int = 0,
     scratch: PrefillScratch | None = None,
+    split_tiles: int = SPLIT_TILES,
 ) -> None:
     """out (T, n_heads * head_dim) f16 = attention of the T rows of q (T, n_heads * head_dim)
     f32 at positions pos0 = state[STATE_POS] .. pos0 + T - 1 over one layer's cache, whose rows
@@ -555,7 +557,8 @@ def prefill_attention(
 
     cache: a pycalm.kernels.attention.KVCache (.k, .v (seq_len, kv_dim) float16 or uint8 e5m2,
     .dtype); cfg: n_heads, n_kv_heads, head_dim and sliding_window are read from it. warps, keys:
-    the block shape (default WARPS, KEYS; more warps where the group needs them).
+    the block shape (default WARPS, KEYS; more warps where the group needs them); split_tiles:
+    the key tiles a split takes at least (scripts/kernels/prefill_attention.py's s1 and s2).
     Reference: pycalm.cpu.reference.prefill_attention_ref."""
     n_kv_heads, head_dim = cfg.n_kv_heads, cfg.head_dim
     group = cfg.n_heads // n_kv_heads
@@ -577,7 +580,7 @@ def prefill_attention(
     paged = table is not None
     if paged and (page_size < 1 or page_size & (page_size - 1)):
         raise PycalmError(f"prefill_attention: page size {page_size} is not a power of two")
-    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, paged)
+    kernel = prefill_attention_kernel(head_dim, group, cache.dtype, warps, keys, paged, split_tiles)
     blocks = n_kv_heads * -(-q.shape[0] // ((16 * warps) // group))
     splits = 1 if scratch is None else split_count(blocks, head_dim)
     part, count = (q.reshape(-1), state) if splits == 1 else scratch  # (one split: unread)

@@ -12,8 +12,8 @@ Versions:
             (hi + lo), K and V staged key-major (V read by ldmatrix .trans), 4 warps (64 rows) a
             block, tiles of 64 keys, with a scratch: where the blocks are fewer than a wave, each
             block's keys split over blocks, merged by the last (a rows pass's 16-32 blocks);
-            unsplit: the same without a scratch, a block a kv head's whole key range; the
-            variants below are unsplit. w2 / k32: 2 warps, or tiles of 32 keys; w1, w1k32, w1k16,
+            unsplit: the same without a scratch, a block a kv head's whole key range; s1, s2:
+            splits of 1 or 2 tiles at least (shipped: 4); the variants below are unsplit. w2 / k32: 2 warps, or tiles of 32 keys; w1, w1k32, w1k16,
             w2k32: a warp (16 rows) or two a block, tiles of 64, 32 or 16 keys (a rows pass of
             32 or 64 rows has 16-32 blocks of 4 warps on the 8B shape's 8 kv heads)
   simt      the kernel it replaced, kept here for comparison: fp32 SIMT, a block of ROWS (position,
@@ -953,6 +953,8 @@ def simt_attention(
 VARIANTS = {
     "shipped": lambda hd: {"scratch": True},
     "unsplit": lambda hd: {},
+    "s1": lambda hd: {"scratch": True, "split_tiles": 1},  # splits of a tile at least
+    "s2": lambda hd: {"scratch": True, "split_tiles": 2},
     "w2": lambda hd: {"warps": 2},
     "k32": lambda hd: {"keys": 32},
     "w1": lambda hd: {"warps": 1},  # a block per 16 (position, head) rows: a rows pass's 8-32 blocks x 4
@@ -974,6 +976,7 @@ DEFAULT_VARIANTS = "shipped,wg,wg2,tc16,simt"
 TINY_VARIANTS = {
     "shipped": {"scratch": True},
     "unsplit": {},
+    "s2": {"scratch": True, "split_tiles": 2},
     "w2": {"warps": 2, "keys": 32},
     "tc16": {"tc": False},
     "copy": {"tc": True},
