@@ -638,18 +638,21 @@ def bench_depths(
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-def bench_rows(shape: str, dtype: str, rows: list[int], both: bool, programmatic: bool | None = None) -> dict:
-    """ms of a rows pass (GpuEngine.forward_rows: its captured graph replayed at position 128)
+def bench_rows(
+    shape: str, dtype: str, rows: list[int], both: bool, programmatic: bool | None = None, pos: int = 128
+) -> dict:
+    """ms of a rows pass (GpuEngine.forward_rows: its captured graph replayed at position pos)
     for each row count, beside the token step's ms at the same position, in one engine; with
     `both`, every row count also with the tiled matmul (skinny's crossover); programmatic as
     EngineOptions.programmatic (both graphs' edges)."""
-    cfg = fit_layers(config_for(shape, dtype, 4096), max(rows), 4096)
+    seq_len = max(4096, pos + 2 * ROWS[-1])
+    cfg = fit_layers(config_for(shape, dtype, seq_len), max(rows), seq_len)
     options = EngineOptions(programmatic=programmatic)
-    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=4096, kv_dtype="fp16", options=options)
+    engine = GpuEngine(RandomDeviceModel(cfg), seq_len=seq_len, kv_dtype="fp16", options=options)
     step = functools.partial(engine.graph, SamplingParams())
     step(0)
     time_replays(engine, step, 0, 16)  # warm-up
-    token_step = time_replays(engine, step, 128, 64)
+    token_step = time_replays(engine, step, pos, 64)
     rng = np.random.default_rng(0)
     prefill = engine._prefill_step()
     cells: dict[str, dict[int, float]] = {}
@@ -660,10 +663,10 @@ def bench_rows(shape: str, dtype: str, rows: list[int], both: bool, programmatic
         cells[kind] = {}
         for n in rows:
             ids = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
-            engine.forward_rows(ids, 128)  # compiles and captures the bucket's pass
-            engine.forward_rows(ids, 128)
+            engine.forward_rows(ids, pos)  # compiles and captures the bucket's pass
+            engine.forward_rows(ids, pos)
             bucket = next(b for b in ROWS if b >= n)
-            graph = prefill._rows_graphs[(bucket, "logits", prefill.span_of(128, bucket))]  # the logits pass
+            graph = prefill._rows_graphs[(bucket, "logits", prefill.span_of(pos, bucket))]  # the logits pass
             s, e = cuda.event(timing=True), cuda.event(timing=True)
             s.record(engine.stream)
             for _ in range(20):
@@ -674,11 +677,12 @@ def bench_rows(shape: str, dtype: str, rows: list[int], both: bool, programmatic
     del engine, prefill
     gc.collect()
     cuda.current_context().deallocations.clear()
-    return dict(shape=shape, dtype=dtype, token_step=token_step, cells=cells, layers=cfg.n_layers)
+    return dict(shape=shape, dtype=dtype, token_step=token_step, cells=cells, layers=cfg.n_layers, pos=pos)
 
 
 def print_rows(results: list[dict], rows: list[int]) -> None:
-    print("\nrows pass (GpuEngine.forward_rows, graph replay at position 128): ms, and x the token step")
+    pos = results[0]["pos"] if results else 128
+    print(f"\nrows pass (GpuEngine.forward_rows, graph replay at position {pos}): ms, and x the token step")
     print(f"| shape | weights | kernels | token step | {' | '.join(f'{n} rows' for n in rows)} |")
     print("|---|---|---|---|" + "---|" * len(rows))
     for r in results:
@@ -750,6 +754,17 @@ def main() -> None:
         "--rows-both", action="store_true", help="with --rows: skinny and tiled products at every count"
     )
     ap.add_argument(
+        "--tiles-unsplit",
+        action="store_true",
+        help="with --rows: the prefill attention's launches unsplit (no scratch: a block a kv head's whole key range)",
+    )
+    ap.add_argument(
+        "--rows-at",
+        type=int,
+        default=128,
+        help="with --rows: the passes' and the token step's position (a chat turn or drafts deep in the context)",
+    )
+    ap.add_argument(
         "--attention-blocks",
         type=int,
         help="the decode attention's blocks a launch at most (pycalm.kernels.attention.TARGET_BLOCKS; at most"
@@ -806,12 +821,18 @@ def main() -> None:
         import pycalm.gpu.prefill
 
         pycalm.gpu.prefill.SPLIT_ATTENTION_ROWS = args.split_attention_rows
+    if args.tiles_unsplit:
+        import pycalm.kernels.prefill_attention
+
+        pycalm.kernels.prefill_attention.prefill_attention_scratch = lambda cfg, stream=0: None
     if args.rows:
         counts = [int(n) for n in args.rows.split(",")]
         found = []
         for shape in args.shapes.split(","):
             for dtype in args.dtypes.split(","):
-                r = bench_rows(shape, dtype, counts, args.rows_both, False if args.plain else None)
+                r = bench_rows(
+                    shape, dtype, counts, args.rows_both, False if args.plain else None, args.rows_at
+                )
                 found.append(r)
                 print_rows([r], counts)
         print_rows(found, counts)

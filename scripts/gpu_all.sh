@@ -160,7 +160,11 @@ while [ $i -lt ${#steps[@]} ]; do
                  2>&1 | tee -a "$out/kernels_tiles_split.log" | grep -A14 "=== summary"
              done
              python3 scripts/bench.py --rows 1,32,64 --shapes llama3-8b --dtypes q4,gf4,fp16 2>&1 \
-               | tee "$out/bench_rows.log" | tail -5 ;;
+               | tee "$out/bench_rows.log" | tail -5
+             for unsplit in "" --tiles-unsplit; do  # a chat turn or drafts deep in the context
+               python3 scripts/bench.py --rows 16,32,64 --rows-at 4000 --shapes llama3-8b --dtypes q4,fp16 $unsplit \
+                 2>&1 | tee -a "$out/bench_rows.log" | tail -3
+             done ;;
     merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
              python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
                --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
