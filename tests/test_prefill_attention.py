@@ -88,6 +88,7 @@ SIM_CASES = [
     (2, 1, 32, "fp8", 13, 10, 6),  # a sliding window shorter than T: each row's keys start late
     (4, 4, 16, "fp16", 9, 0, 40),  # group 1, a window longer than the context: no effect
     (2, 1, 16, "fp8", 1, 37, 0),  # T = 1 late in the context: three tiles, the decode step's shape
+    (2, 1, 16, "fp16", 5, 70, 0),  # one block over five tiles: split, five splits (the merge's odd tail)
 ]
 GPU_CASES = [
     (32, 8, 128, "fp16", 77, 100, 0),  # Llama-3-8B heads: group 4, 8 positions a block
@@ -106,9 +107,9 @@ GPU_CASES = [
 )
 def test_prefill_attention_matches_refs(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, split):
     """Unsplit, and with a scratch: then the launches of fewer blocks than a wave split their keys
-    (under the simulator's 2 SMs, the cases of 1 or 2 blocks: 3 to 6 splits of a tile at least,
-    the blocks past the tiles returning at once; on the GPU, splits of 4 tiles at least: the
-    5-row case's 3 splits of its 12 tiles, the 40-row case's 6 of 48)."""
+    (under the simulator's 2 SMs, splits of a tile at least: 2, 3 and 5 splits in four cases, the
+    blocks past the tiles returning at once; on the GPU, splits of 4 tiles at least: the 5-row
+    case's 3 splits of its 12 tiles, the 40-row case's 6 of 48)."""
     _run(n_heads, n_kv_heads, head_dim, kv_dtype, n_rows, pos0, window, seed=n_rows + pos0, split=split)
 
 

@@ -47,7 +47,10 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    accumulators, m and partial l to its slot of the scratch, a thread's words THREADS apart;
    the last block of the splits to finish (common.last_to_arrive) reads every split's, in split
    order (its lanes hold the same rows and columns in each), scales each by exp(m_split - max
-   m) and goes on to step 6 with the sums. Why: a block runs its tiles one after another, each
+   m) and goes on to step 6 with the sums. Its loads are written out without branches, every
+   split's m at once and then MERGE_GROUP splits' partials at a time (136 loads before the
+   group's first FMA in the machine code), where a loop of a split a turn waited on L2 twice a
+   split. Why: a block runs its tiles one after another, each
    a chain of ~1,700 instructions at one warp a scheduler (~4 us on an H100), so a launch of
    16-32 blocks over 4,000 keys took 411-419 us a layer unsplit, 74-92 split.
 
@@ -107,6 +110,7 @@ MAX_SPLITS = 16  # splits of a block's keys at most (split_count)
 # key tiles a split takes at least: a merge costs about as much as a few tiles (H100, 2026-12-07:
 # a 64-row pass's attention at 160 keys, 3 tiles, 30 us unsplit and 34-43 in splits of a tile)
 SPLIT_TILES = 1 if SIM else 4
+MERGE_GROUP = 2  # splits whose partials the merge loads at a time
 KEYS = 16 if SIM else 64  # keys a tile (a multiple of 16)
 NEG = -1.0e30  # "no score yet": finite, so NEG - NEG is 0, not NaN
 PAD = 4  # words of padding after each shared row (16 bytes)
@@ -190,6 +194,7 @@ def prefill_attention_kernel(
     QK_WORDS = max(ROWS, keys) * ROW
     V_WORDS = max(ROWS, keys) * ROW  # (it holds q_lo first)
     QITER = ROWS * (D // 2) // THREADS  # q pairs a thread stages (D / 4)
+    FW = 2 * MERGE_GROUP  # the merge's factors a group of splits
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
@@ -282,6 +287,7 @@ def prefill_attention_kernel(
         # "this block merges" (last_to_arrive), then the splits and this block's split: kept here
         # across the tile loop, not in registers (the loop holds 250 of a thread's 255)
         meta = cuda.shared.array(3, int32)
+        fs = cuda.local.array(FW, float32)  # the merge's factors (rows r0, r1) of a group of splits
         n_rows = q.shape[0]
         if paged:  # a batched pass's live rows (the bucket's padding rows attend to nothing)
             n_rows = min(n_rows, int32(state[STATE_ROWS]))
@@ -433,25 +439,37 @@ def prefill_attention_kernel(
             if tid == 0:
                 count[blk] = 0  # for the next launch
             first = blk * cuda.gridDim.z * (OW + 4) * THREADS + tid  # split 0's slot of this thread
+            # the rows' max over the splits: every split's m loaded at once (MAX_SPLITS written
+            # out; those past `splits` read the last split's again, without a branch, so the
+            # loads issue together): one wait on L2, not one a split
             m0, m1 = float32(NEG), float32(NEG)
-            for k in range(splits):
-                m0 = max(m0, part[first + (k * (OW + 4) + OW) * THREADS])
-                m1 = max(m1, part[first + (k * (OW + 4) + OW + 1) * THREADS])
+            for k in range(MAX_SPLITS):
+                at = first + min(k, splits - 1) * (OW + 4) * THREADS
+                m0 = max(m0, part[at + OW * THREADS])
+                m1 = max(m1, part[at + (OW + 1) * THREADS])
             l0, l1 = float32(0.0), float32(0.0)
             for i in range(OW):
                 o[i] = float32(0.0)
-            for k in range(splits):
-                at = first + k * (OW + 4) * THREADS
-                # a split with no key of a row has m NEG: its factor is 0 (the row has a key)
-                f0 = libdevice.fast_expf(part[at + OW * THREADS] - m0)
-                f1 = libdevice.fast_expf(part[at + (OW + 1) * THREADS] - m1)
-                l0 += part[at + (OW + 2) * THREADS] * f0
-                l1 += part[at + (OW + 3) * THREADS] * f1
+            # the sums over the splits in split order, MERGE_GROUP splits' loads at a time (a
+            # group's splits past `splits` read the last split's again, with a factor of 0)
+            for k0 in range(0, splits, MERGE_GROUP):
+                for j in range(MERGE_GROUP):
+                    at = first + min(k0 + j, splits - 1) * (OW + 4) * THREADS
+                    live = k0 + j < splits
+                    # a split with no key of a row has m NEG: its factor is 0 (the row has a key)
+                    f0 = libdevice.fast_expf(part[at + OW * THREADS] - m0)
+                    f1 = libdevice.fast_expf(part[at + (OW + 1) * THREADS] - m1)
+                    fs[2 * j] = f0 if live else float32(0.0)
+                    fs[2 * j + 1] = f1 if live else float32(0.0)
+                    l0 += part[at + (OW + 2) * THREADS] * fs[2 * j]
+                    l1 += part[at + (OW + 3) * THREADS] * fs[2 * j + 1]
                 for n in range(O_TILES):
-                    o[4 * n] += part[at + (4 * n) * THREADS] * f0
-                    o[4 * n + 1] += part[at + (4 * n + 1) * THREADS] * f0
-                    o[4 * n + 2] += part[at + (4 * n + 2) * THREADS] * f1
-                    o[4 * n + 3] += part[at + (4 * n + 3) * THREADS] * f1
+                    for j in range(MERGE_GROUP):
+                        at = first + min(k0 + j, splits - 1) * (OW + 4) * THREADS
+                        o[4 * n] += part[at + (4 * n) * THREADS] * fs[2 * j]
+                        o[4 * n + 1] += part[at + (4 * n + 1) * THREADS] * fs[2 * j]
+                        o[4 * n + 2] += part[at + (4 * n + 2) * THREADS] * fs[2 * j + 1]
+                        o[4 * n + 3] += part[at + (4 * n + 3) * THREADS] * fs[2 * j + 1]
 
         # 6. the rows' sums over their 4 lanes, out = O / l (a row with a query has its own key)
         l0 += cuda.shfl_xor_sync(FULL, l0, 1)
