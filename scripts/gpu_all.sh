@@ -151,7 +151,7 @@ while [ $i -lt ${#steps[@]} ]; do
                -k "attention or panel or split" 2>&1 | tee "$out/tests_musts.log" | tail -3 ;;
     tiles-split)  # the prefill attention's key splits (a launch of fewer blocks than a wave, 4 tiles a
              # split at least): its GPU tests, the kernel split and unsplit at 160 and 4,000 keys,
-             # and the rows pass at 32 and 64 rows (H100, 2026-12-07, a tile a split: 4,000 keys
+             # the rows pass at 32 and 64 rows, and memcheck / racecheck over the split cases (H100, 2026-12-07, a tile a split: 4,000 keys
              # 74-92 us a layer against 411-419, 160 keys 34-43 against 30)
              PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider \
                tests/test_prefill_attention.py 2>&1 | tee "$out/tests_tiles_split.log" | tail -3
@@ -164,7 +164,10 @@ while [ $i -lt ${#steps[@]} ]; do
              for unsplit in "" --tiles-unsplit; do  # a chat turn or drafts deep in the context
                python3 scripts/bench.py --rows 16,32,64 --rows-at 4000 --shapes llama3-8b --dtypes q4,fp16 $unsplit \
                  2>&1 | tee -a "$out/bench_rows.log" | tail -3
-             done ;;
+             done
+             # issues 29 / 32: compute-sanitizer clean over the new launches (the split cases)
+             SANITIZE_PYTEST_ARGS="-k 'True or split_counts'" bash scripts/sanitize.sh memcheck,racecheck tests \
+               test_prefill_attention 2>&1 | tee "$out/sanitize_tiles.log" | grep -E "SUMMARY|test_" | tail -6 ;;
     merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
              python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
                --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
