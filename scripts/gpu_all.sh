@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split] [panel-ncu]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -168,6 +168,15 @@ while [ $i -lt ${#steps[@]} ]; do
              # issues 29 / 32: compute-sanitizer clean over the new launches (the split cases)
              SANITIZE_PYTEST_ARGS="-k 'True or split_counts'" bash scripts/sanitize.sh memcheck,racecheck tests \
                test_prefill_attention 2>&1 | tee "$out/sanitize_tiles.log" | grep -E "SUMMARY|test_" | tail -6 ;;
+    panel-ncu)  # issue 29: why q4's 64-row pass gains nothing from the panel products (ncu: its layer 376
+             # us against the split tile's 443; the pass 11.47 ms against 11.49) while q8's gains 12%:
+             # the gate launch (the third panel launch of the first layer) of q4 and q8, stalls and issue
+             for d in q4 q8; do
+               ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+                 --section MemoryWorkloadAnalysis -k regex:panel_kernel --launch-skip 2 --launch-count 1 \
+                 python3 scripts/kernels/rows_pass_profile.py $d 64 2>&1 | tee "$out/ncu_panel_$d.log" \
+                 | grep -E "Duration|Throughput|SM Frequency|Achieved Occupancy|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued|Registers" | head -40
+             done ;;
     merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
              python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
                --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
