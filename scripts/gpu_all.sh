@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split] [panel-ncu]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split] [panel-ncu] [rmsnorm]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -177,6 +177,10 @@ while [ $i -lt ${#steps[@]} ]; do
                  python3 scripts/kernels/rows_pass_profile.py $d 64 2>&1 | tee "$out/ncu_panel_$d.log" \
                  | grep -E "Duration|Throughput|SM Frequency|Achieved Occupancy|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued|Registers" | head -40
              done ;;
+    rmsnorm)  # issue 29: the rows pass's RMSNorm launch (11 us under ncu for 64 rows) against a row's
+             # values held in registers (scripts/kernels/rmsnorm_rows.py; the same bits where the
+             # widths match), at the 8B's dim over 8 to 2,048 rows
+             python3 scripts/kernels/rmsnorm_rows.py 2>&1 | tee "$out/kernels_rmsnorm.log" | tail -20 ;;
     merge-loads)  # issues 30 and 32: the decode attention's merge loading 8 splits a round against 4
              python3 scripts/kernels/attention.py --shapes Llama-3-8B,Qwen2.5-0.5B --n-pos 300,8000,32000 \
                --variants default,s_m8,s_nomerge --check 2>&1 | tee "$out/kernels_attention_merge.log" \
