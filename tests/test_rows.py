@@ -8,6 +8,10 @@ rows than a block's threads for the expert grouping. With PYCALM_TEST_GPU=1 the 
 the GPU, plus real-model sizes.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gpu import GPU
@@ -131,6 +135,15 @@ def test_rmsnorm_rows(n_rows, dim):
     assert np.array_equal(out2.copy_to_host().astype(np.float32), got)
     want_rms = 1 / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1) + 1e-5)
     np.testing.assert_allclose(rms.copy_to_host(), want_rms, rtol=1e-5)
+
+
+def test_rmsnorm_script_runs_its_check():
+    """scripts/kernels/rmsnorm_rows.py (the shipped launch and a row held in registers, an
+    experiment): both within the reference's tolerance, the registers version shipped's bits."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "rmsnorm_rows.py"
+    p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("(ok)") == 4 and p.stdout.count("shipped's bits (ok)") == 2
 
 
 QKV_CASES = [

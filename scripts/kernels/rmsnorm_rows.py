@@ -94,7 +94,7 @@ def main() -> None:
     tiny = args.tiny or numba_config.ENABLE_CUDASIM
     dim = 72 if tiny else args.dim
     counts = [5, 3] if tiny else [int(n) for n in args.rows.split(",")]
-    widths = (32,) if tiny else (256, 512, 1024)
+    widths = (rows_module.NORM_THREADS,) if tiny else (256, 512, 1024)  # tiny: shipped's width
     stream = cuda.stream()
     rng = np.random.default_rng(0)
     failed = []
