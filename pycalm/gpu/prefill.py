@@ -251,8 +251,9 @@ class Prefill:
             dict.fromkeys(PANEL_ROWS, 0) if self.invariant or not skinny_ok else dict(PANEL_ROWS)
         )
         self.panel_scratch = panel_scratch(engine.stream) if any(self.panel_rows.values()) else None
-        # the prefill attention's partials where a pass's blocks are few (its keys split over blocks)
-        self.tiles_scratch = prefill_attention_scratch(cfg, engine.stream)
+        # the prefill attention's partials where a pass's blocks are few (its keys split over
+        # blocks; batch-invariant passes take the split attention, never the tiles)
+        self.tiles_scratch = None if self.invariant else prefill_attention_scratch(cfg, engine.stream)
         self.att_scratch = None  # the split attention's partials and counters, split_rows rows
         if self.split_rows:
             from pycalm.kernels.attention import attention_scratch, part_shape

@@ -527,18 +527,27 @@ def block_warps(cfg: ModelConfig) -> int:
     return max(WARPS, -(-(cfg.n_heads // cfg.n_kv_heads) // 16))
 
 
+def wave(head_dim: int) -> int:
+    """Blocks one wave holds: min_blocks an SM on every SM."""
+    return min_blocks(head_dim) * sm_count()
+
+
+def slot_words(warps: int, head_dim: int) -> int:
+    """Words of a (block, split) slot of the scratch: a thread's O accumulators, m and l."""
+    return 32 * warps * (head_dim // 2 + 4)
+
+
 def split_count(blocks: int, head_dim: int) -> int:
-    """Splits of the keys for a launch of `blocks` blocks: as many as make one full wave
-    (min_blocks an SM on every SM), at most MAX_SPLITS; 1 where the blocks fill a wave."""
-    return max(1, min(MAX_SPLITS, min_blocks(head_dim) * sm_count() // blocks))
+    """Splits of the keys for a launch of `blocks` blocks: as many as make one full wave, at
+    most MAX_SPLITS; 1 where the blocks fill a wave."""
+    return max(1, min(MAX_SPLITS, wave(head_dim) // blocks))
 
 
 def prefill_attention_scratch(cfg: ModelConfig, stream: object = 0) -> PrefillScratch:
     """The scratch of the split launches of cfg's shape at the default block: a wave's slots
     (split_count keeps a split launch's blocks times splits within one wave)."""
-    slots = min_blocks(cfg.head_dim) * sm_count()
-    words = slots * 32 * block_warps(cfg) * (cfg.head_dim // 2 + 4)
-    part = cuda.device_array(words, np.float32, stream=stream)
+    slots = wave(cfg.head_dim)
+    part = cuda.device_array(slots * slot_words(block_warps(cfg), cfg.head_dim), np.float32, stream=stream)
     return PrefillScratch(part, cuda.to_device(np.zeros(slots, np.int32), stream=stream))
 
 
@@ -602,7 +611,7 @@ def prefill_attention(
     blocks = n_kv_heads * -(-q.shape[0] // ((16 * warps) // group))
     splits = 1 if scratch is None else split_count(blocks, head_dim)
     part, count = (q.reshape(-1), state) if splits == 1 else scratch  # (one split: unread)
-    if splits > 1 and (part.size < blocks * splits * 32 * warps * (head_dim // 2 + 4) or count.size < blocks):
+    if splits > 1 and (part.size < blocks * splits * slot_words(warps, head_dim) or count.size < blocks):
         raise PycalmError(f"prefill_attention: the scratch holds fewer than {blocks} x {splits} slots")
     grid = (n_kv_heads, blocks // n_kv_heads, splits)
     k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
