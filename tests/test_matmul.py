@@ -12,6 +12,8 @@ the same 1e-5; a second check bounds the distance to the float32 weights' produc
 rounding, 2**-11 of |X| |W|^T.
 """
 
+import functools
+
 import numpy as np
 import pytest
 from device_weights import to_device
@@ -356,8 +358,16 @@ if GPU:
     FOLD_CASES += [("fp16", 8, 4096, 4096), ("q4", 64, 1536, 8960)]
 
 
-def _fold(x, w, dtype, r0, norm_w, rho, eps=1e-5):
-    """skinny's residual launch with the next norm folded in: (out, xb, rms, scale), host copies."""
+def _products(tile):
+    """skinny_matmul, or panel_matmul on a scratch of its own (tile "panel")."""
+    if tile == "skinny":
+        return skinny_matmul
+    return functools.partial(panel_matmul, scratch=panel_scratch())
+
+
+def _fold(x, w, dtype, r0, norm_w, rho, eps=1e-5, tile="skinny"):
+    """skinny's (or the panel's) residual launch with the next norm folded in: (out, xb, rms,
+    scale), host copies."""
     from pycalm.kernels.skinny import NormFold, slot_count
 
     t_rows, n = r0.shape
@@ -372,15 +382,16 @@ def _fold(x, w, dtype, r0, norm_w, rho, eps=1e-5):
     )  # fmt: skip
     out = cuda.to_device(r0)
     stream = cuda.default_stream()
-    skinny_matmul(cuda.to_device(x), to_device(w), out, dtype, stream=stream, mode="residual", fold=fold)
+    _products(tile)(cuda.to_device(x), to_device(w), out, dtype, stream=stream, mode="residual", fold=fold)
     stream.synchronize()
     assert fold.counter.copy_to_host()[0] == 0, "the last block resets the counter"
     return out.copy_to_host(), fold.xb.copy_to_host(), fold.rms.copy_to_host(), fold.scale.copy_to_host()
 
 
+@pytest.mark.parametrize("tile", ["skinny", "panel"])
 @pytest.mark.parametrize("dtype,t_rows,n,k", FOLD_CASES)
-def test_skinny_folds_the_next_norm(dtype, t_rows, n, k):
-    """The residual product with the next RMSNorm folded in: out as matmul_residual_ref's; xb
+def test_folds_the_next_norm(dtype, t_rows, n, k, tile):
+    """skinny's and the panel's residual product with the next RMSNorm folded in: out as matmul_residual_ref's; xb
     is fp16(out w rho) of that out, bit for bit; rms and scale = rms / rho as
     matmul_residual_fold_ref's; a second launch gives the same bits (the counter is reset). Then
     the next products, plain and gate, scaled by each row's scale: within the fp16 rounding of
@@ -393,13 +404,13 @@ def test_skinny_folds_the_next_norm(dtype, t_rows, n, k):
     r0 = (rng.standard_normal((t_rows, n)) * np.exp(rng.uniform(-4, 4, (t_rows, 1)))).astype(np.float32)
     norm_w = rng.uniform(0.5, 2.0, n).astype(np.float32)
     rho = np.exp(rng.uniform(-3, 3, t_rows)).astype(np.float32)  # (T,) the last norm's rms
-    out, xb, rms, scale = _fold(x, w, dtype, r0, norm_w, rho)
+    out, xb, rms, scale = _fold(x, w, dtype, r0, norm_w, rho, tile=tile)
     _check(out, matmul_residual_ref(x, wt, dt, r0), _sum_scale(x, w, dtype) + np.abs(r0))
     assert np.array_equal(xb, formats.fp16_encode(out * norm_w * rho[:, None]))
     _, _, want_rms, want_scale = matmul_residual_fold_ref(x, wt, dt, r0, norm_w, rho, 1e-5)
     np.testing.assert_allclose(rms, want_rms, rtol=2e-5)
     np.testing.assert_allclose(scale, want_scale, rtol=2e-5)
-    again = _fold(x, w, dtype, r0, norm_w, rho)
+    again = _fold(x, w, dtype, r0, norm_w, rho, tile=tile)
     assert all(np.array_equal(a, b) for a, b in zip(again, (out, xb, rms, scale), strict=True))
     # the next products of xb, scaled, against those of the unfolded input rmsnorm(out) w
     k2 = SKINNY_K[dtype]
@@ -408,10 +419,11 @@ def test_skinny_folds_the_next_norm(dtype, t_rows, n, k):
     d_scale = cuda.to_device(scale)
     stream = cuda.default_stream()
     plain = cuda.to_device(np.full((t_rows, k2), np.nan, np.float32))
-    skinny_matmul(cuda.to_device(xb), to_device(w2), plain, dtype, stream=stream, scale=d_scale)
+    product = _products(tile)
+    product(cuda.to_device(xb), to_device(w2), plain, dtype, stream=stream, scale=d_scale)
     gate = cuda.to_device(np.full((t_rows, k2), np.nan, np.float16))
-    skinny_matmul(cuda.to_device(xb), to_device(w2), gate, dtype, stream=stream, mode="gate", w3=to_device(w3),
-                  scale=d_scale)  # fmt: skip
+    product(cuda.to_device(xb), to_device(w2), gate, dtype, stream=stream, mode="gate", w3=to_device(w3),
+            scale=d_scale)  # fmt: skip
     w2t, _ = _decoded(w2, dtype)
     _check(plain.copy_to_host(), matmul_ref(xb, w2t, dt, scale), _sum_scale(xb, w2, dtype) * scale[:, None])
     _check_gate(gate.copy_to_host(), xb, w2, w3, dtype, scale)

@@ -476,6 +476,26 @@ def test_rows_pass(tmp_path):
         gpu.forward_rows(ids, SEQ_LEN - 4)
 
 
+@pytest.mark.parametrize("dtype", ["q4", "q8"])
+def test_panel_rows_pass_folds_its_norms(tmp_path, dtype):
+    """A rows pass of 33 to 64 rows in q4 or q8 takes pycalm.kernels.panel's products with each
+    RMSNorm but the first folded into the residual product before it (Prefill.folds): its
+    logits for 40 tokens match the multi-token forward's NumPy reference and the token path,
+    and its KV cache rows the reference's (q4 at 6 bits a weight: its w2 and output are q8)."""
+    model = tiny_model(tmp_path, "llama", dtype, bits=6.0)
+    ids = tokens(40, seed=13)
+    gpu = GpuEngine(model, seq_len=64, kv_dtype="fp16")
+    assert gpu._prefill_step().folds(40) and not gpu._prefill_step().folds(65)
+    got = gpu.forward_rows(ids, 0)
+    ref = prefill_ref(model, "fp16", ids)[0]
+    assert rel_l2(got, ref) < 2e-3  # (unfolded: 3e-4, xb rounded at the last norm's scale apart)
+    # the token path: within 1.5x the reference's own distance from it (fp16 activations against
+    # float32 over 40 positions and two layers: 2.8e-3 here)
+    want, cpu = token_path(model, "fp16", ids, seq_len=64)
+    assert rel_l2(got, want) < max(2e-3, 1.5 * rel_l2(ref, want))
+    check_caches(gpu, cpu, "fp16", 40)
+
+
 def test_rows_pass_attention_covers_its_span(tmp_path):
     """A rows pass's split attention covers the span of its last row's position (as the token
     step's), a captured pass a (bucket, span): its logits match the reference in a pass whose

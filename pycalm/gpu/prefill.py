@@ -17,12 +17,13 @@ A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, 
 batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
 replayed: the token ids come from a device buffer and the position from state, so nothing in
 the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
-SKINNY_ROWS[format] rows, and its attention the token step's split-K kernel
-(pycalm.kernels.attention) up to SPLIT_ATTENTION_ROWS rows. Where skinny's products take every
-matrix, a pass folds each RMSNorm but its first into the residual product before it
-(skinny.NormFold: wo writes the FFN norm's input, w2 the next layer's attention norm's, and the
-product after each scales its rows' sums), and the QKV epilogue runs in the QKV product's
-(skinny_qkv): a layer is then five launches, as the token step's. A pass of n rows replays the
+SKINNY_ROWS[format] rows and pycalm.kernels.panel's up to PANEL_ROWS[format], and its attention
+the token step's split-K kernel (pycalm.kernels.attention) up to SPLIT_ATTENTION_ROWS rows.
+Where skinny's or the panel's products take every matrix, a pass folds each RMSNorm but its
+first into the residual product before it (skinny.NormFold: wo writes the FFN norm's input, w2
+the next layer's attention norm's, and the product after each scales its rows' sums); up to
+SKINNY_ROWS the QKV epilogue runs in the QKV product's (skinny_qkv): a layer is then five
+launches, as the token step's. A pass of n rows replays the
 bucket of B >= n rows; rows n..B-1 are padding (token 0) that write cache rows past the last
 real one, which the next pass rewrites before any row reads them (a row attends only to
 positions up to its own).
@@ -78,7 +79,7 @@ PANEL_ROWS = {"fp16": 0, "fp8": 0, "gf4": 0, "q8": 64, "q4": 64}
 SPLIT_ATTENTION_ROWS = 16
 # the row counts a rows pass is captured for: a pass of n rows replays the smallest that holds n
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# the most rows whose RMSNorms fold into skinny's residual products (Prefill.folds)
+# the most rows whose RMSNorms fold into skinny's or the panel's residual products (Prefill.folds)
 FOLD_ROWS = ROW_BUCKETS[-1]
 
 
@@ -311,7 +312,9 @@ class Prefill:
         from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 
         def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
-            kwargs = {k: v for k, v in kwargs.items() if v is not None}  # (scale, fold: skinny's alone)
+            kwargs = {
+                k: v for k, v in kwargs.items() if v is not None
+            }  # (scale, fold: skinny's and the panel's)
             if n_rows <= self.skinny_rows[dtype]:
                 launch = skinny_matmul
             elif n_rows <= self.panel_rows[dtype]:
@@ -326,13 +329,17 @@ class Prefill:
 
     def folds(self, n_rows: int) -> bool:
         """Whether a pass of n_rows folds each RMSNorm but the first into the residual product
-        before it (skinny.NormFold; the product after it scaled): where skinny's products take
-        every matrix of the pass, and the FFN is dense."""
+        before it (skinny.NormFold; the product after it scaled): where skinny's or the panel's
+        products take every matrix of the pass, and the FFN is dense."""
         e = self.engine
         return (
             n_rows <= FOLD_ROWS
             and not e.config.n_experts
-            and all(n_rows <= self.skinny_rows[dt] for L in e.layers for dt in L.dtypes.values())
+            and all(
+                n_rows <= max(self.skinny_rows[dt], self.panel_rows[dt])
+                for L in e.layers
+                for dt in L.dtypes.values()
+            )
         )
 
     def tiled(self, *args: object, **kwargs: object) -> None:

@@ -43,6 +43,14 @@ split order and runs the epilogue: the q8 row scale, the residual add or the gat
 A row's bits depend on the split count, the k order and T's n-tile count, not on the other rows:
 the same bits for a row in any pass of one bucket (batch-invariant passes take skinny instead).
 
+The RMSNorm folded in (skinny's FOLD and SCALED, the same arrays and references): a RESIDUAL
+launch also writes the next norm's input xb = fp16(y w rho) and each row's sum of y^2 over each
+16-column tile (a warp's A tile: a lane's two columns, then the xor butterfly over the lanes of
+its g) into the slots; the block that finishes last (a counter over the tiles, past the splits'
+merge) turns them into rms and scale (skinny.fold_scales). PLAIN and GATE (SCALED) multiply each
+row's sums by its scale before the epilogue. A pass of 33 to 64 rows on the panel thus runs no
+RMSNorm launch but its first (pycalm.gpu.prefill's Prefill.folds).
+
 Bytes: the weights once; X from L2 once a block a step (at 64 rows and 256 rows of W a block,
 0.25x (fp16) to 0.9x (gf4, q4) the block's weight bytes); with splits, 4 T N bytes a split
 written and read once (L2). FLOPs 2 T N K, done as 2 (8 n_tiles) N K.
@@ -59,9 +67,20 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import dependent_start, fp16_encode, last_to_arrive
+from pycalm.kernels.common import FULL_MASK, dependent_start, fp16_encode, last_to_arrive
 from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, sm_count
-from pycalm.kernels.skinny import UNIT, fits, n_tiles_for, stored_args, unit_decoders
+from pycalm.kernels.skinny import (
+    FOLD,
+    NO_NORM,
+    SCALED,
+    UNIT,
+    NormFold,
+    fits,
+    fold_scales,
+    n_tiles_for,
+    stored_args,
+    unit_decoders,
+)
 from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, lds128, mma_16816
 
 SIM = _numba_config.ENABLE_CUDASIM
@@ -122,13 +141,15 @@ def make_panel_kernel(  # noqa: ANN201, C901
     stages: int = STAGES,
     min_blocks: int = MIN_BLOCKS,
     ahead: int = AHEAD,
+    norm: int = NO_NORM,
 ):
     """panel_kernel for a weight dtype, an epilogue mode, an n-tile count (passes of up to 8
-    n_tiles rows) and a block shape, one compile each; min_blocks > 0: compiled to fit that many
-    blocks an SM (launch bounds: the registers a thread may take); ahead: the steps whose
-    weights are in flight while a step is multiplied. Arguments (x, w1, s1, w3, s3, out, part,
-    tiles_done): s1, s3 the q8 / q4 scales (else W1, W3 again, unread); part, tiles_done the
-    scratch (read where gridDim.y > 1)."""
+    n_tiles rows), a block shape and an RMSNorm part (skinny's NO_NORM, SCALED or FOLD), one
+    compile each; min_blocks > 0: compiled to fit that many blocks an SM (launch bounds: the
+    registers a thread may take); ahead: the steps whose weights are in flight while a step is
+    multiplied. Arguments (x, w1, s1, w3, s3, out, part, tiles_done), then SCALED's scale or
+    FOLD's (nw, rho, x_next, slots, counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else
+    W1, W3 again, unread); part, tiles_done the scratch (read where gridDim.y > 1)."""
     a_pair, load_unit = unit_decoders(dtype)
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step
@@ -152,6 +173,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, residual = mode == GATE, mode == RESIDUAL
     q8 = dtype == "q8"
+    scaled, fold = norm == SCALED, norm == FOLD
     tile_rows = 8 if gate else 16  # outputs an A tile makes
     wait_landed = cp_async_wait(stages - 2)  # all but the stages - 2 newest groups have landed
     wait_all = cp_async_wait(0)
@@ -227,14 +249,14 @@ def make_panel_kernel(  # noqa: ANN201, C901
                         acc[c + 3],
                     )
 
-    bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
-    jit = cuda.jit if SIM else cuda.jit(cache=True, **bounds)
-
-    @jit
-    def panel_kernel(x, w1, s1, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202, C901
-        """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored; see the module
-        docstring. Must match pycalm.cpu.reference.matmul_ref / matmul_residual_ref /
-        matmul_gate_ref."""
+    @cuda.jit(device=True, inline=True)
+    def block_product(  # noqa: ANN202, C901
+        x, w1, s1, w3, s3, out, part, tiles_done, scale, nw, rho, x_next, slots, counter, rms, eps
+    ):  # noqa: ANN001
+        """The block's outputs of out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T
+        stored; see the module docstring. SCALED: scale (T,), each row's factor; FOLD: nw (N,)
+        the next norm's weights, rho (T,), and x_next (T, N) fp16, slots (T, ceil(N / 16)), rms
+        (T,) and scale written (counter (1,) int32: zero between launches), skinny.NormFold's."""
         smem = cuda.shared.array(SMEM_WORDS, int32)  # (stages, T_MAX, STEP) fp16 X as words, swizzled
         # (R, MT, 4): the ring of steps' units, step i in slot i % R (the main loop unrolled by R,
         # so a slot is a constant and the ring stays in registers)
@@ -308,35 +330,86 @@ def make_panel_kernel(  # noqa: ANN201, C901
                     acc[e] += part[at + uint32(e * threads)]
             if tid == 0:
                 tiles_done[tile] = 0  # for the next launch
-        if not live:
-            return
         # epilogue: accumulator 4 (m n_tiles + p) + r of lane (g, t) is A row g + 8 (r >> 1) of
         # tile m, token 8 p + 2 t + (r & 1)
         n_cols = out.shape[1]
-        for m in range(MT):
-            for p in range(n_tiles):
-                c = (m * n_tiles + p) * 4
-                for r in range(2):
-                    token = 8 * p + 2 * t + r
-                    if gate:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + g
-                        col = (tile0 + m) * 8 + g
-                        if token < t_rows and col < n_cols:
-                            s, h3 = acc[c + r], acc[c + 2 + r]
-                            if q8:
-                                s *= s1[col]
-                                h3 *= s3[col]
-                            out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
-                    else:
-                        for hh in range(2):  # A rows g and g + 8
-                            col = (tile0 + m) * 16 + g + 8 * hh
+        if live:
+            for m in range(MT):
+                for p in range(n_tiles):
+                    c = (m * n_tiles + p) * 4
+                    for r in range(2):
+                        token = 8 * p + 2 * t + r
+                        if gate:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + g
+                            col = (tile0 + m) * 8 + g
                             if token < t_rows and col < n_cols:
-                                s = acc[c + 2 * hh + r]
+                                s, h3 = acc[c + r], acc[c + 2 + r]
                                 if q8:
                                     s *= s1[col]
-                                if residual:
-                                    out[token, col] += s
-                                else:
-                                    out[token, col] = s
+                                    h3 *= s3[col]
+                                if scaled:
+                                    s *= scale[token]
+                                    h3 *= scale[token]
+                                out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+                        else:
+                            squares = float32(0.0)  # FOLD: y^2 of the lane's two columns
+                            for hh in range(2):  # A rows g and g + 8
+                                col = (tile0 + m) * 16 + g + 8 * hh
+                                if token < t_rows and col < n_cols:
+                                    s = acc[c + 2 * hh + r]
+                                    if q8:
+                                        s *= s1[col]
+                                    if scaled:
+                                        s *= scale[token]
+                                    if residual:
+                                        y = out[token, col] + s
+                                        out[token, col] = y
+                                        if fold:  # the next norm's input at the last one's scale
+                                            x_next[token, col] = fp16_encode(y * nw[col] * rho[token])
+                                            squares += y * y
+                                    else:
+                                        out[token, col] = s
+                            if fold:  # the token's sum over the tile's 16 columns: the lanes of its g
+                                for lanes in (4, 8, 16):
+                                    squares += cuda.shfl_xor_sync(FULL_MASK, squares, lanes)
+                                if g == 0 and token < t_rows and tile0 + m < slots.shape[1]:
+                                    slots[token, tile0 + m] = squares
+        if fold:  # every tile's slots published, the other blocks' acquired; the last adds them up
+            wait_all()  # (no copy is in flight: smem[0] carries the answer)
+            if last_to_arrive(counter, 0, cuda.gridDim.x, smem, 0):
+                fold_scales(slots, t_rows, n_cols, rho, rms, scale, eps, counter)
+
+    bounds = {"launch_bounds": (threads, min_blocks)} if min_blocks else {}
+    jit = cuda.jit if SIM else cuda.jit(cache=True, **bounds)
+    # the norm's arrays of a kernel that takes none are never read (their branches are pruned at
+    # compile time): out stands in for them
+    zero = float32(0.0)
+    if fold:
+
+        @jit
+        def panel_kernel(
+            x, w1, s1, w3, s3, out, part, tiles_done, nw, rho, x_next, slots, counter, rms, scale, eps
+        ):  # noqa: ANN001, ANN202
+            """RESIDUAL with the next RMSNorm folded in: out += X W^T; x_next = fp16(out nw rho);
+            rms, scale = rms / rho (pycalm.cpu.reference.matmul_residual_fold_ref)."""
+            block_product(
+                x, w1, s1, w3, s3, out, part, tiles_done, scale, nw, rho, x_next, slots, counter, rms, eps
+            )
+
+    elif scaled:
+
+        @jit
+        def panel_kernel(x, w1, s1, w3, s3, out, part, tiles_done, scale):  # noqa: ANN001, ANN202
+            """PLAIN or GATE with each row's sums times scale[row] (matmul_ref's and
+            matmul_gate_ref's scale)."""
+            block_product(x, w1, s1, w3, s3, out, part, tiles_done, scale, out, out, out, out, out, out, zero)
+
+    else:
+
+        @jit
+        def panel_kernel(x, w1, s1, w3, s3, out, part, tiles_done):  # noqa: ANN001, ANN202
+            """out (T, N) (=, +=, gate) X (T, K) fp16 times W (N, K)^T stored. Must match
+            pycalm.cpu.reference.matmul_ref / matmul_residual_ref / matmul_gate_ref."""
+            block_product(x, w1, s1, w3, s3, out, part, tiles_done, out, out, out, out, out, out, out, zero)
 
     return panel_kernel
 
@@ -351,19 +424,27 @@ def panel_matmul(
     scratch: PanelScratch,
     mode: str = "plain",
     w3: object = None,
+    scale: object = None,
+    fold: NormFold | None = None,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= 64 and K a
     multiple of UNIT[dtype] (fits); scratch from panel_scratch (K split over blocks where the
-    blocks leave SMs idle)."""
+    blocks leave SMs idle). scale (T,) float32 ("plain", "gate"): each row's sums times it;
+    fold ("residual"): the next RMSNorm folded in (skinny.NormFold), as skinny_matmul's."""
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if not fits(dtype, k_cols):
         raise PycalmError(
             f"the panel matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
+    if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
+        raise PycalmError(
+            f"the panel matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
+        )
+    norm = FOLD if fold is not None else SCALED if scale is not None else NO_NORM
     n_tiles = n_tiles_for(t_rows)
-    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD)
+    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, norm)
     args = stored_args(w, w3, dtype, k_cols)
     if len(args) == 2:  # fp16, fp8, gf4: W1, W3 stand in for the scales (unread)
         args = (args[0], args[0], args[1], args[1])
@@ -374,4 +455,10 @@ def panel_matmul(
         scratch.part.size < blocks * splits * acc * 32 * WARPS or scratch.tiles_done.size < blocks
     ):
         raise PycalmError(f"panel scratch too small for {blocks} blocks of {splits} splits")
-    kernel[(blocks, splits), 32 * WARPS, stream](x, *args, out, scratch.part, scratch.tiles_done)
+    norm_args: tuple = ()
+    if fold is not None:
+        f = fold
+        norm_args = (f.w, f.rho, f.xb, f.slots, f.counter, f.rms, f.scale, np.float32(f.eps))
+    elif scale is not None:
+        norm_args = (scale,)
+    kernel[(blocks, splits), 32 * WARPS, stream](x, *args, out, scratch.part, scratch.tiles_done, *norm_args)

@@ -252,6 +252,27 @@ def unit_decoders(dtype: str) -> tuple[object, object]:
     return a_pair, load_unit
 
 
+@cuda.jit(device=True, inline=True)
+def fold_scales(slots, t_rows, n_cols, rho, rms, scale, eps, counter):  # noqa: ANN001, ANN201
+    """The end of a FOLD launch, in the block that finishes last (every block's slots written):
+    each row's slots added, a warp a row (lane l its slots l, l + 32, ... in order, then the xor
+    butterfly), into rms = rsqrt(sum / n_cols + eps) and scale = rms / rho; the counter reset for
+    the next launch. pycalm.kernels.panel's FOLD ends here too."""
+    tid = cuda.threadIdx.x
+    warp, lane = tid // 32, tid % 32
+    for token in range(warp, t_rows, cuda.blockDim.x // 32):  # a warp a row
+        total = float32(0.0)
+        for i in range(lane, slots.shape[1], 32):
+            total += slots[token, i]
+        total = warp_reduce_sum(total)
+        if lane == 0:
+            r = float32(1.0) / math.sqrt(total / float32(n_cols) + eps)
+            rms[token] = r
+            scale[token] = r / rho[token]
+    if tid == 0:
+        counter[0] = 0  # for the next launch
+
+
 @functools.cache
 def make_skinny_kernel(  # noqa: ANN201, C901
     dtype: str,
@@ -384,9 +405,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     @cuda.jit(device=True, inline=True)
     def fold_norm(sq, last, tile0, t_rows, n_cols, rho, slots, counter, rms, scale, eps):  # noqa: ANN001, ANN202
         """FOLD's end: each row's sum of squares over each of the block's 16-column tiles, in
-        column order, into its slot; the block that finishes last adds each row's slots (a lane
-        slots lane, lane + 32, ... in order, then the butterfly) into rms = rsqrt(mean(y^2) +
-        eps) and scale = rms / rho, and resets the counter."""
+        column order, into its slot; the block that finishes last turns the slots into rms and
+        scale (fold_scales)."""
         tid = cuda.threadIdx.x
         cuda.syncthreads()  # every output's square is in sq
         for e in range(tid, MT * T_MAX, 32 * warps):  # (A tile, row)
@@ -397,20 +417,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                     total += sq[e * 16 + c]
                 slots[token, tile] = total
         # the block's slots published, the other blocks' acquired
-        if not last_to_arrive(counter, 0, cuda.gridDim.x, last, 0):
-            return  # block-uniform, after the last barrier
-        warp, lane = tid // 32, tid % 32
-        for token in range(warp, t_rows, warps):  # a warp a row
-            total = float32(0.0)
-            for i in range(lane, slots.shape[1], 32):
-                total += slots[token, i]
-            total = warp_reduce_sum(total)
-            if lane == 0:
-                r = float32(1.0) / math.sqrt(total / float32(n_cols) + eps)
-                rms[token] = r
-                scale[token] = r / rho[token]
-        if tid == 0:
-            counter[0] = 0  # for the next launch
+        if last_to_arrive(counter, 0, cuda.gridDim.x, last, 0):
+            fold_scales(slots, t_rows, n_cols, rho, rms, scale, eps, counter)
 
     @cuda.jit(device=True, inline=True)
     def block_product(  # noqa: ANN202, C901
