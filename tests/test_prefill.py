@@ -476,13 +476,17 @@ def test_rows_pass(tmp_path):
         gpu.forward_rows(ids, SEQ_LEN - 4)
 
 
-@pytest.mark.parametrize("dtype", ["q4", "q8"])
+@pytest.mark.parametrize("dtype", ["fp8", "gf4", "q8", "q4"])
 def test_panel_rows_pass_folds_its_norms(tmp_path, dtype):
-    """A rows pass of 33 to 64 rows in q4 or q8 takes pycalm.kernels.panel's products with each
-    RMSNorm but the first folded into the residual product before it (Prefill.folds): its
-    logits for 40 tokens match the multi-token forward's NumPy reference and the token path,
-    and its KV cache rows the reference's (q4 at 6 bits a weight: its w2 and output are q8)."""
-    model = tiny_model(tmp_path, "llama", dtype, bits=6.0)
+    """A rows pass of 33 to 64 rows in fp8, gf4, q8 or q4 takes pycalm.kernels.panel's products
+    with each RMSNorm but the first folded into the residual product before it (Prefill.folds):
+    its logits for 40 tokens match the multi-token forward's NumPy reference and the token path,
+    and its KV cache rows the reference's (q4 at 6 bits a weight: its w2 and output are q8;
+    hidden_dim 64: gf4's 32-weight loads)."""
+    tiny = make_hf_llama(
+        tmp_path, dim=32, hidden_dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64
+    )
+    model = open_model(convert(tiny.path, tmp_path / f"{dtype}.pycalm", dtype, progress=False, bits=6.0))
     ids = tokens(40, seed=13)
     gpu = GpuEngine(model, seq_len=64, kv_dtype="fp16")
     assert gpu._prefill_step().folds(40) and not gpu._prefill_step().folds(65)

@@ -68,10 +68,12 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # skinny's for every pass
 SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
 # longer passes of at most PANEL_ROWS[format] rows take pycalm.kernels.panel's products (skinny's
-# weight stream, X staged in shared memory, K split over blocks) in place of the split tile: q4 and
-# q8, whose layer's four products at 64 rows it takes from 278 to 238 us and from 243 to 201
-# (H100, 2026-12-07, its module's table); the other formats not yet timed on its current block
-PANEL_ROWS = {"fp16": 0, "fp8": 0, "gf4": 0, "q8": 64, "q4": 64}
+# weight stream, X staged in shared memory, K split over blocks) in place of the split tile, and
+# then fold their RMSNorms (Prefill.folds). The 8B's 64-row pass, ms (`bench.py --rows 1,64`,
+# H100, 2026-12-07, one machine): gf4 7.75 on the panel with its folds against 10.02 on the split
+# tile, fp16 13.09 against 11.99; fp8 9.13 (9.95 on the split tile on another H100 that day); q4
+# 10.04 and q8 9.07 with the folds (11.47 and 9.10 on the panel without them, another H100)
+PANEL_ROWS = {"fp16": 0, "fp8": 64, "gf4": 64, "q8": 64, "q4": 64}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every

@@ -107,9 +107,12 @@ KV_DTYPES = ("fp16", "fp8")
 SIM = _numba_config.ENABLE_CUDASIM
 WARPS = 1 if SIM else 4  # warps a block: 16 query rows each
 MAX_SPLITS = 16  # splits of a block's keys at most (split_count)
-# key tiles a split takes at least: a merge costs about as much as a few tiles (H100, 2026-12-07:
-# a 64-row pass's attention at 160 keys, 3 tiles, 30 us unsplit and 34-43 in splits of a tile)
-SPLIT_TILES = 1 if SIM else 4
+# key tiles a split takes at least: a merge costs about as much as a few tiles. A layer of the 8B
+# (`scripts/kernels/prefill_attention.py --variants shipped,unsplit,s1,s2 --rows 17,32,64`, H100,
+# 2026-12-07, one call), us at 17 / 32 / 64 rows: at 160 keys (3 tiles) unsplit 29 / 30 / 31, a
+# tile a split 29 / 32 / 33, two or four (unsplit there) 29 / 29-30 / 30; at 4,000 positions
+# unsplit 412 / 415 / 404, a tile 62 / 65 / 90, two tiles 68 / 66 / 90, four 70 / 79 / 90
+SPLIT_TILES = 1 if SIM else 2
 MERGE_GROUP = 2  # splits whose partials the merge loads at a time
 KEYS = 16 if SIM else 64  # keys a tile (a multiple of 16)
 NEG = -1.0e30  # "no score yet": finite, so NEG - NEG is 0, not NaN
