@@ -148,26 +148,20 @@ while [ $i -lt ${#steps[@]} ]; do
                | tee -a "$out/bench_rows.log" | tail -4
              PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider tests/test_attention.py \
                tests/test_paged_attention.py tests/test_prefill_attention.py tests/test_matmul.py \
-               -k "attention or panel or split" 2>&1 | tee "$out/tests_musts.log" | tail -3 ;;
-    tiles-split)  # the prefill attention's key splits (a launch of fewer blocks than a wave, 4 tiles a
-             # split at least): its GPU tests, the kernel split and unsplit at 160 and 4,000 keys,
-             # the rows pass at 32 and 64 rows, and memcheck / racecheck over the split cases (H100, 2026-12-07, a tile a split: 4,000 keys
-             # 74-92 us a layer against 411-419, 160 keys 34-43 against 30)
-             PYCALM_TEST_GPU=1 python3 -m pytest -q -rf -n "$(nproc)" -p no:cacheprovider \
-               tests/test_prefill_attention.py 2>&1 | tee "$out/tests_tiles_split.log" | tail -3
-             for p0 in 128 4000; do
-               python3 scripts/kernels/prefill_attention.py --variants shipped,unsplit,s1,s2 --rows 17,32,64 --pos0 $p0 \
-                 2>&1 | tee -a "$out/kernels_tiles_split.log" | grep -A14 "=== summary"
-             done
-             python3 scripts/bench.py --rows 1,32,64 --shapes llama3-8b --dtypes q4,gf4,fp16 2>&1 \
-               | tee "$out/bench_rows.log" | tail -5
+               -k "attention or panel or split or fold" 2>&1 | tee "$out/tests_musts.log" | tail -3 ;;
+    tiles-split)  # what the prefill attention's key splits (two tiles a split at least, since the
+             # H100 run of 2026-12-07: 160 keys unsplit, 4,000 positions 68 / 66 / 90 us at 17 / 32 /
+             # 64 rows against 412 / 415 / 404) and the panel's folds have not yet had on a GPU: the
+             # rows pass deep in the context split and unsplit, and compute-sanitizer over both
              for unsplit in "" --tiles-unsplit; do  # a chat turn or drafts deep in the context
                python3 scripts/bench.py --rows 16,32,64 --rows-at 4000 --shapes llama3-8b --dtypes q4,fp16 $unsplit \
                  2>&1 | tee -a "$out/bench_rows.log" | tail -3
              done
-             # issues 29 / 32: compute-sanitizer clean over the new launches (the split cases)
+             # issues 29 / 32: compute-sanitizer clean over the new launches (the split cases, the folds)
              SANITIZE_PYTEST_ARGS="-k 'True or split_counts'" bash scripts/sanitize.sh memcheck,racecheck tests \
-               test_prefill_attention 2>&1 | tee "$out/sanitize_tiles.log" | grep -E "SUMMARY|test_" | tail -6 ;;
+               test_prefill_attention 2>&1 | tee "$out/sanitize_tiles.log" | grep -E "SUMMARY|test_" | tail -6
+             SANITIZE_PYTEST_ARGS="-k 'folds_the_next_norm'" bash scripts/sanitize.sh memcheck,racecheck tests \
+               test_matmul 2>&1 | tee "$out/sanitize_folds.log" | grep -E "SUMMARY|test_" | tail -6 ;;
     panel-ncu)  # issue 29: why q4's 64-row pass gains nothing from the panel products (ncu: its layer 376
              # us against the split tile's 443; the pass 11.47 ms against 11.49) while q8's gains 12%:
              # the gate launch (the third panel launch of the first layer) of q4 and q8, stalls and issue

@@ -110,7 +110,7 @@ KNOWN_SPILLS = [
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 0), 12),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 2), 20),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 2, 8, 16, 1, 3, 1, 1, 1), 4),
-    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 4), 24),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 2), 24),
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",

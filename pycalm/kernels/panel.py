@@ -59,7 +59,6 @@ written and read once (L2). FLOPs 2 T N K, done as 2 (8 n_tiles) N K.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -67,8 +66,8 @@ from numba import config as _numba_config
 from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
-from pycalm.kernels.common import FULL_MASK, dependent_start, fp16_encode, last_to_arrive
-from pycalm.kernels.matmul import GATE, MODES, RESIDUAL, check_mode, sm_count
+from pycalm.kernels.common import FULL_MASK, dependent_start, last_to_arrive
+from pycalm.kernels.matmul import GATE, MODES, check_mode, sm_count
 from pycalm.kernels.skinny import (
     FOLD,
     NO_NORM,
@@ -78,6 +77,7 @@ from pycalm.kernels.skinny import (
     fits,
     fold_scales,
     n_tiles_for,
+    output_stores,
     stored_args,
     unit_decoders,
 )
@@ -151,6 +151,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     FOLD's (nw, rho, x_next, slots, counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else
     W1, W3 again, unread); part, tiles_done the scratch (read where gridDim.y > 1)."""
     a_pair, load_unit = unit_decoders(dtype)
+    store_gate, store_sum = output_stores(dtype, mode, norm)
     E = UNIT[dtype]  # weights a unit
     STEP = 4 * E  # columns a step
     PAIRS = E // 8  # k-tile pairs a unit: a 16-byte load of X each, an n-tile
@@ -171,9 +172,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     RING = R * W_WORDS
     SWZ_ROW = 0 if dtype == "fp16" else 1  # chunk ^= this for odd rows
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
-    gate, residual = mode == GATE, mode == RESIDUAL
-    q8 = dtype == "q8"
-    scaled, fold = norm == SCALED, norm == FOLD
+    gate, fold = mode == GATE, norm == FOLD
     tile_rows = 8 if gate else 16  # outputs an A tile makes
     wait_landed = cp_async_wait(stages - 2)  # all but the stages - 2 newest groups have landed
     wait_all = cp_async_wait(0)
@@ -342,32 +341,17 @@ def make_panel_kernel(  # noqa: ANN201, C901
                         if gate:  # r: W1's sum, r + 2: W3's, of output (tile) * 8 + g
                             col = (tile0 + m) * 8 + g
                             if token < t_rows and col < n_cols:
-                                s, h3 = acc[c + r], acc[c + 2 + r]
-                                if q8:
-                                    s *= s1[col]
-                                    h3 *= s3[col]
-                                if scaled:
-                                    s *= scale[token]
-                                    h3 *= scale[token]
-                                out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+                                store_gate(acc[c + r], acc[c + 2 + r], token, col, out, s1, s3, scale)
                         else:
                             squares = float32(0.0)  # FOLD: y^2 of the lane's two columns
                             for hh in range(2):  # A rows g and g + 8
                                 col = (tile0 + m) * 16 + g + 8 * hh
                                 if token < t_rows and col < n_cols:
-                                    s = acc[c + 2 * hh + r]
-                                    if q8:
-                                        s *= s1[col]
-                                    if scaled:
-                                        s *= scale[token]
-                                    if residual:
-                                        y = out[token, col] + s
-                                        out[token, col] = y
-                                        if fold:  # the next norm's input at the last one's scale
-                                            x_next[token, col] = fp16_encode(y * nw[col] * rho[token])
-                                            squares += y * y
-                                    else:
-                                        out[token, col] = s
+                                    y = store_sum(
+                                        acc[c + 2 * hh + r], token, col, out, s1, scale, nw, rho, x_next
+                                    )
+                                    if fold:
+                                        squares += y * y
                             if fold:  # the token's sum over the tile's 16 columns: the lanes of its g
                                 for lanes in (4, 8, 16):
                                     squares += cuda.shfl_xor_sync(FULL_MASK, squares, lanes)
@@ -395,7 +379,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 x, w1, s1, w3, s3, out, part, tiles_done, scale, nw, rho, x_next, slots, counter, rms, eps
             )
 
-    elif scaled:
+    elif norm == SCALED:
 
         @jit
         def panel_kernel(x, w1, s1, w3, s3, out, part, tiles_done, scale):  # noqa: ANN001, ANN202

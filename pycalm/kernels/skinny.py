@@ -274,6 +274,42 @@ def fold_scales(slots, t_rows, n_cols, rho, rms, scale, eps, counter):  # noqa: 
 
 
 @functools.cache
+def output_stores(dtype: str, mode: int, norm: int) -> tuple[object, object]:
+    """The epilogue's stores of one output, skinny's and pycalm.kernels.panel's: store_gate(s, h3,
+    token, col, out, s1, s3, scale) writes fp16 silu(s) h3 of W1's sum s and W3's h3, and
+    store_sum(s, token, col, out, s1, scale, nw, rho, x_next) writes out = s (RESIDUAL: out +=
+    s; FOLD also x_next = fp16(y nw rho) of that y) and gives the value stored; each sum first
+    times the q8 row scale s1[col] (s3[col]) and, SCALED, the row's scale[token]."""
+    q8, residual = dtype == "q8", mode == RESIDUAL
+    scaled, fold = norm == SCALED, norm == FOLD
+
+    @cuda.jit(device=True, inline=True)
+    def store_gate(s, h3, token, col, out, s1, s3, scale):  # noqa: ANN001, ANN202
+        if q8:
+            s *= s1[col]
+            h3 *= s3[col]
+        if scaled:
+            s *= scale[token]
+            h3 *= scale[token]
+        out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+
+    @cuda.jit(device=True, inline=True)
+    def store_sum(s, token, col, out, s1, scale, nw, rho, x_next):  # noqa: ANN001, ANN202
+        if q8:
+            s *= s1[col]
+        if scaled:
+            s *= scale[token]
+        if residual:
+            s += out[token, col]
+            if fold:  # the next norm's input at the last one's scale
+                x_next[token, col] = fp16_encode(s * nw[col] * rho[token])
+        out[token, col] = s
+        return s
+
+    return store_gate, store_sum
+
+
+@functools.cache
 def make_skinny_kernel(  # noqa: ANN201, C901
     dtype: str,
     mode: int,
@@ -325,9 +361,10 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     # step spills (ptxas: fp8 84 bytes, q8 68): there every chunk checks its loads, as the last one does
     PEEL = threads <= 256 or n_tiles * row_tiles < 16
     q8, q4 = dtype == "q8", dtype == "q4"
-    gate, residual = mode == GATE, mode == RESIDUAL
+    gate = mode == GATE
     tile_rows = 8 if gate else 16  # outputs an A tile makes
     a_pair, load_unit = unit_decoders(dtype)
+    store_gate, store_sum = output_stores(dtype, mode, norm)
 
     @cuda.jit(device=True, inline=True)
     def load_x(x, token, col, t_rows, k_cols, xb, at, i, tail):  # noqa: ANN001, ANN202
@@ -495,13 +532,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                         for v in range(1, warps):
                             h3 += red[v, j + 2, ln]
                         if token < t_rows and col < n_cols:
-                            if q8:
-                                s *= s1[col]
-                                h3 *= s3[col]
-                            if scaled:
-                                s *= scale[token]
-                                h3 *= scale[token]
-                            out[token, col] = fp16_encode(s / (float32(1.0) + math.exp(-s)) * h3)
+                            store_gate(s, h3, token, col, out, s1, s3, scale)
                 elif qkv_out:
                     # a rotary pair: columns 2c, 2c + 1 are lanes ln and ln + 4 (A rows g, g + 1),
                     # the same accumulator; the lane of the even row finishes both
@@ -523,18 +554,9 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                     c16 = (ln >> 2) + 8 * (r >> 1)  # the column in the tile
                     col = (tile0 + m) * 16 + c16
                     if token < t_rows and col < n_cols:
-                        if q8:
-                            s *= s1[col]
-                        if scaled:
-                            s *= scale[token]
-                        if residual:
-                            y = out[token, col] + s
-                            out[token, col] = y
-                            if fold:  # the next norm's input at the last one's scale, and y^2
-                                x_next[token, col] = fp16_encode(y * nw[col] * rho[token])
-                                sq[(m * T_MAX + token) * 16 + c16] = y * y
-                        else:
-                            out[token, col] = s
+                        y = store_sum(s, token, col, out, s1, scale, nw, rho, x_next)
+                        if fold:  # y^2, for the next norm
+                            sq[(m * T_MAX + token) * 16 + c16] = y * y
         if fold:
             fold_norm(sq, last, tile0, t_rows, n_cols, rho, slots, counter, rms, scale, eps)
 
