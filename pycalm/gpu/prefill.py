@@ -314,9 +314,8 @@ class Prefill:
         from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 
         def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
-            kwargs = {
-                k: v for k, v in kwargs.items() if v is not None
-            }  # (scale, fold: skinny's and the panel's)
+            # (scale, fold: skinny's and the panel's)
+            kwargs = {k: v for k, v in kwargs.items() if v is not None}
             if n_rows <= self.skinny_rows[dtype]:
                 launch = skinny_matmul
             elif n_rows <= self.panel_rows[dtype]:

@@ -77,6 +77,7 @@ from pycalm.kernels.skinny import (
     fits,
     fold_scales,
     n_tiles_for,
+    norm_part,
     output_stores,
     stored_args,
     unit_decoders,
@@ -422,11 +423,7 @@ def panel_matmul(
         raise PycalmError(
             f"the panel matmul needs K a multiple of {UNIT.get(dtype, 8)} for {dtype}, got {k_cols}"
         )
-    if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
-        raise PycalmError(
-            f"the panel matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
-        )
-    norm = FOLD if fold is not None else SCALED if scale is not None else NO_NORM
+    norm, norm_args = norm_part("panel", mode, scale, fold)
     n_tiles = n_tiles_for(t_rows)
     kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, norm)
     args = stored_args(w, w3, dtype, k_cols)
@@ -439,10 +436,4 @@ def panel_matmul(
         scratch.part.size < blocks * splits * acc * 32 * WARPS or scratch.tiles_done.size < blocks
     ):
         raise PycalmError(f"panel scratch too small for {blocks} blocks of {splits} splits")
-    norm_args: tuple = ()
-    if fold is not None:
-        f = fold
-        norm_args = (f.w, f.rho, f.xb, f.slots, f.counter, f.rms, f.scale, np.float32(f.eps))
-    elif scale is not None:
-        norm_args = (scale,)
     kernel[(blocks, splits), 32 * WARPS, stream](x, *args, out, scratch.part, scratch.tiles_done, *norm_args)

@@ -702,6 +702,22 @@ def slot_count(n_cols: int) -> int:
     return (n_cols + 15) // 16
 
 
+def norm_part(kind: str, mode: str, scale: object, fold: NormFold | None) -> tuple[int, tuple]:
+    """A launch's RMSNorm part (NO_NORM, SCALED or FOLD) and the kernel arguments it adds after
+    out, for `kind`'s products (skinny's, pycalm.kernels.panel's): scale (T,) for plain and gate
+    launches, fold (NormFold) for residual ones."""
+    if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
+        raise PycalmError(
+            f"the {kind} matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
+        )
+    if fold is not None:
+        f = fold
+        return FOLD, (f.w, f.rho, f.xb, f.slots, f.counter, f.rms, f.scale, np.float32(f.eps))
+    if scale is not None:
+        return SCALED, (scale,)
+    return NO_NORM, ()
+
+
 def skinny_matmul(
     x: object,
     w: object,
@@ -721,21 +737,10 @@ def skinny_matmul(
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
     warps, n_tiles, row_tiles, x_words = block_shape(dtype, t_rows, k_cols)
-    if (scale is not None and mode == "residual") or (fold is not None and mode != "residual"):
-        raise PycalmError(
-            f"the skinny matmul scales plain and gate sums and folds a norm into residual ones, not {mode}"
-        )
-    norm = FOLD if fold is not None else SCALED if scale is not None else NO_NORM
+    norm, norm_args = norm_part("skinny", mode, scale, fold)
     kernel = make_skinny_kernel(dtype, MODES[mode], n_tiles, warps, UNROLL, 0, row_tiles, x_words, norm)
     args = stored_args(w, w3, dtype, k_cols)
     if norm != NO_NORM and len(args) == 2:  # the norm kernels take scales' places in every format
         args = (args[0], args[0], args[1], args[1])
     grid = blocks_for(out.shape[1], mode, row_tiles)
-    if fold is not None:
-        f = fold
-        norm_args = (f.w, f.rho, f.xb, f.slots, f.counter, f.rms, f.scale, np.float32(f.eps))
-        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out, *norm_args)
-    elif scale is not None:
-        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out, scale)
-    else:
-        kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out)
+    kernel[grid, 32 * warps, stream](x.view(np.uint32), *args, out, *norm_args)
