@@ -171,6 +171,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     W_WORDS = 4 * MT  # a step's units of row g (and of row g + 8) a lane
     R = ahead + 1  # slots of the weights' register ring: a step's, and the `ahead` in flight
     RING = R * W_WORDS
+    DM_WORDS = 2 * R * MT  # q4: a (d, m) word for each unit of the ring, rows g and g + 8
     SWZ_ROW = 0 if dtype == "fp16" else 1  # chunk ^= this for odd rows
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, fold = mode == GATE, norm == FOLD
@@ -224,10 +225,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 u = slot * MT + m
                 for jj in range(2):
                     j = 2 * i + jj
-                    a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, u, j, dm[4 * u], dm[4 * u + 1])
-                    a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
-                        wh, u, j, dm[4 * u + 2], dm[4 * u + 3]
-                    )
+                    a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, u, j, dm[2 * u])
+                    a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(wh, u, j, dm[2 * u + 1])
             for p in range(n_tiles):
                 b0, b1, b2, b3 = lds128(smem, base + xoff[i] + 8 * p * ROW_WORDS)
                 for m in range(MT):
@@ -262,7 +261,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
         # so a slot is a constant and the ring stays in registers)
         wg = cuda.local.array(RING, int32)  # of row g, an A tile each
         wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
-        dm = cuda.local.array(RING, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
+        dm = cuda.local.array(DM_WORDS, int32)  # q4: the (d, m) words of row g's and row g + 8's units
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, each A tile
         xoff = cuda.local.array(PAIRS, int32)  # the lane's word of each k-tile pair's X in row g
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments

@@ -217,9 +217,10 @@ def unit_decoders(dtype: str) -> tuple[object, object]:
     q8, q4 = dtype == "q8", dtype == "q4"
 
     @cuda.jit(device=True, inline=True)
-    def a_pair(w, i, j, d, m):  # noqa: ANN001, ANN202
+    def a_pair(w, i, j, dm):  # noqa: ANN001, ANN202
         """The two f16x2 words of k-tile j of the unit in w[4 i : 4 i + 4]: weights 4j, 4j + 1
-        and 4j + 2, 4j + 3 of the unit, decoded (q4: with the group's d and m)."""
+        and 4j + 2, 4j + 3 of the unit, decoded (q4: with the group's d and m, the halves of its
+        stored word dm, split here at the use rather than where the word is loaded)."""
         if fp16:
             return w[4 * i + 2 * j], w[4 * i + 2 * j + 1]
         if fp8:
@@ -232,22 +233,22 @@ def unit_decoders(dtype: str) -> tuple[object, object]:
             f = gf4_factor(v)
             return gf4_pair(v, 2 * (j % 2), f), gf4_pair(v, 2 * (j % 2) + 1, f)
         # q4: bytes 2h and 2h + 1 (codes 4h .. 4h + 3), d q + m, d = (d, d) and m = (m, m)
+        d, m = prmt(dm, int32(0), int32(0x1010)), prmt(dm, int32(0), int32(0x3232))
         return q4_pair(v, 2 * (j % 2), d, m), q4_pair(v, 2 * (j % 2) + 1, d, m)
 
     @cuda.jit(device=True, inline=True)
     def load_unit(w, s, row, col, ok, words, i, dm, r, g_shift):  # noqa: ANN001, ANN202
         """words[4 i : 4 i + 4] = the 16-byte unit of W row `row` from column col (zeros where
-        not ok); q4: dm[2 r], dm[2 r + 1] = its group's (d, d) and (m, m) as f16x2 words (s: the
-        (rows, groups) words of (d, m); g_shift: log2 of the group's columns)."""
+        not ok); q4: dm[r] = its group's word of (d, m) as stored (s: the (rows, groups) words;
+        g_shift: log2 of the group's columns). Nothing here waits for the loads: a use of dm
+        beside them would stall the warp for the memory's latency before its next product."""
         if ok:
             words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3] = ldg128w(w, row, col // EL)
         else:
             for e in range(4):
                 words[4 * i + e] = int32(0)
         if q4:
-            pair = int32(s[row, col >> g_shift]) if ok else int32(0)
-            dm[2 * r] = prmt(pair, int32(0), int32(0x1010))  # (d, d)
-            dm[2 * r + 1] = prmt(pair, int32(0), int32(0x3232))  # (m, m)
+            dm[r] = int32(s[row, col >> g_shift]) if ok else int32(0)
 
     return a_pair, load_unit
 
@@ -349,6 +350,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
     RED_ACC = ACC1 // RED_PARTS
     UNITS = unroll * MT  # units of row g (and of g + 8) a chunk brings a lane
     W_WORDS = 4 * UNITS  # their words (local arrays take a constant size, not an expression)
+    DM_WORDS = 2 * UNITS  # q4: a (d, m) word a unit of row g and of row g + 8
     A_WORDS = 8 * MT  # A fragments of two k-tiles, each A tile
     # X of a whole chunk in registers, loaded with its weights, where it takes at most
     # X_WORDS_AHEAD words (passes of up to 16 rows); else 16 bytes of an n-tile's X, loaded where
@@ -422,10 +424,8 @@ def make_skinny_kernel(  # noqa: ANN201, C901
                     v = u * MT + m
                     for jj in range(2):
                         j = 2 * i + jj
-                        a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, v, j, dm[4 * v], dm[4 * v + 1])
-                        a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(
-                            wh, v, j, dm[4 * v + 2], dm[4 * v + 3]
-                        )
+                        a[8 * m + 4 * jj], a[8 * m + 4 * jj + 2] = a_pair(wg, v, j, dm[2 * v])
+                        a[8 * m + 4 * jj + 1], a[8 * m + 4 * jj + 3] = a_pair(wh, v, j, dm[2 * v + 1])
                 for p in range(n_tiles):
                     base = (u * n_tiles + p) * XW + 4 * i if PREFETCH_X else 0
                     if not PREFETCH_X:  # X row 8 p + g over the k-tiles' columns, now
@@ -473,7 +473,7 @@ def make_skinny_kernel(  # noqa: ANN201, C901
         last = cuda.shared.array(1, int32)  # FOLD: 1 in the block that counts itself last
         wg = cuda.local.array(W_WORDS, int32)  # the chunk's units of row g, (step, A tile)
         wh = cuda.local.array(W_WORDS, int32)  # ... of row g + 8 (GATE: W3's row g)
-        dm = cuda.local.array(W_WORDS, int32)  # q4: (d, d), (m, m) of row g's and row g + 8's units
+        dm = cuda.local.array(DM_WORDS, int32)  # q4: the (d, m) words of row g's and row g + 8's units
         a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, a0..a3 a k-tile, each A tile
         xb = cuda.local.array(X_WORDS, int32)  # B words: a chunk's (PREFETCH_X), or 16 bytes of an n-tile's
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
