@@ -301,7 +301,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
                     cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
                     fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
                     if fill < n:
-                        stage_x(x, smem, (fill % stages) * X_STAGE, first + fill, t_rows, k_cols, tid)
+                        prev = stage - 1 if stage > 0 else stages - 1  # (fill % stages, without a division)
+                        stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
                     cp_async_commit()  # (an empty group near the end)
                     if live:
                         if i + ahead < n:  # into the slot step i - 1 used

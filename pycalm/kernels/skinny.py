@@ -95,7 +95,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
@@ -248,7 +248,9 @@ def unit_decoders(dtype: str) -> tuple[object, object]:
             for e in range(4):
                 words[4 * i + e] = int32(0)
         if q4:
-            dm[r] = int32(s[row, col >> g_shift]) if ok else int32(0)
+            dm[r] = (
+                int32(s[uint32(row), uint32(col >> g_shift)]) if ok else int32(0)
+            )  # (unsigned: no wraparound)
 
     return a_pair, load_unit
 
