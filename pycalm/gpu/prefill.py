@@ -65,14 +65,18 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # 8B shape's 64-row pass, ms (`bench.py --rows 32,64 --rows-both`, H100, 2026-12-05), q4 17.33 on
 # skinny's two A tiles against 12.68 on the split tile (32 rows: 8.40 against 12.46), fp8 and q8
 # 16.36 and 16.84 on skinny's, where fp16's split tile takes 11.50; batch-invariant engines take
-# skinny's for every pass
-SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
+# skinny's for every pass. q4 and gf4 take the panel (below) from 17 rows: the 8B's 32-row pass,
+# ms (`bench.py --rows 16,32` with SKINNY_ROWS at 16 and at 32, H100, 2026-12-07, one machine),
+# q4 5.79 on the panel against 6.64 on skinny, gf4 5.46 against 6.15 (`rows_matmul.py --panel
+# "16,1,3,1,1" --rows 32`: the panel's qkv and gate faster, skinny's wo and w2)
+SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 16, "q8": 32, "q4": 16}
 # longer passes of at most PANEL_ROWS[format] rows take pycalm.kernels.panel's products (skinny's
 # weight stream, X staged in shared memory, K split over blocks) in place of the split tile, and
 # then fold their RMSNorms (Prefill.folds). The 8B's 64-row pass, ms (`bench.py --rows 1,64`,
 # H100, 2026-12-07, one machine): gf4 7.75 on the panel with its folds against 10.02 on the split
-# tile, fp16 13.09 against 11.99; fp8 9.13 (9.95 on the split tile on another H100 that day); q4
-# 10.04 and q8 9.07 with the folds (11.47 and 9.10 on the panel without them, another H100)
+# tile, fp16 13.09 against 11.99; fp8 9.13 (9.95 on the split tile on another H100 that day); q8
+# 9.07 with the folds (9.10 on the panel without them, another H100); q4 8.34 (10.03 before its
+# (d, m) word was split where it is used: the same machine)
 PANEL_ROWS = {"fp16": 0, "fp8": 64, "gf4": 64, "q8": 64, "q4": 64}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
