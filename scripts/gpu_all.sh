@@ -162,11 +162,10 @@ while [ $i -lt ${#steps[@]} ]; do
                test_prefill_attention 2>&1 | tee "$out/sanitize_tiles.log" | grep -E "SUMMARY|test_" | tail -6
              SANITIZE_PYTEST_ARGS="-k 'folds_the_next_norm'" bash scripts/sanitize.sh memcheck,racecheck tests \
                test_matmul 2>&1 | tee "$out/sanitize_folds.log" | grep -E "SUMMARY|test_" | tail -6 ;;
-    panel-ncu)  # issue 29: why q4's 64-row pass on the panel takes 10.04 ms where gf4's, the same
-             # 32-weight units and as many decode instructions a pair, takes 7.75 (H100, 2026-12-07;
-             # q4 adds a scale word a unit, 8 registers of (d, m) and spills 28-40 bytes to gf4's
-             # 4-20): the gate launch (the third panel launch of the first layer) of q4, gf4 and q8,
-             # stalls and issue
+    panel-ncu)  # issue 29: where the panel's 64-row passes stall (H100, 2026-12-07: q4 8.34 ms, gf4
+             # 7.81, q8 9.05; a layer's products 186 / 167 us against their weights' 37-40 us at the
+             # copy ceiling and about 50 us of issue): the gate launch (the third panel launch of
+             # the first layer) of q4, gf4 and q8, stalls and issue
              for d in q4 gf4 q8; do
                ncu --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
                  --section MemoryWorkloadAnalysis -k regex:panel_kernel --launch-skip 2 --launch-count 1 \

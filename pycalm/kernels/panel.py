@@ -88,14 +88,17 @@ SIM = _numba_config.ENABLE_CUDASIM
 # the block: warps, A tiles a warp, X stages, blocks an SM its registers are capped for (launch
 # bounds), steps whose weights are in flight while a step is multiplied. 16 warps of one tile (256
 # rows of W a block), three stages (48 KiB at 64 rows of gf4 / q4's 128 columns), 128 registers a
-# thread (q4 spills 28-36 bytes). A layer's four products at 64 / 32 rows on the 8B shape, us
+# thread (q4 spills 24-36 bytes). A layer's four products at 64 / 32 rows on the 8B shape, us
 # (`scripts/kernels/rows_matmul.py --panel "8,2,3,0,1;8,2,3,0,2;4,2,3,0,1;16,1,3,1,1;16,1,2,1,2"
 # --rows 32,64`, H100, 2026-12-07; each output within 3e-4 of the split tile's):
 #   q4  64 rows: split tile 278, skinny 448; 8 warps of two tiles 279 (254 registers: 8 warps an
 #       SM), the same two steps ahead 334, 4 warps of two 337, 16 warps of one 238, with two X
 #       stages and two steps ahead 238; 32 rows: split 281, skinny 135, the panels 164-260
 #   q8  64 rows: split 243, skinny 430; the panels 237 / 215 / 246 / 201 / 201
-# so the rows pass takes it at 33 to 64 rows for q4 and q8 (prefill.PANEL_ROWS). The simulator
+# and since q4's (d, m) word is split where it is used (H100, 2026-12-07, `--panel
+# "16,1,3,1,1;16,1,3,1,2" --rows 32,64`): q4 at 64 rows 186 (two steps ahead 184), at 32 rows
+# 119 against skinny's 132; gf4 at 64 rows 167 (173), at 32 rows 107 against skinny's 121
+# so the rows pass takes it at 33 to 64 rows, and q4 and gf4 from 17 (prefill.SKINNY_ROWS, PANEL_ROWS). The simulator
 # runs a Python thread a thread: 2 warps of one tile.
 WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
 AHEAD = 1
