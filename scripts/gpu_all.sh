@@ -4,7 +4,7 @@
 #                           [prefill-real GGUF] [startup TOKENIZER.npz] [sweep DTYPES] [rows] [rows-leads] [depths] [attention-ncu] [ptx] [serving DTYPES] [wgmma] [wgmma-rows] [decode]
 #                           [cache-out] [warm DTYPES] [rows-ncu] [rows-attention] [rows-x] [attention-fixed] [mixtral-prefill] [rows-small]
 #                           [matmul-tests] [sanitize-matmul] [serve-musts] [sample] [prompt-eager] [speculative] [pair]
-#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split] [panel-ncu] [rmsnorm]
+#                           [prefill-musts] [fold-32] [serve-warm] [pair-attention] [musts] [merge-loads] [tiles-split] [panel-ncu] [rmsnorm] [rows-32-kinds]
 #   (default: tests kernels bench)
 # Expects the numpy/gguf wheels in .whl/ (bash scripts/gpu_wheels.sh). Logs go to $OUT (or ./gpu-out).
 # The compiled kernels (pycalm.gpu.kernel_cache, a folder a version of each kernel module) do not
@@ -171,6 +171,13 @@ while [ $i -lt ${#steps[@]} ]; do
                  --section MemoryWorkloadAnalysis -k regex:panel_kernel --launch-skip 2 --launch-count 1 \
                  python3 scripts/kernels/rows_pass_profile.py $d 64 2>&1 | tee "$out/ncu_panel_$d.log" \
                  | grep -E "Duration|Throughput|SM Frequency|Achieved Occupancy|Issued Ipc|No Eligible|Stall|Warp Cycles Per Issued|Registers" | head -40
+             done ;;
+    rows-32-kinds)  # issue 29: q4's and gf4's 17-32-row pass with the gate alone on the panel (shipped,
+             # prefill.SKINNY_GATE_ROWS, chosen from the launches' times), every product on it
+             # (5.79 / 5.46 ms on an H100, 2026-12-07) and every product on skinny (6.64 / 6.15)
+             for kinds in gate all none; do
+               python3 scripts/kernels/rows_kinds.py "$kinds" 2>&1 | tee -a "$out/bench_rows_32_kinds.log" \
+                 | grep -E "^\| llama|^="
              done ;;
     rmsnorm)  # issue 29: the rows pass's RMSNorm launch (11 us under ncu for 64 rows) against a row's
              # values held in registers (scripts/kernels/rmsnorm_rows.py; the same bits where the

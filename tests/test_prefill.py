@@ -500,6 +500,40 @@ def test_panel_rows_pass_folds_its_norms(tmp_path, dtype):
     check_caches(gpu, cpu, "fp16", 40)
 
 
+@pytest.mark.parametrize("dtype", ["gf4", "q4"])
+def test_rows_pass_gate_on_the_panel(tmp_path, monkeypatch, dtype):
+    """In a rows pass of 17 to 32 rows, gf4's and q4's gate launch takes pycalm.kernels.panel's
+    products and their other matrices skinny's (prefill.SKINNY_GATE_ROWS), the RMSNorms folded
+    across the two (skinny's wo writes the FFN norm's input, the panel's gate scales its rows):
+    its logits for 20 tokens match the NumPy reference and the token path, and its KV cache rows
+    the reference's (q4 at 6 bits a weight: w1 and w3 in q4, w2 and the output in q8)."""
+    from pycalm.kernels import panel
+
+    launched = []
+
+    def spy(x, w, out, dtype, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        launched.append((kwargs.get("mode", "plain"), x.shape[0]))
+        return panel_matmul(x, w, out, dtype, **kwargs)
+
+    panel_matmul = panel.panel_matmul
+    monkeypatch.setattr(panel, "panel_matmul", spy)
+    tiny = make_hf_llama(
+        tmp_path, dim=32, hidden_dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64
+    )
+    model = open_model(convert(tiny.path, tmp_path / f"{dtype}.pycalm", dtype, progress=False, bits=6.0))
+    ids = tokens(20, seed=17)
+    gpu = GpuEngine(model, seq_len=64, kv_dtype="fp16")
+    assert gpu._prefill_step().folds(20)
+    got = gpu.forward_rows(ids, 0)
+    assert len(launched) >= 2 and {mode for mode, _ in launched} == {"gate"}  # the gate alone, a layer
+    assert all(20 <= rows <= 32 for _, rows in launched)  # the pass's rows (on a GPU its bucket's)
+    ref = prefill_ref(model, "fp16", ids)[0]
+    assert rel_l2(got, ref) < 2e-3
+    want, cpu = token_path(model, "fp16", ids, seq_len=64)
+    assert rel_l2(got, want) < max(2e-3, 1.5 * rel_l2(ref, want))
+    check_caches(gpu, cpu, "fp16", 20)
+
+
 def test_rows_pass_attention_covers_its_span(tmp_path):
     """A rows pass's split attention covers the span of its last row's position (as the token
     step's), a captured pass a (bucket, span): its logits match the reference in a pass whose

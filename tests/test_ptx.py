@@ -92,8 +92,10 @@ MODELS = {
 # form, NO_NORM, is the last layer's) spills 56 (ptxas, 2026-12-06), 4 bytes more; not yet timed.
 # The panel's q4 kernels (64 rows, blocks of 16 warps, 128 registers a thread): 32 bytes plain
 # and residual, 36 the gate (scaled or not), 24 the residual with the next norm folded in (gf4's:
-# 12, 12, 4 and 20, its 64-row pass 7.75 ms against 10.02 on the split tile, H100); on an H100 (2026-12-07) a layer's four products took 238 us against
-# 279 in blocks of 8 warps of two tiles (254 registers, no spill) and 278 on the split tile.
+# 12, 12, 4 and 8, its 64-row pass 7.75 ms against 10.02 on the split tile, H100; q8's fold 4, its
+# 64-row pass 9.05 ms against 9.07 with none, H100s of 2026-12-07); on an H100 (2026-12-07) q4's
+# layer's four products took 238 us against 279 in blocks of 8 warps of two tiles (254 registers,
+# no spill) and 278 on the split tile; 186 since its (d, m) word is split where it is used.
 # The prefill attention at head_dim 128, group 4, fp16 KV (255 registers, 2 blocks an SM): 24
 # bytes, six values stored before the tile loop and loaded after it (none in the loop's ~1,700
 # instructions: its machine code, 2026-12-07); the splits' count and index wait in shared memory
@@ -106,9 +108,10 @@ KNOWN_SPILLS = [
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 2, 8, 16, 1, 3, 1, 1, 0), 36),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 2, 8, 16, 1, 3, 1, 1, 1), 36),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("q4", 1, 8, 16, 1, 3, 1, 1, 2), 24),
+    (("pycalm.kernels.panel", "make_panel_kernel"), ("q8", 1, 8, 16, 1, 3, 1, 1, 2), 4),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 0, 8, 16, 1, 3, 1, 1, 0), 12),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 0), 12),
-    (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 2), 20),
+    (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 2), 8),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 2, 8, 16, 1, 3, 1, 1, 1), 4),
     (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 2), 24),
 ]

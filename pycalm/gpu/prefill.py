@@ -17,7 +17,8 @@ A pass of a few rows (GpuEngine.forward_rows, Prefill.rows: draft verification, 
 batch-invariant decoding) is captured as a CUDA graph for each row bucket (ROW_BUCKETS) and
 replayed: the token ids come from a device buffer and the position from state, so nothing in
 the graph changes from pass to pass. Its weight products are pycalm.kernels.skinny's up to
-SKINNY_ROWS[format] rows and pycalm.kernels.panel's up to PANEL_ROWS[format], and its attention
+SKINNY_ROWS[format] rows (the gate launch: SKINNY_GATE_ROWS) and pycalm.kernels.panel's up to
+PANEL_ROWS[format], and its attention
 the token step's split-K kernel (pycalm.kernels.attention) up to SPLIT_ATTENTION_ROWS rows.
 Where skinny's or the panel's products take every matrix, a pass folds each RMSNorm but its
 first into the residual product before it (skinny.NormFold: wo writes the FFN norm's input, w2
@@ -65,11 +66,17 @@ LOGITS_BYTES = 64 << 20  # the float32 logits block of prefill_logits holds at m
 # 8B shape's 64-row pass, ms (`bench.py --rows 32,64 --rows-both`, H100, 2026-12-05), q4 17.33 on
 # skinny's two A tiles against 12.68 on the split tile (32 rows: 8.40 against 12.46), fp8 and q8
 # 16.36 and 16.84 on skinny's, where fp16's split tile takes 11.50; batch-invariant engines take
-# skinny's for every pass. q4 and gf4 take the panel (below) from 17 rows: the 8B's 32-row pass,
-# ms (`bench.py --rows 16,32` with SKINNY_ROWS at 16 and at 32, H100, 2026-12-07, one machine),
-# q4 5.79 on the panel against 6.64 on skinny, gf4 5.46 against 6.15 (`rows_matmul.py --panel
-# "16,1,3,1,1" --rows 32`: the panel's qkv and gate faster, skinny's wo and w2)
-SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 16, "q8": 32, "q4": 16}
+# skinny's for every pass
+SKINNY_ROWS = {"fp16": 32, "fp8": 32, "gf4": 32, "q8": 32, "q4": 32}
+# ... but the gate launch (w1 and w3) of q4 and gf4 takes the panel (below) from 17 rows. The
+# 8B's products at 32 rows, us, skinny's against the panel's (`rows_matmul.py --panel "16,1,3,1,1"
+# --rows 32 --dtypes q4,gf4`, H100, 2026-12-07): q4 qkv 18.7 / 16.2 (skinny's with the QKV
+# epilogue in it, the panel's with qkv_rows' 5 us after it), wo 11.3 / 16.0, gate 70.6 / 51.9, w2
+# 31.6 / 35.2; gf4 16.6 / 15.4, 10.2 / 15.9, 66.5 / 45.9, 27.6 / 30.0. The 32-row pass with every
+# product on the panel took q4 5.79 ms against 6.64 on skinny, gf4 5.46 against 6.15 (`bench.py
+# --rows 16,32`, the same machine); the gate alone on it is about 0.35 ms a pass less again, from
+# those launches' times (not yet timed as a pass)
+SKINNY_GATE_ROWS = {"gf4": 16, "q4": 16}
 # longer passes of at most PANEL_ROWS[format] rows take pycalm.kernels.panel's products (skinny's
 # weight stream, X staged in shared memory, K split over blocks) in place of the split tile, and
 # then fold their RMSNorms (Prefill.folds). The 8B's 64-row pass, ms (`bench.py --rows 1,64`,
@@ -236,6 +243,9 @@ class Prefill:
         self.skinny_rows = dict(SKINNY_ROWS)  # format -> the most rows a pass takes skinny's products for
         if self.invariant or not skinny_ok:
             self.skinny_rows = dict.fromkeys(SKINNY_ROWS, skinny.MAX_ROWS if self.invariant else 0)
+        self.skinny_gate_rows = dict(self.skinny_rows)  # ... and its gate launch
+        if not self.invariant and skinny_ok:
+            self.skinny_gate_rows.update(SKINNY_GATE_ROWS)
         self.max_chunk = max_chunk
         # the split attention's rows (its group at most 32 query heads a kv head)
         split_ok = cfg.n_heads // cfg.n_kv_heads <= 32
@@ -310,7 +320,8 @@ class Prefill:
 
     def products(self, n_rows: int) -> object:
         """The weight-product launcher of a pass of n_rows rows (matmul's arguments): for each
-        matrix, skinny_matmul up to skinny_rows of its format, panel_matmul up to panel_rows; on
+        matrix, skinny_matmul up to skinny_rows of its format (the gate: skinny_gate_rows),
+        panel_matmul up to panel_rows; on
         an H100 / H200 wgmma_matmul from its WGMMA_MIN_ROWS of the format (K a multiple of 64);
         else the tiled matmul."""
         from pycalm.kernels.panel import panel_matmul
@@ -320,7 +331,8 @@ class Prefill:
         def product(x: object, w: object, out: object, dtype: str, **kwargs: object) -> None:
             # (scale, fold: skinny's and the panel's)
             kwargs = {k: v for k, v in kwargs.items() if v is not None}
-            if n_rows <= self.skinny_rows[dtype]:
+            skinny_rows = self.skinny_gate_rows if kwargs.get("mode") == "gate" else self.skinny_rows
+            if n_rows <= skinny_rows[dtype]:
                 launch = skinny_matmul
             elif n_rows <= self.panel_rows[dtype]:
                 launch, kwargs = panel_matmul, {**kwargs, "scratch": self.panel_scratch}
