@@ -107,6 +107,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32
+from numba.types import float16
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
@@ -408,8 +409,9 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
             if q4:  # the group's step d and offset m (one group: G is a multiple of BK)
                 scales = s3 if which else s1
                 group, ok = col >> (g_shift3 if which else g_shift1), row < w_rows and col < k_cols
-                wscale[0] = float32(scales[w_row0 + row, group, 0]) if ok else float32(0.0)
-                wscale[1] = float32(scales[w_row0 + row, group, 1]) if ok else float32(0.0)
+                # kept as loaded, converted in put_w: a conversion here would wait for the loads
+                wscale[0] = scales[w_row0 + row, group, 0] if ok else float16(0.0)
+                wscale[1] = scales[w_row0 + row, group, 1] if ok else float16(0.0)
 
     @cuda.jit(device=True, inline=True)
     def put_w(smem_w, wregs, wscale, stage):  # noqa: ANN001, ANN202
@@ -421,7 +423,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 if q8:
                     h0, h1, h2, h3 = _q8_words(wregs[2 * i], wregs[2 * i + 1])
                 else:
-                    h0, h1, h2, h3 = _q4_words(wregs[i], wscale[0], wscale[1])
+                    h0, h1, h2, h3 = _q4_words(wregs[i], float32(wscale[0]), float32(wscale[1]))
                 sts128(smem_w, stage * w_stage + swizzled(r, c), h0, h1, h2, h3)
         elif not fp16:
             tid = cuda.threadIdx.x
@@ -450,7 +452,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
         smem_x = cuda.shared.array(x_words, int32)  # (stages, BM, BK) fp16 as words, swizzled
         smem_w = cuda.shared.array(w_words, int32)  # (stages, BN, BK) fp16 as words, swizzled
         wregs = cuda.local.array(wreg_words, int32)  # fp8 / gf4 / q8 / q4: a step's fetched W units
-        wscale = cuda.local.array(2, float32)  # q4: the fetched units' group step d and offset m
+        wscale = cuda.local.array(2, float16)  # q4: the fetched units' group step d and offset m
         acc = cuda.local.array(acc_words, float32)  # (m_tiles, n_tiles, 4) C fragments
         a = cuda.local.array(a_words, int32)  # (m_tiles, 4) A fragments of one k-slice
         b = cuda.local.array(b_words, int32)  # (n_tiles, 2) B fragments of one k-slice
