@@ -45,6 +45,7 @@ import math
 
 from numba import config as numba_config
 from numba import cuda, float32, int32
+from numba.types import float16
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import dependent_start, fp16_encode, last_to_arrive
@@ -178,11 +179,12 @@ def weight_units(block_n: int, dtype: str, gate: bool, threads: int) -> tuple:
                 if q4:
                     sc = s3 if which else s
                     group = col // (k_cols // sc.shape[1])
-                    scale[2 * i] = float32(sc[row, group, 0])
-                    scale[2 * i + 1] = float32(sc[row, group, 1])
+                    # kept as loaded, converted in put_units: a conversion here would wait for the loads
+                    scale[2 * i] = sc[row, group, 0]
+                    scale[2 * i + 1] = sc[row, group, 1]
             elif q4:
-                scale[2 * i] = float32(0.0)
-                scale[2 * i + 1] = float32(0.0)
+                scale[2 * i] = float16(0.0)
+                scale[2 * i + 1] = float16(0.0)
 
     @cuda.jit(device=True, inline=True)
     def put_units(smem, regs, scale, tid, tile):  # noqa: ANN001, ANN202
@@ -200,7 +202,9 @@ def weight_units(block_n: int, dtype: str, gate: bool, threads: int) -> tuple:
                 elif fp8:  # 8 e5m2 bytes, the top bytes of 8 halves
                     h0, h1, h2, h3 = _fp8_words(regs[4 * i + 2 * j], regs[4 * i + 2 * j + 1])
                 elif q4:  # 8 weights d q + m of one word
-                    h0, h1, h2, h3 = _q4_words(regs[4 * i + j], scale[2 * i], scale[2 * i + 1])
+                    h0, h1, h2, h3 = _q4_words(
+                        regs[4 * i + j], float32(scale[2 * i]), float32(scale[2 * i + 1])
+                    )
                 else:  # gf4: 8 weights of one word and its scale, exact
                     h0, h1, h2, h3 = _gf4_words(regs[4 * i + j])
                 sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
@@ -330,7 +334,7 @@ def wgmma_kernel(  # noqa: C901
         group = tid >> 7  # the warpgroup: tile rows 64 group .. (rows versions: W tile rows wn group ..)
         acc = cuda.local.array(acc_n, float32)  # (BN / 8, 4) this thread's D elements
         regs = cuda.local.array(unit_words, int32)  # (W through registers) the units of a step ahead
-        scale = cuda.local.array(unit_words, float32)  # (q4) their d, m
+        scale = cuda.local.array(unit_words, float16)  # (q4) their d, m as loaded
         for lo in range(0, acc_n, UNROLLED):
             for i in range(lo, min(lo + UNROLLED, acc_n)):
                 acc[i] = 0.0
