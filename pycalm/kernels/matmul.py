@@ -410,8 +410,8 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 scales = s3 if which else s1
                 group, ok = col >> (g_shift3 if which else g_shift1), row < w_rows and col < k_cols
                 # kept as loaded, converted in put_w: a conversion here would wait for the loads
-                wscale[0] = scales[w_row0 + row, group, 0] if ok else float16(0.0)
-                wscale[1] = scales[w_row0 + row, group, 1] if ok else float16(0.0)
+                wscale[0] = scales[w_row0 + row, group, 0] if ok else float16(0)
+                wscale[1] = scales[w_row0 + row, group, 1] if ok else float16(0)
 
     @cuda.jit(device=True, inline=True)
     def put_w(smem_w, wregs, wscale, stage):  # noqa: ANN001, ANN202

@@ -183,8 +183,8 @@ def weight_units(block_n: int, dtype: str, gate: bool, threads: int) -> tuple:
                     scale[2 * i] = sc[row, group, 0]
                     scale[2 * i + 1] = sc[row, group, 1]
             elif q4:
-                scale[2 * i] = float16(0.0)
-                scale[2 * i + 1] = float16(0.0)
+                scale[2 * i] = float16(0)  # (an integer: a float literal is a double)
+                scale[2 * i + 1] = float16(0)
 
     @cuda.jit(device=True, inline=True)
     def put_units(smem, regs, scale, tid, tile):  # noqa: ANN001, ANN202
