@@ -266,10 +266,10 @@ def _q8_words(lo: int, hi: int) -> tuple[int, int, int, int]:
 
 @cuda.jit(device=True, inline=True)
 def _q4_words(w: int, d: float, m: float) -> tuple[int, int, int, int]:
-    """One q4 word and its group's step d and offset m (fp16 values, as float32) -> its 8 weights
+    """One q4 word and its group's step d and offset m (fp16, as loaded) -> its 8 weights
     d q_k + m, each rounded once to fp16, as 4 f16x2 words (common.q4_pair: 2 instructions a
     weight, and two conversions a word for (d, d) and (m, m))."""
-    dd, mm = pack_f16x2(d, d), pack_f16x2(m, m)
+    dd, mm = pack_f16x2(float32(d), float32(d)), pack_f16x2(float32(m), float32(m))
     return q4_pair(w, 0, dd, mm), q4_pair(w, 1, dd, mm), q4_pair(w, 2, dd, mm), q4_pair(w, 3, dd, mm)
 
 
@@ -423,7 +423,7 @@ def make_matmul_kernel(dtype: str, mode: int, tile: Tile = TILE, grouped: bool =
                 if q8:
                     h0, h1, h2, h3 = _q8_words(wregs[2 * i], wregs[2 * i + 1])
                 else:
-                    h0, h1, h2, h3 = _q4_words(wregs[i], float32(wscale[0]), float32(wscale[1]))
+                    h0, h1, h2, h3 = _q4_words(wregs[i], wscale[0], wscale[1])
                 sts128(smem_w, stage * w_stage + swizzled(r, c), h0, h1, h2, h3)
         elif not fp16:
             tid = cuda.threadIdx.x

@@ -202,9 +202,7 @@ def weight_units(block_n: int, dtype: str, gate: bool, threads: int) -> tuple:
                 elif fp8:  # 8 e5m2 bytes, the top bytes of 8 halves
                     h0, h1, h2, h3 = _fp8_words(regs[4 * i + 2 * j], regs[4 * i + 2 * j + 1])
                 elif q4:  # 8 weights d q + m of one word
-                    h0, h1, h2, h3 = _q4_words(
-                        regs[4 * i + j], float32(scale[2 * i]), float32(scale[2 * i + 1])
-                    )
+                    h0, h1, h2, h3 = _q4_words(regs[4 * i + j], scale[2 * i], scale[2 * i + 1])
                 else:  # gf4: 8 weights of one word and its scale, exact
                     h0, h1, h2, h3 = _gf4_words(regs[4 * i + j])
                 sts128(smem, row_word + ((c ^ (rr & 7)) << 2), h0, h1, h2, h3)
