@@ -19,6 +19,7 @@ from pycalm.kernels.warpgroup import (
     smem_desc,
     wgmma_commit,
     wgmma_f16,
+    wgmma_f16_ra,
     wgmma_fence,
     wgmma_wait,
 )
@@ -124,6 +125,72 @@ def test_wgmma_twin_layouts_differ() -> None:
     )
 
 
+_RA_KERNELS: dict = {}
+
+
+def _ra_kernel(n: int) -> object:
+    """wgmma_f16_ra: each warp's 16 rows of A (64, K) loaded from global memory straight into its
+    A fragments, B^T (n, K) staged in shared memory (the core-matrix layout), out (64, n) = A B
+    by K / 16 wgmma, each with the fragments of its own 16 of K (a register set a k16, all in
+    flight until the one wait)."""
+    if n in _RA_KERNELS:
+        return _RA_KERNELS[n]
+    wgmma = wgmma_f16_ra(n)
+    wait_all = wgmma_wait(0)
+    words_b, acc_n, frag_n = n * K // 2, n // 2, 4 * (K // 16)
+
+    @cuda.jit
+    def kernel(a, bt, out):  # noqa: ANN001, ANN202
+        # a (64, K / 2) and bt (n, K / 2) int32 words of fp16 pairs; out (64, n) float32
+        smem = cuda.shared.array(words_b, int32)  # B^T in core matrices: K's 8 of them 128 bytes apart
+        tid = cuda.threadIdx.x
+        for i in range(tid, n * 8, 128):  # 16-byte chunks: row r, chunk c (8 fp16 of K)
+            r, c = i >> 3, i & 7
+            w = (r >> 3) * 256 + c * 32 + (r & 7) * 4
+            for e in range(4):
+                smem[w + e] = bt[r, 4 * c + e]
+        fence_proxy_async()  # the stores above, visible to the tensor cores' reads
+        cuda.syncthreads()  # every thread's stores in place before any wgmma reads them
+        acc = cuda.local.array(acc_n, float32)
+        for i in range(acc_n):
+            acc[i] = 0.0
+        q, lane = tid >> 5, tid & 31
+        g, t = lane >> 2, lane & 3
+        frag = cuda.local.array(frag_n, int32)  # (K / 16, 4) the A fragments of each k16
+        for kk in range(K // 16):
+            frag[4 * kk] = a[16 * q + g, 8 * kk + t]
+            frag[4 * kk + 1] = a[16 * q + g + 8, 8 * kk + t]
+            frag[4 * kk + 2] = a[16 * q + g, 8 * kk + t + 4]
+            frag[4 * kk + 3] = a[16 * q + g + 8, 8 * kk + t + 4]
+        wgmma_fence()  # the fragments' loads before the wgmma that read them
+        for kk in range(K // 16):
+            db = smem_desc(smem, 64 * kk, 128, 1024, SWIZZLE_NONE)
+            wgmma(acc, frag[4 * kk], frag[4 * kk + 1], frag[4 * kk + 2], frag[4 * kk + 3], smem, db, 1)
+        wgmma_commit()
+        wait_all()
+        for j in range(n // 8):
+            out[16 * q + g, 8 * j + 2 * t] = acc[4 * j]
+            out[16 * q + g, 8 * j + 2 * t + 1] = acc[4 * j + 1]
+            out[16 * q + g + 8, 8 * j + 2 * t] = acc[4 * j + 2]
+            out[16 * q + g + 8, 8 * j + 2 * t + 1] = acc[4 * j + 3]
+
+    _RA_KERNELS[n] = kernel
+    return kernel
+
+
+@pytest.mark.parametrize("n", [24, 64])
+def test_wgmma_with_a_from_registers_matches_numpy(n: int) -> None:
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal((64, K)).astype(np.float16)
+    bt = rng.standard_normal((n, K)).astype(np.float16)
+    out = cuda.to_device(np.zeros((64, n), np.float32))
+    _ra_kernel(n)[1, 128](cuda.to_device(_fp16_words(a)), cuda.to_device(_fp16_words(bt)), out)
+    got = out.copy_to_host()
+    want = a.astype(np.float64) @ bt.astype(np.float64).T
+    scale = np.abs(a.astype(np.float64)) @ np.abs(bt.astype(np.float64)).T
+    assert np.all(np.abs(got - want) <= 1e-5 * scale + 1e-6), np.max(np.abs(got - want) / (scale + 1e-9))
+
+
 @cuda.jit
 def _early_kernel(a, bt, out):  # noqa: ANN001, ANN202
     # a (64, 32), bt (64, 32) int32 words; out (2, 64, 64): the accumulators before and after the wait
@@ -222,6 +289,9 @@ def _reports() -> None:
     for n in (32, 64, 128, 256):
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1], types.int64)
         print(json.dumps(ptxas_report(_kernel(n), sig, f"wgmma n={n}")))
+    for n in (24, 64):  # A from registers
+        sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1])
+        print(json.dumps(ptxas_report(_ra_kernel(n), sig, f"wgmma ra n={n}")))
     probe = _script("wgmma_probe")
     sig = (types.int32[::1], types.int32[::1], types.float32[:, :, ::1], *[types.int64] * 4)
     print(json.dumps(ptxas_report(probe.probe_kernel, sig, "wgmma probe")))
@@ -335,7 +405,7 @@ def test_wgmma_compiles_for_sm90a() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     script = _script("matmul")
-    assert len(reports) == 15 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES) + 3 * len(
+    assert len(reports) == 17 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES) + 3 * len(
         tma_versions(script)
     ) + 3 * len(decode_versions(script)) * len(QUANTIZED_DTYPES)
     for rep in reports:

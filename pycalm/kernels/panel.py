@@ -82,7 +82,24 @@ from pycalm.kernels.skinny import (
     stored_args,
     unit_decoders,
 )
-from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, lds128, mma_16816
+from pycalm.kernels.tensorcore import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait,
+    ldg128w,
+    lds128,
+    mma_16816,
+    sts128,
+)
+from pycalm.kernels.warpgroup import (
+    SWIZZLE_NONE,
+    fence_proxy_async,
+    smem_desc,
+    wgmma_commit,
+    wgmma_f16_ra,
+    wgmma_fence,
+    wgmma_wait,
+)
 
 SIM = _numba_config.ENABLE_CUDASIM
 # the block: warps, A tiles a warp, X stages, blocks an SM its registers are capped for (launch
@@ -102,6 +119,11 @@ SIM = _numba_config.ENABLE_CUDASIM
 # runs a Python thread a thread: 2 warps of one tile.
 WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
 AHEAD = 1
+WGMMA = False
+BLOCK = (WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, WGMMA)
+# the same on wgmma: warpgroups (two a block), three stages (X one step ahead, a step's wgmma in
+# flight while the next is decoded)
+WG_BLOCK = (4, 1, 3, 0, 1, True) if SIM else (8, 1, 3, 1, 1, True)
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
 
@@ -146,14 +168,16 @@ def make_panel_kernel(  # noqa: ANN201, C901
     min_blocks: int = MIN_BLOCKS,
     ahead: int = AHEAD,
     norm: int = NO_NORM,
+    wgmma: bool = False,
 ):
     """panel_kernel for a weight dtype, an epilogue mode, an n-tile count (passes of up to 8
     n_tiles rows), a block shape and an RMSNorm part (skinny's NO_NORM, SCALED or FOLD), one
     compile each; min_blocks > 0: compiled to fit that many blocks an SM (launch bounds: the
     registers a thread may take); ahead: the steps whose weights are in flight while a step is
-    multiplied. Arguments (x, w1, s1, w3, s3, out, part, tiles_done), then SCALED's scale or
-    FOLD's (nw, rho, x_next, slots, counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else
-    W1, W3 again, unread); part, tiles_done the scratch (read where gridDim.y > 1)."""
+    multiplied; wgmma: the products on wgmma (the module docstring's "On wgmma"). Arguments (x, w1,
+    s1, w3, s3, out, part, tiles_done), then SCALED's scale or FOLD's (nw, rho, x_next, slots,
+    counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else W1, W3 again, unread); part,
+    tiles_done the scratch (read where gridDim.y > 1)."""
     a_pair, load_unit = unit_decoders(dtype)
     store_gate, store_sum = output_stores(dtype, mode, norm)
     E = UNIT[dtype]  # weights a unit
@@ -183,11 +207,83 @@ def make_panel_kernel(  # noqa: ANN201, C901
     wait_all = cp_async_wait(0)
     if stages < 2 or SMEM_WORDS * 4 > 48 * 1024:
         raise PycalmError(f"panel: {stages} stages of {T_MAX} rows x {STEP} columns pass 48 KiB")
+    # wgmma: E / 4 k16 tiles a step, each one wgmma m64n{T_MAX}k16 a warpgroup; A fragments of a
+    # step for each of the R ring slots (a slot's are read until its group retires); X a group
+    # (row, k-tile pair) a thread: four 16-byte loads
+    KT = E // 4
+    WG_A = R * KT * 4
+    GROUPS = T_MAX * PAIRS  # (row, pair) groups of a step's X
+    X_GROUPS = -(-GROUPS // threads)  # groups a thread
+    SBO = CH * 128  # bytes from 8 rows of a stage to the next 8
+    WG = wgmma
+    wg_mma = wgmma_f16_ra(T_MAX) if WG else None
+    wait_ring = wgmma_wait(R - 1)  # all but the R - 1 newest groups retired: the slot decoded next is free
+    wait_mma = wgmma_wait(0)
+    A_LEN, XR_LEN = (WG_A, 16 * X_GROUPS) if WG else (A_WORDS, 1)
+    if WG and (row_tiles != 1 or warps % 4 or stages < R + 1):
+        raise PycalmError(f"panel on wgmma: warpgroups of one tile a warp, {R + 1} stages at least")
 
     @cuda.jit(device=True, inline=True)
     def chunk_at(r, c):  # noqa: ANN001, ANN202
         """The word of 16-byte chunk c of staged row r (swizzled, see the module docstring)."""
         return r * ROW_WORDS + 4 * (c ^ (SWZ_ROW * (r & 1)) ^ (SWZ_HI * ((c >> 3) & 1)))
+
+    @cuda.jit(device=True, inline=True)
+    def core_at(r, kc):  # noqa: ANN001, ANN202
+        """wgmma's stage: the word of 16-byte chunk kc of row r, in 8-row x 16-byte core matrices
+        (K's chunks 128 bytes apart, 8 rows SBO apart)."""
+        return (r >> 3) * (SBO // 4) + kc * 32 + (r & 7) * 4
+
+    @cuda.jit(device=True, inline=True)
+    def load_x_wg(x, xr, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
+        """wgmma: this thread's groups of step `step`'s X into registers: group (row r, pair i),
+        the four 16-byte chunks of row r at columns t E + 8 i (t = 0..3) into xr[16 c + 4 t ..];
+        rows past T and columns past K as zeros. Lane 8 i + (r & 7): a row's four lanes read 64
+        contiguous bytes a load."""
+        for c in range(X_GROUPS):
+            q = tid + c * threads
+            r = (q & 7) + 8 * ((q >> 3) // PAIRS)
+            i = (q >> 3) % PAIRS
+            for tt in range(4):
+                col = step * STEP + tt * E + 8 * i
+                at = 16 * c + 4 * tt
+                if (GROUPS % threads == 0 or q < GROUPS) and r < t_rows and col < k_cols:
+                    xr[at], xr[at + 1], xr[at + 2], xr[at + 3] = ldg128w(x, r, col)
+                else:
+                    for e in range(4):
+                        xr[at + e] = int32(0)
+
+    @cuda.jit(device=True, inline=True)
+    def store_x_wg(smem, base, xr, tid):  # noqa: ANN001, ANN202
+        """wgmma: the registers of load_x_wg into the stage at word `base`, in the lanes' k order:
+        k-tile 2 i + jj's logical chunk h (k 8 h .. 8 h + 7) holds word 2 jj + h of each of the
+        four chunks (t = 0..3), as a_pair's lane t holds its unit's weights 4 j + 2 h, + 1."""
+        for c in range(X_GROUPS):
+            q = tid + c * threads
+            if GROUPS % threads == 0 or q < GROUPS:
+                r = (q & 7) + 8 * ((q >> 3) // PAIRS)
+                i = (q >> 3) % PAIRS
+                for w in range(4):  # logical chunk 4 i + w: k-tile 2 i + (w >> 1), half w & 1
+                    sts128(smem, base + core_at(r, 4 * i + w), xr[16 * c + w], xr[16 * c + 4 + w],
+                           xr[16 * c + 8 + w], xr[16 * c + 12 + w])  # fmt: skip
+
+    @cuda.jit(device=True, inline=True)
+    def step_product_wg(smem, base, slot, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
+        """wgmma: acc += this step's products from ring slot `slot`: the lane's units decoded
+        into slot's A fragments (one k16 tile each of the step's KT), then KT wgmma of the
+        warpgroup's 64 rows against the stage at word `base`, one group; waits until the group
+        R - 1 steps back has retired (its slot is decoded into next)."""
+        for j in range(KT):
+            at = (slot * KT + j) * 4
+            a[at], a[at + 2] = a_pair(wg, slot, j, dm[2 * slot])
+            a[at + 1], a[at + 3] = a_pair(wh, slot, j, dm[2 * slot + 1])
+        wgmma_fence()  # the fragments written above, before the wgmma that read them
+        for j in range(KT):
+            at = (slot * KT + j) * 4
+            desc = smem_desc(smem, base + 64 * j, 128, SBO, SWIZZLE_NONE)
+            wg_mma(acc, a[at], a[at + 1], a[at + 2], a[at + 3], smem, desc, 1)
+        wgmma_commit()
+        wait_ring()
 
     @cuda.jit(device=True, inline=True)
     def stage_x(x, smem, base, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
@@ -265,7 +361,10 @@ def make_panel_kernel(  # noqa: ANN201, C901
         wg = cuda.local.array(RING, int32)  # of row g, an A tile each
         wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(DM_WORDS, int32)  # q4: the (d, m) words of row g's and row g + 8's units
-        a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, each A tile
+        a = cuda.local.array(
+            A_LEN, int32
+        )  # A fragments of two k-tiles, each A tile (wgmma: a step's, each slot)
+        xr = cuda.local.array(XR_LEN, int32)  # wgmma: (X_GROUPS, 4, 4) a step's X groups on their way
         xoff = cuda.local.array(PAIRS, int32)  # the lane's word of each k-tile pair's X in row g
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for e in range(ACC):
@@ -279,6 +378,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
         t_rows, k_cols = x.shape
         tile0 = (cuda.blockIdx.x * warps + warp) * MT  # the warp's first A tile
         live = tile0 * tile_rows < n_rows  # warp-uniform: a warp past N loads nothing
+        if WG:  # warpgroup-uniform (its wgmma take all four warps): the group's first tile
+            live = (tile0 - (warp & 3)) * tile_rows < n_rows
         n_steps = (k_cols + STEP - 1) // STEP
         per = (n_steps + cuda.gridDim.y - 1) // cuda.gridDim.y
         first = cuda.blockIdx.y * per  # the block's steps: first .. first + n - 1
@@ -290,30 +391,56 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 if k < n:
                     load_step(w1, s1, w3, s3, first + k, k, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
-        for i in range(stages - 1):  # the first steps' X in flight, a group each
-            if i < n:
-                stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
-            cp_async_commit()
+        if WG:  # the first step's X staged, the second's in registers
+            if n > 0:
+                load_x_wg(x, xr, first, t_rows, k_cols, tid)
+                store_x_wg(smem, 0, xr, tid)
+                fence_proxy_async()  # the stores, visible to the wgmma that read them (after the barrier)
+            if n > 1:
+                load_x_wg(x, xr, first + 1, t_rows, k_cols, tid)
+        else:
+            for i in range(stages - 1):  # the first steps' X in flight, a group each
+                if i < n:
+                    stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
+                cp_async_commit()
         stage = 0
         i0 = 0
         while i0 < n:  # R steps a round, unrolled: step i0 + r multiplies ring slot r
             for r in range(R):
                 i = i0 + r
                 if i < n:  # block-uniform
-                    wait_landed()  # this thread's copies of step i have landed ...
-                    cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
-                    fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
-                    if fill < n:
-                        prev = stage - 1 if stage > 0 else stages - 1  # (fill % stages, without a division)
-                        stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
-                    cp_async_commit()  # (an empty group near the end)
+                    nxt = stage + 1 if stage < stages - 1 else 0  # (stage + 1) % stages
+                    if WG:
+                        # every thread's stores of step i's X in place; every warpgroup's wgmma of
+                        # steps up to i - R retired (their stages and A slots free)
+                        cuda.syncthreads()
+                        if i + 1 < n:  # step i + 1's X into the stage step i + 1 - stages read
+                            store_x_wg(smem, nxt * X_STAGE, xr, tid)
+                            fence_proxy_async()  # the stores, visible to wgmma after the next barrier
+                        if i + 2 < n:
+                            load_x_wg(x, xr, first + i + 2, t_rows, k_cols, tid)
+                    else:
+                        wait_landed()  # this thread's copies of step i have landed ...
+                        cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
+                        fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
+                        if fill < n:
+                            prev = (
+                                stage - 1 if stage > 0 else stages - 1
+                            )  # (fill % stages, without a division)
+                            stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
+                        cp_async_commit()  # (an empty group near the end)
                     if live:
                         if i + ahead < n:  # into the slot step i - 1 used
                             load_step(w1, s1, w3, s3, first + i + ahead, (r + ahead) % R, tile0, g, t, n_rows,
                                       k_cols, g_shift, wg, wh, dm)  # fmt: skip
-                        step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
-                    stage = stage + 1 if stage < stages - 1 else 0
+                        if WG:
+                            step_product_wg(smem, stage * X_STAGE, r, wg, wh, dm, a, acc)
+                        else:
+                            step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
+                    stage = nxt
             i0 += R
+        if WG:
+            wait_mma()  # every group retired: acc is this thread's again
 
         if cuda.gridDim.y > 1:  # the tile's splits meet: the last to finish adds them up in split order
             n_splits = cuda.gridDim.y
@@ -414,12 +541,14 @@ def panel_matmul(
     w3: object = None,
     scale: object = None,
     fold: NormFold | None = None,
+    block: tuple | None = None,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= 64 and K a
     multiple of UNIT[dtype] (fits); scratch from panel_scratch (K split over blocks where the
     blocks leave SMs idle). scale (T,) float32 ("plain", "gate"): each row's sums times it;
-    fold ("residual"): the next RMSNorm folded in (skinny.NormFold), as skinny_matmul's."""
+    fold ("residual"): the next RMSNorm folded in (skinny.NormFold), as skinny_matmul's. block:
+    (warps, row_tiles, stages, min_blocks, ahead, wgmma), the module's BLOCK unless given."""
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if not fits(dtype, k_cols):
@@ -428,15 +557,18 @@ def panel_matmul(
         )
     norm, norm_args = norm_part("panel", mode, scale, fold)
     n_tiles = n_tiles_for(t_rows)
-    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, norm)
+    warps, row_tiles, stages, min_blocks, ahead, wgmma = block or BLOCK
+    kernel = make_panel_kernel(
+        dtype, MODES[mode], n_tiles, warps, row_tiles, stages, min_blocks, ahead, norm, wgmma
+    )
     args = stored_args(w, w3, dtype, k_cols)
     if len(args) == 2:  # fp16, fp8, gf4: W1, W3 stand in for the scales (unread)
         args = (args[0], args[0], args[1], args[1])
-    blocks = -(-out.shape[1] // rows_a_block(mode))
+    blocks = -(-out.shape[1] // rows_a_block(mode, warps, row_tiles))
     splits = split_count(blocks, k_cols, dtype)
-    acc = ROW_TILES * 4 * n_tiles
+    acc = row_tiles * 4 * n_tiles
     if splits > 1 and (
-        scratch.part.size < blocks * splits * acc * 32 * WARPS or scratch.tiles_done.size < blocks
+        scratch.part.size < blocks * splits * acc * 32 * warps or scratch.tiles_done.size < blocks
     ):
         raise PycalmError(f"panel scratch too small for {blocks} blocks of {splits} splits")
-    kernel[(blocks, splits), 32 * WARPS, stream](x, *args, out, scratch.part, scratch.tiles_done, *norm_args)
+    kernel[(blocks, splits), 32 * warps, stream](x, *args, out, scratch.part, scratch.tiles_done, *norm_args)

@@ -11,7 +11,7 @@
   lds128(smem, word) -> w0..w3                   ld.shared.v4.b32
   ldg64(src, row, col) -> w0, w1                 ld.global.nc.v2.b32 (8 bytes) and
   ldg128w(src, row, col) -> w0..w3               ld.global.nc.v4.b32 (16 bytes) from src[row, col]
-                                                 of a uint8 / int8 / uint32 array
+                                                 of a uint8 / int8 / uint32 / float16 array
   pack_f16x2(lo, hi) -> word                     cvt.rn.f16x2.f32 (two floats -> two fp16 halves)
 
 Shared memory is a 1-D int32 array (`cuda.shared.array`) addressed by word: a word holds two
@@ -134,13 +134,13 @@ if _numba_config.ENABLE_CUDASIM:
         return np.array(vals, dtype=src.dtype).view(np.int32)
 
     def ldg64(src: np.ndarray, row: int, col: int) -> tuple[np.int32, np.int32]:
-        """The 8 bytes from src[row, col] of a uint8 / int8 / uint32 array as two int32 words,
+        """The 8 bytes from src[row, col] of a uint8 / int8 / uint32 / float16 array as two int32 words,
         low bytes first (simulator: element reads)."""
         b = _words_at(src, row, col, 8)
         return b[0], b[1]
 
     def ldg128w(src: np.ndarray, row: int, col: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
-        """The 16 bytes from src[row, col] of a uint8 / int8 / uint32 array as four int32 words,
+        """The 16 bytes from src[row, col] of a uint8 / int8 / uint32 / float16 array as four int32 words,
         low bytes first (simulator: element reads)."""
         b = _words_at(src, row, col, 16)
         return b[0], b[1], b[2], b[3]
@@ -309,11 +309,11 @@ else:
 
         return sig, codegen
 
-    _BYTE_WORD_ARRAYS = (types.uint8, types.int8, types.uint32)
+    _BYTE_WORD_ARRAYS = (types.uint8, types.int8, types.uint32, types.float16)
 
     def _ldg_words(n_words: int, src: object, row: object, col: object) -> object:
         """The intrinsic body of an n_words-word (8- or 16-byte) ld.global.nc.v{n}.b32 from
-        element [row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array."""
+        element [row, col] of a 2-D C-contiguous uint8 / int8 / uint32 / float16 array."""
         if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype in _BYTE_WORD_ARRAYS):
             return None
         sig = types.UniTuple(types.int32, n_words)(src, row, col)
@@ -337,14 +337,14 @@ else:
 
     @intrinsic
     def ldg64(typingctx, src, row, col):  # noqa: ANN001, ANN201
-        """The 8 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array
+        """The 8 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 / float16 array
         (8-byte aligned) as two int32 words, low bytes first: one ld.global.nc.v2.b32 (the
         weights are read-only while a kernel runs)."""
         return _ldg_words(2, src, row, col)
 
     @intrinsic
     def ldg128w(typingctx, src, row, col):  # noqa: ANN001, ANN201
-        """The 16 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 array
+        """The 16 bytes from src[row, col] of a 2-D C-contiguous uint8 / int8 / uint32 / float16 array
         (16-byte aligned) as four int32 words, low bytes first: one ld.global.nc.v4.b32."""
         return _ldg_words(4, src, row, col)
 

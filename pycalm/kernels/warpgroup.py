@@ -3,6 +3,10 @@
   smem_desc(smem, word, lbo, sbo, swizzle) -> desc   a shared-memory matrix descriptor (u64)
   wgmma_f16(n)(acc, smem, desc_a, desc_b, scale_d)   wgmma.mma_async.sync.aligned.m64n{n}k16
                                                      .f32.f16.f16 (n = 16, 32, 64, 128 or 256)
+  wgmma_f16_ra(n)(acc, a0, a1, a2, a3, smem, desc_b,  the same with A from registers: a warp's 16
+               scale_d)                              rows of A as mma.sync m16n8k16's A fragment
+                                                     (pycalm.kernels.tensorcore), n any multiple
+                                                     of 8 up to 256
   wgmma_fence()                                      wgmma.fence.sync.aligned
   wgmma_commit()                                     wgmma.commit_group.sync.aligned
   wgmma_wait(n)()                                    wgmma.wait_group.sync.aligned n
@@ -28,7 +32,11 @@ t = l & 3) holds, for each 8 columns j = 0 .. n / 8 - 1, the four elements
   acc[4 j + 2] = D[16 q + g + 8, 8 j + 2 t]    acc[4 j + 3] = D[16 q + g + 8, 8 j + 2 t + 1]
 
 (mma.sync m16n8k16's C layout, n / 8 times side by side: pycalm.kernels.tensorcore). acc is a
-thread's local float32 array of n / 2 elements.
+thread's local float32 array of n / 2 elements. In wgmma_f16_ra's form A comes from registers,
+laid out the same way: warp q's rows 16 q .. 16 q + 15 as an m16n8k16 A fragment (a0 = A[16 q +
+g, 2t:2t+2], a1 = A[16 q + g + 8, 2t:2t+2], a2, a3 the same at 2t + 8), so a kernel that decodes
+weights into mma.sync A fragments hands them to wgmma unchanged, and reads the B operand from
+shared memory once a warpgroup rather than once a warp.
 
 The descriptor (PTX ISA, "Matrix Descriptor Format", 64 bits): bits 0-13 the start address >> 4,
 16-29 the leading byte offset (LBO) >> 4, 32-45 the stride byte offset (SBO) >> 4, 62-63 the
@@ -46,8 +54,10 @@ fp16 values of K. The instruction reads them as 8 x 8 "core matrices" of 8 rows 
 The 128-byte layout is what a kernel stores: each 16-byte chunk c of a tile row r goes to chunk
 c ^ (r & 7) of that row, so the 8 rows of a core matrix fall in 8 distinct groups of banks.
 
-wgmma is asynchronous: the instruction returns at once, the registers of acc and the shared
-memory it reads belong to the tensor cores until a wgmma_wait retires its group. The order a
+wgmma is asynchronous: the instruction returns at once, the registers of acc (and of A, in the
+register form) and the shared memory it reads belong to the tensor cores until a wgmma_wait
+retires its group; a wgmma_fence separates the registers' last writes from the wgmma that read
+them. The order a
 kernel keeps:
 
   shared memory written (st.shared, cp.async) -> fence_proxy_async() (the generic proxy's
@@ -106,6 +116,8 @@ def descriptor_addresses(desc: int, rows: int) -> np.ndarray:
 if _numba_config.ENABLE_CUDASIM:
     import threading
 
+    from pycalm.kernels._cudasim import warp_once
+
     _pending = threading.local()  # a thread's open group and committed groups of wgmma
 
     def _state() -> tuple[list, list]:
@@ -134,10 +146,13 @@ if _numba_config.ENABLE_CUDASIM:
 
     def _run(op: tuple) -> None:
         """Carry out one recorded wgmma for this thread: its acc elements of D."""
-        n, acc, smem, desc_a, desc_b, scale_d, tid = op
+        n, acc, smem, a_src, desc_b, scale_d, tid = op
         q, lane = (tid >> 5) & 3, tid & 31
         g, t = lane >> 2, lane & 3
-        a = _operand(smem, desc_a, 64)[[16 * q + g, 16 * q + g + 8]]  # (2, 16) this thread's rows of A
+        if isinstance(a_src, np.ndarray):  # the register form: this thread's rows of A as issued
+            a = a_src
+        else:
+            a = _operand(smem, a_src, 64)[[16 * q + g, 16 * q + g + 8]]  # (2, 16) this thread's rows of A
         b = _operand(smem, desc_b, n)  # (n, 16) B^T: a row a column of B
         d = a @ b.T  # (2, n) float32
         for j in range(n // 8):
@@ -155,6 +170,36 @@ if _numba_config.ENABLE_CUDASIM:
             if len(acc) != n // 2:
                 raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators a thread, got {len(acc)}")
             _state()[0].append((n, acc, smem, int(desc_a), int(desc_b), int(scale_d), _tid()))
+
+        return wgmma
+
+    def _a_rows_warp(frags: list) -> np.ndarray:
+        """A warp's 16 rows of A (16 x 16 float32) from every lane's a0..a3 (tensorcore's A
+        fragment layout)."""
+        h = np.array(frags, dtype=np.int64).astype(np.uint32).view(np.float16).reshape(32, 4, 2)
+        a = np.zeros((16, 16), np.float32)
+        g = (np.arange(32) >> 2)[:, None]
+        cols = 2 * (np.arange(32) & 3)[:, None] + np.arange(2)
+        a[g, cols], a[g + 8, cols], a[g, cols + 8], a[g + 8, cols + 8] = h[:, 0], h[:, 1], h[:, 2], h[:, 3]
+        return a
+
+    def _check_ra(n: int) -> None:
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma with A from registers takes n a multiple of 8 in 8..256, got {n}")
+
+    def wgmma_f16_ra(n: int) -> object:
+        """The twin of wgmma m64n{n}k16 with A from registers: the warp's A fragments gathered
+        when it is issued (the registers may change after), the product recorded with B's
+        descriptor and carried out by wgmma_wait."""
+        _check_ra(n)
+
+        def wgmma(acc: np.ndarray, a0: int, a1: int, a2: int, a3: int, smem: np.ndarray, desc_b: int,
+                  scale_d: int) -> None:  # fmt: skip
+            if len(acc) != n // 2:
+                raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators a thread, got {len(acc)}")
+            a, lane = warp_once((a0, a1, a2, a3), _a_rows_warp)
+            rows = a[[lane >> 2, (lane >> 2) + 8]].copy()  # (2, 16) this thread's rows g, g + 8
+            _state()[0].append((n, acc, smem, rows, int(desc_b), int(scale_d), _tid()))
 
         return wgmma
 
@@ -288,6 +333,65 @@ else:
         impl.__doc__ = wgmma_f16.__doc__
         _WGMMAS[n] = intrinsic(impl)
         return _WGMMAS[n]
+
+    _WGMMAS_RA: dict[int, object] = {}
+
+    def wgmma_f16_ra(n: int) -> object:
+        """The intrinsic wgmma.mma_async m64n{n}k16 .f32.f16.f16 with A from registers (a0..a3:
+        the warp's 16 rows of A as an mma.sync A fragment, int32 words of two fp16) and B from
+        shared memory (K-major, no transpose): acc (the thread's n / 2 float32, a local array) =
+        A B + (acc if scale_d else 0), asynchronously; a0..a3 are read until the group retires."""
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma with A from registers takes n a multiple of 8 in 8..256, got {n}")
+        if n in _WGMMAS_RA:
+            return _WGMMAS_RA[n]
+        regs = n // 2
+
+        def impl(typingctx, acc, a0, a1, a2, a3, smem, desc_b, scale_d):  # noqa: ANN001, ANN202
+            if not (isinstance(acc, types.Array) and acc.dtype == types.float32 and acc.ndim == 1):
+                return None
+            sig = types.void(acc, a0, a1, a2, a3, smem, desc_b, scale_d)
+
+            def codegen(context: object, builder: object, sig: object, args: object) -> object:
+                from numba.cuda import cgutils
+
+                aty = sig.args[0]
+                ary = context.make_array(aty)(context, builder, value=args[0])
+                ptrs = [
+                    cgutils.get_item_pointer(context, builder, aty, ary, [context.get_constant(types.intp, i)],
+                                             wraparound=False)
+                    for i in range(regs)
+                ]  # fmt: skip
+                olds = [builder.load(p) for p in ptrs]
+                words = [context.cast(builder, args[1 + i], sig.args[1 + i], types.int32) for i in range(4)]
+                db = context.cast(builder, args[6], sig.args[6], types.int64)
+                sd = context.cast(builder, args[7], sig.args[7], types.int32)
+                outs = ", ".join(f"${i}" for i in range(regs))
+                a_regs = ", ".join(f"${2 * regs + i}" for i in range(4))
+                text = (
+                    "{ .reg .pred p; "
+                    f"setp.ne.b32 p, ${2 * regs + 5}, 0; "
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 "
+                    f"{{{outs}}}, {{{a_regs}}}, ${2 * regs + 4}, p, 1, 1, 0; }}"
+                )
+                constraints = ",".join(
+                    ["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l", "r", "~{memory}"]
+                )
+                fnty = ir.FunctionType(
+                    ir.LiteralStructType([_F32] * regs), [_F32] * regs + [_I32] * 4 + [_I64, _I32]
+                )
+                res = builder.call(
+                    ir.InlineAsm(fnty, text, constraints, side_effect=True), [*olds, *words, db, sd]
+                )
+                for i, p in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, i), p)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        impl.__doc__ = wgmma_f16_ra.__doc__
+        _WGMMAS_RA[n] = intrinsic(impl)
+        return _WGMMAS_RA[n]
 
     wgmma_fence = _ptx_void(
         "wgmma.fence.sync.aligned;",

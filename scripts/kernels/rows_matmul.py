@@ -11,8 +11,9 @@ Versions:
   skinny   pycalm.kernels.skinny: weights streamed into mma A fragments, X as B, T <= 64;
            variants of warps a block (splitting K) and steps a warp loads at once
   panel    pycalm.kernels.panel: skinny's weight stream with X staged in shared memory, K split
-           over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks,ahead beside split
-           and skinny, each checked against the split tile's outputs)
+           over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks,ahead[,wgmma] beside
+           split and skinny, each checked against the split tile's outputs; wgmma 1: the products
+           on Hopper's wgmma, a warpgroup's 64 rows of W against X in shared memory)
   r1..r3   scripts/kernels/matmul.py's wgmma rows versions (--wgmma): a 64 x BN tile on Hopper's
            warpgroup instructions, X staged once a block for BN rows of W, K split over blocks
            (checked against the reference first, as matmul.py --wgmma checks them)
@@ -22,6 +23,7 @@ Versions:
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
     python scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --rows 16,32,64   # beside skinny, split
     python scripts/kernels/rows_matmul.py --panel "8,2,3,0,1;8,1,3,2,2;4,2,3,0,2" --rows 32,64
+    python scripts/kernels/rows_matmul.py --panel "16,1,3,1,1;8,1,3,1,1,1;8,1,3,2,1,1" --rows 32,64
 
 Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
 replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
@@ -186,17 +188,12 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
         )
 
 
-def panel_launch(x, w, w3, out, dtype, mode, warps, row_tiles, stages, min_blocks, ahead, scratch):  # noqa: ANN001, ANN201
-    """A panel launch with a chosen block shape (pycalm.kernels.panel.panel_matmul's, unfixed)."""
-    n_tiles = skinny.n_tiles_for(x.shape[0])
-    kernel = panel.make_panel_kernel(dtype, MODES[mode], n_tiles, warps, row_tiles, stages, min_blocks, ahead)
-    args = skinny.stored_args(w, w3, dtype, x.shape[1])
-    if len(args) == 2:
-        args = (args[0], args[0], args[1], args[1])
-    blocks = -(-out.shape[1] // panel.rows_a_block(mode, warps, row_tiles))
-    splits = panel.split_count(blocks, x.shape[1], dtype)
-    part, done = scratch
-    return lambda: kernel[(blocks, splits), 32 * warps, STREAM](x, *args, out, part, done)
+def panel_launch(x, w, w3, out, dtype, mode, block, scratch):  # noqa: ANN001, ANN201
+    """A panel launch with a chosen block (warps, row_tiles, stages, min_blocks, ahead[, wgmma])."""
+    block = (*block, 0)[:6]  # (wgmma off unless named)
+    scratch = panel.PanelScratch(*scratch)
+    return lambda: panel.panel_matmul(x, w, out, dtype, stream=STREAM, scratch=scratch, mode=mode, w3=w3,
+                                      block=block)  # fmt: skip
 
 
 def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, ...]]) -> None:
@@ -218,7 +215,7 @@ def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, ..
                 for j, launch in enumerate(
                     [tile_launch(x[:t], w, w3, ref[:t], dtype, mode, split_scratch),
                      skinny_launch(x[:t], w, w3, out[:t], dtype, mode, 0, 0)]
-                    + [panel_launch(x[:t], w, w3, out[:t], dtype, mode, *v, scratch) for v in variants]
+                    + [panel_launch(x[:t], w, w3, out[:t], dtype, mode, v, scratch) for v in variants]
                 ):  # fmt: skip
                     sec = time_launches(launch)
                     total[t][j] += sec
