@@ -486,17 +486,16 @@ def test_panel(dtype, group, mode, t_rows, n, units):
 
 
 # the panel on wgmma (a warpgroup's 64 rows of W a wgmma): under the simulator one block of one
-# warpgroup, N within it and past it (a warpgroup past N), K split in two, a step and a quarter
-PANEL_WG_SHAPES = [(19, 40, 5), (37, 77, 5)]
+# warpgroup with K split in two (a step and a quarter) in every format, and q4 over two blocks,
+# the second partly past N; on the GPU test_panel's shapes
+PANEL_WG_FORMATS = [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 32), ("q4", 64)]
+PANEL_WG_CASES = [(*f, 19, 40, 5) for f in PANEL_WG_FORMATS] + [("q4", 32, 37, 77, 5)]
 if GPU:
-    PANEL_WG_SHAPES += [(64, 1000, 129), (33, 4099, 33), (50, 6144, 128), (64, 4096, 448)]
+    PANEL_WG_CASES = [(*f, *shape) for f in PANEL_WG_FORMATS for shape in PANEL_SHAPES]
 
 
-@pytest.mark.parametrize("t_rows,n,units", PANEL_WG_SHAPES)
+@pytest.mark.parametrize("dtype,group,t_rows,n,units", PANEL_WG_CASES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    "dtype,group", [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 32), ("q4", 64)]
-)
 def test_panel_on_wgmma(dtype, group, mode, t_rows, n, units):
     """The panel kernel with its products on wgmma against the reference, as test_panel."""
     k = units * UNIT[dtype]
