@@ -276,6 +276,26 @@ else:
             | (types.int64(swizzle) << 62)
         )
 
+    def _acc_asm(context, builder, aty, acc, regs, text, ins, in_types, in_constraints):  # noqa: ANN001, ANN202
+        """One wgmma's inline asm: the thread's regs accumulators (the local float32 array acc, of
+        type aty) as $0 .. $regs - 1 and as tied inputs, then the inputs `ins` (their LLVM types
+        and constraints), through `text`; the results stored back into the array."""
+        from numba.cuda import cgutils
+
+        ary = context.make_array(aty)(context, builder, value=acc)
+        ptrs = [
+            cgutils.get_item_pointer(context, builder, aty, ary, [context.get_constant(types.intp, i)],
+                                     wraparound=False)
+            for i in range(regs)
+        ]  # fmt: skip
+        olds = [builder.load(p) for p in ptrs]
+        constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + in_constraints + ["~{memory}"])
+        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * regs), [_F32] * regs + in_types)
+        res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), [*olds, *ins])
+        for i, p in enumerate(ptrs):
+            builder.store(builder.extract_value(res, i), p)
+        return context.get_dummy_value()
+
     _WGMMAS: dict[int, object] = {}
 
     def wgmma_f16(n: int) -> object:
@@ -295,16 +315,6 @@ else:
             sig = types.void(acc, smem, desc_a, desc_b, scale_d)
 
             def codegen(context: object, builder: object, sig: object, args: object) -> object:
-                from numba.cuda import cgutils
-
-                aty = sig.args[0]
-                ary = context.make_array(aty)(context, builder, value=args[0])
-                ptrs = [
-                    cgutils.get_item_pointer(context, builder, aty, ary, [context.get_constant(types.intp, i)],
-                                             wraparound=False)
-                    for i in range(regs)
-                ]  # fmt: skip
-                olds = [builder.load(p) for p in ptrs]
                 da = context.cast(builder, args[2], sig.args[2], types.int64)
                 db = context.cast(builder, args[3], sig.args[3], types.int64)
                 sd = context.cast(builder, args[4], sig.args[4], types.int32)
@@ -315,18 +325,8 @@ else:
                     f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 "
                     f"{{{outs}}}, ${2 * regs}, ${2 * regs + 1}, p, 1, 1, 0, 0; }}"
                 )
-                constraints = ",".join(
-                    ["=f"] * regs + [str(i) for i in range(regs)] + ["l", "l", "r", "~{memory}"]
-                )
-                fnty = ir.FunctionType(
-                    ir.LiteralStructType([_F32] * regs), [_F32] * regs + [_I64, _I64, _I32]
-                )
-                res = builder.call(
-                    ir.InlineAsm(fnty, text, constraints, side_effect=True), [*olds, da, db, sd]
-                )
-                for i, p in enumerate(ptrs):
-                    builder.store(builder.extract_value(res, i), p)
-                return context.get_dummy_value()
+                return _acc_asm(context, builder, sig.args[0], args[0], regs, text, [da, db, sd],
+                                [_I64, _I64, _I32], ["l", "l", "r"])  # fmt: skip
 
             return sig, codegen
 
@@ -353,16 +353,6 @@ else:
             sig = types.void(acc, a0, a1, a2, a3, smem, desc_b, scale_d)
 
             def codegen(context: object, builder: object, sig: object, args: object) -> object:
-                from numba.cuda import cgutils
-
-                aty = sig.args[0]
-                ary = context.make_array(aty)(context, builder, value=args[0])
-                ptrs = [
-                    cgutils.get_item_pointer(context, builder, aty, ary, [context.get_constant(types.intp, i)],
-                                             wraparound=False)
-                    for i in range(regs)
-                ]  # fmt: skip
-                olds = [builder.load(p) for p in ptrs]
                 words = [context.cast(builder, args[1 + i], sig.args[1 + i], types.int32) for i in range(4)]
                 db = context.cast(builder, args[6], sig.args[6], types.int64)
                 sd = context.cast(builder, args[7], sig.args[7], types.int32)
@@ -374,18 +364,8 @@ else:
                     f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 "
                     f"{{{outs}}}, {{{a_regs}}}, ${2 * regs + 4}, p, 1, 1, 0; }}"
                 )
-                constraints = ",".join(
-                    ["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l", "r", "~{memory}"]
-                )
-                fnty = ir.FunctionType(
-                    ir.LiteralStructType([_F32] * regs), [_F32] * regs + [_I32] * 4 + [_I64, _I32]
-                )
-                res = builder.call(
-                    ir.InlineAsm(fnty, text, constraints, side_effect=True), [*olds, *words, db, sd]
-                )
-                for i, p in enumerate(ptrs):
-                    builder.store(builder.extract_value(res, i), p)
-                return context.get_dummy_value()
+                return _acc_asm(context, builder, sig.args[0], args[0], regs, text, [*words, db, sd],
+                                [_I32] * 4 + [_I64, _I32], ["r"] * 4 + ["l", "r"])  # fmt: skip
 
             return sig, codegen
 
