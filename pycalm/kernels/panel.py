@@ -139,9 +139,9 @@ WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
 AHEAD = 1
 WGMMA = False
 BLOCK = (WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, WGMMA)
-# the same on wgmma: warpgroups (two a block), three stages (X one step ahead, a step's wgmma in
-# flight while the next is decoded)
-WG_BLOCK = (4, 1, 3, 0, 1, True) if SIM else (8, 1, 3, 1, 1, True)
+# the same on wgmma: warpgroups (four a block), three stages (X stored a step ahead, a step's
+# last wgmma in flight while the next step begins)
+WG_BLOCK = (4, 1, 3, 0, 1, True) if SIM else (16, 1, 3, 1, 1, True)
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
 
@@ -225,18 +225,21 @@ def make_panel_kernel(  # noqa: ANN201, C901
     wait_all = cp_async_wait(0)
     if stages < 2 or SMEM_WORDS * 4 > 48 * 1024:
         raise PycalmError(f"panel: {stages} stages of {T_MAX} rows x {STEP} columns pass 48 KiB")
-    # wgmma: E / 4 k16 tiles a step, each one wgmma m64n{T_MAX}k16 a warpgroup; A fragments of a
-    # step for each of the R ring slots (a slot's are read until its group retires); X a group
-    # (row, k-tile pair) a thread: four 16-byte loads
+    # wgmma: E / 4 k16 tiles a step, each one wgmma m64n{T_MAX}k16 a warpgroup, in two halves
+    # (a group each, its A fragments read until it retires); X a group (row, k-tile pair) a
+    # thread: four 16-byte loads
     KT = E // 4
-    WG_A = R * KT * 4
+    HALF = KT // 2
+    WG_A = KT * 4  # the two halves' fragments
     GROUPS = T_MAX * PAIRS  # (row, pair) groups of a step's X
     X_GROUPS = -(-GROUPS // threads)  # groups a thread
     SBO = CH * 128  # bytes from 8 rows of a stage to the next 8
     WG = wgmma
     wg_mma = wgmma_f16_ra(T_MAX) if WG else None
-    wait_ring = wgmma_wait(R - 1)  # all but the R - 1 newest groups retired: the slot decoded next is free
+    wait_one = wgmma_wait(1)  # all but the newest group retired: the other half's buffer is free
     wait_mma = wgmma_wait(0)
+    if WG and (row_tiles != 1 or warps % 4 or stages < 3):
+        raise PycalmError("panel on wgmma: warpgroups of one tile a warp, 3 stages at least")
     A_LEN, XR_LEN = (WG_A, 16 * X_GROUPS) if WG else (A_WORDS, 1)
     if WG and (row_tiles != 1 or warps % 4 or stages < R + 1):
         raise PycalmError(f"panel on wgmma: warpgroups of one tile a warp, {R + 1} stages at least")
@@ -253,20 +256,26 @@ def make_panel_kernel(  # noqa: ANN201, C901
         return (r >> 3) * (SBO // 4) + kc * 32 + (r & 7) * 4
 
     @cuda.jit(device=True, inline=True)
+    def x_group(tid, c):  # noqa: ANN001, ANN202
+        """wgmma: this thread's c-th (row, k-tile pair) group of a step's X: (r, i, whether it is
+        one). Lane 8 i + (r & 7): a row's four lanes read 64 contiguous bytes a load, and a
+        quarter warp's stores fill 128 contiguous bytes."""
+        q = int32(tid + c * threads)
+        return (q & 7) + 8 * ((q >> 3) // PAIRS), (q >> 3) % PAIRS, GROUPS % threads == 0 or q < GROUPS
+
+    @cuda.jit(device=True, inline=True)
     def load_x_wg(x, xr, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
         """wgmma: this thread's groups of step `step`'s X into registers: group (row r, pair i),
         the four 16-byte chunks of row r at columns t E + 8 i (t = 0..3) into xr[16 c + 4 t ..];
-        rows past T and columns past K as zeros. Lane 8 i + (r & 7): a row's four lanes read 64
-        contiguous bytes a load."""
+        columns past K as zeros, rows past T the last row's (their sums are never stored)."""
         for c in range(X_GROUPS):
-            q = tid + c * threads
-            r = (q & 7) + 8 * ((q >> 3) // PAIRS)
-            i = (q >> 3) % PAIRS
+            r, i, real = x_group(tid, c)
+            row = min(r, int32(t_rows - 1))
             for tt in range(4):
-                col = step * STEP + tt * E + 8 * i
+                col = int32(step * STEP + tt * E + 8 * i)
                 at = 16 * c + 4 * tt
-                if (GROUPS % threads == 0 or q < GROUPS) and r < t_rows and col < k_cols:
-                    xr[at], xr[at + 1], xr[at + 2], xr[at + 3] = ldg128w(x, r, col)
+                if real and col < k_cols:
+                    xr[at], xr[at + 1], xr[at + 2], xr[at + 3] = ldg128w(x, row, col)
                 else:
                     for e in range(4):
                         xr[at + e] = int32(0)
@@ -277,31 +286,34 @@ def make_panel_kernel(  # noqa: ANN201, C901
         k-tile 2 i + jj's logical chunk h (k 8 h .. 8 h + 7) holds word 2 jj + h of each of the
         four chunks (t = 0..3), as a_pair's lane t holds its unit's weights 4 j + 2 h, + 1."""
         for c in range(X_GROUPS):
-            q = tid + c * threads
-            if GROUPS % threads == 0 or q < GROUPS:
-                r = (q & 7) + 8 * ((q >> 3) // PAIRS)
-                i = (q >> 3) % PAIRS
-                for w in range(4):  # logical chunk 4 i + w: k-tile 2 i + (w >> 1), half w & 1
-                    sts128(smem, base + core_at(r, 4 * i + w), xr[16 * c + w], xr[16 * c + 4 + w],
-                           xr[16 * c + 8 + w], xr[16 * c + 12 + w])  # fmt: skip
+            r, i, real = x_group(tid, c)
+            if real:
+                at = base + core_at(r, 4 * i)
+                for w in range(
+                    4
+                ):  # logical chunk 4 i + w (32 words on a chunk): k-tile 2 i + (w >> 1), half w & 1
+                    sts128(smem, at + 32 * w, xr[16 * c + w], xr[16 * c + 4 + w], xr[16 * c + 8 + w],
+                           xr[16 * c + 12 + w])  # fmt: skip
 
     @cuda.jit(device=True, inline=True)
     def step_product_wg(smem, base, slot, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
-        """wgmma: acc += this step's products from ring slot `slot`: the lane's units decoded
-        into slot's A fragments (one k16 tile each of the step's KT), then KT wgmma of the
-        warpgroup's 64 rows against the stage at word `base`, one group; waits until the group
-        R - 1 steps back has retired (its slot is decoded into next)."""
-        for j in range(KT):
-            at = (slot * KT + j) * 4
-            a[at], a[at + 2] = a_pair(wg, slot, j, dm[2 * slot])
-            a[at + 1], a[at + 3] = a_pair(wh, slot, j, dm[2 * slot + 1])
-        wgmma_fence()  # the fragments written above, before the wgmma that read them
-        for j in range(KT):
-            at = (slot * KT + j) * 4
-            desc = smem_desc(smem, base + 64 * j, 128, SBO, SWIZZLE_NONE)
-            wg_mma(acc, a[at], a[at + 1], a[at + 2], a[at + 3], smem, desc, 1)
-        wgmma_commit()
-        wait_ring()
+        """wgmma: acc += this step's products from ring slot `slot`, in two halves of KT / 2
+        k16 tiles: a half's A fragments decoded from the lane's units into its buffer, then one
+        wgmma a k16 tile of the warpgroup's 64 rows against the stage at word `base`, one group
+        a half; after each, a wait until the other half's group has retired (its buffer is
+        decoded into next)."""
+        for h in range(2):
+            for jj in range(HALF):
+                j = h * HALF + jj
+                a[4 * j], a[4 * j + 2] = a_pair(wg, slot, j, dm[2 * slot])
+                a[4 * j + 1], a[4 * j + 3] = a_pair(wh, slot, j, dm[2 * slot + 1])
+            wgmma_fence()  # the fragments written above, before the wgmma that read them
+            for jj in range(HALF):
+                j = h * HALF + jj
+                desc = smem_desc(smem, base + 64 * j, 128, SBO, SWIZZLE_NONE)
+                wg_mma(acc, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], smem, desc, 1)
+            wgmma_commit()
+            wait_one()
 
     @cuda.jit(device=True, inline=True)
     def stage_x(x, smem, base, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
