@@ -52,22 +52,24 @@ row's sums by its scale before the epilogue. A pass of 33 to 64 rows on the pane
 RMSNorm launch but its first (pycalm.gpu.prefill's Prefill.folds).
 
 On wgmma (make_panel_kernel(wgmma=True), WG_BLOCK; Hopper only, not the default). Four warps
-are a warpgroup, 64 rows of W; each step a warp decodes its 16 rows into A fragments as above
-(a ring slot's, kept until its group retires), and the warpgroup runs one wgmma m64n{8
-n_tiles}k16 a k16 tile (warpgroup.wgmma_f16_ra: A from those registers) against X in shared
-memory, which each warpgroup then reads once rather than each warp (256 bytes of lds a mma.sync
-m16n8k16 above). wgmma reads B in k order, and a_pair's lanes hold their unit's weights in
-theirs: so X comes through registers (a thread a (row, k-tile pair) group: four 16-byte loads, at
-columns t E + 8 i for t = 0..3) and is stored transposed, logical chunk 4 i + w holding word w of
-each of the four, in 8-row x 16-byte core matrices (no swizzle: K's chunks 128 bytes apart, 8
-rows CH 128 bytes apart); three stages (X stored a step ahead, the last step's wgmma still
-reading). The accumulators are mma.sync's (the same epilogue). It holds a step's fragments for
-two slots (q4: 64 registers), so 8 warps a block (181-187 registers; 16 warps spill 600 bytes),
-and loses: q4's layer at 64 rows 250 us against 185 (H100, 2026-12-07, `rows_matmul.py --panel
-"16,1,3,1,1;8,1,3,1,1,1;4,1,3,2,1,1" --rows 64,32 --dtypes q4`: 185 / 250 / 351 us, at 32 rows
-120 / 184 / 261; the gate launch at 64 rows 70 / 121 / 147), the 8B's q4 rows pass 7.13 / 10.26
-ms at 32 / 64 rows against 5.79 / 8.34 (`bench.py --rows 32,64`). A step's decode (about 300
-instructions a warp) is the bound, and 8 warps an SM hide its latencies less than 16.
+are a warpgroup, 64 rows of W; each step a warp decodes its 16 rows into A fragments as above,
+and the warpgroup runs one wgmma m64n{8 n_tiles}k16 a k16 tile (warpgroup.wgmma_f16_ra: A from
+those registers) against X in shared memory, which each warpgroup then reads once rather than
+each warp (256 bytes of lds a mma.sync m16n8k16 above). A step runs in two halves of KT / 2 k16
+tiles, a wgmma group each: a half's fragments are read until its group retires, so a thread
+waits (wait_group 1) for the other half's group before decoding into its buffer. wgmma reads B
+in k order, and a_pair's lanes hold their unit's weights in theirs: so X comes through registers
+(a thread a (row, k-tile pair) group: four 16-byte loads, at columns t E + 8 i for t = 0..3) and
+is stored transposed, logical chunk 4 i + w holding word w of each of the four, in 8-row x
+16-byte core matrices (no swizzle: K's chunks 128 bytes apart, 8 rows CH 128 bytes apart); three
+stages (X stored a step ahead, the last half's wgmma still reading). The accumulators are
+mma.sync's (the same epilogue). Measured before the halves (a step's fragments for two ring
+slots, q4 64 registers: 8 warps a block), it lost: q4's layer at 64 rows 250 us against 185
+(H100, 2026-12-07, `rows_matmul.py --panel "16,1,3,1,1;8,1,3,1,1,1;4,1,3,2,1,1" --rows 64,32
+--dtypes q4`: 185 / 250 / 351 us, at 32 rows 120 / 184 / 261), the 8B's q4 rows pass 7.13 /
+10.26 ms at 32 / 64 rows against 5.79 / 8.34; its step loop issued as many instructions as the
+mma.sync one with half the warps. With the halves 16 warps fit 128 registers (q4 gate 127, no
+spill): not yet timed.
 
 Bytes: the weights once; X from L2 once a block a step (at 64 rows and 256 rows of W a block,
 0.25x (fp16) to 0.9x (gf4, q4) the block's weight bytes); with splits, 4 T N bytes a split
