@@ -103,13 +103,12 @@ from pycalm.kernels.skinny import (
     unit_decoders,
 )
 from pycalm.kernels.tensorcore import (
+    cp_async4,
     cp_async16,
     cp_async_commit,
     cp_async_wait,
-    ldg128w,
     lds128,
     mma_16816,
-    sts128,
 )
 from pycalm.kernels.warpgroup import (
     SWIZZLE_NONE,
@@ -223,7 +222,9 @@ def make_panel_kernel(  # noqa: ANN201, C901
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, fold = mode == GATE, norm == FOLD
     tile_rows = 8 if gate else 16  # outputs an A tile makes
-    wait_landed = cp_async_wait(stages - 2)  # all but the stages - 2 newest groups have landed
+    # all but the newest groups of copies have landed: stages - 2 (wgmma: stages - 3, X a step
+    # less ahead, as the stage after the newest is still read by the last step's wgmma)
+    wait_landed = cp_async_wait(stages - 3 if wgmma else stages - 2)
     wait_all = cp_async_wait(0)
     if stages < 2 or SMEM_WORDS * 4 > 48 * 1024:
         raise PycalmError(f"panel: {stages} stages of {T_MAX} rows x {STEP} columns pass 48 KiB")
@@ -233,8 +234,8 @@ def make_panel_kernel(  # noqa: ANN201, C901
     KT = E // 4
     HALF = KT // 2
     WG_A = KT * 4  # the two halves' fragments
-    GROUPS = T_MAX * PAIRS  # (row, pair) groups of a step's X
-    X_GROUPS = -(-GROUPS // threads)  # groups a thread
+    PIECES_WG = T_MAX * PAIRS * 4  # (row, pair, t) pieces of a step's X: four 4-byte copies each
+    X_PIECES = -(-PIECES_WG // threads)  # pieces a thread
     SBO = CH * 128  # bytes from 8 rows of a stage to the next 8
     WG = wgmma
     wg_mma = wgmma_f16_ra(T_MAX) if WG else None
@@ -242,7 +243,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
     wait_mma = wgmma_wait(0)
     if WG and (row_tiles != 1 or warps % 4 or stages < 3):
         raise PycalmError("panel on wgmma: warpgroups of one tile a warp, 3 stages at least")
-    A_LEN, XR_LEN = (WG_A, 16 * X_GROUPS) if WG else (A_WORDS, 1)
+    A_LEN = WG_A if WG else A_WORDS
     if WG and (row_tiles != 1 or warps % 4 or stages < R + 1):
         raise PycalmError(f"panel on wgmma: warpgroups of one tile a warp, {R + 1} stages at least")
 
@@ -258,44 +259,26 @@ def make_panel_kernel(  # noqa: ANN201, C901
         return (r >> 3) * (SBO // 4) + kc * 32 + (r & 7) * 4
 
     @cuda.jit(device=True, inline=True)
-    def x_group(tid, c):  # noqa: ANN001, ANN202
-        """wgmma: this thread's c-th (row, k-tile pair) group of a step's X: (r, i, whether it is
-        one). Lane 8 i + (r & 7): a row's four lanes read 64 contiguous bytes a load, and a
-        quarter warp's stores fill 128 contiguous bytes."""
-        q = int32(tid + c * threads)
-        return (q & 7) + 8 * ((q >> 3) // PAIRS), (q >> 3) % PAIRS, GROUPS % threads == 0 or q < GROUPS
-
-    @cuda.jit(device=True, inline=True)
-    def load_x_wg(x, xr, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
-        """wgmma: this thread's groups of step `step`'s X into registers: group (row r, pair i),
-        the four 16-byte chunks of row r at columns t E + 8 i (t = 0..3) into xr[16 c + 4 t ..];
-        columns past K as zeros, rows past T the last row's (their sums are never stored)."""
-        for c in range(X_GROUPS):
-            r, i, real = x_group(tid, c)
-            row = min(r, int32(t_rows - 1))
-            for tt in range(4):
-                col = int32(step * STEP + tt * E + 8 * i)
-                at = 16 * c + 4 * tt
-                if real and col < k_cols:
-                    xr[at], xr[at + 1], xr[at + 2], xr[at + 3] = ldg128w(x, row, col)
-                else:
-                    for e in range(4):
-                        xr[at + e] = int32(0)
-
-    @cuda.jit(device=True, inline=True)
-    def store_x_wg(smem, base, xr, tid):  # noqa: ANN001, ANN202
-        """wgmma: the registers of load_x_wg into the stage at word `base`, in the lanes' k order:
-        k-tile 2 i + jj's logical chunk h (k 8 h .. 8 h + 7) holds word 2 jj + h of each of the
-        four chunks (t = 0..3), as a_pair's lane t holds its unit's weights 4 j + 2 h, + 1."""
-        for c in range(X_GROUPS):
-            r, i, real = x_group(tid, c)
-            if real:
-                at = base + core_at(r, 4 * i)
-                for w in range(
-                    4
-                ):  # logical chunk 4 i + w (32 words on a chunk): k-tile 2 i + (w >> 1), half w & 1
-                    sts128(smem, at + 32 * w, xr[16 * c + w], xr[16 * c + 4 + w], xr[16 * c + 8 + w],
-                           xr[16 * c + 12 + w])  # fmt: skip
+    def stage_x_wg(x, smem, base, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
+        """wgmma: start the copies of step `step`'s X into the stage at word `base`, in the lanes'
+        k order: k-tile 2 i + jj's logical chunk h (k 8 h .. 8 h + 7) holds word 2 jj + h of each
+        of the four 16-byte chunks of the step's row at columns t E + 8 i (t = 0..3), as
+        a_pair's lane t holds its unit's weights 4 j + 2 h, + 1. A piece (row r, pair i, t) a
+        thread: its chunk's four words, each to word t of logical chunk 4 i + w, by 4-byte
+        copies (columns past K as zeros, rows past T the last row's: their sums are never
+        stored). Lane 4 (r & 7) + t: a copy of the warp writes 32 consecutive words."""
+        for c in range(X_PIECES):
+            p = int32(tid + c * threads)
+            if X_PIECES * threads == PIECES_WG or p < PIECES_WG:
+                t_ = p & 3
+                r = ((p >> 2) & 7) + 8 * ((p >> 5) // PAIRS)
+                i = (p >> 5) % PAIRS
+                col = step * STEP + t_ * E + 8 * i
+                nbytes = 4 if col < k_cols else 0
+                row = min(r, t_rows - 1)
+                at = base + core_at(r, 4 * i) + t_
+                for w in range(4):  # logical chunk 4 i + w (32 words on a chunk)
+                    cp_async4(smem, at + 32 * w, x, row, col + 2 * w if nbytes else 0, nbytes)
 
     @cuda.jit(device=True, inline=True)
     def step_product_wg(smem, base, slot, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
@@ -396,7 +379,6 @@ def make_panel_kernel(  # noqa: ANN201, C901
         a = cuda.local.array(
             A_LEN, int32
         )  # A fragments of two k-tiles, each A tile (wgmma: a step's, each slot)
-        xr = cuda.local.array(XR_LEN, int32)  # wgmma: (X_GROUPS, 4, 4) a step's X groups on their way
         xoff = cuda.local.array(PAIRS, int32)  # the lane's word of each k-tile pair's X in row g
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for e in range(ACC):
@@ -423,44 +405,37 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 if k < n:
                     load_step(w1, s1, w3, s3, first + k, k, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
-        if WG:  # the first step's X staged, the second's in registers
-            if n > 0:
-                load_x_wg(x, xr, first, t_rows, k_cols, tid)
-                store_x_wg(smem, 0, xr, tid)
-                fence_proxy_async()  # the stores, visible to the wgmma that read them (after the barrier)
-            if n > 1:
-                load_x_wg(x, xr, first + 1, t_rows, k_cols, tid)
-        else:
-            for i in range(stages - 1):  # the first steps' X in flight, a group each
-                if i < n:
+        for i in range(stages - 2 if WG else stages - 1):  # the first steps' X in flight, a group each
+            if i < n:
+                if WG:
+                    stage_x_wg(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
+                else:
                     stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
-                cp_async_commit()
+            cp_async_commit()
         stage = 0
         i0 = 0
         while i0 < n:  # R steps a round, unrolled: step i0 + r multiplies ring slot r
             for r in range(R):
                 i = i0 + r
                 if i < n:  # block-uniform
-                    nxt = stage + 1 if stage < stages - 1 else 0  # (stage + 1) % stages
+                    wait_landed()  # this thread's copies of step i have landed ...
                     if WG:
-                        # every thread's stores of step i's X in place; every warpgroup's wgmma of
-                        # steps up to i - R retired (their stages and A slots free)
-                        cuda.syncthreads()
-                        if i + 1 < n:  # step i + 1's X into the stage step i + 1 - stages read
-                            store_x_wg(smem, nxt * X_STAGE, xr, tid)
-                            fence_proxy_async()  # the stores, visible to wgmma after the next barrier
-                        if i + 2 < n:
-                            load_x_wg(x, xr, first + i + 2, t_rows, k_cols, tid)
-                    else:
-                        wait_landed()  # this thread's copies of step i have landed ...
-                        cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
-                        fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
+                        fence_proxy_async()  # ... visible to wgmma, ...
+                    # ... and every thread's; every warp is done with step i - 1's stage (wgmma:
+                    # every warpgroup's wgmma of steps up to i - 2)
+                    cuda.syncthreads()
+                    if WG:  # the step whose X enters the ring now, where step i - 2's was
+                        fill = i + stages - 2
                         if fill < n:
-                            prev = (
-                                stage - 1 if stage > 0 else stages - 1
-                            )  # (fill % stages, without a division)
+                            at = stage + stages - 2
+                            at = at - stages if at >= stages else at  # (fill % stages, without a division)
+                            stage_x_wg(x, smem, at * X_STAGE, first + fill, t_rows, k_cols, tid)
+                    else:  # the step whose X enters the ring now, where step i - 1's was
+                        fill = i + stages - 1
+                        if fill < n:
+                            prev = stage - 1 if stage > 0 else stages - 1  # (fill % stages)
                             stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
-                        cp_async_commit()  # (an empty group near the end)
+                    cp_async_commit()  # (an empty group near the end)
                     if live:
                         if i + ahead < n:  # into the slot step i - 1 used
                             load_step(w1, s1, w3, s3, first + i + ahead, (r + ahead) % R, tile0, g, t, n_rows,
@@ -469,7 +444,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
                             step_product_wg(smem, stage * X_STAGE, r, wg, wh, dm, a, acc)
                         else:
                             step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
-                    stage = nxt
+                    stage = stage + 1 if stage < stages - 1 else 0
             i0 += R
         if WG:
             wait_mma()  # every group retired: acc is this thread's again

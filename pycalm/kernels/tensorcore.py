@@ -3,6 +3,8 @@
   mma_16816(a0..a3, b0, b1, c0..c3) -> d0..d3    mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
   ldmatrix_x4(smem, word) -> r0..r3              ldmatrix.sync.aligned.m8n8.x4.shared.b16
   ldmatrix_x4_trans(smem, word) -> r0..r3        ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16
+  cp_async4(smem, word, src, row, col, nbytes)   cp.async.ca.shared.global, 4 bytes (zero-filled
+                                                 past nbytes)
   cp_async16(smem, word, src, row, col, nbytes)  cp.async.cg.shared.global, 16 bytes (zero-filled
                                                  past nbytes), cp_async_commit, cp_async_wait_all
                                                  / cp_async_wait_one (wait_group 0 / 1),
@@ -124,6 +126,16 @@ if _numba_config.ENABLE_CUDASIM:
         words = vals.view(np.int32)
         for e in range(4):
             smem[word + e] = words[e]
+
+    def cp_async4(smem: np.ndarray, word: int, src: np.ndarray, row: int, col: int, nbytes: int) -> None:
+        """Copy 2 fp16 src[row, col:col+2] into smem[word], zero where nbytes is 0 (simulator:
+        at once)."""
+        if col % 2:
+            raise ValueError(f"cp.async source column {col} is not 4-byte aligned")
+        vals = np.zeros(2, np.float16)
+        if nbytes:
+            vals[0], vals[1] = src[row, col], src[row, col + 1]
+        smem[word] = vals.view(np.int32)[0]
 
     def _words_at(src: np.ndarray, row: int, col: int, n_bytes: int) -> np.ndarray:
         """The n_bytes from element [row, col] of a 2-D array as int32 words (element reads)."""
@@ -278,14 +290,11 @@ else:
         element l >> 2 of matrix i's rows 2 (l & 3) and 2 (l & 3) + 1. Every lane must call it."""
         return _ldmatrix(smem, word, ".trans")
 
-    @intrinsic
-    def cp_async16(typingctx, smem, word, src, row, col, nbytes):  # noqa: ANN001, ANN201
-        """Start a 16-byte copy of src[row, col:col+8] (a 2-D C-contiguous float16 array in
-        global memory, the 16 bytes aligned) to words word..word+3 of the shared int32 array
-        `smem`, without passing through registers (cp.async.cg: cached in L2 only). Only the
-        first nbytes (0 or 16) are read, the rest is zero-filled: a masked row passes 0 (with
-        an in-bounds row and col). Visible after cp_async_commit, cp_async_wait_all and a
-        barrier."""
+    def _cp_async(smem: object, word: object, src: object, row: object, col: object, nbytes: object,
+                  text: str) -> object:  # fmt: skip
+        """The intrinsic body of a cp.async of src[row, col:...] (a 2-D C-contiguous float16
+        array) to word `word` of the shared int32 array smem: `text` the instruction, on
+        operands (shared address, global address, bytes read)."""
         if not _is_word_array(smem):
             return None
         if not (isinstance(src, types.Array) and src.ndim == 2 and src.dtype == types.float16):
@@ -301,13 +310,28 @@ else:
             ptr = cgutils.get_item_pointer(context, builder, sty, ary, [r, c], wraparound=False)
             n = context.cast(builder, args[5], sig.args[5], types.int32)
             fnty = ir.FunctionType(ir.VoidType(), [_I32, ptr.type, _I32])
-            asm = ir.InlineAsm(
-                fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", side_effect=True
-            )
+            asm = ir.InlineAsm(fnty, text, "r,l,r,~{memory}", side_effect=True)
             builder.call(asm, [addr, ptr, n])
             return context.get_dummy_value()
 
         return sig, codegen
+
+    @intrinsic
+    def cp_async16(typingctx, smem, word, src, row, col, nbytes):  # noqa: ANN001, ANN201
+        """Start a 16-byte copy of src[row, col:col+8] (a 2-D C-contiguous float16 array in
+        global memory, the 16 bytes aligned) to words word..word+3 of the shared int32 array
+        `smem`, without passing through registers (cp.async.cg: cached in L2 only). Only the
+        first nbytes (0 or 16) are read, the rest is zero-filled: a masked row passes 0 (with
+        an in-bounds row and col). Visible after cp_async_commit, cp_async_wait_all and a
+        barrier."""
+        return _cp_async(smem, word, src, row, col, nbytes, "cp.async.cg.shared.global [$0], [$1], 16, $2;")
+
+    @intrinsic
+    def cp_async4(typingctx, smem, word, src, row, col, nbytes):  # noqa: ANN001, ANN201
+        """cp_async16's 4-byte form: src[row, col:col+2] (4-byte aligned) to word `word`, nbytes
+        0 or 4 (cp.async.ca: the 4-byte form is cached in L1 too, so a thread's copies of
+        neighbouring words share their sectors)."""
+        return _cp_async(smem, word, src, row, col, nbytes, "cp.async.ca.shared.global [$0], [$1], 4, $2;")
 
     _BYTE_WORD_ARRAYS = (types.uint8, types.int8, types.uint32, types.float16)
 
