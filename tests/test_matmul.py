@@ -31,7 +31,7 @@ from pycalm.kernels.matmul import (
     matmul_split_scratch,
     splits_for,
 )
-from pycalm.kernels.panel import UNIT, WG_BLOCK, panel_matmul, panel_scratch, rows_a_block, split_count
+from pycalm.kernels.panel import UNIT, panel_matmul, panel_scratch, rows_a_block, split_count
 from pycalm.kernels.skinny import MAX_ROWS, skinny_matmul
 from pycalm.kernels.wgmma_matmul import takes, wgmma_matmul
 from pycalm.model import formats
@@ -78,17 +78,17 @@ def _check(got, want, scale):
 
 def _run(mode, x, w, dtype, out, w3=None, tile=None, scratch=None):
     """The kernel's out: matmul with `tile` (K split over blocks with a scratch), or the skinny
-    kernel for tile="skinny", the panel kernel for tile="panel" (its scratch; "panel-wg": on
-    wgmma), or wgmma_matmul's for tile="wgmma"."""
+    kernel for tile="skinny", the panel kernel for tile="panel" (its scratch), or wgmma_matmul's
+    for tile="wgmma"."""
     d_out = cuda.to_device(out)
     stream = cuda.default_stream()
     w3 = None if w3 is None else to_device(w3)
     if tile == "skinny":
         skinny_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
-    elif tile in ("panel", "panel-wg"):
-        block = WG_BLOCK if tile == "panel-wg" else None
-        panel_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3,
-                     scratch=scratch, block=block)  # fmt: skip
+    elif tile == "panel":
+        panel_matmul(
+            cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3, scratch=scratch
+        )
     elif tile == "wgmma":
         wgmma_matmul(cuda.to_device(x), to_device(w), d_out, dtype, stream=stream, mode=mode, w3=w3)
     else:
@@ -483,26 +483,6 @@ def test_panel(dtype, group, mode, t_rows, n, units):
     scratch = panel_scratch()
     for seed in (5, 6) if mode == "residual" else (5,):
         _test(mode, dtype, t_rows, n, k, tile="panel", seed=seed, group=group, scratch=scratch)
-
-
-# the panel on wgmma (a warpgroup's 64 rows of W a wgmma): under the simulator one block of one
-# warpgroup with K split in two (a step and a quarter) in every format, and q4 over two blocks,
-# the second partly past N; on the GPU test_panel's shapes
-PANEL_WG_FORMATS = [("fp16", 32), ("fp8", 32), ("gf4", 32), ("q8", 32), ("q4", 32), ("q4", 64)]
-PANEL_WG_CASES = [(*f, 19, 40, 5) for f in PANEL_WG_FORMATS] + [("q4", 32, 37, 77, 5)]
-if GPU:
-    PANEL_WG_CASES = [(*f, *shape) for f in PANEL_WG_FORMATS for shape in PANEL_SHAPES]
-
-
-@pytest.mark.parametrize("dtype,group,t_rows,n,units", PANEL_WG_CASES)
-@pytest.mark.parametrize("mode", MODES)
-def test_panel_on_wgmma(dtype, group, mode, t_rows, n, units):
-    """The panel kernel with its products on wgmma against the reference, as test_panel."""
-    k = units * UNIT[dtype]
-    k = -(-k // group) * group if dtype == "q4" else k  # q4: whole groups
-    scratch = panel_scratch()
-    for seed in (5, 6) if mode == "residual" else (5,):
-        _test(mode, dtype, t_rows, n, k, tile="panel-wg", seed=seed, group=group, scratch=scratch)
 
 
 def test_panel_splits_k_where_the_blocks_are_few():

@@ -292,6 +292,17 @@ def _reports() -> None:
     for n in (24, 64):  # A from registers
         sig = (types.int32[:, ::1], types.int32[:, ::1], types.float32[:, ::1])
         print(json.dumps(ptxas_report(_ra_kernel(n), sig, f"wgmma ra n={n}")))
+    panel_wg = _script("panel_wg")  # the panel on wgmma: q4 at 64 rows, its 16-warp block
+    for mode, out in (("plain", types.float32), ("gate", types.float16)):
+        sig = (
+            types.float16[:, ::1],
+            *[types.uint32[:, ::1]] * 4,
+            out[:, ::1],
+            types.float32[::1],
+            types.int32[::1],
+        )
+        kernel = panel_wg.make_kernel("q4", panel_wg.MODES[mode], 8, 16, 3, 1, 1)
+        print(json.dumps(ptxas_report(kernel, sig, f"panel_wg q4 {mode}")))
     probe = _script("wgmma_probe")
     sig = (types.int32[::1], types.int32[::1], types.float32[:, :, ::1], *[types.int64] * 4)
     print(json.dumps(ptxas_report(probe.probe_kernel, sig, "wgmma probe")))
@@ -381,7 +392,7 @@ def _script(name: str) -> object:
 
 
 def test_wgmma_compiles_for_sm90a() -> None:
-    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py, test_tma's TMA kernels, the
+    """The intrinsics, the probe of scripts/kernels/wgmma_probe.py, panel_wg.py's q4 kernels, test_tma's TMA kernels, the
     wgmma, TMA and decode versions of scripts/kernels/matmul.py and the wg attention of
     scripts/kernels/prefill_attention.py, through numba's real compiler and ptxas for sm_90a: the wgmma a loop step takes, no spill, no
     ptxas warning (a serialized wgmma is one)."""
@@ -405,7 +416,7 @@ def test_wgmma_compiles_for_sm90a() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     script = _script("matmul")
-    assert len(reports) == 17 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES) + 3 * len(
+    assert len(reports) == 19 + 3 * len(gpu_versions(script)) * len(script.WGMMA_DTYPES) + 3 * len(
         tma_versions(script)
     ) + 3 * len(decode_versions(script)) * len(QUANTIZED_DTYPES)
     for rep in reports:
@@ -414,6 +425,8 @@ def test_wgmma_compiles_for_sm90a() -> None:
         # keys; else a K step's 4
         attention = re.match(r"attention wg2? d(\d+)", rep["label"])
         wgmmas = {"wgmma probe": 1, "tma box": 0}.get(rep["label"], K // 16)
+        if rep["label"].startswith("panel_wg"):
+            wgmmas = 16  # q4: 8 k16 tiles a step, the loop unrolled by its two ring slots
         if attention:
             wgmmas = 2 * (int(attention[1]) + 64) // 16
         spill = KNOWN_SPILLS.get(rep["label"], 0)
@@ -444,6 +457,22 @@ def test_matmul_script_checks_its_wgmma_version(version: str, cases: int) -> Non
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     # 3 modes x 5 formats (x 2 splits: rows; TMA: fp16 alone; decode: all but fp16)
     assert r.stdout.count(" ok") == cases and "FAIL" not in r.stdout, r.stdout
+
+
+def test_panel_wg_script_checks_itself() -> None:
+    """scripts/kernels/panel_wg.py (the panel's products on wgmma, A from registers, X staged by
+    4-byte cp.async) against the reference in every format and mode: under the simulator one
+    warpgroup with K split in two; on the GPU four shapes up to the 8B's widths."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "kernels" / "panel_wg.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True,
+                       env=dict(os.environ), timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count(" ok") == (4 if GPU else 1) * 5 * 3 and "FAIL" not in r.stdout, r.stdout
 
 
 def test_wgmma_probe_finds_where_a_model_differs(monkeypatch: pytest.MonkeyPatch) -> None:

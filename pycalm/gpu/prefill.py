@@ -85,9 +85,6 @@ SKINNY_GATE_ROWS = {"gf4": 16, "q4": 16}
 # 9.07 with the folds (9.10 on the panel without them, another H100); q4 8.34 (10.03 before its
 # (d, m) word was split where it is used: the same machine)
 PANEL_ROWS = {"fp16": 0, "fp8": 64, "gf4": 64, "q8": 64, "q4": 64}
-# the panel's block a format (pycalm.kernels.panel's BLOCK, or WG_BLOCK: its products on wgmma,
-# on an H100 / H200 and the simulator only)
-PANEL_BLOCKS: dict[str, str] = {"fp16": "BLOCK", "fp8": "BLOCK", "gf4": "BLOCK", "q8": "BLOCK", "q4": "BLOCK"}
 # passes of at most SPLIT_ATTENTION_ROWS rows take pycalm.kernels.attention's split-K attention
 # (every row its own splits over the keys, spread over the SMs), longer ones prefill_attention's
 # tiles (a block a kv head and 64 rows); batch-invariant engines take the split one for every
@@ -271,12 +268,6 @@ class Prefill:
             dict.fromkeys(PANEL_ROWS, 0) if self.invariant or not skinny_ok else dict(PANEL_ROWS)
         )
         self.panel_scratch = panel_scratch(engine.stream) if any(self.panel_rows.values()) else None
-        from pycalm.kernels import panel
-        from pycalm.kernels.wgmma_matmul import hopper
-
-        self.panel_blocks = {
-            d: getattr(panel, name if panel.SIM or hopper() else "BLOCK") for d, name in PANEL_BLOCKS.items()
-        }  # format -> the panel's block (warps, row_tiles, stages, min_blocks, ahead, wgmma)
         # the prefill attention's partials where a pass's blocks are few (its keys split over
         # blocks; batch-invariant passes take the split attention, never the tiles)
         self.tiles_scratch = None if self.invariant else prefill_attention_scratch(cfg, engine.stream)
@@ -344,8 +335,7 @@ class Prefill:
             if n_rows <= skinny_rows[dtype]:
                 launch = skinny_matmul
             elif n_rows <= self.panel_rows[dtype]:
-                launch = panel_matmul
-                kwargs = {**kwargs, "scratch": self.panel_scratch, "block": self.panel_blocks[dtype]}
+                launch, kwargs = panel_matmul, {**kwargs, "scratch": self.panel_scratch}
             elif not self.invariant and takes(n_rows, x.shape[1], dtype):
                 launch = wgmma_matmul
             else:

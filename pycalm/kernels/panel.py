@@ -51,25 +51,8 @@ merge) turns them into rms and scale (skinny.fold_scales). PLAIN and GATE (SCALE
 row's sums by its scale before the epilogue. A pass of 33 to 64 rows on the panel thus runs no
 RMSNorm launch but its first (pycalm.gpu.prefill's Prefill.folds).
 
-On wgmma (make_panel_kernel(wgmma=True), WG_BLOCK; Hopper only, not the default). Four warps
-are a warpgroup, 64 rows of W; each step a warp decodes its 16 rows into A fragments as above,
-and the warpgroup runs one wgmma m64n{8 n_tiles}k16 a k16 tile (warpgroup.wgmma_f16_ra: A from
-those registers) against X in shared memory, which each warpgroup then reads once rather than
-each warp (256 bytes of lds a mma.sync m16n8k16 above). A step runs in two halves of KT / 2 k16
-tiles, a wgmma group each: a half's fragments are read until its group retires, so a thread
-waits (wait_group 1) for the other half's group before decoding into its buffer. wgmma reads B
-in k order, and a_pair's lanes hold their unit's weights in theirs: so X comes through registers
-(a thread a (row, k-tile pair) group: four 16-byte loads, at columns t E + 8 i for t = 0..3) and
-is stored transposed, logical chunk 4 i + w holding word w of each of the four, in 8-row x
-16-byte core matrices (no swizzle: K's chunks 128 bytes apart, 8 rows CH 128 bytes apart); three
-stages (X stored a step ahead, the last half's wgmma still reading). The accumulators are
-mma.sync's (the same epilogue). Measured before the halves (a step's fragments for two ring
-slots, q4 64 registers: 8 warps a block), it lost: q4's layer at 64 rows 250 us against 185
-(H100, 2026-12-07, `rows_matmul.py --panel "16,1,3,1,1;8,1,3,1,1,1;4,1,3,2,1,1" --rows 64,32
---dtypes q4`: 185 / 250 / 351 us, at 32 rows 120 / 184 / 261), the 8B's q4 rows pass 7.13 /
-10.26 ms at 32 / 64 rows against 5.79 / 8.34; its step loop issued as many instructions as the
-mma.sync one with half the warps. With the halves 16 warps fit 128 registers (q4 gate 127, no
-spill): not yet timed.
+The same products on Hopper's wgmma (a warpgroup's 64 rows of W against X read once a
+warpgroup): scripts/kernels/panel_wg.py, measured slower (its docstring).
 
 Bytes: the weights once; X from L2 once a block a step (at 64 rows and 256 rows of W a block,
 0.25x (fp16) to 0.9x (gf4, q4) the block's weight bytes); with splits, 4 T N bytes a split
@@ -102,23 +85,7 @@ from pycalm.kernels.skinny import (
     stored_args,
     unit_decoders,
 )
-from pycalm.kernels.tensorcore import (
-    cp_async4,
-    cp_async16,
-    cp_async_commit,
-    cp_async_wait,
-    lds128,
-    mma_16816,
-)
-from pycalm.kernels.warpgroup import (
-    SWIZZLE_NONE,
-    fence_proxy_async,
-    smem_desc,
-    wgmma_commit,
-    wgmma_f16_ra,
-    wgmma_fence,
-    wgmma_wait,
-)
+from pycalm.kernels.tensorcore import cp_async16, cp_async_commit, cp_async_wait, lds128, mma_16816
 
 SIM = _numba_config.ENABLE_CUDASIM
 # the block: warps, A tiles a warp, X stages, blocks an SM its registers are capped for (launch
@@ -138,11 +105,7 @@ SIM = _numba_config.ENABLE_CUDASIM
 # runs a Python thread a thread: 2 warps of one tile.
 WARPS, ROW_TILES, STAGES, MIN_BLOCKS = (2, 1, 3, 0) if SIM else (16, 1, 3, 1)
 AHEAD = 1
-WGMMA = False
-BLOCK = (WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD, WGMMA)
-# the same on wgmma: warpgroups (four a block), three stages (X stored a step ahead, a step's
-# last wgmma in flight while the next step begins)
-WG_BLOCK = (4, 1, 3, 0, 1, True) if SIM else (16, 1, 3, 1, 1, True)
+BLOCK = (WARPS, ROW_TILES, STAGES, MIN_BLOCKS, AHEAD)
 MIN_SPLIT_STEPS = 1 if SIM else 4  # steps of K a split takes at least
 MAX_SPLITS = 16
 
@@ -187,16 +150,14 @@ def make_panel_kernel(  # noqa: ANN201, C901
     min_blocks: int = MIN_BLOCKS,
     ahead: int = AHEAD,
     norm: int = NO_NORM,
-    wgmma: bool = False,
 ):
     """panel_kernel for a weight dtype, an epilogue mode, an n-tile count (passes of up to 8
     n_tiles rows), a block shape and an RMSNorm part (skinny's NO_NORM, SCALED or FOLD), one
     compile each; min_blocks > 0: compiled to fit that many blocks an SM (launch bounds: the
     registers a thread may take); ahead: the steps whose weights are in flight while a step is
-    multiplied; wgmma: the products on wgmma (the module docstring's "On wgmma"). Arguments (x, w1,
-    s1, w3, s3, out, part, tiles_done), then SCALED's scale or FOLD's (nw, rho, x_next, slots,
-    counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else W1, W3 again, unread); part,
-    tiles_done the scratch (read where gridDim.y > 1)."""
+    multiplied. Arguments (x, w1, s1, w3, s3, out, part, tiles_done), then SCALED's scale or
+    FOLD's (nw, rho, x_next, slots, counter, rms, scale, eps): s1, s3 the q8 / q4 scales (else
+    W1, W3 again, unread); part, tiles_done the scratch (read where gridDim.y > 1)."""
     a_pair, load_unit = unit_decoders(dtype)
     store_gate, store_sum = output_stores(dtype, mode, norm)
     E = UNIT[dtype]  # weights a unit
@@ -222,83 +183,15 @@ def make_panel_kernel(  # noqa: ANN201, C901
     SWZ_HI = 2 if CH == 16 else 0  # ... and ^= this in a 256-byte row's upper half
     gate, fold = mode == GATE, norm == FOLD
     tile_rows = 8 if gate else 16  # outputs an A tile makes
-    # all but the newest groups of copies have landed: stages - 2 (wgmma: stages - 3, X a step
-    # less ahead, as the stage after the newest is still read by the last step's wgmma)
-    wait_landed = cp_async_wait(stages - 3 if wgmma else stages - 2)
+    wait_landed = cp_async_wait(stages - 2)  # all but the stages - 2 newest groups have landed
     wait_all = cp_async_wait(0)
     if stages < 2 or SMEM_WORDS * 4 > 48 * 1024:
         raise PycalmError(f"panel: {stages} stages of {T_MAX} rows x {STEP} columns pass 48 KiB")
-    # wgmma: E / 4 k16 tiles a step, each one wgmma m64n{T_MAX}k16 a warpgroup, in two halves
-    # (a group each, its A fragments read until it retires); X a group (row, k-tile pair) a
-    # thread: four 16-byte loads
-    KT = E // 4
-    HALF = KT // 2
-    WG_A = KT * 4  # the two halves' fragments
-    PIECES_WG = T_MAX * PAIRS * 4  # (row, pair, t) pieces of a step's X: four 4-byte copies each
-    X_PIECES = -(-PIECES_WG // threads)  # pieces a thread
-    SBO = CH * 128  # bytes from 8 rows of a stage to the next 8
-    WG = wgmma
-    wg_mma = wgmma_f16_ra(T_MAX) if WG else None
-    wait_one = wgmma_wait(1)  # all but the newest group retired: the other half's buffer is free
-    wait_mma = wgmma_wait(0)
-    if WG and (row_tiles != 1 or warps % 4 or stages < 3):
-        raise PycalmError("panel on wgmma: warpgroups of one tile a warp, 3 stages at least")
-    A_LEN = WG_A if WG else A_WORDS
-    if WG and (row_tiles != 1 or warps % 4 or stages < R + 1):
-        raise PycalmError(f"panel on wgmma: warpgroups of one tile a warp, {R + 1} stages at least")
 
     @cuda.jit(device=True, inline=True)
     def chunk_at(r, c):  # noqa: ANN001, ANN202
         """The word of 16-byte chunk c of staged row r (swizzled, see the module docstring)."""
         return r * ROW_WORDS + 4 * (c ^ (SWZ_ROW * (r & 1)) ^ (SWZ_HI * ((c >> 3) & 1)))
-
-    @cuda.jit(device=True, inline=True)
-    def core_at(r, kc):  # noqa: ANN001, ANN202
-        """wgmma's stage: the word of 16-byte chunk kc of row r, in 8-row x 16-byte core matrices
-        (K's chunks 128 bytes apart, 8 rows SBO apart)."""
-        return (r >> 3) * (SBO // 4) + kc * 32 + (r & 7) * 4
-
-    @cuda.jit(device=True, inline=True)
-    def stage_x_wg(x, smem, base, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
-        """wgmma: start the copies of step `step`'s X into the stage at word `base`, in the lanes'
-        k order: k-tile 2 i + jj's logical chunk h (k 8 h .. 8 h + 7) holds word 2 jj + h of each
-        of the four 16-byte chunks of the step's row at columns t E + 8 i (t = 0..3), as
-        a_pair's lane t holds its unit's weights 4 j + 2 h, + 1. A piece (row r, pair i, t) a
-        thread: its chunk's four words, each to word t of logical chunk 4 i + w, by 4-byte
-        copies (columns past K as zeros, rows past T the last row's: their sums are never
-        stored). Lane 4 (r & 7) + t: a copy of the warp writes 32 consecutive words."""
-        for c in range(X_PIECES):
-            p = int32(tid + c * threads)
-            if X_PIECES * threads == PIECES_WG or p < PIECES_WG:
-                t_ = p & 3
-                r = ((p >> 2) & 7) + 8 * ((p >> 5) // PAIRS)
-                i = (p >> 5) % PAIRS
-                col = step * STEP + t_ * E + 8 * i
-                nbytes = 4 if col < k_cols else 0
-                row = min(r, t_rows - 1)
-                at = base + core_at(r, 4 * i) + t_
-                for w in range(4):  # logical chunk 4 i + w (32 words on a chunk)
-                    cp_async4(smem, at + 32 * w, x, row, col + 2 * w if nbytes else 0, nbytes)
-
-    @cuda.jit(device=True, inline=True)
-    def step_product_wg(smem, base, slot, wg, wh, dm, a, acc):  # noqa: ANN001, ANN202
-        """wgmma: acc += this step's products from ring slot `slot`, in two halves of KT / 2
-        k16 tiles: a half's A fragments decoded from the lane's units into its buffer, then one
-        wgmma a k16 tile of the warpgroup's 64 rows against the stage at word `base`, one group
-        a half; after each, a wait until the other half's group has retired (its buffer is
-        decoded into next)."""
-        for h in range(2):
-            for jj in range(HALF):
-                j = h * HALF + jj
-                a[4 * j], a[4 * j + 2] = a_pair(wg, slot, j, dm[2 * slot])
-                a[4 * j + 1], a[4 * j + 3] = a_pair(wh, slot, j, dm[2 * slot + 1])
-            wgmma_fence()  # the fragments written above, before the wgmma that read them
-            for jj in range(HALF):
-                j = h * HALF + jj
-                desc = smem_desc(smem, base + 64 * j, 128, SBO, SWIZZLE_NONE)
-                wg_mma(acc, a[4 * j], a[4 * j + 1], a[4 * j + 2], a[4 * j + 3], smem, desc, 1)
-            wgmma_commit()
-            wait_one()
 
     @cuda.jit(device=True, inline=True)
     def stage_x(x, smem, base, step, t_rows, k_cols, tid):  # noqa: ANN001, ANN202
@@ -376,9 +269,7 @@ def make_panel_kernel(  # noqa: ANN201, C901
         wg = cuda.local.array(RING, int32)  # of row g, an A tile each
         wh = cuda.local.array(RING, int32)  # of row g + 8 (GATE: W3's row g)
         dm = cuda.local.array(DM_WORDS, int32)  # q4: the (d, m) words of row g's and row g + 8's units
-        a = cuda.local.array(
-            A_LEN, int32
-        )  # A fragments of two k-tiles, each A tile (wgmma: a step's, each slot)
+        a = cuda.local.array(A_WORDS, int32)  # A fragments of two k-tiles, each A tile
         xoff = cuda.local.array(PAIRS, int32)  # the lane's word of each k-tile pair's X in row g
         acc = cuda.local.array(ACC, float32)  # (row_tiles, n_tiles, 4) C fragments
         for e in range(ACC):
@@ -392,8 +283,6 @@ def make_panel_kernel(  # noqa: ANN201, C901
         t_rows, k_cols = x.shape
         tile0 = (cuda.blockIdx.x * warps + warp) * MT  # the warp's first A tile
         live = tile0 * tile_rows < n_rows  # warp-uniform: a warp past N loads nothing
-        if WG:  # warpgroup-uniform (its wgmma take all four warps): the group's first tile
-            live = (tile0 - (warp & 3)) * tile_rows < n_rows
         n_steps = (k_cols + STEP - 1) // STEP
         per = (n_steps + cuda.gridDim.y - 1) // cuda.gridDim.y
         first = cuda.blockIdx.y * per  # the block's steps: first .. first + n - 1
@@ -405,12 +294,9 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 if k < n:
                     load_step(w1, s1, w3, s3, first + k, k, tile0, g, t, n_rows, k_cols, g_shift, wg, wh, dm)
         dependent_start()  # in a programmatic graph: wait for the kernel that wrote X (and out)
-        for i in range(stages - 2 if WG else stages - 1):  # the first steps' X in flight, a group each
+        for i in range(stages - 1):  # the first steps' X in flight, a group each
             if i < n:
-                if WG:
-                    stage_x_wg(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
-                else:
-                    stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
+                stage_x(x, smem, i * X_STAGE, first + i, t_rows, k_cols, tid)
             cp_async_commit()
         stage = 0
         i0 = 0
@@ -419,35 +305,19 @@ def make_panel_kernel(  # noqa: ANN201, C901
                 i = i0 + r
                 if i < n:  # block-uniform
                     wait_landed()  # this thread's copies of step i have landed ...
-                    if WG:
-                        fence_proxy_async()  # ... visible to wgmma, ...
-                    # ... and every thread's; every warp is done with step i - 1's stage (wgmma:
-                    # every warpgroup's wgmma of steps up to i - 2)
-                    cuda.syncthreads()
-                    if WG:  # the step whose X enters the ring now, where step i - 2's was
-                        fill = i + stages - 2
-                        if fill < n:
-                            at = stage + stages - 2
-                            at = at - stages if at >= stages else at  # (fill % stages, without a division)
-                            stage_x_wg(x, smem, at * X_STAGE, first + fill, t_rows, k_cols, tid)
-                    else:  # the step whose X enters the ring now, where step i - 1's was
-                        fill = i + stages - 1
-                        if fill < n:
-                            prev = stage - 1 if stage > 0 else stages - 1  # (fill % stages)
-                            stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
+                    cuda.syncthreads()  # ... and every thread's; every warp is done with step i - 1's stage
+                    fill = i + stages - 1  # the step whose X enters the ring now, where step i - 1's was
+                    if fill < n:
+                        prev = stage - 1 if stage > 0 else stages - 1  # (fill % stages, without a division)
+                        stage_x(x, smem, prev * X_STAGE, first + fill, t_rows, k_cols, tid)
                     cp_async_commit()  # (an empty group near the end)
                     if live:
                         if i + ahead < n:  # into the slot step i - 1 used
                             load_step(w1, s1, w3, s3, first + i + ahead, (r + ahead) % R, tile0, g, t, n_rows,
                                       k_cols, g_shift, wg, wh, dm)  # fmt: skip
-                        if WG:
-                            step_product_wg(smem, stage * X_STAGE, r, wg, wh, dm, a, acc)
-                        else:
-                            step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
+                        step_product(smem, stage * X_STAGE, r, xoff, wg, wh, dm, a, acc)
                     stage = stage + 1 if stage < stages - 1 else 0
             i0 += R
-        if WG:
-            wait_mma()  # every group retired: acc is this thread's again
 
         if cuda.gridDim.y > 1:  # the tile's splits meet: the last to finish adds them up in split order
             n_splits = cuda.gridDim.y
@@ -548,14 +418,14 @@ def panel_matmul(
     w3: object = None,
     scale: object = None,
     fold: NormFold | None = None,
-    block: tuple | None = None,
+    block: tuple = BLOCK,
 ) -> None:
     """out = X W^T ("plain"), out += X W^T ("residual"), or out = silu(X W^T) * (X W3^T)
     ("gate"), as pycalm.kernels.matmul.matmul, for X (T, K) float16 with T <= 64 and K a
     multiple of UNIT[dtype] (fits); scratch from panel_scratch (K split over blocks where the
     blocks leave SMs idle). scale (T,) float32 ("plain", "gate"): each row's sums times it;
     fold ("residual"): the next RMSNorm folded in (skinny.NormFold), as skinny_matmul's. block:
-    (warps, row_tiles, stages, min_blocks, ahead, wgmma), the module's BLOCK unless given."""
+    (warps, row_tiles, stages, min_blocks, ahead), the module's BLOCK unless given."""
     check_mode(mode, w3)
     t_rows, k_cols = x.shape
     if not fits(dtype, k_cols):
@@ -564,10 +434,8 @@ def panel_matmul(
         )
     norm, norm_args = norm_part("panel", mode, scale, fold)
     n_tiles = n_tiles_for(t_rows)
-    warps, row_tiles, stages, min_blocks, ahead, wgmma = block or BLOCK
-    kernel = make_panel_kernel(
-        dtype, MODES[mode], n_tiles, warps, row_tiles, stages, min_blocks, ahead, norm, wgmma
-    )
+    warps, row_tiles, stages, min_blocks, ahead = block
+    kernel = make_panel_kernel(dtype, MODES[mode], n_tiles, warps, row_tiles, stages, min_blocks, ahead, norm)
     args = stored_args(w, w3, dtype, k_cols)
     if len(args) == 2:  # fp16, fp8, gf4: W1, W3 stand in for the scales (unread)
         args = (args[0], args[0], args[1], args[1])

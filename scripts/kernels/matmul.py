@@ -45,6 +45,7 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from numba import config as numba_config
@@ -592,25 +593,8 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
     elif version in DECODE_VERSIONS:
         dtypes = tuple(d for d in dtypes if d != "fp16")
     for dtype in dtypes:
-        x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
-        w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
-        w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
-        scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
-        d_w, d_w3 = (on_device(m) for m in (w, w3))
-        # the weights as the tensor cores take them: a q4 weight d q + m rounded to fp16
-        rw, rw3, rdtype = (
-            (w, w3, dtype)
-            if dtype != "q4"
-            else (*(formats.fp16_encode(formats.decode(m, "q4")) for m in (w, w3)), "fp16")
-        )
-        for mode in ("plain", "residual", "gate"):
-            r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
-            if mode == "plain":
-                want, out = matmul_ref(x, rw, rdtype), np.zeros((t_rows, n), np.float32)
-            elif mode == "residual":
-                want, out = matmul_residual_ref(x, rw, rdtype, r0), r0
-            else:
-                want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
+        for mode, x, w, w3, out, want, scale in reference_cases(rng, t_rows, n, k, dtype):
+            d_w, d_w3 = (on_device(m) for m in (w, w3))
             # rows versions: K whole (on the GPU), in two splits, and in row_splits' (0)
             row_cases = (2, 0) if numba_config.ENABLE_CUDASIM else (1, 2, 0)
             for splits in row_cases if is_rows(version) else (0,):
@@ -621,6 +605,29 @@ def check_wgmma(version: str, shape: tuple[int, int, int], dtypes: tuple[str, ..
                 )
                 ok &= judge(d_out, want, scale, mode, label)
     return ok
+
+
+def reference_cases(rng: np.random.Generator, t_rows: int, n: int, k: int, dtype: str) -> Iterator[tuple]:
+    """Random X (t_rows, k), W and W3 (n, k) of a dtype and, for each mode, (mode, x, w, w3, out,
+    want, scale): out the launch's starting output (residual: a random r0), want the reference
+    on the weights as the tensor cores take them (q4: d q + m rounded to fp16), scale the |X|
+    |W|^T sums that judge() bounds the error by."""
+    x = formats.fp16_encode(rng.standard_normal((t_rows, k)) * 0.5)
+    w = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+    w3 = formats.encode(rng.standard_normal((n, k)).astype(np.float32), dtype)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(formats.decode(w, dtype).astype(np.float64)).T
+    rw, rw3, rdtype = (
+        (w, w3, dtype) if dtype != "q4" else (*(formats.fp16_encode(formats.decode(m, "q4")) for m in (w, w3)), "fp16")
+    )  # fmt: skip
+    for mode in ("plain", "residual", "gate"):
+        r0 = rng.standard_normal((t_rows, n)).astype(np.float32)
+        if mode == "plain":
+            want, out = matmul_ref(x, rw, rdtype), np.zeros((t_rows, n), np.float32)
+        elif mode == "residual":
+            want, out = matmul_residual_ref(x, rw, rdtype, r0), r0
+        else:
+            want, out = matmul_gate_ref(x, rw, rw3, rdtype), np.zeros((t_rows, n), np.float16)
+        yield mode, x, w, w3, out, want, scale
 
 
 def on_device(w: object) -> object:

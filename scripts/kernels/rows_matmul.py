@@ -12,8 +12,8 @@ Versions:
            variants of warps a block (splitting K) and steps a warp loads at once
   panel    pycalm.kernels.panel: skinny's weight stream with X staged in shared memory, K split
            over blocks (--panel: block shapes warps,row_tiles,stages,min_blocks,ahead[,wgmma] beside
-           split and skinny, each checked against the split tile's outputs; wgmma 1: the products
-           on Hopper's wgmma, a warpgroup's 64 rows of W against X in shared memory)
+           split and skinny, each checked against the split tile's outputs; wgmma 1: panel_wg.py,
+           the products on Hopper's wgmma)
   r1..r3   scripts/kernels/matmul.py's wgmma rows versions (--wgmma): a 64 x BN tile on Hopper's
            warpgroup instructions, X staged once a block for BN rows of W, K split over blocks
            (checked against the reference first, as matmul.py --wgmma checks them)
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/kernels (mat
 
 from gpubench import graph_seconds  # noqa: E402
 from matmul import WGMMA_VERSIONS, check_wgmma, fill_kernel, row_splits, wgmma_matmul  # noqa: E402
+from panel_wg import panel_wg_matmul  # noqa: E402
 
 from pycalm.kernels import panel, skinny  # noqa: E402
 from pycalm.kernels.matmul import MODES, SplitScratch, Tile, matmul, matmul_split_scratch, sm_count  # noqa: E402
@@ -189,11 +190,15 @@ def table(dtypes: list[str], rows: list[int], variant: tuple[int, int], tiles: b
 
 
 def panel_launch(x, w, w3, out, dtype, mode, block, scratch):  # noqa: ANN001, ANN201
-    """A panel launch with a chosen block (warps, row_tiles, stages, min_blocks, ahead[, wgmma])."""
-    block = (*block, 0)[:6]  # (wgmma off unless named)
+    """A panel launch with a chosen block (warps, row_tiles, stages, min_blocks, ahead), or with
+    a sixth field 1 (row_tiles 1) panel_wg.py's products on wgmma."""
     scratch = panel.PanelScratch(*scratch)
+    if len(block) == 6 and block[5]:
+        warps, _, stages, min_blocks, ahead, _ = block
+        return lambda: panel_wg_matmul(x, w, out, dtype, stream=STREAM, scratch=scratch, mode=mode, w3=w3,
+                                       block=(warps, stages, min_blocks, ahead))  # fmt: skip
     return lambda: panel.panel_matmul(x, w, out, dtype, stream=STREAM, scratch=scratch, mode=mode, w3=w3,
-                                      block=block)  # fmt: skip
+                                      block=tuple(block[:5]))  # fmt: skip
 
 
 def panel_table(dtypes: list[str], rows: list[int], variants: list[tuple[int, ...]]) -> None:
