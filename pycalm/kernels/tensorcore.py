@@ -61,16 +61,24 @@ if _numba_config.ENABLE_CUDASIM:
         w = np.array(words, dtype=np.int64).astype(np.uint32)
         return w.view(np.float16).reshape(*w.shape, 2).astype(np.float32)
 
+    def a_fragment_matrix(frags: list) -> np.ndarray:
+        """The 16 x 16 float32 A of an m16n8k16 from every lane's (a0, a1, a2, a3, ...) (the
+        module docstring's A layout; wgmma's register form takes a warp's rows the same way)."""
+        h = _halves([f[:4] for f in frags])  # (32, 4, 2): a0..a3 as pairs
+        a = np.zeros((16, 16), np.float32)
+        g = _G[:, None]
+        a[g, _T2], a[g + 8, _T2], a[g, _T2 + 8], a[g + 8, _T2 + 8] = h[:, 0], h[:, 1], h[:, 2], h[:, 3]
+        return a
+
     def _mma_warp(frags: list) -> np.ndarray:
         """The warp's D = A B + C (16 x 8 float32) from every lane's (a0..a3, b0, b1, c0..c3)."""
-        h = _halves([f[:6] for f in frags])  # (32, 6, 2): a0..a3, b0, b1 as pairs
+        h = _halves([f[4:6] for f in frags])  # (32, 2, 2): b0, b1 as pairs
         cf = np.array([f[6:] for f in frags], np.float32)  # (32, 4)
-        a = np.zeros((16, 16), np.float32)
+        a = a_fragment_matrix(frags)
         b = np.zeros((16, 8), np.float32)
         c = np.zeros((16, 8), np.float32)
         g = _G[:, None]
-        a[g, _T2], a[g + 8, _T2], a[g, _T2 + 8], a[g + 8, _T2 + 8] = h[:, 0], h[:, 1], h[:, 2], h[:, 3]
-        b[_T2, g], b[_T2 + 8, g] = h[:, 4], h[:, 5]
+        b[_T2, g], b[_T2 + 8, g] = h[:, 0], h[:, 1]
         c[g, _T2], c[g + 8, _T2] = cf[:, 0:2], cf[:, 2:4]
         return (a @ b + c).astype(np.float32)
 

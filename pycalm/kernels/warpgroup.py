@@ -113,10 +113,17 @@ def descriptor_addresses(desc: int, rows: int) -> np.ndarray:
     return a ^ (((a >> 7) & 7) << 4)
 
 
+def _check_ra(n: int) -> None:
+    """wgmma_f16_ra's n: a multiple of 8 in 8..256 (the f16 forms' n)."""
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma with A from registers takes n a multiple of 8 in 8..256, got {n}")
+
+
 if _numba_config.ENABLE_CUDASIM:
     import threading
 
     from pycalm.kernels._cudasim import warp_once
+    from pycalm.kernels.tensorcore import a_fragment_matrix
 
     _pending = threading.local()  # a thread's open group and committed groups of wgmma
 
@@ -173,20 +180,6 @@ if _numba_config.ENABLE_CUDASIM:
 
         return wgmma
 
-    def _a_rows_warp(frags: list) -> np.ndarray:
-        """A warp's 16 rows of A (16 x 16 float32) from every lane's a0..a3 (tensorcore's A
-        fragment layout)."""
-        h = np.array(frags, dtype=np.int64).astype(np.uint32).view(np.float16).reshape(32, 4, 2)
-        a = np.zeros((16, 16), np.float32)
-        g = (np.arange(32) >> 2)[:, None]
-        cols = 2 * (np.arange(32) & 3)[:, None] + np.arange(2)
-        a[g, cols], a[g + 8, cols], a[g, cols + 8], a[g + 8, cols + 8] = h[:, 0], h[:, 1], h[:, 2], h[:, 3]
-        return a
-
-    def _check_ra(n: int) -> None:
-        if n % 8 or not 8 <= n <= 256:
-            raise ValueError(f"wgmma with A from registers takes n a multiple of 8 in 8..256, got {n}")
-
     def wgmma_f16_ra(n: int) -> object:
         """The twin of wgmma m64n{n}k16 with A from registers: the warp's A fragments gathered
         when it is issued (the registers may change after), the product recorded with B's
@@ -197,7 +190,7 @@ if _numba_config.ENABLE_CUDASIM:
                   scale_d: int) -> None:  # fmt: skip
             if len(acc) != n // 2:
                 raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators a thread, got {len(acc)}")
-            a, lane = warp_once((a0, a1, a2, a3), _a_rows_warp)
+            a, lane = warp_once((a0, a1, a2, a3), a_fragment_matrix)
             rows = a[[lane >> 2, (lane >> 2) + 8]].copy()  # (2, 16) this thread's rows g, g + 8
             _state()[0].append((n, acc, smem, rows, int(desc_b), int(scale_d), _tid()))
 
@@ -341,8 +334,7 @@ else:
         the warp's 16 rows of A as an mma.sync A fragment, int32 words of two fp16) and B from
         shared memory (K-major, no transpose): acc (the thread's n / 2 float32, a local array) =
         A B + (acc if scale_d else 0), asynchronously; a0..a3 are read until the group retires."""
-        if n % 8 or not 8 <= n <= 256:
-            raise ValueError(f"wgmma with A from registers takes n a multiple of 8 in 8..256, got {n}")
+        _check_ra(n)
         if n in _WGMMAS_RA:
             return _WGMMAS_RA[n]
         regs = n // 2

@@ -605,7 +605,7 @@ def _capturing(stream: object) -> bool:
 
 
 @functools.cache
-def hopper() -> bool:
+def _hopper() -> bool:
     """The current device takes sm_90a's instructions (wgmma, TMA, setmaxnreg): an H100 / H200."""
     return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
@@ -614,7 +614,7 @@ def takes(t_rows: int, k_cols: int, dtype: str) -> bool:
     """A product of t_rows rows, K = k_cols and `dtype` weights goes to wgmma_matmul: on an sm_90
     GPU, from WGMMA_MIN_ROWS[dtype] rows, K whole steps of 64 (the units the weight loads take
     never cross a row)."""
-    return not SIM and t_rows >= WGMMA_MIN_ROWS[dtype] and k_cols % WGMMA_BK == 0 and hopper()
+    return not SIM and t_rows >= WGMMA_MIN_ROWS[dtype] and k_cols % WGMMA_BK == 0 and _hopper()
 
 
 def wgmma_matmul(
