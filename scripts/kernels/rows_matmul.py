@@ -23,7 +23,7 @@ Versions:
     python scripts/kernels/rows_matmul.py --dtypes fp16 --rows 1,8
     python scripts/kernels/rows_matmul.py --wgmma r1,r2,r3 --rows 16,32,64   # beside skinny, split
     python scripts/kernels/rows_matmul.py --panel "8,2,3,0,1;8,1,3,2,2;4,2,3,0,2" --rows 32,64
-    python scripts/kernels/rows_matmul.py --panel "16,1,3,1,1;8,1,3,1,1,1;8,1,3,2,1,1" --rows 32,64
+    python scripts/kernels/rows_matmul.py --panel "16,1,3,1,1;16,1,3,1,1,1" --rows 32,64   # and on wgmma
 
 Each figure is a launch's share of a CUDA graph of REPEAT launches, replayed (the median of 9
 replays): kernel time without the host's launch cost, as in the engine's graphs. GB/s counts the
