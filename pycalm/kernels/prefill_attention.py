@@ -26,8 +26,10 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffers then hold
    the K and V tiles.
 2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
-   of fp16 halves, exact), a thread's 16-byte unit of a K row and of a V row at a time, each by
-   16-byte shared stores. K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
+   of fp16 halves, exact), every 16-byte unit of a thread's in flight at once: fp16 by cp.async
+   straight into shared memory, e5m2 by 16-byte loads into registers, all issued before the
+   first is widened and stored (a unit loaded and stored in turn waited on memory once a unit:
+   eight waits a tile at 64 keys and head_dim 128, most of a few-row pass's time). K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
    V, the "row" operand of P V, is read by ldmatrix's .trans form. Keys past the block's last
    position are stored as zeros: their p is 0, and 0 times a stale row could be NaN. Barrier.
 3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
@@ -100,7 +102,16 @@ from pycalm.kernels.common import (
     prmt,
 )
 from pycalm.kernels.matmul import sm_count
-from pycalm.kernels.tensorcore import ldmatrix_x4, ldmatrix_x4_trans, mma_16816, pack_f16x2, sts128
+from pycalm.kernels.tensorcore import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_all,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_16816,
+    pack_f16x2,
+    sts128,
+)
 from pycalm.model.config import ModelConfig
 
 KV_DTYPES = ("fp16", "fp8")
@@ -201,54 +212,80 @@ def prefill_attention_kernel(
     FP8 = kv_dtype == "fp8"
     E = 16 if FP8 else 8  # cache elements a 16-byte load
     UNITS = D // E  # 16-byte loads a head's K (or V) row
+    KV_UNITS = keys * UNITS  # 16-byte units of a tile's K (and of its V)
+    KV_ITER = -(-KV_UNITS // THREADS)  # units a thread stages
+    KA = 2 * KV_ITER if FP8 else 1  # uint64 words of a thread's K (and V) units in registers (e5m2)
     SCALE = 1.0 / math.sqrt(head_dim)
 
     @cuda.jit(device=True, inline=True)
-    def load_words(cache, row, u, w):  # noqa: ANN001, ANN202
-        """16-byte unit u of cache row `row` (uint64 pairs) into w[0 .. E/2) as fp16 words: 8
-        fp16, or 16 e5m2 bytes each made the top byte of a half (prmt; selector nibble 4 takes a
-        zero byte of the second operand)."""
-        a, b = ldg128(cache, row, u)
-        if FP8:
-            for i in range(4):
-                word = _lo(a) if i == 0 else _hi(a) if i == 1 else _lo(b) if i == 2 else _hi(b)
-                w[2 * i] = prmt(word, int32(0), int32(0x1404))  # bytes 0, 1
-                w[2 * i + 1] = prmt(word, int32(0), int32(0x3424))  # bytes 2, 3
-        else:
-            w[0], w[1], w[2], w[3] = _lo(a), _hi(a), _lo(b), _hi(b)
+    def cache_row(j, table, page_log2):  # noqa: ANN001, ANN202
+        """The cache row of key j: j itself, or paged, pool row table[j >> page_log2] <<
+        page_log2 | (j & (page - 1))."""
+        if paged:
+            return (table[j >> page_log2] << page_log2) | (j & ((1 << page_log2) - 1))
+        return j
 
     @cuda.jit(device=True, inline=True)
-    def store_words(smem, word, w, u):  # noqa: ANN001, ANN202
-        """A unit's E / 2 words w into smem[word ..] by 16-byte stores. fp8 (two stores a unit):
-        units u with (u >> 2) & 1 store their second half first, so that the 8 lanes of a
-        quarter-warp (units 32 bytes apart) fill 8 distinct groups of 4 banks."""
-        if not FP8:
-            sts128(smem, word, w[0], w[1], w[2], w[3])
-        elif (u >> 2) & 1:
-            sts128(smem, word + 4, w[4], w[5], w[6], w[7])
-            sts128(smem, word, w[0], w[1], w[2], w[3])
+    def store_e5m2(smem, word, a, b, u):  # noqa: ANN001, ANN202
+        """A 16-byte unit of e5m2 bytes (a, b) into smem[word .. word + 8) as 16 fp16 halves,
+        each byte the top byte of a half (prmt; selector nibble 4 takes a zero byte of the
+        second operand), by two 16-byte stores: units u with (u >> 2) & 1 store their second
+        half first, so that the 8 lanes of a quarter-warp (units 32 bytes apart) fill 8
+        distinct groups of 4 banks."""
+        w0, w1, w2, w3 = _lo(a), _hi(a), _lo(b), _hi(b)
+        lo = (
+            prmt(w0, int32(0), int32(0x1404)),  # bytes 0, 1
+            prmt(w0, int32(0), int32(0x3424)),  # bytes 2, 3
+            prmt(w1, int32(0), int32(0x1404)),
+            prmt(w1, int32(0), int32(0x3424)),
+        )
+        hi = (
+            prmt(w2, int32(0), int32(0x1404)),
+            prmt(w2, int32(0), int32(0x3424)),
+            prmt(w3, int32(0), int32(0x1404)),
+            prmt(w3, int32(0), int32(0x3424)),
+        )
+        if (u >> 2) & 1:
+            sts128(smem, word + 4, hi[0], hi[1], hi[2], hi[3])
+            sts128(smem, word, lo[0], lo[1], lo[2], lo[3])
         else:
-            sts128(smem, word, w[0], w[1], w[2], w[3])
-            sts128(smem, word + 4, w[4], w[5], w[6], w[7])
+            sts128(smem, word, lo[0], lo[1], lo[2], lo[3])
+            sts128(smem, word + 4, hi[0], hi[1], hi[2], hi[3])
 
     @cuda.jit(device=True, inline=True)
-    def stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
+    def stage_kv(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
         """Step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), a thread's
-        unit of a K row and of a V row at a time, each by 16-byte stores. paged: key j's row is
-        pool row table[j >> page_log2] << page_log2 | (j & (page - 1))."""
-        for i in range(tid, keys * UNITS, THREADS):
-            kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
-            for e in range(E // 2):
-                w[e] = int32(0)
-                w2[e] = int32(0)
-            if j0 + kr <= last_pos:
-                row = j0 + kr
-                if paged:
-                    row = (table[row >> page_log2] << page_log2) | (row & ((1 << page_log2) - 1))
-                load_words(k_cache, row, g * UNITS + u, w)
-                load_words(v_cache, row, g * UNITS + u, w2)
-            store_words(qk, kr * ROW + u * (E // 2), w, u)
-            store_words(vs, kr * ROW + u * (E // 2), w2, u)
+        units of K rows and of V rows. fp16: every copy started at once by cp.async (no
+        registers; a key past last_pos zero-filled), then one wait. e5m2: every unit loaded into
+        registers (ka, va) before the first is widened to fp16 halves (prmt) and stored, so the
+        loads are in flight together: one wait on memory a tile, not one a unit."""
+        for it in range(KV_ITER):
+            i = tid + it * THREADS
+            if KV_UNITS % THREADS == 0 or i < KV_UNITS:
+                kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
+                ok = j0 + kr <= last_pos
+                row = cache_row(min(j0 + kr, last_pos), table, page_log2)  # (in bounds where not ok)
+                col = g * UNITS + u  # (16-byte units of the row)
+                if not FP8:
+                    nbytes = 16 if ok else 0
+                    cp_async16(qk, kr * ROW + u * 4, k_cache, row, 8 * col, nbytes)
+                    cp_async16(vs, kr * ROW + u * 4, v_cache, row, 8 * col, nbytes)
+                elif ok:
+                    ka[2 * it], ka[2 * it + 1] = ldg128(k_cache, row, col)
+                    va[2 * it], va[2 * it + 1] = ldg128(v_cache, row, col)
+                else:
+                    ka[2 * it], ka[2 * it + 1] = uint64(0), uint64(0)
+                    va[2 * it], va[2 * it + 1] = uint64(0), uint64(0)
+        if not FP8:
+            cp_async_commit()
+            cp_async_wait_all()  # this thread's copies have landed (the barrier after: everyone's)
+            return
+        for it in range(KV_ITER):
+            i = tid + it * THREADS
+            if KV_UNITS % THREADS == 0 or i < KV_UNITS:
+                kr, u = i // UNITS, i % UNITS
+                store_e5m2(qk, kr * ROW + u * (E // 2), ka[2 * it], ka[2 * it + 1], u)
+                store_e5m2(vs, kr * ROW + u * (E // 2), va[2 * it], va[2 * it + 1], u)
 
     @cuda.jit(device=True, inline=True)
     def stage_q(q, q_hi, q_lo, t0, g, n_rows, tid, xs, ys):  # noqa: ANN001, ANN202
@@ -275,16 +312,17 @@ def prefill_attention_kernel(
     def attend(q, k_cache, v_cache, state, out, window, part, count, table, page_log2):  # noqa: ANN001, ANN202
         """The kernel's work (see the module docstring); part, count: the split launch's scratch
         (unread with one split); table, page_log2: paged's (unread else)."""
-        # q (T, n_heads*D) f32; caches (seq_len, kv_dim bytes / 8) uint64 holding fp16 or e5m2
-        # elements; state i32; out (T, n_heads*D) f16
+        # q (T, n_heads*D) f32; caches (seq_len, kv_dim) fp16, or e5m2 as (seq_len, kv_dim / 8)
+        # uint64; state i32; out (T, n_heads*D) f16
         qk = cuda.shared.array(QK_WORDS, int32)  # (ROWS, D) q_hi halves, then (keys, D) K halves
         vs = cuda.shared.array(V_WORDS, int32)  # (ROWS, D) q_lo halves, then (keys, D) V halves
         q_hi = cuda.local.array(QF, int32)  # this warp's A fragments of q_hi and q_lo
         q_lo = cuda.local.array(QF, int32)
         s = cuda.local.array(SW, float32)  # S accumulators, then p
         o = cuda.local.array(OW, float32)  # O accumulators
-        w = cuda.local.array(8, int32)  # a unit's fp16 words
-        w2 = cuda.local.array(8, int32)  # and a V unit's
+        # e5m2: a thread's units of a K tile and of a V tile as loaded, (KV_ITER, 2) uint64 each
+        ka = cuda.local.array(KA, uint64)
+        va = cuda.local.array(KA, uint64)
         xs = cuda.local.array(QITER, float32)  # a thread's q pairs, staged at once
         ys = cuda.local.array(QITER, float32)
         # "this block merges" (last_to_arrive), then the splits and this block's split: kept here
@@ -355,7 +393,7 @@ def prefill_attention_kernel(
 
         while j0 <= j_end:
             # 2. the K and V tiles, key-major; keys past last_pos: zeros
-            stage_kv(k_cache, v_cache, qk, vs, w, w2, j0, last_pos, g, tid, table, page_log2)
+            stage_kv(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2)
             cuda.syncthreads()  # the tile is staged
 
             # 3. S = q_hi K^T + q_lo K^T
@@ -617,8 +655,9 @@ def prefill_attention(
     if splits > 1 and (part.size < blocks * splits * slot_words(warps, head_dim) or count.size < blocks):
         raise PycalmError(f"prefill_attention: the scratch holds fewer than {blocks} x {splits} slots")
     grid = (n_kv_heads, blocks // n_kv_heads, splits)
-    k64, v64 = cache.k.view(np.uint64), cache.v.view(np.uint64)  # 16-byte aligned rows: ldg128
-    args = (q, k64, v64, state, out, int32(cfg.sliding_window), part, count)
+    # fp16: the caches as they are (cp.async); e5m2: 16-byte aligned rows of uint64 pairs (ldg128)
+    k, v = (cache.k, cache.v) if cache.dtype == "fp16" else (cache.k.view(np.uint64), cache.v.view(np.uint64))
+    args = (q, k, v, state, out, int32(cfg.sliding_window), part, count)
     if paged:
         args += (table, int32(page_size.bit_length() - 1))
     kernel[grid, 32 * warps, stream](*args)

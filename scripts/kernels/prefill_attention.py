@@ -24,7 +24,9 @@ Versions:
   tc16      the shipped kernel with q and p rounded once to fp16, as most flash-attention kernels
             take them (tc_kernel below, split=False: half the mma work, 2^-11 relative in each
             score and weight)
-  copy      tc_kernel with split=True: the shipped kernel's code, here (its time is shipped's)
+  copy      tc_kernel with split=True: the shipped kernel's steps, with K and V staged as before
+            cp.async (a thread's 16-byte units loaded and stored in turn: a wait on memory a
+            unit), unsplit: `--variants unsplit,copy` times what the staging buys
   wg        the shipped kernel's steps on Hopper's wgmma (wg_kernel below): q, K, V (transposed)
             and p (two fp16 parts) in 128-byte-swizzled shared memory, S and P V each a group of
             wgmma of one warpgroup a block; the same sums to float32 precision; wg2: two buffers of
@@ -248,8 +250,9 @@ def tc_kernel(
     keys: int,
     split: bool,
 ) -> object:
-    """pycalm.kernels.prefill_attention's kernel (the same code, for a head_dim, group size, KV
-    dtype, warps a block and keys a tile) with a choice: split, q and p as two fp16 parts each
+    """pycalm.kernels.prefill_attention's kernel (the same steps, for a head_dim, group size, KV
+    dtype, warps a block and keys a tile; K and V staged through registers a unit at a time, as
+    the package's did before its cp.async staging) with a choice: split, q and p as two fp16 parts each
     (the shipped kernel), or not (tc16: rounded once, half the mma work)."""
     D = head_dim
     ROWS = 16 * warps  # (position, head) rows a block
