@@ -26,16 +26,12 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffers then hold
    the K and V tiles.
 2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
-   of fp16 halves, exact), every 16-byte unit of a thread's in flight at once. fp16: by cp.async
-   straight into shared memory, K and V a group of copies each, the next tile's K started as
-   soon as every warp has this tile's scores (step 3) and its V once P V is done (step 5), so
-   that each lands while the softmax or the products run. e5m2: by 16-byte loads into
-   registers, all issued before the first is widened and stored, at the top of the turn. (A
-   unit loaded and stored in turn waited on memory once a unit: eight waits a tile at 64 keys
-   and head_dim 128, most of a few-row pass's attention.) K is then the "col" B operand of Q
-   K^T that ldmatrix reads as it is; V, the "row" operand of P V, is read by ldmatrix's .trans
-   form. Keys past the block's last position are stored as zeros: their p is 0, and 0 times a
-   stale row could be NaN. Barrier.
+   of fp16 halves, exact), every 16-byte unit of a thread's in flight at once: fp16 by cp.async
+   straight into shared memory, e5m2 by 16-byte loads into registers, all issued before the
+   first is widened and stored (a unit loaded and stored in turn waited on memory once a unit:
+   eight waits a tile at 64 keys and head_dim 128, most of a few-row pass's time). K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
+   V, the "row" operand of P V, is read by ldmatrix's .trans form. Keys past the block's last
+   position are stored as zeros: their p is 0, and 0 times a stale row could be NaN. Barrier.
 3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
 4. masking (a key after the row's position or before its window, or a padding row: p = 0) and
    the online softmax per row: the tile's max over a lane's 2 KEYS / 8 scores and the row's 4
@@ -43,8 +39,8 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    m_new); l (the lane's part of the row's sum) and the output accumulators times alpha.
 5. O += P_hi V + P_lo V: the S accumulators of key tiles 2k and 2k + 1, split into fp16 high and
    low parts, are exactly the A fragments of k-step k (registers to registers, no shared
-   memory); the B fragments of V come by ldmatrix .trans. Barrier (the next tile overwrites
-   V; fp16's K had its own after step 3).
+   memory); the B fragments of V come by ldmatrix .trans. Barrier (the next tile overwrites K,
+   V).
 6. l summed over the row's 4 lanes; out = O / l, as fp16.
 7. splits (a launch of fewer blocks than a wave, with a scratch: split_count): the block's key
    tiles fall in `splits` runs of at least SPLIT_TILES tiles, one a block (blockIdx.z; at most
@@ -109,7 +105,6 @@ from pycalm.kernels.matmul import sm_count
 from pycalm.kernels.tensorcore import (
     cp_async16,
     cp_async_commit,
-    cp_async_wait,
     cp_async_wait_all,
     ldmatrix_x4,
     ldmatrix_x4_trans,
@@ -220,7 +215,6 @@ def prefill_attention_kernel(
     KV_UNITS = keys * UNITS  # 16-byte units of a tile's K (and of its V)
     KV_ITER = -(-KV_UNITS // THREADS)  # units a thread stages
     KA = 2 * KV_ITER if FP8 else 1  # uint64 words of a thread's K (and V) units in registers (e5m2)
-    wait_one = cp_async_wait(1)  # all but the newest group of copies have landed
     SCALE = 1.0 / math.sqrt(head_dim)
 
     @cuda.jit(device=True, inline=True)
@@ -259,35 +253,33 @@ def prefill_attention_kernel(
             sts128(smem, word + 4, hi[0], hi[1], hi[2], hi[3])
 
     @cuda.jit(device=True, inline=True)
-    def copy_tile(cache, smem, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
-        """fp16: start the copies of the K (or V) rows of keys j0 .. j0 + keys - 1 into smem by
-        cp.async, every 16-byte unit of a thread's at once (no registers; keys past last_pos
-        zero-filled), and commit them as one group."""
+    def stage_kv(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
+        """Step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), a thread's
+        units of K rows and of V rows. fp16: every copy started at once by cp.async (no
+        registers; a key past last_pos zero-filled), then one wait. e5m2: every unit loaded into
+        registers (ka, va) before the first is widened to fp16 halves (prmt) and stored, so the
+        loads are in flight together: one wait on memory a tile, not one a unit."""
         for it in range(KV_ITER):
             i = tid + it * THREADS
             if KV_UNITS % THREADS == 0 or i < KV_UNITS:
                 kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
-                row = cache_row(min(j0 + kr, last_pos), table, page_log2)  # (in bounds past last_pos)
-                cp_async16(
-                    smem, kr * ROW + u * 4, cache, row, 8 * (g * UNITS + u), 16 if j0 + kr <= last_pos else 0
-                )
-        cp_async_commit()
-
-    @cuda.jit(device=True, inline=True)
-    def stage_e5m2(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
-        """e5m2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), every
-        16-byte unit of a thread's loaded into registers (ka, va) before the first is widened to
-        fp16 halves and stored: one wait on memory a tile, not one a unit."""
-        for it in range(KV_ITER):
-            i = tid + it * THREADS
-            if KV_UNITS % THREADS == 0 or i < KV_UNITS:
-                kr, u = i // UNITS, i % UNITS
-                row = cache_row(min(j0 + kr, last_pos), table, page_log2)
-                ka[2 * it], ka[2 * it + 1] = uint64(0), uint64(0)
-                va[2 * it], va[2 * it + 1] = uint64(0), uint64(0)
-                if j0 + kr <= last_pos:
-                    ka[2 * it], ka[2 * it + 1] = ldg128(k_cache, row, g * UNITS + u)
-                    va[2 * it], va[2 * it + 1] = ldg128(v_cache, row, g * UNITS + u)
+                ok = j0 + kr <= last_pos
+                row = cache_row(min(j0 + kr, last_pos), table, page_log2)  # (in bounds where not ok)
+                col = g * UNITS + u  # (16-byte units of the row)
+                if not FP8:
+                    nbytes = 16 if ok else 0
+                    cp_async16(qk, kr * ROW + u * 4, k_cache, row, 8 * col, nbytes)
+                    cp_async16(vs, kr * ROW + u * 4, v_cache, row, 8 * col, nbytes)
+                elif ok:
+                    ka[2 * it], ka[2 * it + 1] = ldg128(k_cache, row, col)
+                    va[2 * it], va[2 * it + 1] = ldg128(v_cache, row, col)
+                else:
+                    ka[2 * it], ka[2 * it + 1] = uint64(0), uint64(0)
+                    va[2 * it], va[2 * it + 1] = uint64(0), uint64(0)
+        if not FP8:
+            cp_async_commit()
+            cp_async_wait_all()  # this thread's copies have landed (the barrier after: everyone's)
+            return
         for it in range(KV_ITER):
             i = tid + it * THREADS
             if KV_UNITS % THREADS == 0 or i < KV_UNITS:
@@ -399,19 +391,10 @@ def prefill_attention_kernel(
             meta[1], meta[2] = splits, z
         cuda.syncthreads()  # every warp holds its q fragments: qk takes K tiles; meta is set
 
-        # 2. the K and V tiles, key-major (keys past last_pos: zeros). fp16: a group of copies for
-        # K and one for V, the next tile's K started once this tile's scores are made, its V
-        # once P V is; e5m2: both staged at the top of the turn
-        if not FP8 and j0 <= j_end:
-            copy_tile(k_cache, qk, j0, last_pos, g, tid, table, page_log2)
-            copy_tile(v_cache, vs, j0, last_pos, g, tid, table, page_log2)
         while j0 <= j_end:
-            more = j0 + keys <= j_end  # block-uniform: a next tile
-            if FP8:
-                stage_e5m2(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2)
-            else:
-                wait_one()  # this thread's K copies have landed (its V copies may be in flight)
-            cuda.syncthreads()  # the K tile is staged (e5m2: and the V tile)
+            # 2. the K and V tiles, key-major; keys past last_pos: zeros
+            stage_kv(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2)
+            cuda.syncthreads()  # the tile is staged
 
             # 3. S = q_hi K^T + q_lo K^T
             for i in range(SW):
@@ -428,11 +411,6 @@ def prefill_attention_kernel(
                         _mma_acc(
                             s, n, q_lo[4 * kk], q_lo[4 * kk + 1], q_lo[4 * kk + 2], q_lo[4 * kk + 3], c0, c1
                         )
-
-            if not FP8:
-                cuda.syncthreads()  # every warp is done with the K tile
-                if more:
-                    copy_tile(k_cache, qk, j0 + keys, last_pos, g, tid, table, page_log2)
 
             # 4. masking and the online softmax of the lane's two rows
             mx0, mx1 = float32(NEG), float32(NEG)
@@ -468,13 +446,6 @@ def prefill_attention_kernel(
                     l0 += p0
                     l1 += p1
 
-            if not FP8:
-                if more:
-                    wait_one()  # this thread's V copies have landed (the next K's may be in flight)
-                else:
-                    cp_async_wait_all()
-                cuda.syncthreads()  # the V tile is staged
-
             # 5. O += p_hi V + p_lo V: the p of key tiles 2 kk, 2 kk + 1 are k-step kk's A fragments
             for kk in range(PSTEPS):
                 a0, z0 = _split(s[8 * kk], s[8 * kk + 1])  # row r0, keys 16 kk + 2 quad, + 1
@@ -488,9 +459,7 @@ def prefill_attention_kernel(
                         c0, c1 = (b0, b1) if half == 0 else (b2, b3)
                         _mma_acc(o, n, a0, a1, a2, a3, c0, c1)
                         _mma_acc(o, n, z0, z1, z2, z3, c0, c1)
-            cuda.syncthreads()  # every warp is done with V (e5m2: and K) before the next tile's
-            if not FP8 and more:
-                copy_tile(v_cache, vs, j0 + keys, last_pos, g, tid, table, page_log2)
+            cuda.syncthreads()  # every warp is done with K and V before the next tile's stores
             j0 += keys
 
         splits, z = meta[1], meta[2]
