@@ -96,10 +96,14 @@ MODELS = {
 # 64-row pass 9.05 ms against 9.07 with none, H100s of 2026-12-07); on an H100 (2026-12-07) q4's
 # layer's four products took 238 us against 279 in blocks of 8 warps of two tiles (254 registers,
 # no spill) and 278 on the split tile; 186 since its (d, m) word is split where it is used.
-# The prefill attention at head_dim 128, group 4, fp16 KV (255 registers, 2 blocks an SM): 24
-# bytes, six values stored before the tile loop and loaded after it (none in the loop's ~1,700
-# instructions: its machine code, 2026-12-07); the splits' count and index wait in shared memory
-# across the loop, without which the paged forms spilled 8-28 bytes too.
+# The prefill attention with fp16 KV, since its K/V staging by cp.async (two threads a key row,
+# the row and its address found once a tile): at head_dim 128, group 4 (255 registers, 2 blocks
+# an SM) 36 bytes, 44 in its paged form; at head_dim 64 (168 registers, 3 blocks) 28 in the
+# paged forms (groups 3, 7, 8): values stored before the tile loop and loaded after it (at most
+# one reload in a tile turn of 1,157-1,422 instructions: their machine code, 2026-12-07). The
+# staging a unit at a time (registers between a load and its store) spilled 24 and 0 around a
+# loop of 1,702 instructions. Not yet timed on a GPU. The splits' count and index wait in shared
+# memory across the loop, without which the paged forms spilled 8-28 bytes more.
 KNOWN_SPILLS = [
     (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 0), 52),
     (("pycalm.kernels.skinny", "make_skinny_kernel"), ("gf4", 1, 4, 16, 1, 0, 2, 64, 2), 56),
@@ -113,7 +117,11 @@ KNOWN_SPILLS = [
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 0), 12),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 1, 8, 16, 1, 3, 1, 1, 2), 8),
     (("pycalm.kernels.panel", "make_panel_kernel"), ("gf4", 2, 8, 16, 1, 3, 1, 1, 1), 4),
-    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 2), 24),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, False, 2), 36),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (128, 4, "fp16", 4, 64, True, 2), 44),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (64, 3, "fp16", 4, 64, True, 2), 28),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (64, 7, "fp16", 4, 64, True, 2), 28),
+    (("pycalm.kernels.prefill_attention", "prefill_attention_kernel"), (64, 8, "fp16", 4, 64, True, 2), 28),
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",

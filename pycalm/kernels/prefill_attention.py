@@ -26,12 +26,14 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    fragments of its 16 rows of both into registers (ldmatrix). Barrier; the buffers then hold
    the K and V tiles.
 2. a tile of KEYS keys: the K and V rows as stored (key-major; e5m2 bytes become the top bytes
-   of fp16 halves, exact), every 16-byte unit of a thread's in flight at once: fp16 by cp.async
+   of fp16 halves, exact), THREADS / KEYS threads a key row (two at 4 warps), each a row's
+   16-byte units h, h + 2, ..., every unit of a thread's in flight at once: fp16 by cp.async
    straight into shared memory, e5m2 by 16-byte loads into registers, all issued before the
-   first is widened and stored (a unit loaded and stored in turn waited on memory once a unit:
-   eight waits a tile at 64 keys and head_dim 128, most of a few-row pass's time). K is then the "col" B operand of Q K^T that ldmatrix reads as it is;
-   V, the "row" operand of P V, is read by ldmatrix's .trans form. Keys past the block's last
-   position are stored as zeros: their p is 0, and 0 times a stale row could be NaN. Barrier.
+   first is widened and stored. (Loaded and stored a unit at a time, the staging waited on
+   memory eight times in turn a tile at 64 keys and head_dim 128.) K is then the "col" B
+   operand of Q K^T that ldmatrix reads as it is; V, the "row" operand of P V, is read by
+   ldmatrix's .trans form. Keys past the block's last position are stored as zeros: their p
+   is 0, and 0 times a stale row could be NaN. Barrier.
 3. S = Q_hi K^T + Q_lo K^T: KEYS / 8 tiles of 8 keys, head_dim / 16 k-steps, two mma each.
 4. masking (a key after the row's position or before its window, or a padding row: p = 0) and
    the online softmax per row: the tile's max over a lane's 2 KEYS / 8 scores and the row's 4
@@ -214,6 +216,11 @@ def prefill_attention_kernel(
     UNITS = D // E  # 16-byte loads a head's K (or V) row
     KV_UNITS = keys * UNITS  # 16-byte units of a tile's K (and of its V)
     KV_ITER = -(-KV_UNITS // THREADS)  # units a thread stages
+    # a thread's units of a tile: TPR threads a key row, thread h of a row its units h, h + TPR,
+    # ... (a row and its address found once a tile, the units at constant offsets from it);
+    # where the block's threads do not divide so, unit i = tid + it THREADS
+    ROWWISE = THREADS % keys == 0 and UNITS % (THREADS // keys) == 0
+    TPR = THREADS // keys if ROWWISE else 1
     KA = 2 * KV_ITER if FP8 else 1  # uint64 words of a thread's K (and V) units in registers (e5m2)
     SCALE = 1.0 / math.sqrt(head_dim)
 
@@ -253,29 +260,56 @@ def prefill_attention_kernel(
             sts128(smem, word + 4, hi[0], hi[1], hi[2], hi[3])
 
     @cuda.jit(device=True, inline=True)
+    def stage_unit(k_cache, v_cache, qk, vs, ka, va, it, kr, u, ok, row, g):  # noqa: ANN001, ANN202
+        """A thread's it-th unit of the tile: key j0 + kr (ok: at most last_pos; row: its cache
+        row, in bounds either way), dims u E .. u E + E - 1. fp16: its K and V copies started
+        (zero-filled where not ok); e5m2: loaded into ka, va (zeros where not ok)."""
+        col = g * UNITS + u  # (16-byte units of the row)
+        if not FP8:
+            nbytes = 16 if ok else 0
+            cp_async16(qk, kr * ROW + u * 4, k_cache, row, 8 * col, nbytes)
+            cp_async16(vs, kr * ROW + u * 4, v_cache, row, 8 * col, nbytes)
+        elif ok:
+            ka[2 * it], ka[2 * it + 1] = ldg128(k_cache, row, col)
+            va[2 * it], va[2 * it + 1] = ldg128(v_cache, row, col)
+        else:
+            ka[2 * it], ka[2 * it + 1] = uint64(0), uint64(0)
+            va[2 * it], va[2 * it + 1] = uint64(0), uint64(0)
+
+    @cuda.jit(device=True, inline=True)
     def stage_kv(k_cache, v_cache, qk, vs, ka, va, j0, last_pos, g, tid, table, page_log2):  # noqa: ANN001, ANN202
         """Step 2: the K and V rows of keys j0 .. j0 + keys - 1 (zeros past last_pos), a thread's
         units of K rows and of V rows. fp16: every copy started at once by cp.async (no
         registers; a key past last_pos zero-filled), then one wait. e5m2: every unit loaded into
         registers (ka, va) before the first is widened to fp16 halves (prmt) and stored, so the
         loads are in flight together: one wait on memory a tile, not one a unit."""
-        for it in range(KV_ITER):
-            i = tid + it * THREADS
-            if KV_UNITS % THREADS == 0 or i < KV_UNITS:
-                kr, u = i // UNITS, i % UNITS  # key j0 + kr, dims u E .. u E + E - 1
-                ok = j0 + kr <= last_pos
-                row = cache_row(min(j0 + kr, last_pos), table, page_log2)  # (in bounds where not ok)
-                col = g * UNITS + u  # (16-byte units of the row)
-                if not FP8:
-                    nbytes = 16 if ok else 0
-                    cp_async16(qk, kr * ROW + u * 4, k_cache, row, 8 * col, nbytes)
-                    cp_async16(vs, kr * ROW + u * 4, v_cache, row, 8 * col, nbytes)
-                elif ok:
-                    ka[2 * it], ka[2 * it + 1] = ldg128(k_cache, row, col)
-                    va[2 * it], va[2 * it + 1] = ldg128(v_cache, row, col)
-                else:
-                    ka[2 * it], ka[2 * it + 1] = uint64(0), uint64(0)
-                    va[2 * it], va[2 * it + 1] = uint64(0), uint64(0)
+        if ROWWISE:  # the thread's key row, found once (paged: one read of the block table)
+            kr = tid // TPR
+            row = cache_row(min(j0 + kr, last_pos), table, page_log2)
+            for it in range(KV_ITER):
+                stage_unit(
+                    k_cache,
+                    v_cache,
+                    qk,
+                    vs,
+                    ka,
+                    va,
+                    it,
+                    kr,
+                    it * TPR + tid % TPR,
+                    j0 + kr <= last_pos,
+                    row,
+                    g,
+                )
+        else:
+            for it in range(KV_ITER):
+                i = tid + it * THREADS
+                if KV_UNITS % THREADS == 0 or i < KV_UNITS:
+                    kr = i // UNITS
+                    row = cache_row(min(j0 + kr, last_pos), table, page_log2)
+                    stage_unit(
+                        k_cache, v_cache, qk, vs, ka, va, it, kr, i % UNITS, j0 + kr <= last_pos, row, g
+                    )
         if not FP8:
             cp_async_commit()
             cp_async_wait_all()  # this thread's copies have landed (the barrier after: everyone's)
@@ -283,7 +317,8 @@ def prefill_attention_kernel(
         for it in range(KV_ITER):
             i = tid + it * THREADS
             if KV_UNITS % THREADS == 0 or i < KV_UNITS:
-                kr, u = i // UNITS, i % UNITS
+                kr = tid // TPR if ROWWISE else i // UNITS
+                u = it * TPR + tid % TPR if ROWWISE else i % UNITS
                 store_e5m2(qk, kr * ROW + u * (E // 2), ka[2 * it], ka[2 * it + 1], u)
                 store_e5m2(vs, kr * ROW + u * (E // 2), va[2 * it], va[2 * it + 1], u)
 
