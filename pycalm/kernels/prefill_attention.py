@@ -236,9 +236,10 @@ def prefill_attention_kernel(
     def store_e5m2(smem, word, a, b, u):  # noqa: ANN001, ANN202
         """A 16-byte unit of e5m2 bytes (a, b) into smem[word .. word + 8) as 16 fp16 halves,
         each byte the top byte of a half (prmt; selector nibble 4 takes a zero byte of the
-        second operand), by two 16-byte stores: units u with (u >> 2) & 1 store their second
-        half first, so that the 8 lanes of a quarter-warp (units 32 bytes apart) fill 8
-        distinct groups of 4 banks."""
+        second operand), by two 16-byte stores, units u with (u >> 2) & 1 their second half
+        first. That order gave the 8 lanes of a quarter-warp 8 distinct groups of 4 banks when
+        they held 8 consecutive units of a row; two threads a row (ROWWISE) give them 4 rows of
+        two units each, where it leaves 2-way conflicts (not yet timed)."""
         w0, w1, w2, w3 = _lo(a), _hi(a), _lo(b), _hi(b)
         lo = (
             prmt(w0, int32(0), int32(0x1404)),  # bytes 0, 1
@@ -258,6 +259,14 @@ def prefill_attention_kernel(
         else:
             sts128(smem, word, lo[0], lo[1], lo[2], lo[3])
             sts128(smem, word + 4, hi[0], hi[1], hi[2], hi[3])
+
+    @cuda.jit(device=True, inline=True)
+    def unit_at(tid, it):  # noqa: ANN001, ANN202
+        """The thread's it-th unit of a tile: (kr, u), key j0 + kr, dims u E .. u E + E - 1."""
+        if ROWWISE:
+            return tid // TPR, it * TPR + tid % TPR
+        i = tid + it * THREADS
+        return i // UNITS, i % UNITS
 
     @cuda.jit(device=True, inline=True)
     def stage_unit(k_cache, v_cache, qk, vs, ka, va, it, kr, u, ok, row, g):  # noqa: ANN001, ANN202
@@ -283,42 +292,22 @@ def prefill_attention_kernel(
         registers; a key past last_pos zero-filled), then one wait. e5m2: every unit loaded into
         registers (ka, va) before the first is widened to fp16 halves (prmt) and stored, so the
         loads are in flight together: one wait on memory a tile, not one a unit."""
-        if ROWWISE:  # the thread's key row, found once (paged: one read of the block table)
-            kr = tid // TPR
-            row = cache_row(min(j0 + kr, last_pos), table, page_log2)
-            for it in range(KV_ITER):
-                stage_unit(
-                    k_cache,
-                    v_cache,
-                    qk,
-                    vs,
-                    ka,
-                    va,
-                    it,
-                    kr,
-                    it * TPR + tid % TPR,
-                    j0 + kr <= last_pos,
-                    row,
-                    g,
-                )
-        else:
-            for it in range(KV_ITER):
-                i = tid + it * THREADS
-                if KV_UNITS % THREADS == 0 or i < KV_UNITS:
-                    kr = i // UNITS
+        # ROWWISE: the thread's key row and its cache row found once (paged: one read of the
+        # block table; the copies' memory clobbers would keep the compiler from sharing them)
+        row = cache_row(min(j0 + tid // TPR, last_pos), table, page_log2) if ROWWISE else 0
+        for it in range(KV_ITER):
+            if KV_UNITS % THREADS == 0 or tid + it * THREADS < KV_UNITS:
+                kr, u = unit_at(tid, it)
+                if not ROWWISE:
                     row = cache_row(min(j0 + kr, last_pos), table, page_log2)
-                    stage_unit(
-                        k_cache, v_cache, qk, vs, ka, va, it, kr, i % UNITS, j0 + kr <= last_pos, row, g
-                    )
+                stage_unit(k_cache, v_cache, qk, vs, ka, va, it, kr, u, j0 + kr <= last_pos, row, g)
         if not FP8:
             cp_async_commit()
             cp_async_wait_all()  # this thread's copies have landed (the barrier after: everyone's)
             return
         for it in range(KV_ITER):
-            i = tid + it * THREADS
-            if KV_UNITS % THREADS == 0 or i < KV_UNITS:
-                kr = tid // TPR if ROWWISE else i // UNITS
-                u = it * TPR + tid % TPR if ROWWISE else i % UNITS
+            if KV_UNITS % THREADS == 0 or tid + it * THREADS < KV_UNITS:
+                kr, u = unit_at(tid, it)
                 store_e5m2(qk, kr * ROW + u * (E // 2), ka[2 * it], ka[2 * it + 1], u)
                 store_e5m2(vs, kr * ROW + u * (E // 2), va[2 * it], va[2 * it + 1], u)
 
