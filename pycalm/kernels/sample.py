@@ -135,16 +135,17 @@ def _crossed(mode, cnt, mass, target_n, target_mass):  # noqa: ANN001, ANN202
 
 @cuda.jit(device=True, inline=True)
 def _warp_prefix(v):  # noqa: ANN001, ANN202
-    """Inclusive prefix sum of v over the lanes of warp 0, and the exclusive one (the previous
-    lane's inclusive, 0 in lane 0). Every lane of warp 0 must call it."""
+    """Inclusive prefix sum of v over the lanes of this warp, and the exclusive one (the
+    previous lane's inclusive, 0 in lane 0). Every lane of the warp must call it."""
+    lane = cuda.threadIdx.x % 32
     off = 1
     while off < 32:
         u = cuda.shfl_up_sync(0xFFFFFFFF, v, off)
-        if cuda.threadIdx.x >= off:
+        if lane >= off:
             v += u
         off *= 2
     ex = cuda.shfl_up_sync(0xFFFFFFFF, v, 1)
-    return v, ex if cuda.threadIdx.x > 0 else ex - ex  # ex - ex: a zero of v's type
+    return v, ex if lane > 0 else ex - ex  # ex - ex: a zero of v's type
 
 
 @cuda.jit(device=True, inline=True)

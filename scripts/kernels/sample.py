@@ -47,8 +47,15 @@ from numba import cuda, float32, int32  # noqa: E402
 from pycalm.cpu.reference import sample_ref  # noqa: E402
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.kernels.argmax import argmax, argmax_scratch_shape  # noqa: E402
-from pycalm.kernels.common import FULL_MASK, STATE_POS, STATE_TOKEN, last_to_arrive  # noqa: E402
-from pycalm.kernels.sample import _key_value, _ukey, sample  # noqa: E402
+from pycalm.kernels.common import (  # noqa: E402
+    STATE_POS,
+    STATE_TOKEN,
+    block_reduce_max,
+    block_reduce_sum,
+    last_to_arrive,
+    warp_reduce_sum,
+)
+from pycalm.kernels.sample import _key_value, _ukey, _warp_prefix, sample  # noqa: E402
 
 VOCAB = 128256
 TINY_VOCAB = 301
@@ -79,44 +86,12 @@ MB_BATCH = 16  # the last block's loads in flight a thread
 MB_PARTS = 2 * MB_BLOCKS  # (max, mass) a block
 
 
-@cuda.jit(device=True, inline=True)
-def _block_total(v, red, take_max):  # noqa: ANN001, ANN202
-    """The block's max (take_max) or sum of v, in every thread: the warps' xor butterflies, then
-    warp 0 over the warps' results in warp order (red: shared float32, a word a warp)."""
-    for off in (16, 8, 4, 2, 1):
-        o = cuda.shfl_xor_sync(FULL_MASK, v, off)
-        v = max(v, o) if take_max else v + o
-    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-    cuda.syncthreads()  # red is free (an earlier call's readers are done)
-    if lane == 0:
-        red[warp] = v
-    cuda.syncthreads()  # every warp's result is in red
-    total = red[0]
-    for w in range(1, cuda.blockDim.x // 32):
-        total = max(total, red[w]) if take_max else total + red[w]
-    return total
-
-
-@cuda.jit(device=True, inline=True)
-def _lane_prefix(v):  # noqa: ANN001, ANN202
-    """The inclusive prefix sum of v over the lanes of this warp, and the warp's total (every
-    lane of the warp calls it)."""
-    lane = cuda.threadIdx.x % 32
-    off = 1
-    while off < 32:
-        u = cuda.shfl_up_sync(FULL_MASK, v, off)
-        if lane >= off:
-            v += u
-        off *= 2
-    return v, cuda.shfl_sync(FULL_MASK, v, 31)
-
-
 @cuda.jit
 def mb_stats(logits, coins, state, inv_t, part, fst, ist, count):  # noqa: ANN001, ANN201
     """Launch 1: part[2 b], part[2 b + 1] = block b's max m_b and sum of exp((x - m_b) / T);
     the last block: fst = (M, coin Z, 0), Z = sum_b part[2 b + 1] exp((m_b - M) / T) in block
     order; ist = (prefix 0, mask 0, ties 0)."""
-    red = cuda.shared.array(32, float32)  # a word a warp (_block_total)
+    red = cuda.shared.array(32, float32)  # a word a warp (the block reductions)
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
     parts = cuda.shared.array(MB_PARTS, float32)  # the last block's copy of part
     n = logits.shape[0]
@@ -126,11 +101,11 @@ def mb_stats(logits, coins, state, inv_t, part, fst, ist, count):  # noqa: ANN00
     m = float32(-math.inf)
     for i in range(lo + cuda.threadIdx.x, hi, cuda.blockDim.x):
         m = max(m, logits[i])
-    m = _block_total(m, red, True)
+    m = block_reduce_max(m, red)
     z = float32(0.0)
     for i in range(lo + cuda.threadIdx.x, hi, cuda.blockDim.x):
         z += math.exp((logits[i] - m) * inv_t)
-    z = _block_total(z, red, False)
+    z = block_reduce_sum(z, red)
     if cuda.threadIdx.x == 0:
         part[2 * cuda.blockIdx.x] = m
         part[2 * cuda.blockIdx.x + 1] = z
@@ -247,8 +222,7 @@ def mb_pick(logits, inv_t, fst, ist, state, ties_n, count):  # noqa: ANN001, ANN
     for i in range(lo + tid, hi, cuda.blockDim.x):
         if _ukey(logits[i]) == key:
             c += 1
-    for off in (16, 8, 4, 2, 1):
-        c += cuda.shfl_xor_sync(FULL_MASK, c, off)
+    c = warp_reduce_sum(c)
     if lane == 0:
         cuda.atomic.add(ties_n, cuda.blockIdx.x, c)  # (integers: any order)
     if not last_to_arrive(count, 0, cuda.gridDim.x, flag, 0):
@@ -276,9 +250,9 @@ def mb_pick(logits, inv_t, fst, ist, state, ties_n, count):  # noqa: ANN001, ANN
     for r0 in range(first, end, cuda.blockDim.x):  # block-uniform rounds
         i = r0 + tid
         hit = i < end and _ukey(logits[min(i, n - 1)]) == key
-        rank, total = _lane_prefix(int32(1) if hit else int32(0))  # rank: inclusive
-        if lane == 0:
-            wc[warp] = total
+        rank, _ = _warp_prefix(int32(1) if hit else int32(0))  # rank: inclusive
+        if lane == 31:
+            wc[warp] = rank  # the warp's count
         cuda.syncthreads()  # every warp's count is in
         if tid == 0:
             at[2] = -1
