@@ -86,6 +86,15 @@ MB_BATCH = 16  # the last block's loads in flight a thread
 MB_PARTS = 2 * MB_BLOCKS  # (max, mass) a block
 
 
+@cuda.jit(device=True, inline=True)
+def _chunk(n):  # noqa: ANN001, ANN202
+    """The block's logits of n: (chunk, lo, hi), ids lo .. hi - 1 of chunks of ceil(n / blocks),
+    id ranges in block order."""
+    chunk = (n + cuda.gridDim.x - 1) // cuda.gridDim.x
+    lo = cuda.blockIdx.x * chunk
+    return chunk, lo, min(n, lo + chunk)
+
+
 @cuda.jit
 def mb_stats(logits, coins, state, inv_t, part, fst, ist, count):  # noqa: ANN001, ANN201
     """Launch 1: part[2 b], part[2 b + 1] = block b's max m_b and sum of exp((x - m_b) / T);
@@ -95,9 +104,7 @@ def mb_stats(logits, coins, state, inv_t, part, fst, ist, count):  # noqa: ANN00
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
     parts = cuda.shared.array(MB_PARTS, float32)  # the last block's copy of part
     n = logits.shape[0]
-    chunk = (n + cuda.gridDim.x - 1) // cuda.gridDim.x
-    lo = cuda.blockIdx.x * chunk
-    hi = min(n, lo + chunk)
+    chunk, lo, hi = _chunk(n)
     m = float32(-math.inf)
     for i in range(lo + cuda.threadIdx.x, hi, cuda.blockDim.x):
         m = max(m, logits[i])
@@ -146,9 +153,7 @@ def mb_pass(logits, inv_t, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN
         sm[d] = float32(0.0)
     cuda.syncthreads()  # the histogram is clear
     n = logits.shape[0]
-    chunk = (n + cuda.gridDim.x - 1) // cuda.gridDim.x
-    lo = cuda.blockIdx.x * chunk
-    hi = min(n, lo + chunk)
+    chunk, lo, hi = _chunk(n)
     prefix, mask, big = ist[0], ist[1], fst[0]
     for i in range(lo + tid, hi, cuda.blockDim.x):
         x = logits[i]
@@ -214,9 +219,7 @@ def mb_pick(logits, inv_t, fst, ist, state, ties_n, count):  # noqa: ANN001, ANN
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
     n = logits.shape[0]
-    chunk = (n + cuda.gridDim.x - 1) // cuda.gridDim.x
-    lo = cuda.blockIdx.x * chunk
-    hi = min(n, lo + chunk)
+    chunk, lo, hi = _chunk(n)
     key = ist[0]
     c = 0
     for i in range(lo + tid, hi, cuda.blockDim.x):
