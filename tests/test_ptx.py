@@ -125,7 +125,8 @@ KNOWN_SPILLS = [
 ]
 # the kernel modules the walk must reach (a guard on MODELS, not a list of kernels)
 FAMILIES = {"argmax", "attention", "embed", "finite", "matmul", "matvec", "moe",
-            "moe_rows", "panel", "penalty", "prefill_attention", "qkv", "rows", "sample", "step"}  # fmt: skip
+            "moe_rows", "panel", "penalty", "prefill_attention", "qkv", "rows", "sample", "sample_wide",
+            "step"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,6 +152,67 @@ def test_sample_top_p_alone_over_a_peaked_distribution(temperature, top_p, tie):
         assert int(state.copy_to_host()[0]) == want, coin
 
 
+@pytest.fixture(scope="module")
+def wide():
+    """The scratch of the walk over many blocks (pycalm.kernels.sample_wide), for one row."""
+    from pycalm.kernels.sample_wide import WideScratch
+
+    return WideScratch.allocate(1)
+
+
+def _sample_wide(logits, coins, temperature, wide):
+    """sample at temperature alone with the wide scratch: the token for each coin in turn."""
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    got = []
+    for step in range(len(coins)):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+        sample(d_logits, state, d_coins, SamplingParams(temperature), stream=stream, wide=wide)
+        stream.synchronize()
+        got.append(int(state.copy_to_host()[0]))
+    return got
+
+
+@pytest.mark.parametrize("vocab", [301, 1237])
+def test_sample_wide_matches_ref(vocab, wide):
+    # temperature alone over many blocks a row (WIDE_BLOCKS chunks of the vocabulary): the
+    # coins of test_sample_matches_ref's whole-vocabulary case, and logits rising with the id
+    # (the largest logit in the last chunk, every chunk's max below it)
+    rng = np.random.default_rng(vocab)
+    coins = rng.random(5).astype(np.float32)
+    coins[:2] = 0.0, 0.999
+    for logits, temperature in (
+        ((rng.standard_normal(vocab) * 3).astype(np.float32), 0.8),
+        (np.linspace(-12.0, 9.0, vocab).astype(np.float32), 1.5),
+    ):
+        want = [sample_ref(logits, temperature, coin=float(c)) for c in coins]
+        assert _sample_wide(logits, coins, temperature, wide) == want, coins.tolist()
+
+
+@pytest.mark.parametrize("equal", [10, 40])
+def test_sample_wide_orders_equal_logits_by_id(equal, wide):
+    # equal top logits spread over the chunks: the walk takes them in id order, so coin c picks
+    # the floor(equal c)-th (the pick launch finds the chunk that holds it, then the id in it)
+    logits = np.full(300, -5.0, np.float32)
+    ids = np.random.default_rng(equal).permutation(300)[:equal]
+    logits[ids] = 20.0
+    coins = np.array([0.0125, 0.3375, 0.9625, 0.0], np.float32)  # halfway between tenths and fortieths
+    got = _sample_wide(logits, coins, 1.0, wide)
+    assert got == [np.sort(ids)[int(c * equal)] for c in coins]
+
+
+def test_sample_wide_masked_chunks(wide):
+    # constrained decoding's masked logits: whole chunks of -inf (no mass, no max) and a few
+    # allowed ids; an allowed id is picked, as the reference picks
+    logits = np.full(300, -np.inf, np.float32)
+    allowed = [7, 201, 202, 290]
+    logits[allowed] = [1.0, 3.0, 2.5, 0.5]
+    coins = np.array([0.0, 0.5, 0.8, 0.99, 0.999], np.float32)
+    want = [sample_ref(logits, 1.0, coin=float(c)) for c in coins]
+    got = _sample_wide(logits, coins, 1.0, wide)
+    assert got == want and set(got) <= set(allowed)
+
+
 def test_sample_block_size_is_checked():
     # one histogram a warp in shared memory: at most SAMPLE_THREADS threads, whole warps
     from pycalm.errors import PycalmError
@@ -170,4 +231,4 @@ def test_kernel_script_runs_its_check():
     script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "sample.py"
     p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert p.stdout.count("(ok)") == 14  # the package's picks and the multi-block walk's
+    assert p.stdout.count("(ok)") == 18  # every version, the wide walk and sample_rows (1 and 3 rows) too

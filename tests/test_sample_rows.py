@@ -31,9 +31,11 @@ WIDE = 1e-4  # the least share of the token a random coin lands in
 LAST = float(np.nextafter(np.float32(1.0), np.float32(0.0)))  # the largest float32 coin
 
 
-def _run(logits: np.ndarray, params: RowSampling, coins: np.ndarray, stream) -> list[int]:
+def _run(logits: np.ndarray, params: RowSampling, coins: np.ndarray, stream, **options) -> list[int]:
     tokens = cuda.to_device(np.full(len(coins), -1, np.int32))
-    sample_rows(cuda.to_device(logits), params, cuda.to_device(coins), tokens, stream=stream, **THREADS)
+    sample_rows(
+        cuda.to_device(logits), params, cuda.to_device(coins), tokens, stream=stream, **THREADS, **options
+    )
     stream.synchronize()
     return tokens.copy_to_host().tolist()
 
@@ -113,6 +115,47 @@ def test_sample_rows_equal_logits_in_id_order():
         assert got == _want(logits, settings, coins), coins.tolist()
         assert got[0] == np.sort(ids[0])[int(coins[0] * 10)]
         assert got[2] == ids[2].min()
+
+
+def test_sample_rows_wide_takes_the_rows_at_temperature_alone():
+    # with the wide scratch the rows at temperature alone (is_wide: top_k 0 or the whole
+    # vocabulary, top_p 1, min_p 0) take pycalm.kernels.sample_wide's launches and the others
+    # one block each, in one call; the options move a row down between launches (the kernels read
+    # them at run time, as a captured graph replays them); six rows against a scratch of five
+    # take one block a row each
+    from pycalm.kernels.sample_wide import WideScratch
+
+    rng = np.random.default_rng(31)
+    settings = [
+        SamplingParams(0.8),
+        SamplingParams(0.0),
+        SamplingParams(1.3, top_p=0.9),
+        SamplingParams(1.1, top_k=VOCAB),  # a top-k of the whole vocabulary cuts nothing
+        SamplingParams(0.6),
+    ]
+    rows = len(settings)
+    logits = (rng.standard_normal((rows + 1, VOCAB)) * 3).astype(np.float32)  # (rows + 1, vocab)
+    stream = cuda.stream()
+    wide = WideScratch.allocate(rows)
+    for launch in range(3):
+        row_settings = settings[-launch:] + settings[:-launch]
+        params = RowSampling.allocate(rows, stream=stream)
+        params.set_rows(row_settings, stream=stream)
+        coins = np.array(
+            [_coin_inside(rng, x, s) for x, s in zip(logits, row_settings, strict=False)], np.float32
+        )
+        if launch == 2:
+            coins[:] = 0.0  # the first token of each walk
+        tokens = cuda.to_device(np.full(rows, -1, np.int32))
+        sample_rows(cuda.to_device(logits[:rows]), params, cuda.to_device(coins), tokens, stream=stream,
+                    wide=wide, **THREADS)  # fmt: skip
+        stream.synchronize()
+        assert tokens.copy_to_host().tolist() == _want(logits[:rows], row_settings, coins), (launch, coins)
+    six = [*settings, SamplingParams(0.9)]
+    params = RowSampling.allocate(rows + 1, stream=stream)
+    params.set_rows(six, stream=stream)
+    coins = np.array([_coin_inside(rng, x, s) for x, s in zip(logits, six, strict=True)], np.float32)
+    assert _run(logits, params, coins, stream, wide=wide) == _want(logits, six, coins)
 
 
 def test_host_rows_kept_match_host_rows():

@@ -316,6 +316,7 @@ class GpuEngine:
 
         from pycalm.kernels.argmax import argmax_scratch_shape
         from pycalm.kernels.attention import attention_scratch
+        from pycalm.kernels.sample_wide import WideScratch
 
         s = self.stream
 
@@ -359,9 +360,11 @@ class GpuEngine:
         # (2, blocks) int32: per-block (value bits, id) of the many-block argmax; under the
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
         self.argmax_scratch = zeros((2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32)
-        # sample's launch options: the argmax scratch, and under the simulator 64-thread blocks
+        # sample's launch options: the argmax scratch, the scratch of the walk over many blocks
+        # (temperature alone: pycalm.kernels.sample_wide), and under the simulator 64-thread blocks
         self._sample_options = {
             "scratch": self.argmax_scratch,
+            "wide": WideScratch.allocate(1),
             **({"threads": 64} if config.ENABLE_CUDASIM else {}),
         }
         # per-token values on the device (pycalm.kernels.common: STATE_TOKEN, STATE_POS, STATE_FEED_END)

@@ -22,7 +22,7 @@ multi-token forward (pycalm.gpu.prefill) at its chunk sizes and row buckets, wit
 rows, and serve --parallel's batched step over a paged pool (pycalm.gpu.batched.BatchedGpuEngine
 .walk). That visits every launch site, and each worker records the same list in the same order.
 Each kernel belongs to the group whose walk reached it first: "step" (the greedy token step),
-"sample" (what a sampled step adds: the sampling kernel), "prefill" (the multi-token forward's
+"sample" (what a sampled step adds: the sampling kernels), "prefill" (the multi-token forward's
 kernels) and "batch" (what the batched step adds: the paged QKV epilogue and attention, the
 gathers, the row buckets above the prefill's).
 

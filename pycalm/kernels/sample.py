@@ -14,6 +14,9 @@ Two launchers, one walk (_sample_row, a device function both kernels call):
     goes into the launch, so one captured graph serves any mix of requests (batched serving,
     speculative verification). A row at temperature 0 takes its argmax in its own block
     (pycalm.kernels.argmax.block_argmax: lowest id among equal maxima), the others the walk below.
+  * Both take `wide`, the scratch of pycalm.kernels.sample_wide: rows at temperature alone (no
+    top-k, top-p or min-p cut: is_wide) then take its walk over many blocks a row, six launches
+    over the whole GPU, in place of this one block's (sample_rows_kernel returns for them).
 The reference is pycalm.cpu.reference.sample_ref (float64), row by row for sample_rows; the
 kernels make the same walk in float32.
 
@@ -121,6 +124,18 @@ def _key_value(k):  # noqa: ANN001, ANN202
     if u < int32(0):
         u = int32(u ^ int32(0x7FFFFFFF))
     return as_f32(u)
+
+
+@cuda.jit(device=True, inline=True)
+def is_wide(temperature, top_k, top_p, min_p, n):  # noqa: ANN001, ANN201
+    """Whether a row's options are temperature alone: T > 0 and no top-k (0, or the whole
+    vocabulary of n), top-p (1) or min-p (0) cut."""
+    return (
+        temperature > float32(0.0)
+        and (top_k <= int32(0) or top_k >= n)
+        and top_p >= float32(1.0)
+        and min_p <= float32(0.0)
+    )
 
 
 @cuda.jit(device=True, inline=True)
@@ -631,10 +646,14 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
 
 
 @cuda.jit(cache=True)
-def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens):  # noqa: ANN001, ANN201
+def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens, wide):  # noqa: ANN001, ANN201
     """Block r (grid M): tokens[r] <- sample_ref(logits[r], temperature[r], top_k[r], top_p[r],
-    min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties)."""
+    min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties).
+    wide (1): a row at temperature alone (is_wide) is left to pycalm.kernels.sample_wide."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
+    r = cuda.blockIdx.x
+    if wide and is_wide(temperature[r], top_k[r], top_p[r], min_p[r], logits.shape[1]):
+        return  # block-uniform: sample_wide's launches pick this row's token
     # block reductions; the argmax's warp values
     scratch = cuda.shared.array(32, float32, alignment=SHARED_ALIGN)
     warp_i = cuda.shared.array(32, int32, alignment=SHARED_ALIGN)  # the argmax's warp ids
@@ -643,7 +662,6 @@ def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens):
     cross = cuda.shared.array(4, int32, alignment=SHARED_ALIGN)
     cross_mass = cuda.shared.array(2, float32, alignment=SHARED_ALIGN)
     best = cuda.shared.array(1, int32, alignment=SHARED_ALIGN)
-    r = cuda.blockIdx.x
     row = logits[r]  # (vocab_size,)
     t = temperature[r]
     if t == float32(0.0):  # block-uniform: the whole block takes one branch
@@ -683,11 +701,13 @@ def sample(
     stream: object,
     threads: int = SAMPLE_THREADS,
     scratch: object = None,
+    wide: object = None,
 ) -> None:
     """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) for the
     settings of `sampling`, coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform
-    [0, 1), drawn by the host once). Temperature 0 launches argmax (with `scratch`, see argmax).
-    """
+    [0, 1), drawn by the host once). Temperature 0 launches argmax (with `scratch`, see argmax);
+    temperature alone, with `wide` (a sample_wide.WideScratch), sample_wide's launches over many
+    blocks; anything else sample_kernel's one block."""
     temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     if not (temperature >= 0.0 and math.isfinite(temperature)):
         raise PycalmError(f"temperature must be a finite number >= 0, got {temperature}")
@@ -698,6 +718,11 @@ def sample(
         raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
     _check_threads(threads)
     inv_t = float32(1.0 / temperature)
+    if wide is not None and top_k == 0 and top_p == 1.0 and min_p == 0.0:
+        from pycalm.kernels.sample_wide import sample_wide_state
+
+        sample_wide_state(logits, state, coins, inv_t, wide, stream=stream)
+        return
     sample_kernel[1, threads, stream](
         logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
     )
@@ -786,11 +811,15 @@ def sample_rows(
     *,
     stream: object,
     threads: int = SAMPLE_THREADS,
+    wide: object = None,
 ) -> None:
     """tokens[r] = sample_ref(logits[r], temperature[r], top_k[r], top_p[r], min_p[r], coins[r])
     for every row r of logits (M, vocab_size) float32, the options of `params`, coins (M,)
-    float32 uniform [0, 1), tokens (M,) int32: one block a row, M blocks. Nothing but the
-    arrays goes into the launch, so a graph captured once serves any options and coins."""
+    float32 uniform [0, 1), tokens (M,) int32: one block a row, M blocks; with `wide` (a
+    sample_wide.WideScratch) where it holds M rows, the rows at temperature alone over many
+    blocks a row instead (six more launches, whose blocks of the other rows return at once;
+    more rows than it holds take a block each, which fills the SMs). Nothing
+    but the arrays goes into the launch, so a graph captured once serves any options and coins."""
     rows = logits.shape[0]
     arrays = (logits, *params, coins, tokens)
     dtypes = (np.float32, np.float32, np.int32, np.float32, np.float32, np.float32, np.int32)
@@ -804,4 +833,10 @@ def sample_rows(
             f"RowSampling's dtypes, float32 and int32, got {[(a.shape, str(a.dtype)) for a in arrays]}"
         )
     _check_threads(threads)
-    sample_rows_kernel[rows, threads, stream](logits, *params, coins, tokens)
+    if wide is not None and wide.rows < rows:
+        wide = None  # more rows than the scratch holds: their blocks already spread over the SMs
+    sample_rows_kernel[rows, threads, stream](logits, *params, coins, tokens, int32(wide is not None))
+    if wide is not None:
+        from pycalm.kernels.sample_wide import sample_wide_rows
+
+        sample_wide_rows(logits, params, coins, tokens, wide, stream=stream)
