@@ -10,6 +10,7 @@ GPU time: the same step timed by CUDA events around it alone, the rest is the ho
 
     python3 scripts/bench_batched.py --shapes llama3-8b --dtypes fp16 --seqs 1,8,32,64 --pos 128,384
     python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 192    # steps that feed a prompt too
+    python3 scripts/bench_batched.py --seqs 1,64 --top-p 1 --plain      # temperature alone, plain graph edges
     python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 0,64,192,448,960   # a row each: the
         # cost of each row bucket (64 + chunk rows, padded to a power of two): bench_serve --stand-in's table
 """
@@ -76,6 +77,14 @@ def main() -> None:
         "--chunk", default="0", help="and a prompt chunk of this many rows each step, or a list: a row each"
     )
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument(
+        "--top-p", type=float, default=0.95, help="the rows' top-p at temperature 0.8 (1: temperature alone)"
+    )
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="plain graph edges (default: programmatic where the GPU has them)",
+    )
     args_ = ap.parse_args()
     seqs = [int(v) for v in args_.seqs.split(",")]
     spots = [int(v) for v in args_.pos.split(",")]
@@ -90,8 +99,9 @@ def main() -> None:
         for dtype in args_.dtypes.split(","):
             cfg = config_for(shape, dtype, context)
             engine = GpuEngine(
-                RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16", options=EngineOptions()
-            )
+                RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16",
+                options=EngineOptions(programmatic=False if args_.plain else None),
+            )  # fmt: skip
             step = functools.partial(engine.graph, SamplingParams())
             step(0)
             time_replays(engine, step, 0, 8)  # warm-up
@@ -110,15 +120,16 @@ def main() -> None:
                     sample = np.arange(s + (chunk > 0), dtype=np.int32)
                     if chunk:
                         sample[-1] = len(seq) - 1
-                    options = [SamplingParams(0.8, top_p=0.95)] * len(sample)
+                    options = [SamplingParams(0.8, top_p=args_.top_p)] * len(sample)
                     coins = np.linspace(0.05, 0.95, len(sample))
                     args = (tokens, positions, seq, table[: s + (chunk > 0)], sample)
                     sampled = functools.partial(batched.step_tokens, *args, options, coins)
                     logits = functools.partial(batched.step, *args)
                     ms = host_ms(sampled, args_.reps)
-                    graph = batched.graphs[
-                        (batched.bucket(len(seq)), batched.bucket(len(sample)), batched.span, True)
-                    ]
+                    key = (batched.bucket(len(seq)), batched.bucket(len(sample)), batched.span, True)
+                    graph = next(
+                        g for k, g in batched.graphs.items() if k[:4] == key
+                    )  # (ahead, one sequence)
                     gpu_ms = time_replays(engine, lambda _p: graph, 0, args_.reps) * 1e3  # noqa: B023
                     att_ms = attention_ms(batched, engine, args_.reps)
                     cells.append(f"{ms:.2f} ({s / ms * 1e3:,.0f} tok/s), logits {host_ms(logits, args_.reps):.2f}; "
