@@ -719,9 +719,7 @@ def sample(
     _check_threads(threads)
     inv_t = float32(1.0 / temperature)
     if wide is not None and top_k == 0 and top_p == 1.0 and min_p == 0.0:
-        from pycalm.kernels.sample_wide import sample_wide_state
-
-        sample_wide_state(logits, state, coins, inv_t, wide, stream=stream)
+        wide.sample_state(logits, state, coins, inv_t, stream=stream)  # (sample_wide imports this module)
         return
     sample_kernel[1, threads, stream](
         logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
@@ -837,6 +835,4 @@ def sample_rows(
         wide = None  # more rows than the scratch holds: their blocks already spread over the SMs
     sample_rows_kernel[rows, threads, stream](logits, *params, coins, tokens, int32(wide is not None))
     if wide is not None:
-        from pycalm.kernels.sample_wide import sample_wide_rows
-
-        sample_wide_rows(logits, params, coins, tokens, wide, stream=stream)
+        wide.sample_rows(logits, params, coins, tokens, stream=stream)

@@ -97,6 +97,18 @@ class WideScratch(NamedTuple):
     def rows(self) -> int:
         return self.count.shape[0]
 
+    def sample_rows(
+        self, logits: object, params: tuple, coins: object, tokens: object, *, stream: object
+    ) -> None:
+        """sample_wide_rows with this scratch (what sample.sample_rows launches, given it)."""
+        sample_wide_rows(logits, params, coins, tokens, self, stream=stream)
+
+    def sample_state(
+        self, logits: object, state: object, coins: object, inv_t: float, *, stream: object
+    ) -> None:
+        """sample_wide_state with this scratch (what sample.sample launches, given it)."""
+        sample_wide_state(logits, state, coins, inv_t, self, stream=stream)
+
 
 @cuda.jit(device=True, inline=True)
 def _chunk(n):  # noqa: ANN001, ANN202
