@@ -122,16 +122,8 @@ def main() -> None:
             launch(state)
             stream.synchronize()
             got.append(int(state.copy_to_host()[0]))
-        ok = got == want
-        if not ok:
-            failed.append(f"{name}: tokens {got}, the reference's {want}")
-        if tiny:
-            print(f"{name}: tokens {got} ({'ok' if ok else 'WRONG'})", flush=True)
-            continue
-        from gpubench import graph_seconds
-
-        t = graph_seconds(stream, lambda f=launch, st=state: [f(st) for _ in range(REPS)], RUNS) / REPS
-        print(f"{name} over {vocab} logits: {t * 1e6:.1f} us (picks {'ok' if ok else 'WRONG'})", flush=True)
+        replay = lambda f=launch, st=state: [f(st) for _ in range(REPS)]  # noqa: E731
+        failed += report(f"{name} over {vocab} logits", got, want, tiny, stream, replay)
     failed += rows_versions(vocab, tiny, stream)
     if failed:
         sys.exit("picks off the reference:\n" + "\n".join(failed))
@@ -160,19 +152,25 @@ def rows_versions(vocab: int, tiny: bool, stream: object) -> list[str]:
             launch()
             stream.synchronize()
             got = tokens.copy_to_host().tolist()
-            ok = got == want
-            if not ok:
-                failed.append(f"sample_rows {rows} rows, {name}: tokens {got}, the reference's {want}")
-            if tiny:
-                print(f"sample_rows {rows} rows T=0.8, {name}: ({'ok' if ok else 'WRONG'})", flush=True)
-                continue
-            from gpubench import graph_seconds
-
-            t = graph_seconds(stream, lambda f=launch: [f() for _ in range(REPS)], RUNS) / REPS
-            print(
-                f"sample_rows {rows} rows T=0.8, {name}: {t * 1e6:.1f} us (picks {'ok' if ok else 'WRONG'})"
-            )
+            replay = lambda f=launch: [f() for _ in range(REPS)]  # noqa: E731
+            failed += report(f"sample_rows {rows} rows T=0.8, {name}", got, want, tiny, stream, replay)
     return failed
+
+
+def report(
+    name: str, got: list[int], want: list[int], tiny: bool, stream: object, replay: object
+) -> list[str]:
+    """A version's picks against the reference's: printed with --tiny, else its time a launch
+    (replay makes REPS of its launches, replayed as a graph); -> the failure, if any."""
+    ok = got == want
+    if tiny:
+        print(f"{name}: tokens {got} ({'ok' if ok else 'WRONG'})", flush=True)
+    else:
+        from gpubench import graph_seconds
+
+        t = graph_seconds(stream, replay, RUNS) / REPS
+        print(f"{name}: {t * 1e6:.1f} us (picks {'ok' if ok else 'WRONG'})", flush=True)
+    return [] if ok else [f"{name}: tokens {got}, the reference's {want}"]
 
 
 if __name__ == "__main__":
