@@ -189,6 +189,22 @@ def test_sample_wide_matches_ref(vocab, wide):
         assert _sample_wide(logits, coins, temperature, wide) == want, coins.tolist()
 
 
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_sample_wide_any_block_count(blocks, wide):
+    # the picks do not depend on how many chunks a row is cut into (wide_blocks' count is the
+    # test above's): one block is the whole row, two take 151 and 150 logits
+    rng = np.random.default_rng(blocks)
+    logits = (rng.standard_normal(301) * 3).astype(np.float32)
+    coins = np.array([0.0, 0.2, 0.55, 0.9, 0.999], np.float32)
+    d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
+    stream = cuda.stream()
+    for step, coin in enumerate(coins):
+        state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
+        wide.sample_state(d_logits, state, d_coins, 1.0 / 0.9, stream=stream, blocks=blocks)
+        stream.synchronize()
+        assert int(state.copy_to_host()[0]) == sample_ref(logits, 0.9, coin=float(coin)), coin
+
+
 @pytest.mark.parametrize("equal", [10, 40])
 def test_sample_wide_orders_equal_logits_by_id(equal, wide):
     # equal top logits spread over the chunks: the walk takes them in id order, so coin c picks

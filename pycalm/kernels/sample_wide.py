@@ -7,8 +7,9 @@ id first), the first whose running mass of p = exp((x - M) / T) exceeds Z = c * 
 largest logit. pycalm.kernels.sample answers it with one block a row: 3-4 passes of ~250
 logits a thread, each logit a key, an expf and a shared-memory float atomic (a compare-and-swap
 loop, which the lanes of a warp that share a bin take in turn), 0.38 ms over 128,256 logits on
-the H200. Here each row's logits are cut into WIDE_BLOCKS chunks (id ranges in block order), a
-block a chunk, and the walk is six launches of grid (WIDE_BLOCKS, M):
+the H200. Here each row's logits are cut into G chunks (id ranges in block order; G =
+wide_blocks(n): a block per 4,096 logits, 16 a thread, at most WIDE_BLOCKS: 32 over 128,256), a
+block a chunk, and the walk is six launches of grid (G, M):
 
   1. stats: block b's max m_b and mass z_b = sum exp((x - m_b) / T) of its chunk; the last block
      of the row to finish (common.last_to_arrive) adds them in block order, M = max_b m_b,
@@ -17,16 +18,17 @@ block a chunk, and the walk is six launches of grid (WIDE_BLOCKS, M):
   2-5. pass (the key's bits 24..31, then 16..23, 8..15, 0..7): each block histograms its chunk's
      logits whose key (sample._ukey: unsigned order is float order) has the prefix found so far,
      count and mass a digit, into its row of hist_n / hist_m; the last block adds the blocks'
-     rows in block order (the same float32 sums whichever block finishes last), walks the digits
-     from the highest and keeps the first bin where the mass before it (fst[r, 2], carried over
-     the passes) plus its own exceeds Z; after four passes the prefix is the crossing logit's key.
+     rows in block order (the same float32 sums whichever block finishes last), and its warp 0
+     finds the first bin from the highest digit down where the mass before it (fst[r, 2],
+     carried over the passes) plus its own exceeds Z (sample._scan_bins, the one-block walk's
+     scan); after four passes the prefix is the crossing logit's key.
   6. pick: the crossing among the logits of that key (equal logits, walked in id order) is the
      j-th, j = floor((Z - mass before) / p), clamped to their count; each block counts its
      chunk's, the last finds the chunk that holds the j-th and searches it a block-wide round at
      a time (warp prefix sums of the hits) -> tokens[r].
 
-The passes are short: a block's chunk is about 1,000 logits (4 a thread) and the last block's
-sum reads WIDE_BLOCKS x 256 x 8 bytes (256 KB) with LOADS loads in flight a thread. Float rounding
+Every launch is short: a block's chunk is 16 logits a thread, and a pass's last block adds G x
+256 x 8 bytes (64 KB at G = 32) with LOADS loads in flight a thread. Float rounding
 is the single-block walk's: the sums are float32 (in block order here), so a coin within ~1e-6
 of the mass of a boundary between two tokens may pick the neighbour; equal logits and the end of
 the walk (Z rounded up to the total: the last non-empty bin) follow the spec exactly.
@@ -37,7 +39,7 @@ row return at once, and sample_rows_kernel, told `wide`, returns for the rows ta
 options come from device memory (sample.RowSampling), so one captured graph serves any mix.
 
 Bytes moved: a row's logits (vocab_size * 4) read 6 times (from L2 after the first), plus
-WIDE_BLOCKS * 256 * 8 bytes of histograms written and read per pass.
+G * 256 * 8 bytes of histograms written and read per pass.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import numpy as np
 from numba import config as _numba_config
 from numba import cuda, float32, int32
 
+from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
     STATE_POS,
     STATE_TOKEN,
@@ -58,10 +61,11 @@ from pycalm.kernels.common import (
     last_to_arrive,
     warp_reduce_sum,
 )
-from pycalm.kernels.sample import _key_value, _ukey, _warp_prefix, is_wide
+from pycalm.kernels.sample import MODE_MASS_GT, _key_value, _scan_bins, _ukey, _warp_prefix, is_wide
 
-# blocks a row and threads a block (fewer under the simulator, a Python thread a GPU thread)
-WIDE_BLOCKS, WIDE_THREADS = (3, 32) if _numba_config.ENABLE_CUDASIM else (128, 256)
+# blocks a row: one per WIDE_LOGITS logits (16 a thread), at most WIDE_BLOCKS; threads a block
+# (fewer under the simulator, a Python thread a GPU thread)
+WIDE_BLOCKS, WIDE_LOGITS, WIDE_THREADS = (3, 128, 32) if _numba_config.ENABLE_CUDASIM else (128, 4096, 256)
 BINS = 256
 PARTS = 2 * WIDE_BLOCKS  # (max, mass) a block
 LOADS = 16  # the last block's histogram loads in flight a thread
@@ -97,17 +101,15 @@ class WideScratch(NamedTuple):
     def rows(self) -> int:
         return self.count.shape[0]
 
-    def sample_rows(
-        self, logits: object, params: tuple, coins: object, tokens: object, *, stream: object
-    ) -> None:
+    def sample_rows(self, logits: object, params: tuple, coins: object, tokens: object, *, stream: object,
+                    blocks: int | None = None) -> None:  # fmt: skip
         """sample_wide_rows with this scratch (what sample.sample_rows launches, given it)."""
-        sample_wide_rows(logits, params, coins, tokens, self, stream=stream)
+        sample_wide_rows(logits, params, coins, tokens, self, stream=stream, blocks=blocks)
 
-    def sample_state(
-        self, logits: object, state: object, coins: object, inv_t: float, *, stream: object
-    ) -> None:
+    def sample_state(self, logits: object, state: object, coins: object, inv_t: float, *, stream: object,
+                     blocks: int | None = None) -> None:  # fmt: skip
         """sample_wide_state with this scratch (what sample.sample launches, given it)."""
-        sample_wide_state(logits, state, coins, inv_t, self, stream=stream)
+        sample_wide_state(logits, state, coins, inv_t, self, stream=stream, blocks=blocks)
 
 
 @cuda.jit(device=True, inline=True)
@@ -164,7 +166,7 @@ def _stats(row, r, inv_t, coin, part, fst, ist, count):  # noqa: ANN001, ANN202
 
 @cuda.jit(cache=True)
 def wide_stats_rows(logits, temperature, top_k, top_p, min_p, coins, part, fst, ist, count):  # noqa: ANN001, ANN201
-    """Launch 1, grid (WIDE_BLOCKS, M): row r = blockIdx.y with RowSampling's options and coin
+    """Launch 1, grid (G, M): row r = blockIdx.y with RowSampling's options and coin
     coins[r]; a row not at temperature alone is marked (ist[r, 3] = 0) and left alone."""
     dependent_start()  # in a programmatic graph: wait for the logits
     r = cuda.blockIdx.y
@@ -180,7 +182,7 @@ def wide_stats_rows(logits, temperature, top_k, top_p, min_p, coins, part, fst, 
 
 @cuda.jit(cache=True)
 def wide_stats_state(logits, inv_t, coins, state, part, fst, ist, count):  # noqa: ANN001, ANN201
-    """Launch 1, grid (WIDE_BLOCKS, 1), for the token step: temperature 1 / inv_t, the coin
+    """Launch 1, grid (G, 1), for the token step: temperature 1 / inv_t, the coin
     coins[state[STATE_POS]] (sample.sample's)."""
     dependent_start()  # in a programmatic graph: wait for the logits
     _stats(logits[0], 0, inv_t, coins[state[STATE_POS]], part, fst, ist, count)
@@ -188,13 +190,15 @@ def wide_stats_state(logits, inv_t, coins, state, part, fst, ist, count):  # noq
 
 @cuda.jit(cache=True)
 def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, ANN201
-    """Launches 2-5, grid (WIDE_BLOCKS, M): the key's digit at bits shift .. shift + 7 (see the
+    """Launches 2-5, grid (G, M): the key's digit at bits shift .. shift + 7 (see the
     module docstring): ist[r] <- (prefix with the digit, mask, the crossing bin's count, live),
     fst[r, 2] += the mass of the bins before it."""
     dependent_start()  # in a programmatic graph: wait for the last launch's fst / ist
     sn = cuda.shared.array(BINS, int32)  # this block's counts a digit, then the row's
     sm = cuda.shared.array(BINS, float32)  # this block's masses a digit, then the row's
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
+    cross = cuda.shared.array(4, int32)  # _scan_bins' answer: the bin, the count before it, its count
+    cross_mass = cuda.shared.array(2, float32)  # and the mass before it
     r = cuda.blockIdx.y
     if ist[r, 3] == int32(0):  # block-uniform: a row the single-block kernel takes
         return
@@ -236,30 +240,20 @@ def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, 
         sn[d] = cn
         sm[d] = cm
     cuda.syncthreads()  # the row's sums are in sn / sm
+    if tid < 32:  # warp 0: the first bin from the highest digit down whose mass passes Z
+        _scan_bins(sn, sm, MODE_MASS_GT, int32(0), fst[r, 1], int32(0), fst[r, 2], False, cross, cross_mass)
+    cuda.syncthreads()  # cross holds the bin, its count; cross_mass the mass before it
     if tid == 0:
-        target, above = fst[r, 1], fst[r, 2]
-        cross, last = int32(-1), int32(-1)
-        for e in range(BINS):
-            d = BINS - 1 - e  # the highest digit first: descending logits
-            if sn[d] > 0:
-                last = d
-                if above + sm[d] > target:
-                    cross = d
-                    break
-                above += sm[d]
-        if cross < 0:  # Z rounded up to the total: the walk's last bin
-            cross = last
-            above -= sm[last]
-        fst[r, 2] = above
-        ist[r, 0] = int32(prefix | (cross << shift))
+        fst[r, 2] += cross_mass[0]
+        ist[r, 0] = int32(prefix | (cross[0] << shift))
         ist[r, 1] = int32(mask | (int32(255) << shift))
-        ist[r, 2] = sn[cross]
+        ist[r, 2] = cross[2]
         count[r] = int32(0)  # for the next launch
 
 
 @cuda.jit(cache=True)
 def wide_pick(logits, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
-    """Launch 6, grid (WIDE_BLOCKS, M): tokens[r] <- the j-th (by id) of the logits with the
+    """Launch 6, grid (G, M): tokens[r] <- the j-th (by id) of the logits with the
     crossing key (see the module docstring)."""
     dependent_start()  # in a programmatic graph: wait for the last pass's fst / ist
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
@@ -329,36 +323,51 @@ def wide_pick(logits, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
         cuda.syncthreads()  # wc and at are read before the next round rewrites them
 
 
-def _walk(logits: object, tokens: object, scratch: WideScratch, stream: object) -> None:
-    """Launches 2-6 over the rows of logits (M, vocab_size)."""
-    rows = logits.shape[0]
+def wide_blocks(n: int) -> int:
+    """Blocks a row of n logits: one per WIDE_LOGITS of them, at most WIDE_BLOCKS (128,256 logits:
+    32 blocks). Fewer blocks each take more logits; more make each pass's last block add more
+    histograms (WIDE_BLOCKS x 256 x 8 bytes at most)."""
+    return max(1, min(WIDE_BLOCKS, -(-n // WIDE_LOGITS)))
+
+
+def _launches(
+    logits: object, tokens: object, scratch: WideScratch, stats: object, stats_args: tuple, blocks: int | None,
+    stream: object,
+) -> None:  # fmt: skip
+    """The six launches over the rows of logits (M, vocab_size): stats(logits, *stats_args, part,
+    fst, ist, count), the four passes, the pick into tokens (M,)."""
+    rows, n = logits.shape
+    if blocks is None:
+        blocks = wide_blocks(n)
+    if not (1 <= blocks <= WIDE_BLOCKS and rows <= scratch.rows):
+        raise PycalmError(
+            f"sample_wide: {blocks} blocks a row (1 to {WIDE_BLOCKS}), {rows} rows of {scratch.rows}"
+        )
     s = WideScratch(*(a[:rows] for a in scratch))
-    grid = ((WIDE_BLOCKS, rows), WIDE_THREADS, stream)
+    grid = ((blocks, rows), WIDE_THREADS, stream)
+    stats[grid](logits, *stats_args, s.part, s.fst, s.ist, s.count)
     for shift in SHIFTS:
         wide_pass[grid](logits, int32(shift), s.fst, s.ist, s.hist_n, s.hist_m, s.count)
     wide_pick[grid](logits, s.fst, s.ist, tokens, s.ties_n, s.count)
 
 
 def sample_wide_rows(
-    logits: object, params: tuple, coins: object, tokens: object, scratch: WideScratch, *, stream: object
-) -> None:
+    logits: object, params: tuple, coins: object, tokens: object, scratch: WideScratch, *, stream: object,
+    blocks: int | None = None,
+) -> None:  # fmt: skip
     """tokens[r] = sample_ref(logits[r], temperature[r], coin coins[r]) for every row r of logits
     (M, vocab_size) whose options (params: sample.RowSampling) are temperature alone; the other
-    rows' tokens are not written (sample_rows_kernel's, launched with wide=1)."""
-    rows = logits.shape[0]
-    s = WideScratch(*(a[:rows] for a in scratch))
-    grid = ((WIDE_BLOCKS, rows), WIDE_THREADS, stream)
-    wide_stats_rows[grid](logits, *params, coins, s.part, s.fst, s.ist, s.count)
-    _walk(logits, tokens, scratch, stream)
+    rows' tokens are not written (sample_rows_kernel's, launched with wide=1). blocks: a row's
+    (default: wide_blocks)."""
+    _launches(logits, tokens, scratch, wide_stats_rows, (*params, coins), blocks, stream)
 
 
 def sample_wide_state(
-    logits: object, state: object, coins: object, inv_t: float, scratch: WideScratch, *, stream: object
-) -> None:
+    logits: object, state: object, coins: object, inv_t: float, scratch: WideScratch, *, stream: object,
+    blocks: int | None = None,
+) -> None:  # fmt: skip
     """state[STATE_TOKEN] = sample_ref(logits (vocab_size,), temperature 1 / inv_t, coin
     coins[state[STATE_POS]]): the token step's sample at temperature alone."""
     row = logits.reshape(1, logits.shape[0])  # (1, vocab_size)
-    s = WideScratch(*(a[:1] for a in scratch))
-    grid = ((WIDE_BLOCKS, 1), WIDE_THREADS, stream)
-    wide_stats_state[grid](row, np.float32(inv_t), coins, state, s.part, s.fst, s.ist, s.count)
-    _walk(row, state[STATE_TOKEN : STATE_TOKEN + 1], scratch, stream)
+    token = state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,)
+    _launches(row, token, scratch, wide_stats_state, (np.float32(inv_t), coins, state), blocks, stream)

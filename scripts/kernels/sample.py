@@ -11,7 +11,8 @@ Versions:
                        pycalm.kernels.sample_wide (what the engine launches there): six launches
                        of many blocks a row where the one-block walk runs its 3-4 passes on one
                        SM (about 250 logits a thread, each an expf, a key and a shared-memory
-                       float atomic: 0.38 ms on the H200, 2026-11-29)
+                       float atomic: 0.38 ms on the H200, 2026-11-29); and with BLOCKS blocks a
+                       row instead of wide_blocks' 32 (timed, not under --tiny)
 
 How to run (on the GPU machine, from the repository root):
 
@@ -47,6 +48,7 @@ VOCAB = 128256
 TINY_VOCAB = 301
 REPS = 32
 RUNS = 15
+BLOCKS = (8, 16, 64, 128)  # the wide walk's blocks a row, timed beside its default
 ROWS = (1, 3) if numba_config.ENABLE_CUDASIM else (1, 8, 64)  # sample_rows' row counts
 COINS = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99)  # the step at position p draws COINS[p]
 SETTINGS = [
@@ -100,6 +102,11 @@ def main() -> None:
             if s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0:  # temperature alone
                 launch = lambda st, d=d_logits, s=s: sample(d, st, coins, s, stream=stream, wide=wide)  # noqa: E731
                 versions.append((f"sample, wide {kind} T={s.temperature}", launch, want))
+                for blocks in () if tiny else BLOCKS:  # other block counts than wide_blocks' (32)
+                    launch = lambda st, d=d_logits, t=s.temperature, b=blocks: wide.sample_state(  # noqa: E731
+                        d, st, coins, 1.0 / t, stream=stream, blocks=b
+                    )
+                    versions.append((f"sample, wide {kind} T={s.temperature}, {blocks} blocks", launch, want))
     ties = np.round(logits_of("normal", vocab)).astype(np.float32)  # many equal logits: the id walk
     d_ties = cuda.to_device(ties)
     want = [sample_ref(ties, 1.0, 0, 1.0, 0.0, float(c)) for c in coins_host]
