@@ -296,7 +296,7 @@ class Prefill:
             self.fixed_split = split_len(engine.seq_len, engine.att_scratch.chunk, cfg.n_kv_heads)
         self._views: dict[int, RowBuffers] = {}  # n rows -> views of the buffers
         from pycalm.kernels.sample import RowSampling
-        from pycalm.kernels.sample_wide import WideScratch
+        from pycalm.kernels.sample_wide import WIDE_ROWS, WideScratch
 
         most = ROW_BUCKETS[-1]
         # a rows pass's inputs in one int32 block that one copy a pass fills from its pinned twin
@@ -316,11 +316,12 @@ class Prefill:
         # (bucket, what the pass gives: "logits", "tokens" or "cache", attention span) -> its pass
         self._rows_graphs: dict[tuple[int, str, int | None], GraphStep] = {}
         self._inputs_copied = cuda.event()  # the last pass's inputs are on the GPU
-        # sample_rows' options: the scratch of the walk over many blocks for up to 64 rows at
-        # temperature alone (pycalm.kernels.sample_wide: (64, 128 x 256) histograms, 17 MB), and
-        # under the simulator (a Python thread a GPU thread) blocks of 64 threads
+        # sample_rows' options: the scratch of the walk over many blocks for up to WIDE_ROWS rows
+        # at temperature alone (pycalm.kernels.sample_wide; more rows take a block each, which at
+        # 64 rows is as fast: 380 us against 409 on an H100, 2026-12-07), and under the simulator
+        # (a Python thread a GPU thread) blocks of 64 threads
         self.sample_options = {
-            "wide": WideScratch.allocate(most),
+            "wide": WideScratch.allocate(WIDE_ROWS),
             **({"threads": 64} if numba_config.ENABLE_CUDASIM else {}),
         }
 

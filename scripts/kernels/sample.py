@@ -21,7 +21,8 @@ How to run (on the GPU machine, from the repository root):
 
 Over VOCAB logits, each version as a graph of REPS launches, replayed and timed with CUDA events
 (median). Every version's picks are first compared with pycalm.cpu.reference.sample_ref for the
-same coins, COINS (the tokens must be the same).
+same coins, COINS: the same tokens, or (over the full vocabulary, where a coin deep in the walk
+lies among tokens of p ~ 1e-7) a token the reference picks for a coin within NEAR of it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ TINY_VOCAB = 301
 REPS = 32
 RUNS = 15
 BLOCKS = (8, 16, 64, 128)  # the wide walk's blocks a row, timed beside its default
-ROWS = (1, 3) if numba_config.ENABLE_CUDASIM else (1, 8, 64)  # sample_rows' row counts
+ROWS, TINY_ROWS = (1, 8, 16, 32, 64), (1, 3)  # sample_rows' row counts (--tiny: the second)
+NEAR = 1e-5  # a coin this close to the one drawn: picks there differ by float32 rounding
 COINS = (0.0, 0.3, 0.5, 0.7, 0.9, 0.99)  # the step at position p draws COINS[p]
 SETTINGS = [
     SamplingParams(0.8, 40, 0.95, 0.0),
@@ -77,11 +79,11 @@ def main() -> None:
     coins_host = np.array(COINS, np.float32)
     coins = cuda.to_device(coins_host)
     scratch = cuda.device_array((2, 2) if tiny else argmax_scratch_shape(), np.int32)
-    versions = []  # (name, launch(state), the reference's tokens for COINS)
+    versions = []  # (name, launch(state), the reference: coin -> token)
     wide = WideScratch.allocate(1)
 
     normal = logits_of("normal", vocab)
-    greedy = [sample_ref(normal, 0.0)] * len(COINS)
+    greedy = lambda c: sample_ref(normal, 0.0)  # noqa: E731
     d_normal = cuda.to_device(normal)
     versions.append(
         (
@@ -95,7 +97,7 @@ def main() -> None:
         host = logits_of(kind, vocab)
         d_logits = cuda.to_device(host)
         for s in SETTINGS:
-            want = [sample_ref(host, s.temperature, s.top_k, s.top_p, s.min_p, float(c)) for c in coins_host]
+            want = lambda c, h=host, s=s: sample_ref(h, s.temperature, s.top_k, s.top_p, s.min_p, c)  # noqa: E731
             name = f"sample {kind} T={s.temperature} top_k={s.top_k} top_p={s.top_p} min_p={s.min_p}"
             launch = lambda st, d=d_logits, s=s: sample(d, st, coins, s, stream=stream, **threads)  # noqa: E731
             versions.append((name, launch, want))
@@ -109,7 +111,7 @@ def main() -> None:
                     versions.append((f"sample, wide {kind} T={s.temperature}, {blocks} blocks", launch, want))
     ties = np.round(logits_of("normal", vocab)).astype(np.float32)  # many equal logits: the id walk
     d_ties = cuda.to_device(ties)
-    want = [sample_ref(ties, 1.0, 0, 1.0, 0.0, float(c)) for c in coins_host]
+    want = lambda c: sample_ref(ties, 1.0, 0, 1.0, 0.0, c)  # noqa: E731
     plain = SamplingParams(1.0, 0, 1.0, 0.0)
     versions.append(
         ("sample ties T=1.0", lambda st: sample(d_ties, st, coins, plain, stream=stream, **threads), want)
@@ -130,22 +132,26 @@ def main() -> None:
             stream.synchronize()
             got.append(int(state.copy_to_host()[0]))
         replay = lambda f=launch, st=state: [f(st) for _ in range(REPS)]  # noqa: E731
-        failed += report(f"{name} over {vocab} logits", got, want, tiny, stream, replay)
+        refs = [(want, float(c)) for c in coins_host]
+        failed += report(f"{name} over {vocab} logits", got, refs, tiny, stream, replay)
     failed += rows_versions(vocab, tiny, stream)
     if failed:
         sys.exit("picks off the reference:\n" + "\n".join(failed))
 
 
 def rows_versions(vocab: int, tiny: bool, stream: object) -> list[str]:
-    """sample_rows over ROWS rows of normal logits at temperature 0.8 alone, one block a row and
+    """sample_rows over ROWS (--tiny: TINY_ROWS) rows of normal logits at temperature 0.8 alone, one block a row and
     wide (the engine's rows passes and batched steps): checked row by row, then timed."""
     failed = []
-    wide = WideScratch.allocate(max(ROWS))
-    for rows in ROWS:
+    counts = TINY_ROWS if tiny else ROWS
+    wide = WideScratch.allocate(max(counts))
+    for rows in counts:
         logits = np.stack([logits_of("normal", vocab) * (1 + r / rows) for r in range(rows)])  # (rows, vocab)
         coins = np.random.default_rng(rows).random(rows).astype(np.float32)  # (rows,)
         settings = [SamplingParams(0.8)] * rows
-        want = [sample_ref(x, 0.8, coin=float(c)) for x, c in zip(logits, coins, strict=True)]
+        refs = [
+            (lambda c, x=x: sample_ref(x, 0.8, coin=c), float(c)) for x, c in zip(logits, coins, strict=True)
+        ]
         d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
         params = RowSampling.from_host(*host_rows(settings), stream=stream)
         tokens = cuda.to_device(np.full(rows, -1, np.int32))
@@ -160,24 +166,29 @@ def rows_versions(vocab: int, tiny: bool, stream: object) -> list[str]:
             stream.synchronize()
             got = tokens.copy_to_host().tolist()
             replay = lambda f=launch: [f() for _ in range(REPS)]  # noqa: E731
-            failed += report(f"sample_rows {rows} rows T=0.8, {name}", got, want, tiny, stream, replay)
+            failed += report(f"sample_rows {rows} rows T=0.8, {name}", got, refs, tiny, stream, replay)
     return failed
 
 
-def report(
-    name: str, got: list[int], want: list[int], tiny: bool, stream: object, replay: object
-) -> list[str]:
-    """A version's picks against the reference's: printed with --tiny, else its time a launch
-    (replay makes REPS of its launches, replayed as a graph); -> the failure, if any."""
-    ok = got == want
+def report(name: str, got: list[int], refs: list, tiny: bool, stream: object, replay: object) -> list[str]:
+    """A version's picks against the reference's (refs: (the reference, coin) a pick): printed
+    with --tiny, else its time a launch (replay makes REPS of its launches, replayed as a graph);
+    -> the failure, if any. A pick that the reference makes for a coin within NEAR of the one
+    drawn is float32 rounding (the kernels' sums against the reference's float64), not a failure."""
+    want = [ref(c) for ref, c in refs]
+    near = all(
+        g == w or g in {ref(c + k * NEAR / 10) for k in range(-10, 11)}
+        for g, w, (ref, c) in zip(got, want, refs, strict=True)
+    )
+    verdict = "ok" if got == want else "ok within float32 rounding" if near else "WRONG"
     if tiny:
-        print(f"{name}: tokens {got} ({'ok' if ok else 'WRONG'})", flush=True)
+        print(f"{name}: tokens {got} ({verdict})", flush=True)
     else:
         from gpubench import graph_seconds
 
         t = graph_seconds(stream, replay, RUNS) / REPS
-        print(f"{name}: {t * 1e6:.1f} us (picks {'ok' if ok else 'WRONG'})", flush=True)
-    return [] if ok else [f"{name}: tokens {got}, the reference's {want}"]
+        print(f"{name}: {t * 1e6:.1f} us (picks {verdict})", flush=True)
+    return [] if near else [f"{name}: tokens {got}, the reference's {want}"]
 
 
 if __name__ == "__main__":
