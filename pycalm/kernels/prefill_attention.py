@@ -30,7 +30,9 @@ first, t0 = (ceil(T / POSITIONS) - 1 - b) POSITIONS, so the short ones fill the 
    16-byte units h, h + 2, ..., every unit of a thread's in flight at once: fp16 by cp.async
    straight into shared memory, e5m2 by 16-byte loads into registers, all issued before the
    first is widened and stored. (Loaded and stored a unit at a time, the staging waited on
-   memory eight times in turn a tile at 64 keys and head_dim 128.) K is then the "col" B
+   memory eight times in turn a tile at 64 keys and head_dim 128: a Llama-3-8B layer's prompt
+   of 2,048 rows took 0.523 ms fp16 / 0.444 fp8 against 0.419 / 0.400 now, H100, 2026-12-07;
+   32 and 64 rows over 160 keys 29-32 us either way.) K is then the "col" B
    operand of Q K^T that ldmatrix reads as it is; V, the "row" operand of P V, is read by
    ldmatrix's .trans form. Keys past the block's last position are stored as zeros: their p
    is 0, and 0 times a stale row could be NaN. Barrier.
