@@ -160,14 +160,14 @@ def wide():
     return WideScratch.allocate(1)
 
 
-def _sample_wide(logits, coins, temperature, wide):
-    """sample at temperature alone with the wide scratch: the token for each coin in turn."""
+def _sample_wide(logits, coins, temperature, wide, top_p=1.0):
+    """sample without top-k or min-p, with the wide scratch: the token for each coin in turn."""
     d_logits, d_coins = cuda.to_device(logits), cuda.to_device(coins)
     stream = cuda.stream()
     got = []
     for step in range(len(coins)):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
-        sample(d_logits, state, d_coins, SamplingParams(temperature), stream=stream, wide=wide)
+        sample(d_logits, state, d_coins, SamplingParams(temperature, top_p=top_p), stream=stream, wide=wide)
         stream.synchronize()
         got.append(int(state.copy_to_host()[0]))
     return got
@@ -189,6 +189,26 @@ def test_sample_wide_matches_ref(vocab, wide):
         assert _sample_wide(logits, coins, temperature, wide) == want, coins.tolist()
 
 
+@pytest.mark.parametrize(
+    "temperature,top_p,kind", [(0.7, 0.9, "normal"), (1.3, 0.5, "peaked"), (1.0, 0.8, "ties")]
+)
+def test_sample_wide_top_p(temperature, top_p, kind, wide):
+    # top-p over many blocks: the cut's launches (the first prefix whose mass reaches top_p of
+    # the whole, its last token the j-th by id among equal logits), then the walk's within it;
+    # the coins reach both ends (the first kept token, and the last, which rounding may walk
+    # past and the pick clamps to)
+    rng = np.random.default_rng(int(100 * top_p))
+    logits = (rng.standard_normal(1237) * 3).astype(np.float32)
+    if kind == "peaked":
+        logits[rng.choice(1237, 10, replace=False)] += 15.0
+    if kind == "ties":
+        logits = np.round(logits)  # hundreds of equal logits at every value, the cut among them
+    coins = rng.random(5).astype(np.float32)
+    coins[:2] = 0.0, np.nextafter(np.float32(1.0), np.float32(0.0))
+    want = [sample_ref(logits, temperature, 0, top_p, 0.0, float(c)) for c in coins]
+    assert _sample_wide(logits, coins, temperature, wide, top_p) == want, coins.tolist()
+
+
 @pytest.mark.parametrize("blocks", [1, 2])
 def test_sample_wide_any_block_count(blocks, wide):
     # the picks do not depend on how many chunks a row is cut into (wide_blocks' count is the
@@ -200,7 +220,7 @@ def test_sample_wide_any_block_count(blocks, wide):
     stream = cuda.stream()
     for step, coin in enumerate(coins):
         state = cuda.to_device(np.array([-1, step, 0, 0], np.int32))
-        wide.sample_state(d_logits, state, d_coins, 1.0 / 0.9, stream=stream, blocks=blocks)
+        wide.sample_state(d_logits, state, d_coins, 1.0 / 0.9, 1.0, stream=stream, blocks=blocks)
         stream.synchronize()
         assert int(state.copy_to_host()[0]) == sample_ref(logits, 0.9, coin=float(coin)), coin
 
@@ -247,4 +267,4 @@ def test_kernel_script_runs_its_check():
     script = Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "sample.py"
     p = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert p.stdout.count("(ok)") == 18  # every version, the wide walk and sample_rows (1 and 3 rows) too
+    assert p.stdout.count("(ok)") == 20  # every version, the wide walk and sample_rows (1 and 3 rows) too

@@ -117,12 +117,12 @@ def test_sample_rows_equal_logits_in_id_order():
         assert got[2] == ids[2].min()
 
 
-def test_sample_rows_wide_takes_the_rows_at_temperature_alone():
-    # with the wide scratch the rows at temperature alone (is_wide: top_k 0 or the whole
-    # vocabulary, top_p 1, min_p 0) take pycalm.kernels.sample_wide's launches and the others
-    # one block each, in one call; the options move a row down between launches (the kernels read
-    # them at run time, as a captured graph replays them); six rows against a scratch of five
-    # take one block a row each
+def test_sample_rows_wide_takes_the_rows_without_top_k_or_min_p():
+    # with the wide scratch the rows above temperature 0 without a top-k or min-p cut (is_wide:
+    # top_k 0 or the whole vocabulary, min_p 0; top-p or not) take pycalm.kernels.sample_wide's
+    # launches and the others one block each, in one call; the options move a row down between launches (the kernels read
+    # them at run time, as a captured graph replays them); a row more than the scratch holds
+    # takes one block a row each
     from pycalm.kernels.sample_wide import WideScratch
 
     rng = np.random.default_rng(31)
@@ -132,6 +132,8 @@ def test_sample_rows_wide_takes_the_rows_at_temperature_alone():
         SamplingParams(1.3, top_p=0.9),
         SamplingParams(1.1, top_k=VOCAB),  # a top-k of the whole vocabulary cuts nothing
         SamplingParams(0.6),
+        SamplingParams(0.9, top_k=20, top_p=0.8),  # one block
+        SamplingParams(0.7, top_p=0.5),
     ]
     rows = len(settings)
     logits = (rng.standard_normal((rows + 1, VOCAB)) * 3).astype(np.float32)  # (rows + 1, vocab)
@@ -151,11 +153,11 @@ def test_sample_rows_wide_takes_the_rows_at_temperature_alone():
                     wide=wide, **THREADS)  # fmt: skip
         stream.synchronize()
         assert tokens.copy_to_host().tolist() == _want(logits[:rows], row_settings, coins), (launch, coins)
-    six = [*settings, SamplingParams(0.9)]
+    more = [*settings, SamplingParams(0.9)]
     params = RowSampling.allocate(rows + 1, stream=stream)
-    params.set_rows(six, stream=stream)
-    coins = np.array([_coin_inside(rng, x, s) for x, s in zip(logits, six, strict=True)], np.float32)
-    assert _run(logits, params, coins, stream, wide=wide) == _want(logits, six, coins)
+    params.set_rows(more, stream=stream)
+    coins = np.array([_coin_inside(rng, x, s) for x, s in zip(logits, more, strict=True)], np.float32)
+    assert _run(logits, params, coins, stream, wide=wide) == _want(logits, more, coins)
 
 
 def test_host_rows_kept_match_host_rows():

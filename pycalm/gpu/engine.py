@@ -361,7 +361,7 @@ class GpuEngine:
         # simulator (a Python thread per CUDA thread) two small blocks instead of 128 large ones
         self.argmax_scratch = zeros((2, 2) if config.ENABLE_CUDASIM else argmax_scratch_shape(), np.int32)
         # sample's launch options: the argmax scratch, the scratch of the walk over many blocks
-        # (temperature alone: pycalm.kernels.sample_wide), and under the simulator 64-thread blocks
+        # (no top-k or min-p: pycalm.kernels.sample_wide), and under the simulator 64-thread blocks
         self._sample_options = {
             "scratch": self.argmax_scratch,
             "wide": WideScratch.allocate(1),

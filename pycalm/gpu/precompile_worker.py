@@ -42,13 +42,12 @@ def walk_engine(spec: dict, walk: Walk) -> None:
     cfg = ModelConfig.from_json(spec["config"])
     options = EngineOptions(**{**spec["options"], "parallel_compile": 0})
     engine = GpuEngine(StandInModel(cfg), spec["seq_len"], spec["kv_dtype"], options=options)
-    # greedy (argmax) and sampled at temperature alone
+    # greedy (argmax) and sampled at temperature alone (sample_wide's kernels)
     for walk.group, temperature in (("step", 0.0), ("sample", 1.0)):
         for span in sorted({engine.span(p) for p in range(engine.seq_len)}):
             engine.forward(SamplingParams(temperature=temperature), span)
-    # a cut (top-k, top-p, min-p) samples in one block (sample_kernel), temperature alone over
-    # many (pycalm.kernels.sample_wide)
-    engine.forward(SamplingParams(temperature=1.0, top_p=0.9), engine.span(0))
+    # a top-k or min-p cut samples in one block (sample_kernel)
+    engine.forward(SamplingParams(temperature=1.0, top_k=40), engine.span(0))
     engine.forward(SamplingParams(), engine.span(0), True)  # a request for logprobs adds their kernel
     engine.forward(SamplingParams(), engine.span(0), penalties=True)  # penalties or a bias: theirs
     engine.sample_step(SamplingParams(), masked=True)  # constrained decoding adds the mask kernel

@@ -14,8 +14,8 @@ Two launchers, one walk (_sample_row, a device function both kernels call):
     goes into the launch, so one captured graph serves any mix of requests (batched serving,
     speculative verification). A row at temperature 0 takes its argmax in its own block
     (pycalm.kernels.argmax.block_argmax: lowest id among equal maxima), the others the walk below.
-  * Both take `wide`, the scratch of pycalm.kernels.sample_wide: rows at temperature alone (no
-    top-k, top-p or min-p cut: is_wide) then take its walk over many blocks a row, six launches
+  * Both take `wide`, the scratch of pycalm.kernels.sample_wide: rows without a top-k or min-p
+    cut (is_wide) then take its walk over many blocks a row, six launches (eleven with top-p)
     over the whole GPU, in place of this one block's (sample_rows_kernel returns for them).
 The reference is pycalm.cpu.reference.sample_ref (float64), row by row for sample_rows; the
 kernels make the same walk in float32.
@@ -128,14 +128,9 @@ def _key_value(k):  # noqa: ANN001, ANN202
 
 @cuda.jit(device=True, inline=True)
 def is_wide(temperature, top_k, top_p, min_p, n):  # noqa: ANN001, ANN201
-    """Whether a row's options are temperature alone: T > 0 and no top-k (0, or the whole
-    vocabulary of n), top-p (1) or min-p (0) cut."""
-    return (
-        temperature > float32(0.0)
-        and (top_k <= int32(0) or top_k >= n)
-        and top_p >= float32(1.0)
-        and min_p <= float32(0.0)
-    )
+    """Whether pycalm.kernels.sample_wide takes a row: T > 0 and no top-k (0, or the whole
+    vocabulary of n) or min-p (0) cut; any top_p."""
+    return temperature > float32(0.0) and (top_k <= int32(0) or top_k >= n) and min_p <= float32(0.0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -649,7 +644,7 @@ def sample_kernel(logits, state, coins, inv_t, top_k, top_p, min_p):  # noqa: AN
 def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens, wide):  # noqa: ANN001, ANN201
     """Block r (grid M): tokens[r] <- sample_ref(logits[r], temperature[r], top_k[r], top_p[r],
     min_p[r], coins[r]); at temperature 0 the row's argmax (block_argmax, lowest id on ties).
-    wide (1): a row at temperature alone (is_wide) is left to pycalm.kernels.sample_wide."""
+    wide (1): a row is_wide takes is left to pycalm.kernels.sample_wide."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     r = cuda.blockIdx.x
     if wide and is_wide(temperature[r], top_k[r], top_p[r], min_p[r], logits.shape[1]):
@@ -706,7 +701,7 @@ def sample(
     """state[STATE_TOKEN] = sample_ref(logits, temperature, top_k, top_p, min_p, coin) for the
     settings of `sampling`, coin = coins[state[STATE_POS]] (coins: (seq_len,) float32 uniform
     [0, 1), drawn by the host once). Temperature 0 launches argmax (with `scratch`, see argmax);
-    temperature alone, with `wide` (a sample_wide.WideScratch), sample_wide's launches over many
+    without top-k or min-p, with `wide` (a sample_wide.WideScratch), sample_wide's launches over many
     blocks; anything else sample_kernel's one block."""
     temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     if not (temperature >= 0.0 and math.isfinite(temperature)):
@@ -718,8 +713,10 @@ def sample(
         raise PycalmError(f"bad sampling options top_k={top_k} top_p={top_p} min_p={min_p}")
     _check_threads(threads)
     inv_t = float32(1.0 / temperature)
-    if wide is not None and top_k == 0 and top_p == 1.0 and min_p == 0.0:
-        wide.sample_state(logits, state, coins, inv_t, stream=stream)  # (sample_wide imports this module)
+    if wide is not None and top_k == 0 and min_p == 0.0:
+        wide.sample_state(
+            logits, state, coins, inv_t, top_p, stream=stream
+        )  # (sample_wide imports this module)
         return
     sample_kernel[1, threads, stream](
         logits, state, coins, inv_t, int32(top_k), float32(top_p), float32(min_p)
@@ -814,7 +811,7 @@ def sample_rows(
     """tokens[r] = sample_ref(logits[r], temperature[r], top_k[r], top_p[r], min_p[r], coins[r])
     for every row r of logits (M, vocab_size) float32, the options of `params`, coins (M,)
     float32 uniform [0, 1), tokens (M,) int32: one block a row, M blocks; with `wide` (a
-    sample_wide.WideScratch) where it holds M rows, the rows at temperature alone over many
+    sample_wide.WideScratch) where it holds M rows, the rows is_wide takes over many
     blocks a row instead (six more launches, whose blocks of the other rows return at once;
     more rows than it holds take a block each, which fills the SMs). Nothing
     but the arrays goes into the launch, so a graph captured once serves any options and coins."""

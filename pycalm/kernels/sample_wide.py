@@ -1,20 +1,21 @@
-"""Sampling at temperature alone over many blocks a row: the walk of pycalm.kernels.sample
+"""Sampling without top-k or min-p over many blocks a row: the walk of pycalm.kernels.sample
 spread over the GPU instead of one SM.
 
-A row at temperature T > 0 with no top-k, top-p or min-p cut (an OpenAI request's defaults)
-takes the token sample_ref picks for coin c: over the logits x in walk order (descending, lower
-id first), the first whose running mass of p = exp((x - M) / T) exceeds Z = c * sum(p), M the
-largest logit. pycalm.kernels.sample answers it with one block a row: 3-4 passes of ~250
+A row at temperature T > 0 with no top-k or min-p cut (an OpenAI request's defaults, or the
+CLI's -t 0.7 -p 0.9) takes the token sample_ref picks for coin c: over the logits x in walk order
+(descending, lower id first), with p = exp((x - M) / T) and M the largest logit, top-p keeps
+the shortest prefix whose mass reaches top_p * sum(p) (all of them at top_p = 1), and the pick
+is the first kept token whose running mass exceeds Z = c * the kept mass. pycalm.kernels.sample answers it with one block a row: 3-4 passes of ~250
 logits a thread, each logit a key, an expf and a shared-memory float atomic (a compare-and-swap
 loop, which the lanes of a warp that share a bin take in turn), 0.38 ms over 128,256 logits on
 the H200. Here each row's logits are cut into G chunks (id ranges in block order; G =
 wide_blocks(n): a block per 4,096 logits, 16 a thread, at most WIDE_BLOCKS: 32 over 128,256), a
-block a chunk, and the walk is six launches of grid (G, M):
+block a chunk, and the walk is six launches of grid (G, M), eleven with top-p:
 
   1. stats: block b's max m_b and mass z_b = sum exp((x - m_b) / T) of its chunk; the last block
      of the row to finish (common.last_to_arrive) adds them in block order, M = max_b m_b,
-     sum(p) = sum_b z_b exp((m_b - M) / T), and sets the walk: fst[r] = (M, Z, 0, 1 / T),
-     ist[r] = (key prefix 0, mask 0, 0, live 1).
+     sum(p) = sum_b z_b exp((m_b - M) / T), and sets the first stage: its target (top_p * sum(p)
+     with top-p, else Z) and an empty key prefix.
   2-5. pass (the key's bits 24..31, then 16..23, 8..15, 0..7): each block histograms its chunk's
      logits whose key (sample._ukey: unsigned order is float order) has the prefix found so far,
      count and mass a digit, into its row of hist_n / hist_m; the last block adds the blocks'
@@ -26,6 +27,11 @@ block a chunk, and the walk is six launches of grid (G, M):
      j-th, j = floor((Z - mass before) / p), clamped to their count; each block counts its
      chunk's, the last finds the chunk that holds the j-th and searches it a block-wide round at
      a time (warp prefix sums of the hits) -> tokens[r].
+  With top-p, launches 2-6 first find the cut (STAGE_CUT): the same passes for the first token
+  whose running mass reaches top_p * sum(p), and a pick that keeps its key and id, j = ceil((top_p
+  sum(p) - mass before) / p) - 1, and sets the walk's target, Z = c * (the mass through it); the
+  walk's launches (STAGE_WALK). A pick past the cut in walk order (the walk's float sums rounding
+  beyond the kept mass) takes the cut's token, the last kept one, as the spec clamps.
 
 Every launch is short: a block's chunk is 16 logits a thread, and a pass's last block adds G x
 256 x 8 bytes (64 KB at G = 32) with LOADS loads in flight a thread. Float rounding
@@ -37,13 +43,12 @@ Measured (H100, 2026-12-07, scripts/kernels/sample.py): a row of 128,256 logits 
 blocks; 84 at 64, 93 at 128, 128 at 16, 204 at 8) against the one-block walk's 376; sample_rows
 over 8 rows 109 us against 377, over 64 rows 409 against 380 (WIDE_ROWS).
 
-Rows that are not at temperature alone (greedy, or with a cut) are left to the single-block
-kernels: the first launch marks them (ist[r, 3] = 0) and every later launch's blocks of such a
+Rows that are greedy, or with a top-k or min-p cut, are left to the single-block kernels: the first launch marks them (ist[r, 3] = 0) and every later launch's blocks of such a
 row return at once, and sample_rows_kernel, told `wide`, returns for the rows taken here. The
 options come from device memory (sample.RowSampling), so one captured graph serves any mix.
 
-Bytes moved: a row's logits (vocab_size * 4) read 6 times (from L2 after the first), plus
-G * 256 * 8 bytes of histograms written and read per pass.
+Bytes moved: a row's logits (vocab_size * 4) read 6 times, 11 with top-p (from L2 after the
+first), plus G * 256 * 8 bytes of histograms written and read per pass.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import NamedTuple
 
 import numpy as np
 from numba import config as _numba_config
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
 from pycalm.errors import PycalmError
 from pycalm.kernels.common import (
@@ -65,7 +70,15 @@ from pycalm.kernels.common import (
     last_to_arrive,
     warp_reduce_sum,
 )
-from pycalm.kernels.sample import MODE_MASS_GT, _key_value, _scan_bins, _ukey, _warp_prefix, is_wide
+from pycalm.kernels.sample import (
+    MODE_MASS_GE,
+    MODE_MASS_GT,
+    _key_value,
+    _scan_bins,
+    _ukey,
+    _warp_prefix,
+    is_wide,
+)
 
 # blocks a row: one per WIDE_LOGITS logits (16 a thread), at most WIDE_BLOCKS; threads a block
 # (fewer under the simulator, a Python thread a GPU thread)
@@ -78,6 +91,7 @@ BINS = 256
 PARTS = 2 * WIDE_BLOCKS  # (max, mass) a block
 LOADS = 16  # the last block's histogram loads in flight a thread
 SHIFTS = (24, 16, 8, 0)  # the key's digits, highest first
+STAGE_CUT, STAGE_WALK = 1, 2  # the top-p cut's launches, then the coin walk's
 
 
 class WideScratch(NamedTuple):
@@ -85,8 +99,12 @@ class WideScratch(NamedTuple):
     the last block of a launch leaves them at zero for the next."""
 
     part: object  # (M, 2 WIDE_BLOCKS) float32: block b's (max, mass) at 2 b, 2 b + 1
-    fst: object  # (M, 4) float32: the largest logit M, Z = coin * mass, the mass before the prefix, 1 / T
-    ist: object  # (M, 4) int32: the key prefix, its mask, the logits with the crossing key, live
+    fst: (
+        object  # (M, 8) float32: the largest logit M, the target, the mass before the prefix, 1 / T, the coin
+    )
+    # (M, 8) int32: the key prefix, its mask, the logits with the crossing key, the row's first stage
+    # (0: not taken here), the cut's key and id, whether there is a cut
+    ist: object
     hist_n: object  # (M, WIDE_BLOCKS * BINS) int32: each block's counts a digit
     hist_m: object  # (M, WIDE_BLOCKS * BINS) float32: each block's masses a digit
     ties_n: object  # (M, WIDE_BLOCKS) int32: each block's logits with the crossing key
@@ -97,8 +115,8 @@ class WideScratch(NamedTuple):
         g = WIDE_BLOCKS
         return cls(
             cuda.device_array((rows, 2 * g), np.float32),
-            cuda.device_array((rows, 4), np.float32),
-            cuda.device_array((rows, 4), np.int32),
+            cuda.device_array((rows, 8), np.float32),
+            cuda.device_array((rows, 8), np.int32),
             cuda.device_array((rows, g * BINS), np.int32),
             cuda.device_array((rows, g * BINS), np.float32),
             cuda.to_device(np.zeros((rows, g), np.int32)),
@@ -114,10 +132,10 @@ class WideScratch(NamedTuple):
         """sample_wide_rows with this scratch (what sample.sample_rows launches, given it)."""
         sample_wide_rows(logits, params, coins, tokens, self, stream=stream, blocks=blocks)
 
-    def sample_state(self, logits: object, state: object, coins: object, inv_t: float, *, stream: object,
-                     blocks: int | None = None) -> None:  # fmt: skip
+    def sample_state(self, logits: object, state: object, coins: object, inv_t: float, top_p: float, *,
+                     stream: object, blocks: int | None = None) -> None:  # fmt: skip
         """sample_wide_state with this scratch (what sample.sample launches, given it)."""
-        sample_wide_state(logits, state, coins, inv_t, self, stream=stream, blocks=blocks)
+        sample_wide_state(logits, state, coins, inv_t, top_p, self, stream=stream, blocks=blocks)
 
 
 @cuda.jit(device=True, inline=True)
@@ -130,7 +148,7 @@ def _chunk(n):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def _stats(row, r, inv_t, coin, part, fst, ist, count):  # noqa: ANN001, ANN202
+def _stats(row, r, inv_t, top_p, coin, part, fst, ist, count):  # noqa: ANN001, ANN202
     """Launch 1 for row r (logits `row`, (n,)): see the module docstring."""
     red = cuda.shared.array(32, float32)  # a word a warp (the block reductions)
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
@@ -161,21 +179,24 @@ def _stats(row, r, inv_t, coin, part, fst, ist, count):  # noqa: ANN001, ANN202
         for b in range(cuda.gridDim.x):  # block order: the same sum whichever block is last
             if parts[2 * b + 1] > float32(0.0):
                 total += parts[2 * b + 1] * math.exp((parts[2 * b] - big) * inv_t)
+        cut = top_p < float32(1.0)
         fst[r, 0] = big
-        fst[r, 1] = coin * total
+        fst[r, 1] = top_p * total if cut else coin * total  # the first stage's target
         fst[r, 2] = float32(0.0)
         fst[r, 3] = inv_t
+        fst[r, 4] = coin
         ist[r, 0] = int32(0)
         ist[r, 1] = int32(0)
         ist[r, 2] = int32(0)
-        ist[r, 3] = int32(1)
+        ist[r, 3] = int32(STAGE_CUT) if cut else int32(STAGE_WALK)
+        ist[r, 6] = int32(0)  # no cut yet
         count[r] = int32(0)  # for the next launch
 
 
 @cuda.jit(cache=True)
 def wide_stats_rows(logits, temperature, top_k, top_p, min_p, coins, part, fst, ist, count):  # noqa: ANN001, ANN201
     """Launch 1, grid (G, M): row r = blockIdx.y with RowSampling's options and coin
-    coins[r]; a row not at temperature alone is marked (ist[r, 3] = 0) and left alone."""
+    coins[r]; a row that is_wide does not take is marked (ist[r, 3] = 0) and left alone."""
     dependent_start()  # in a programmatic graph: wait for the logits
     r = cuda.blockIdx.y
     row = logits[r]  # (vocab_size,)
@@ -185,21 +206,28 @@ def wide_stats_rows(logits, temperature, top_k, top_p, min_p, coins, part, fst, 
             ist[r, 3] = int32(0)
         return
     inv_t = float32(1.0) / t  # (as sample_rows_kernel rounds it)
-    _stats(row, r, inv_t, coins[r], part, fst, ist, count)
+    _stats(row, r, inv_t, top_p[r], coins[r], part, fst, ist, count)
 
 
 @cuda.jit(cache=True)
-def wide_stats_state(logits, inv_t, coins, state, part, fst, ist, count):  # noqa: ANN001, ANN201
-    """Launch 1, grid (G, 1), for the token step: temperature 1 / inv_t, the coin
+def wide_stats_state(logits, inv_t, top_p, coins, state, part, fst, ist, count):  # noqa: ANN001, ANN201
+    """Launch 1, grid (G, 1), for the token step: temperature 1 / inv_t, top_p, the coin
     coins[state[STATE_POS]] (sample.sample's)."""
     dependent_start()  # in a programmatic graph: wait for the logits
-    _stats(logits[0], 0, inv_t, coins[state[STATE_POS]], part, fst, ist, count)
+    _stats(logits[0], 0, inv_t, top_p, coins[state[STATE_POS]], part, fst, ist, count)
+
+
+@cuda.jit(device=True, inline=True)
+def _live(ist, r, stage):  # noqa: ANN001, ANN202
+    """Whether row r takes part in a launch of `stage`: taken here, and from this stage on."""
+    first = ist[r, 3]
+    return first != int32(0) and first <= stage
 
 
 @cuda.jit(cache=True)
-def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, ANN201
-    """Launches 2-5, grid (G, M): the key's digit at bits shift .. shift + 7 (see the
-    module docstring): ist[r] <- (prefix with the digit, mask, the crossing bin's count, live),
+def wide_pass(logits, shift, stage, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, ANN201
+    """Grid (G, M): the key's digit at bits shift .. shift + 7 of a stage's crossing (see the
+    module docstring): ist[r] <- (prefix with the digit, mask, the crossing bin's count),
     fst[r, 2] += the mass of the bins before it."""
     dependent_start()  # in a programmatic graph: wait for the last launch's fst / ist
     sn = cuda.shared.array(BINS, int32)  # this block's counts a digit, then the row's
@@ -208,7 +236,7 @@ def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, 
     cross = cuda.shared.array(4, int32)  # _scan_bins' answer: the bin, the count before it, its count
     cross_mass = cuda.shared.array(2, float32)  # and the mass before it
     r = cuda.blockIdx.y
-    if ist[r, 3] == int32(0):  # block-uniform: a row the single-block kernel takes
+    if not _live(ist, r, stage):  # block-uniform: the one-block kernel's row, or no top-p cut
         return
     tid = cuda.threadIdx.x
     row = logits[r]  # (vocab_size,)
@@ -248,8 +276,9 @@ def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, 
         sn[d] = cn
         sm[d] = cm
     cuda.syncthreads()  # the row's sums are in sn / sm
-    if tid < 32:  # warp 0: the first bin from the highest digit down whose mass passes Z
-        _scan_bins(sn, sm, MODE_MASS_GT, int32(0), fst[r, 1], int32(0), fst[r, 2], False, cross, cross_mass)
+    if tid < 32:  # warp 0: the first bin from the highest digit down whose mass passes the target
+        mode = MODE_MASS_GE if stage == STAGE_CUT else MODE_MASS_GT
+        _scan_bins(sn, sm, mode, int32(0), fst[r, 1], int32(0), fst[r, 2], False, cross, cross_mass)
     cuda.syncthreads()  # cross holds the bin, its count; cross_mass the mass before it
     if tid == 0:
         fst[r, 2] += cross_mass[0]
@@ -260,16 +289,17 @@ def wide_pass(logits, shift, fst, ist, hist_n, hist_m, count):  # noqa: ANN001, 
 
 
 @cuda.jit(cache=True)
-def wide_pick(logits, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
-    """Launch 6, grid (G, M): tokens[r] <- the j-th (by id) of the logits with the
-    crossing key (see the module docstring)."""
+def wide_pick(logits, stage, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
+    """Grid (G, M): the j-th (by id) of the logits with a stage's crossing key (see the module
+    docstring): the cut (ist[r, 4:7] <- its key and id, and the walk's target set), or the walk's
+    pick -> tokens[r], the cut's token where float rounding walked past it."""
     dependent_start()  # in a programmatic graph: wait for the last pass's fst / ist
     flag = cuda.shared.array(1, int32)  # last_to_arrive's answer
     counts = cuda.shared.array(WIDE_BLOCKS, int32)  # the last block's copy of ties_n[r]
     wc = cuda.shared.array(32, int32)  # a round's hits a warp
     at = cuda.shared.array(3, int32)  # the block of the j-th, then j, then the warp that holds it
     r = cuda.blockIdx.y
-    if ist[r, 3] == int32(0):  # block-uniform: a row the single-block kernel takes
+    if not _live(ist, r, stage):  # block-uniform: the one-block kernel's row, or no top-p cut
         return
     tid = cuda.threadIdx.x
     warp, lane = tid // 32, tid % 32
@@ -295,9 +325,15 @@ def wide_pick(logits, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
         inv_t = fst[r, 3]
         p = math.exp((_key_value(key) - fst[r, 0]) * inv_t)
         j = ties - int32(1)
-        if p > float32(0.0):
-            j = int32(math.floor((fst[r, 1] - fst[r, 2]) / p))
+        if p > float32(0.0):  # the cut: the first to reach the target; the walk: to exceed it
+            q = (fst[r, 1] - fst[r, 2]) / p
+            j = int32(math.ceil(q)) - int32(1) if stage == STAGE_CUT else int32(math.floor(q))
         j = max(int32(0), min(j, ties - int32(1)))
+        if stage == STAGE_CUT:  # the walk's target: the coin's share of the kept tokens' mass
+            fst[r, 1] = fst[r, 4] * (fst[r, 2] + float32(j + 1) * p)
+            fst[r, 2] = float32(0.0)
+            ist[r, 0], ist[r, 1], ist[r, 2] = int32(0), int32(0), int32(0)
+            ist[r, 4], ist[r, 6] = key, int32(1)  # (the id: its finder's, below)
         b = int32(0)
         while b < cuda.gridDim.x - 1 and counts[b] <= j:  # the block whose chunk holds the j-th
             j -= counts[b]
@@ -325,7 +361,14 @@ def wide_pick(logits, fst, ist, tokens, ties_n, count):  # noqa: ANN001, ANN201
             at[1] = j
         cuda.syncthreads()  # at[2]: the warp of the j-th, or -1 (at[1]: what is left of j)
         if at[2] == warp and hit and rank - 1 == at[1]:
-            tokens[r] = i
+            if stage == STAGE_CUT:
+                ist[r, 5] = i
+            elif ist[r, 6] != int32(0) and (
+                uint32(key) < uint32(ist[r, 4]) or (key == ist[r, 4] and i > ist[r, 5])
+            ):
+                tokens[r] = ist[r, 5]  # past the cut in walk order (rounding): the last kept token
+            else:
+                tokens[r] = i
         if at[2] >= 0:
             return  # block-uniform
         cuda.syncthreads()  # wc and at are read before the next round rewrites them
@@ -339,11 +382,12 @@ def wide_blocks(n: int) -> int:
 
 
 def _launches(
-    logits: object, tokens: object, scratch: WideScratch, stats: object, stats_args: tuple, blocks: int | None,
-    stream: object,
+    logits: object, tokens: object, scratch: WideScratch, stats: object, stats_args: tuple, stages: tuple,
+    blocks: int | None, stream: object,
 ) -> None:  # fmt: skip
-    """The six launches over the rows of logits (M, vocab_size): stats(logits, *stats_args, part,
-    fst, ist, count), the four passes, the pick into tokens (M,)."""
+    """The launches over the rows of logits (M, vocab_size): stats(logits, *stats_args, part,
+    fst, ist, count), then for each of `stages` the four passes and the pick (the walk's into
+    tokens (M,))."""
     rows, n = logits.shape
     if blocks is None:
         blocks = wide_blocks(n)
@@ -354,28 +398,32 @@ def _launches(
     s = WideScratch(*(a[:rows] for a in scratch))
     grid = ((blocks, rows), WIDE_THREADS, stream)
     stats[grid](logits, *stats_args, s.part, s.fst, s.ist, s.count)
-    for shift in SHIFTS:
-        wide_pass[grid](logits, int32(shift), s.fst, s.ist, s.hist_n, s.hist_m, s.count)
-    wide_pick[grid](logits, s.fst, s.ist, tokens, s.ties_n, s.count)
+    for stage in stages:
+        for shift in SHIFTS:
+            wide_pass[grid](logits, int32(shift), int32(stage), s.fst, s.ist, s.hist_n, s.hist_m, s.count)
+        wide_pick[grid](logits, int32(stage), s.fst, s.ist, tokens, s.ties_n, s.count)
 
 
 def sample_wide_rows(
     logits: object, params: tuple, coins: object, tokens: object, scratch: WideScratch, *, stream: object,
     blocks: int | None = None,
 ) -> None:  # fmt: skip
-    """tokens[r] = sample_ref(logits[r], temperature[r], coin coins[r]) for every row r of logits
-    (M, vocab_size) whose options (params: sample.RowSampling) are temperature alone; the other
+    """tokens[r] = sample_ref(logits[r], temperature[r], top_p[r], coin coins[r]) for every row r of logits
+    (M, vocab_size) whose options (params: sample.RowSampling) is_wide takes; the other
     rows' tokens are not written (sample_rows_kernel's, launched with wide=1). blocks: a row's
     (default: wide_blocks)."""
-    _launches(logits, tokens, scratch, wide_stats_rows, (*params, coins), blocks, stream)
+    stages = (STAGE_CUT, STAGE_WALK)  # (a row without top-p skips the cut's launches)
+    _launches(logits, tokens, scratch, wide_stats_rows, (*params, coins), stages, blocks, stream)
 
 
 def sample_wide_state(
-    logits: object, state: object, coins: object, inv_t: float, scratch: WideScratch, *, stream: object,
-    blocks: int | None = None,
+    logits: object, state: object, coins: object, inv_t: float, top_p: float, scratch: WideScratch, *,
+    stream: object, blocks: int | None = None,
 ) -> None:  # fmt: skip
-    """state[STATE_TOKEN] = sample_ref(logits (vocab_size,), temperature 1 / inv_t, coin
-    coins[state[STATE_POS]]): the token step's sample at temperature alone."""
+    """state[STATE_TOKEN] = sample_ref(logits (vocab_size,), temperature 1 / inv_t, top_p, coin
+    coins[state[STATE_POS]]): the token step's sample without top-k or min-p."""
     row = logits.reshape(1, logits.shape[0])  # (1, vocab_size)
     token = state[STATE_TOKEN : STATE_TOKEN + 1]  # (1,)
-    _launches(row, token, scratch, wide_stats_state, (np.float32(inv_t), coins, state), blocks, stream)
+    stages = (STAGE_CUT, STAGE_WALK) if top_p < 1.0 else (STAGE_WALK,)
+    args = (np.float32(inv_t), np.float32(top_p), coins, state)
+    _launches(row, token, scratch, wide_stats_state, args, stages, blocks, stream)

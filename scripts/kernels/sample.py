@@ -7,12 +7,13 @@ Versions:
                        top-p, min-p and top-p, top-p alone: the CLI's default -t 0.7 -p 0.9), on
                        normal logits and on peaked ones (20 tokens far above the rest, a
                        language model's kind of distribution)
-  sample, wide         the same settings at temperature alone with the scratch of
+  sample, wide         the settings without top-k or min-p with the scratch of
                        pycalm.kernels.sample_wide (what the engine launches there): six launches
-                       of many blocks a row where the one-block walk runs its 3-4 passes on one
-                       SM (about 250 logits a thread, each an expf, a key and a shared-memory
-                       float atomic: 0.38 ms on the H200, 2026-11-29); and with BLOCKS blocks a
-                       row instead of wide_blocks' 32 (timed, not under --tiny)
+                       (eleven with top-p) of many blocks a row where the one-block walk runs
+                       its passes on one SM (about 250 logits a thread, each an expf, a key and
+                       a shared-memory float atomic: 0.38 ms on the H200, 2026-11-29); at
+                       temperature alone also with BLOCKS blocks a row instead of wide_blocks'
+                       32 (timed, not under --tiny)
 
 How to run (on the GPU machine, from the repository root):
 
@@ -101,14 +102,15 @@ def main() -> None:
             name = f"sample {kind} T={s.temperature} top_k={s.top_k} top_p={s.top_p} min_p={s.min_p}"
             launch = lambda st, d=d_logits, s=s: sample(d, st, coins, s, stream=stream, **threads)  # noqa: E731
             versions.append((name, launch, want))
-            if s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0:  # temperature alone
+            if s.top_k == 0 and s.min_p == 0.0:  # what sample_wide takes
                 launch = lambda st, d=d_logits, s=s: sample(d, st, coins, s, stream=stream, wide=wide)  # noqa: E731
-                versions.append((f"sample, wide {kind} T={s.temperature}", launch, want))
-                for blocks in () if tiny else BLOCKS:  # other block counts than wide_blocks' (32)
-                    launch = lambda st, d=d_logits, t=s.temperature, b=blocks: wide.sample_state(  # noqa: E731
-                        d, st, coins, 1.0 / t, stream=stream, blocks=b
+                wname = f"sample, wide {kind} T={s.temperature} top_p={s.top_p}"
+                versions.append((wname, launch, want))
+                for blocks in () if tiny or s.top_p < 1.0 else BLOCKS:  # wide_blocks' 32 against others
+                    launch = lambda st, d=d_logits, s=s, b=blocks: wide.sample_state(  # noqa: E731
+                        d, st, coins, 1.0 / s.temperature, s.top_p, stream=stream, blocks=b
                     )
-                    versions.append((f"sample, wide {kind} T={s.temperature}, {blocks} blocks", launch, want))
+                    versions.append((f"{wname}, {blocks} blocks", launch, want))
     ties = np.round(logits_of("normal", vocab)).astype(np.float32)  # many equal logits: the id walk
     d_ties = cuda.to_device(ties)
     want = lambda c: sample_ref(ties, 1.0, 0, 1.0, 0.0, c)  # noqa: E731
