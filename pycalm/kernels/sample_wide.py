@@ -29,8 +29,8 @@ block a chunk, and the walk is six launches of grid (G, M), eleven with top-p:
      a time (warp prefix sums of the hits) -> tokens[r].
   With top-p, launches 2-6 first find the cut (STAGE_CUT): the same passes for the first token
   whose running mass reaches top_p * sum(p), and a pick that keeps its key and id, j = ceil((top_p
-  sum(p) - mass before) / p) - 1, and sets the walk's target, Z = c * (the mass through it); the
-  walk's launches (STAGE_WALK). A pick past the cut in walk order (the walk's float sums rounding
+  sum(p) - mass before) / p) - 1, and sets the walk's target, Z = c * (the mass through it); then
+  the walk's launches (STAGE_WALK). A pick past the cut in walk order (the walk's float sums rounding
   beyond the kept mass) takes the cut's token, the last kept one, as the spec clamps.
 
 Every launch is short: a block's chunk is 16 logits a thread, and a pass's last block adds G x
