@@ -10,7 +10,7 @@ GPU time: the same step timed by CUDA events around it alone, the rest is the ho
 
     python3 scripts/bench_batched.py --shapes llama3-8b --dtypes fp16 --seqs 1,8,32,64 --pos 128,384
     python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 192    # steps that feed a prompt too
-    python3 scripts/bench_batched.py --seqs 1,64 --top-p 1 --plain      # temperature alone, plain graph edges
+    python3 scripts/bench_batched.py --seqs 1,64 --top-p 1              # temperature alone (the wide sampler)
     python3 scripts/bench_batched.py --seqs 64 --pos 384 --chunk 0,64,192,448,960   # a row each: the
         # cost of each row bucket (64 + chunk rows, padded to a power of two): bench_serve --stand-in's table
 """
@@ -80,11 +80,6 @@ def main() -> None:
     ap.add_argument(
         "--top-p", type=float, default=0.95, help="the rows' top-p at temperature 0.8 (1: temperature alone)"
     )
-    ap.add_argument(
-        "--plain",
-        action="store_true",
-        help="plain graph edges (default: programmatic where the GPU has them)",
-    )
     args_ = ap.parse_args()
     seqs = [int(v) for v in args_.seqs.split(",")]
     spots = [int(v) for v in args_.pos.split(",")]
@@ -100,7 +95,7 @@ def main() -> None:
             cfg = config_for(shape, dtype, context)
             engine = GpuEngine(
                 RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16",
-                options=EngineOptions(programmatic=False if args_.plain else None),
+                options=EngineOptions(),
             )  # fmt: skip
             step = functools.partial(engine.graph, SamplingParams())
             step(0)

@@ -13,9 +13,10 @@ rows of one sequence are consecutive (a decode row, or a chunk of a prompt). The
 go to the device (a few KB) at fixed places, padded to a power of two of rows (padding rows are
 sequence -1: they write no cache row and attend to nothing), and the pass replays as the CUDA
 graph of its (rows, sampled rows, attention span) buckets, captured at its first use (eager
-where the engine takes no graphs, and for Mixtral), with the token step's programmatic edges
-where the engine has them (pycalm.gpu.graph: each kernel's launch and first loads overlap the
-tail of the one before, which a one-row step of some 200 short kernels feels most). The pass is pycalm.gpu.prefill's
+where the engine takes no graphs, and for Mixtral), with plain edges: with the token step's
+programmatic ones (pycalm.gpu.graph) test_batched_gpu_rows_are_the_sequences_alone failed on an
+H100 for qwen2 q8 weights and fp8 KV (2026-12-07), its llama fp16 case passing, and the graph
+alone was 2% faster at one row (5.91 / 6.04 ms, Llama-3-8B fp16), as fast at 64. The pass is pycalm.gpu.prefill's
 forward_rows with pages: every weight read once for all R rows (the rows pass's products:
 skinny's for a few rows, matmul's tiles above), qkv_pages writing each row's key and value into
 its pool row, and pycalm.kernels.attention over the pages taking each row over its own
@@ -409,7 +410,7 @@ class BatchedGpuEngine:
             t0 = time.perf_counter()
             record()  # compiles the kernels; also this step's result
             if e.use_graph and not self.config.n_experts:
-                self.graphs[key] = GraphStep(e.stream, record, programmatic=e.programmatic)
+                self.graphs[key] = GraphStep(e.stream, record)
                 self.captures += 1
                 self.capture_s += time.perf_counter() - t0
         if m:
