@@ -318,7 +318,7 @@ class Prefill:
         self._inputs_copied = cuda.event()  # the last pass's inputs are on the GPU
         # sample_rows' options: the scratch of the walk over many blocks for up to WIDE_ROWS rows
         # without top-k or min-p (pycalm.kernels.sample_wide; more rows take a block each, which at
-        # 64 rows is as fast: 380 us against 409 on an H100, 2026-12-07), and under the simulator
+        # 64 rows is faster: 381 us against 428 on an H100, 2026-12-07), and under the simulator
         # (a Python thread a GPU thread) blocks of 64 threads
         self.sample_options = {
             "wide": WideScratch.allocate(WIDE_ROWS),

@@ -39,9 +39,10 @@ is the single-block walk's: the sums are float32 (in block order here), so a coi
 of the mass of a boundary between two tokens may pick the neighbour; equal logits and the end of
 the walk (Z rounded up to the total: the last non-empty bin) follow the spec exactly.
 
-Measured (H100, 2026-12-07, scripts/kernels/sample.py): a row of 128,256 logits in 94 us (32
-blocks; 84 at 64, 93 at 128, 128 at 16, 204 at 8) against the one-block walk's 376; sample_rows
-over 8 rows 109 us against 377, over 64 rows 409 against 380 (WIDE_ROWS).
+Measured (H100, 2026-12-07, scripts/kernels/sample.py): a row of 128,256 logits in 84-98 us (32
+blocks; 84 at 64, 93 at 128, 128 at 16, 204 at 8) against the one-block walk's 336-376, with
+top-p 0.9 176-179 us against 330; sample_rows over 8 rows 116 us against 378, over 64 rows 428
+against 381 (WIDE_ROWS).
 
 Rows that are greedy, or with a top-k or min-p cut, are left to the single-block kernels: the first launch marks them (ist[r, 3] = 0) and every later launch's blocks of such a
 row return at once, and sample_rows_kernel, told `wide`, returns for the rows taken here. The
@@ -84,9 +85,9 @@ from pycalm.kernels.sample import (
 # (fewer under the simulator, a Python thread a GPU thread)
 WIDE_BLOCKS, WIDE_LOGITS, WIDE_THREADS = (3, 128, 32) if _numba_config.ENABLE_CUDASIM else (128, 4096, 256)
 # the most rows a scratch takes where sample_rows has a choice: on an H100 (2026-12-07) the walk
-# over 128,256 logits takes 91 / 109 us at 1 / 8 rows against one block a row's 340 / 377, and
-# 409 against 380 at 64 rows, where the rows' blocks already fill the SMs
-WIDE_ROWS = 16
+# over 128,256 logits takes 98 / 116 / 150 / 259 us at 1 / 8 / 16 / 32 rows against one block a
+# row's 341 / 378 / 346 / 374, and 428 against 381 at 64 rows, where the rows' blocks fill the SMs
+WIDE_ROWS = 32
 BINS = 256
 PARTS = 2 * WIDE_BLOCKS  # (max, mass) a block
 LOADS = 16  # the last block's histogram loads in flight a thread
