@@ -100,9 +100,9 @@ class WideScratch(NamedTuple):
     the last block of a launch leaves them at zero for the next."""
 
     part: object  # (M, 2 WIDE_BLOCKS) float32: block b's (max, mass) at 2 b, 2 b + 1
-    fst: (
-        object  # (M, 8) float32: the largest logit M, the target, the mass before the prefix, 1 / T, the coin
-    )
+    # (M, 8) float32: the largest logit M, the stage's target, the mass before the prefix, 1 / T,
+    # the coin
+    fst: object
     # (M, 8) int32: the key prefix, its mask, the logits with the crossing key, the row's first stage
     # (0: not taken here), the cut's key and id, whether there is a cut
     ist: object
