@@ -262,7 +262,7 @@ def wide_pass(logits, shift, stage, fst, ist, hist_n, hist_m, count):  # noqa: A
     if not last_to_arrive(count, r, cuda.gridDim.x, flag, 0):
         return
     bn = cuda.local.array(LOADS, int32)  # a batch of blocks' counts and masses of digit d
-    bm = cuda.local.array(LOADS, float32)
+    bm = cuda.local.array(LOADS, float32)  # (LOADS,)
     blocks = cuda.gridDim.x
     for d in range(tid, BINS, cuda.blockDim.x):  # the blocks' rows, added in block order
         cn, cm = int32(0), float32(0.0)
