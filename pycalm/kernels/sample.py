@@ -127,10 +127,25 @@ def _key_value(k):  # noqa: ANN001, ANN202
 
 
 @cuda.jit(device=True, inline=True)
-def is_wide(temperature, top_k, top_p, min_p, n):  # noqa: ANN001, ANN201
+def is_wide(temperature, top_k, min_p, n):  # noqa: ANN001, ANN201
     """Whether pycalm.kernels.sample_wide takes a row: T > 0 and no top-k (0, or the whole
     vocabulary of n) or min-p (0) cut; any top_p."""
     return temperature > float32(0.0) and (top_k <= int32(0) or top_k >= n) and min_p <= float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def tie_index(mode, left_n, left_mass, p, ties):  # noqa: ANN001, ANN202
+    """The crossing among `ties` equal logits of p each, walked in id order, where left_n /
+    left_mass of the target remain before them: the first to reach the count (MODE_COUNT) or to
+    reach (MODE_MASS_GE) / exceed (MODE_MASS_GT) the mass -> its index j, clamped to the ties
+    (the last where p underflows to 0)."""
+    j = ties - int32(1)
+    if mode == MODE_COUNT:
+        j = left_n - int32(1)
+    elif p > float32(0.0):
+        q = left_mass / p
+        j = int32(math.ceil(q)) - int32(1) if mode == MODE_MASS_GE else int32(math.floor(q))
+    return max(int32(0), min(j, ties - int32(1)))
 
 
 @cuda.jit(device=True, inline=True)
@@ -306,14 +321,7 @@ def _select(logits, m, inv_t, mode, target_n, target_mass, hist_n, hist_mass, cr
             return cnt_above, int32(-2), mass_above, prefix, prefix_mask  # block-uniform (cross)
     # equal keys are equal logits: the crossing is at the j-th of them in id order
     p_tie = math.exp((_key_value(prefix) - m) * inv_t)
-    if mode == MODE_COUNT:
-        j = target_n - cnt_above - int32(1)
-    elif p_tie > float32(0.0):
-        r = (target_mass - mass_above) / p_tie
-        j = int32(math.ceil(r)) - int32(1) if mode == MODE_MASS_GE else int32(math.floor(r))
-    else:
-        j = ties - int32(1)
-    j = max(int32(0), min(j, ties - int32(1)))
+    j = tie_index(mode, target_n - cnt_above, target_mass - mass_above, p_tie, ties)
     if j == 0:  # the lowest id among the ties (the usual case: no ties at all)
         if tid == 0:
             best[0] = n
@@ -647,7 +655,7 @@ def sample_rows_kernel(logits, temperature, top_k, top_p, min_p, coins, tokens, 
     wide (1): a row is_wide takes is left to pycalm.kernels.sample_wide."""
     dependent_start()  # in a programmatic graph: wait for the earlier kernels
     r = cuda.blockIdx.x
-    if wide and is_wide(temperature[r], top_k[r], top_p[r], min_p[r], logits.shape[1]):
+    if wide and is_wide(temperature[r], top_k[r], min_p[r], logits.shape[1]):
         return  # block-uniform: sample_wide's launches pick this row's token
     # block reductions; the argmax's warp values
     scratch = cuda.shared.array(32, float32, alignment=SHARED_ALIGN)

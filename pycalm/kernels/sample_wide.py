@@ -44,8 +44,9 @@ blocks; 84 at 64, 93 at 128, 128 at 16, 204 at 8) against the one-block walk's 3
 top-p 0.9 176-179 us against 330; sample_rows over 8 rows 116 us against 378, over 64 rows 428
 against 381 (WIDE_ROWS).
 
-Rows that are greedy, or with a top-k or min-p cut, are left to the single-block kernels: the first launch marks them (ist[r, 3] = 0) and every later launch's blocks of such a
-row return at once, and sample_rows_kernel, told `wide`, returns for the rows taken here. The
+Rows that are greedy, or with a top-k or min-p cut, are left to the single-block kernels: the
+first launch marks them (ist[r, 3] = 0) and every later launch's blocks of such a row return at
+once, and sample_rows_kernel, told `wide`, returns for the rows taken here. The
 options come from device memory (sample.RowSampling), so one captured graph serves any mix.
 
 Bytes moved: a row's logits (vocab_size * 4) read 6 times, 11 with top-p (from L2 after the
@@ -79,6 +80,7 @@ from pycalm.kernels.sample import (
     _ukey,
     _warp_prefix,
     is_wide,
+    tie_index,
 )
 
 # blocks a row: one per WIDE_LOGITS logits (16 a thread), at most WIDE_BLOCKS; threads a block
@@ -202,7 +204,7 @@ def wide_stats_rows(logits, temperature, top_k, top_p, min_p, coins, part, fst, 
     r = cuda.blockIdx.y
     row = logits[r]  # (vocab_size,)
     t = temperature[r]
-    if not is_wide(t, top_k[r], top_p[r], min_p[r], row.shape[0]):  # block-uniform
+    if not is_wide(t, top_k[r], min_p[r], row.shape[0]):  # block-uniform
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             ist[r, 3] = int32(0)
         return
@@ -325,11 +327,8 @@ def wide_pick(logits, stage, fst, ist, tokens, ties_n, count):  # noqa: ANN001, 
         ties = ist[r, 2]
         inv_t = fst[r, 3]
         p = math.exp((_key_value(key) - fst[r, 0]) * inv_t)
-        j = ties - int32(1)
-        if p > float32(0.0):  # the cut: the first to reach the target; the walk: to exceed it
-            q = (fst[r, 1] - fst[r, 2]) / p
-            j = int32(math.ceil(q)) - int32(1) if stage == STAGE_CUT else int32(math.floor(q))
-        j = max(int32(0), min(j, ties - int32(1)))
+        mode = MODE_MASS_GE if stage == STAGE_CUT else MODE_MASS_GT  # the cut reaches, the walk exceeds
+        j = tie_index(mode, int32(0), fst[r, 1] - fst[r, 2], p, ties)
         if stage == STAGE_CUT:  # the walk's target: the coin's share of the kept tokens' mass
             fst[r, 1] = fst[r, 4] * (fst[r, 2] + float32(j + 1) * p)
             fst[r, 2] = float32(0.0)
@@ -396,13 +395,21 @@ def _launches(
         raise PycalmError(
             f"sample_wide: {blocks} blocks a row (1 to {WIDE_BLOCKS}), {rows} rows of {scratch.rows}"
         )
-    s = WideScratch(*(a[:rows] for a in scratch))
-    grid = ((blocks, rows), WIDE_THREADS, stream)
-    stats[grid](logits, *stats_args, s.part, s.fst, s.ist, s.count)
+    grid = ((blocks, rows), WIDE_THREADS, stream)  # (the scratch's rows past M are not touched)
+    stats[grid](logits, *stats_args, scratch.part, scratch.fst, scratch.ist, scratch.count)
     for stage in stages:
         for shift in SHIFTS:
-            wide_pass[grid](logits, int32(shift), int32(stage), s.fst, s.ist, s.hist_n, s.hist_m, s.count)
-        wide_pick[grid](logits, int32(stage), s.fst, s.ist, tokens, s.ties_n, s.count)
+            wide_pass[grid](
+                logits,
+                int32(shift),
+                int32(stage),
+                scratch.fst,
+                scratch.ist,
+                scratch.hist_n,
+                scratch.hist_m,
+                scratch.count,
+            )
+        wide_pick[grid](logits, int32(stage), scratch.fst, scratch.ist, tokens, scratch.ties_n, scratch.count)
 
 
 def sample_wide_rows(
