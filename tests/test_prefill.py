@@ -117,14 +117,15 @@ def prefill_ref(
     model,
     kv: str,
     ids: list[int],
-    over: GpuEngine | None = None,
+    over: GpuEngine | list[tuple[np.ndarray, np.ndarray]] | None = None,
     margins: list | None = None,
     hidden: list | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The multi-token forward in NumPy, from pycalm.cpu.reference's row functions in forward_rows's
     order (fp16 activations into the matmuls, as the kernels take them), from position 0:
     logits (T, vocab_size) and the KV caches (n_layers, T, kv_dim), float32. With `over` given,
-    attention reads that engine's KV cache rows instead of its own (fp8: see check_kv). With
+    attention reads that engine's KV cache rows, or each layer's (keys, values) rows (T, kv_dim)
+    float32, instead of its own (fp8: see check_kv). With
     `margins` given (MoE), each MoE layer appends each row's router-logit gap between its k-th
     and (k+1)-th expert (T,): how far the row is from choosing another expert. With `hidden`
     given, the final RMSNorm's rows (T, dim) float32 (the embeddings' input) are appended."""
@@ -150,7 +151,9 @@ def prefill_ref(
         q, k, v = qkv_rows_ref(qkv, bias, 0, ref.rope_freqs, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
         k_cache[layer], v_cache[layer] = kv_round(k, kv), kv_round(v, kv)
         keys, values = k_cache[layer], v_cache[layer]
-        if over is not None:
+        if isinstance(over, list):
+            keys, values = over[layer]
+        elif over is not None:
             keys, values = (decoded(c, kv)[:n] for c in (over.kv_caches[layer].k, over.kv_caches[layer].v))
         att = prefill_attention_ref(
             q,
