@@ -15,8 +15,8 @@ sequence -1: they write no cache row and attend to nothing), and the pass replay
 graph of its (rows, sampled rows, attention span) buckets, captured at its first use (eager
 where the engine takes no graphs, and for Mixtral), with plain edges: the token step's
 programmatic ones (pycalm.gpu.graph) make the graph alone 2% faster at one row (5.91 / 6.04 ms,
-Llama-3-8B fp16, H100) and no faster at 64, and a GPU test of the batched step
-(test_batched_gpu_rows_are_the_sequences_alone, qwen2 q8 / fp8 KV) has not yet passed with them. The pass is pycalm.gpu.prefill's
+Llama-3-8B fp16, H100) and no faster at 64, and the batched step's GPU tests have passed with
+plain edges only. The pass is pycalm.gpu.prefill's
 forward_rows with pages: every weight read once for all R rows (the rows pass's products:
 skinny's for a few rows, matmul's tiles above), qkv_pages writing each row's key and value into
 its pool row, and pycalm.kernels.attention over the pages taking each row over its own
