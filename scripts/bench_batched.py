@@ -32,7 +32,7 @@ from bench import RandomDeviceModel, config_for, time_replays  # noqa: E402
 
 from pycalm.cpu.sampler import SamplingParams  # noqa: E402
 from pycalm.gpu.batched import BatchedGpuEngine  # noqa: E402
-from pycalm.gpu.engine import EngineOptions, GpuEngine  # noqa: E402
+from pycalm.gpu.engine import GpuEngine  # noqa: E402
 from pycalm.gpu.graph import GraphStep  # noqa: E402
 
 BLOCK = 16
@@ -93,10 +93,7 @@ def main() -> None:
     for shape in args_.shapes.split(","):
         for dtype in args_.dtypes.split(","):
             cfg = config_for(shape, dtype, context)
-            engine = GpuEngine(
-                RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16",
-                options=EngineOptions(),
-            )  # fmt: skip
+            engine = GpuEngine(RandomDeviceModel(cfg), seq_len=context, kv_dtype="fp16")
             step = functools.partial(engine.graph, SamplingParams())
             step(0)
             time_replays(engine, step, 0, 8)  # warm-up
